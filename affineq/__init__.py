@@ -1,0 +1,107 @@
+"""affineq: affine quantization for PyTorch built on one tensor subclass.
+
+    import affineq
+    affineq.quantize_(model, affineq.Int4WeightOnlyConfig(group_size=128))
+
+Importing affineq registers its tensor class, enums, granularities and metadata as safe globals, so
+`torch.load(path, weights_only=True)` reads quantized checkpoints with no user action.
+"""
+
+import torch
+
+from affineq.configs import (
+    Float8DynamicActivationFloat8WeightConfig,
+    Float8WeightOnlyConfig,
+    Int4WeightOnlyConfig,
+    Int8DynamicActivationInt4WeightConfig,
+    Int8DynamicActivationInt8WeightConfig,
+    Int8WeightOnlyConfig,
+    IntxWeightOnlyConfig,
+    QuantConfig,
+    config_from_dict,
+)
+from affineq.granularity import (
+    Granularity,
+    PerAxis,
+    PerBlock,
+    PerGroup,
+    PerRow,
+    PerTensor,
+    PerToken,
+    get_block_size,
+    parse_granularity,
+)
+from affineq.primitives import (
+    MappingType,
+    ZeroPointDomain,
+    choose_qparams_affine,
+    dequantize_affine,
+    fake_quantize_affine,
+    quantize_affine,
+)
+from affineq.quantize import (
+    FqnToConfig,
+    QuantizationError,
+    quantize_,
+    quantized_weights,
+    register_quantize_module_handler,
+)
+from affineq.tensor import ops as _ops  # noqa: F401  (fills the op tables)
+from affineq.tensor.affine import AffineQuantizedTensor
+from affineq.tensor.kernels import (
+    KernelFallbackError,
+    KernelFallbackWarning,
+    record_kernels,
+    select_linear_kernel,
+    set_strict,
+    strict_kernels,
+)
+from affineq.tensor.spec import ActivationQuant, QuantSpec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ActivationQuant",
+    "AffineQuantizedTensor",
+    "Float8DynamicActivationFloat8WeightConfig",
+    "Float8WeightOnlyConfig",
+    "FqnToConfig",
+    "Granularity",
+    "Int4WeightOnlyConfig",
+    "Int8DynamicActivationInt4WeightConfig",
+    "Int8DynamicActivationInt8WeightConfig",
+    "Int8WeightOnlyConfig",
+    "IntxWeightOnlyConfig",
+    "KernelFallbackError",
+    "KernelFallbackWarning",
+    "MappingType",
+    "PerAxis",
+    "PerBlock",
+    "PerGroup",
+    "PerRow",
+    "PerTensor",
+    "PerToken",
+    "QuantConfig",
+    "QuantSpec",
+    "QuantizationError",
+    "ZeroPointDomain",
+    "choose_qparams_affine",
+    "config_from_dict",
+    "dequantize_affine",
+    "fake_quantize_affine",
+    "get_block_size",
+    "parse_granularity",
+    "quantize_",
+    "quantize_affine",
+    "quantized_weights",
+    "record_kernels",
+    "register_quantize_module_handler",
+    "select_linear_kernel",
+    "set_strict",
+    "strict_kernels",
+]
+
+torch.serialization.add_safe_globals(
+    [AffineQuantizedTensor, QuantSpec, ActivationQuant, MappingType, ZeroPointDomain,
+     PerTensor, PerAxis, PerGroup, PerToken, PerRow, PerBlock]
+)

@@ -1,0 +1,521 @@
+"""Affine quantization primitives: choose qparams, quantize, dequantize, fake-quantize.
+
+Blocks. ``block_size`` has one entry per input dim; each entry is the extent of a block sharing one scale
+(and zero point) and must divide its dim (``d``: the dim is reduced whole; ``1``: one qparam per index).
+Qparams come back in the *reduced shape* ``[d // b for d, b in zip(shape, block_size)]`` (same rank as
+the input; per-tensor on ``[N, K]`` gives ``[1, 1]``, block ``(1, 32)`` gives ``[N, K // 32]``) and are
+accepted in any shape with that many elements. :func:`affineq.granularity.get_block_size` builds
+``block_size`` from a granularity.
+
+Codes. Integer targets clamp to ``[quant_min, quant_max]`` (default: the dtype's range) and sub-byte codes
+are returned in int8 (signed) / uint8 (unsigned) containers. float8 targets are scaled, clamped to
+``[quant_min, quant_max]`` (default ``±finfo.max``) and cast; they never have a zero point.
+
+Arithmetic. All math runs in float32 whatever the input dtype (bf16 / fp16 / fp32), with
+``round`` = round-half-to-even and division done as multiplication by ``inv_scale = 1 / scale`` (computed
+in float32), rounding *before* adding the zero point: the order of ``torch.fake_quantize_per_tensor_affine``
+/ ``torch.fake_quantize_per_channel_affine``, which we match bit for bit (values and gradients).
+``torch.quantize_per_tensor`` / ``torch.quantize_per_channel`` round ``x * inv_scale + zp`` instead, so
+with a nonzero zero point their codes can differ by one where ``x * inv_scale`` is within float rounding
+of a .5 tie; they agree everywhere else, and their dequantization matches exactly. int32 targets compute
+in float64 because float32 cannot hold every int32 code.
+
+Zero-point domains (``mid = (quant_max + quant_min + 1) / 2``):
+
+- ``INT``:   ``q = clamp(round(x * inv_scale) + zp)``,  ``x' = (q - zp) * scale``; zp is an integer code.
+- ``FLOAT``: ``zp`` is the real value that code ``mid`` stands for.
+  ``min_val = zp - scale * (mid - quant_min)``, ``q = clamp(round((x - min_val) * inv_scale) + quant_min)``,
+  ``x' = (q - mid) * scale + zp``.
+- ``NONE``:  no zero point; ``q = clamp(round(x * inv_scale))``, ``x' = q * scale``.
+
+None of the functions call ``.item()`` or branch on tensor values (except the eager-only NaN/Inf check in
+:func:`choose_qparams_affine`), so they work under ``torch.compile(fullgraph=True)`` and on any device.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+
+import torch
+
+from affineq.dtypes import check_quant_range, check_target_dtype, container_dtype, is_float_target
+
+__all__ = [
+    "MappingType",
+    "ZeroPointDomain",
+    "choose_qparams_affine",
+    "dequantize_affine",
+    "fake_quantize_affine",
+    "quantize_affine",
+]
+
+
+class MappingType(enum.Enum):
+    """How the float range is mapped onto the code range.
+
+    - ``SYMMETRIC``: ``scale = max(-min_neg, max_pos) / ((qmax - qmin) / 2)``, ``zp = (qmax + qmin + 1) // 2``
+      (matches ``torch.ao`` symmetric observers).
+    - ``SYMMETRIC_NO_CLIPPING_ERR``: same zero point,
+      ``scale = max(min_neg / (qmin - zp), max_pos / (qmax - zp))`` (``min_neg / qmin, max_pos / qmax`` for
+      signed types) so neither end of the range clips; a term whose denominator is 0 is dropped.
+    - ``ASYMMETRIC``: ``scale = (max_pos - min_neg) / (qmax - qmin)``; zero point per domain.
+    """
+
+    SYMMETRIC = enum.auto()
+    SYMMETRIC_NO_CLIPPING_ERR = enum.auto()
+    ASYMMETRIC = enum.auto()
+
+
+class ZeroPointDomain(enum.Enum):
+    """Zero point as an integer code (``INT``), a float offset (``FLOAT``) or absent (``NONE``)."""
+
+    INT = enum.auto()
+    FLOAT = enum.auto()
+    NONE = enum.auto()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# validation (pure Python on shapes / dtypes, so it costs nothing under torch.compile)
+
+
+def _check_enum(name: str, value, enum_cls: type[enum.Enum]) -> None:
+    if not isinstance(value, enum_cls):
+        valid = ", ".join(f"{enum_cls.__name__}.{m.name}" for m in enum_cls)
+        raise ValueError(f"{name} must be one of {valid}, got {value!r}")
+
+
+def _check_float_input(fn: str, input) -> None:
+    if not isinstance(input, torch.Tensor):
+        raise ValueError(f"{fn}: input must be a torch.Tensor, got {type(input).__name__}")
+    if not input.dtype.is_floating_point:
+        raise ValueError(
+            f"{fn}: input must be a floating-point tensor (bf16/fp16/fp32), got {input.dtype}; "
+            "convert it with input.float() first"
+        )
+
+
+def _check_block_size(shape: Sequence[int], block_size: Sequence[int]) -> tuple[int, ...]:
+    shape = tuple(shape)
+    if not isinstance(block_size, (tuple, list, torch.Size)):
+        raise ValueError(f"block_size must be a tuple of ints, one per input dim, got {block_size!r}")
+    block = tuple(block_size)
+    if len(block) != len(shape):
+        raise ValueError(
+            f"block_size {block} has {len(block)} entries but the input shape {shape} has rank {len(shape)}; "
+            "give one entry per dim (affineq.granularity.get_block_size(shape, granularity) builds it)"
+        )
+    for i, (d, b) in enumerate(zip(shape, block, strict=True)):
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1 or d % b != 0:
+            raise ValueError(
+                f"block_size[{i}]={b!r} does not divide dim {i} (size {d}) of input shape {shape}; "
+                f"each entry must be a positive divisor of {d} (1 = one qparam per index, {d} = whole dim)"
+            )
+    return block
+
+
+def _check_zero_point(fn: str, zero_point, domain: ZeroPointDomain, dtype: torch.dtype) -> None:
+    if is_float_target(dtype):
+        if zero_point is not None:
+            raise ValueError(f"{fn}: zero_point must be None for float target {dtype} (no zero point)")
+    elif domain is ZeroPointDomain.NONE:
+        if zero_point is not None:
+            raise ValueError(
+                f"{fn}: zero_point was given but zero_point_domain=ZeroPointDomain.NONE; "
+                "pass zero_point=None or use ZeroPointDomain.INT / FLOAT"
+            )
+    elif zero_point is None:
+        raise ValueError(
+            f"{fn}: zero_point is None but zero_point_domain={domain}; pass the zero_point returned by "
+            "choose_qparams_affine, or use ZeroPointDomain.NONE for symmetric qparams without zero point"
+        )
+
+
+class _Blocks:
+    """Reshapes between an input of ``shape`` and its blocked view ``[n0, b0, n1, b1, ...]``.
+
+    Qparams broadcast against the blocked view as ``[n0, 1, n1, 1, ...]``; reducing the odd dims of the
+    blocked view yields the reduced (qparam) shape ``[n0, n1, ...]``.
+    """
+
+    def __init__(self, shape: Sequence[int], block_size: Sequence[int]) -> None:
+        self.shape = tuple(shape)
+        self.block = _check_block_size(self.shape, block_size)
+        self.reduced = tuple(d // b for d, b in zip(self.shape, self.block, strict=True))
+        self.blocked = tuple(x for n, b in zip(self.reduced, self.block, strict=True) for x in (n, b))
+        self.qparam_view = tuple(x for n in self.reduced for x in (n, 1))
+        self.reduce_dims = tuple(range(1, 2 * len(self.shape), 2))
+
+    def qparam(self, name: str, t, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """``t`` (any shape with one element per block) as a ``dtype`` tensor shaped to broadcast."""
+        if not isinstance(t, torch.Tensor):
+            t = torch.tensor(t, device=device)
+        n = math.prod(self.reduced)
+        if t.numel() != n:
+            raise ValueError(
+                f"{name} has {t.numel()} elements (shape {tuple(t.shape)}) but block_size {self.block} on "
+                f"input shape {self.shape} gives {n} blocks (qparam shape {self.reduced})"
+            )
+        return t.to(dtype).reshape(self.qparam_view)
+
+
+def _compute_dtype(qmin: float, qmax: float) -> torch.dtype:
+    # float32 represents every integer up to 2**24 exactly; int32 codes need float64.
+    return torch.float32 if max(abs(qmin), abs(qmax)) <= 2**24 else torch.float64
+
+
+def _midpoint(qmin: int, qmax: int) -> float:
+    return (qmax + qmin + 1) / 2
+
+
+# ---------------------------------------------------------------------------------------------------------
+# choose_qparams_affine
+
+
+def choose_qparams_affine(
+    input: torch.Tensor,
+    mapping_type: MappingType,
+    block_size: Sequence[int],
+    target_dtype: torch.dtype,
+    quant_min: int | float | None = None,
+    quant_max: int | float | None = None,
+    eps: float | None = None,
+    scale_dtype: torch.dtype | None = None,
+    zero_point_dtype: torch.dtype | None = None,
+    preserve_zero: bool = True,
+    zero_point_domain: ZeroPointDomain = ZeroPointDomain.INT,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scale and zero point per block of ``input``, both in the reduced shape ``[d // b per dim]``.
+
+    Per block, ``min``/``max`` are the block's extremes; with ``preserve_zero`` they are widened to include
+    0 (``min_neg = min(min, 0)``, ``max_pos = max(max, 0)``) so 0.0 is exactly representable. Scale follows
+    :class:`MappingType`, then ``scale = max(scale, eps)`` (an all-zero block gets ``scale = eps``).
+    Zero point, with ``zp_sym = (qmax + qmin + 1) // 2`` and ``mid = (qmax + qmin + 1) / 2``:
+
+    - INT:   symmetric ``zp = zp_sym``; asymmetric ``zp = clamp(qmin - round(min_neg / scale), qmin, qmax)``.
+    - FLOAT: asymmetric ``zp = min_neg + scale * (mid - qmin)`` (``min + scale * mid`` for unsigned
+      ranges); symmetric ``zp = scale * (mid - zp_sym)`` (0 for full ranges): the real value of code ``mid``.
+    - NONE:  ``zero_point`` is None (symmetric mappings only).
+
+    float8 targets: ``scale = amax / quant_max`` (``amax / finfo.max`` by default), ``zero_point`` None;
+    ``zero_point_domain`` is ignored and ASYMMETRIC is rejected.
+
+    Args:
+        input: floating-point tensor of any rank (bf16, fp16, fp32); min/max are taken in float32.
+        block_size: one entry per dim of ``input``, each dividing its dim.
+        target_dtype: see ``affineq.dtypes.SUPPORTED_TARGET_DTYPES``.
+        quant_min, quant_max: code range, default the dtype's full range; must lie inside it.
+        eps: lower bound on scale. Default: the smallest normal (``finfo.tiny``) of ``input.dtype``, or of
+            ``scale_dtype`` if that is larger, so the stored scale can never be 0. Pass
+            ``torch.finfo(torch.float32).eps`` to reproduce ``torch.ao`` observers.
+        scale_dtype: dtype of the returned scale, default ``input.dtype``.
+        zero_point_dtype: default ``torch.int32`` for the INT domain and ``scale_dtype`` for FLOAT.
+        preserve_zero: widen each block's range to include 0. ASYMMETRIC with ``preserve_zero=False``
+            needs the FLOAT domain (an integer zero point inside the code range implies 0 is in range).
+
+    Raises ValueError for integer input, NaN/Inf in ``input`` (checked eagerly only: the data-dependent
+    check is skipped while ``torch.compiler.is_compiling()`` so ``fullgraph=True`` works), bad
+    ``block_size``/range/dtype, or unsupported mapping/domain combinations.
+    """
+    fn = "choose_qparams_affine"
+    _check_float_input(fn, input)
+    _check_enum("mapping_type", mapping_type, MappingType)
+    _check_enum("zero_point_domain", zero_point_domain, ZeroPointDomain)
+    check_target_dtype(target_dtype, "target_dtype")
+    qmin, qmax = check_quant_range(target_dtype, quant_min, quant_max)
+    if qmin >= qmax:
+        raise ValueError(f"{fn}: quant_min={qmin} must be smaller than quant_max={qmax} to derive a scale")
+    blocks = _Blocks(input.shape, block_size)
+    float_target = is_float_target(target_dtype)
+    asymmetric = mapping_type is MappingType.ASYMMETRIC
+    if float_target and asymmetric:
+        raise ValueError(
+            f"{fn}: float target {target_dtype} has no zero point; use MappingType.SYMMETRIC, not ASYMMETRIC"
+        )
+    domain = ZeroPointDomain.NONE if float_target else zero_point_domain
+    if asymmetric and domain is ZeroPointDomain.NONE:
+        raise ValueError(
+            f"{fn}: MappingType.ASYMMETRIC needs a zero point; use zero_point_domain=ZeroPointDomain.INT or "
+            "FLOAT, or MappingType.SYMMETRIC with ZeroPointDomain.NONE"
+        )
+    if asymmetric and domain is ZeroPointDomain.INT and not preserve_zero:
+        raise ValueError(
+            f"{fn}: preserve_zero=False with ASYMMETRIC mapping needs "
+            "zero_point_domain=ZeroPointDomain.FLOAT (an integer zero point in [quant_min, quant_max] "
+            "means 0.0 is in range); or pass preserve_zero=True"
+        )
+    scale_dtype = input.dtype if scale_dtype is None else scale_dtype
+    if not isinstance(scale_dtype, torch.dtype) or not scale_dtype.is_floating_point:
+        raise ValueError(f"{fn}: scale_dtype must be a floating-point torch.dtype, got {scale_dtype!r}")
+    if zero_point_dtype is None:
+        zero_point_dtype = torch.int32 if domain is ZeroPointDomain.INT else scale_dtype
+    if eps is None:
+        eps = max(torch.finfo(input.dtype).tiny, torch.finfo(scale_dtype).tiny)
+    if not torch.compiler.is_compiling() and not bool(torch.isfinite(input).all()):
+        raise ValueError(
+            f"{fn}: input contains NaN or Inf, which has no finite scale; clean the tensor "
+            "(e.g. torch.nan_to_num) before choosing qparams"
+        )
+
+    x = input.to(torch.float32).reshape(blocks.blocked)
+    min_val = torch.amin(x, dim=blocks.reduce_dims)
+    max_val = torch.amax(x, dim=blocks.reduce_dims)
+    if preserve_zero:
+        min_val = torch.clamp(min_val, max=0.0)
+        max_val = torch.clamp(max_val, min=0.0)
+
+    zp_sym = (qmax + qmin + 1) // 2
+    if asymmetric:
+        scale = (max_val - min_val) / float(qmax - qmin)
+    elif mapping_type is MappingType.SYMMETRIC and not float_target:
+        scale = torch.maximum(-min_val, max_val) / (float(qmax - qmin) / 2)
+    else:
+        # No-clipping rule (also the float8 rule): each side of the range maps exactly onto its end code.
+        lo, hi = (qmin, qmax) if float_target else (qmin - zp_sym, qmax - zp_sym)
+        sides = [v / float(d) for v, d in ((min_val, lo), (max_val, hi)) if d != 0]
+        scale = sides[0] if len(sides) == 1 else torch.maximum(*sides)
+    scale = torch.clamp(scale, min=eps).to(scale_dtype)
+
+    if domain is ZeroPointDomain.NONE:
+        return scale, None
+    s = scale.to(torch.float32)
+    if domain is ZeroPointDomain.INT:
+        if asymmetric:
+            zero_point = torch.clamp(qmin - torch.round(min_val / s), qmin, qmax)
+        else:
+            zero_point = torch.full_like(s, zp_sym)
+    else:
+        mid = _midpoint(qmin, qmax)
+        zero_point = min_val + s * (mid - qmin) if asymmetric else s * (mid - zp_sym)
+    return scale, zero_point.to(zero_point_dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# quantize / dequantize
+
+
+def _unclamped_codes(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None,
+    domain: ZeroPointDomain,
+    qmin: float,
+    qmax: float,
+    float_target: bool,
+) -> torch.Tensor:
+    """Codes before clamping, in the compute dtype of ``x`` (all operands already broadcastable)."""
+    inv_scale = 1.0 / scale
+    if float_target:
+        return x * inv_scale
+    if domain is ZeroPointDomain.INT:
+        return torch.round(x * inv_scale) + zero_point
+    if domain is ZeroPointDomain.FLOAT:
+        min_val = zero_point - scale * (_midpoint(qmin, qmax) - qmin)
+        return torch.round((x - min_val) * inv_scale) + qmin
+    return torch.round(x * inv_scale)
+
+
+def _dequant_math(
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None,
+    domain: ZeroPointDomain,
+    qmin: float,
+    qmax: float,
+    float_target: bool,
+) -> torch.Tensor:
+    if float_target or domain is ZeroPointDomain.NONE:
+        return q * scale
+    if domain is ZeroPointDomain.INT:
+        return (q - zero_point) * scale
+    return (q - _midpoint(qmin, qmax)) * scale + zero_point
+
+
+class _Plan:
+    """Validated arguments shared by quantize / dequantize / fake_quantize."""
+
+    def __init__(
+        self,
+        fn: str,
+        input: torch.Tensor,
+        block_size: Sequence[int],
+        scale,
+        zero_point,
+        dtype: torch.dtype,
+        dtype_param: str,
+        quant_min,
+        quant_max,
+        domain: ZeroPointDomain,
+    ) -> None:
+        check_target_dtype(dtype, dtype_param)
+        _check_enum("zero_point_domain", domain, ZeroPointDomain)
+        self.qmin, self.qmax = check_quant_range(dtype, quant_min, quant_max)
+        self.blocks = _Blocks(input.shape, block_size)
+        self.float_target = is_float_target(dtype)
+        _check_zero_point(fn, zero_point, domain, dtype)
+        self.domain = ZeroPointDomain.NONE if self.float_target else domain
+        self.container = container_dtype(dtype)
+        self.compute = _compute_dtype(self.qmin, self.qmax)
+        self.scale = self.blocks.qparam("scale", scale, self.compute, input.device)
+        self.zero_point = (
+            None
+            if zero_point is None
+            else self.blocks.qparam("zero_point", zero_point, self.compute, input.device)
+        )
+
+    def codes(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(clamped codes in the container dtype, unclamped codes) for a floating input."""
+        y = _unclamped_codes(
+            x.to(self.compute).reshape(self.blocks.blocked),
+            self.scale,
+            self.zero_point,
+            self.domain,
+            self.qmin,
+            self.qmax,
+            self.float_target,
+        )
+        q = torch.clamp(y, self.qmin, self.qmax).to(self.container).reshape(self.blocks.shape)
+        return q, y
+
+    def dequant(self, q: torch.Tensor, output_dtype: torch.dtype) -> torch.Tensor:
+        x = _dequant_math(
+            q.to(self.compute).reshape(self.blocks.blocked),
+            self.scale,
+            self.zero_point,
+            self.domain,
+            self.qmin,
+            self.qmax,
+            self.float_target,
+        )
+        return x.to(output_dtype).reshape(self.blocks.shape)
+
+
+def quantize_affine(
+    input: torch.Tensor,
+    block_size: Sequence[int],
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None,
+    output_dtype: torch.dtype,
+    quant_min: int | float | None = None,
+    quant_max: int | float | None = None,
+    zero_point_domain: ZeroPointDomain = ZeroPointDomain.INT,
+) -> torch.Tensor:
+    """Quantize floating ``input`` to codes of ``output_dtype``, same shape as ``input``.
+
+    INT: ``q = clamp(round(x * inv_scale) + zp)``; FLOAT: ``q = clamp(round((x - min_val) * inv_scale) +
+    quant_min)`` with ``min_val = zp - scale * (mid - quant_min)``; NONE: ``q = clamp(round(x * inv_scale))``;
+    float8: ``q = clamp(x * inv_scale).to(float8)``. ``inv_scale = 1 / scale`` in float32, round is
+    half-to-even, clamp is to ``[quant_min, quant_max]``.
+
+    Returns codes in ``affineq.dtypes.container_dtype(output_dtype)``: e.g. ``output_dtype=torch.int4``
+    gives a torch.int8 tensor with values in [-8, 7]. ``scale``/``zero_point`` may have any shape with one
+    element per block.
+    """
+    _check_float_input("quantize_affine", input)
+    plan = _Plan(
+        "quantize_affine",
+        input,
+        block_size,
+        scale,
+        zero_point,
+        output_dtype,
+        "output_dtype",
+        quant_min,
+        quant_max,
+        zero_point_domain,
+    )
+    return plan.codes(input)[0]
+
+
+def dequantize_affine(
+    input: torch.Tensor,
+    block_size: Sequence[int],
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None,
+    input_dtype: torch.dtype,
+    quant_min: int | float | None = None,
+    quant_max: int | float | None = None,
+    zero_point_domain: ZeroPointDomain = ZeroPointDomain.INT,
+    *,
+    output_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Map codes back to real values: a new ``output_dtype`` tensor of ``input``'s shape.
+
+    INT: ``x = (q - zp) * scale``; FLOAT: ``x = (q - mid) * scale + zp``; NONE and float8: ``x = q * scale``;
+    computed in float32 (float64 for int32 codes), then cast. ``input`` must be stored in
+    ``container_dtype(input_dtype)`` (int8 for torch.int4, uint8 for torch.uint4, ...); it is never
+    modified or aliased.
+    """
+    fn = "dequantize_affine"
+    check_target_dtype(input_dtype, "input_dtype")
+    if not isinstance(input, torch.Tensor) or input.dtype != container_dtype(input_dtype):
+        got = input.dtype if isinstance(input, torch.Tensor) else type(input).__name__
+        raise ValueError(
+            f"{fn}: codes of input_dtype={input_dtype} must be stored as {container_dtype(input_dtype)}, "
+            f"got input of {got}"
+        )
+    if not isinstance(output_dtype, torch.dtype) or not output_dtype.is_floating_point:
+        raise ValueError(f"{fn}: output_dtype must be a floating-point torch.dtype, got {output_dtype!r}")
+    plan = _Plan(
+        fn,
+        input,
+        block_size,
+        scale,
+        zero_point,
+        input_dtype,
+        "input_dtype",
+        quant_min,
+        quant_max,
+        zero_point_domain,
+    )
+    return plan.dequant(input, output_dtype)
+
+
+class _MaskedStraightThrough(torch.autograd.Function):
+    """Forward returns the precomputed ``fake``; backward passes ``grad * mask`` to ``x``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, fake: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(mask)
+        return fake
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (mask,) = ctx.saved_tensors
+        return grad_output * mask, None, None
+
+
+def fake_quantize_affine(
+    input: torch.Tensor,
+    block_size: Sequence[int],
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None,
+    quant_dtype: torch.dtype,
+    quant_min: int | float | None = None,
+    quant_max: int | float | None = None,
+    zero_point_domain: ZeroPointDomain = ZeroPointDomain.INT,
+) -> torch.Tensor:
+    """``dequantize_affine(quantize_affine(x, ...), ..., output_dtype=x.dtype)`` in one differentiable op.
+
+    The result equals the two-step round trip exactly. Gradient w.r.t. ``input`` is the straight-through
+    estimator with a clipping mask: ``grad`` where the unclamped code lies in ``[quant_min, quant_max]``,
+    0 elsewhere (as ``torch.fake_quantize_per_channel_affine``). No gradient flows to scale/zero_point.
+    """
+    _check_float_input("fake_quantize_affine", input)
+    plan = _Plan(
+        "fake_quantize_affine",
+        input,
+        block_size,
+        scale,
+        zero_point,
+        quant_dtype,
+        "quant_dtype",
+        quant_min,
+        quant_max,
+        zero_point_domain,
+    )
+    x = input.detach()
+    q, unclamped = plan.codes(x)
+    mask = ((unclamped >= plan.qmin) & (unclamped <= plan.qmax)).reshape(x.shape)
+    return _MaskedStraightThrough.apply(input, plan.dequant(q, x.dtype), mask)

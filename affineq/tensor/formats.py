@@ -1,0 +1,251 @@
+"""Packing formats: how the integer codes and their qparams are laid out in memory (pack / unpack only).
+
+Every format turns (codes, scale, zero_point) into a dict of stored tensors and back. Which kernels can
+multiply a format lives in `affineq.tensor.kernels`; the op table never looks inside a format.
+
+| format     | codes layout                                    | qparams stored                        | shapes      |
+|------------|-------------------------------------------------|---------------------------------------|-------------|
+| plain      | one code per element in int8/uint8/int16/int32/fp8 | scale, zero_point (reduced shape) | any rank    |
+| dense      | 1-8 bit codes bit-packed (affineq.kernels)     | fp32 scale, fp32 offset [N, K/g]      | 2-D, (1, g) |
+| int4_cpu   | aten `_convert_weight_to_int4pack_for_cpu`      | scale_and_zero [K/g, N, 2]            | 2-D, (1, g) |
+| int4_cuda  | aten `_convert_weight_to_int4pack` (CUDA)       | scale_and_zero [K/g, N, 2] bf16       | 2-D, (1, g) |
+
+`dense` and `int4_*` store the dequantization as an affine map of the unsigned code u = q - quant_min:
+    w = scale * u + offset                                  (dense)
+    w = scale * (u - 8) + zero,  zero = offset + 8 * scale  (int4 tinygemm layout)
+with offset derived from the zero-point domain (see `_offset`), so one kernel serves INT, FLOAT and NONE.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from affineq import kernels as _cpp
+from affineq.dtypes import bit_width, container_dtype, is_integer_target
+from affineq.primitives import ZeroPointDomain, dequantize_affine
+from affineq.tensor.spec import QuantSpec
+
+Tensors = dict[str, torch.Tensor]
+
+
+class PackingFormat:
+    """Base class: subclasses set `name` and implement `check`, `pack`, `codes`, `qparams`."""
+
+    name: str = ""
+
+    def check(self, spec: QuantSpec) -> str | None:
+        """Why this format cannot hold `spec` (a sentence), or None if it can."""
+        return None
+
+    def pack(self, codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
+             spec: QuantSpec) -> Tensors:
+        raise NotImplementedError
+
+    def codes(self, t: Tensors, spec: QuantSpec) -> torch.Tensor:
+        """Codes in the target's container dtype, shape `spec.shape`."""
+        raise NotImplementedError
+
+    def qparams(self, t: Tensors, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(scale, zero_point) in the reduced shape `spec.num_blocks`."""
+        raise NotImplementedError
+
+    def dequantize(self, t: Tensors, spec: QuantSpec, output_dtype: torch.dtype) -> torch.Tensor:
+        scale, zp = self.qparams(t, spec)
+        return dequantize_affine(
+            self.codes(t, spec), spec.block_size, scale, zp, spec.target_dtype, spec.quant_min,
+            spec.quant_max, spec.zero_point_domain, output_dtype=output_dtype,
+        )
+
+
+FORMATS: dict[str, PackingFormat] = {}
+
+
+def register_format(fmt: PackingFormat) -> PackingFormat:
+    FORMATS[fmt.name] = fmt
+    return fmt
+
+
+def get_format(name: str) -> PackingFormat:
+    if name not in FORMATS:
+        raise ValueError(f"unknown packing_format {name!r}; available: {sorted(FORMATS)}")
+    return FORMATS[name]
+
+
+# -- helpers shared by the affine-map formats --------------------------------------------------------
+
+
+def _mid(spec: QuantSpec) -> float:
+    return (spec.quant_max + spec.quant_min + 1) / 2
+
+
+def _offset(scale: torch.Tensor, zp: torch.Tensor | None, spec: QuantSpec) -> torch.Tensor:
+    """fp32 offset such that w = scale * (q - quant_min) + offset reproduces the domain's dequantization."""
+    s = scale.float()
+    qmin = spec.quant_min
+    if spec.zero_point_domain is ZeroPointDomain.INT:
+        return s * (qmin - zp.float())
+    if spec.zero_point_domain is ZeroPointDomain.FLOAT:
+        return zp.float() + s * (qmin - _mid(spec))
+    return s * qmin
+
+
+def _zero_point(scale: torch.Tensor, offset: torch.Tensor, spec: QuantSpec) -> torch.Tensor | None:
+    """Inverse of `_offset`: the canonical zero point (int32 for INT, fp32 for FLOAT, None for NONE)."""
+    if spec.zero_point_domain is ZeroPointDomain.INT:
+        return torch.round(spec.quant_min - offset / scale).to(torch.int32)
+    if spec.zero_point_domain is ZeroPointDomain.FLOAT:
+        return offset - scale * (spec.quant_min - _mid(spec))
+    return None
+
+
+def _check_rowwise_groups(spec: QuantSpec, name: str) -> str | None:
+    if len(spec.shape) != 2:
+        return f"{name} packs 2-D weights only (got shape {spec.shape})"
+    if spec.block_size[0] != 1:
+        return f"{name} needs one scale per output row and group: block_size (1, g), got {spec.block_size}"
+    if not is_integer_target(spec.target_dtype):
+        return f"{name} holds integer codes, not {spec.target_dtype}"
+    return None
+
+
+# -- formats ------------------------------------------------------------------------------------------
+
+
+class Plain(PackingFormat):
+    """One code per element in its container dtype; qparams as the primitives return them."""
+
+    name = "plain"
+
+    def pack(self, codes, scale, zero_point, spec):
+        t = {"qdata": codes.to(container_dtype(spec.target_dtype)), "scale": scale}
+        if zero_point is not None:
+            t["zero_point"] = zero_point
+        return t
+
+    def codes(self, t, spec):
+        return t["qdata"]
+
+    def qparams(self, t, spec):
+        return t["scale"], t.get("zero_point")
+
+
+class Dense(PackingFormat):
+    """1-8 bit codes bit-packed by `affineq.kernels.pack_codes` (ceil(N*K*bits/8) bytes), fp32 scale/offset.
+
+    This is the layout the `affineq::lowbit_linear` CPU kernel reads directly.
+    """
+
+    name = "dense"
+
+    def check(self, spec):
+        why = _check_rowwise_groups(spec, "dense")
+        if why is None and bit_width(spec.target_dtype) > 8:
+            why = f"dense packs 1-8 bit codes, not {spec.target_dtype}"
+        return why
+
+    def pack(self, codes, scale, zero_point, spec):
+        n, k = spec.shape
+        u = (codes.to(torch.int32) - spec.quant_min).to(torch.uint8)
+        return {
+            "qdata": _cpp.pack_codes(u, bit_width(spec.target_dtype)),
+            "scale": scale.float().reshape(n, -1).contiguous(),
+            "offset": _offset(scale, zero_point, spec).reshape(n, -1).contiguous(),
+        }
+
+    def codes(self, t, spec):
+        n, k = spec.shape
+        u = _cpp.unpack_codes(t["qdata"], bit_width(spec.target_dtype), n, k)
+        return (u.to(torch.int32) + spec.quant_min).to(container_dtype(spec.target_dtype))
+
+    def qparams(self, t, spec):
+        return t["scale"], _zero_point(t["scale"], t["offset"], spec)
+
+    def dequantize(self, t, spec, output_dtype):
+        n, k = spec.shape
+        u = _cpp.unpack_codes(t["qdata"], bit_width(spec.target_dtype), n, k).float()
+        g = spec.block_size[1]
+        w = u.view(n, k // g, g) * t["scale"].unsqueeze(-1) + t["offset"].unsqueeze(-1)
+        return w.view(n, k).to(output_dtype)
+
+
+class Int4Tinygemm(PackingFormat):
+    """The int4 layout of aten's tinygemm kernels: w = (u - 8) * scale + zero, u in [0, 16)."""
+
+    def __init__(self, name: str, device_type: str, convert):
+        self.name = name
+        self.device_type = device_type
+        self._convert = convert
+
+    def check(self, spec):
+        why = _check_rowwise_groups(spec, self.name)
+        if why:
+            return why
+        if spec.quant_max - spec.quant_min != 15:
+            return f"{self.name} holds 4-bit codes (16 levels), got range [{spec.quant_min}, {spec.quant_max}]"
+        n, k = spec.shape
+        g = spec.block_size[1]
+        if k % 2:
+            return f"{self.name} needs an even in_features K to pack two 4-bit codes per byte (got K={k})"
+        if g not in (32, 64, 128, 256):
+            return f"{self.name} needs group_size 32, 64, 128 or 256 (got {g})"
+        if n % 16:
+            return f"{self.name} needs out_features N divisible by 16 (got N={n})"
+        return None
+
+    def pack(self, codes, scale, zero_point, spec):
+        n, k = spec.shape
+        u = (codes.to(torch.int32) - spec.quant_min)
+        s = scale.reshape(n, -1)
+        zero = _offset(scale, zero_point, spec).reshape(n, -1) + 8 * s.float()
+        sz = torch.stack([s.float(), zero], dim=-1).transpose(0, 1).contiguous()  # [K/g, N, 2]
+        return {"qdata": self._convert(u), "scale_and_zero": sz.to(scale.dtype)}
+
+    def _scale_offset(self, t):
+        sz = t["scale_and_zero"].float().transpose(0, 1)  # [N, K/g, 2]
+        s = sz[..., 0].contiguous()
+        return s, sz[..., 1] - 8 * s
+
+    def codes(self, t, spec):
+        n, k = spec.shape
+        packed = t["qdata"]
+        nibbles = torch.stack([packed & 15, packed >> 4], -1).flatten().to(torch.int32)
+        u = torch.empty(n * k, dtype=torch.int32, device=packed.device)
+        u[self._nibble_source(n, k, packed.device)] = nibbles
+        return (u.view(n, k) + spec.quant_min).to(container_dtype(spec.target_dtype))
+
+    def _nibble_source(self, n: int, k: int, device) -> torch.Tensor:
+        """For each packed nibble (low then high, byte order), the flat index n*K+k of the code it holds.
+
+        aten documents no inverse of its packing, so the permutation is read back by packing the base-16
+        digits of every element's flat index: pack(digit_j(i)) puts digit j of i where element i lands.
+        """
+        idx = torch.arange(n * k, dtype=torch.int64, device=device)
+        source = torch.zeros(n * k, dtype=torch.int64, device=device)
+        digit = 0
+        while 16**digit < n * k or digit == 0:
+            d = ((idx >> (4 * digit)) & 15).to(torch.int32).view(n, k)
+            p = self._convert(d)
+            source += torch.stack([p & 15, p >> 4], -1).flatten().to(torch.int64) << (4 * digit)
+            digit += 1
+        return source
+
+    def qparams(self, t, spec):
+        s, offset = self._scale_offset(t)
+        return s, _zero_point(s, offset, spec)
+
+
+def _convert_cpu(u: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(u.contiguous(), 1)
+
+
+def _convert_cuda(u: torch.Tensor) -> torch.Tensor:
+    u8 = (u[:, ::2] << 4 | u[:, 1::2]).to(torch.uint8)
+    k = u.shape[1]
+    inner_k_tiles = next((t for t in (8, 4, 2) if k % (t * 16) == 0), 2)
+    return torch.ops.aten._convert_weight_to_int4pack(u8.contiguous(), inner_k_tiles)
+
+
+register_format(Plain())
+register_format(Dense())
+register_format(Int4Tinygemm("int4_cpu", "cpu", _convert_cpu))
+register_format(Int4Tinygemm("int4_cuda", "cuda", _convert_cuda))

@@ -1,0 +1,173 @@
+"""Linear micro-benchmark: float vs affineq configs vs the best aten kernel, side by side in one run.
+
+    python benchmarks/bench_linear.py                       # full grid, eager
+    python benchmarks/bench_linear.py --compile --m 1 32    # add torch.compile rows
+    python benchmarks/bench_linear.py --quick               # one shape, M = 1 and 32
+
+For every (shape N x K, M, dtype) it prints the time of F.linear in fp32 and in the input dtype, the
+best of them ("float"), each config's time and speedup over "float", and at M = 1 the effective weight
+bandwidth (bytes of stored weights / time) as a fraction of the measured memory bandwidth, which is the
+physical limit of a batch-1 linear. Writes results/bench_linear.json and results/bench_linear.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import RESULTS, machine_line, median_ms, memory_bandwidth_gbs, save_json, table  # noqa: E402
+
+import affineq  # noqa: E402
+from affineq import (  # noqa: E402
+    Int4WeightOnlyConfig,
+    Int8DynamicActivationInt4WeightConfig,
+    Int8DynamicActivationInt8WeightConfig,
+    Int8WeightOnlyConfig,
+    IntxWeightOnlyConfig,
+    PerGroup,
+    quantize_,
+)
+
+CONFIGS = {
+    "int4-g128": Int4WeightOnlyConfig(group_size=128),
+    "int4-g128-aten": Int4WeightOnlyConfig(group_size=128, packing_format="int4_cpu"),
+    "int8": Int8WeightOnlyConfig(),
+    "int8-aten": Int8WeightOnlyConfig(packing_format="plain"),
+    "int2-g64": IntxWeightOnlyConfig(torch.int2, PerGroup(64)),
+    "int3-g32": IntxWeightOnlyConfig(torch.int3, PerGroup(32)),
+    "int8-dyn": Int8DynamicActivationInt8WeightConfig(),
+    "8da4w-g32": Int8DynamicActivationInt4WeightConfig(group_size=32),
+}
+SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]  # (N = out_features, K = in_features)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _linear(n: int, k: int, dtype: torch.dtype) -> nn.Module:
+    torch.manual_seed(0)
+    m = nn.Linear(k, n, bias=False)
+    nn.init.normal_(m.weight, std=0.02)
+    return m.to(dtype).eval()
+
+
+def _time(fn, x) -> float:
+    with torch.inference_mode():
+        return median_ms(lambda: fn(x), budget_s=0.6)
+
+
+def run(args) -> list[dict]:
+    bw = memory_bandwidth_gbs()
+    print(machine_line())
+    print(f"# measured read bandwidth: {bw:.1f} GB/s (the M = 1 limit: weight bytes / bandwidth)\n")
+    rows = []
+    modes = ["eager"] + (["compiled"] if args.compile else [])
+    for n, k in args.shapes:
+        base = _linear(n, k, torch.float32)
+        for dname in args.dtypes:
+            dtype = DTYPES[dname]
+            float_mod = base.to(dtype) if dtype != torch.float32 else base
+            quantized = {}
+            for cname in args.configs:
+                t0 = time.perf_counter()
+                quantized[cname] = quantize_(copy.deepcopy(float_mod), CONFIGS[cname])
+                quantized[cname].quantize_s = time.perf_counter() - t0
+            for mode in modes:
+                wrap = (lambda m: torch.compile(m, fullgraph=True)) if mode == "compiled" else (lambda m: m)
+                for mm in args.m:
+                    x = torch.randn(mm, k, dtype=dtype)
+                    t_fp32 = _time(wrap(base), x.float())
+                    t_same = _time(wrap(float_mod), x) if dtype != torch.float32 else t_fp32
+                    t_float = min(t_fp32, t_same)
+                    row = {"N x K": f"{n}x{k}", "M": mm, "dtype": dname, "mode": mode,
+                           "fp32 ms": f"{t_fp32:.3f}", f"{dname} ms": f"{t_same:.3f}",
+                           "float ms": f"{t_float:.3f}"}
+                    record = dict(shape=(n, k), m=mm, dtype=dname, mode=mode, fp32_ms=t_fp32,
+                                  same_dtype_ms=t_same, float_ms=t_float, configs={})
+                    for cname, qm in quantized.items():
+                        with affineq.record_kernels() as used:
+                            qm(x[:1])
+                        t = _time(wrap(qm), x)
+                        wbytes = qm.weight.storage_bytes()
+                        gbs = wbytes / (t * 1e-3) / 1e9
+                        row[cname] = f"{t:.3f} ({t_float / t:.2f}x)"
+                        record["configs"][cname] = dict(ms=t, speedup=t_float / t, weight_gbs=gbs,
+                                                        bw_fraction=gbs / bw, kernel=used[0] if used else "?",
+                                                        quantize_s=qm.quantize_s)
+                    rows.append(row)
+                    records.append(record)
+                    print(f"  {n}x{k} M={mm} {dname} {mode}: float {t_float:.3f} ms  " + "  ".join(
+                        f"{c} {record['configs'][c]['ms']:.3f}" for c in quantized), flush=True)
+    print()
+    columns = ["N x K", "M", "dtype", "mode", "fp32 ms", "float ms", *args.configs]
+    print(table(rows, columns))
+    print("\nM = 1 effective weight bandwidth (GB/s, fraction of measured) and kernel:")
+    for r in records:
+        if r["m"] == 1:
+            parts = [f"{c} {v['weight_gbs']:.1f} ({v['bw_fraction']:.0%}, {v['kernel']})"
+                     for c, v in r["configs"].items()]
+            print(f"  {r['shape'][0]}x{r['shape'][1]} {r['dtype']} {r['mode']}: " + "; ".join(parts))
+    save_json("bench_linear", {"bandwidth_gbs": bw, "records": records})
+    _plot(records, bw)
+    return records
+
+
+records: list[dict] = []
+
+
+def _plot(records: list[dict], bw: float) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(pip install matplotlib for results/bench_linear.png)")
+        return
+    eager = [r for r in records if r["mode"] == "eager" and tuple(r["shape"]) == (4096, 4096)]
+    dtypes = sorted({r["dtype"] for r in eager})
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(5 * len(dtypes), 4), squeeze=False)
+    for ax, dname in zip(axes[0], dtypes):
+        rs = sorted((r for r in eager if r["dtype"] == dname), key=lambda r: r["m"])
+        ms = [r["m"] for r in rs]
+        for cname in rs[0]["configs"]:
+            ax.plot(ms, [r["configs"][cname]["speedup"] for r in rs], marker="o", label=cname)
+        ax.axhline(1.0, color="k", lw=1, ls="--", label="best float")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"4096x4096 linear, {dname} input")
+        ax.set_xlabel("M (rows of the input)")
+        ax.set_ylabel("speedup over the best float path")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(machine_line().lstrip("# "), fontsize=8)
+    fig.tight_layout()
+    RESULTS.mkdir(exist_ok=True)
+    fig.savefig(RESULTS / "bench_linear.png", dpi=110)
+    print(f"wrote {RESULTS / 'bench_linear.png'}")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--m", type=int, nargs="+", default=[1, 8, 32, 128])
+    p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16", "fp16"], choices=list(DTYPES))
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--shapes", type=lambda s: tuple(int(v) for v in s.split("x")), nargs="+", default=SHAPES,
+                   help="N x K pairs, e.g. 4096x4096")
+    p.add_argument("--compile", action="store_true", help="also time torch.compile(fullgraph=True)")
+    p.add_argument("--quick", action="store_true", help="4096x4096 only, M = 1 and 32")
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.shapes, args.m = [(4096, 4096)], [1, 32]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""Shared helpers for the benchmarks: timing, machine description, memory bandwidth, result files."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def median_ms(fn: Callable[[], object], *, min_runs: int = 5, max_runs: int = 200, budget_s: float = 1.0,
+              warmup: int = 2) -> float:
+    """Median wall time of fn() in ms: at least `min_runs`, then until `budget_s` or `max_runs`."""
+    for _ in range(warmup):
+        fn()
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < max_runs and (len(times) < min_runs or time.perf_counter() - start < budget_s):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def machine() -> dict:
+    """CPU, SIMD level, threads, torch version: printed above every table and saved with the results."""
+    return {
+        "cpu": cpu_name(),
+        "cores": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "simd": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def machine_line() -> str:
+    m = machine()
+    return (f"# {m['cpu']}, {m['cores']} cores, {m['threads']} threads, {m['simd']}, torch {m['torch']}, "
+            f"{m['date']}")
+
+
+def memory_bandwidth_gbs(mib: int = 512) -> float:
+    """Read bandwidth with all threads: sum over a buffer much larger than the last-level cache."""
+    buf = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+    ms = median_ms(lambda: buf.sum(), min_runs=5, budget_s=2.0)
+    return buf.numel() * 4 / (ms * 1e-3) / 1e9
+
+
+def save_json(name: str, payload: dict) -> Path:
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps({"machine": machine(), **payload}, indent=1))
+    return path
+
+
+def table(rows: list[dict], columns: list[str]) -> str:
+    """A plain-text table with right-aligned columns."""
+    cells = [[str(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    line = lambda vals: "  ".join(v.rjust(w) for v, w in zip(vals, widths))
+    return "\n".join([line(columns), line(["-" * w for w in widths]), *map(line, cells)])

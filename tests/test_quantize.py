@@ -1,0 +1,288 @@
+"""quantize_ and the configs: numerics per config and dtype, kernel pinning, filters, FqnToConfig, errors."""
+
+import copy
+import gc
+import json
+import weakref
+
+import pytest
+import torch
+from conftest import sqnr
+from torch import nn
+
+import affineq
+from affineq import (
+    AffineQuantizedTensor,
+    Float8DynamicActivationFloat8WeightConfig,
+    Float8WeightOnlyConfig,
+    FqnToConfig,
+    Int4WeightOnlyConfig,
+    Int8DynamicActivationInt4WeightConfig,
+    Int8DynamicActivationInt8WeightConfig,
+    Int8WeightOnlyConfig,
+    IntxWeightOnlyConfig,
+    KernelFallbackWarning,
+    PerAxis,
+    PerGroup,
+    PerTensor,
+    QuantizationError,
+    config_from_dict,
+    quantize_,
+    record_kernels,
+)
+from affineq import kernels as cpp
+
+# (config, min weight SQNR dB, min output SQNR dB, kernel on CPU)
+LOWBIT = "affineq.lowbit_linear"
+CASES = {
+    "int4_g128": (Int4WeightOnlyConfig(group_size=128), 20, 18, LOWBIT),
+    "int4_g128_aten": (Int4WeightOnlyConfig(group_size=128, packing_format="int4_cpu"), 20, 18,
+                       "aten._weight_int4pack_mm_for_cpu"),
+    "int8": (Int8WeightOnlyConfig(), 35, 35, LOWBIT),
+    "int8_aten": (Int8WeightOnlyConfig(packing_format="plain"), 35, 35, "aten._weight_int8pack_mm"),
+    "int8_dyn": (Int8DynamicActivationInt8WeightConfig(), 35, 30, "aten._int_mm"),
+    "8da4w": (Int8DynamicActivationInt4WeightConfig(group_size=32), 20, 18, LOWBIT),
+    "int3_g32": (IntxWeightOnlyConfig(torch.int3, PerGroup(32)), 12, 10, LOWBIT),
+    "uint2_axis": (IntxWeightOnlyConfig(torch.uint2, PerAxis(0), affineq.MappingType.ASYMMETRIC), 4, 3,
+                   LOWBIT),
+    "fp8_weight": (Float8WeightOnlyConfig(), 28, 26, "dequantize:linear"),
+    "fp8_dyn_row": (Float8DynamicActivationFloat8WeightConfig(), 28, 24, "aten._scaled_mm"),
+    "fp8_dyn_tensor": (Float8DynamicActivationFloat8WeightConfig(granularity=PerTensor()), 25, 22,
+                       "aten._scaled_mm"),
+}
+
+
+def make_mlp(dtype=torch.float32):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 256)).to(dtype)
+
+
+# Without a C++ compiler "auto" picks the aten layouts for int4/int8 and keeps bit-packed `dense` storage
+# (dequantize fallback, announced) for the other widths.
+WITHOUT_CPP = {"int4_g128": "aten._weight_int4pack_mm_for_cpu", "int8": "aten._weight_int8pack_mm"}
+
+
+def _expected_kernel(name, kernel):
+    if kernel == LOWBIT and not cpp.is_available():
+        return WITHOUT_CPP.get(name, "dequantize:linear")
+    return kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_config_numerics_kernel_and_size(name, dtype):
+    config, w_db, out_db, kernel = CASES[name]
+    model = make_mlp(dtype)
+    x = torch.randn(8, 256, dtype=dtype)
+    ref_w = model[0].weight.detach().clone()
+    with torch.no_grad():
+        ref = model(x)
+        quantize_(model, config)
+        w = model[0].weight
+        assert isinstance(w, AffineQuantizedTensor) and isinstance(w, nn.Parameter)
+        assert not w.requires_grad and w.dtype == dtype and w.shape == ref_w.shape
+        assert sqnr(ref_w, w.dequantize()) > w_db
+        with record_kernels() as used:
+            out = model(x)
+    assert out.dtype == dtype
+    assert sqnr(ref, out) > out_db
+    assert used == [_expected_kernel(name, kernel)] * 2
+
+
+def test_bytes_per_parameter():
+    for config, limit in [(Int4WeightOnlyConfig(group_size=128), 0.57), (Int8WeightOnlyConfig(), 1.02),
+                          (Int4WeightOnlyConfig(group_size=128, packing_format="int4_cpu"), 0.57),
+                          (IntxWeightOnlyConfig(torch.int2, PerGroup(64)), 0.39)]:
+        m = nn.Sequential(nn.Linear(4096, 1024, bias=False))
+        quantize_(m, config)
+        assert m[0].weight.storage_bytes() / m[0].weight.numel() <= limit, config
+
+
+def test_gaussian_weight_sqnr_thresholds_of_the_issue():
+    w = torch.randn(1024, 4096)
+    m = nn.Sequential(nn.Linear(4096, 1024, bias=False))
+    m[0].weight.data.copy_(w)
+    m8 = quantize_(copy.deepcopy(m), Int8WeightOnlyConfig())
+    m4 = quantize_(copy.deepcopy(m), Int4WeightOnlyConfig(group_size=128))
+    assert sqnr(w, m8[0].weight.dequantize()) > 35
+    assert sqnr(w, m4[0].weight.dequantize()) > 20
+
+
+def test_fallback_for_fp8_weight_only_is_announced():
+    model = quantize_(make_mlp(), Float8WeightOnlyConfig())
+    with pytest.warns(KernelFallbackWarning, match="dequantize-then-linear"):
+        model(torch.randn(2, 256))
+
+
+def test_autograd_flows_to_inputs_through_packed_kernels():
+    model = quantize_(make_mlp(), Int4WeightOnlyConfig(group_size=128, packing_format="int4_cpu"))
+    x = torch.randn(4, 256, requires_grad=True)
+    with record_kernels() as used:
+        model(x).sum().backward()
+    assert used == ["aten._weight_int4pack_mm_for_cpu"] * 2
+    xr = x.detach().clone().requires_grad_()
+    dq = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 256))
+    dq[0].weight = nn.Parameter(model[0].weight.dequantize())
+    dq[2].weight = nn.Parameter(model[2].weight.dequantize())
+    dq[0].bias, dq[2].bias = model[0].bias, model[2].bias
+    dq(xr).sum().backward()
+    assert sqnr(xr.grad, x.grad) > 40
+
+
+# -- quantize_ behaviour --------------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q_proj = nn.Linear(576, 576)
+        self.up = nn.Linear(576, 1536)
+        self.down = nn.Linear(1536, 576)
+        self.odd = nn.Linear(100, 576)
+        self.norm = nn.LayerNorm(576)
+        self.emb = nn.Embedding(50, 576)
+
+
+def test_default_filter_quantizes_every_linear_only():
+    m = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.Embedding(10, 64), nn.Linear(64, 32))
+    quantize_(m, Int8WeightOnlyConfig())
+    assert [type(p).__name__ for p in (m[0].weight, m[1].weight, m[2].weight, m[3].weight)] == [
+        "AffineQuantizedTensor", "Parameter", "Parameter", "AffineQuantizedTensor"]
+
+
+def test_group_size_that_does_not_divide_lists_every_layer_and_changes_nothing():
+    m = Block()
+    before = {n: p for n, p in m.named_parameters()}
+    with pytest.raises(QuantizationError) as err:
+        quantize_(m, Int4WeightOnlyConfig(group_size=128))
+    msg = str(err.value)
+    for layer in ("q_proj", "up", "odd"):
+        assert f"  - {layer}:" in msg
+    assert "  - down:" not in msg  # 1536 = 12 * 128 divides
+    assert "576" in msg and "filter_fn" in msg and "group_size" in msg
+    assert all(p is before[n] for n, p in m.named_parameters())  # nothing was quantized
+
+
+def test_filter_fn_and_fqn_to_config():
+    m = Block()
+    quantize_(m, Int4WeightOnlyConfig(group_size=64), filter_fn=lambda mod, fqn: fqn in ("q_proj", "up"))
+    assert isinstance(m.q_proj.weight, AffineQuantizedTensor) and not isinstance(m.down.weight,
+                                                                                    AffineQuantizedTensor)
+    m = Block()
+    cfg = FqnToConfig({"re:(up|down)": Int4WeightOnlyConfig(group_size=64), "odd": None,
+                       "emb": IntxWeightOnlyConfig(torch.int4, PerGroup(64)), "_default": Int8WeightOnlyConfig()})
+    quantize_(m, cfg)
+    assert m.up.weight.target_dtype == torch.uint4 and m.down.weight.target_dtype == torch.uint4
+    assert m.q_proj.weight.target_dtype == torch.int8
+    assert not isinstance(m.odd.weight, AffineQuantizedTensor)
+    assert m.emb.weight.target_dtype == torch.int4  # named exactly: quantized although not a Linear
+    assert not isinstance(m.norm.weight, AffineQuantizedTensor)
+    with pytest.raises(QuantizationError, match="does not have.*'lm_head'"):
+        quantize_(Block(), FqnToConfig({"lm_head": None}))
+    with pytest.raises(ValueError, match="not a valid regex"):
+        FqnToConfig({"re:(": Int8WeightOnlyConfig()})
+
+
+def test_module_left_untouched_when_its_quantization_fails():
+    class Exploding(Int8WeightOnlyConfig):
+        def quantize_weight(self, weight, module):
+            if weight.shape[0] == 32:
+                raise RuntimeError("boom")
+            return super().quantize_weight(weight, module)
+
+    m = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 32))
+    original = m[1].weight
+    with pytest.raises(QuantizationError, match="'1'.*left unchanged.*boom"):
+        quantize_(m, Exploding())
+    assert m[1].weight is original
+
+
+def test_no_global_state_change_and_no_float_copy_kept():
+    m = make_mlp()
+    ref = weakref.ref(m[0].weight)
+    precision, default_dtype, grad = (torch.get_float32_matmul_precision(), torch.get_default_dtype(),
+                                      torch.is_grad_enabled())
+    quantize_(m, Int4WeightOnlyConfig(group_size=128))
+    gc.collect()
+    assert ref() is None
+    assert (torch.get_float32_matmul_precision(), torch.get_default_dtype(), torch.is_grad_enabled()) == (
+        precision, default_dtype, grad)
+
+
+def test_tied_weights_stay_tied():
+    m = nn.Sequential(nn.Linear(64, 64, bias=False), nn.Linear(64, 64, bias=False))
+    m[1].weight = m[0].weight
+    quantize_(m, Int8WeightOnlyConfig())
+    assert m[0].weight is m[1].weight
+
+
+def test_custom_config_plugs_in_through_the_registry():
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class HalfConfig(affineq.QuantConfig):
+        pass
+
+    calls = []
+
+    @affineq.register_quantize_module_handler(HalfConfig)
+    def _half(module, config):
+        calls.append(module)
+        module.weight.data = module.weight.data.half().float()
+        return module
+
+    m = nn.Sequential(nn.Linear(8, 8))
+    HalfConfig.check = lambda self, module: None
+    quantize_(m, HalfConfig())
+    assert calls == [m[0]]
+
+
+def test_device_argument_moves_modules():
+    m = quantize_(make_mlp(), Int8WeightOnlyConfig(), device="cpu")
+    assert m[0].weight.device.type == "cpu"
+
+
+# -- configs --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_config_json_round_trip(name):
+    config = CASES[name][0]
+    assert config_from_dict(json.loads(json.dumps(config.to_dict()))) == config
+    assert type(config).from_dict(config.to_dict()) == config
+
+
+def test_fqn_to_config_json_round_trip():
+    cfg = FqnToConfig({"re:layers\\.[0-3]\\..*": Int4WeightOnlyConfig(), "lm_head": None,
+                       "_default": Int8WeightOnlyConfig()})
+    back = FqnToConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
+    assert back.fqn_to_config == cfg.fqn_to_config
+
+
+@pytest.mark.parametrize(("make", "words"), [
+    (lambda: Int4WeightOnlyConfig(group_size=0), "group_size must be a positive int"),
+    (lambda: Int4WeightOnlyConfig(packing_format="int4_cpu", group_size=16), "group_size 32, 64, 128 or 256"),
+    (lambda: Int4WeightOnlyConfig(packing_format="magic"), "packing_format='magic'"),
+    (lambda: IntxWeightOnlyConfig(torch.int16), "weight_dtype=torch.int16"),
+    (lambda: IntxWeightOnlyConfig(torch.float32), "weight_dtype"),
+    (lambda: IntxWeightOnlyConfig(torch.int4, PerTensor()), "granularity=PerTensor"),
+    (lambda: Float8WeightOnlyConfig(torch.int8), "weight_dtype=torch.int8"),
+    (lambda: Float8DynamicActivationFloat8WeightConfig(granularity=PerGroup(32)), "granularity"),
+])
+def test_config_validation(make, words):
+    with pytest.raises(ValueError, match=words.replace("(", "\\(").replace(")", "\\)")):
+        make()
+
+
+def test_group_size_on_a_1d_or_conv_weight_is_explained():
+    conv = nn.Sequential(nn.Conv2d(3, 8, 3))
+    with pytest.raises(QuantizationError, match="group_size applies to 2-D weights.*group_size=None"):
+        quantize_(conv, Int8WeightOnlyConfig(group_size=32), filter_fn=lambda m, n: isinstance(m, nn.Conv2d))
+    quantize_(conv, Int8WeightOnlyConfig(), filter_fn=lambda m, n: isinstance(m, nn.Conv2d))
+    assert conv[0].weight.block_size == (1, 3, 3, 3)
+
+
+def test_unsupported_module_type_is_reported():
+    m = nn.Sequential(nn.LayerNorm(8))
+    with pytest.raises(QuantizationError, match="quantizes Linear modules, not LayerNorm"):
+        quantize_(m, Int4WeightOnlyConfig(), filter_fn=lambda mod, fqn: fqn == "0")

@@ -1,0 +1,90 @@
+"""torch.save / torch.load(weights_only=True), load_state_dict(assign=True), and torch.compile per config."""
+
+import copy
+import io
+
+import pytest
+import torch
+from test_quantize import CASES, make_mlp
+
+import affineq
+from affineq import AffineQuantizedTensor, Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+
+
+def _roundtrip(obj, weights_only=True):
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=weights_only)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_state_dict_round_trip_is_bit_exact(name):
+    config = CASES[name][0]
+    model = quantize_(make_mlp(), config)
+    sd = _roundtrip(model.state_dict())
+    w = sd["0.weight"]
+    assert isinstance(w, AffineQuantizedTensor) and torch.equal(w, model[0].weight)
+    restored = make_mlp()
+    restored.load_state_dict(sd, assign=True)
+    assert isinstance(restored[0].weight, AffineQuantizedTensor)
+    x = torch.randn(4, 256)
+    with torch.no_grad():
+        assert torch.equal(restored(x), model(x))
+
+
+def test_load_into_a_model_quantized_with_the_same_config():
+    model = quantize_(make_mlp(), Int8WeightOnlyConfig())
+    sd = _roundtrip(model.state_dict())
+    other = quantize_(make_mlp(), Int8WeightOnlyConfig())
+    other[0].weight.data  # noqa: B018  (a Parameter wrapper stays usable)
+    other.load_state_dict(sd)
+    assert torch.equal(other[0].weight, model[0].weight)
+
+
+def test_whole_model_save():
+    model = quantize_(make_mlp(), Int4WeightOnlyConfig(group_size=64))
+    back = _roundtrip(model, weights_only=False)
+    x = torch.randn(2, 256)
+    with torch.no_grad():
+        assert torch.equal(back(x), model(x))
+
+
+def test_mismatched_checkpoint_names_the_module():
+    sd = quantize_(make_mlp(), Int4WeightOnlyConfig(group_size=64)).state_dict()
+    target = quantize_(make_mlp(), Int8WeightOnlyConfig())
+    with pytest.raises(RuntimeError, match='parameter named "0.weight".*different config'):
+        target.load_state_dict(sd)
+    with pytest.raises(RuntimeError, match='"0.weight".*assign=True'):
+        make_mlp().load_state_dict(sd)
+
+
+def test_safe_globals_registered_on_import():
+    names = {getattr(g, "__name__", str(g)) for g in torch.serialization.get_safe_globals()}
+    assert {"AffineQuantizedTensor", "QuantSpec", "MappingType", "ZeroPointDomain"} <= names
+    assert affineq.AffineQuantizedTensor is AffineQuantizedTensor
+
+
+# -- torch.compile (kept small: inductor compiles C++ slowly on 2 cores) ---------------------------------
+
+
+@pytest.mark.parametrize("name", ["int4_g128", "int4_g128_aten", "int8", "int8_aten", "int8_dyn", "8da4w",
+                                  "int3_g32", "fp8_weight", "fp8_dyn_row"])
+def test_compile_fullgraph_matches_eager(name):
+    torch._dynamo.reset()
+    model = quantize_(make_mlp(), copy.deepcopy(CASES[name][0]))
+    x = torch.randn(4, 256)
+    with torch.no_grad():
+        eager = model(x)
+        explained = torch._dynamo.explain(model)(x)
+        assert explained.graph_break_count == 0
+        compiled = torch.compile(model, fullgraph=True)(x)
+    torch.testing.assert_close(compiled, eager, rtol=1e-3, atol=1e-3)
+
+
+def test_compile_bf16_int4():
+    torch._dynamo.reset()
+    model = quantize_(make_mlp(torch.bfloat16), Int4WeightOnlyConfig(group_size=128))
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(model, fullgraph=True)(x), model(x), rtol=2e-2, atol=2e-2)

@@ -1,0 +1,125 @@
+"""AffineQuantizedTensor: construction, fields, dequantize, repr, storage, formats round trips."""
+
+import pytest
+import torch
+from conftest import sqnr
+from expecttest import assert_expected_inline
+
+from affineq import (
+    AffineQuantizedTensor,
+    MappingType,
+    ZeroPointDomain,
+    choose_qparams_affine,
+    dequantize_affine,
+    quantize_affine,
+)
+from affineq.tensor.formats import FORMATS
+
+AQT = AffineQuantizedTensor
+
+
+def _int4_asym(w, fmt, g=32):
+    """The tinygemm scheme; bf16 scales so that every format (int4_cpu stores bf16) holds equal codes."""
+    return AQT.from_float(w, MappingType.ASYMMETRIC, (1, g), torch.uint4, preserve_zero=False,
+                          zero_point_domain=ZeroPointDomain.FLOAT, packing_format=fmt,
+                          scale_dtype=torch.bfloat16)
+
+
+def test_wrapper_has_float_shape_dtype_and_fields():
+    w = torch.randn(64, 128)
+    q = AQT.from_float(w, MappingType.SYMMETRIC, (1, 128), torch.int8)
+    assert isinstance(q, torch.Tensor) and q.shape == (64, 128) and q.dtype == torch.float32
+    assert q.qdata.dtype == torch.int8 and q.scale.shape == (64, 1) and q.block_size == (1, 128)
+    assert (q.quant_min, q.quant_max, q.packing_format, q.target_dtype) == (-128, 127, "plain", torch.int8)
+    assert q.zero_point_domain is ZeroPointDomain.INT and q.act_quant is None
+    scale, zp = choose_qparams_affine(w, MappingType.SYMMETRIC, (1, 128), torch.int8)
+    codes = quantize_affine(w, (1, 128), scale, zp, torch.int8)
+    assert torch.equal(q.qdata, codes)
+    assert torch.equal(q.dequantize(), dequantize_affine(codes, (1, 128), scale, zp, torch.int8))
+
+
+def test_repr_golden():
+    q = _int4_asym(torch.randn(32, 64), "plain")
+    assert_expected_inline(repr(q), """AffineQuantizedTensor(shape=(32, 64), dtype=torch.float32, target=torch.uint4, block_size=(1, 32), format=plain, domain=FLOAT)""")  # noqa: E501
+    assert_expected_inline(repr(q.t()), """AffineQuantizedTensor(shape=(64, 32), dtype=torch.float32, target=torch.uint4, block_size=(1, 32), format=plain, domain=FLOAT, transposed)""")  # noqa: E501
+
+
+@pytest.mark.parametrize("fmt", ["plain", "dense", "int4_cpu"])
+def test_every_cpu_format_holds_the_same_codes_and_qparams(fmt):
+    w = torch.randn(64, 256)
+    ref = _int4_asym(w, "plain")
+    q = _int4_asym(w, fmt)
+    assert q.packing_format == fmt
+    assert torch.equal(q.codes(), ref.codes())
+    torch.testing.assert_close(q.scale.float(), ref.scale.float(), rtol=0, atol=0)
+    torch.testing.assert_close(q.zero_point.float(), ref.zero_point.float(), rtol=1e-6, atol=1e-6)
+    # scale * u + offset and (q - mid) * scale + zp agree to float rounding
+    torch.testing.assert_close(q.dequantize(), ref.dequantize(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_dense_storage_is_bit_packed(bits):
+    dtype = getattr(torch, f"int{bits}")
+    w = torch.randn(128, 512)
+    q = AQT.from_float(w, MappingType.SYMMETRIC, (1, 128), dtype, packing_format="dense",
+                       zero_point_domain=ZeroPointDomain.NONE)
+    assert q.qdata.numel() * q.qdata.element_size() == 128 * 512 * bits // 8
+    ref = AQT.from_float(w, MappingType.SYMMETRIC, (1, 128), dtype, zero_point_domain=ZeroPointDomain.NONE)
+    assert torch.equal(q.codes(), ref.codes())
+
+
+def test_storage_bytes_per_parameter():
+    w = torch.randn(1024, 1024)
+    q4 = _int4_asym(w, "dense", g=128)
+    q8 = AQT.from_float(w, MappingType.SYMMETRIC, (1, 1024), torch.int8, packing_format="dense",
+                        zero_point_domain=ZeroPointDomain.NONE)
+    assert q4.storage_bytes() / w.numel() <= 0.57
+    assert q8.storage_bytes() / w.numel() <= 1.02
+    assert _int4_asym(w, "int4_cpu", g=128).storage_bytes() / w.numel() <= 0.54
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dequantize_output_dtype_and_no_alias(dtype):
+    w = torch.randn(32, 64, dtype=dtype)
+    q = AQT.from_float(w, MappingType.ASYMMETRIC, (1, 32), torch.uint8)
+    d = q.dequantize()
+    assert d.dtype == dtype and q.dequantize(torch.float32).dtype == torch.float32
+    assert d.data_ptr() != q.qdata.data_ptr()
+    assert sqnr(w.float(), d.float()) > 40
+
+
+def test_from_qparams_uses_given_scale():
+    w = torch.randn(16, 64)
+    scale = torch.full((16, 2), 0.05)
+    zp = torch.zeros(16, 2, dtype=torch.int32)
+    q = AQT.from_qparams(w, scale, zp, (1, 32), torch.int8)
+    assert torch.equal(q.scale, scale)
+    assert torch.equal(q.qdata, torch.clamp(torch.round(w / 0.05), -128, 127).to(torch.int8))
+
+
+@pytest.mark.parametrize(("fmt", "shape", "words"), [
+    ("int4_cpu", (32, 63), "even in_features"),
+    ("int4_cpu", (24, 64), "divisible by 16"),
+    ("dense", (4, 8, 32), "2-D"),
+])
+def test_format_rejects_what_it_cannot_hold(fmt, shape, words):
+    w = torch.randn(shape)
+    block = (1,) * (len(shape) - 1) + (shape[-1] if fmt != "int4_cpu" else 32,)
+    if shape == (32, 63):
+        block = (1, 63)
+    with pytest.raises(ValueError, match=f"packing_format='{fmt}'.*{words}"):
+        AQT.from_float(w, MappingType.ASYMMETRIC, block, torch.uint4, packing_format=fmt)
+
+
+def test_unknown_format_lists_the_known_ones():
+    with pytest.raises(ValueError, match="unknown packing_format 'fancy'.*dense"):
+        AQT.from_float(torch.randn(4, 8), MappingType.SYMMETRIC, (1, 8), torch.int8, packing_format="fancy")
+    assert {"plain", "dense", "int4_cpu", "int4_cuda"} <= set(FORMATS)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="int4_cuda needs a CUDA device")
+def test_int4_cuda_format_round_trip():
+    w = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    ref = _int4_asym(w, "plain", g=128)
+    q = _int4_asym(w, "int4_cuda", g=128)
+    assert torch.equal(q.codes(), ref.codes())
