@@ -159,21 +159,33 @@ def quantize_(
             "or pass filter_fn=lambda module, fqn: ... to skip these modules, or use FqnToConfig to give "
             "them another config (None leaves a module float). Nothing was quantized."
         )
-    done: dict[int, nn.Parameter] = {}  # tied weights stay tied: quantize a shared Parameter once
+    owners = _weight_owners(model)
     for fqn, module, cfg in plan:
         if device is not None:
             module.to(device)
-        key = id(module.weight)
-        if key in done:
-            module.weight = done[key]
+        old = module.weight
+        if isinstance(old, AffineQuantizedTensor):  # a tied weight quantized through another module
             continue
         try:
             _handler_for(cfg)(module, cfg)
         except Exception as e:
             raise QuantizationError(f"quantizing {fqn!r} with {type(cfg).__name__} failed (the module was "
                                     f"left unchanged): {e}") from e
-        done[key] = module.weight
+        # Tied weights stay tied (e.g. an embedding and lm_head): every owner gets the quantized Parameter,
+        # so the float copy is freed; embeddings then gather and dequantize only the rows they look up.
+        for owner in owners.get(id(old), []):
+            owner.weight = module.weight
     return model
+
+
+def _weight_owners(model: nn.Module) -> dict[int, list[nn.Module]]:
+    """id(weight Parameter) -> modules whose `weight` is that Parameter."""
+    owners: dict[int, list[nn.Module]] = {}
+    for m in model.modules():
+        w = m._parameters.get("weight")
+        if w is not None:
+            owners.setdefault(id(w), []).append(m)
+    return owners
 
 
 def quantized_weights(model: nn.Module) -> dict[str, AffineQuantizedTensor]:

@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -133,7 +132,7 @@ def _plot(records: list[dict], bw: float) -> None:
     eager = [r for r in records if r["mode"] == "eager" and tuple(r["shape"]) == (4096, 4096)]
     dtypes = sorted({r["dtype"] for r in eager})
     fig, axes = plt.subplots(1, len(dtypes), figsize=(5 * len(dtypes), 4), squeeze=False)
-    for ax, dname in zip(axes[0], dtypes):
+    for ax, dname in zip(axes[0], dtypes, strict=False):
         rs = sorted((r for r in eager if r["dtype"] == dname), key=lambda r: r["m"])
         ms = [r["m"] for r in rs]
         for cname in rs[0]["configs"]:

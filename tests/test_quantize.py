@@ -216,6 +216,30 @@ def test_tied_weights_stay_tied():
     assert m[0].weight is m[1].weight
 
 
+@pytest.mark.parametrize("vocab", [100, 128])  # 128: whole 16-row panels of the dense layout
+@pytest.mark.parametrize("config", [Int4WeightOnlyConfig(group_size=32), Int8WeightOnlyConfig()],
+                         ids=["int4", "int8"])
+def test_tied_embedding_and_head_share_the_quantized_weight(config, vocab):
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(vocab, 64)
+            self.head = nn.Linear(64, vocab, bias=False)
+            self.head.weight = self.embed.weight
+
+        def forward(self, ids):
+            return self.head(self.embed(ids))
+
+    lm = LM()
+    ids = torch.tensor([[3, 97, 50, 3]])
+    quantize_(lm, config)
+    assert lm.embed.weight is lm.head.weight and isinstance(lm.embed.weight, AffineQuantizedTensor)
+    deq = lm.head.weight.dequantize()
+    torch.testing.assert_close(lm.embed(ids), deq[ids], rtol=0, atol=1e-6)
+    with torch.no_grad():
+        torch.testing.assert_close(lm(ids), deq[ids] @ deq.t(), rtol=1e-4, atol=1e-4)
+
+
 def test_custom_config_plugs_in_through_the_registry():
     from dataclasses import dataclass
 

@@ -56,6 +56,16 @@ class PackingFormat:
             spec.quant_max, spec.zero_point_domain, output_dtype=output_dtype,
         )
 
+    def dequantize_rows(self, t: Tensors, spec: QuantSpec, rows: torch.Tensor,
+                        output_dtype: torch.dtype) -> torch.Tensor:
+        """Rows `rows` (int64 [R]) of a 2-D tensor with one qparam row per row (block (1, g)): [R, K]."""
+        scale, zp = self.qparams(t, spec)
+        return dequantize_affine(
+            self.codes(t, spec)[rows], spec.block_size, scale[rows], None if zp is None else zp[rows],
+            spec.target_dtype, spec.quant_min, spec.quant_max, spec.zero_point_domain,
+            output_dtype=output_dtype,
+        )
+
 
 FORMATS: dict[str, PackingFormat] = {}
 
@@ -166,6 +176,21 @@ class Dense(PackingFormat):
         g = spec.block_size[1]
         w = u.view(n, k // g, g) * t["scale"].unsqueeze(-1) + t["offset"].unsqueeze(-1)
         return w.view(n, k).to(output_dtype)
+
+    def dequantize_rows(self, t, spec, rows, output_dtype):
+        n, k = spec.shape
+        panel = _cpp._PANEL  # TODO(lead): public name once kernels/ settles
+        if n % panel:
+            return super().dequantize_rows(t, spec, rows, output_dtype)
+        # Unpack only the 16-row panels that hold the requested rows (embedding lookups).
+        panels, inverse = torch.unique(rows // panel, return_inverse=True)
+        packed = t["qdata"].view(n // panel, -1)[panels]
+        u = _cpp.unpack_codes(packed.view(panels.numel() * panel, -1), bit_width(spec.target_dtype),
+                              panels.numel() * panel, k)
+        u = u.view(-1, panel, k)[inverse, rows % panel].float()
+        g = spec.block_size[1]
+        w = u.view(-1, k // g, g) * t["scale"][rows].unsqueeze(-1) + t["offset"][rows].unsqueeze(-1)
+        return w.view(-1, k).to(output_dtype)
 
 
 class Int4Tinygemm(PackingFormat):

@@ -128,16 +128,9 @@ def _embedding(func, args, kwargs):
     spec = weight.spec
     if spec.transposed or len(spec.shape) != 2 or spec.block_size[0] != 1:
         return func(weight.dequantize(), *args[1:], **kwargs)
-    # Gather whole rows of codes and qparams, then dequantize only the rows looked up.
-    from affineq.primitives import dequantize_affine
-
-    rows = indices.reshape(-1)
-    scale, zp = weight.scale, weight.zero_point
-    out = dequantize_affine(
-        weight.codes()[rows], spec.block_size, scale[rows], None if zp is None else zp[rows],
-        spec.target_dtype, spec.quant_min, spec.quant_max, spec.zero_point_domain, output_dtype=spec.dtype,
-    )
-    return out.view(*indices.shape, spec.shape[1])
+    # Dequantize only the rows looked up.
+    rows = get_format(spec.fmt).dequantize_rows(weight.tensors, spec, indices.reshape(-1), spec.dtype)
+    return rows.view(*indices.shape, spec.shape[1])
 
 
 # -- tensor bookkeeping ----------------------------------------------------------------------------------

