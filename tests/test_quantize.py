@@ -310,3 +310,44 @@ def test_unsupported_module_type_is_reported():
     m = nn.Sequential(nn.LayerNorm(8))
     with pytest.raises(QuantizationError, match="quantizes Linear modules, not LayerNorm"):
         quantize_(m, Int4WeightOnlyConfig(), filter_fn=lambda mod, fqn: fqn == "0")
+
+
+def test_without_the_cpp_kernels_auto_picks_aten_layouts_and_dense_falls_back_once():
+    import warnings
+
+    x = torch.randn(4, 256)
+    with cpp._set_disabled(True):
+        assert not cpp.is_available() and "disabled" in cpp.unavailable_reason()
+        m4 = quantize_(make_mlp(), Int4WeightOnlyConfig(group_size=128))
+        m8 = quantize_(make_mlp(), Int8WeightOnlyConfig())
+        m3 = quantize_(make_mlp(), IntxWeightOnlyConfig(torch.int3, PerGroup(32)))
+        assert (m4[0].weight.packing_format, m8[0].weight.packing_format) == ("int4_cpu", "plain")
+        assert m3[0].weight.packing_format == "dense"  # bit-packed storage does not need the compiler
+        with torch.no_grad():
+            with pytest.warns(KernelFallbackWarning, match=r"slower.*C\+\+ kernels are unavailable \(disabled"):
+                fallback = m3(x)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                m3(x)  # said once only
+    with torch.no_grad(), record_kernels() as used:
+        fast = m3(x)
+    assert used == [_expected_kernel("int3_g32", LOWBIT)] * 2
+    torch.testing.assert_close(fast, fallback, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA kernels need a GPU")
+@pytest.mark.parametrize(("config", "kernel"), [
+    (Int4WeightOnlyConfig(group_size=128), "aten._weight_int4pack_mm"),
+    (Int8DynamicActivationInt8WeightConfig(), "aten._int_mm"),
+    (Float8DynamicActivationFloat8WeightConfig(), "aten._scaled_mm"),
+])
+def test_cuda_kernels(config, kernel):
+    model = make_mlp(torch.bfloat16).cuda()
+    x = torch.randn(32, 256, dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        ref = model(x)
+        quantize_(model, config)
+        with record_kernels() as used:
+            out = model(x)
+    assert used == [kernel] * 2
+    assert sqnr(ref, out) > 18

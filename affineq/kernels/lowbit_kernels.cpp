@@ -1,16 +1,19 @@
 // SIMD kernels for y = x @ W^T with W[n, k] = scale[n, g] * u[n, k] + offset[n, g], g = k / group_size,
 // u unsigned `bits`-bit codes in the 16-row panel layout (documented in affineq/kernels/__init__.py).
 //
-// Two paths:
-//  * fused GEMV (small m, group_size % 8 == 0): decode codes straight into fp32 registers, 16 output rows
-//    per vector, FMA against broadcast x; scale/offset are applied once per group:
-//        y[n] = sum_g scale[n, g] * dot(x_g, u[n, g]) + offset[n, g] * sum(x_g).
-//    Memory-bound at m = 1, so the packed weights are read exactly once.
-//  * dequant + GEMM (larger m, or any group_size): dequantize a [KC x 32] slice of W^T into an L1/L2
-//    resident fp32 buffer and run a register-blocked outer-product micro-kernel over all m rows, so
-//    each dequantized tile is reused m times.
+// Three paths (chosen in run()):
+//  1. fused GEMV (m <= 2 before path 3, else m <= 8; group_size % 8 == 0): decode codes straight into fp32
+//     registers, 16 output rows per vector, FMA against broadcast x; scale/offset applied once per group:
+//         y[n] = sum_g scale[n, g] * dot(x_g, u[n, g]) + offset[n, g] * sum(x_g).
+//     Memory-bound at m = 1: the packed weights are streamed once, with software prefetch.
+//  2. dequant + fp32 GEMM (any group_size; the large-m path where VNNI is missing): dequantize a [256 x 32]
+//     slice of W^T into an L1-resident fp32 tile and run a 12x32 (AVX-512) / 6x16 (AVX2) outer-product
+//     micro-kernel over all m rows, so each dequantized tile is reused m times.
+//  3. dequant + int16 VNNI GEMM (AVX512-VNNI, m >= 3, only if the caller allows rounding x: by default for
+//     bf16/fp16 x): like 2 but with exact int16 code pairs and x rounded to 16-bit fixed point per block;
+//     vpdpwssd does two MACs per lane at the issue rate of an fp32 FMA.
 //
-// Only <ATen/Parallel.h> is included (compiles in ~1 s); threads come from torch's OpenMP pool.
+// Only <ATen/Parallel.h> is included (compiles fast, no torch types); threads come from torch's OpenMP pool.
 #include "lowbit_kernels.h"
 
 #include <ATen/Parallel.h>
@@ -246,6 +249,7 @@ struct Scratch {
   ~Scratch() { std::free(ptr); }
 };
 thread_local Scratch tl_scale, tl_offset, tl_tail, tl_wbuf, tl_xrow, tl_cbuf;
+thread_local Scratch tl_xcall, tl_sxcall, tl_xscall;  // per-call x buffers (owned by the calling thread)
 
 // dst[g * ldd + r] = src[r * lds + g] for r < rows, g < G; rows in [rows, R) are zero-filled.
 // (Scales arrive as [n, G]; the kernels want 16 consecutive rows per vector, hence the transpose.)
@@ -309,9 +313,27 @@ void group_sums(const float* x, int64_t ldx, int64_t M, int64_t G, int64_t gs, f
     }
 }
 
+// Prefetch units [u0, u0 + nu) of `np` panels into L2 (null panels skipped).
+void prefetch_units(const uint8_t* const* pan, int np, int64_t u0, int64_t nu, int B) {
+#if defined(__GNUC__)
+  for (int p = 0; p < np; ++p) {
+    if (pan[p] == nullptr) continue;
+    const uint8_t* b = pan[p] + u0 * 16 * B;
+    for (int64_t off = 0; off < nu * 16 * B; off += 64) __builtin_prefetch(b + off, 0, 2);
+  }
+#endif
+}
+
 // y[m, c] = cbuf[m * ldc + c] for c < cols (writes back a dense accumulator tile).
 void store_tile(const float* cbuf, int64_t ldc, int64_t rows, int64_t cols, float* y, int64_t ldy) {
   for (int64_t m = 0; m < rows; ++m) std::memcpy(y + m * ldy, cbuf + m * ldc, sizeof(float) * cols);
+}
+
+// Grain for at::parallel_for: enough items that one chunk carries >= ~2^17 multiply-adds, so small layers
+// run inline instead of paying an OpenMP fork/join (several microseconds) for a few microseconds of work.
+int64_t grain_for(int64_t macs_per_item) {
+  constexpr int64_t kMinMacs = int64_t{1} << 17;
+  return std::max<int64_t>(1, kMinMacs / std::max<int64_t>(1, macs_per_item));
 }
 
 struct Ctx {
@@ -348,14 +370,23 @@ constexpr int gemv_A(int mr) { return mr == 1 ? 2 : 1; }
 #elif AQ_AVX2
 constexpr int kItemPanels = 2;
 constexpr int gemv_P(int mr) { return mr == 1 ? 2 : 1; }
-constexpr int gemv_A(int mr) { return mr == 2 ? 2 : 1; }
+constexpr int gemv_A(int mr) { return mr <= 2 ? 2 : 1; }  // A=1 at m=1 was FMA-latency bound (-45%)
 #else
 constexpr int kItemPanels = 1;
 constexpr int gemv_P(int) { return 1; }
 constexpr int gemv_A(int) { return 1; }
 #endif
-constexpr int kGemvMR = 4;  // rows of x per pass over the weights
+// Rows of x per pass over the weights. With VNNI the GEMV only serves m <= 2 (path 3 wins from m = 3), so
+// only those variants are compiled (shorter build).
+#if AQ_AVX512 && defined(__AVX512VNNI__)
+constexpr int kGemvMR = 2;
+#else
+constexpr int kGemvMR = 4;
+#endif
 
+// Software prefetch distance (units ahead on each panel stream): at m = 1 the kernel streams the weights from
+// DRAM and the hardware prefetchers alone left ~10% of the bandwidth unused (measured 16..48, 24 best).
+constexpr int64_t kPrefetchUnits = 24;
 template <int B, int MR, int P, int A>
 void gemv_tile(const uint8_t* const* pan, const float* sT, const float* oT, int64_t lds, const float* x,
                int64_t ldx, const float* xs, int64_t G, int64_t upg, float* y, int64_t ldy, int64_t nvalid) {
@@ -370,6 +401,10 @@ void gemv_tile(const uint8_t* const* pan, const float* sT, const float* oT, int6
       const float* xk = x + 8 * u;
       sfor<P>([&](auto P_) {
         constexpr int p = AQ_CV(P_);
+#if defined(__GNUC__)
+        for (int l = 0; l < 16 * B; l += 64)
+          __builtin_prefetch(pan[p] + (u + kPrefetchUnits) * (16 * B) + l, 0, 3);
+#endif
         decode_unit<B>(pan[p] + u * (16 * B), [&](auto T, F16 w) {
           constexpr int t = AQ_CV(T);
           sfor<MR>([&](auto M_) {
@@ -428,7 +463,7 @@ void gemv_path(const Ctx& c) {
   // Work items: blocks of kItemPanels full panels, then single leftover panels (incl. the tail panel).
   const int64_t nblk = c.nfull / kItemPanels;
   const int64_t nitems = nblk + (c.npan - nblk * kItemPanels);
-  at::parallel_for(0, nitems, 1, [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, nitems, grain_for(16 * kItemPanels * c.K8 * M), [&](int64_t i0, int64_t i1) {
     for (int64_t it = i0; it < i1; ++it) {
       const int64_t p0 = it < nblk ? it * kItemPanels : nblk * kItemPanels + (it - nblk);
       const int64_t cnt = it < nblk ? kItemPanels : 1;
@@ -443,11 +478,12 @@ void gemv_path(const Ctx& c) {
         const float* x = pr.x + m0 * pr.ldx;
         const float* xsm = xs.data() + m0 * G;
         float* y = pr.y + m0 * pr.ldy + r0;
-        switch (std::min<int64_t>(kGemvMR, M - m0)) {
-          case 1: gemv_rows<B, 1>(c, pan, cnt, sT, oT, x, xsm, y, rows); break;
-          case 2: gemv_rows<B, 2>(c, pan, cnt, sT, oT, x, xsm, y, rows); break;
-          case 3: gemv_rows<B, 3>(c, pan, cnt, sT, oT, x, xsm, y, rows); break;
-          default: gemv_rows<B, 4>(c, pan, cnt, sT, oT, x, xsm, y, rows); break;
+        const int64_t mr = std::min<int64_t>(kGemvMR, M - m0);
+        if (mr == 1) gemv_rows<B, 1>(c, pan, cnt, sT, oT, x, xsm, y, rows);
+        else if (mr == 2) gemv_rows<B, 2>(c, pan, cnt, sT, oT, x, xsm, y, rows);
+        else if constexpr (kGemvMR == 4) {
+          if (mr == 3) gemv_rows<B, 3>(c, pan, cnt, sT, oT, x, xsm, y, rows);
+          else gemv_rows<B, 4>(c, pan, cnt, sT, oT, x, xsm, y, rows);
         }
       }
     }
@@ -472,6 +508,11 @@ constexpr int64_t kNCB = 8;   // micro-tiles dequantized together per k-slice (x
 // Rows of x per pass. Accumulators live in a dense [kMC x 32] buffer per micro-tile rather than in y, whose
 // row stride (often 16 KiB) would make all rows alias to the same cache sets.
 constexpr int64_t kMC = 240;
+// Rows per pass for m rows: at most kMC, split evenly (a multiple of `mult`) so no pass is a small remainder.
+int64_t row_chunk(int64_t m, int64_t mult) {
+  const int64_t passes = (m + kMC - 1) / kMC;
+  return std::min(kMC, ((m + passes - 1) / passes + mult - 1) / mult * mult);
+}
 
 // buf[(k - 8 * u0) * (16 * NP) + 16 * p + j] = W[row j of panel p, k] for units [u0, u0 + nu).
 template <int B, int NP>
@@ -549,7 +590,7 @@ void gemm_path(const Ctx& c) {
   const int64_t nthreads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t ncb = std::max<int64_t>(1, std::min<int64_t>(kNCB, (ntiles + nthreads - 1) / nthreads));
   const int64_t nblocks = (ntiles + ncb - 1) / ncb;
-  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, nblocks, grain_for(ncb * TW * K8 * M), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t t0 = b * ncb, nt = std::min(ncb, ntiles - t0);
       const int64_t R = nt * TW, r0 = t0 * TW, rows = std::min(R, c.N - r0);
@@ -562,14 +603,18 @@ void gemm_path(const Ctx& c) {
       std::vector<const uint8_t*> pan(static_cast<size_t>(nt * kNP));
       for (int64_t q = 0; q < nt * kNP; ++q) pan[q] = panel_ptr(c, t0 * kNP + q);
       float* wbuf = tl_wbuf.get<float>(nt * kKC * TW);
-      for (int64_t mc0 = 0; mc0 < M; mc0 += kMC) {
-        const int64_t mc = std::min(kMC, M - mc0);
+      const int64_t mcs = row_chunk(M, kMR);
+      for (int64_t mc0 = 0; mc0 < M; mc0 += mcs) {
+        const int64_t mc = std::min(mcs, M - mc0);
         float* cbuf = tl_cbuf.get<float>(nt * mc * TW);
         for (int64_t k0 = 0; k0 < K8; k0 += kKC) {
           const int64_t kc = std::min(kKC, K8 - k0);
           for (int64_t t = 0; t < nt; ++t)
             dequant<B, kNP>(pan.data() + t * kNP, sT + t * TW, oT + t * TW, R, kg.data(), k0 / 8, kc / 8,
                             wbuf + t * kKC * TW);
+          if (k0 + kc < K8)  // the next k-slice of all tiles arrives while this one computes
+            prefetch_units(pan.data(), static_cast<int>(nt * kNP), (k0 + kc) / 8,
+                           std::min(kKC, K8 - k0 - kc) / 8, B);
           for (int64_t t = 0; t < nt; ++t) {  // tile-outer: the dequantized tile stays in L1
             if (t * TW >= rows) break;
             for (int64_t m0 = 0; m0 < mc; m0 += kMR) {
@@ -592,7 +637,7 @@ void gemm_path(const Ctx& c) {
 // ---------------------------------------------------------------------------------------------
 // Integer GEMM path (AVX512-VNNI). vpdpwssd multiplies int16 pairs and accumulates exactly in int32 at the
 // issue rate of an fp32 FMA, i.e. twice the MACs (the same rate as the bf16 dot products oneDNN uses).
-// Codes are exact int16. x is quantized per (row, block of qb <= 128 columns inside one group) to 16-bit
+// Codes are exact int16. x is quantized per (row, block of qb <= 256 columns inside one group) to 16-bit
 // fixed point, x ~= sx * xq with |xq| <= 32767: an absolute error <= 2^-16 * max|x_block| per element
 // (for comparison, bf16 F.linear rounds every x and W element to 2^-9 relative).
 //   per block: y[m, n] += scale[n, g] * sx[m, b] * float(sum_k u[n, k] * xq[m, k])   (int32, exact)
@@ -611,6 +656,18 @@ void dequant_pairs(const uint8_t* const* pan, int64_t u0, int64_t nu, int32_t* i
       constexpr int p = AQ_CV(P_);
       if (pan[p] == nullptr) {
         for (int i = 0; i < 4; ++i) _mm512_storeu_si512(bu + i * 32 + 16 * p, _mm512_setzero_si512());
+        return;
+      }
+      if constexpr (B == 4) {
+        // Slot s holds k = 2s (low nibble) and 2s + 1 (high nibble): one shift and one ternary-logic op
+        // ((v | v << 12) & 0x000F000F) turn the zero-extended bytes into the int16 pairs.
+        const uint8_t* src = pan[p] + u * 64;
+        const __m512i mask = _mm512_set1_epi32(0x000F000F);
+        for (int s4 = 0; s4 < 4; ++s4) {
+          const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * s4)));
+          _mm512_storeu_si512(bu + s4 * 32 + 16 * p,
+                              _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), mask, 0xA8));
+        }
         return;
       }
       I16 lo{};
@@ -711,11 +768,13 @@ constexpr std::array<QMicroFn, sizeof...(Is)> qmicro_table(std::integer_sequence
 constexpr auto kQMicro = qmicro_table(std::make_integer_sequence<int, kQMR>{});
 
 // x [m, k] fp32 -> int16 (round to nearest) with one scale sx[m, b] per block of qb columns, stored as int32
-// pairs interleaved by row blocks: xp[((m / kQMR) * (K / 2) + k / 2) * kQMR + m % kQMR] = xq[m, k] | xq[m, k+1] << 16
-// so the micro-kernel reads one sequential stream (rows of a block padded with zeros).
-void quantize_x16(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t qb, int32_t* xp, float* sx) {
-  const int64_t nb = K / qb, nmb = (M + kQMR - 1) / kQMR;
-  at::parallel_for(0, nmb, 1, [&](int64_t mb0, int64_t mb1) {
+// pairs interleaved by row blocks so the micro-kernel reads one sequential stream (padding rows are zero):
+//   xp[((m / kQMR) * (K / 2) + k / 2) * kQMR + m % kQMR] = xq[m, k] | xq[m, k + 1] << 16
+// Also xs[m, g] = sum(x[m, group g]) (sum of the block sums; qb divides gs).
+void quantize_x16(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t qb, int64_t gs, int32_t* xp,
+                  float* sx, float* xs) {
+  const int64_t nb = K / qb, nmb = (M + kQMR - 1) / kQMR, G = K / gs;
+  at::parallel_for(0, nmb, grain_for(kQMR * K * 64), [&](int64_t mb0, int64_t mb1) {
     int16_t* row = tl_xrow.get<int16_t>(K);
     for (int64_t mb = mb0; mb < mb1; ++mb) {
       int32_t* dst = xp + mb * (K / 2) * kQMR;
@@ -725,13 +784,17 @@ void quantize_x16(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t qb,
           for (int64_t kp = 0; kp < K / 2; ++kp) dst[kp * kQMR + r] = 0;
           continue;
         }
+        for (int64_t g = 0; g < G; ++g) xs[m * G + g] = 0.f;
         for (int64_t b = 0; b < nb; ++b) {
           const float* xr = x + m * ldx + b * qb;
-          __m512 mx = _mm512_setzero_ps();
+          __m512 mx = _mm512_setzero_ps(), sum = _mm512_setzero_ps();
           for (int64_t i = 0; i < qb; i += 16) {
             const __mmask16 mk = static_cast<__mmask16>(qb - i >= 16 ? 0xFFFF : (1u << (qb - i)) - 1u);
-            mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_maskz_loadu_ps(mk, xr + i)));
+            const __m512 v = _mm512_maskz_loadu_ps(mk, xr + i);
+            mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
+            sum = _mm512_add_ps(sum, v);
           }
+          xs[m * G + b * qb / gs] += _mm512_reduce_add_ps(sum);
           const float amax = _mm512_reduce_max_ps(mx);
           sx[m * nb + b] = amax / 32767.f;
           const __m512 vinv = _mm512_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
@@ -755,22 +818,23 @@ template <int B>
 void qgemm_path(const Ctx& c) {
   const LowbitProblem& pr = *c.p;
   const int64_t G = c.G, M = c.M, K = pr.k, gs = pr.group_size;
-  // Block: the largest multiple of 8 dividing the group and <= 128 (keeps |int32 sums| < 128 * 255 * 32767).
+  // Block: the largest multiple of 8 dividing the group and <= 256, so |int32 sums| <= 256 * 255 * 32767 < 2^31.
   int64_t qb = 8;
-  for (int64_t d = 128; d >= 8; d -= 8)
+  for (int64_t d = 256; d >= 8; d -= 8)
     if (gs % d == 0) { qb = d; break; }
   const int64_t nb = K / qb, kcq = std::max(qb, kQKC / qb * qb);
   const int64_t nmb = (M + kQMR - 1) / kQMR;
-  std::vector<int32_t> xp(static_cast<size_t>(nmb * (K / 2) * kQMR));
-  std::vector<float> sx(static_cast<size_t>(M * nb)), xs(static_cast<size_t>(M * G));
-  quantize_x16(pr.x, pr.ldx, M, K, qb, xp.data(), sx.data());
-  group_sums(pr.x, pr.ldx, M, G, gs, xs.data());
+  // Per-call buffers from the calling thread's scratch: no zero-fill, no fresh pages on every call.
+  int32_t* xp = tl_xcall.get<int32_t>(nmb * (K / 2) * kQMR);
+  float* sx = tl_sxcall.get<float>(M * nb);
+  float* xs = tl_xscall.get<float>(M * G);
+  quantize_x16(pr.x, pr.ldx, M, K, qb, gs, xp, sx, xs);
   constexpr int64_t TW = 32;
   const int64_t ntiles = (c.npan + 1) / 2;
   const int64_t nthreads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t ncb = std::max<int64_t>(1, std::min<int64_t>(kNCB, (ntiles + nthreads - 1) / nthreads));
   const int64_t nblocks = (ntiles + ncb - 1) / ncb;
-  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, nblocks, grain_for(ncb * TW * K * M), [&](int64_t b0, int64_t b1) {
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t t0 = blk * ncb, nt = std::min(ncb, ntiles - t0);
       const int64_t R = nt * TW, r0 = t0 * TW, rows = std::min(R, c.N - r0);
@@ -780,20 +844,28 @@ void qgemm_path(const Ctx& c) {
       transpose_rows(pr.offset + r0 * G, G, rows, R, G, oT, R);
       const uint8_t* pan[2 * kNCB];
       for (int64_t q = 0; q < nt * 2; ++q) pan[q] = panel_ptr(c, t0 * 2 + q);
-      int32_t* ibuf = tl_wbuf.get<int32_t>(nt * kcq * 16);
-      for (int64_t mc0 = 0; mc0 < M; mc0 += kMC) {  // kMC is a multiple of kQMR
-        const int64_t mc = std::min(kMC, M - mc0);
+      int32_t* ibuf = tl_wbuf.get<int32_t>(kcq * 16);
+      const int64_t mcs = row_chunk(M, kQMR);  // a multiple of kQMR: passes start on row-block boundaries
+      for (int64_t mc0 = 0; mc0 < M; mc0 += mcs) {
+        const int64_t mc = std::min(mcs, M - mc0);
         float* cbuf = tl_cbuf.get<float>(nt * mc * TW);
         for (int64_t k0 = 0; k0 < K; k0 += kcq) {
           const int64_t kc = std::min(kcq, K - k0);
-          for (int64_t t = 0; t < nt; ++t) dequant_pairs<B>(pan + 2 * t, k0 / 8, kc / 8, ibuf + t * kcq * 16);
-          // Tile-outer: the 16 KiB code tile stays in L1 while the rows of x stream past it.
+          // Tile-outer: each 16 KiB tile of code pairs is expanded into L1 and stays there while the rows of
+          // x stream past it.
           for (int64_t t = 0; t < nt; ++t) {
             if (t * TW >= rows) break;
+            dequant_pairs<B>(pan + 2 * t, k0 / 8, kc / 8, ibuf);
+            // The codes of the next tile arrive from DRAM while this one computes (tiles are short, scattered
+            // streams that the hardware prefetchers do not pick up on their own).
+            if (t + 1 < nt && (t + 1) * TW < rows)
+              prefetch_units(pan + 2 * (t + 1), 2, k0 / 8, kc / 8, B);
+            else if (k0 + kc < K)
+              prefetch_units(pan, 2, (k0 + kc) / 8, std::min(kcq, K - k0 - kc) / 8, B);
             for (int64_t m0 = mc0; m0 < mc0 + mc; m0 += kQMR) {
               const QMicroFn fn = kQMicro[std::min<int64_t>(kQMR, mc0 + mc - m0) - 1];
-              QArgs a{xp.data() + (m0 / kQMR) * (K / 2) * kQMR + (k0 / 2) * kQMR, sx.data() + m0 * nb, nb,
-                      xs.data() + m0 * G, G, ibuf + t * kcq * 16, kc, k0, qb, gs, sT + t * TW, oT + t * TW, R,
+              QArgs a{xp + (m0 / kQMR) * (K / 2) * kQMR + (k0 / 2) * kQMR,
+                      sx + m0 * nb, nb, xs + m0 * G, G, ibuf, kc, k0, qb, gs, sT + t * TW, oT + t * TW, R,
                       cbuf + (t * mc + (m0 - mc0)) * TW, TW, k0 == 0, TW};
               fn(a);
             }
@@ -816,10 +888,11 @@ void run(const Ctx& c, int force_path) {
 #else
   constexpr bool has_vnni = false;
 #endif
+  const bool use_vnni = has_vnni && c.p->allow_int16_x;  // the caller decides (x dtype, environment)
   int path = force_path;
   // Measured on Zen 5: the fused GEMV wins up to 2 rows against the VNNI GEMM and up to ~8 rows against the
   // fp32 GEMM (each extra row costs the GEMV another pass of FMAs over the decoded weights).
-  if (path == 0) path = !gemv_ok ? 2 : c.M <= (has_vnni ? 2 : 8) ? 1 : has_vnni ? 3 : 2;
+  if (path == 0) path = !gemv_ok ? 2 : c.M <= (use_vnni ? 2 : 8) ? 1 : use_vnni ? 3 : 2;
   if (!gemv_ok || (path == 3 && !has_vnni)) path = 2;
   if (path == 1) gemv_path<B>(c);
 #if AQ_VNNI
@@ -828,9 +901,7 @@ void run(const Ctx& c, int force_path) {
   else gemm_path<B>(c);
 }
 
-}  // namespace
-
-void lowbit_linear_f32(const LowbitProblem& p, int force_path) {
+Ctx make_ctx(const LowbitProblem& p) {
   Ctx c;
   c.p = &p;
   c.B = p.bits;
@@ -843,19 +914,79 @@ void lowbit_linear_f32(const LowbitProblem& p, int force_path) {
   c.tail_w = p.n % 16;
   c.npan = c.nfull + (c.tail_w > 0 ? 1 : 0);
   c.panel_bytes = 16 * c.U * p.bits;
+  return c;
+}
+
+}  // namespace
+
+// The build compiles this file twice, with AQ_PART=1 (bits 1..4 + entry points) and AQ_PART=2 (bits 5..8),
+// so the two halves of the template instantiations compile in parallel. Without AQ_PART it is one TU.
+namespace detail {
+void run_bits_1_to_4(const LowbitProblem& p, int force_path);
+void run_bits_5_to_8(const LowbitProblem& p, int force_path);
+}  // namespace detail
+
+#if !defined(AQ_PART) || AQ_PART == 1
+void detail::run_bits_1_to_4(const LowbitProblem& p, int force_path) {
+  const Ctx c = make_ctx(p);
   switch (p.bits) {
     case 1: run<1>(c, force_path); break;
     case 2: run<2>(c, force_path); break;
     case 3: run<3>(c, force_path); break;
     case 4: run<4>(c, force_path); break;
+    default: break;
+  }
+}
+
+void lowbit_linear_f32(const LowbitProblem& p, int force_path) {
+  if (p.bits >= 1 && p.bits <= 4) detail::run_bits_1_to_4(p, force_path);
+  else if (p.bits >= 5 && p.bits <= 8) detail::run_bits_5_to_8(p, force_path);
+  // other values are rejected by the caller
+}
+
+const char* kernel_isa() { return kIsa; }
+
+void dequantize_f32(const uint8_t* packed, const float* scale, const float* offset, int bits, int64_t group_size,
+                    int64_t n, int64_t k, float* w) {
+  const int64_t U = (k + 7) / 8, G = k / group_size, panel_bytes = 16 * U * bits;
+  at::parallel_for(0, (n + 15) / 16, grain_for(16 * k), [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t width = std::min<int64_t>(16, n - 16 * p);
+      const uint8_t* base = packed + p * panel_bytes;
+      for (int64_t j = 0; j < width; ++j) {
+        const int64_t row = 16 * p + j;
+        for (int64_t kk = 0; kk < k; ++kk) {
+          const int64_t u = kk / 8, t = kk % 8;
+          const uint8_t* unit = base + u * width * bits;
+          int code = 0, shift = 0, slot0 = 0;  // planes: 8, or 4/2/1 for the set bits (low bits first)
+          for (int q : {8, 4, 2, 1}) {
+            if (bits == 8 ? q != 8 : (q == 8 || (bits & q) == 0)) continue;
+            const int per = 8 / q;
+            const int byte = unit[(slot0 + t / per) * width + j];
+            code |= ((byte >> ((t % per) * q)) & ((1 << q) - 1)) << shift;
+            shift += q;
+            slot0 += q;
+          }
+          const int64_t g = kk / group_size;
+          w[row * k + kk] = scale[row * G + g] * static_cast<float>(code) + offset[row * G + g];
+        }
+      }
+    }
+  });
+}
+#endif
+
+#if !defined(AQ_PART) || AQ_PART == 2
+void detail::run_bits_5_to_8(const LowbitProblem& p, int force_path) {
+  const Ctx c = make_ctx(p);
+  switch (p.bits) {
     case 5: run<5>(c, force_path); break;
     case 6: run<6>(c, force_path); break;
     case 7: run<7>(c, force_path); break;
     case 8: run<8>(c, force_path); break;
-    default: break;  // validated by the caller
+    default: break;
   }
 }
-
-const char* kernel_isa() { return kIsa; }
+#endif
 
 }  // namespace affineq

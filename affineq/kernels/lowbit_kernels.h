@@ -19,11 +19,16 @@ struct LowbitProblem {
   int64_t k;
   float* y;                // [m, n] fp32, row stride ldy (fully overwritten)
   int64_t ldy;
+  bool allow_int16_x = false;  // may the VNNI path round x to 16-bit fixed point (see lowbit_kernels.cpp)?
 };
 
 // Runs on torch's intra-op thread pool. force_path: 0 = heuristic, 1 = fused GEMV, 2 = dequant + fp32 GEMM,
 // 3 = dequant + int16 VNNI GEMM (AVX512-VNNI builds only; otherwise 2).
 void lowbit_linear_f32(const LowbitProblem& p, int force_path = 0);
+
+// w[n, k] = scale[n, k / gs] * u[n, k] + offset[n, k / gs] as fp32 [n, k] (portable code; used by backward).
+void dequantize_f32(const uint8_t* packed, const float* scale, const float* offset, int bits, int64_t group_size,
+                    int64_t n, int64_t k, float* w);
 
 // "avx512", "avx2" or "scalar": which SIMD path this build compiled.
 const char* kernel_isa();

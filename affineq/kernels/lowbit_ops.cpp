@@ -1,12 +1,17 @@
-// torch op binding: argument checks, dtype/layout plumbing and registration.
-// The schema of affineq::lowbit_linear is defined from Python (affineq/kernels/__init__.py) so that the op
-// exists, with a fake impl, even where this library cannot be built; this file adds the CPU kernel.
+// torch op binding: argument checks, dtype/layout plumbing, autograd and registration.
+// The schemas of affineq::lowbit_linear / affineq::lowbit_dequantize are defined from Python
+// (affineq/kernels/__init__.py) so that the ops exist, with fake impls, even where this library cannot be
+// built; this file adds the CPU kernels and the autograd kernel (in C++: a Python autograd kernel would add
+// ~8 us to every call, including no-grad inference).
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <string>
 
 #include "lowbit_kernels.h"
@@ -18,6 +23,17 @@ std::atomic<bool> g_disabled{false};
 
 int64_t packed_nbytes(int64_t n, int64_t k, int64_t bits) { return n * ((k + 7) / 8) * bits; }
 
+// AFFINEQ_KERNELS_INT16_X: "1" lets the VNNI GEMM (m >= 3) round x to 16-bit fixed point for every input
+// dtype, "0" never; unset ("auto"): only for bf16/fp16 x, whose output cast (2^-9 / 2^-12) dwarfs that error,
+// so fp32 x keeps fp32-exact products.
+bool allow_int16_x(at::ScalarType xt) {
+  const char* v = std::getenv("AFFINEQ_KERNELS_INT16_X");
+  const std::string mode = v != nullptr ? v : "auto";
+  if (mode == "1" || mode == "always") return true;
+  if (mode == "0" || mode == "never") return false;
+  return xt != at::kFloat;  // "auto"
+}
+
 at::Tensor lowbit_linear_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                               const at::Tensor& offset, int64_t bits, int64_t group_size, int64_t n, int64_t k,
                               int64_t path) {
@@ -26,8 +42,8 @@ at::Tensor lowbit_linear_impl(const at::Tensor& x, const at::Tensor& packed, con
               "affineq.kernels._set_disabled(True)); use affineq.kernels.lowbit_linear_reference instead");
   TORCH_CHECK(bits >= 1 && bits <= 8, "affineq::lowbit_linear: bits must be in [1, 8], got ", bits);
   TORCH_CHECK(n >= 0 && k > 0, "affineq::lowbit_linear: need n >= 0 and k > 0, got n=", n, ", k=", k);
-  TORCH_CHECK(group_size > 0 && k % group_size == 0, "affineq::lowbit_linear: group_size must divide k, got group_size=",
-              group_size, ", k=", k);
+  TORCH_CHECK(group_size > 0 && k % group_size == 0,
+              "affineq::lowbit_linear: group_size must divide k, got group_size=", group_size, ", k=", k);
   const auto xt = x.scalar_type();
   TORCH_CHECK(xt == at::kFloat || xt == at::kBFloat16 || xt == at::kHalf,
               "affineq::lowbit_linear: x must be float32, bfloat16 or float16, got ", xt);
@@ -75,6 +91,7 @@ at::Tensor lowbit_linear_impl(const at::Tensor& x, const at::Tensor& packed, con
     p.k = k;
     p.y = y.mutable_data_ptr<float>();
     p.ldy = n;
+    p.allow_int16_x = allow_int16_x(xt);
     lowbit_linear_f32(p, static_cast<int>(path));
   }
   std::vector<int64_t> out_sizes = x.sizes().vec();
@@ -82,9 +99,70 @@ at::Tensor lowbit_linear_impl(const at::Tensor& x, const at::Tensor& packed, con
   return y.to(xt).view(out_sizes);
 }
 
+at::Tensor lowbit_dequantize_cpu(const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& offset,
+                                 int64_t bits, int64_t group_size, int64_t n, int64_t k) {
+  TORCH_CHECK(bits >= 1 && bits <= 8, "affineq::lowbit_dequantize: bits must be in [1, 8], got ", bits);
+  TORCH_CHECK(n >= 0 && k > 0 && group_size > 0 && k % group_size == 0,
+              "affineq::lowbit_dequantize: need n >= 0, k > 0 and group_size dividing k, got n=", n, ", k=", k,
+              ", group_size=", group_size);
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.numel() == packed_nbytes(n, k, bits),
+              "affineq::lowbit_dequantize: packed must be uint8 with ", packed_nbytes(n, k, bits), " elements");
+  const int64_t G = k / group_size;
+  for (const at::Tensor* t : {&scale, &offset})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == n && t->size(1) == G,
+                "affineq::lowbit_dequantize: scale and offset must be float32 [n, k // group_size]");
+  const at::Tensor pk = packed.contiguous(), sc = scale.contiguous(), of = offset.contiguous();
+  at::Tensor w = at::empty({n, k}, scale.options());
+  if (n > 0)
+    dequantize_f32(pk.const_data_ptr<uint8_t>(), sc.const_data_ptr<float>(), of.const_data_ptr<float>(),
+                   static_cast<int>(bits), group_size, n, k, w.mutable_data_ptr<float>());
+  return w;
+}
+
 at::Tensor lowbit_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                              const at::Tensor& offset, int64_t bits, int64_t group_size, int64_t n, int64_t k) {
   return lowbit_linear_impl(x, packed, scale, offset, bits, group_size, n, k, 0);
+}
+
+// dL/dx = dL/dy @ W (W dequantized to fp32); codes, scale and offset get no gradient.
+// Both directions go through the dispatcher, so fake tensors (torch.compile / AOTAutograd) work too.
+class LowbitLinearFunction : public torch::autograd::Function<LowbitLinearFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& packed,
+                            const at::Tensor& scale, const at::Tensor& offset, int64_t bits, int64_t group_size,
+                            int64_t n, int64_t k) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("affineq::lowbit_linear", "")
+                         .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                           const at::Tensor&, int64_t, int64_t, int64_t, int64_t)>();
+    ctx->save_for_backward({packed, scale, offset});
+    ctx->saved_data["meta"] = std::vector<int64_t>{bits, group_size, n, k};
+    ctx->saved_data["dtype"] = static_cast<int64_t>(x.scalar_type());
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return op.call(x, packed, scale, offset, bits, group_size, n, k);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    static auto deq = c10::Dispatcher::singleton()
+                          .findSchemaOrThrow("affineq::lowbit_dequantize", "")
+                          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                                            int64_t, int64_t, int64_t)>();
+    const auto saved = ctx->get_saved_variables();
+    const auto meta = ctx->saved_data["meta"].toIntVector();
+    const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
+    at::Tensor gx;
+    if (ctx->needs_input_grad(0)) {
+      const at::Tensor w = deq.call(saved[0], saved[1], saved[2], meta[0], meta[1], meta[2], meta[3]);
+      gx = grads[0].to(at::kFloat).matmul(w).to(dtype);
+    }
+    return {gx, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor lowbit_linear_autograd(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                                  const at::Tensor& offset, int64_t bits, int64_t group_size, int64_t n, int64_t k) {
+  return LowbitLinearFunction::apply(x, packed, scale, offset, bits, group_size, n, k);
 }
 
 void set_disabled(bool flag) { g_disabled.store(flag); }
@@ -93,7 +171,12 @@ std::string isa() { return kernel_isa(); }
 }  // namespace
 }  // namespace affineq
 
-TORCH_LIBRARY_IMPL(affineq, CPU, m) { m.impl("lowbit_linear", &affineq::lowbit_linear_cpu); }
+TORCH_LIBRARY_IMPL(affineq, CPU, m) {
+  m.impl("lowbit_linear", &affineq::lowbit_linear_cpu);
+  m.impl("lowbit_dequantize", &affineq::lowbit_dequantize_cpu);
+}
+
+TORCH_LIBRARY_IMPL(affineq, Autograd, m) { m.impl("lowbit_linear", &affineq::lowbit_linear_autograd); }
 
 // Private helpers (tests/benchmarks): kill switch, compiled ISA, and forcing a path (1 = GEMV, 2 = GEMM).
 TORCH_LIBRARY(affineq_cpp, m) {

@@ -9,6 +9,9 @@ tensor with a one-time notice.
 
 from __future__ import annotations
 
+import hashlib
+import pickle
+
 import torch
 
 from affineq.dtypes import check_quant_range, float_range, is_float_target
@@ -218,6 +221,12 @@ class AffineQuantizedTensor(torch.Tensor):
     @classmethod
     def __tensor_unflatten__(cls, inner_tensors, spec, outer_size, outer_stride):
         return cls({k[1:]: v for k, v in inner_tensors.items()}, spec)
+
+    def _stable_hash_for_caching(self) -> str:
+        """Metadata hash for the AOT-autograd cache: spec plus the inner tensors' shapes, dtypes, devices."""
+        inner = [(n, tuple(t.shape), str(t.dtype), str(t.device)) for n, t in self.tensors.items()]
+        payload = pickle.dumps((tuple(self.shape), self.requires_grad, self.spec, inner))
+        return hashlib.blake2b(payload, digest_size=16).hexdigest()
 
     def _replace(self, spec: QuantSpec | None = None, **tensors: torch.Tensor) -> AffineQuantizedTensor:
         new = self.tensors

@@ -172,14 +172,14 @@ class Dense(PackingFormat):
 
     def dequantize(self, t, spec, output_dtype):
         n, k = spec.shape
-        u = _cpp.unpack_codes(t["qdata"], bit_width(spec.target_dtype), n, k).float()
-        g = spec.block_size[1]
-        w = u.view(n, k // g, g) * t["scale"].unsqueeze(-1) + t["offset"].unsqueeze(-1)
-        return w.view(n, k).to(output_dtype)
+        w = torch.ops.affineq.lowbit_dequantize(  # C++ when built, the same math in PyTorch otherwise
+            t["qdata"], t["scale"], t["offset"], bit_width(spec.target_dtype), spec.block_size[1], n, k
+        )
+        return w.to(output_dtype)
 
     def dequantize_rows(self, t, spec, rows, output_dtype):
         n, k = spec.shape
-        panel = _cpp._PANEL  # TODO(lead): public name once kernels/ settles
+        panel = _cpp.PANEL_ROWS
         if n % panel:
             return super().dequantize_rows(t, spec, rows, output_dtype)
         # Unpack only the 16-row panels that hold the requested rows (embedding lookups).

@@ -253,7 +253,7 @@ def _cat(func, args, kwargs):
                 f"cat: AffineQuantizedTensors must share target dtype, range, domain and format; got "
                 f"{tensors[0]!r} and {t!r}. Dequantize them first."
             )
-    return _blockwise(lambda parts, *a, **k: func(parts, *a, **k), tensors, args[1:], kwargs, listwise=True)
+    return _blockwise(func, tensors, args[1:], kwargs, listwise=True)
 
 
 def _family(spec):

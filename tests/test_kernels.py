@@ -1,0 +1,357 @@
+"""Tests for affineq.kernels: packing format, the C++ lowbit_linear op (all paths) and its Python face."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import affineq.kernels as K
+from affineq.kernels import _build
+
+REPO = Path(__file__).resolve().parents[1]
+
+# (n, k, group_size): ragged n (tail panel), group sizes 32/64/128/per-channel, groups that are not a multiple
+# of 8 (fp32 GEMM fallback), k not a multiple of 8 (padded units).
+CASES = [
+    (37, 96, 32),
+    (129, 384, 128),
+    (64, 256, 64),
+    (50, 200, 200),
+    (33, 72, 24),
+    (20, 30, 30),
+    (17, 40, 8),
+]
+MS = [1, 2, 3, 8, 33, 130]
+# Private path selector of the C++ op: 0 = heuristic, 1 = fused GEMV, 2 = fp32 GEMM, 3 = int16 VNNI GEMM
+# (falls back to 2 where unsupported).
+PATHS = [0, 1, 2, 3]
+
+
+def _needs_kernels() -> None:
+    if not K.is_available():
+        pytest.skip(f"C++ kernels unavailable: {K.unavailable_reason()}")
+
+
+def _problem(bits: int, n: int, k: int, gs: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8, generator=g)
+    scale = torch.rand(n, k // gs, generator=g) * 0.02 + 0.005
+    offset = -scale * (2 ** (bits - 1)) + 0.01 * torch.randn(n, k // gs, generator=g)
+    return codes, K.pack_codes(codes, bits), scale, offset
+
+
+def _exact(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, gs: int) -> torch.Tensor:
+    n, k = codes.shape
+    w = codes.double().view(n, k // gs, gs) * scale.double()[..., None] + offset.double()[..., None]
+    return x.double() @ w.view(n, k).T
+
+
+def _assert_close(out: torch.Tensor, exact: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    assert out.dtype == dtype, what
+    mag = exact.abs().max().item() + 1e-30
+    err = (out.double() - exact).abs()
+    if dtype == torch.float32:
+        # fp32 paths are ~1e-6; the forced int16 VNNI path rounds x to 2^-16 * block max (~2e-5 here)
+        assert err.max().item() <= 1e-4 * mag, f"{what}: max err {err.max().item():.3g} vs |y| {mag:.3g}"
+    else:
+        # only the final cast may round: half an ulp of the output dtype (+ fp32-level slack)
+        half_ulp = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11
+        bound = half_ulp * exact.abs() * 1.01 + 1e-4 * mag
+        assert bool((err <= bound).all()), f"{what}: max err {err.max().item():.3g}, |y| {mag:.3g}"
+
+
+# --------------------------------------------------------------------------------------------------------
+# Packing (pure PyTorch, no compiler needed)
+# --------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("n,k", [(33, 72), (16, 64), (1, 1), (17, 9), (48, 130), (0, 16), (5, 0)])
+def test_pack_unpack_roundtrip(bits: int, n: int, k: int) -> None:
+    codes = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8)
+    packed = K.pack_codes(codes, bits)
+    k8 = (k + 7) // 8 * 8
+    assert packed.dtype == torch.uint8 and packed.is_contiguous()
+    assert tuple(packed.shape) == (n, k8 // 8 * bits)
+    assert packed.numel() == K.packed_nbytes(n, k, bits) == n * k8 * bits // 8
+    # documented padding: only k is rounded up to a multiple of 8
+    dense = -(-n * k * bits // 8)
+    assert dense <= K.packed_nbytes(n, k, bits) <= dense + n * ((7 * bits + 7) // 8)
+    assert torch.equal(K.unpack_codes(packed, bits, n, k), codes)
+
+
+def test_packed_density_of_real_shapes() -> None:
+    for bits, per_elem in [(2, 0.25), (3, 0.375), (4, 0.5), (8, 1.0)]:
+        for n, k in [(4096, 4096), (11008, 4096), (4096, 11008)]:
+            assert K.packed_nbytes(n, k, bits) == n * k * per_elem
+
+
+def test_pack_layout_is_the_documented_one() -> None:
+    # int4, one full panel of 16 rows + a 3-row tail, one unit (k = 8): slot s, byte j = u[j, 2s] | u[j, 2s+1] << 4
+    n, k = 19, 8
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    flat = K.pack_codes(codes, 4).reshape(-1)
+    for rows, base, w in [(range(0, 16), 0, 16), (range(16, 19), 64, 3)]:
+        for s in range(4):
+            for j, r in enumerate(rows):
+                assert flat[base + s * w + j] == codes[r, 2 * s] | (codes[r, 2 * s + 1] << 4)
+    # int3 = 2-bit plane (bits 0-1, 2 slots of 4 codes) then 1-bit plane (bit 2, 1 slot of 8 codes)
+    codes = torch.randint(0, 8, (16, 8), dtype=torch.uint8)
+    flat = K.pack_codes(codes, 3).reshape(-1).long()
+    for j in range(16):
+        for t in range(8):
+            low = (flat[(t // 4) * 16 + j] >> (2 * (t % 4))) & 3
+            high = (flat[32 + j] >> t) & 1
+            assert low | (high << 2) == codes[j, t]
+
+
+def test_pack_rejects_bad_input() -> None:
+    with pytest.raises(ValueError, match="2\\*\\*bits"):
+        K.pack_codes(torch.full((2, 8), 16, dtype=torch.uint8), 4)
+    with pytest.raises(ValueError, match="uint8"):
+        K.pack_codes(torch.zeros(2, 8, dtype=torch.int32), 4)
+    with pytest.raises(ValueError, match="bits"):
+        K.pack_codes(torch.zeros(2, 8, dtype=torch.uint8), 9)
+    with pytest.raises(ValueError, match="packed"):
+        K.unpack_codes(torch.zeros(3, dtype=torch.uint8), 4, 2, 8)
+
+
+# --------------------------------------------------------------------------------------------------------
+# The op vs exact math, every bit width, path, dtype and ragged shape
+# --------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_lowbit_linear_all_paths(bits: int) -> None:
+    _needs_kernels()
+    op = torch.ops.affineq.lowbit_linear
+    path_op = torch.ops.affineq_cpp.lowbit_linear_path
+    for ci, (n, k, gs) in enumerate(CASES):
+        codes, packed, scale, offset = _problem(bits, n, k, gs, seed=bits * 100 + ci)
+        for m in MS:
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+            exact = _exact(x, codes, scale, offset, gs)
+            ref = K.lowbit_linear_reference(x, packed, scale, offset, bits, gs, n, k)
+            _assert_close(ref, exact, torch.float32, f"reference bits={bits} {n}x{k} gs={gs} m={m}")
+            _assert_close(op(x, packed, scale, offset, bits, gs, n, k), exact, torch.float32,
+                          f"op bits={bits} {n}x{k} gs={gs} m={m}")
+            for path in PATHS[1:]:
+                out = path_op(x, packed, scale, offset, bits, gs, n, k, path)
+                _assert_close(out, exact, torch.float32, f"path {path} bits={bits} {n}x{k} gs={gs} m={m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_lowbit_linear_half_inputs(bits: int, dtype: torch.dtype) -> None:
+    _needs_kernels()
+    path_op = torch.ops.affineq_cpp.lowbit_linear_path
+    for n, k, gs in CASES[:4]:
+        codes, packed, scale, offset = _problem(bits, n, k, gs)
+        for m in (1, 3, 33):
+            x = torch.randn(m, k).to(dtype)
+            exact = _exact(x, codes, scale, offset, gs)  # from the rounded x: the op must not round it further
+            for path in PATHS:
+                out = path_op(x, packed, scale, offset, bits, gs, n, k, path)
+                _assert_close(out, exact, dtype, f"{dtype} path {path} bits={bits} {n}x{k} m={m}")
+
+
+@pytest.mark.parametrize("bits,gs", [(4, 128), (8, 1024), (2, 64), (5, 32)])
+def test_lowbit_linear_multi_panel_shapes(bits: int, gs: int) -> None:
+    # several tile blocks per thread, a tail panel (n % 16), a partial 32-column tile and > 240 rows of x
+    _needs_kernels()
+    n, k = 16 * 17 + 5, 1024
+    codes, packed, scale, offset = _problem(bits, n, k, gs)
+    for m in (1, 7, 250):
+        x = torch.randn(m, k)
+        exact = _exact(x, codes, scale, offset, gs)
+        for path in PATHS:
+            out = torch.ops.affineq_cpp.lowbit_linear_path(x, packed, scale, offset, bits, gs, n, k, path)
+            _assert_close(out, exact, torch.float32, f"path {path} m={m}")
+
+
+def test_lowbit_linear_layouts_and_batch_dims() -> None:
+    _needs_kernels()
+    bits, n, k, gs = 4, 40, 64, 32
+    codes, packed, scale, offset = _problem(bits, n, k, gs)
+    op = torch.ops.affineq.lowbit_linear
+    base = torch.randn(2, 5, k)
+    y = op(base, packed, scale, offset, bits, gs, n, k)
+    assert y.shape == (2, 5, n)
+    _assert_close(y, _exact(base, codes, scale, offset, gs), torch.float32, "3-D x")
+    variants = {
+        "transposed": torch.randn(k, 6).T,
+        "sliced": torch.randn(6, 2 * k)[:, ::2],
+        "column slice": torch.randn(6, k + 10)[:, 5 : 5 + k],
+        "expanded": torch.randn(1, k).expand(4, k),
+        "1-D": torch.randn(k),
+    }
+    for name, x in variants.items():
+        out = op(x, packed, scale, offset, bits, gs, n, k)
+        assert out.shape == (*x.shape[:-1], n), name
+        assert torch.equal(out, op(x.contiguous(), packed, scale, offset, bits, gs, n, k)), name
+        _assert_close(out, _exact(x, codes, scale, offset, gs), torch.float32, name)
+    assert op(torch.randn(0, k), packed, scale, offset, bits, gs, n, k).shape == (0, n)
+
+
+def test_lowbit_linear_argument_errors() -> None:
+    _needs_kernels()
+    bits, n, k, gs = 4, 16, 64, 32
+    _, packed, scale, offset = _problem(bits, n, k, gs)
+    x = torch.randn(2, k)
+    op = torch.ops.affineq.lowbit_linear
+    bad = [
+        ((x.int(), packed, scale, offset, bits, gs, n, k), "x must be float32"),
+        ((torch.randn(2, k + 1), packed, scale, offset, bits, gs, n, k), "x must have shape"),
+        ((x, packed[:-1], scale, offset, bits, gs, n, k), "packed"),
+        ((x, packed.view(torch.int8), scale, offset, bits, gs, n, k), "packed"),
+        ((x, packed, scale.double(), offset, bits, gs, n, k), "scale"),
+        ((x, packed, scale, offset[:, :1], bits, gs, n, k), "offset"),
+        ((x, packed, scale, offset, 9, gs, n, k), "bits"),
+        ((x, packed, scale, offset, bits, 24, n, k), "group_size"),
+    ]
+    for args, msg in bad:
+        with pytest.raises((RuntimeError, ValueError), match=msg):
+            op(*args)
+        with pytest.raises((RuntimeError, ValueError), match=msg):
+            K.lowbit_linear_reference(*args)
+
+
+def test_int16_x_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    # fp32 x stays fp32-exact by default (the fp32 GEMM path); bf16/fp16 x may use the int16 VNNI path.
+    _needs_kernels()
+    bits, n, k, gs = 4, 40, 256, 128
+    codes, packed, scale, offset = _problem(bits, n, k, gs)
+    op, path_op = torch.ops.affineq.lowbit_linear, torch.ops.affineq_cpp.lowbit_linear_path
+    args = (packed, scale, offset, bits, gs, n, k)
+    x = torch.randn(33, k)
+    exact = _exact(x, codes, scale, offset, gs)
+    monkeypatch.delenv("AFFINEQ_KERNELS_INT16_X", raising=False)
+    out = op(x, *args)
+    assert torch.equal(out, path_op(x, *args, 2))
+    assert (out.double() - exact).abs().max().item() <= 1e-5 * exact.abs().max().item()
+    monkeypatch.setenv("AFFINEQ_KERNELS_INT16_X", "1")
+    assert torch.equal(op(x, *args), path_op(x, *args, 3))  # path 3 falls back to 2 without VNNI
+    xb = x.bfloat16()
+    monkeypatch.setenv("AFFINEQ_KERNELS_INT16_X", "0")
+    assert torch.equal(op(xb, *args), path_op(xb, *args, 2))
+    monkeypatch.setenv("AFFINEQ_KERNELS_INT16_X", "auto")
+    assert torch.equal(op(xb, *args), path_op(xb, *args, 3))
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_lowbit_dequantize_op(bits: int) -> None:
+    _needs_kernels()
+    for n, k, gs in CASES:
+        codes, packed, scale, offset = _problem(bits, n, k, gs)
+        w = torch.ops.affineq.lowbit_dequantize(packed, scale, offset, bits, gs, n, k)
+        exact = (codes.double().view(n, k // gs, gs) * scale.double()[..., None] + offset.double()[..., None])
+        torch.testing.assert_close(w.double(), exact.view(n, k), rtol=1e-6, atol=1e-7)
+
+
+def test_autograd_through_op() -> None:
+    _needs_kernels()
+    bits, n, k, gs = 4, 24, 64, 32
+    _, packed, scale, offset = _problem(bits, n, k, gs)
+    w = K._dequantize(packed, scale, offset, bits, gs, n, k)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(2, 3, k, dtype=dtype, requires_grad=True)
+        g = torch.randn(2, 3, n, dtype=dtype)
+        torch.ops.affineq.lowbit_linear(x, packed, scale, offset, bits, gs, n, k).backward(g)
+        assert x.grad.dtype == dtype and x.grad.shape == x.shape
+        torch.testing.assert_close(x.grad, (g.float() @ w).to(dtype))
+    with torch.no_grad():  # no graph when grad is off
+        assert not torch.ops.affineq.lowbit_linear(x, packed, scale, offset, bits, gs, n, k).requires_grad
+
+
+def test_opcheck() -> None:
+    _needs_kernels()
+    bits, n, k, gs = 4, 24, 64, 32
+    _, packed, scale, offset = _problem(bits, n, k, gs)
+    for x in (torch.randn(3, k), torch.randn(2, 3, k, dtype=torch.bfloat16), torch.randn(3, k, requires_grad=True)):
+        torch.library.opcheck(torch.ops.affineq.lowbit_linear.default, (x, packed, scale, offset, bits, gs, n, k))
+    torch.library.opcheck(torch.ops.affineq.lowbit_dequantize.default, (packed, scale, offset, bits, gs, n, k))
+
+
+def test_torch_compile_fullgraph() -> None:
+    _needs_kernels()
+    bits, n, k, gs = 4, 32, 64, 32
+    _, packed, scale, offset = _problem(bits, n, k, gs)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.affineq.lowbit_linear(x * 2, packed, scale, offset, bits, gs, n, k) + 1
+
+    x = torch.randn(4, k)
+    graphs = []
+
+    def capture(gm: torch.fx.GraphModule, example_inputs):  # records what Dynamo traced
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(f, fullgraph=True, backend=capture)(x), f(x))
+    assert len(graphs) == 1  # fullgraph=True would have raised on a break; one graph, one opaque op node
+    op = torch.ops.affineq.lowbit_linear
+    targets = [node.target for node in graphs[0].graph.nodes if node.op == "call_function"]
+    assert sum(t in (op, op.default) for t in targets) == 1
+    # through AOTAutograd + inductor (uses the fake impl for shapes, calls the C++ kernel at run time)
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(f, fullgraph=True)(x), f(x))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Availability switches
+# --------------------------------------------------------------------------------------------------------
+def test_disable_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    bits, n, k, gs = 4, 16, 32, 32
+    codes, packed, scale, offset = _problem(bits, n, k, gs)
+    x = torch.randn(2, k)
+    with K._set_disabled(True):
+        assert not K.is_available()
+        assert "_set_disabled" in K.unavailable_reason()
+        with pytest.raises(RuntimeError, match="disabled|unavailable"):
+            torch.ops.affineq.lowbit_linear(x, packed, scale, offset, bits, gs, n, k)
+        assert torch.equal(K.unpack_codes(K.pack_codes(codes, bits), bits, n, k), codes)
+        _assert_close(K.lowbit_linear_reference(x, packed, scale, offset, bits, gs, n, k),
+                      _exact(x, codes, scale, offset, gs), torch.float32, "reference while disabled")
+    monkeypatch.setenv("AFFINEQ_DISABLE_CPP_KERNELS", "1")
+    assert not K.is_available()
+    assert "AFFINEQ_DISABLE_CPP_KERNELS=1" in K.unavailable_reason()
+    with K._set_disabled(False):  # an explicit override beats the environment
+        assert K.is_available() == (K._lib_path is not None)
+    monkeypatch.delenv("AFFINEQ_DISABLE_CPP_KERNELS")
+    if K._lib_path is not None:
+        assert K.is_available() and K.unavailable_reason() is None
+        torch.ops.affineq.lowbit_linear(x, packed, scale, offset, bits, gs, n, k)  # re-enabled in C++ too
+
+
+def test_find_compiler_respects_cxx_and_path() -> None:
+    assert _build.find_compiler({"CXX": "/nonexistent/g++", "PATH": os.environ.get("PATH", "")}) is None
+    assert _build.find_compiler({"PATH": "/nonexistent"}) is None
+
+
+def test_no_compiler_reason_in_fresh_process(tmp_path: Path) -> None:
+    code = (
+        "import torch, affineq.kernels as K\n"
+        "assert not K.is_available()\n"
+        "print(K.unavailable_reason())\n"
+        "try:\n"
+        "    torch.ops.affineq.lowbit_linear(torch.randn(1, 8), torch.zeros(16, 4, dtype=torch.uint8),"
+        " torch.ones(16, 1), torch.zeros(16, 1), 4, 8, 16, 8)\n"
+        "except RuntimeError as e:\n"
+        "    print('ERR', e)\n"
+    )
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"), "AFFINEQ_CACHE_DIR": str(tmp_path),
+           "PYTHONPATH": str(REPO)}
+    env.pop("AFFINEQ_DISABLE_CPP_KERNELS", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "no C++ compiler found" in out.stdout
+    assert "ERR" in out.stdout and "unavailable" in out.stdout
+
+
+def test_kernel_info() -> None:
+    info = K.kernel_info()
+    assert info["available"] == K.is_available()
+    if info["available"]:
+        assert info["isa"] in ("avx512", "avx2", "scalar") and Path(info["library"]).exists()
