@@ -39,9 +39,12 @@ def _linear_bytes(model: nn.Module, dtype_bytes: int = 2) -> tuple[int, int]:
     seen = set()
     for m in model.modules():
         w = getattr(m, "weight", None)
-        if w is None or id(w) in seen or not (isinstance(m, nn.Linear) or type(m).__name__ == "Linear"):
+        if w is None or not (isinstance(m, nn.Linear) or type(m).__name__ == "Linear"):
             continue
-        seen.add(id(w))
+        key = id(m) if callable(w) else id(w)  # a bound method is a new object each time: key on the module
+        if key in seen:
+            continue
+        seen.add(key)
         if hasattr(w, "storage_bytes"):
             stored += w.storage_bytes()
             ref += w.numel() * dtype_bytes

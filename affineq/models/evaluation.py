@@ -80,12 +80,17 @@ def _is_hf(model: nn.Module) -> bool:
     return callable(getattr(model, "generate", None)) and hasattr(config, "model_type")
 
 
-def _logits(out: Any) -> torch.Tensor:
+def _model_output(out: Any, field: str) -> torch.Tensor:
+    """The main tensor of a model's output: itself, the HF output's `field`, or the first element."""
     if isinstance(out, torch.Tensor):
         return out
-    if hasattr(out, "logits"):
-        return out.logits
+    if hasattr(out, field):
+        return getattr(out, field)
     return out[0]
+
+
+def _logits(out: Any) -> torch.Tensor:
+    return _model_output(out, "logits")
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -186,11 +191,7 @@ def embed(model: nn.Module, tokenizer: Any, sentences: Sequence[str], batch_size
 
 
 def _last_hidden(out: Any) -> torch.Tensor:
-    if isinstance(out, torch.Tensor):
-        return out
-    if hasattr(out, "last_hidden_state"):
-        return out.last_hidden_state
-    return out[0]
+    return _model_output(out, "last_hidden_state")
 
 
 def embedding_similarity(ref: torch.Tensor, other: torch.Tensor) -> float:

@@ -9,8 +9,10 @@ tensor with a one-time notice.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import pickle
+from pathlib import Path
 
 import torch
 
@@ -25,6 +27,16 @@ from affineq.tensor.formats import get_format
 from affineq.tensor.spec import ActivationQuant, QuantSpec
 
 __all__ = ["AffineQuantizedTensor"]
+
+
+@functools.cache
+def _source_digest() -> str:
+    """Digest of the Python sources that run inside a compiled graph (affineq/**/*.py)."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.blake2b(digest_size=16)
+    for path in sorted(root.rglob("*.py")):
+        h.update(path.read_bytes())
+    return h.hexdigest()
 
 
 class AffineQuantizedTensor(torch.Tensor):
@@ -223,9 +235,11 @@ class AffineQuantizedTensor(torch.Tensor):
         return cls({k[1:]: v for k, v in inner_tensors.items()}, spec)
 
     def _stable_hash_for_caching(self) -> str:
-        """Metadata hash for the AOT-autograd cache: spec plus the inner tensors' shapes, dtypes, devices."""
+        """Key for torch.compile's on-disk caches: spec, inner tensors' shapes/dtypes/devices, and a digest of
+        affineq's own dispatch code, which those caches cannot see (an upgraded affineq must not reuse graphs
+        traced through the old one)."""
         inner = [(n, tuple(t.shape), str(t.dtype), str(t.device)) for n, t in self.tensors.items()]
-        payload = pickle.dumps((tuple(self.shape), self.requires_grad, self.spec, inner))
+        payload = pickle.dumps((tuple(self.shape), self.requires_grad, self.spec, inner, _source_digest()))
         return hashlib.blake2b(payload, digest_size=16).hexdigest()
 
     def _replace(self, spec: QuantSpec | None = None, **tensors: torch.Tensor) -> AffineQuantizedTensor:

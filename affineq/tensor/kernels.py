@@ -322,7 +322,8 @@ def _int_mm_check(x, w):
 
 @torch.library.custom_op("affineq::int_mm", mutates_args=())
 def _int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """torch._int_mm behind an opaque op: inductor 2.13 decomposes it wrongly for M = 1 (garbage sums)."""
+    """torch._int_mm behind an opaque op: inductor 2.13 passes a one-row `a` with row stride 0 to the CPU
+    kernel, which misreads it (garbage sums at M = 1)."""
     return torch._int_mm(a, b)
 
 
