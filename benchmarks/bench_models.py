@@ -191,7 +191,8 @@ def _report(rows: list[dict]) -> None:
             out.append(entry)
         print(f"\n{model_name}:")
         print(table(out, list(out[0])))
-    save_json("bench_models", {"rows": rows})
+    save_json("bench_models" if len({r["model"] for r in rows}) > 1 else f"bench_models_{rows[0]['model']}",
+              {"rows": rows})
     _plot(rows)
 
 
