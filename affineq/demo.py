@@ -215,6 +215,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     progress = not args.no_progress
     _progress_note(f"loading {name} ...")
     work = load_workload(name, new_tokens=args.tokens, eval_tokens=args.eval_tokens, progress=progress)
+    from affineq import kernels
+
+    _progress_note("preparing the C++ kernels (compiled once on first use, then cached) ...")
+    if not kernels.is_available():  # built here so that no row's quantize time includes the build
+        _progress_note(f"C++ kernels unavailable ({kernels.unavailable_reason()}): aten kernels and the "
+                       "announced dequantize fallback are used instead")
     configs = ["float32"] + [c for c in (args.config or DEFAULT_CONFIGS[name]) if c != "float32"]
     rows = []
     for c in configs:
