@@ -268,44 +268,27 @@ def _lowbit_run(x, w, bias):
 register_linear_kernel("affineq.lowbit_linear", ("dense",), _lowbit_check, _lowbit_run)
 
 
-# -- kernel: aten int4 tinygemm for CPU (bf16 compute) -------------------------------------------------
+# -- kernels: aten int4 tinygemm, CPU and CUDA (bf16 compute) -------------------------------------------
 
 
-def _int4_cpu_check(x, w):
-    return _common(x, w) or ("act_quant is set" if w.spec.act_quant is not None else None)
+def _int4_tinygemm(device: str, op) -> tuple[Check, Run]:
+    def check(x, w):
+        return _common(x, w, device) or ("act_quant is set" if w.spec.act_quant is not None else None)
+
+    def run(x, w, bias):
+        # The CPU kernel is vectorized for bf16 only (fp32 input is 25-100x slower, see benchmarks/README.md)
+        # and the CUDA one takes bf16 only, so the activation is computed in bf16.
+        sz = w._scale_and_zero.to(torch.bfloat16)
+        out = op(_flat(x).to(torch.bfloat16), w._qdata, w.spec.block_size[1], sz)
+        return _finish(out, x, bias)
+
+    return check, run
 
 
-def _int4_cpu_run(x, w, bias):
-    # aten's CPU int4 kernel is vectorized for bf16 only (fp32 input is ~45x slower on AVX2/AVX-512
-    # CPUs, see benchmarks/README.md), so the activation is computed in bf16.
-    sz = w._scale_and_zero.to(torch.bfloat16)
-    out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-        _flat(x).to(torch.bfloat16), w._qdata, w.spec.block_size[1], sz
-    )
-    return _finish(out, x, bias)
-
-
-register_linear_kernel("aten._weight_int4pack_mm_for_cpu", ("int4_cpu",), _int4_cpu_check, _int4_cpu_run)
-
-
-# -- kernel: aten int4 tinygemm for CUDA ----------------------------------------------------------------
-
-
-def _int4_cuda_check(x, w):
-    why = _common(x, w, "cuda")
-    if why is None and w.spec.act_quant is not None:
-        why = "act_quant is set"
-    return why
-
-
-def _int4_cuda_run(x, w, bias):
-    out = torch.ops.aten._weight_int4pack_mm(
-        _flat(x).to(torch.bfloat16), w._qdata, w.spec.block_size[1], w._scale_and_zero.to(torch.bfloat16)
-    )
-    return _finish(out, x, bias)
-
-
-register_linear_kernel("aten._weight_int4pack_mm", ("int4_cuda",), _int4_cuda_check, _int4_cuda_run)
+register_linear_kernel("aten._weight_int4pack_mm_for_cpu", ("int4_cpu",),
+                       *_int4_tinygemm("cpu", torch.ops.aten._weight_int4pack_mm_for_cpu))
+register_linear_kernel("aten._weight_int4pack_mm", ("int4_cuda",),
+                       *_int4_tinygemm("cuda", torch.ops.aten._weight_int4pack_mm))
 
 
 # -- kernel: aten int8 x int8 -> int32 (dynamic per-token activation) ----------------------------------

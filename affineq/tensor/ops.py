@@ -230,14 +230,10 @@ def _transpose2d(t: AQT) -> AQT:
 @implements(
     aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.slice.Tensor,
     aten.select.int, aten.index.Tensor, aten.unsqueeze.default, aten.squeeze.dim,
-    aten.expand.default, aten.flatten.using_ints,
+    aten.expand.default, aten.flatten.using_ints, aten.split.Tensor, aten.split_with_sizes.default,
+    aten.unbind.int,
 )
 def _structural(func, args, kwargs):
-    return _blockwise(func, [args[0]], args[1:], kwargs)
-
-
-@implements(aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int)
-def _split(func, args, kwargs):
     return _blockwise(func, [args[0]], args[1:], kwargs)
 
 
@@ -330,10 +326,8 @@ def _rebuild(base: AQT, p: dict[str, torch.Tensor], func) -> AQT:
         )
     corner = tuple(slice(None, None, b) for b in block)
     zp = p["zero_point"][corner] if "zero_point" in p else None
-    fmt = spec.fmt
-    new_spec = spec.replace(shape=tuple(p["codes"].shape), block_size=block, transposed=False, fmt=fmt)
-    if get_format(fmt).check(new_spec) is not None:
-        fmt = "plain"
+    new_spec = spec.replace(shape=tuple(p["codes"].shape), block_size=block, transposed=False)
+    fmt = spec.fmt if get_format(spec.fmt).check(new_spec) is None else "plain"
     return AQT.from_codes(
         p["codes"].contiguous(), p["scale"][corner], zp, block, spec.target_dtype, spec.quant_min,
         spec.quant_max, spec.zero_point_domain, dtype=spec.dtype, packing_format=fmt,
