@@ -176,6 +176,8 @@ class Int4WeightOnlyConfig(QuantConfig):
     Default: asymmetric uint4 with a float zero point (the tinygemm scheme, preserve_zero=False).
     packing_format: "auto" (C++ `dense` kernel on CPU, else aten `int4_cpu`; `int4_cuda` on GPU),
     "dense", "int4_cpu", "int4_cuda" or "plain".
+    scale_dtype: dtype of the scales and float zero points, bf16 by default (0.0625 B/param at group 64;
+    its 2^-9 rounding is ~1/100 of the int4 step) or fp32; the aten int4 layouts need bf16.
     """
 
     group_size: int = 128
@@ -183,6 +185,7 @@ class Int4WeightOnlyConfig(QuantConfig):
     mapping_type: MappingType = MappingType.ASYMMETRIC
     zero_point_domain: ZeroPointDomain = ZeroPointDomain.FLOAT
     preserve_zero: bool = False
+    scale_dtype: torch.dtype = torch.bfloat16
 
     def __post_init__(self):
         _check_group_size(self.group_size)
@@ -191,6 +194,10 @@ class Int4WeightOnlyConfig(QuantConfig):
         _check_choice("packing_format", self.packing_format, ("auto", "dense", "int4_cpu", "int4_cuda", "plain"))
         if self.packing_format.startswith("int4_") and self.group_size not in (32, 64, 128, 256):
             raise ValueError(f"packing_format={self.packing_format!r} needs group_size 32, 64, 128 or 256")
+        _check_choice("scale_dtype", self.scale_dtype, (torch.bfloat16, torch.float32))
+        if self.packing_format.startswith("int4_") and self.scale_dtype != torch.bfloat16:
+            raise ValueError(f"packing_format={self.packing_format!r} stores bf16 scales: use "
+                             "scale_dtype=torch.bfloat16 (or packing_format='dense' for fp32 scales)")
 
     def _block_size(self, shape, module):
         return _row_block(shape, self.group_size)
@@ -199,12 +206,13 @@ class Int4WeightOnlyConfig(QuantConfig):
         fmt = self.packing_format
         if fmt == "auto":
             fmt = "int4_cuda" if weight.device.type == "cuda" else _auto_lowbit_format(fmt, weight, "int4_cpu")
+            if fmt.startswith("int4_") and self.scale_dtype != torch.bfloat16:
+                fmt = "plain" if weight.device.type == "cuda" else "dense"
         signed = self.mapping_type is not MappingType.ASYMMETRIC
         return AffineQuantizedTensor.from_float(
             weight, self.mapping_type, self._block_size(tuple(weight.shape), module),
             torch.int4 if signed else torch.uint4,
-            scale_dtype=torch.bfloat16 if fmt.startswith("int4_") else torch.float32,
-            zero_point_dtype=None, preserve_zero=self.preserve_zero,
+            scale_dtype=self.scale_dtype, zero_point_dtype=None, preserve_zero=self.preserve_zero,
             zero_point_domain=ZeroPointDomain.NONE if signed else self.zero_point_domain,
             packing_format=fmt,
         )
@@ -339,12 +347,18 @@ def _check_float8(name: str, dtype: torch.dtype) -> None:
 
 @dataclass(frozen=True)
 class Float8WeightOnlyConfig(QuantConfig):
-    """float8 weights with one scale per output row (scale = amax / finfo.max); activations stay float."""
+    """float8 weights with one scale per output row (scale = amax / finfo.max); activations stay float.
+
+    packing_format: "auto" (the C++ `dense` kernel on CPU when it builds, which decodes the float8 bytes in
+    registers; else `plain`), "dense" or "plain".
+    """
 
     weight_dtype: torch.dtype = torch.float8_e4m3fn
+    packing_format: str = "auto"
 
     def __post_init__(self):
         _check_float8("weight_dtype", self.weight_dtype)
+        _check_choice("packing_format", self.packing_format, ("auto", "dense", "plain"))
 
     def _block_size(self, shape, module):
         return get_block_size(shape, PerRow())
@@ -353,6 +367,7 @@ class Float8WeightOnlyConfig(QuantConfig):
         return AffineQuantizedTensor.from_float(
             weight, MappingType.SYMMETRIC, self._block_size(tuple(weight.shape), module), self.weight_dtype,
             scale_dtype=torch.float32, zero_point_domain=ZeroPointDomain.NONE,
+            packing_format=_auto_lowbit_format(self.packing_format, weight, "plain"),
         )
 
 

@@ -29,6 +29,7 @@ def test_model_bytes_counts_stored_bytes_once():
     m[1].weight = m[0].weight
     assert model_bytes(m) == 256 * 256 * 4
     quantize_(m, Int4WeightOnlyConfig(group_size=128))
-    assert model_bytes(m) == m[0].weight.storage_bytes() == 256 * 256 // 2 + 256 * 2 * 8
-    assert quantized_bytes_per_param(m) == 0.5625
+    # 0.5 B per code, bf16 scale and zero per group of 128 (2 groups per row)
+    assert model_bytes(m) == m[0].weight.storage_bytes() == 256 * 256 // 2 + 256 * 2 * 4
+    assert quantized_bytes_per_param(m) == 0.53125
     assert torch.equal(m[0].weight.qdata, m[1].weight.qdata)

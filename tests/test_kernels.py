@@ -137,7 +137,7 @@ def test_lowbit_linear_all_paths(bits: int) -> None:
             _assert_close(op(x, packed, scale, offset, bits, gs, n, k), exact, torch.float32,
                           f"op bits={bits} {n}x{k} gs={gs} m={m}")
             for path in PATHS[1:]:
-                out = path_op(x, packed, scale, offset, bits, gs, n, k, path)
+                out = path_op(x, packed, scale, offset, bits, gs, n, k, 0, path)
                 _assert_close(out, exact, torch.float32, f"path {path} bits={bits} {n}x{k} gs={gs} m={m}")
 
 
@@ -152,7 +152,7 @@ def test_lowbit_linear_half_inputs(bits: int, dtype: torch.dtype) -> None:
             x = torch.randn(m, k).to(dtype)
             exact = _exact(x, codes, scale, offset, gs)  # from the rounded x: the op must not round it further
             for path in PATHS:
-                out = path_op(x, packed, scale, offset, bits, gs, n, k, path)
+                out = path_op(x, packed, scale, offset, bits, gs, n, k, 0, path)
                 _assert_close(out, exact, dtype, f"{dtype} path {path} bits={bits} {n}x{k} m={m}")
 
 
@@ -166,8 +166,101 @@ def test_lowbit_linear_multi_panel_shapes(bits: int, gs: int) -> None:
         x = torch.randn(m, k)
         exact = _exact(x, codes, scale, offset, gs)
         for path in PATHS:
-            out = torch.ops.affineq_cpp.lowbit_linear_path(x, packed, scale, offset, bits, gs, n, k, path)
+            out = torch.ops.affineq_cpp.lowbit_linear_path(x, packed, scale, offset, bits, gs, n, k, 0, path)
             _assert_close(out, exact, torch.float32, f"path {path} m={m}")
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_lowbit_linear_bf16_qparams(bits: int) -> None:
+    # bf16 scale and zero, the tinygemm convention: W = scale * (u - 2^(bits-1)) + zero
+    _needs_kernels()
+    path_op = torch.ops.affineq_cpp.lowbit_linear_path
+    for n, k, gs in CASES[:5]:
+        codes, packed, scale, _ = _problem(bits, n, k, gs)
+        scale = scale.bfloat16()
+        zero = (0.01 * torch.randn(n, k // gs)).bfloat16()
+        offset64 = zero.double() - 2 ** (bits - 1) * scale.double()
+        w = torch.ops.affineq.lowbit_dequantize(packed, scale, zero, bits, gs, n, k)
+        exact_w = codes.double().view(n, k // gs, gs) * scale.double()[..., None] + offset64[..., None]
+        torch.testing.assert_close(w.double(), exact_w.view(n, k), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(K._dequantize(packed, scale, zero, bits, gs, n, k), w, rtol=1e-6, atol=1e-7)
+        for m, dtype in ((1, torch.float32), (5, torch.float32), (33, torch.float32), (33, torch.bfloat16)):
+            x = torch.randn(m, k).to(dtype)
+            exact = _exact(x, codes, scale.double(), offset64, gs)
+            for path in PATHS:
+                _assert_close(path_op(x, packed, scale, zero, bits, gs, n, k, 0, path), exact, dtype,
+                              f"bf16 qparams path {path} bits={bits} {n}x{k} gs={gs} m={m}")
+
+
+@pytest.mark.parametrize("codes_kind,fp8", [(K.CODES_E4M3, torch.float8_e4m3fn), (K.CODES_E5M2, torch.float8_e5m2)])
+def test_lowbit_linear_float8_codes(codes_kind: int, fp8: torch.dtype) -> None:
+    _needs_kernels()
+    path_op = torch.ops.affineq_cpp.lowbit_linear_path
+    # every finite byte (normals, subnormals, +-0) decodes exactly, in the dequantize op and in both fp32 paths
+    byte = torch.arange(256, dtype=torch.uint8)
+    finite = byte[torch.isfinite(byte.view(fp8).float())]
+    u = finite[: finite.numel() // 16 * 16].view(-1, 16)
+    n, k = u.shape
+    packed = K.pack_codes(u, 8)
+    ones, zeros = torch.ones(n, 1), torch.zeros(n, 1)
+    values = u.view(fp8).float()
+    assert torch.equal(torch.ops.affineq.lowbit_dequantize(packed, ones, zeros, 8, k, n, k, codes_kind), values)
+    for path in (1, 2):
+        assert torch.equal(path_op(torch.eye(k), packed, ones, zeros, 8, k, n, k, codes_kind, path).T, values)
+    # random weights on odd shapes, every path (path 3 is integer-only and falls back to 2)
+    for n, k, gs in CASES:
+        w8 = (torch.randn(n, k) * 40).to(fp8)
+        scale = torch.rand(n, k // gs) + 0.1
+        offset = 0.1 * torch.randn(n, k // gs)
+        packed = K.pack_codes(w8.view(torch.uint8), 8)
+        exact_w = w8.double().view(n, k // gs, gs) * scale.double()[..., None] + offset.double()[..., None]
+        for m, dtype in ((1, torch.float32), (3, torch.float32), (33, torch.float32), (33, torch.bfloat16)):
+            x = torch.randn(m, k).to(dtype)
+            exact = x.double() @ exact_w.view(n, k).T
+            for path in PATHS:
+                _assert_close(path_op(x, packed, scale, offset, 8, gs, n, k, codes_kind, path), exact, dtype,
+                              f"{fp8} path {path} {n}x{k} gs={gs} m={m}")
+            _assert_close(K.lowbit_linear_reference(x, packed, scale, offset, 8, gs, n, k, codes_kind), exact,
+                          dtype, f"{fp8} reference")
+    x = torch.randn(2, k)
+    packed4 = K.pack_codes(torch.zeros(n, k, dtype=torch.uint8), 4)
+    for bad, msg in (((x, packed4, scale, offset, 4, gs, n, k, codes_kind), "codes"),
+                     ((x, packed, scale.bfloat16(), offset.bfloat16(), 8, gs, n, k, codes_kind), "integer codes")):
+        with pytest.raises((RuntimeError, ValueError), match=msg):
+            torch.ops.affineq.lowbit_linear(*bad)
+        with pytest.raises((RuntimeError, ValueError), match=msg):
+            K.lowbit_linear_reference(*bad)
+
+
+def test_portable_scalar_build_matches(tmp_path: Path) -> None:
+    # The scalar (no SIMD) build, as on a CPU without AVX2: integer, bf16-qparam and float8 codes.
+    if sys.platform != "linux" or _build.find_compiler(dict(os.environ)) is None:
+        pytest.skip("needs a C++ compiler on Linux")
+    code = (
+        "import torch, affineq.kernels as K\n"
+        "assert K.kernel_info()['isa'] == 'scalar', K.kernel_info()\n"
+        "P = torch.ops.affineq_cpp.lowbit_linear_path\n"
+        "n, k, gs = 37, 72, 24\n"
+        "for bits, kind, qd in ((3, 0, torch.float32), (4, 0, torch.bfloat16), (8, 1, torch.float32),"
+        " (8, 2, torch.float32)):\n"
+        "    u = torch.randint(0, 2 ** bits, (n, k), dtype=torch.uint8)\n"
+        "    if kind:\n"
+        "        u = (torch.randn(n, k) * 9).to([None, torch.float8_e4m3fn, torch.float8_e5m2][kind])"
+        ".view(torch.uint8)\n"
+        "    s, o = (torch.rand(n, k // gs) + 0.1).to(qd), torch.randn(n, k // gs).to(qd)\n"
+        "    pk = K.pack_codes(u, bits)\n"
+        "    for m in (1, 5, 33):\n"
+        "        x = torch.randn(m, k)\n"
+        "        ref = K.lowbit_linear_reference(x, pk, s, o, bits, gs, n, k, kind)\n"
+        "        for path in (1, 2):\n"
+        "            torch.testing.assert_close(P(x, pk, s, o, bits, gs, n, k, kind, path), ref, rtol=1e-5,"
+        " atol=1e-4)\n"
+        "print('ok')\n"
+    )
+    env = {**os.environ, "AFFINEQ_CPP_MARCH": "x86-64", "AFFINEQ_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(REPO)}
+    env.pop("AFFINEQ_DISABLE_CPP_KERNELS", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr
 
 
 def test_lowbit_linear_layouts_and_batch_dims() -> None:
@@ -228,15 +321,15 @@ def test_int16_x_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     exact = _exact(x, codes, scale, offset, gs)
     monkeypatch.delenv("AFFINEQ_KERNELS_INT16_X", raising=False)
     out = op(x, *args)
-    assert torch.equal(out, path_op(x, *args, 2))
+    assert torch.equal(out, path_op(x, *args, 0, 2))
     assert (out.double() - exact).abs().max().item() <= 1e-5 * exact.abs().max().item()
     monkeypatch.setenv("AFFINEQ_KERNELS_INT16_X", "1")
-    assert torch.equal(op(x, *args), path_op(x, *args, 3))  # path 3 falls back to 2 without VNNI
+    assert torch.equal(op(x, *args), path_op(x, *args, 0, 3))  # path 3 falls back to 2 without VNNI
     xb = x.bfloat16()
     monkeypatch.setenv("AFFINEQ_KERNELS_INT16_X", "0")
-    assert torch.equal(op(xb, *args), path_op(xb, *args, 2))
+    assert torch.equal(op(xb, *args), path_op(xb, *args, 0, 2))
     monkeypatch.setenv("AFFINEQ_KERNELS_INT16_X", "auto")
-    assert torch.equal(op(xb, *args), path_op(xb, *args, 3))
+    assert torch.equal(op(xb, *args), path_op(xb, *args, 0, 3))
 
 
 @pytest.mark.parametrize("bits", range(1, 9))

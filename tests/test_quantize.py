@@ -45,7 +45,8 @@ CASES = {
     "int3_g32": (IntxWeightOnlyConfig(torch.int3, PerGroup(32)), 12, 10, LOWBIT),
     "uint2_axis": (IntxWeightOnlyConfig(torch.uint2, PerAxis(0), affineq.MappingType.ASYMMETRIC), 4, 3,
                    LOWBIT),
-    "fp8_weight": (Float8WeightOnlyConfig(), 28, 26, "dequantize:linear"),
+    "fp8_weight": (Float8WeightOnlyConfig(), 28, 26, LOWBIT),
+    "fp8_e5m2_weight": (Float8WeightOnlyConfig(torch.float8_e5m2), 22, 20, LOWBIT),
     "fp8_dyn_row": (Float8DynamicActivationFloat8WeightConfig(), 28, 24, "aten._scaled_mm"),
     "fp8_dyn_tensor": (Float8DynamicActivationFloat8WeightConfig(granularity=PerTensor()), 25, 22,
                        "aten._scaled_mm"),
@@ -90,12 +91,17 @@ def test_config_numerics_kernel_and_size(name, dtype):
 
 
 def test_bytes_per_parameter():
-    for config, limit in [(Int4WeightOnlyConfig(group_size=128), 0.57), (Int8WeightOnlyConfig(), 1.02),
-                          (Int4WeightOnlyConfig(group_size=128, packing_format="int4_cpu"), 0.57),
-                          (IntxWeightOnlyConfig(torch.int2, PerGroup(64)), 0.39)]:
+    # int4: 0.5 B of codes + 2 x 2 B (bf16 scale, zero) per group; others: codes + 2 x 4 B (fp32 scale, offset)
+    for config, expected in [(Int4WeightOnlyConfig(group_size=128), 0.53125), (Int8WeightOnlyConfig(), 1 + 8 / 4096),
+                             (Int4WeightOnlyConfig(group_size=64), 0.5625),
+                             (Int4WeightOnlyConfig(group_size=64, scale_dtype=torch.float32), 0.625),
+                             (Int4WeightOnlyConfig(group_size=128, packing_format="int4_cpu"), 0.53125),
+                             (IntxWeightOnlyConfig(torch.int2, PerGroup(64)), 0.25 + 8 / 64),
+                             (Float8WeightOnlyConfig(), 1 + 8 / 4096)]:
         m = nn.Sequential(nn.Linear(4096, 1024, bias=False))
         quantize_(m, config)
-        assert m[0].weight.storage_bytes() / m[0].weight.numel() <= limit, config
+        if m[0].weight.packing_format in ("dense", "int4_cpu"):
+            assert m[0].weight.storage_bytes() / m[0].weight.numel() == expected, config
 
 
 def test_gaussian_weight_sqnr_thresholds_of_the_issue():
@@ -109,7 +115,7 @@ def test_gaussian_weight_sqnr_thresholds_of_the_issue():
 
 
 def test_fallback_for_fp8_weight_only_is_announced():
-    model = quantize_(make_mlp(), Float8WeightOnlyConfig())
+    model = quantize_(make_mlp(), Float8WeightOnlyConfig(packing_format="plain"))
     with pytest.warns(KernelFallbackWarning, match="dequantize-then-linear"):
         model(torch.randn(2, 256))
 

@@ -1,11 +1,16 @@
 """Weight-only low-bit linear kernels for CPU: ``torch.ops.affineq.lowbit_linear``.
 
-Math (format-agnostic "scale + offset over unsigned codes"): the weight ``W [n, k]`` is stored as codes
-``u[n, k]`` in ``[0, 2**bits)``, ``bits`` in 1..8, with fp32 ``scale[n, g]`` and ``offset[n, g]`` for
-``g = k // group_size``::
+Math (format-agnostic "scale + offset over codes"): the weight ``W [n, k]`` is stored as codes
+``u[n, k]`` in ``[0, 2**bits)``, ``bits`` in 1..8, with ``scale[n, g]`` and ``offset[n, g]`` (both fp32 or
+both bf16) for ``g = k // group_size``::
 
-    W[n, k] = scale[n, k // group_size] * u[n, k] + offset[n, k // group_size]
-    y = x @ W.T = sum_g scale[:, g] * (x_g @ u_g.T) + offset[:, g] * x_g.sum(-1)
+    W[n, k] = scale[n, k // group_size] * c(u[n, k]) + offset[n, k // group_size]
+    y = x @ W.T = sum_g scale[:, g] * (x_g @ c(u_g).T) + offset[:, g] * x_g.sum(-1)
+
+where ``c(u) = u`` for ``codes=CODES_UINT`` and, with ``bits=8``, the float8 value of the byte ``u`` for
+``CODES_E4M3`` (``torch.float8_e4m3fn``) or ``CODES_E5M2`` (``torch.float8_e5m2``). bf16 qparams (integer
+codes only) follow the tinygemm convention instead: ``offset`` holds the zero ``z`` and
+``W = scale * (u - 2**(bits - 1)) + z``, so a bf16 float zero point is stored exactly.
 
 Packed layout (``pack_codes``; a uint8 tensor of shape ``[n, ceil(k / 8) * bits]``):
 
@@ -30,7 +35,7 @@ Kernels (chosen per call; x of any float dtype is converted to fp32 first, the o
   registers, scale and offset applied once per group; streams the packed weights once (memory-bound).
 * larger m: a [256 x 32] tile of W is expanded into L1 and reused by all rows of x; an fp32 FMA micro-kernel
   runs on it. fp32 products, fp32 accumulation: results match ``lowbit_linear_reference`` to ~1e-6.
-* larger m, AVX512-VNNI CPUs, bf16/fp16 x (by default): the tile holds exact int16 code pairs and
+* larger m, AVX512-VNNI CPUs, bf16/fp16 x (by default; integer codes only): the tile holds exact int16 code pairs and
   ``vpdpwssd`` (2 MACs per lane, i.e. the bf16 ``F.linear`` rate) multiplies them with x rounded to 16-bit
   fixed point per (row, block of <= 256 columns inside a group): per element error <= 2**-16 *
   max|x_block|, ~1e-5 relative in y, far below the bf16/fp16 output rounding. ``AFFINEQ_KERNELS_INT16_X=1``
@@ -59,10 +64,26 @@ __all__ = [
     "unpack_codes",
     "packed_nbytes",
     "lowbit_linear_reference",
+    "CODES_UINT",
+    "CODES_E4M3",
+    "CODES_E5M2",
+    "codes_kind",
 ]
 
 #: Rows per packed panel: rows [16p, 16p + 16) of ``pack_codes`` output are exactly panel p's bytes.
 PANEL_ROWS = 16
+
+#: The ``codes`` argument of the ops: what a stored code means (integers, or float8 bytes with bits=8).
+CODES_UINT, CODES_E4M3, CODES_E5M2 = 0, 1, 2
+_FP8_CODES = {CODES_E4M3: torch.float8_e4m3fn, CODES_E5M2: torch.float8_e5m2}
+
+
+def codes_kind(dtype: torch.dtype) -> int:
+    """The ``codes`` value for codes of ``dtype``: float8 dtypes map to their kind, integers to CODES_UINT."""
+    for kind, d in _FP8_CODES.items():
+        if d == dtype:
+            return kind
+    return CODES_UINT
 _PANEL = PANEL_ROWS  # older private alias
 
 _ENV_DISABLE = "AFFINEQ_DISABLE_CPP_KERNELS"
@@ -192,9 +213,12 @@ def unpack_codes(packed: torch.Tensor, bits: int, n: int, k: int) -> torch.Tenso
 # Reference implementation and argument checks
 # --------------------------------------------------------------------------------------------------------
 def _check_args(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int,
-                group_size: int, n: int, k: int) -> None:
+                group_size: int, n: int, k: int, codes: int = CODES_UINT) -> None:
     """Same rules as the C++ binding (ValueError naming the offending argument)."""
     _check_bits(bits)
+    if codes != CODES_UINT and not (codes in _FP8_CODES and bits == 8):
+        raise ValueError(f"lowbit_linear: codes must be 0 (unsigned integers), 1 (float8_e4m3fn) or 2 (float8_e5m2, "
+                         f"both with bits=8), got codes={codes}, bits={bits}")
     if n < 0 or k <= 0:
         raise ValueError(f"lowbit_linear: need n >= 0 and k > 0, got n={n}, k={k}")
     if group_size <= 0 or k % group_size:
@@ -208,23 +232,33 @@ def _check_args(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offs
                          f"(pack_codes output), got {packed.dtype} with {packed.numel()}")
     g = k // group_size
     for name, t in (("scale", scale), ("offset", offset)):
-        if t.dtype != torch.float32 or tuple(t.shape) != (n, g):
-            raise ValueError(f"lowbit_linear: {name} must be float32 of shape [n, k // group_size] = [{n}, {g}], "
-                             f"got {t.dtype} {tuple(t.shape)}")
+        if t.dtype not in (torch.float32, torch.bfloat16) or tuple(t.shape) != (n, g):
+            raise ValueError(f"lowbit_linear: {name} must be float32 or bfloat16 of shape [n, k // group_size] = "
+                             f"[{n}, {g}], got {t.dtype} {tuple(t.shape)}")
+    if scale.dtype != offset.dtype:
+        raise ValueError(f"lowbit_linear: scale and offset must share a dtype, got {scale.dtype} and {offset.dtype}")
+    if scale.dtype == torch.bfloat16 and codes != CODES_UINT:
+        raise ValueError("lowbit_linear: bfloat16 qparams (the W = scale * (u - 2**(bits-1)) + zero convention) "
+                         "need integer codes")
 
 
 def _dequantize(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int, group_size: int,
-                n: int, k: int) -> torch.Tensor:
-    """fp32 W [n, k] = scale * u + offset (per group)."""
-    u = unpack_codes(packed, bits, n, k).to(scale.device, torch.float32).view(n, k // group_size, group_size)
-    return (u * scale.float()[:, :, None] + offset.float()[:, :, None]).view(n, k)
+                n: int, k: int, codes: int = CODES_UINT) -> torch.Tensor:
+    """fp32 W [n, k] = scale * c(u) + offset (per group); bf16 qparams: scale * (u - 2**(bits-1)) + offset."""
+    u = unpack_codes(packed, bits, n, k).to(scale.device)
+    u = u.view(_FP8_CODES[codes]) if codes in _FP8_CODES else u
+    u = u.float().view(n, k // group_size, group_size)
+    s, o = scale.float(), offset.float()
+    if scale.dtype == torch.bfloat16:
+        o = o - (1 << (bits - 1)) * s
+    return (u * s[:, :, None] + o[:, :, None]).view(n, k)
 
 
 def lowbit_linear_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
-                            bits: int, group_size: int, n: int, k: int) -> torch.Tensor:
+                            bits: int, group_size: int, n: int, k: int, codes: int = CODES_UINT) -> torch.Tensor:
     """Pure-PyTorch ``lowbit_linear``: unpack, dequantize to fp32, ``F.linear`` in fp32, cast to ``x.dtype``."""
-    _check_args(x, packed, scale, offset, bits, group_size, n, k)
-    w = _dequantize(packed, scale, offset, bits, group_size, n, k)
+    _check_args(x, packed, scale, offset, bits, group_size, n, k, codes)
+    w = _dequantize(packed, scale, offset, bits, group_size, n, k, codes)
     return F.linear(x.float(), w).to(x.dtype)
 
 
@@ -324,27 +358,27 @@ def kernel_info() -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------------
 _lib = torch.library.Library("affineq", "FRAGMENT")
 _lib.define(
-    "lowbit_linear(Tensor x, Tensor packed, Tensor scale, Tensor offset, int bits, int group_size, int n, int k)"
-    " -> Tensor"
+    "lowbit_linear(Tensor x, Tensor packed, Tensor scale, Tensor offset, int bits, int group_size, int n, int k,"
+    " int codes=0) -> Tensor"
 )
 _lib.define(
-    "lowbit_dequantize(Tensor packed, Tensor scale, Tensor offset, int bits, int group_size, int n, int k)"
-    " -> Tensor"
+    "lowbit_dequantize(Tensor packed, Tensor scale, Tensor offset, int bits, int group_size, int n, int k,"
+    " int codes=0) -> Tensor"
 )
 
 
 @torch.library.register_fake(_OP, lib=_lib)
-def _lowbit_linear_fake(x, packed, scale, offset, bits, group_size, n, k):
-    _check_args(x, packed, scale, offset, bits, group_size, n, k)
+def _lowbit_linear_fake(x, packed, scale, offset, bits, group_size, n, k, codes=CODES_UINT):
+    _check_args(x, packed, scale, offset, bits, group_size, n, k, codes)
     return x.new_empty((*x.shape[:-1], n))
 
 
 @torch.library.register_fake("affineq::lowbit_dequantize", lib=_lib)
-def _lowbit_dequantize_fake(packed, scale, offset, bits, group_size, n, k):
+def _lowbit_dequantize_fake(packed, scale, offset, bits, group_size, n, k, codes=CODES_UINT):
     return scale.new_empty((n, k), dtype=torch.float32)
 
 
-def _lowbit_linear_fallback(x, packed, scale, offset, bits, group_size, n, k):
+def _lowbit_linear_fallback(x, packed, scale, offset, bits, group_size, n, k, codes=CODES_UINT):
     # Runs only while no C++ CPU kernel is registered: load it, then dispatch again to reach it.
     if x.device.type != "cpu":
         raise NotImplementedError(f"affineq::lowbit_linear only supports CPU tensors, got x on {x.device}")
@@ -355,12 +389,12 @@ def _lowbit_linear_fallback(x, packed, scale, offset, bits, group_size, n, k):
         )
     if not torch._C._dispatch_has_kernel_for_dispatch_key(_OP, "CPU"):
         raise RuntimeError(f"affineq: {_lib_path} loaded but did not register a CPU kernel for {_OP}")
-    return torch.ops.affineq.lowbit_linear(x, packed, scale, offset, bits, group_size, n, k)
+    return torch.ops.affineq.lowbit_linear(x, packed, scale, offset, bits, group_size, n, k, codes)
 
 
-def _lowbit_dequantize_fallback(packed, scale, offset, bits, group_size, n, k):
+def _lowbit_dequantize_fallback(packed, scale, offset, bits, group_size, n, k, codes=CODES_UINT):
     # Pure PyTorch until (or unless) the C++ kernel is registered.
-    return _dequantize(packed, scale, offset, bits, group_size, n, k)
+    return _dequantize(packed, scale, offset, bits, group_size, n, k, codes)
 
 
 _lib.impl("lowbit_linear", _lowbit_linear_fallback, "CompositeExplicitAutograd")

@@ -1,5 +1,8 @@
 // SIMD kernels for y = x @ W^T with W[n, k] = scale[n, g] * u[n, k] + offset[n, g], g = k / group_size,
-// u unsigned `bits`-bit codes in the 16-row panel layout (documented in affineq/kernels/__init__.py).
+// u unsigned `bits`-bit codes in the 16-row panel layout (documented in affineq/kernels/__init__.py), or
+// float8 bytes (e4m3fn / e5m2, 8-bit layout) whose value replaces u. scale/offset are fp32, or bf16 with the
+// offset holding the zero z of W = scale * (u - 2^(bits-1)) + z; either way they are turned into fp32
+// scale/offset once per tile while being transposed, so the inner loops never see bf16.
 //
 // Three paths (chosen in run()):
 //  1. fused GEMV (m <= 2 before path 3, else m <= 8; group_size % 8 == 0): decode codes straight into fp32
@@ -20,6 +23,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <new>
@@ -153,6 +157,58 @@ AQ_INLINE float fhsum(F16 a) { float s = 0.f; AQ_L16 s += a.v[i]; return s; }
 #undef AQ_L16
 #endif
 
+// Template "widths" B: 1..8 are unsigned codes of that many bits; kBE4M3 / kBE5M2 are float8 bytes stored in
+// the 8-bit layout. bits_of(B) is the storage width.
+constexpr int kBE4M3 = 8 | 16, kBE5M2 = 8 | 32;
+constexpr int bits_of(int B) { return B & 15; }
+// fp8x16 below returns e4m3 values times 2^-8 (an exact re-bias into fp16); code_scale undoes it in the scale.
+constexpr float code_scale(int B) { return B == kBE4M3 ? 256.f : 1.f; }
+
+// Portable float8 -> float (also the reference for the SIMD decoders): e4m3fn has bias 7, no infinities and
+// NaN at 0x7F/0xFF; e5m2 is the top byte of an IEEE fp16.
+inline float fp8_to_float(uint8_t v, int codes) {
+  const bool neg = (v & 0x80) != 0;
+  float mag;
+  if (codes == kCodesE5M2) {
+    const int e = (v >> 2) & 31, m = v & 3;
+    mag = e == 0 ? std::ldexp(static_cast<float>(m), -16)
+        : e == 31 ? (m == 0 ? INFINITY : NAN)
+                  : std::ldexp(static_cast<float>(4 + m), e - 17);
+  } else {
+    const int e = (v >> 3) & 15, m = v & 7;
+    mag = e == 0 ? std::ldexp(static_cast<float>(m), -9)
+        : (e == 15 && m == 7) ? NAN
+                              : std::ldexp(static_cast<float>(8 + m), e - 10);
+  }
+  return neg ? -mag : mag;
+}
+
+// 16 float8 bytes -> 16 floats via fp16: e5m2 bytes are fp16's top byte; an e4m3 byte seeeemmm becomes the fp16
+// bits s0eeeemmm0000000, whose value is the e4m3 value times 2^-8 (subnormals included, which vcvtph2ps
+// handles in hardware). NaN bytes do not occur (quantization rejects non-finite weights).
+template <int B>
+AQ_INLINE F16 fp8x16(const uint8_t* p) {
+#if AQ_AVX512 || (AQ_AVX2 && defined(__F16C__))
+  const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  __m256i h;
+  if constexpr (B == kBE5M2) {
+    h = _mm256_slli_epi16(v, 8);
+  } else {
+    h = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(v, 8), _mm256_set1_epi16(static_cast<short>(0x8000))),
+                        _mm256_and_si256(_mm256_slli_epi16(v, 7), _mm256_set1_epi16(0x3F80)));
+  }
+#if AQ_AVX512
+  return {_mm512_cvtph_ps(h)};
+#else
+  return {_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1))};
+#endif
+#else
+  alignas(64) float t[16];
+  for (int i = 0; i < 16; ++i) t[i] = fp8_to_float(p[i], B == kBE5M2 ? kCodesE5M2 : kCodesE4M3) / code_scale(B);
+  return fload(t);
+#endif
+}
+
 // ---------------------------------------------------------------------------------------------
 // Decoding one unit (8 consecutive k of a 16-row panel, 16 * B bytes).
 // decode_unit_i calls f(integral_constant<t>, v) with int32 v[j] = u[row j, 8 * unit + t] for t = 0..7;
@@ -226,7 +282,8 @@ AQ_INLINE void decode_unit_i(const uint8_t* p, F&& f) {
 
 template <int B, class F>
 AQ_INLINE void decode_unit(const uint8_t* p, F&& f) {
-  decode_unit_i<B>(p, [&](auto T, I16 v) { f(T, i2f(v)); });
+  if constexpr (B > 8) sfor<8>([&](auto T) { f(T, fp8x16<B>(p + 16 * AQ_CV(T))); });
+  else decode_unit_i<B>(p, [&](auto T, I16 v) { f(T, i2f(v)); });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -248,7 +305,7 @@ struct Scratch {
   }
   ~Scratch() { std::free(ptr); }
 };
-thread_local Scratch tl_scale, tl_offset, tl_tail, tl_wbuf, tl_xrow, tl_cbuf;
+thread_local Scratch tl_scale, tl_offset, tl_tail, tl_wbuf, tl_xrow, tl_cbuf, tl_qconv;
 thread_local Scratch tl_xcall, tl_sxcall, tl_xscall;  // per-call x buffers (owned by the calling thread)
 
 // dst[g * ldd + r] = src[r * lds + g] for r < rows, g < G; rows in [rows, R) are zero-filled.
@@ -294,6 +351,35 @@ void transpose_rows(const float* src, int64_t lds, int64_t rows, int64_t R, int6
     for (int64_t r = 0; r < rows; ++r) d[r] = src[r * lds + g];
     for (int64_t r = rows; r < R; ++r) d[r] = 0.f;
   }
+}
+
+AQ_INLINE float bf16_to_float(uint16_t b) {
+  const uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// Element i of an [n, G] qparam array as the kernels use it: the fp32 scale times `mul`, or the fp32 offset
+// (for bf16 qparams: z - 2^(bits-1) * scale).
+AQ_INLINE float qparam_at(const LowbitProblem& p, bool offset, float mul, int64_t i) {
+  if (!p.qparams_bf16) return static_cast<const float*>(offset ? p.offset : p.scale)[i] * mul;
+  const float s = bf16_to_float(static_cast<const uint16_t*>(p.scale)[i]);
+  if (!offset) return s * mul;
+  return bf16_to_float(static_cast<const uint16_t*>(p.offset)[i]) - static_cast<float>(1 << (p.bits - 1)) * s;
+}
+
+// dst[g * ldd + r] = qparam_at(r0 + r, g) for r < rows (zero up to R): the scales (offset=false, times `mul`)
+// or offsets of rows [r0, r0 + rows), transposed so 16 consecutive rows form one vector.
+void load_qparams(const LowbitProblem& p, bool offset, float mul, int64_t r0, int64_t rows, int64_t R, int64_t G,
+                  float* dst, int64_t ldd) {
+  const float* src = static_cast<const float*>(offset ? p.offset : p.scale) + r0 * G;
+  if (p.qparams_bf16 || mul != 1.f) {
+    float* t = tl_qconv.get<float>(rows * G);
+    for (int64_t i = 0; i < rows * G; ++i) t[i] = qparam_at(p, offset, mul, r0 * G + i);
+    src = t;
+  }
+  transpose_rows(src, G, rows, R, G, dst, ldd);
 }
 
 // xs[m * G + g] = sum(x[m, g * gs : (g + 1) * gs]) for the offset term (vectorized: M * K adds per call).
@@ -402,10 +488,10 @@ void gemv_tile(const uint8_t* const* pan, const float* sT, const float* oT, int6
       sfor<P>([&](auto P_) {
         constexpr int p = AQ_CV(P_);
 #if defined(__GNUC__)
-        for (int l = 0; l < 16 * B; l += 64)
-          __builtin_prefetch(pan[p] + (u + kPrefetchUnits) * (16 * B) + l, 0, 3);
+        for (int l = 0; l < 16 * bits_of(B); l += 64)
+          __builtin_prefetch(pan[p] + (u + kPrefetchUnits) * (16 * bits_of(B)) + l, 0, 3);
 #endif
-        decode_unit<B>(pan[p] + u * (16 * B), [&](auto T, F16 w) {
+        decode_unit<B>(pan[p] + u * (16 * bits_of(B)), [&](auto T, F16 w) {
           constexpr int t = AQ_CV(T);
           sfor<MR>([&](auto M_) {
             constexpr int m = AQ_CV(M_);
@@ -472,8 +558,8 @@ void gemv_path(const Ctx& c) {
       for (int64_t q = 0; q < cnt; ++q) pan[q] = panel_ptr(c, p0 + q);
       float* sT = tl_scale.get<float>(G * 16 * cnt);
       float* oT = tl_offset.get<float>(G * 16 * cnt);
-      transpose_rows(pr.scale + r0 * G, G, rows, 16 * cnt, G, sT, 16 * cnt);
-      transpose_rows(pr.offset + r0 * G, G, rows, 16 * cnt, G, oT, 16 * cnt);
+      load_qparams(pr, false, code_scale(B), r0, rows, 16 * cnt, G, sT, 16 * cnt);
+      load_qparams(pr, true, 1.f, r0, rows, 16 * cnt, G, oT, 16 * cnt);
       for (int64_t m0 = 0; m0 < M; m0 += kGemvMR) {
         const float* x = pr.x + m0 * pr.ldx;
         const float* xsm = xs.data() + m0 * G;
@@ -526,7 +612,7 @@ void dequant(const uint8_t* const* pan, const float* sT, const float* oT, int64_
         for (int t = 0; t < 8; ++t) fstore(bu + t * (16 * NP) + 16 * p, fzero());
         return;
       }
-      decode_unit<B>(pan[p] + u * (16 * B), [&](auto T, F16 w) {
+      decode_unit<B>(pan[p] + u * (16 * bits_of(B)), [&](auto T, F16 w) {
         constexpr int t = AQ_CV(T);
         const int64_t g = kg[8 * u + t];
         fstore(bu + t * (16 * NP) + 16 * p, ffma(w, fload(sT + g * lds + 16 * p), fload(oT + g * lds + 16 * p)));
@@ -596,8 +682,8 @@ void gemm_path(const Ctx& c) {
       const int64_t R = nt * TW, r0 = t0 * TW, rows = std::min(R, c.N - r0);
       float* sT = tl_scale.get<float>((G + 1) * R);
       float* oT = tl_offset.get<float>((G + 1) * R);
-      transpose_rows(pr.scale + r0 * G, G, rows, R, G, sT, R);
-      transpose_rows(pr.offset + r0 * G, G, rows, R, G, oT, R);
+      load_qparams(pr, false, code_scale(B), r0, rows, R, G, sT, R);
+      load_qparams(pr, true, 1.f, r0, rows, R, G, oT, R);
       std::fill(sT + G * R, sT + (G + 1) * R, 0.f);
       std::fill(oT + G * R, oT + (G + 1) * R, 0.f);
       std::vector<const uint8_t*> pan(static_cast<size_t>(nt * kNP));
@@ -840,8 +926,8 @@ void qgemm_path(const Ctx& c) {
       const int64_t R = nt * TW, r0 = t0 * TW, rows = std::min(R, c.N - r0);
       float* sT = tl_scale.get<float>(G * R);
       float* oT = tl_offset.get<float>(G * R);
-      transpose_rows(pr.scale + r0 * G, G, rows, R, G, sT, R);
-      transpose_rows(pr.offset + r0 * G, G, rows, R, G, oT, R);
+      load_qparams(pr, false, code_scale(B), r0, rows, R, G, sT, R);
+      load_qparams(pr, true, 1.f, r0, rows, R, G, oT, R);
       const uint8_t* pan[2 * kNCB];
       for (int64_t q = 0; q < nt * 2; ++q) pan[q] = panel_ptr(c, t0 * 2 + q);
       int32_t* ibuf = tl_wbuf.get<int32_t>(kcq * 16);
@@ -888,15 +974,18 @@ void run(const Ctx& c, int force_path) {
 #else
   constexpr bool has_vnni = false;
 #endif
-  const bool use_vnni = has_vnni && c.p->allow_int16_x;  // the caller decides (x dtype, environment)
+  // The caller decides (x dtype, environment); float8 values are not int16 codes, so they never take it.
+  const bool use_vnni = has_vnni && c.p->allow_int16_x && B <= 8;
   int path = force_path;
   // Measured on Zen 5: the fused GEMV wins up to 2 rows against the VNNI GEMM and up to ~8 rows against the
   // fp32 GEMM (each extra row costs the GEMV another pass of FMAs over the decoded weights).
   if (path == 0) path = !gemv_ok ? 2 : c.M <= (use_vnni ? 2 : 8) ? 1 : use_vnni ? 3 : 2;
-  if (!gemv_ok || (path == 3 && !has_vnni)) path = 2;
+  if (!gemv_ok || (path == 3 && !(has_vnni && B <= 8))) path = 2;
   if (path == 1) gemv_path<B>(c);
 #if AQ_VNNI
-  else if (path == 3) qgemm_path<B>(c);
+  else if (path == 3) {
+    if constexpr (B <= 8) qgemm_path<B>(c);
+  }
 #endif
   else gemm_path<B>(c);
 }
@@ -946,9 +1035,14 @@ void lowbit_linear_f32(const LowbitProblem& p, int force_path) {
 
 const char* kernel_isa() { return kIsa; }
 
-void dequantize_f32(const uint8_t* packed, const float* scale, const float* offset, int bits, int64_t group_size,
-                    int64_t n, int64_t k, float* w) {
+void dequantize_f32(const uint8_t* packed, const void* scale, const void* offset, bool qparams_bf16, int bits,
+                    int codes, int64_t group_size, int64_t n, int64_t k, float* w) {
   const int64_t U = (k + 7) / 8, G = k / group_size, panel_bytes = 16 * U * bits;
+  LowbitProblem qp{};
+  qp.scale = scale;
+  qp.offset = offset;
+  qp.qparams_bf16 = qparams_bf16;
+  qp.bits = bits;
   at::parallel_for(0, (n + 15) / 16, grain_for(16 * k), [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t width = std::min<int64_t>(16, n - 16 * p);
@@ -968,7 +1062,8 @@ void dequantize_f32(const uint8_t* packed, const float* scale, const float* offs
             slot0 += q;
           }
           const int64_t g = kk / group_size;
-          w[row * k + kk] = scale[row * G + g] * static_cast<float>(code) + offset[row * G + g];
+          const float c = codes == kCodesUint ? static_cast<float>(code) : fp8_to_float(static_cast<uint8_t>(code), codes);
+          w[row * k + kk] = qparam_at(qp, false, 1.f, row * G + g) * c + qparam_at(qp, true, 1.f, row * G + g);
         }
       }
     }
@@ -983,7 +1078,11 @@ void detail::run_bits_5_to_8(const LowbitProblem& p, int force_path) {
     case 5: run<5>(c, force_path); break;
     case 6: run<6>(c, force_path); break;
     case 7: run<7>(c, force_path); break;
-    case 8: run<8>(c, force_path); break;
+    case 8:
+      if (p.codes == kCodesE4M3) run<kBE4M3>(c, force_path);
+      else if (p.codes == kCodesE5M2) run<kBE5M2>(c, force_path);
+      else run<8>(c, force_path);
+      break;
     default: break;
   }
 }

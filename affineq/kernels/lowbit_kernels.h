@@ -5,15 +5,22 @@
 
 namespace affineq {
 
-// y[m, n] = sum_k x[m, k] * (scale[n, k / gs] * u[n, k] + offset[n, k / gs])
+// y[m, n] = sum_k x[m, k] * (scale[n, k / gs] * c(u[n, k]) + offset[n, k / gs]), where c(u) = u for integer
+// codes and the float8 value of the byte u for codes == kCodesE4M3 / kCodesE5M2 (bits == 8).
+constexpr int kCodesUint = 0, kCodesE4M3 = 1, kCodesE5M2 = 2;
+
 struct LowbitProblem {
   const float* x;          // [m, k8] fp32, row stride ldx; k8 = k rounded up to 8, padding columns are 0
   int64_t ldx;
   int64_t m;
   const uint8_t* packed;   // codes in the panel layout documented in affineq/kernels/__init__.py
-  const float* scale;      // [n, k / group_size] fp32, contiguous
-  const float* offset;     // [n, k / group_size] fp32, contiguous
+  const void* scale;       // [n, k / group_size] fp32 or bf16 (qparams_bf16), contiguous
+  const void* offset;      // [n, k / group_size], same dtype as scale
+  // bf16 qparams use the tinygemm convention: offset holds the zero z, W = scale * (u - 2^(bits-1)) + z
+  // (integer codes only), so a float zero point is stored exactly instead of a rounded scale * u offset.
+  bool qparams_bf16 = false;
   int bits;                // 1..8
+  int codes = kCodesUint;  // kCodesE4M3 / kCodesE5M2 need bits == 8
   int64_t group_size;      // divides k
   int64_t n;
   int64_t k;
@@ -26,9 +33,9 @@ struct LowbitProblem {
 // 3 = dequant + int16 VNNI GEMM (AVX512-VNNI builds only; otherwise 2).
 void lowbit_linear_f32(const LowbitProblem& p, int force_path = 0);
 
-// w[n, k] = scale[n, k / gs] * u[n, k] + offset[n, k / gs] as fp32 [n, k] (portable code; used by backward).
-void dequantize_f32(const uint8_t* packed, const float* scale, const float* offset, int bits, int64_t group_size,
-                    int64_t n, int64_t k, float* w);
+// w[n, k] = scale[n, k / gs] * c(u[n, k]) + offset[n, k / gs] as fp32 [n, k] (portable code; used by backward).
+void dequantize_f32(const uint8_t* packed, const void* scale, const void* offset, bool qparams_bf16, int bits,
+                    int codes, int64_t group_size, int64_t n, int64_t k, float* w);
 
 // "avx512", "avx2" or "scalar": which SIMD path this build compiled.
 const char* kernel_isa();

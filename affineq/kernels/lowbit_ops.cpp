@@ -13,6 +13,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <string>
+#include <utility>
 
 #include "lowbit_kernels.h"
 
@@ -34,9 +35,27 @@ bool allow_int16_x(at::ScalarType xt) {
   return xt != at::kFloat;  // "auto"
 }
 
+// scale/offset: both float32 or both bfloat16, [n, k / group_size]; codes: kCodesUint or a float8 kind (bits 8).
+void check_qparams(const char* op, const at::Tensor& scale, const at::Tensor& offset, int64_t bits, int64_t codes,
+                   int64_t n, int64_t G) {
+  TORCH_CHECK(codes == kCodesUint || ((codes == kCodesE4M3 || codes == kCodesE5M2) && bits == 8), op,
+              ": codes must be 0 (unsigned integers), 1 (float8_e4m3fn) or 2 (float8_e5m2, both with bits=8), got "
+              "codes=", codes, ", bits=", bits);
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"scale", scale}, {"offset", offset}}) {
+    TORCH_CHECK((t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16) && t.device().is_cpu(), op,
+                ": ", name, " must be a float32 or bfloat16 CPU tensor, got ", t.scalar_type(), " on ", t.device());
+    TORCH_CHECK(t.dim() == 2 && t.size(0) == n && t.size(1) == G, op, ": ", name,
+                " must have shape [n, k // group_size] = [", n, ", ", G, "], got ", t.sizes());
+  }
+  TORCH_CHECK(scale.scalar_type() == offset.scalar_type(), op, ": scale and offset must share a dtype, got ",
+              scale.scalar_type(), " and ", offset.scalar_type());
+  TORCH_CHECK(scale.scalar_type() == at::kFloat || codes == kCodesUint, op,
+              ": bfloat16 qparams (the W = scale * (u - 2^(bits-1)) + zero convention) need integer codes");
+}
+
 at::Tensor lowbit_linear_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                               const at::Tensor& offset, int64_t bits, int64_t group_size, int64_t n, int64_t k,
-                              int64_t path) {
+                              int64_t codes, int64_t path) {
   TORCH_CHECK(!g_disabled.load(),
               "affineq::lowbit_linear: the affineq C++ kernels are disabled (AFFINEQ_DISABLE_CPP_KERNELS=1 or "
               "affineq.kernels._set_disabled(True)); use affineq.kernels.lowbit_linear_reference instead");
@@ -55,15 +74,7 @@ at::Tensor lowbit_linear_impl(const at::Tensor& x, const at::Tensor& packed, con
               packed.scalar_type(), " on ", packed.device());
   TORCH_CHECK(packed.numel() == packed_nbytes(n, k, bits), "affineq::lowbit_linear: packed must hold ",
               packed_nbytes(n, k, bits), " bytes for n=", n, ", k=", k, ", bits=", bits, ", got ", packed.numel());
-  const int64_t G = k / group_size;
-  const auto check_group_param = [&](const char* name, const at::Tensor& t) {
-    TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu(), "affineq::lowbit_linear: ", name,
-                " must be a float32 CPU tensor, got ", t.scalar_type(), " on ", t.device());
-    TORCH_CHECK(t.dim() == 2 && t.size(0) == n && t.size(1) == G, "affineq::lowbit_linear: ", name,
-                " must have shape [n, k // group_size] = [", n, ", ", G, "], got ", t.sizes());
-  };
-  check_group_param("scale", scale);
-  check_group_param("offset", offset);
+  check_qparams("affineq::lowbit_linear", scale, offset, bits, codes, n, k / group_size);
 
   const at::Tensor x2 = x.reshape({-1, k});
   const int64_t M = x2.size(0);
@@ -83,9 +94,11 @@ at::Tensor lowbit_linear_impl(const at::Tensor& x, const at::Tensor& packed, con
     p.ldx = K8;
     p.m = M;
     p.packed = pk.const_data_ptr<uint8_t>();
-    p.scale = sc.const_data_ptr<float>();
-    p.offset = of.const_data_ptr<float>();
+    p.scale = sc.const_data_ptr();
+    p.offset = of.const_data_ptr();
+    p.qparams_bf16 = sc.scalar_type() == at::kBFloat16;
     p.bits = static_cast<int>(bits);
+    p.codes = static_cast<int>(codes);
     p.group_size = group_size;
     p.n = n;
     p.k = k;
@@ -100,28 +113,27 @@ at::Tensor lowbit_linear_impl(const at::Tensor& x, const at::Tensor& packed, con
 }
 
 at::Tensor lowbit_dequantize_cpu(const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& offset,
-                                 int64_t bits, int64_t group_size, int64_t n, int64_t k) {
+                                 int64_t bits, int64_t group_size, int64_t n, int64_t k, int64_t codes) {
   TORCH_CHECK(bits >= 1 && bits <= 8, "affineq::lowbit_dequantize: bits must be in [1, 8], got ", bits);
   TORCH_CHECK(n >= 0 && k > 0 && group_size > 0 && k % group_size == 0,
               "affineq::lowbit_dequantize: need n >= 0, k > 0 and group_size dividing k, got n=", n, ", k=", k,
               ", group_size=", group_size);
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.numel() == packed_nbytes(n, k, bits),
               "affineq::lowbit_dequantize: packed must be uint8 with ", packed_nbytes(n, k, bits), " elements");
-  const int64_t G = k / group_size;
-  for (const at::Tensor* t : {&scale, &offset})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == n && t->size(1) == G,
-                "affineq::lowbit_dequantize: scale and offset must be float32 [n, k // group_size]");
+  check_qparams("affineq::lowbit_dequantize", scale, offset, bits, codes, n, k / group_size);
   const at::Tensor pk = packed.contiguous(), sc = scale.contiguous(), of = offset.contiguous();
-  at::Tensor w = at::empty({n, k}, scale.options());
+  at::Tensor w = at::empty({n, k}, scale.options().dtype(at::kFloat));
   if (n > 0)
-    dequantize_f32(pk.const_data_ptr<uint8_t>(), sc.const_data_ptr<float>(), of.const_data_ptr<float>(),
-                   static_cast<int>(bits), group_size, n, k, w.mutable_data_ptr<float>());
+    dequantize_f32(pk.const_data_ptr<uint8_t>(), sc.const_data_ptr(), of.const_data_ptr(),
+                   sc.scalar_type() == at::kBFloat16, static_cast<int>(bits), static_cast<int>(codes), group_size, n,
+                   k, w.mutable_data_ptr<float>());
   return w;
 }
 
 at::Tensor lowbit_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                             const at::Tensor& offset, int64_t bits, int64_t group_size, int64_t n, int64_t k) {
-  return lowbit_linear_impl(x, packed, scale, offset, bits, group_size, n, k, 0);
+                             const at::Tensor& offset, int64_t bits, int64_t group_size, int64_t n, int64_t k,
+                             int64_t codes) {
+  return lowbit_linear_impl(x, packed, scale, offset, bits, group_size, n, k, codes, 0);
 }
 
 // dL/dx = dL/dy @ W (W dequantized to fp32); codes, scale and offset get no gradient.
@@ -130,16 +142,16 @@ class LowbitLinearFunction : public torch::autograd::Function<LowbitLinearFuncti
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& packed,
                             const at::Tensor& scale, const at::Tensor& offset, int64_t bits, int64_t group_size,
-                            int64_t n, int64_t k) {
+                            int64_t n, int64_t k, int64_t codes) {
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("affineq::lowbit_linear", "")
                          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                           const at::Tensor&, int64_t, int64_t, int64_t, int64_t)>();
+                                           const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t)>();
     ctx->save_for_backward({packed, scale, offset});
-    ctx->saved_data["meta"] = std::vector<int64_t>{bits, group_size, n, k};
+    ctx->saved_data["meta"] = std::vector<int64_t>{bits, group_size, n, k, codes};
     ctx->saved_data["dtype"] = static_cast<int64_t>(x.scalar_type());
     at::AutoDispatchBelowADInplaceOrView guard;
-    return op.call(x, packed, scale, offset, bits, group_size, n, k);
+    return op.call(x, packed, scale, offset, bits, group_size, n, k, codes);
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -147,22 +159,24 @@ class LowbitLinearFunction : public torch::autograd::Function<LowbitLinearFuncti
     static auto deq = c10::Dispatcher::singleton()
                           .findSchemaOrThrow("affineq::lowbit_dequantize", "")
                           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
-                                            int64_t, int64_t, int64_t)>();
+                                            int64_t, int64_t, int64_t, int64_t)>();
     const auto saved = ctx->get_saved_variables();
     const auto meta = ctx->saved_data["meta"].toIntVector();
     const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
     at::Tensor gx;
     if (ctx->needs_input_grad(0)) {
-      const at::Tensor w = deq.call(saved[0], saved[1], saved[2], meta[0], meta[1], meta[2], meta[3]);
+      const at::Tensor w = deq.call(saved[0], saved[1], saved[2], meta[0], meta[1], meta[2], meta[3], meta[4]);
       gx = grads[0].to(at::kFloat).matmul(w).to(dtype);
     }
-    return {gx, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {gx,          at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 at::Tensor lowbit_linear_autograd(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                                  const at::Tensor& offset, int64_t bits, int64_t group_size, int64_t n, int64_t k) {
-  return LowbitLinearFunction::apply(x, packed, scale, offset, bits, group_size, n, k);
+                                  const at::Tensor& offset, int64_t bits, int64_t group_size, int64_t n, int64_t k,
+                                  int64_t codes) {
+  return LowbitLinearFunction::apply(x, packed, scale, offset, bits, group_size, n, k, codes);
 }
 
 void set_disabled(bool flag) { g_disabled.store(flag); }
@@ -183,6 +197,6 @@ TORCH_LIBRARY(affineq_cpp, m) {
   m.def("set_disabled(bool flag) -> ()", &affineq::set_disabled);
   m.def("isa() -> str", &affineq::isa);
   m.def("lowbit_linear_path(Tensor x, Tensor packed, Tensor scale, Tensor offset, int bits, int group_size, "
-        "int n, int k, int path) -> Tensor",
+        "int n, int k, int codes, int path) -> Tensor",
         &affineq::lowbit_linear_impl);
 }

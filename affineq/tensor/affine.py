@@ -108,7 +108,16 @@ class AffineQuantizedTensor(torch.Tensor):
         mapping_type: MappingType = MappingType.ASYMMETRIC,
         act_quant: ActivationQuant | None = None,
     ) -> AffineQuantizedTensor:
-        """Quantize `input` with precomputed qparams (from an observer, GPTQ, AWQ...) and pack."""
+        """Quantize `input` with precomputed qparams (from an observer, GPTQ, AWQ...) and pack.
+
+        A format that stores qparams in lower precision (dense with bf16 scales) rounds them first, and the
+        codes are computed with the rounded values."""
+        spec = cls._spec(tuple(input.shape), input.dtype, block_size, target_dtype, quant_min, quant_max,
+                         zero_point_domain, packing_format, mapping_type, act_quant)
+        n_blocks = spec.num_blocks
+        scale, zero_point = cls._checked_format(spec).represent_qparams(
+            scale.reshape(n_blocks), None if zero_point is None else zero_point.reshape(n_blocks), spec
+        )
         codes = quantize_affine(
             input, block_size, scale, zero_point, target_dtype, quant_min, quant_max, zero_point_domain
         )
@@ -136,25 +145,35 @@ class AffineQuantizedTensor(torch.Tensor):
         act_quant: ActivationQuant | None = None,
     ) -> AffineQuantizedTensor:
         """Wrap already-computed codes (as `quantize_affine` returns them); `dtype` is the logical dtype."""
+        spec = cls._spec(tuple(codes.shape), dtype, block_size, target_dtype, quant_min, quant_max,
+                         zero_point_domain, packing_format, mapping_type, act_quant)
+        fmt = cls._checked_format(spec)
+        n_blocks = spec.num_blocks
+        scale = scale.reshape(n_blocks)
+        zero_point = None if zero_point is None else zero_point.reshape(n_blocks)
+        return cls(fmt.pack(codes, scale, zero_point, spec), spec)
+
+    @staticmethod
+    def _spec(shape, dtype, block_size, target_dtype, quant_min, quant_max, zero_point_domain, packing_format,
+              mapping_type, act_quant) -> QuantSpec:
         if is_float_target(target_dtype):
             lo, hi = float_range(target_dtype)
             qmin, qmax = (lo if quant_min is None else quant_min), (hi if quant_max is None else quant_max)
         else:
             qmin, qmax = check_quant_range(target_dtype, quant_min, quant_max)
-        spec = QuantSpec(
-            shape=tuple(codes.shape), dtype=dtype, target_dtype=target_dtype,
-            block_size=tuple(int(b) for b in block_size), quant_min=qmin, quant_max=qmax,
-            zero_point_domain=zero_point_domain, mapping_type=mapping_type, fmt=packing_format,
-            act_quant=act_quant,
+        return QuantSpec(
+            shape=shape, dtype=dtype, target_dtype=target_dtype, block_size=tuple(int(b) for b in block_size),
+            quant_min=qmin, quant_max=qmax, zero_point_domain=zero_point_domain, mapping_type=mapping_type,
+            fmt=packing_format, act_quant=act_quant,
         )
-        fmt = get_format(packing_format)
+
+    @staticmethod
+    def _checked_format(spec: QuantSpec):
+        fmt = get_format(spec.fmt)
         why = fmt.check(spec)
         if why is not None:
-            raise ValueError(f"packing_format={packing_format!r} cannot hold this tensor: {why}")
-        n_blocks = spec.num_blocks
-        scale = scale.reshape(n_blocks)
-        zero_point = None if zero_point is None else zero_point.reshape(n_blocks)
-        return cls(fmt.pack(codes, scale, zero_point, spec), spec)
+            raise ValueError(f"packing_format={spec.fmt!r} cannot hold this tensor: {why}")
+        return fmt
 
     # -- fields ---------------------------------------------------------------------------------------
 

@@ -260,7 +260,8 @@ def _lowbit_run(x, w, bias):
         x = fake_quantize_activation(x, spec.act_quant)
     n, k = spec.shape
     out = torch.ops.affineq.lowbit_linear(
-        x, w._qdata, w._scale, w._offset, bit_width(spec.target_dtype), spec.block_size[1], n, k
+        x, w._qdata, w._scale, w._offset, bit_width(spec.target_dtype), spec.block_size[1], n, k,
+        _cpp.codes_kind(spec.target_dtype),
     )
     return out if bias is None else out + bias
 
