@@ -27,9 +27,9 @@ CASES = [
     (17, 40, 8),
 ]
 MS = [1, 2, 3, 8, 33, 130]
-# Private path selector of the C++ op: 0 = heuristic, 1 = fused GEMV, 2 = fp32 GEMM, 3 = int16 VNNI GEMM
-# (falls back to 2 where unsupported).
-PATHS = [0, 1, 2, 3]
+# Private path selector of the C++ op: 0 = heuristic, 1 = fused GEMV, 2 = fp32 GEMM, 3 = int16 VNNI GEMM,
+# 4 = bf16 dot GEMM (each falls back where unsupported; `lowbit_path_for` says which one runs).
+PATHS = [0, 1, 2, 3, 4]
 
 
 def _needs_kernels() -> None:
@@ -49,6 +49,14 @@ def _exact(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: to
     n, k = codes.shape
     w = codes.double().view(n, k // gs, gs) * scale.double()[..., None] + offset.double()[..., None]
     return x.double() @ w.view(n, k).T
+
+
+def _reference(x: torch.Tensor, path: int, gs: int, codes: int, exact: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What the op must match for x: `exact` (fp64 W), or x @ bf16(W) when the bf16 dot path runs (it computes
+    dequantize-to-bf16 then a bf16 matmul with fp32 accumulation, like F.linear on the bf16 weight)."""
+    if torch.ops.affineq_cpp.lowbit_path_for(x, gs, codes, path) == 4:
+        return x.double() @ w.bfloat16().double().T
+    return exact
 
 
 def _assert_close(out: torch.Tensor, exact: torch.Tensor, dtype: torch.dtype, what: str) -> None:
@@ -151,9 +159,11 @@ def test_lowbit_linear_half_inputs(bits: int, dtype: torch.dtype) -> None:
         for m in (1, 3, 33):
             x = torch.randn(m, k).to(dtype)
             exact = _exact(x, codes, scale, offset, gs)  # from the rounded x: the op must not round it further
+            w = K._dequantize(packed, scale, offset, bits, gs, n, k)
             for path in PATHS:
                 out = path_op(x, packed, scale, offset, bits, gs, n, k, 0, path)
-                _assert_close(out, exact, dtype, f"{dtype} path {path} bits={bits} {n}x{k} m={m}")
+                _assert_close(out, _reference(x, path, gs, 0, exact, w), dtype,
+                              f"{dtype} path {path} bits={bits} {n}x{k} m={m}")
 
 
 @pytest.mark.parametrize("bits,gs", [(4, 128), (8, 1024), (2, 64), (5, 32)])
@@ -188,7 +198,8 @@ def test_lowbit_linear_bf16_qparams(bits: int) -> None:
             x = torch.randn(m, k).to(dtype)
             exact = _exact(x, codes, scale.double(), offset64, gs)
             for path in PATHS:
-                _assert_close(path_op(x, packed, scale, zero, bits, gs, n, k, 0, path), exact, dtype,
+                _assert_close(path_op(x, packed, scale, zero, bits, gs, n, k, 0, path),
+                              _reference(x, path, gs, 0, exact, w), dtype,
                               f"bf16 qparams path {path} bits={bits} {n}x{k} gs={gs} m={m}")
 
 
@@ -217,8 +228,10 @@ def test_lowbit_linear_float8_codes(codes_kind: int, fp8: torch.dtype) -> None:
         for m, dtype in ((1, torch.float32), (3, torch.float32), (33, torch.float32), (33, torch.bfloat16)):
             x = torch.randn(m, k).to(dtype)
             exact = x.double() @ exact_w.view(n, k).T
+            w = exact_w.view(n, k).float()
             for path in PATHS:
-                _assert_close(path_op(x, packed, scale, offset, 8, gs, n, k, codes_kind, path), exact, dtype,
+                _assert_close(path_op(x, packed, scale, offset, 8, gs, n, k, codes_kind, path),
+                              _reference(x, path, gs, codes_kind, exact, w), dtype,
                               f"{fp8} path {path} {n}x{k} gs={gs} m={m}")
             _assert_close(K.lowbit_linear_reference(x, packed, scale, offset, 8, gs, n, k, codes_kind), exact,
                           dtype, f"{fp8} reference")
@@ -261,6 +274,22 @@ def test_portable_scalar_build_matches(tmp_path: Path) -> None:
     env.pop("AFFINEQ_DISABLE_CPP_KERNELS", None)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr
+
+
+def test_path_choice() -> None:
+    # fp32 x never leaves fp32 arithmetic by default; bf16 x takes the bf16 dot GEMM from 3 rows where the CPU has
+    # it; float8 codes and groups that are not a multiple of 8 never take the int16 path.
+    _needs_kernels()
+    choice = torch.ops.affineq_cpp.lowbit_path_for
+    has_bf16 = choice(torch.zeros(8, 64, dtype=torch.bfloat16), 32, 0, 4) == 4
+    for m in (1, 2, 3, 8, 33):
+        assert choice(torch.zeros(m, 64), 32, 0, 0) == (1 if m <= 8 else 2)
+        assert choice(torch.zeros(m, 64), 30, 0, 0) == 2
+        expected = (4,) if has_bf16 and m >= 3 else (1, 2, 3)
+        assert choice(torch.zeros(m, 64, dtype=torch.bfloat16), 32, 0, 0) in expected
+        assert choice(torch.zeros(m, 64, dtype=torch.float16), 30, 0, 3) == 2
+        assert choice(torch.zeros(m, 64, dtype=torch.float16), 32, K.CODES_E4M3, 3) == 2
+    assert choice(torch.zeros(8, 64), 32, 0, 4) == 2  # fp32 x: exact fp32 GEMM, never bf16
 
 
 def test_lowbit_linear_layouts_and_batch_dims() -> None:
@@ -326,10 +355,17 @@ def test_int16_x_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AFFINEQ_KERNELS_INT16_X", "1")
     assert torch.equal(op(x, *args), path_op(x, *args, 0, 3))  # path 3 falls back to 2 without VNNI
     xb = x.bfloat16()
-    monkeypatch.setenv("AFFINEQ_KERNELS_INT16_X", "0")
-    assert torch.equal(op(xb, *args), path_op(xb, *args, 0, 2))
-    monkeypatch.setenv("AFFINEQ_KERNELS_INT16_X", "auto")
-    assert torch.equal(op(xb, *args), path_op(xb, *args, 0, 3))
+    choice = torch.ops.affineq_cpp.lowbit_path_for
+    has_bf16 = choice(xb, gs, 0, 4) == 4
+    monkeypatch.setenv("AFFINEQ_KERNELS_INT16_X", "0")  # bf16 x: the bf16 dot path where present, else fp32
+    assert choice(xb, gs, 0, 0) == (4 if has_bf16 else 2)
+    assert torch.equal(op(xb, *args), path_op(xb, *args, 0, choice(xb, gs, 0, 0)))
+    monkeypatch.setenv("AFFINEQ_KERNELS_INT16_X", "auto")  # ... else the int16 path where VNNI is present
+    has_vnni = choice(x.half(), gs, 0, 3) == 3
+    assert choice(xb, gs, 0, 0) == (4 if has_bf16 else 3 if has_vnni else 2)
+    assert torch.equal(op(xb, *args), path_op(xb, *args, 0, choice(xb, gs, 0, 0)))
+    xh = x.half()  # fp16 x: the int16 path by default (the bf16 dot path would round x to bf16)
+    assert torch.equal(op(xh, *args), path_op(xh, *args, 0, 3))
 
 
 @pytest.mark.parametrize("bits", range(1, 9))

@@ -27,15 +27,21 @@ struct LowbitProblem {
   float* y;                // [m, n] fp32, row stride ldy (fully overwritten)
   int64_t ldy;
   bool allow_int16_x = false;  // may the VNNI path round x to 16-bit fixed point (see lowbit_kernels.cpp)?
+  const uint16_t* x_bf16 = nullptr;  // the same x as bf16 [m, k8] (row stride ldx) when the caller's x is bf16:
+                                     // enables the bf16 dot-product path (AVX512-BF16)
 };
 
 // Runs on torch's intra-op thread pool. force_path: 0 = heuristic, 1 = fused GEMV, 2 = dequant + fp32 GEMM,
-// 3 = dequant + int16 VNNI GEMM (AVX512-VNNI builds only; otherwise 2).
+// 3 = dequant + int16 VNNI GEMM (AVX512-VNNI builds only; otherwise 2), 4 = dequant to bf16 + bf16 dot GEMM
+// (AVX512-BF16 builds and bf16 x only; otherwise 3 or 2).
 void lowbit_linear_f32(const LowbitProblem& p, int force_path = 0);
 
 // w[n, k] = scale[n, k / gs] * c(u[n, k]) + offset[n, k / gs] as fp32 [n, k] (portable code; used by backward).
 void dequantize_f32(const uint8_t* packed, const void* scale, const void* offset, bool qparams_bf16, int bits,
                     int codes, int64_t group_size, int64_t n, int64_t k, float* w);
+
+// The path lowbit_linear_f32 takes for p (reads only m, group_size, codes, allow_int16_x, x_bf16).
+int lowbit_path(const LowbitProblem& p, int force_path = 0);
 
 // "avx512", "avx2" or "scalar": which SIMD path this build compiled.
 const char* kernel_isa();

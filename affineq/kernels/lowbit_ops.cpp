@@ -10,6 +10,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <string>
@@ -86,6 +87,15 @@ at::Tensor lowbit_linear_impl(const at::Tensor& x, const at::Tensor& packed, con
     xf = at::zeros({M, K8}, x2.options().dtype(at::kFloat));
     xf.narrow(1, 0, k).copy_(x2);
   }
+  at::Tensor xb;  // bf16 x as given (zero-padded like xf) for the bf16 dot-product path
+  if (xt == at::kBFloat16) {
+    if (K8 == k) {
+      xb = x2.contiguous();
+    } else {
+      xb = at::zeros({M, K8}, x2.options());
+      xb.narrow(1, 0, k).copy_(x2);
+    }
+  }
   at::Tensor y = at::empty({M, n}, xf.options());
   if (M > 0 && n > 0) {
     const at::Tensor pk = packed.contiguous(), sc = scale.contiguous(), of = offset.contiguous();
@@ -105,6 +115,7 @@ at::Tensor lowbit_linear_impl(const at::Tensor& x, const at::Tensor& packed, con
     p.y = y.mutable_data_ptr<float>();
     p.ldy = n;
     p.allow_int16_x = allow_int16_x(xt);
+    if (xb.defined()) p.x_bf16 = reinterpret_cast<const uint16_t*>(xb.const_data_ptr());
     lowbit_linear_f32(p, static_cast<int>(path));
   }
   std::vector<int64_t> out_sizes = x.sizes().vec();
@@ -179,6 +190,18 @@ at::Tensor lowbit_linear_autograd(const at::Tensor& x, const at::Tensor& packed,
   return LowbitLinearFunction::apply(x, packed, scale, offset, bits, group_size, n, k, codes);
 }
 
+// Which path lowbit_linear would run for x (tests assert it; the kernel itself decides in lowbit_path).
+int64_t lowbit_path_for(const at::Tensor& x, int64_t group_size, int64_t codes, int64_t path) {
+  LowbitProblem p;
+  p.m = x.numel() / std::max<int64_t>(1, x.size(-1));
+  p.group_size = group_size;
+  p.codes = static_cast<int>(codes);
+  p.allow_int16_x = allow_int16_x(x.scalar_type());
+  static const uint16_t dummy = 0;
+  p.x_bf16 = x.scalar_type() == at::kBFloat16 ? &dummy : nullptr;
+  return lowbit_path(p, static_cast<int>(path));
+}
+
 void set_disabled(bool flag) { g_disabled.store(flag); }
 std::string isa() { return kernel_isa(); }
 
@@ -192,11 +215,13 @@ TORCH_LIBRARY_IMPL(affineq, CPU, m) {
 
 TORCH_LIBRARY_IMPL(affineq, Autograd, m) { m.impl("lowbit_linear", &affineq::lowbit_linear_autograd); }
 
-// Private helpers (tests/benchmarks): kill switch, compiled ISA, and forcing a path (1 = GEMV, 2 = GEMM).
+// Private helpers (tests/benchmarks): kill switch, compiled ISA, forcing a path (1 = GEMV, 2 = fp32 GEMM,
+// 3 = int16 VNNI GEMM, 4 = bf16 dot GEMM) and asking which path would run.
 TORCH_LIBRARY(affineq_cpp, m) {
   m.def("set_disabled(bool flag) -> ()", &affineq::set_disabled);
   m.def("isa() -> str", &affineq::isa);
   m.def("lowbit_linear_path(Tensor x, Tensor packed, Tensor scale, Tensor offset, int bits, int group_size, "
         "int n, int k, int codes, int path) -> Tensor",
         &affineq::lowbit_linear_impl);
+  m.def("lowbit_path_for(Tensor x, int group_size, int codes, int path) -> int", &affineq::lowbit_path_for);
 }

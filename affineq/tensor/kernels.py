@@ -295,31 +295,64 @@ register_linear_kernel("aten._weight_int4pack_mm", ("int4_cuda",),
 # -- kernel: aten int8 x int8 -> int32 (dynamic per-token activation) ----------------------------------
 
 
+_SYMMETRIC = (MappingType.SYMMETRIC, MappingType.SYMMETRIC_NO_CLIPPING_ERR)
+
+
 def _int_mm_check(x, w):
     aq = w.spec.act_quant
     if aq is None or aq.dtype != torch.int8:
         return "needs int8 dynamic activation quantization"
-    if aq.mapping_type is MappingType.ASYMMETRIC and aq.zero_point_domain is not ZeroPointDomain.NONE:
-        return "needs symmetric activation codes"
+    if aq.mapping_type not in _SYMMETRIC or aq.zero_point_domain not in (ZeroPointDomain.NONE, ZeroPointDomain.INT):
+        return "needs symmetric activation codes (zero point 0: domain NONE or INT)"
     return _common(x, w, x.device.type) or _per_channel_int8(w.spec)
 
 
-@torch.library.custom_op("affineq::int_mm", mutates_args=())
-def _int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """torch._int_mm behind an opaque op: inductor 2.13 passes a one-row `a` with row stride 0 to the CPU
-    kernel, which misreads it (garbage sums at M = 1)."""
-    return torch._int_mm(a, b)
+def _int8_activation(x2: torch.Tensor, per_token: bool, no_clipping: bool, eps: float):
+    """`quantize_activation` for symmetric int8 (zero point 0) in a few eager ops -> (codes, float32 scale
+    [M or 1, 1]). Bit-identical: max(-min_neg, max_pos) is amax(|x|), and the rest is the same float32 ops
+    in the same order (scale / 127.5 or the no-clipping max, clamp to eps, round(x * (1 / scale)), clamp)."""
+    xf = x2.float()
+    if no_clipping:
+        lo = xf.amin(1, keepdim=True) if per_token else xf.amin().view(1, 1)
+        hi = xf.amax(1, keepdim=True) if per_token else xf.amax().view(1, 1)
+        scale = torch.maximum(lo.clamp(max=0.0) / -128.0, hi.clamp(min=0.0) / 127.0)
+    else:
+        amax = xf.abs().amax(1, keepdim=True) if per_token else xf.abs().amax().view(1, 1)
+        scale = amax / 127.5
+    scale = scale.clamp(min=eps)
+    return torch.round(xf * (1.0 / scale)).clamp(-128, 127).to(torch.int8), scale
 
 
-@_int_mm.register_fake
-def _(a, b):
-    return a.new_empty(a.shape[0], b.shape[1], dtype=torch.int32)
+@torch.library.custom_op("affineq::int8_dynamic_linear", mutates_args=())
+def _int8_dynamic_linear(
+    x2: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor, per_token: bool, no_clipping: bool, eps: float
+) -> torch.Tensor:
+    """x2 [M, K] float -> int8 activation codes (symmetric, per token or per tensor) @ w_codes [N, K].T with
+    torch._int_mm, rescaled by both scales -> [M, N] in x2.dtype.
+
+    One opaque op for the whole linear so torch.compile sees one call per linear: traced, the activation
+    quantization and rescale are ~25 aten nodes per linear, and inductor lowering and codegen of those
+    (dynamic shapes) cost ~11 s per SmolLM2 layer on 2 cores (>6 min for the 30-layer model). Being opaque
+    also keeps _int_mm away from inductor 2.13's own lowering, which passes a one-row input with row stride
+    0 to the CPU kernel (garbage sums at M = 1). Eager and compiled run this same code."""
+    xq, x_scale = _int8_activation(x2, per_token, no_clipping, eps)
+    acc = torch._int_mm(xq, w_codes.t())
+    return (acc.float() * x_scale * w_scale.float().reshape(1, -1)).to(x2.dtype)
+
+
+@_int8_dynamic_linear.register_fake
+def _(x2, w_codes, w_scale, per_token, no_clipping, eps):
+    return x2.new_empty(x2.shape[0], w_codes.shape[0])
 
 
 def _int_mm_run(x, w, bias):
-    xq, x_scale, _, _ = quantize_activation(_flat(x), w.spec.act_quant)
-    acc = _int_mm(xq, w._qdata.t())
-    out = acc.float() * x_scale.view(-1, 1) * w._scale.float().view(1, -1)
+    aq = w.spec.act_quant
+    # choose_qparams_affine's default eps for this input dtype and a float32 scale
+    eps = max(torch.finfo(x.dtype).tiny, torch.finfo(torch.float32).tiny) if aq.eps is None else float(aq.eps)
+    out = _int8_dynamic_linear(
+        _flat(x), w._qdata, w._scale, aq.granularity == "per_token",
+        aq.mapping_type is MappingType.SYMMETRIC_NO_CLIPPING_ERR, eps,
+    )
     return _finish(out, x, bias)
 
 
