@@ -27,6 +27,7 @@ from common import RESULTS, machine_line, median_ms, memory_bandwidth_gbs, save_
 
 import affineq  # noqa: E402
 from affineq import (  # noqa: E402
+    Float8WeightOnlyConfig,
     Int4WeightOnlyConfig,
     Int8DynamicActivationInt4WeightConfig,
     Int8DynamicActivationInt8WeightConfig,
@@ -45,6 +46,7 @@ CONFIGS = {
     "int3-g32": IntxWeightOnlyConfig(torch.int3, PerGroup(32)),
     "int8-dyn": Int8DynamicActivationInt8WeightConfig(),
     "8da4w-g32": Int8DynamicActivationInt4WeightConfig(group_size=32),
+    "fp8-e4m3": Float8WeightOnlyConfig(),
 }
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]  # (N = out_features, K = in_features)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -3,10 +3,13 @@ affineq configs vs torch.ao.quantization.quantize_dynamic, side by side in one r
 
     python benchmarks/bench_models.py                      # both models, eager and compiled
     python benchmarks/bench_models.py --model smollm2 --no-compile --configs int8 int4-g64
+    python benchmarks/bench_models.py --model smollm2 --configs int8-dyn --modes compiled --no-save  # one row
 
 Every row runs in its own subprocess (one after another, never in parallel) so that peak memory (max RSS)
 and timings of one configuration do not leak into the next. Writes results/bench_models.json and
-results/bench_models.png; README quotes the table.
+results/bench_models.png (results/bench_models_<model>.* for one model); README quotes the table.
+--no-save prints the rows and table only. Compiled rows also record compile_s: dynamo + inductor time
+summed over every (re)compile the row triggers (warm-up, prefill, perplexity).
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from common import RESULTS, machine_line, median_ms, save_json, table  # noqa: E
 from affineq import models as M  # noqa: E402
 from affineq.demo import CONFIGS, model_bytes, quantized_bytes_per_param  # noqa: E402
 
-LM_CONFIGS = ["float32", "torch.ao-int8-dyn", "int8", "int4-g64", "int4-g32", "int8-dyn", "8da4w"]
+LM_CONFIGS = ["float32", "torch.ao-int8-dyn", "int8", "int4-g64", "int4-g64+int8-head", "int4-g32", "int8-dyn",
+              "8da4w", "fp8"]
 ENC_CONFIGS = ["float32", "torch.ao-int8-dyn", "int8", "int4-g128", "int8-dyn"]
 
 
@@ -93,6 +97,7 @@ def run_one(model_name: str, config: str, compile: bool, new_tokens: int, eval_t
         row["bytes_per_param"] = quantized_bytes_per_param(model)
     if compile:
         model.forward = torch.compile(model.forward, dynamic=True)
+    t_warm = time.perf_counter()
     with torch.inference_mode():
         if model_name == "smollm2":
             prompt = tok("Quantization makes language models smaller and faster because", return_tensors="pt")[
@@ -101,6 +106,7 @@ def run_one(model_name: str, config: str, compile: bool, new_tokens: int, eval_t
             prefill = torch.tensor([M.byte_tokenize(M.eval_text(), 49152)[:256].tolist()])
             M.generate_greedy(model, tok, prompt, 4)  # warm-up / compile
             model(prefill)
+            row["warmup_s"] = time.perf_counter() - t_warm
             t = time.perf_counter()
             M.generate_greedy(model, tok, prompt, new_tokens)
             row["decode_tok_s"] = new_tokens / (time.perf_counter() - t)
@@ -110,19 +116,33 @@ def run_one(model_name: str, config: str, compile: bool, new_tokens: int, eval_t
             ref_model, _ = M.load_minilm()
             ref = M.embed(ref_model, tok, M.SENTENCES)
             M.embed(model, tok, M.SENTENCES)
+            row["warmup_s"] = time.perf_counter() - t_warm
             ms = median_ms(lambda: M.embed(model, tok, M.SENTENCES), min_runs=5, budget_s=3.0)
             row["sentences_s"] = len(M.SENTENCES) / (ms * 1e-3)
             row["cosine"] = M.embedding_similarity(ref, M.embed(model, tok, M.SENTENCES))
+    if compile:
+        row["compile_s"] = _compile_seconds()
     row["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     row["rss_after_load_mb"] = rss_loaded
     return row
+
+
+def _compile_seconds() -> float | None:
+    """Seconds torch.compile spent in dynamo + AOT + inductor (all frames and recompiles) in this process."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+    except ImportError:  # private API: absent in some torch versions
+        return None
+    return sum(compilation_time_metrics.get("_compile.compile_inner", [])) or None
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", nargs="+", default=["smollm2", "minilm"], choices=["smollm2", "minilm"])
     p.add_argument("--configs", nargs="+", default=None)
-    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--no-compile", action="store_true", help="eager rows only (same as --modes eager)")
+    p.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"])
+    p.add_argument("--no-save", action="store_true", help="print only; write nothing under results/")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--eval-tokens", type=int, default=2048)
     p.add_argument("--one", nargs=3, metavar=("MODEL", "CONFIG", "MODE"), help=argparse.SUPPRESS)
@@ -135,7 +155,7 @@ def main(argv=None) -> None:
     if "smollm2" in args.model:
         print(f"# note: {M.SMOLLM2_WEIGHT_NOTE}")
     rows = []
-    modes = ["eager"] + ([] if args.no_compile else ["compiled"])
+    modes = [m for m in ("eager", "compiled") if m in args.modes and not (args.no_compile and m == "compiled")]
     for model_name in args.model:
         configs = args.configs or (LM_CONFIGS if model_name == "smollm2" else ENC_CONFIGS)
         for mode in modes:
@@ -163,47 +183,52 @@ def main(argv=None) -> None:
                     continue
                 rows.append(json.loads(line[4:]))
                 print(json.dumps(rows[-1]), flush=True)
-    _report(rows)
+    if rows:
+        _report(rows, save=not args.no_save)
 
 
-def _report(rows: list[dict]) -> None:
+def _report(rows: list[dict], save: bool = True) -> None:
     for model_name, metric, speed in (("smollm2", "perplexity", "decode_tok_s"), ("minilm", "cosine", "sentences_s")):
         rs = [r for r in rows if r["model"] == model_name]
         if not rs:
             continue
         out = []
         for r in rs:
-            base = next(b for b in rs if b["config"] == "float32" and b["mode"] == r["mode"])
+            # no float32 row of the same mode in this run (e.g. --configs int8-dyn): no relative columns
+            base = next((b for b in rs if b["config"] == "float32" and b["mode"] == r["mode"]), None)
             entry = {
                 "config": r["config"],
                 "mode": r["mode"],
                 speed: f"{r[speed]:.1f}",
-                "speedup": f"{r[speed] / base[speed]:.2f}x",
+                "speedup": f"{r[speed] / base[speed]:.2f}x" if base else "",
                 metric: f"{r[metric]:.4f}",
-                "change": f"{(r[metric] - base[metric]) / base[metric] * 100:+.2f}%",
+                "change": f"{(r[metric] - base[metric]) / base[metric] * 100:+.2f}%" if base else "",
                 "linear MB": f"{r['linear_mb']:.1f}",
                 "vs bf16": f"{r['smaller_than_bf16']:.2f}x" if r.get("smaller_than_bf16") else "",
                 "peak RSS MB": f"{r['peak_rss_mb']:.0f}",
                 "quantize s": f"{r['quantize_s']:.2f}",
+                "compile s": f"{r['compile_s']:.0f}" if r.get("compile_s") else "",
             }
             if model_name == "smollm2":
                 entry["prefill256 ms"] = f"{r['prefill256_ms']:.1f}"
             out.append(entry)
         print(f"\n{model_name}:")
         print(table(out, list(out[0])))
-    save_json("bench_models" if len({r["model"] for r in rows}) > 1 else f"bench_models_{rows[0]['model']}",
-              {"rows": rows})
-    _plot(rows)
+    if not save:
+        return
+    name = "bench_models" if len({r["model"] for r in rows}) > 1 else f"bench_models_{rows[0]['model']}"
+    save_json(name, {"rows": rows})
+    _plot(rows, name)
 
 
-def _plot(rows: list[dict]) -> None:
+def _plot(rows: list[dict], name: str = "bench_models") -> None:
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("(pip install matplotlib for results/bench_models.png)")
+        print(f"(pip install matplotlib for results/{name}.png)")
         return
     lm = [r for r in rows if r["model"] == "smollm2"]
     if not lm:
@@ -221,8 +246,8 @@ def _plot(rows: list[dict]) -> None:
     fig.suptitle(machine_line().lstrip("# "), fontsize=7)
     fig.tight_layout()
     RESULTS.mkdir(exist_ok=True)
-    fig.savefig(RESULTS / "bench_models.png", dpi=110)
-    print(f"wrote {RESULTS / 'bench_models.png'}")
+    fig.savefig(RESULTS / f"{name}.png", dpi=110)
+    print(f"wrote {RESULTS / name}.png")
 
 
 if __name__ == "__main__":

@@ -357,3 +357,28 @@ def test_cuda_kernels(config, kernel):
             out = model(x)
     assert used == [kernel] * 2
     assert sqnr(ref, out) > 18
+
+
+@pytest.mark.parametrize("mapping", [affineq.MappingType.SYMMETRIC, affineq.MappingType.SYMMETRIC_NO_CLIPPING_ERR])
+@pytest.mark.parametrize("granularity", ["per_token", "per_tensor"])
+def test_int8_dynamic_kernel_matches_the_primitives(mapping, granularity):
+    # the opaque int8 x int8 op quantizes x with its own few ops: its codes must be those of the primitives
+    from affineq import ActivationQuant, choose_qparams_affine, quantize_affine
+
+    torch.manual_seed(0)
+    w = torch.randn(48, 64)
+    aq = ActivationQuant(torch.int8, mapping, granularity, affineq.ZeroPointDomain.NONE)
+    qw = AffineQuantizedTensor.from_float(w, affineq.MappingType.SYMMETRIC, (1, 64), torch.int8,
+                                          scale_dtype=torch.float32, zero_point_domain=affineq.ZeroPointDomain.NONE,
+                                          act_quant=aq)
+    for x in (torch.randn(5, 64) * 3, torch.randn(1, 64), torch.zeros(2, 64)):
+        block = (1, 64) if granularity == "per_token" else tuple(x.shape)
+        sx, _ = choose_qparams_affine(x, mapping, block, torch.int8, scale_dtype=torch.float32,
+                                      zero_point_domain=affineq.ZeroPointDomain.NONE)
+        xq = quantize_affine(x, block, sx, None, torch.int8, zero_point_domain=affineq.ZeroPointDomain.NONE)
+        acc = xq.long() @ qw.codes().long().T
+        expected = acc.double() * sx.double().reshape(-1, 1) * qw.scale.double().reshape(1, -1)
+        with record_kernels() as used:
+            out = torch.nn.functional.linear(x, qw)
+        assert used == ["aten._int_mm"]
+        torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=1e-6)
