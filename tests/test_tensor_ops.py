@@ -130,6 +130,13 @@ def test_copy_between_matching_and_mismatched_tensors(qw):
     int8 = AQT.from_float(torch.randn(64, 128), MappingType.SYMMETRIC, (1, 128), torch.int8)
     with pytest.raises(ValueError, match="different config"):
         dst.copy_(int8)
+    if qw.packing_format == "dense":  # same spec, qparams stored in fp32 instead of bf16
+        fp32_qparams = AQT.from_float(torch.randn(64, 128), MappingType.ASYMMETRIC, (1, 32), torch.uint4,
+                                      preserve_zero=False, zero_point_domain=ZeroPointDomain.FLOAT,
+                                      packing_format="dense", scale_dtype=torch.float32)
+        assert fp32_qparams.spec == dst.spec
+        with pytest.raises(ValueError, match="different config"):
+            dst.copy_(fp32_qparams)
     with pytest.raises(ValueError, match="cannot copy a float tensor into quantized"):
         dst.copy_(torch.randn(64, 128))
     with pytest.raises(ValueError, match="assign=True"):

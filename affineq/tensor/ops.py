@@ -160,11 +160,16 @@ def _to_copy(func, args, kwargs):
     return out if dtype is None else out._replace(spec=out.spec.replace(dtype=dtype))
 
 
+def _stored_layout(t: AQT) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """Name, dtype and shape of each stored tensor (the same spec may be stored with fp32 or bf16 qparams)."""
+    return [(n, getattr(t, "_" + n).dtype, tuple(getattr(t, "_" + n).shape)) for n in t._names]
+
+
 @implements(aten.copy_.default)
 def _copy_(func, args, kwargs):
     dst, src = args
     if isinstance(dst, AQT) and isinstance(src, AQT):
-        if dst.spec != src.spec or dst._names != src._names:
+        if dst.spec != src.spec or _stored_layout(dst) != _stored_layout(src):
             raise ValueError(
                 f"copy_: source {src!r} does not match destination {dst!r}. The checkpoint or tensor was "
                 "quantized with a different config: quantize the model with the checkpoint's config, or load "
