@@ -165,14 +165,15 @@ def measure(work: Workload, config_name: str, *, compile: bool, repeats: int) ->
 
 def format_table(rows: list[dict], work: Workload) -> str:
     base = rows[0]
-    header = (f"{'config':<10} {'size MB':>8} {'B/param':>8} {'quant s':>8} {work.latency_unit:>11} "
+    w = max(10, *(len(r["config"]) for r in rows))
+    header = (f"{'config':<{w}} {'size MB':>8} {'B/param':>8} {'quant s':>8} {work.latency_unit:>11} "
               f"{'speedup':>8} {work.metric_name:>11} {'change':>8}")
     lines = [header, "-" * len(header)]
     for r in rows:
         bpp = f"{r['bytes_per_param']:.3f}" if r["bytes_per_param"] else "4.000"
         change = (r["metric"] - base["metric"]) / base["metric"] * 100
         lines.append(
-            f"{r['config']:<10} {r['size_mb']:>8.1f} {bpp:>8} {r['quantize_s']:>8.2f} "
+            f"{r['config']:<{w}} {r['size_mb']:>8.1f} {bpp:>8} {r['quantize_s']:>8.2f} "
             f"{r['latency_ms']:>11.2f} {base['latency_ms'] / r['latency_ms']:>7.2f}x "
             f"{r['metric']:>11.4f} {change:>+7.2f}%"
         )
