@@ -407,6 +407,25 @@ void load_qparams(const LowbitProblem& p, bool offset, float mul, int64_t r0, in
   transpose_rows(src, G, rows, R, G, dst, ldd);
 }
 
+// Transposed fp32 scales and offsets of rows [r0, r0 + rows) for the GEMM tiles (thread-local, R columns),
+// plus an all-zero group G that the padding columns k >= K point at (see group_of_k).
+void load_tile_qparams(const LowbitProblem& p, float mul, int64_t r0, int64_t rows, int64_t R, int64_t G, float*& sT,
+                       float*& oT) {
+  sT = tl_scale.get<float>((G + 1) * R);
+  oT = tl_offset.get<float>((G + 1) * R);
+  load_qparams(p, false, mul, r0, rows, R, G, sT, R);
+  load_qparams(p, true, 1.f, r0, rows, R, G, oT, R);
+  std::fill(sT + G * R, sT + (G + 1) * R, 0.f);
+  std::fill(oT + G * R, oT + (G + 1) * R, 0.f);
+}
+
+// Group index of each of the K8 (padded) columns; padding columns get the extra all-zero group G.
+std::vector<int32_t> group_of_k(const LowbitProblem& p, int64_t K8, int64_t G) {
+  std::vector<int32_t> kg(static_cast<size_t>(K8));
+  for (int64_t k = 0; k < K8; ++k) kg[k] = static_cast<int32_t>(k < p.k ? k / p.group_size : G);
+  return kg;
+}
+
 // xs[m * G + g] = sum(x[m, g * gs : (g + 1) * gs]) for the offset term (vectorized: M * K adds per call).
 void group_sums(const float* x, int64_t ldx, int64_t M, int64_t G, int64_t gs, float* xs) {
   for (int64_t m = 0; m < M; ++m)
@@ -694,9 +713,7 @@ void gemm_path(const Ctx& c) {
   const LowbitProblem& pr = *c.p;
   const int64_t G = c.G, M = c.M, K8 = c.K8;
   constexpr int64_t TW = 16 * kNP;  // columns per micro-tile
-  // Group index per k; padding columns k >= K point at an extra all-zero group.
-  std::vector<int32_t> kg(static_cast<size_t>(K8));
-  for (int64_t k = 0; k < K8; ++k) kg[k] = static_cast<int32_t>(k < pr.k ? k / pr.group_size : G);
+  const std::vector<int32_t> kg = group_of_k(pr, K8, G);
   const int64_t ntiles = (c.npan + kNP - 1) / kNP;
   const int64_t nthreads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t ncb = std::max<int64_t>(1, std::min<int64_t>(kNCB, (ntiles + nthreads - 1) / nthreads));
@@ -705,12 +722,8 @@ void gemm_path(const Ctx& c) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t t0 = b * ncb, nt = std::min(ncb, ntiles - t0);
       const int64_t R = nt * TW, r0 = t0 * TW, rows = std::min(R, c.N - r0);
-      float* sT = tl_scale.get<float>((G + 1) * R);
-      float* oT = tl_offset.get<float>((G + 1) * R);
-      load_qparams(pr, false, code_scale(B), r0, rows, R, G, sT, R);
-      load_qparams(pr, true, 1.f, r0, rows, R, G, oT, R);
-      std::fill(sT + G * R, sT + (G + 1) * R, 0.f);
-      std::fill(oT + G * R, oT + (G + 1) * R, 0.f);
+      float *sT, *oT;
+      load_tile_qparams(pr, code_scale(B), r0, rows, R, G, sT, oT);
       std::vector<const uint8_t*> pan(static_cast<size_t>(nt * kNP));
       for (int64_t q = 0; q < nt * kNP; ++q) pan[q] = panel_ptr(c, t0 * kNP + q);
       float* wbuf = tl_wbuf.get<float>(nt * kKC * TW);
@@ -1113,8 +1126,7 @@ void bgemm_path(const Ctx& c) {
   const int64_t nmb = (M + kBMR - 1) / kBMR;
   uint32_t* xp = tl_xcall.get<uint32_t>(nmb * K2 * kBMR);
   pack_x_bf16(pr.x_bf16, pr.ldx, M, K2, xp);
-  std::vector<int32_t> kg(static_cast<size_t>(K8));  // group per k; padding k -> an all-zero extra group
-  for (int64_t k = 0; k < K8; ++k) kg[k] = static_cast<int32_t>(k < pr.k ? k / pr.group_size : G);
+  const std::vector<int32_t> kg = group_of_k(pr, K8, G);
   constexpr int64_t TW = 32;
   const int64_t ntiles = (c.npan + 1) / 2;
   const int64_t nthreads = std::max<int64_t>(1, at::get_num_threads());
@@ -1124,12 +1136,8 @@ void bgemm_path(const Ctx& c) {
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t t0 = blk * ncb, nt = std::min(ncb, ntiles - t0);
       const int64_t R = nt * TW, r0 = t0 * TW, rows = std::min(R, c.N - r0);
-      float* sT = tl_scale.get<float>((G + 1) * R);
-      float* oT = tl_offset.get<float>((G + 1) * R);
-      load_qparams(pr, false, code_scale(B), r0, rows, R, G, sT, R);
-      load_qparams(pr, true, 1.f, r0, rows, R, G, oT, R);
-      std::fill(sT + G * R, sT + (G + 1) * R, 0.f);
-      std::fill(oT + G * R, oT + (G + 1) * R, 0.f);
+      float *sT, *oT;
+      load_tile_qparams(pr, code_scale(B), r0, rows, R, G, sT, oT);
       const uint8_t* pan[2 * kNCB];
       for (int64_t q = 0; q < nt * 2; ++q) pan[q] = panel_ptr(c, t0 * 2 + q);
       uint32_t* wb = tl_wbuf.get<uint32_t>(kKC / 2 * TW);
