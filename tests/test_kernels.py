@@ -245,32 +245,52 @@ def test_lowbit_linear_float8_codes(codes_kind: int, fp8: torch.dtype) -> None:
             K.lowbit_linear_reference(*bad)
 
 
-def test_portable_scalar_build_matches(tmp_path: Path) -> None:
-    # The scalar (no SIMD) build, as on a CPU without AVX2: integer, bf16-qparam and float8 codes.
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+# Each build the machine can run, beside the native one the other tests use: the scalar build (a CPU without
+# AVX2) and the AVX2 build (this CPU may have AVX-512, whose code paths then hide the AVX2 ones).
+@pytest.mark.parametrize("march,isa,needs", [("x86-64", "scalar", set()),
+                                             ("x86-64-v3", "avx2", {"avx2", "fma", "f16c", "bmi2"})])
+def test_other_isa_build_matches(tmp_path: Path, march: str, isa: str, needs: set[str]) -> None:
+    # integer codes of every width, bf16 qparams and float8 codes, through the GEMV and the GEMM path
     if sys.platform != "linux" or _build.find_compiler(dict(os.environ)) is None:
         pytest.skip("needs a C++ compiler on Linux")
+    if not needs <= _cpu_flags():
+        pytest.skip(f"this CPU cannot run -march={march} code")
     code = (
         "import torch, affineq.kernels as K\n"
-        "assert K.kernel_info()['isa'] == 'scalar', K.kernel_info()\n"
+        f"assert K.kernel_info()['isa'] == {isa!r}, K.kernel_info()\n"
         "P = torch.ops.affineq_cpp.lowbit_linear_path\n"
         "n, k, gs = 37, 72, 24\n"
-        "for bits, kind, qd in ((3, 0, torch.float32), (4, 0, torch.bfloat16), (8, 1, torch.float32),"
-        " (8, 2, torch.float32)):\n"
+        "cases = [(b, 0, (torch.float32, torch.bfloat16)[b % 2]) for b in range(1, 9)]\n"
+        "for bits, kind, qd in cases + [(8, 1, torch.float32), (8, 2, torch.float32)]:\n"
         "    u = torch.randint(0, 2 ** bits, (n, k), dtype=torch.uint8)\n"
         "    if kind:\n"
         "        u = (torch.randn(n, k) * 9).to([None, torch.float8_e4m3fn, torch.float8_e5m2][kind])"
         ".view(torch.uint8)\n"
         "    s, o = (torch.rand(n, k // gs) + 0.1).to(qd), torch.randn(n, k // gs).to(qd)\n"
         "    pk = K.pack_codes(u, bits)\n"
+        # fp32 rounding bound: 1e-5 of sum |x| * (|s| * (|code| + bf16 bias) + |o|) over k (the terms summed)
+        "    f = u.float() if kind == 0 else u.view([None, torch.float8_e4m3fn, torch.float8_e5m2][kind]).float()\n"
+        "    bias = 2 ** (bits - 1) if qd == torch.bfloat16 else 0\n"
+        "    rep = lambda q: q.float().abs().repeat_interleave(gs, 1)\n"
+        "    terms = rep(s) * (f.abs() + bias) + rep(o)\n"
         "    for m in (1, 5, 33):\n"
         "        x = torch.randn(m, k)\n"
-        "        ref = K.lowbit_linear_reference(x, pk, s, o, bits, gs, n, k, kind)\n"
+        "        ref = x.double() @ K._dequantize(pk, s, o, bits, gs, n, k, kind).double().T\n"
+        "        bound = 1e-5 * (x.abs() @ terms.T).double()\n"
         "        for path in (1, 2):\n"
-        "            torch.testing.assert_close(P(x, pk, s, o, bits, gs, n, k, kind, path), ref, rtol=1e-5,"
-        " atol=1e-4)\n"
+        "            err = (P(x, pk, s, o, bits, gs, n, k, kind, path).double() - ref).abs()\n"
+        "            assert bool((err <= bound).all()), (bits, kind, qd, m, path, (err / bound).max())\n"
         "print('ok')\n"
     )
-    env = {**os.environ, "AFFINEQ_CPP_MARCH": "x86-64", "AFFINEQ_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "AFFINEQ_CPP_MARCH": march, "AFFINEQ_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(REPO)}
     env.pop("AFFINEQ_DISABLE_CPP_KERNELS", None)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr

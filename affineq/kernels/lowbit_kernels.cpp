@@ -30,6 +30,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <optional>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -218,8 +219,64 @@ AQ_INLINE F16 fp8x16(const uint8_t* p) {
 // decode_unit hands over float(v). Single-plane widths (1, 2, 4, 8) hand each k over as soon as it is
 // decoded (fewer live registers).
 // ---------------------------------------------------------------------------------------------
+#if AQ_AVX2
+// AVX2, multi-plane widths: with two ymm per 16 int32 lanes and only 16 registers, combining the planes in
+// 32-bit lanes (decode_unit_i below) spilled and cost ~8 ops per 8 codes. Here the planes are combined in
+// byte lanes, 32 codes per op, into out[t] = [codes of k = t, rows 0..15 | k = 4 + t, rows 0..15]; the
+// consumer widens them with vpmovzxbd straight from this L1 buffer. The 4-bit plane is loaded as [chunk t/2 |
+// chunk t/2 + 2] so that its nibbles pair k the same way as the 2-bit plane's [chunk 0 | chunk 1] and the
+// 1-bit plane's [bits 0..3 | bits 4..7].
+template <int B>
+AQ_INLINE void decode_unit_bytes(const uint8_t* p, uint8_t* out) {
+  static_assert(B == 3 || B == 5 || B == 6 || B == 7);
+  const auto mask = [](int m) { return _mm256_set1_epi8(static_cast<char>(m)); };
+  const auto ld128 = [](const uint8_t* q) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)); };
+  // Shift left by S >= 0 or right by -S in 16-bit lanes; callers mask to bits that stay within their byte.
+  const auto shift = [](__m256i v, auto S_) {
+    constexpr int S = AQ_CV(S_);
+    if constexpr (S > 0) return _mm256_slli_epi16(v, S);
+    else if constexpr (S < 0) return _mm256_srli_epi16(v, -S);
+    else return v;
+  };
+  constexpr int kSh2 = (B & 4) ? 4 : 0;               // bit position of the 2-bit plane's codes
+  constexpr int kSh1 = kSh2 + ((B & 2) ? 2 : 0);     // bit position of the 1-bit plane's codes
+  constexpr int kOff2 = (B & 4) ? 64 : 0, kOff1 = kOff2 + ((B & 2) ? 32 : 0);
+  __m256i v4[2], v2, v1;
+  if constexpr ((B & 4) != 0)
+    for (int h = 0; h < 2; ++h)
+      v4[h] = _mm256_inserti128_si256(_mm256_castsi128_si256(ld128(p + 16 * h)), ld128(p + 16 * h + 32), 1);
+  if constexpr ((B & 2) != 0) v2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kOff2));
+  if constexpr ((B & 1) != 0) {
+    const __m256i b = _mm256_broadcastsi128_si256(ld128(p + kOff1));
+    v1 = _mm256_srlv_epi64(b, _mm256_setr_epi64x(0, 0, 4, 4));
+  }
+  sfor<4>([&](auto T) {
+    constexpr int t = AQ_CV(T);
+    __m256i c;
+    if constexpr ((B & 4) != 0) {
+      c = _mm256_and_si256((t & 1) ? _mm256_srli_epi16(v4[t / 2], 4) : v4[t / 2], mask(15));
+    }
+    if constexpr ((B & 2) != 0) {
+      const __m256i c2 = _mm256_and_si256(shift(v2, std::integral_constant<int, kSh2 - 2 * t>{}), mask(3 << kSh2));
+      c = (B & 4) ? _mm256_or_si256(c, c2) : c2;
+    }
+    if constexpr ((B & 1) != 0)
+      c = _mm256_or_si256(c, _mm256_and_si256(shift(v1, std::integral_constant<int, kSh1 - t>{}), mask(1 << kSh1)));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out + 32 * t), c);
+  });
+}
+#endif
+
 template <int B, class F>
 AQ_INLINE void decode_unit_i(const uint8_t* p, F&& f) {
+#if AQ_AVX2
+  if constexpr (B == 3 || B == 5 || B == 6 || B == 7) {
+    alignas(32) uint8_t buf[128];
+    decode_unit_bytes<B>(p, buf);
+    sfor<8>([&](auto T) { f(T, ld_u8x16(buf + 32 * (AQ_CV(T) % 4) + 16 * (AQ_CV(T) / 4))); });
+    return;
+  }
+#endif
   if constexpr (B == 8) {
     sfor<8>([&](auto T) { f(T, ld_u8x16(p + 16 * AQ_CV(T))); });
   } else if constexpr (B == 4) {
@@ -344,6 +401,34 @@ void transpose_rows(const float* src, int64_t lds, int64_t rows, int64_t R, int6
           _mm512_storeu_ps(dst + (g0 + 4 + cc) * ldd + r0, _mm512_shuffle_f32x4(u0, u2, 0xDD));
           _mm512_storeu_ps(dst + (g0 + 8 + cc) * ldd + r0, _mm512_shuffle_f32x4(u1, u3, 0x88));
           _mm512_storeu_ps(dst + (g0 + 12 + cc) * ldd + r0, _mm512_shuffle_f32x4(u1, u3, 0xDD));
+        }
+      }
+    }
+  }
+#elif AQ_AVX2
+  // 8x8 blocks (the scalar loop below made qparam loading ~40% of a g32 GEMV on AVX2).
+  if (rows == R && R % 8 == 0) {
+    for (; g0 + 8 <= G; g0 += 8) {
+      for (int64_t r0 = 0; r0 < R; r0 += 8) {
+        __m256 r[8], t[8];
+        for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + (r0 + i) * lds + g0);
+        for (int i = 0; i < 4; ++i) {
+          t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+          t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+        }
+        // c[h][c']: in each 128-bit half, column c' (+4 in the high half) of rows 4h .. 4h+3.
+        __m256 c[2][4];
+        for (int h = 0; h < 2; ++h) {
+          const __m256d a = _mm256_castps_pd(t[4 * h]), b = _mm256_castps_pd(t[4 * h + 1]);
+          const __m256d d = _mm256_castps_pd(t[4 * h + 2]), e = _mm256_castps_pd(t[4 * h + 3]);
+          c[h][0] = _mm256_castpd_ps(_mm256_unpacklo_pd(a, d));
+          c[h][1] = _mm256_castpd_ps(_mm256_unpackhi_pd(a, d));
+          c[h][2] = _mm256_castpd_ps(_mm256_unpacklo_pd(b, e));
+          c[h][3] = _mm256_castpd_ps(_mm256_unpackhi_pd(b, e));
+        }
+        for (int cc = 0; cc < 4; ++cc) {
+          _mm256_storeu_ps(dst + (g0 + cc) * ldd + r0, _mm256_permute2f128_ps(c[0][cc], c[1][cc], 0x20));
+          _mm256_storeu_ps(dst + (g0 + 4 + cc) * ldd + r0, _mm256_permute2f128_ps(c[0][cc], c[1][cc], 0x31));
         }
       }
     }
@@ -517,12 +602,37 @@ constexpr int kGemvMR = 4;
 // Software prefetch distance (units ahead on each panel stream): at m = 1 the kernel streams the weights from
 // DRAM and the hardware prefetchers alone left ~10% of the bandwidth unused (measured 16..48, 24 best).
 constexpr int64_t kPrefetchUnits = 24;
+
+// Prefetches the raw qparams of the next work item, a few cache lines per group of the current one. Without
+// it load_qparams read them from DRAM through 16..32 strided streams: ~25% of a g32 GEMV's time on AVX2.
+struct QparamPrefetch {
+  const char* src[2] = {nullptr, nullptr};  // scale and offset rows of the next item (contiguous)
+  int64_t bytes = 0, lines_per_group = 0;
+  QparamPrefetch(const LowbitProblem& p, int64_t r0, int64_t rows, int64_t G) {
+    const int64_t esz = p.qparams_bf16 ? 2 : 4;
+    src[0] = static_cast<const char*>(p.scale) + r0 * G * esz;
+    src[1] = static_cast<const char*>(p.offset) + r0 * G * esz;
+    bytes = rows * G * esz;
+    lines_per_group = (bytes / 64 + G) / G;
+  }
+  AQ_INLINE void group(int64_t g) const {
+#if defined(__GNUC__)
+    for (int64_t l = g * lines_per_group, e = std::min(l + lines_per_group, (bytes + 63) / 64); l < e; ++l) {
+      __builtin_prefetch(src[0] + 64 * l, 0, 2);
+      __builtin_prefetch(src[1] + 64 * l, 0, 2);
+    }
+#endif
+  }
+};
+
 template <int B, int MR, int P, int A>
 void gemv_tile(const uint8_t* const* pan, const float* sT, const float* oT, int64_t lds, const float* x,
-               int64_t ldx, const float* xs, int64_t G, int64_t upg, float* y, int64_t ldy, int64_t nvalid) {
+               int64_t ldx, const float* xs, int64_t G, int64_t upg, float* y, int64_t ldy, int64_t nvalid,
+               const QparamPrefetch* pf) {
   F16 tot[MR][P];
   sfor<MR>([&](auto M_) { sfor<P>([&](auto P_) { tot[AQ_CV(M_)][AQ_CV(P_)] = fzero(); }); });
   for (int64_t g = 0; g < G; ++g) {
+    if (pf) pf->group(g);
     F16 acc[MR][P][A];
     sfor<MR>([&](auto M_) {
       sfor<P>([&](auto P_) { sfor<A>([&](auto A_) { acc[AQ_CV(M_)][AQ_CV(P_)][AQ_CV(A_)] = fzero(); }); });
@@ -568,18 +678,18 @@ void gemv_tile(const uint8_t* const* pan, const float* sT, const float* oT, int6
 
 template <int B, int MR>
 void gemv_rows(const Ctx& c, const uint8_t* const* pan, int64_t cnt, const float* sT, const float* oT,
-               const float* x, const float* xs, float* y, int64_t nvalid) {
+               const float* x, const float* xs, float* y, int64_t nvalid, const QparamPrefetch* pf) {
   constexpr int P = gemv_P(MR), A = gemv_A(MR);
   const LowbitProblem& pr = *c.p;
   const int64_t lds = 16 * cnt, upg = pr.group_size / 8;
   if (cnt % P == 0) {
     for (int64_t q = 0; q < cnt; q += P)
       gemv_tile<B, MR, P, A>(pan + q, sT + 16 * q, oT + 16 * q, lds, x, pr.ldx, xs, c.G, upg, y + 16 * q,
-                             pr.ldy, nvalid - 16 * q);
+                             pr.ldy, nvalid - 16 * q, q == 0 ? pf : nullptr);
   } else {
     for (int64_t q = 0; q < cnt; ++q)
       gemv_tile<B, MR, 1, (MR == 1 ? 2 : 1)>(pan + q, sT + 16 * q, oT + 16 * q, lds, x, pr.ldx, xs, c.G, upg,
-                                             y + 16 * q, pr.ldy, nvalid - 16 * q);
+                                             y + 16 * q, pr.ldy, nvalid - 16 * q, q == 0 ? pf : nullptr);
   }
 }
 
@@ -593,27 +703,34 @@ void gemv_path(const Ctx& c) {
   // Work items: blocks of kItemPanels full panels, then single leftover panels (incl. the tail panel).
   const int64_t nblk = c.nfull / kItemPanels;
   const int64_t nitems = nblk + (c.npan - nblk * kItemPanels);
+  const auto first_panel = [&](int64_t it) { return it < nblk ? it * kItemPanels : nblk * kItemPanels + (it - nblk); };
+  const auto row_range = [&](int64_t it) {  // {first row, rows} of item it
+    const int64_t r0 = 16 * first_panel(it);
+    return std::pair<int64_t, int64_t>{r0, std::min<int64_t>(16 * (it < nblk ? kItemPanels : 1), c.N - r0)};
+  };
   at::parallel_for(0, nitems, grain_for(16 * kItemPanels * c.K8 * M), [&](int64_t i0, int64_t i1) {
     for (int64_t it = i0; it < i1; ++it) {
-      const int64_t p0 = it < nblk ? it * kItemPanels : nblk * kItemPanels + (it - nblk);
-      const int64_t cnt = it < nblk ? kItemPanels : 1;
-      const int64_t r0 = 16 * p0, rows = std::min<int64_t>(16 * cnt, c.N - r0);
+      const int64_t p0 = first_panel(it), cnt = it < nblk ? kItemPanels : 1;
+      const auto [r0, rows] = row_range(it);
       const uint8_t* pan[kItemPanels];
       for (int64_t q = 0; q < cnt; ++q) pan[q] = panel_ptr(c, p0 + q);
       float* sT = tl_scale.get<float>(G * 16 * cnt);
       float* oT = tl_offset.get<float>(G * 16 * cnt);
       load_qparams(pr, false, code_scale(B), r0, rows, 16 * cnt, G, sT, 16 * cnt);
       load_qparams(pr, true, 1.f, r0, rows, 16 * cnt, G, oT, 16 * cnt);
+      std::optional<QparamPrefetch> pf;
+      if (it + 1 < i1) pf.emplace(pr, row_range(it + 1).first, row_range(it + 1).second, G);
       for (int64_t m0 = 0; m0 < M; m0 += kGemvMR) {
         const float* x = pr.x + m0 * pr.ldx;
         const float* xsm = xs.data() + m0 * G;
         float* y = pr.y + m0 * pr.ldy + r0;
         const int64_t mr = std::min<int64_t>(kGemvMR, M - m0);
-        if (mr == 1) gemv_rows<B, 1>(c, pan, cnt, sT, oT, x, xsm, y, rows);
-        else if (mr == 2) gemv_rows<B, 2>(c, pan, cnt, sT, oT, x, xsm, y, rows);
+        const QparamPrefetch* pfm = m0 == 0 && pf ? &*pf : nullptr;
+        if (mr == 1) gemv_rows<B, 1>(c, pan, cnt, sT, oT, x, xsm, y, rows, pfm);
+        else if (mr == 2) gemv_rows<B, 2>(c, pan, cnt, sT, oT, x, xsm, y, rows, pfm);
         else if constexpr (kGemvMR == 4) {
-          if (mr == 3) gemv_rows<B, 3>(c, pan, cnt, sT, oT, x, xsm, y, rows);
-          else gemv_rows<B, 4>(c, pan, cnt, sT, oT, x, xsm, y, rows);
+          if (mr == 3) gemv_rows<B, 3>(c, pan, cnt, sT, oT, x, xsm, y, rows, pfm);
+          else gemv_rows<B, 4>(c, pan, cnt, sT, oT, x, xsm, y, rows, pfm);
         }
       }
     }
