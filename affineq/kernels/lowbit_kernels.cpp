@@ -222,10 +222,10 @@ AQ_INLINE F16 fp8x16(const uint8_t* p) {
 #if AQ_AVX2
 // AVX2, multi-plane widths: with two ymm per 16 int32 lanes and only 16 registers, combining the planes in
 // 32-bit lanes (decode_unit_i below) spilled and cost ~8 ops per 8 codes. Here the planes are combined in
-// byte lanes, 32 codes per op, into out[t] = [codes of k = t, rows 0..15 | k = 4 + t, rows 0..15]; the
-// consumer widens them with vpmovzxbd straight from this L1 buffer. The 4-bit plane is loaded as [chunk t/2 |
-// chunk t/2 + 2] so that its nibbles pair k the same way as the 2-bit plane's [chunk 0 | chunk 1] and the
-// 1-bit plane's [bits 0..3 | bits 4..7].
+// byte lanes, 32 codes per op (ymm t holds k = t and k = 4 + t), and written out as an 8-bit unit that the
+// 8-bit decoder widens with vpmovzxbd straight from L1. The 4-bit plane is loaded as [chunk t/2 | chunk t/2 + 2]
+// so that its nibbles pair k like the 2-bit plane's [chunk 0 | chunk 1] and the 1-bit plane's [bits 0..3 |
+// bits 4..7].
 template <int B>
 AQ_INLINE void decode_unit_bytes(const uint8_t* p, uint8_t* out) {
   static_assert(B == 3 || B == 5 || B == 6 || B == 7);
@@ -262,7 +262,9 @@ AQ_INLINE void decode_unit_bytes(const uint8_t* p, uint8_t* out) {
     }
     if constexpr ((B & 1) != 0)
       c = _mm256_or_si256(c, _mm256_and_si256(shift(v1, std::integral_constant<int, kSh1 - t>{}), mask(1 << kSh1)));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(out + 32 * t), c);
+    // k = t and k = 4 + t, rows 0..15 each: the 8-bit unit layout
+    _mm_store_si128(reinterpret_cast<__m128i*>(out + 16 * t), _mm256_castsi256_si128(c));
+    _mm_store_si128(reinterpret_cast<__m128i*>(out + 16 * (t + 4)), _mm256_extracti128_si256(c, 1));
   });
 }
 #endif
@@ -273,7 +275,12 @@ AQ_INLINE void decode_unit_i(const uint8_t* p, F&& f) {
   if constexpr (B == 3 || B == 5 || B == 6 || B == 7) {
     alignas(32) uint8_t buf[128];
     decode_unit_bytes<B>(p, buf);
-    sfor<8>([&](auto T) { f(T, ld_u8x16(buf + 32 * (AQ_CV(T) % 4) + 16 * (AQ_CV(T) / 4))); });
+    // Keep the round trip through memory: left to itself the compiler widens in registers (vmovq, vpsrldq,
+    // vextracti128 + vpmovzxbd: 2-3 shuffles per 8 codes instead of one vpmovzxbd from L1). Hiding the pointer
+    // does it; an "m" operand on buf instead made GCC keep the caller's accumulators in memory (-15%).
+    const uint8_t* q = buf;
+    asm("" : "+r"(q));
+    decode_unit_i<8>(q, f);
     return;
   }
 #endif
@@ -580,15 +587,16 @@ const uint8_t* panel_ptr(const Ctx& c, int64_t pi) {
 // chains to hide latency without spilling (32 zmm / 16 ymm registers).
 #if AQ_AVX512
 constexpr int kItemPanels = 4;
-constexpr int gemv_P(int mr) { return mr <= 2 ? 4 : 2; }
+constexpr int gemv_P(int mr, int) { return mr <= 2 ? 4 : 2; }
 constexpr int gemv_A(int mr) { return mr == 1 ? 2 : 1; }
 #elif AQ_AVX2
 constexpr int kItemPanels = 2;
-constexpr int gemv_P(int mr) { return mr == 1 ? 2 : 1; }
+// Multi-plane and float8 decoding hold more registers: one panel per tile measured 4% faster for them.
+constexpr int gemv_P(int mr, int B) { return mr == 1 && (B == 1 || B == 2 || B == 4 || B == 8) ? 2 : 1; }
 constexpr int gemv_A(int mr) { return mr <= 2 ? 2 : 1; }  // A=1 at m=1 was FMA-latency bound (-45%)
 #else
 constexpr int kItemPanels = 1;
-constexpr int gemv_P(int) { return 1; }
+constexpr int gemv_P(int, int) { return 1; }
 constexpr int gemv_A(int) { return 1; }
 #endif
 // Rows of x per pass over the weights. With VNNI the GEMV only serves m <= 2 (path 3 wins from m = 3), so
@@ -679,7 +687,7 @@ void gemv_tile(const uint8_t* const* pan, const float* sT, const float* oT, int6
 template <int B, int MR>
 void gemv_rows(const Ctx& c, const uint8_t* const* pan, int64_t cnt, const float* sT, const float* oT,
                const float* x, const float* xs, float* y, int64_t nvalid, const QparamPrefetch* pf) {
-  constexpr int P = gemv_P(MR), A = gemv_A(MR);
+  constexpr int P = gemv_P(MR, B), A = gemv_A(MR);
   const LowbitProblem& pr = *c.p;
   const int64_t lds = 16 * cnt, upg = pr.group_size / 8;
   if (cnt % P == 0) {
