@@ -194,12 +194,10 @@ template <int B>
 AQ_INLINE F16 fp8x16(const uint8_t* p) {
 #if AQ_AVX512 || (AQ_AVX2 && defined(__F16C__))
   const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  __m256i h;
-  if constexpr (B == kBE5M2) {
-    h = _mm256_slli_epi16(v, 8);
-  } else {
-    h = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(v, 8), _mm256_set1_epi16(static_cast<short>(0x8000))),
-                        _mm256_and_si256(_mm256_slli_epi16(v, 7), _mm256_set1_epi16(0x3F80)));
+  __m256i h = _mm256_slli_epi16(v, 8);
+  if constexpr (B == kBE4M3) {
+    // seeeemmm 00000000 >> 1 (arithmetic) = ss eeeemmm 0000000; clearing the second s gives s0eeeemmm0000000
+    h = _mm256_and_si256(_mm256_srai_epi16(h, 1), _mm256_set1_epi16(static_cast<short>(0xBF80)));
   }
 #if AQ_AVX512
   return {_mm512_cvtph_ps(h)};
@@ -349,6 +347,35 @@ AQ_INLINE void decode_unit_i(const uint8_t* p, F&& f) {
 
 template <int B, class F>
 AQ_INLINE void decode_unit(const uint8_t* p, F&& f) {
+#if AQ_AVX2 && defined(__F16C__)
+  if constexpr (B > 8) {
+    // AVX2 float8: build the fp16 bits of 32 codes per op (bytes of k = 2j, 2j + 1 interleaved into words by
+    // vpunpck*bw, which works within 128-bit lanes) and convert with vcvtph2ps from L1, which needs no
+    // vextracti128 per 16 codes as fp8x16 does.
+    alignas(32) uint16_t buf[128];
+    sfor<4>([&](auto J) {
+      constexpr int j = AQ_CV(J);
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * j)), z = _mm256_setzero_si256();
+      __m256i lo = _mm256_unpacklo_epi8(z, v), hi = _mm256_unpackhi_epi8(z, v);  // [2j rows 0-7 | 2j+1 rows 0-7]
+      if constexpr (B == kBE4M3) {
+        const __m256i m = _mm256_set1_epi16(static_cast<short>(0xBF80));  // see fp8x16
+        lo = _mm256_and_si256(_mm256_srai_epi16(lo, 1), m);
+        hi = _mm256_and_si256(_mm256_srai_epi16(hi, 1), m);
+      }
+      _mm256_store_si256(reinterpret_cast<__m256i*>(buf + 32 * j), lo);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(buf + 32 * j + 16), hi);
+    });
+    const uint16_t* q = buf;
+    asm("" : "+r"(q));  // see decode_unit_i
+    sfor<8>([&](auto T) {
+      constexpr int t = AQ_CV(T);
+      const uint16_t* r = q + 32 * (t / 2) + 8 * (t % 2);
+      f(T, F16{_mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(r))),
+               _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(r + 16)))});
+    });
+    return;
+  }
+#endif
   if constexpr (B > 8) sfor<8>([&](auto T) { f(T, fp8x16<B>(p + 16 * AQ_CV(T))); });
   else decode_unit_i<B>(p, [&](auto T, I16 v) { f(T, i2f(v)); });
 }
