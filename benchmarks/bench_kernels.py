@@ -21,9 +21,7 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -32,6 +30,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import round_robin_ms  # noqa: E402
+
 import affineq.kernels as K  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -76,23 +76,6 @@ def with_int16_x(f: Callable[[], object]) -> Callable[[], object]:
             del os.environ["AFFINEQ_KERNELS_INT16_X"]
 
     return g
-
-
-def time_round_robin(cands: dict[str, Callable[[], object]], min_time: float, max_reps: int) -> dict[str, float]:
-    """Median milliseconds per candidate; candidates alternate so that noise is shared."""
-    for f in cands.values():  # warm-up (first call may allocate, JIT, page in)
-        f()
-        f()
-    times: dict[str, list[float]] = {name: [] for name in cands}
-    t_end = time.perf_counter() + min_time * len(cands)
-    reps = 0
-    while reps < max_reps and (reps < 5 or time.perf_counter() < t_end):
-        for name, f in cands.items():
-            t0 = time.perf_counter()
-            f()
-            times[name].append(time.perf_counter() - t0)
-        reps += 1
-    return {name: statistics.median(v) * 1e3 for name, v in times.items()}
 
 
 def main() -> None:
@@ -151,7 +134,7 @@ def main() -> None:
                 wrap = with_int16_x if int16 else (lambda f: f)
                 cands[f"i4/{label}"] = wrap(partial(op, xs[d], *i4[label], 4, 128, n, k))
                 cands[f"i8/{label}"] = wrap(partial(op, xs[d], *i8[label], 8, k, n, k))
-            t = time_round_robin(cands, args.min_time, args.max_reps)
+            t = round_robin_ms(cands, budget_s=args.min_time, max_runs=args.max_reps)
             best = min(t["fp32"], t["bf16"])
             for label, _, _ in variants:
                 t4, t8 = t[f"i4/{label}"], t[f"i8/{label}"]

@@ -7,7 +7,9 @@
 For every (shape N x K, M, dtype) it prints the time of F.linear in fp32 and in the input dtype, the
 best of them ("float"), each config's time and speedup over "float", and at M = 1 the effective weight
 bandwidth (bytes of stored weights / time) as a fraction of the measured memory bandwidth, which is the
-physical limit of a batch-1 linear. Writes results/bench_linear.json and results/bench_linear.png.
+physical limit of a batch-1 linear. The float paths and every config of one (shape, M, dtype) are timed
+round-robin, so that a noisy spell on the machine cannot tilt their ratios. Writes results/bench_linear.json
+and results/bench_linear.png.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, machine_line, median_ms, memory_bandwidth_gbs, save_json, table  # noqa: E402
+from common import RESULTS, machine_line, memory_bandwidth_gbs, round_robin_ms, save_json, table  # noqa: E402
 
 import affineq  # noqa: E402
 from affineq import (  # noqa: E402
@@ -71,7 +73,8 @@ def _copies(w: torch.Tensor) -> list[torch.Tensor]:
     return [w] + [w.clone() for _ in range(min(31, -(-COLD_BYTES // _weight_bytes(w)) - 1))]
 
 
-def _time(fn, x, weights: list[torch.Tensor]) -> float:
+def _cycling(fn, x, weights: list[torch.Tensor]):
+    """fn(x, w) over the copies of w in turn."""
     i = 0
 
     def step():
@@ -79,8 +82,14 @@ def _time(fn, x, weights: list[torch.Tensor]) -> float:
         i += 1
         return fn(x, weights[i % len(weights)])
 
+    return step
+
+
+def _time_all(fn, xs: dict[str, torch.Tensor], weights: dict[str, list[torch.Tensor]]) -> dict[str, float]:
+    """Median ms of fn(xs[name], copy of weights[name]) per name, all timed round-robin."""
+    cands = {name: _cycling(fn, xs[name], ws) for name, ws in weights.items()}
     with torch.inference_mode():
-        return median_ms(step, budget_s=0.4, min_runs=max(5, len(weights)))
+        return round_robin_ms(cands, budget_s=0.4, min_runs=max(5, max(len(w) for w in weights.values())))
 
 
 def run(args) -> list[dict]:
@@ -102,6 +111,7 @@ def run(args) -> list[dict]:
                 qm = quantize_(copy.deepcopy(base).to(dtype), CONFIGS[cname])
                 quantize_s = time.perf_counter() - t0
                 quantized[cname] = (_copies(qm.weight.detach()), quantize_s)
+            kernels: dict[str, str] = {}
             for mode in modes:
                 fn = F.linear
                 if mode == "compiled":
@@ -111,21 +121,27 @@ def run(args) -> list[dict]:
                     fn = torch.compile(lambda x, w: F.linear(x, w), fullgraph=True, dynamic=False)
                 for mm in args.m:
                     x = torch.randn(mm, k, dtype=dtype)
-                    t_fp32 = _time(fn, x.float(), w_fp32)
-                    t_same = _time(fn, x, w_same) if dtype != torch.float32 else t_fp32
+                    for cname, (ws, _) in quantized.items():
+                        with torch.inference_mode(), affineq.record_kernels() as used:
+                            F.linear(x[:1], ws[0])
+                        kernels[cname] = used[0] if used else "?"
+                    xs = {"fp32": x.float(), "same": x, **{c: x for c in quantized}}
+                    ws_all = {"fp32": w_fp32, **({"same": w_same} if dtype != torch.float32 else {}),
+                              **{c: ws for c, (ws, _) in quantized.items()}}
+                    times = _time_all(fn, xs, ws_all)
+                    t_fp32 = times["fp32"]
+                    t_same = times.get("same", t_fp32)
                     t_float = min(t_fp32, t_same)
                     row = {"N x K": f"{n}x{k}", "M": mm, "dtype": dname, "mode": mode,
                            "fp32 ms": f"{t_fp32:.3f}", "float ms": f"{t_float:.3f}"}
                     record = dict(shape=(n, k), m=mm, dtype=dname, mode=mode, fp32_ms=t_fp32,
                                   same_dtype_ms=t_same, float_ms=t_float, configs={})
                     for cname, (ws, quantize_s) in quantized.items():
-                        with torch.inference_mode(), affineq.record_kernels() as used:
-                            F.linear(x[:1], ws[0])
-                        t = _time(fn, x, ws)
+                        t = times[cname]
                         gbs = _weight_bytes(ws[0]) / (t * 1e-3) / 1e9
                         row[cname] = f"{t:.3f} ({t_float / t:.2f}x)"
                         record["configs"][cname] = dict(ms=t, speedup=t_float / t, weight_gbs=gbs,
-                                                        bw_fraction=gbs / bw, kernel=used[0] if used else "?",
+                                                        bw_fraction=gbs / bw, kernel=kernels[cname],
                                                         quantize_s=quantize_s)
                     rows.append(row)
                     records.append(record)

@@ -29,6 +29,25 @@ def median_ms(fn: Callable[[], object], *, min_runs: int = 5, max_runs: int = 20
     return statistics.median(times) * 1e3
 
 
+def round_robin_ms(cands: dict[str, Callable[[], object]], *, budget_s: float = 0.4, min_runs: int = 5,
+                   max_runs: int = 200, warmup: int = 2) -> dict[str, float]:
+    """Median ms per candidate, the candidates called in turn (A, B, C, A, B, C, ...) so that a noisy spell on
+    the machine hits them alike and their ratios hold; `budget_s` is per candidate."""
+    for f in cands.values():
+        for _ in range(warmup):
+            f()
+    times: dict[str, list[float]] = {name: [] for name in cands}
+    end = time.perf_counter() + budget_s * len(cands)
+    runs = 0
+    while runs < max_runs and (runs < min_runs or time.perf_counter() < end):
+        for name, f in cands.items():
+            t = time.perf_counter()
+            f()
+            times[name].append(time.perf_counter() - t)
+        runs += 1
+    return {name: statistics.median(v) * 1e3 for name, v in times.items()}
+
+
 def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
