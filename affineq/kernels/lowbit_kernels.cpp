@@ -48,8 +48,10 @@
 
 #if defined(__GNUC__)
 #define AQ_INLINE inline __attribute__((always_inline))
+#define AQ_OPAQUE(ptr) asm("" : "+r"(ptr))  // the compiler forgets where ptr points (no store forwarding)
 #else
 #define AQ_INLINE inline
+#define AQ_OPAQUE(ptr) (void)(ptr)
 #endif
 
 namespace affineq {
@@ -165,7 +167,7 @@ AQ_INLINE float fhsum(F16 a) { float s = 0.f; AQ_L16 s += a.v[i]; return s; }
 // the 8-bit layout. bits_of(B) is the storage width.
 constexpr int kBE4M3 = 8 | 16, kBE5M2 = 8 | 32;
 constexpr int bits_of(int B) { return B & 15; }
-// fp8x16 below returns e4m3 values times 2^-8 (an exact re-bias into fp16); code_scale undoes it in the scale.
+// The float8 decoders below return e4m3 values times 2^-8 (an exact re-bias into fp16); code_scale undoes it.
 constexpr float code_scale(int B) { return B == kBE4M3 ? 256.f : 1.f; }
 
 // Portable float8 -> float (also the reference for the SIMD decoders): e4m3fn has bias 7, no infinities and
@@ -187,23 +189,25 @@ inline float fp8_to_float(uint8_t v, int codes) {
   return neg ? -mag : mag;
 }
 
-// 16 float8 bytes -> 16 floats via fp16: e5m2 bytes are fp16's top byte; an e4m3 byte seeeemmm becomes the fp16
-// bits s0eeeemmm0000000, whose value is the e4m3 value times 2^-8 (subnormals included, which vcvtph2ps
-// handles in hardware). NaN bytes do not occur (quantization rejects non-finite weights).
+// float8 -> fp16 bits, in 16-bit lanes holding the float8 byte in their high half: e5m2 bytes are fp16's top
+// byte already; an e4m3 byte seeeemmm becomes s0eeeemmm0000000 (arithmetic shift by one duplicates s, the mask
+// clears the copy), whose fp16 value is the e4m3 value times 2^-8, subnormals included (vcvtph2ps handles
+// them in hardware). NaN bytes do not occur (quantization rejects non-finite weights).
+#if AQ_AVX512 || (AQ_AVX2 && defined(__F16C__))
+template <int B>
+AQ_INLINE __m256i fp8_to_fp16_bits(__m256i hi_bytes) {
+  if constexpr (B == kBE4M3)
+    return _mm256_and_si256(_mm256_srai_epi16(hi_bytes, 1), _mm256_set1_epi16(static_cast<short>(0xBF80)));
+  else return hi_bytes;
+}
+#endif
+
+// 16 float8 bytes -> 16 floats (AVX2 converts whole units instead, in decode_unit).
 template <int B>
 AQ_INLINE F16 fp8x16(const uint8_t* p) {
-#if AQ_AVX512 || (AQ_AVX2 && defined(__F16C__))
-  const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  __m256i h = _mm256_slli_epi16(v, 8);
-  if constexpr (B == kBE4M3) {
-    // seeeemmm 00000000 >> 1 (arithmetic) = ss eeeemmm 0000000; clearing the second s gives s0eeeemmm0000000
-    h = _mm256_and_si256(_mm256_srai_epi16(h, 1), _mm256_set1_epi16(static_cast<short>(0xBF80)));
-  }
 #if AQ_AVX512
-  return {_mm512_cvtph_ps(h)};
-#else
-  return {_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1))};
-#endif
+  const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return {_mm512_cvtph_ps(fp8_to_fp16_bits<B>(_mm256_slli_epi16(v, 8)))};
 #else
   alignas(64) float t[16];
   for (int i = 0; i < 16; ++i) t[i] = fp8_to_float(p[i], B == kBE5M2 ? kCodesE5M2 : kCodesE4M3) / code_scale(B);
@@ -277,7 +281,7 @@ AQ_INLINE void decode_unit_i(const uint8_t* p, F&& f) {
     // vextracti128 + vpmovzxbd: 2-3 shuffles per 8 codes instead of one vpmovzxbd from L1). Hiding the pointer
     // does it; an "m" operand on buf instead made GCC keep the caller's accumulators in memory (-15%).
     const uint8_t* q = buf;
-    asm("" : "+r"(q));
+    AQ_OPAQUE(q);
     decode_unit_i<8>(q, f);
     return;
   }
@@ -349,24 +353,19 @@ template <int B, class F>
 AQ_INLINE void decode_unit(const uint8_t* p, F&& f) {
 #if AQ_AVX2 && defined(__F16C__)
   if constexpr (B > 8) {
-    // AVX2 float8: build the fp16 bits of 32 codes per op (bytes of k = 2j, 2j + 1 interleaved into words by
-    // vpunpck*bw, which works within 128-bit lanes) and convert with vcvtph2ps from L1, which needs no
-    // vextracti128 per 16 codes as fp8x16 does.
+    // AVX2 float8: the fp16 bits of 32 codes per op (the bytes of k = 2j and 2j + 1 become words through
+    // vpunpck*bw, within 128-bit lanes), then vcvtph2ps from L1: no vextracti128 per 16 codes as in registers.
     alignas(32) uint16_t buf[128];
     sfor<4>([&](auto J) {
       constexpr int j = AQ_CV(J);
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * j)), z = _mm256_setzero_si256();
-      __m256i lo = _mm256_unpacklo_epi8(z, v), hi = _mm256_unpackhi_epi8(z, v);  // [2j rows 0-7 | 2j+1 rows 0-7]
-      if constexpr (B == kBE4M3) {
-        const __m256i m = _mm256_set1_epi16(static_cast<short>(0xBF80));  // see fp8x16
-        lo = _mm256_and_si256(_mm256_srai_epi16(lo, 1), m);
-        hi = _mm256_and_si256(_mm256_srai_epi16(hi, 1), m);
-      }
-      _mm256_store_si256(reinterpret_cast<__m256i*>(buf + 32 * j), lo);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(buf + 32 * j + 16), hi);
+      // lo = [k = 2j rows 0-7 | k = 2j + 1 rows 0-7], hi = the same for rows 8-15
+      _mm256_store_si256(reinterpret_cast<__m256i*>(buf + 32 * j), fp8_to_fp16_bits<B>(_mm256_unpacklo_epi8(z, v)));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(buf + 32 * j + 16),
+                         fp8_to_fp16_bits<B>(_mm256_unpackhi_epi8(z, v)));
     });
     const uint16_t* q = buf;
-    asm("" : "+r"(q));  // see decode_unit_i
+    AQ_OPAQUE(q);  // see decode_unit_i
     sfor<8>([&](auto T) {
       constexpr int t = AQ_CV(T);
       const uint16_t* r = q + 32 * (t / 2) + 8 * (t % 2);
@@ -738,7 +737,9 @@ void gemv_path(const Ctx& c) {
   // Work items: blocks of kItemPanels full panels, then single leftover panels (incl. the tail panel).
   const int64_t nblk = c.nfull / kItemPanels;
   const int64_t nitems = nblk + (c.npan - nblk * kItemPanels);
-  const auto first_panel = [&](int64_t it) { return it < nblk ? it * kItemPanels : nblk * kItemPanels + (it - nblk); };
+  const auto first_panel = [&](int64_t it) {
+    return it < nblk ? it * kItemPanels : nblk * kItemPanels + (it - nblk);
+  };
   const auto row_range = [&](int64_t it) {  // {first row, rows} of item it
     const int64_t r0 = 16 * first_panel(it);
     return std::pair<int64_t, int64_t>{r0, std::min<int64_t>(16 * (it < nblk ? kItemPanels : 1), c.N - r0)};
