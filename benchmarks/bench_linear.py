@@ -47,6 +47,7 @@ CONFIGS = {
     "int2-g64": IntxWeightOnlyConfig(torch.int2, PerGroup(64)),
     "int3-g32": IntxWeightOnlyConfig(torch.int3, PerGroup(32)),
     "int8-dyn": Int8DynamicActivationInt8WeightConfig(),
+    "int8-dyn-dense": Int8DynamicActivationInt8WeightConfig(packing_format="dense"),
     "8da4w-g32": Int8DynamicActivationInt4WeightConfig(group_size=32),
     "fp8-e4m3": Float8WeightOnlyConfig(),
 }

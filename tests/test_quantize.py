@@ -31,6 +31,7 @@ from affineq import (
     record_kernels,
 )
 from affineq import kernels as cpp
+from affineq.configs import _int_mm_is_fast
 
 # (config, min weight SQNR dB, min output SQNR dB, kernel on CPU)
 LOWBIT = "affineq.lowbit_linear"
@@ -41,6 +42,7 @@ CASES = {
     "int8": (Int8WeightOnlyConfig(), 35, 35, LOWBIT),
     "int8_aten": (Int8WeightOnlyConfig(packing_format="plain"), 35, 35, "aten._weight_int8pack_mm"),
     "int8_dyn": (Int8DynamicActivationInt8WeightConfig(), 35, 30, "aten._int_mm"),
+    "int8_dyn_dense": (Int8DynamicActivationInt8WeightConfig(packing_format="dense"), 35, 30, LOWBIT),
     "8da4w": (Int8DynamicActivationInt4WeightConfig(group_size=32), 20, 18, LOWBIT),
     "int3_g32": (IntxWeightOnlyConfig(torch.int3, PerGroup(32)), 12, 10, LOWBIT),
     "uint2_axis": (IntxWeightOnlyConfig(torch.uint2, PerAxis(0), affineq.MappingType.ASYMMETRIC), 4, 3,
@@ -64,6 +66,8 @@ WITHOUT_CPP = {"int4_g128": "aten._weight_int4pack_mm_for_cpu", "int8": "aten._w
 
 
 def _expected_kernel(name, kernel):
+    if name == "int8_dyn" and not _int_mm_is_fast() and cpp.is_available():
+        return LOWBIT  # "auto" on a CPU whose _int_mm is slow (no VNNI)
     if kernel == LOWBIT and not cpp.is_available():
         return WITHOUT_CPP.get(name, "dequantize:linear")
     return kernel
@@ -293,6 +297,7 @@ def test_fqn_to_config_json_round_trip():
     (lambda: Int4WeightOnlyConfig(group_size=0), "group_size must be a positive int"),
     (lambda: Int4WeightOnlyConfig(packing_format="int4_cpu", group_size=16), "group_size 32, 64, 128 or 256"),
     (lambda: Int4WeightOnlyConfig(packing_format="magic"), "packing_format='magic'"),
+    (lambda: Int8DynamicActivationInt8WeightConfig(packing_format="int4_cpu"), "packing_format='int4_cpu'"),
     (lambda: IntxWeightOnlyConfig(torch.int16), "weight_dtype=torch.int16"),
     (lambda: IntxWeightOnlyConfig(torch.float32), "weight_dtype"),
     (lambda: IntxWeightOnlyConfig(torch.int4, PerTensor()), "granularity=PerTensor"),
@@ -357,6 +362,48 @@ def test_cuda_kernels(config, kernel):
             out = model(x)
     assert used == [kernel] * 2
     assert sqnr(ref, out) > 18
+
+
+def test_int8_dynamic_dense_matches_int_mm(monkeypatch):
+    # Same int8 weights and activation codes: _int_mm sums exact int32 products, the C++ kernel fp32 products
+    # of the fake-quantized activation and the dequantized weight; "auto" takes dense where _int_mm is slow.
+    if not cpp.is_available():
+        pytest.skip(f"C++ kernels unavailable: {cpp.unavailable_reason()}")
+    import affineq.configs as configs
+
+    model = make_mlp()
+    x = torch.randn(33, 256)
+    plain = quantize_(copy.deepcopy(model), Int8DynamicActivationInt8WeightConfig(packing_format="plain"))
+    monkeypatch.setattr(configs, "_int_mm_is_fast", lambda: False)
+    auto = quantize_(copy.deepcopy(model), Int8DynamicActivationInt8WeightConfig())
+    assert auto[0].weight.packing_format == "dense"
+    assert torch.equal(auto[0].weight.codes(), plain[0].weight.codes())
+    with torch.no_grad(), record_kernels() as used:
+        y_dense = auto(x)
+    y_plain = plain(x)
+    assert used == [LOWBIT] * 2
+    torch.testing.assert_close(y_dense, y_plain, rtol=1e-5, atol=1e-5 * y_plain.abs().max().item())
+    monkeypatch.setattr(configs, "_int_mm_is_fast", lambda: True)
+    assert quantize_(copy.deepcopy(model), Int8DynamicActivationInt8WeightConfig())[0].weight.packing_format == "plain"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("domain", [affineq.ZeroPointDomain.NONE, affineq.ZeroPointDomain.INT])
+def test_symmetric_int8_fake_quant_shortcut_is_the_primitives(dtype, domain):
+    # fake_quantize_activation takes a few-op route for symmetric int8: bit for bit the primitives' result
+    from affineq.primitives import dequantize_affine
+    from affineq.tensor.kernels import fake_quantize_activation, quantize_activation
+
+    torch.manual_seed(0)
+    for mapping in (affineq.MappingType.SYMMETRIC, affineq.MappingType.SYMMETRIC_NO_CLIPPING_ERR):
+        for granularity in ("per_token", "per_tensor"):
+            aq = affineq.ActivationQuant(torch.int8, mapping, granularity, domain)
+            for x in (torch.randn(7, 96) * 3, torch.zeros(2, 96), torch.randn(3, 1, 500) * 1e-3):
+                x = x.to(dtype)
+                x2 = x.reshape(-1, x.shape[-1])
+                q, scale, zp, block = quantize_activation(x2, aq)
+                ref = dequantize_affine(q, block, scale, zp, torch.int8, zero_point_domain=domain, output_dtype=dtype)
+                assert torch.equal(fake_quantize_activation(x, aq), ref.view(x.shape)), (mapping, granularity)
 
 
 @pytest.mark.parametrize("mapping", [affineq.MappingType.SYMMETRIC, affineq.MappingType.SYMMETRIC_NO_CLIPPING_ERR])
