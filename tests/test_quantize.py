@@ -389,16 +389,21 @@ def test_int8_dynamic_dense_matches_int_mm(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("domain", [affineq.ZeroPointDomain.NONE, affineq.ZeroPointDomain.INT])
-def test_symmetric_int8_fake_quant_shortcut_is_the_primitives(dtype, domain):
-    # fake_quantize_activation takes a few-op route for symmetric int8: bit for bit the primitives' result
+def test_int8_fake_quant_shortcuts_are_the_primitives(dtype, domain):
+    # fake_quantize_activation takes few-op routes for int8 (symmetric; asymmetric with an integer zero point):
+    # bit for bit the primitives' result
     from affineq.primitives import dequantize_affine
     from affineq.tensor.kernels import fake_quantize_activation, quantize_activation
 
     torch.manual_seed(0)
-    for mapping in (affineq.MappingType.SYMMETRIC, affineq.MappingType.SYMMETRIC_NO_CLIPPING_ERR):
+    mappings = [affineq.MappingType.SYMMETRIC, affineq.MappingType.SYMMETRIC_NO_CLIPPING_ERR]
+    if domain is affineq.ZeroPointDomain.INT:
+        mappings.append(affineq.MappingType.ASYMMETRIC)
+    for mapping in mappings:
         for granularity in ("per_token", "per_tensor"):
             aq = affineq.ActivationQuant(torch.int8, mapping, granularity, domain)
-            for x in (torch.randn(7, 96) * 3, torch.zeros(2, 96), torch.randn(3, 1, 500) * 1e-3):
+            for x in (torch.randn(7, 96) * 3, torch.randn(7, 96) + 5, -torch.rand(3, 64) - 1, torch.zeros(2, 96),
+                      torch.full((2, 8), 2.5), torch.randn(3, 1, 500) * 1e-3):
                 x = x.to(dtype)
                 x2 = x.reshape(-1, x.shape[-1])
                 q, scale, zp, block = quantize_activation(x2, aq)
