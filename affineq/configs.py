@@ -323,9 +323,11 @@ class Int8DynamicActivationInt8WeightConfig(QuantConfig):
         return _row_block(shape, None)
 
     def _format(self, weight: torch.Tensor) -> str:
-        if self.packing_format != "auto" or weight.device.type != "cpu" or _int_mm_is_fast():
-            return "plain" if self.packing_format == "auto" else self.packing_format
-        return _auto_lowbit_format("auto", weight, cpu_fallback="plain")
+        if self.packing_format != "auto":
+            return self.packing_format
+        if weight.device.type == "cpu" and not _int_mm_is_fast():
+            return _auto_lowbit_format("auto", weight, cpu_fallback="plain")
+        return "plain"
 
     def quantize_weight(self, weight, module):
         return AffineQuantizedTensor.from_float(

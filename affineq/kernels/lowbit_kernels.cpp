@@ -648,7 +648,7 @@ struct QparamPrefetch {
     src[0] = static_cast<const char*>(p.scale) + r0 * G * esz;
     src[1] = static_cast<const char*>(p.offset) + r0 * G * esz;
     bytes = rows * G * esz;
-    lines_per_group = (bytes / 64 + G) / G;
+    lines_per_group = ((bytes + 63) / 64 + G - 1) / G;
   }
   AQ_INLINE void group(int64_t g) const {
 #if defined(__GNUC__)
@@ -756,7 +756,10 @@ void gemv_path(const Ctx& c) {
       load_qparams(pr, false, code_scale(B), r0, rows, 16 * cnt, G, sT, 16 * cnt);
       load_qparams(pr, true, 1.f, r0, rows, 16 * cnt, G, oT, 16 * cnt);
       std::optional<QparamPrefetch> pf;
-      if (it + 1 < i1) pf.emplace(pr, row_range(it + 1).first, row_range(it + 1).second, G);
+      if (it + 1 < i1) {
+        const auto [nr0, nrows] = row_range(it + 1);
+        pf.emplace(pr, nr0, nrows, G);
+      }
       for (int64_t m0 = 0; m0 < M; m0 += kGemvMR) {
         const float* x = pr.x + m0 * pr.ldx;
         const float* xsm = xs.data() + m0 * G;

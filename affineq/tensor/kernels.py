@@ -326,14 +326,20 @@ def _int_mm_check(x, w):
     return _common(x, w, x.device.type) or _per_channel_int8(w.spec)
 
 
+def _row_range(xf: torch.Tensor, per_token: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(min, max) of xf [M, K] per row ([M, 1] each) or over the whole tensor ([1, 1] each)."""
+    if per_token:
+        return xf.amin(1, keepdim=True), xf.amax(1, keepdim=True)
+    return xf.amin().view(1, 1), xf.amax().view(1, 1)
+
+
 def _int8_activation(x2: torch.Tensor, per_token: bool, no_clipping: bool, eps: float):
     """`quantize_activation` for symmetric int8 (zero point 0) in a few eager ops -> (codes, float32 scale
     [M or 1, 1]). Bit-identical: max(-min_neg, max_pos) is amax(|x|), and the rest is the same float32 ops
     in the same order (scale / 127.5 or the no-clipping max, clamp to eps, round(x * (1 / scale)), clamp)."""
     xf = x2.float()
     if no_clipping:
-        lo = xf.amin(1, keepdim=True) if per_token else xf.amin().view(1, 1)
-        hi = xf.amax(1, keepdim=True) if per_token else xf.amax().view(1, 1)
+        lo, hi = _row_range(xf, per_token)
         scale = torch.maximum(lo.clamp(max=0.0) / -128.0, hi.clamp(min=0.0) / 127.0)
     else:
         amax = xf.abs().amax(1, keepdim=True) if per_token else xf.abs().amax().view(1, 1)
@@ -347,8 +353,7 @@ def _int8_asymmetric_fake_quant(x2: torch.Tensor, per_token: bool, eps: float) -
     the primitives' float32 ops in their order: scale = (max - min) / 255, zp = clamp(-128 - round(min /
     scale)), q = clamp(round(x / scale) + zp), out = (q - zp) * scale."""
     xf = x2.float()
-    lo = xf.amin(1, keepdim=True) if per_token else xf.amin().view(1, 1)
-    hi = xf.amax(1, keepdim=True) if per_token else xf.amax().view(1, 1)
+    lo, hi = _row_range(xf, per_token)
     lo, hi = lo.clamp(max=0.0), hi.clamp(min=0.0)
     scale = ((hi - lo) / 255.0).clamp(min=eps)
     zp = (-128.0 - torch.round(lo / scale)).clamp(-128, 127)
