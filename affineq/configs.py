@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from affineq import granularity as _gran
-from affineq import kernels as _cpp
+from affineq import cpp as _cpp
 from affineq.dtypes import check_target_dtype, is_float_target, is_integer_target
 from affineq.granularity import Granularity, PerAxis, PerGroup, PerRow, PerTensor, get_block_size
 from affineq.primitives import MappingType, ZeroPointDomain

@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     progress = not args.no_progress
     _progress_note(f"loading {name} ...")
     work = load_workload(name, new_tokens=args.tokens, eval_tokens=args.eval_tokens, progress=progress)
-    from affineq import kernels
+    from affineq import cpp as kernels
 
     _progress_note("preparing the C++ kernels (compiled once on first use, then cached) ...")
     if not kernels.is_available():  # built here so that no row's quantize time includes the build

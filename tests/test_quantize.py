@@ -30,7 +30,7 @@ from affineq import (
     quantize_,
     record_kernels,
 )
-from affineq import kernels as cpp
+from affineq import cpp
 from affineq.configs import _int_mm_is_fast
 
 # (config, min weight SQNR dB, min output SQNR dB, kernel on CPU)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from affineq import kernels as _cpp
+from affineq import cpp as _cpp
 from affineq.dtypes import bit_width, container_dtype, is_integer_target
 from affineq.primitives import ZeroPointDomain, dequantize_affine
 from affineq.tensor.spec import QuantSpec
@@ -148,7 +148,7 @@ class Plain(PackingFormat):
 
 
 class Dense(PackingFormat):
-    """1-8 bit codes (or float8 bytes) bit-packed by `affineq.kernels.pack_codes` (ceil(N*K*bits/8) bytes),
+    """1-8 bit codes (or float8 bytes) bit-packed by `affineq.cpp.pack_codes` (ceil(N*K*bits/8) bytes),
     with scale and offset [N, K/g]. This is the layout the `affineq::lowbit_linear` CPU kernel reads directly.
 
     Qparams are fp32 (w = scale * u + offset), except for a bf16 scale with a float zero point over the full

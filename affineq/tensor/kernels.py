@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from affineq import kernels as _cpp
+from affineq import cpp as _cpp
 from affineq.dtypes import bit_width, is_float_target
 from affineq.primitives import (
     MappingType,

@@ -1,4 +1,4 @@
-"""Tests for affineq.kernels: packing format, the C++ lowbit_linear op (all paths) and its Python face."""
+"""Tests for affineq.cpp: packing format, the C++ lowbit_linear op (all paths) and its Python face."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import affineq.kernels as K
-from affineq.kernels import _build
+import affineq.cpp as K
+from affineq.cpp import _build
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -264,7 +264,7 @@ def test_other_isa_build_matches(tmp_path: Path, march: str, isa: str, needs: se
     if not needs <= _cpu_flags():
         pytest.skip(f"this CPU cannot run -march={march} code")
     code = (
-        "import torch, affineq.kernels as K\n"
+        "import torch, affineq.cpp as K\n"
         f"assert K.kernel_info()['isa'] == {isa!r}, K.kernel_info()\n"
         "P = torch.ops.affineq_cpp.lowbit_linear_path\n"
         "n, k, gs = 37, 72, 24\n"
@@ -481,7 +481,7 @@ def test_find_compiler_respects_cxx_and_path() -> None:
 
 def test_no_compiler_reason_in_fresh_process(tmp_path: Path) -> None:
     code = (
-        "import torch, affineq.kernels as K\n"
+        "import torch, affineq.cpp as K\n"
         "assert not K.is_available()\n"
         "print(K.unavailable_reason())\n"
         "try:\n"

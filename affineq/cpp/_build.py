@@ -1,4 +1,4 @@
-"""Compile and cache the affineq C++ kernel library (private to affineq.kernels).
+"""Compile and cache the affineq C++ kernel library (private to affineq.cpp).
 
 The library is built on first use for the machine it runs on (``-march=native``) and cached under
 ``$AFFINEQ_CACHE_DIR`` (default ``~/.cache/affineq/kernels``). The cache key hashes the sources, the compiler

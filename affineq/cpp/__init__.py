@@ -267,7 +267,7 @@ def lowbit_linear_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.
 # --------------------------------------------------------------------------------------------------------
 def _disabled_reason() -> str | None:
     if _override is not None:
-        return "disabled by affineq.kernels._set_disabled(True)" if _override else None
+        return "disabled by affineq.cpp._set_disabled(True)" if _override else None
     val = os.environ.get(_ENV_DISABLE, "")
     if val.strip().lower() not in ("", "0", "false", "no", "off"):
         return f"disabled by {_ENV_DISABLE}={val}"
@@ -385,7 +385,7 @@ def _lowbit_linear_fallback(x, packed, scale, offset, bits, group_size, n, k, co
     if not is_available():
         raise RuntimeError(
             f"affineq::lowbit_linear needs the affineq C++ kernels, which are unavailable: {unavailable_reason()}. "
-            "Dequantize and use F.linear instead (affineq.kernels.lowbit_linear_reference)."
+            "Dequantize and use F.linear instead (affineq.cpp.lowbit_linear_reference)."
         )
     if not torch._C._dispatch_has_kernel_for_dispatch_key(_OP, "CPU"):
         raise RuntimeError(f"affineq: {_lib_path} loaded but did not register a CPU kernel for {_OP}")
