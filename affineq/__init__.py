@@ -20,6 +20,7 @@ from affineq.configs import (
     QuantConfig,
     config_from_dict,
 )
+from affineq.dtypes import QTYPES, QType, qtype, register_qtype
 from affineq.granularity import (
     Granularity,
     PerAxis,
@@ -46,21 +47,23 @@ from affineq.quantize import (
     quantized_weights,
     register_quantize_module_handler,
 )
+from affineq.tensor import linear_kernels as _linear_kernels  # noqa: F401  (registers the kernels)
 from affineq.tensor import ops as _ops  # noqa: F401  (fills the op tables)
-from affineq.tensor.affine import AffineQuantizedTensor
-from affineq.tensor.kernels import (
+from affineq.tensor.affine import ACT_TENSORS, AffineQuantizedTensor
+from affineq.tensor.fallback import (
     KernelFallbackError,
     KernelFallbackWarning,
     record_kernels,
-    select_linear_kernel,
     set_strict,
     strict_kernels,
 )
-from affineq.tensor.spec import ActivationQuant, QuantSpec
+from affineq.tensor.kernel_registry import register_linear_kernel, select_linear_kernel
+from affineq.tensor.spec import ActivationQuant, QParamOptions, QuantSpec
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ACT_TENSORS",
     "ActivationQuant",
     "AffineQuantizedTensor",
     "Float8DynamicActivationFloat8WeightConfig",
@@ -81,6 +84,9 @@ __all__ = [
     "PerRow",
     "PerTensor",
     "PerToken",
+    "QParamOptions",
+    "QTYPES",
+    "QType",
     "QuantConfig",
     "QuantSpec",
     "QuantizationError",
@@ -94,7 +100,10 @@ __all__ = [
     "quantize_",
     "quantize_affine",
     "quantized_weights",
+    "qtype",
     "record_kernels",
+    "register_linear_kernel",
+    "register_qtype",
     "register_quantize_module_handler",
     "select_linear_kernel",
     "set_strict",
@@ -102,6 +111,6 @@ __all__ = [
 ]
 
 torch.serialization.add_safe_globals(
-    [AffineQuantizedTensor, QuantSpec, ActivationQuant, MappingType, ZeroPointDomain,
+    [AffineQuantizedTensor, QuantSpec, ActivationQuant, MappingType, ZeroPointDomain, qtype,
      PerTensor, PerAxis, PerGroup, PerToken, PerRow, PerBlock]
 )

@@ -1,8 +1,11 @@
 """Quantization configs: frozen dataclasses that validate themselves, round-trip through JSON and map to
 one handler each (registered in `affineq.quantize`).
 
-A config answers two questions about a module: `check(module)` (why it cannot apply, or None) and
-`quantize_weight(weight)` (the AffineQuantizedTensor that replaces it).
+A config answers: `check(module)` (why it cannot apply, or None), `parameter_names(module)` (what it
+quantizes: `weight` unless `param_names` says otherwise) and `weight_spec(weight, module)` (the `QuantSpec`
+it wants for a weight, plus `qparam_options()`); the base class's `quantize_weight` does the rest
+(`AffineQuantizedTensor.from_spec`). "auto" packing formats are resolved by the kernel registry
+(`affineq.tensor.kernel_registry.auto_format`).
 """
 
 from __future__ import annotations
@@ -16,12 +19,12 @@ import torch
 from torch import nn
 
 from affineq import granularity as _gran
-from affineq import cpp as _cpp
-from affineq.dtypes import check_target_dtype, is_float_target, is_integer_target
+from affineq.dtypes import check_target_dtype, is_integer_target
 from affineq.granularity import Granularity, PerAxis, PerGroup, PerRow, PerTensor, get_block_size
 from affineq.primitives import MappingType, ZeroPointDomain
 from affineq.tensor.affine import AffineQuantizedTensor
-from affineq.tensor.spec import ActivationQuant
+from affineq.tensor.kernel_registry import auto_format
+from affineq.tensor.spec import ActivationQuant, QParamOptions, QuantSpec
 
 __all__ = [
     "QuantConfig",
@@ -63,40 +66,89 @@ def _decode(v: Any) -> Any:
         return tuple(_decode(x) for x in v)
     if not isinstance(v, dict):
         return v
-    if "dtype" in v:
-        return getattr(torch, v["dtype"])
-    if "enum" in v:
-        return _ENUMS[v["enum"]][v["name"]]
-    if "granularity" in v:
-        args = {k: _decode(x) for k, x in v.items() if k != "granularity"}
-        return getattr(_gran, v["granularity"])(**args)
-    if "map" in v:
-        return {k: _decode(x) for k, x in v["map"].items()}
-    if "type" in v:
-        return config_from_dict(v)
+    try:
+        if "dtype" in v:
+            dtype = getattr(torch, str(v["dtype"]), None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"unknown torch dtype {v['dtype']!r}")
+            return dtype
+        if "enum" in v:
+            return _ENUMS[v["enum"]][v["name"]]
+        if "granularity" in v:
+            cls = getattr(_gran, str(v["granularity"]), None)
+            if not (isinstance(cls, type) and issubclass(cls, Granularity)):
+                raise ValueError(f"unknown granularity {v['granularity']!r}")
+            return cls(**{k: _decode(x) for k, x in v.items() if k != "granularity"})
+        if "map" in v:
+            return {k: _decode(x) for k, x in v["map"].items()}
+        if "type" in v:
+            return config_from_dict(v)
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"cannot decode config field {v!r}: {e!r}") from None
     raise ValueError(f"cannot decode config field {v!r}")
 
 
 def config_from_dict(d: dict) -> QuantConfig:
     """Inverse of `QuantConfig.to_dict`: {"type": "Int4WeightOnlyConfig", "group_size": 128, ...}."""
+    if not isinstance(d, dict):
+        raise ValueError(f"config_from_dict expects a dict from QuantConfig.to_dict(), got {type(d).__name__}")
     name = d.get("type")
     if name not in _CONFIGS:
         raise ValueError(f"unknown config type {name!r}; known: {sorted(_CONFIGS)}")
-    return _CONFIGS[name](**{k: _decode(v) for k, v in d.items() if k != "type"})
+    cls = _CONFIGS[name]
+    if cls.from_dict.__func__ is not QuantConfig.from_dict.__func__:
+        return cls.from_dict(d)  # a config with its own encoding (FqnToConfig)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(d) - known - {"type"}
+    if unknown:
+        raise ValueError(f"{name} has no fields {sorted(unknown)}; its fields: {sorted(known)}")
+    return cls(**{k: _decode(v) for k, v in d.items() if k != "type"})
 
 
 # -- base -----------------------------------------------------------------------------------------------
 
+# Field name -> the type every config field of that name must have (checked at construction).
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "mapping_type": (MappingType,),
+    "zero_point_domain": (ZeroPointDomain, type(None)),
+    "packing_format": (str,),
+    "preserve_zero": (bool,),
+    "scale_dtype": (torch.dtype,),
+    "weight_dtype": (torch.dtype,),
+    "activation_dtype": (torch.dtype,),
+    "granularity": (Granularity,),
+}
+
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """Base of all configs. Subclasses list the module types they quantize in `modules`."""
+    """Base of all configs. Subclasses list the module types they quantize in `modules` and say which spec
+    they want for a weight (`weight_spec`, `qparam_options`).
+
+    param_names: the parameters of each selected module to quantize (default None: `weight`); e.g.
+    ("weight_ih_l0",) or a bare Parameter's name. `FqnToConfig` sets it for parameter-name keys.
+    """
 
     modules: ClassVar[tuple[type[nn.Module], ...]] = (nn.Linear,)
+    param_names: tuple[str, ...] | None = field(default=None, kw_only=True)
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)
         _CONFIGS[cls.__name__] = cls
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            want = _FIELD_TYPES.get(f.name)
+            value = getattr(self, f.name)
+            if want is not None and not isinstance(value, want):
+                names = " or ".join(t.__name__ for t in want)
+                raise ValueError(f"{type(self).__name__}.{f.name}={value!r} must be a {names}, not "
+                                 f"{type(value).__name__} (e.g. MappingType.ASYMMETRIC, not 'ASYMMETRIC')")
+        if self.param_names is not None and (
+                not isinstance(self.param_names, tuple) or not self.param_names
+                or not all(isinstance(n, str) and n for n in self.param_names)):
+            raise ValueError(f"param_names={self.param_names!r} must be a non-empty tuple of parameter names, "
+                             "e.g. ('weight',) or ('weight_ih_l0', 'weight_hh_l0')")
 
     def to_dict(self) -> dict:
         out = {"type": type(self).__name__}
@@ -111,27 +163,78 @@ class QuantConfig:
             raise ValueError(f"{cls.__name__}.from_dict got a {type(cfg).__name__} dict")
         return cfg
 
+    # -- what to quantize -------------------------------------------------------------------------------
+
+    def parameter_names(self, module: nn.Module) -> tuple[str, ...]:
+        """Names of the parameters of `module` this config quantizes."""
+        return self.param_names or ("weight",)
+
     def check(self, module: nn.Module) -> str | None:
-        """Why this config cannot quantize `module.weight` (a sentence), or None."""
-        if not isinstance(module, self.modules):
+        """Why this config cannot quantize `module` (a sentence), or None."""
+        if not isinstance(module, self.modules) and self.param_names is None:
             names = ", ".join(m.__name__ for m in self.modules)
             return f"{type(self).__name__} quantizes {names} modules, not {type(module).__name__}"
-        w = getattr(module, "weight", None)
-        if not isinstance(w, torch.Tensor) or isinstance(w, AffineQuantizedTensor):
-            return "it has no float weight (already quantized?)"
+        for name in self.parameter_names(module):
+            why = self.check_parameter(module, name)
+            if why is not None:
+                return why
+        return None
+
+    def check_parameter(self, module: nn.Module, name: str) -> str | None:
+        """Why parameter `name` of `module` cannot be quantized by this config, or None."""
+        if _is_parametrized(module, name):
+            return (f"its {name} is parametrized (torch.nn.utils.parametrize / weight_norm); call "
+                    f"torch.nn.utils.parametrize.remove_parametrizations(module, {name!r}) first")
+        w = module._parameters.get(name)
+        if w is None:
+            if isinstance(getattr(module, name, None), AffineQuantizedTensor):
+                return f"its {name} is already quantized"
+            return f"it has no parameter {name!r} (parameters: {list(module._parameters)})"
+        if isinstance(w, AffineQuantizedTensor):
+            return f"its {name} is already quantized"
         if not w.dtype.is_floating_point:
-            return f"its weight is {w.dtype}, not floating point"
+            return f"its {name} is {w.dtype}, not floating point"
+        if w.numel() == 0:
+            return f"its {name} is empty (shape {tuple(w.shape)}); there is nothing to quantize"
         try:
             self._block_size(tuple(w.shape), module)
         except ValueError as e:
             return str(e)
         return None
 
+    # -- how: the spec of a weight ----------------------------------------------------------------------
+
     def _block_size(self, shape: tuple[int, ...], module: nn.Module) -> tuple[int, ...]:
+        """Block size for a weight of `shape` (ValueError explains a shape the config cannot take);
+        default: the whole tensor (per-tensor qparams)."""
+        return tuple(shape)
+
+    def weight_spec(self, weight: torch.Tensor, module: nn.Module) -> QuantSpec:
+        """The `QuantSpec` this config wants for `weight` (a parameter of `module`)."""
         raise NotImplementedError
 
+    def qparam_options(self) -> QParamOptions:
+        """How qparams are computed (scale dtype, eps, ...): fp32 scales unless a config says otherwise."""
+        return QParamOptions(scale_dtype=torch.float32)
+
     def quantize_weight(self, weight: torch.Tensor, module: nn.Module) -> AffineQuantizedTensor:
-        raise NotImplementedError
+        """The AffineQuantizedTensor that replaces `weight`."""
+        return AffineQuantizedTensor.from_spec(weight, self.weight_spec(weight, module), self.qparam_options())
+
+    def _spec(self, weight, module, target, mapping_type, domain, packing_format, act_quant=None) -> QuantSpec:
+        return QuantSpec.create(
+            tuple(weight.shape), weight.dtype, target, self._block_size(tuple(weight.shape), module),
+            mapping_type=mapping_type, zero_point_domain=domain, packing_format=packing_format,
+            act_quant=act_quant,
+        )
+
+
+def _is_parametrized(module: nn.Module, name: str) -> bool:
+    parametrizations = getattr(module, "parametrizations", None)
+    if parametrizations is not None and name in parametrizations:
+        return True
+    # torch.nn.utils.weight_norm (the hook form): `name` is recomputed from name_g and name_v
+    return hasattr(module, f"{name}_g") and hasattr(module, f"{name}_v")
 
 
 def _check_group_size(group_size: int | None, param: str = "group_size") -> None:
@@ -156,14 +259,8 @@ def _row_block(shape: tuple[int, ...], group_size: int | None) -> tuple[int, ...
     return get_block_size(shape, PerGroup(group_size))
 
 
-def _auto_lowbit_format(fmt: str, weight: torch.Tensor, cpu_fallback: str = "dense") -> str:
-    """Resolve "auto": the C++ kernel's `dense` layout for 2-D CPU weights when the kernels build, else
-    `cpu_fallback` (a layout an aten kernel reads); "plain" for other shapes and devices."""
-    if fmt != "auto":
-        return fmt
-    if weight.device.type == "cpu" and weight.dim() == 2:
-        return "dense" if _cpp.is_available() else cpu_fallback
-    return "plain"
+def _auto(fmt: str, scheme: str, weight: torch.Tensor, module: nn.Module) -> str:
+    return auto_format(scheme, weight, isinstance(module, nn.Linear)) if fmt == "auto" else fmt
 
 
 # -- weight-only integer configs -------------------------------------------------------------------------
@@ -188,6 +285,7 @@ class Int4WeightOnlyConfig(QuantConfig):
     scale_dtype: torch.dtype = torch.bfloat16
 
     def __post_init__(self):
+        super().__post_init__()
         _check_group_size(self.group_size)
         if self.group_size is None:
             raise ValueError("Int4WeightOnlyConfig needs a group_size (32, 64, 128 or 256 are typical)")
@@ -202,20 +300,27 @@ class Int4WeightOnlyConfig(QuantConfig):
     def _block_size(self, shape, module):
         return _row_block(shape, self.group_size)
 
-    def quantize_weight(self, weight, module):
+    def weight_spec(self, weight, module):
+        signed = self.mapping_type is not MappingType.ASYMMETRIC
         fmt = self.packing_format
         if fmt == "auto":
-            fmt = "int4_cuda" if weight.device.type == "cuda" else _auto_lowbit_format(fmt, weight, "int4_cpu")
+            fmt = auto_format("int4", weight)
             if fmt.startswith("int4_") and self.scale_dtype != torch.bfloat16:
                 fmt = "plain" if weight.device.type == "cuda" else "dense"
-        signed = self.mapping_type is not MappingType.ASYMMETRIC
-        return AffineQuantizedTensor.from_float(
-            weight, self.mapping_type, self._block_size(tuple(weight.shape), module),
-            torch.int4 if signed else torch.uint4,
-            scale_dtype=self.scale_dtype, zero_point_dtype=None, preserve_zero=self.preserve_zero,
-            zero_point_domain=ZeroPointDomain.NONE if signed else self.zero_point_domain,
-            packing_format=fmt,
-        )
+        spec = self._spec(weight, module, torch.int4 if signed else torch.uint4, self.mapping_type,
+                          ZeroPointDomain.NONE if signed else self.zero_point_domain, fmt)
+        if self.packing_format == "auto" and fmt == "int4_cpu" and _format_cannot_hold(spec):
+            spec = spec.replace(fmt="dense")  # aten's layout needs N % 16 == 0 etc.; dense holds any int4
+        return spec
+
+    def qparam_options(self):
+        return QParamOptions(scale_dtype=self.scale_dtype, preserve_zero=self.preserve_zero)
+
+
+def _format_cannot_hold(spec: QuantSpec) -> bool:
+    from affineq.tensor.formats import get_format
+
+    return get_format(spec.fmt).check(spec) is not None
 
 
 @dataclass(frozen=True)
@@ -223,7 +328,8 @@ class IntxWeightOnlyConfig(QuantConfig):
     """1-8 bit weights (`weight_dtype` torch.int1..torch.int8 or torch.uint1..torch.uint8).
 
     granularity: PerGroup(g) (groups along in_features) or PerAxis(0) (one scale per output channel).
-    Also quantizes nn.Embedding (per row / per group of the embedding dim).
+    Also quantizes nn.Embedding (per row / per group of the embedding dim). 1-bit codes need
+    MappingType.ASYMMETRIC (a symmetric 1-bit range {-1, 0} cannot represent positive weights).
     """
 
     modules: ClassVar = (nn.Linear, nn.Embedding)
@@ -234,10 +340,15 @@ class IntxWeightOnlyConfig(QuantConfig):
     packing_format: str = "auto"
 
     def __post_init__(self):
+        super().__post_init__()
         check_target_dtype(self.weight_dtype, "weight_dtype")
         if not is_integer_target(self.weight_dtype) or self.weight_dtype in (torch.int16, torch.int32):
             raise ValueError(f"weight_dtype={self.weight_dtype}: use an integer dtype of 1-8 bits "
                              "(torch.int1..torch.int8, torch.uint1..torch.uint8)")
+        if self.weight_dtype in (torch.int1, torch.uint1) and self.mapping_type is not MappingType.ASYMMETRIC:
+            raise ValueError(f"weight_dtype={self.weight_dtype} with mapping_type={self.mapping_type}: one bit "
+                             "has two codes, so a symmetric range maps every weight to 0 or -scale; use "
+                             "mapping_type=MappingType.ASYMMETRIC (two levels per group)")
         if not isinstance(self.granularity, (PerGroup, PerAxis)):
             raise ValueError(f"granularity={self.granularity!r}: use PerGroup(group_size) or PerAxis(0)")
         if isinstance(self.granularity, PerAxis) and self.granularity.axis != 0:
@@ -254,14 +365,9 @@ class IntxWeightOnlyConfig(QuantConfig):
             return _row_block(shape, None)
         return _row_block(shape, self.granularity.group_size)
 
-    def quantize_weight(self, weight, module):
-        fmt = _auto_lowbit_format(self.packing_format, weight)
-        if isinstance(module, nn.Embedding):
-            fmt = "plain" if self.packing_format == "auto" else fmt
-        return AffineQuantizedTensor.from_float(
-            weight, self.mapping_type, self._block_size(tuple(weight.shape), module), self.weight_dtype,
-            scale_dtype=torch.float32, zero_point_domain=self._domain(), packing_format=fmt,
-        )
+    def weight_spec(self, weight, module):
+        fmt = _auto(self.packing_format, "subbyte", weight, module)
+        return self._spec(weight, module, self.weight_dtype, self.mapping_type, self._domain(), fmt)
 
 
 @dataclass(frozen=True)
@@ -277,32 +383,19 @@ class Int8WeightOnlyConfig(QuantConfig):
     packing_format: str = "auto"
 
     def __post_init__(self):
+        super().__post_init__()
         _check_group_size(self.group_size)
         _check_choice("packing_format", self.packing_format, ("auto", "dense", "plain"))
 
     def _block_size(self, shape, module):
         return _row_block(shape, self.group_size)
 
-    def quantize_weight(self, weight, module):
-        fmt = _auto_lowbit_format(self.packing_format, weight, "plain")
-        if not isinstance(module, nn.Linear) and self.packing_format == "auto":
-            fmt = "plain"
-        return AffineQuantizedTensor.from_float(
-            weight, MappingType.SYMMETRIC, self._block_size(tuple(weight.shape), module), torch.int8,
-            scale_dtype=torch.float32, zero_point_domain=ZeroPointDomain.NONE, packing_format=fmt,
-        )
+    def weight_spec(self, weight, module):
+        fmt = _auto(self.packing_format, "byte", weight, module)
+        return self._spec(weight, module, torch.int8, MappingType.SYMMETRIC, ZeroPointDomain.NONE, fmt)
 
 
 # -- dynamic activation configs ----------------------------------------------------------------------
-
-
-def _int_mm_is_fast() -> bool:
-    """Whether aten's int8 x int8 -> int32 matmul runs on oneDNN here. Without VNNI (an AVX2-only CPU) it runs
-    scalar loops: 430 ms for a 32 x 4096 x 4096 product where fp32 `F.linear` takes 24 ms (measured in
-    issue #4; 167 ms vs 10 ms here with oneDNN switched off)."""
-    has_vnni = getattr(torch.cpu, "_is_vnni_supported", None)
-    return bool(torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
-                and (has_vnni is None or has_vnni()))
 
 
 @dataclass(frozen=True)
@@ -317,24 +410,16 @@ class Int8DynamicActivationInt8WeightConfig(QuantConfig):
     packing_format: str = "auto"
 
     def __post_init__(self):
+        super().__post_init__()
         _check_choice("packing_format", self.packing_format, ("auto", "dense", "plain"))
 
     def _block_size(self, shape, module):
         return _row_block(shape, None)
 
-    def _format(self, weight: torch.Tensor) -> str:
-        if self.packing_format != "auto":
-            return self.packing_format
-        if weight.device.type == "cpu" and not _int_mm_is_fast():
-            return _auto_lowbit_format("auto", weight, cpu_fallback="plain")
-        return "plain"
-
-    def quantize_weight(self, weight, module):
-        return AffineQuantizedTensor.from_float(
-            weight, MappingType.SYMMETRIC, self._block_size(tuple(weight.shape), module), torch.int8,
-            scale_dtype=torch.float32, zero_point_domain=ZeroPointDomain.NONE, packing_format=self._format(weight),
-            act_quant=ActivationQuant(torch.int8, MappingType.SYMMETRIC, "per_token", ZeroPointDomain.NONE),
-        )
+    def weight_spec(self, weight, module):
+        aq = ActivationQuant(torch.int8, MappingType.SYMMETRIC, "per_token", ZeroPointDomain.NONE)
+        fmt = _auto(self.packing_format, "int8_dynamic", weight, module)
+        return self._spec(weight, module, torch.int8, MappingType.SYMMETRIC, ZeroPointDomain.NONE, fmt, aq)
 
 
 @dataclass(frozen=True)
@@ -346,6 +431,7 @@ class Int8DynamicActivationInt4WeightConfig(QuantConfig):
     packing_format: str = "auto"
 
     def __post_init__(self):
+        super().__post_init__()
         _check_group_size(self.group_size)
         if self.group_size is None:
             raise ValueError("Int8DynamicActivationInt4WeightConfig needs a group_size (e.g. 32)")
@@ -354,20 +440,17 @@ class Int8DynamicActivationInt4WeightConfig(QuantConfig):
     def _block_size(self, shape, module):
         return _row_block(shape, self.group_size)
 
-    def quantize_weight(self, weight, module):
-        return AffineQuantizedTensor.from_float(
-            weight, MappingType.SYMMETRIC, self._block_size(tuple(weight.shape), module), torch.int4,
-            scale_dtype=torch.float32, zero_point_domain=ZeroPointDomain.NONE,
-            packing_format=_auto_lowbit_format(self.packing_format, weight),
-            act_quant=ActivationQuant(torch.int8, MappingType.ASYMMETRIC, "per_token", ZeroPointDomain.INT),
-        )
+    def weight_spec(self, weight, module):
+        aq = ActivationQuant(torch.int8, MappingType.ASYMMETRIC, "per_token", ZeroPointDomain.INT)
+        fmt = _auto(self.packing_format, "subbyte", weight, module)
+        return self._spec(weight, module, torch.int4, MappingType.SYMMETRIC, ZeroPointDomain.NONE, fmt, aq)
 
 
 # -- float8 configs ---------------------------------------------------------------------------------------
 
 
 def _check_float8(name: str, dtype: torch.dtype) -> None:
-    if not is_float_target(dtype):
+    if dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise ValueError(f"{name}={dtype}: use torch.float8_e4m3fn or torch.float8_e5m2")
 
 
@@ -383,18 +466,16 @@ class Float8WeightOnlyConfig(QuantConfig):
     packing_format: str = "auto"
 
     def __post_init__(self):
+        super().__post_init__()
         _check_float8("weight_dtype", self.weight_dtype)
         _check_choice("packing_format", self.packing_format, ("auto", "dense", "plain"))
 
     def _block_size(self, shape, module):
         return get_block_size(shape, PerRow())
 
-    def quantize_weight(self, weight, module):
-        return AffineQuantizedTensor.from_float(
-            weight, MappingType.SYMMETRIC, self._block_size(tuple(weight.shape), module), self.weight_dtype,
-            scale_dtype=torch.float32, zero_point_domain=ZeroPointDomain.NONE,
-            packing_format=_auto_lowbit_format(self.packing_format, weight, "plain"),
-        )
+    def weight_spec(self, weight, module):
+        fmt = _auto(self.packing_format, "byte", weight, module)
+        return self._spec(weight, module, self.weight_dtype, MappingType.SYMMETRIC, ZeroPointDomain.NONE, fmt)
 
 
 @dataclass(frozen=True)
@@ -407,6 +488,7 @@ class Float8DynamicActivationFloat8WeightConfig(QuantConfig):
     granularity: Granularity = field(default_factory=PerRow)
 
     def __post_init__(self):
+        super().__post_init__()
         _check_float8("activation_dtype", self.activation_dtype)
         _check_float8("weight_dtype", self.weight_dtype)
         if not isinstance(self.granularity, (PerTensor, PerRow)):
@@ -415,12 +497,9 @@ class Float8DynamicActivationFloat8WeightConfig(QuantConfig):
     def _block_size(self, shape, module):
         return get_block_size(shape, self.granularity)
 
-    def quantize_weight(self, weight, module):
+    def weight_spec(self, weight, module):
         per_row = isinstance(self.granularity, PerRow)
         aq = ActivationQuant(self.activation_dtype, MappingType.SYMMETRIC,
                              "per_token" if per_row else "per_tensor", ZeroPointDomain.NONE)
-        return AffineQuantizedTensor.from_float(
-            weight, MappingType.SYMMETRIC, self._block_size(tuple(weight.shape), module), self.weight_dtype,
-            scale_dtype=torch.float32, zero_point_domain=ZeroPointDomain.NONE, act_quant=aq,
-        )
-
+        return self._spec(weight, module, self.weight_dtype, MappingType.SYMMETRIC, ZeroPointDomain.NONE,
+                          "plain", aq)

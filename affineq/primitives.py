@@ -40,7 +40,7 @@ from collections.abc import Sequence
 
 import torch
 
-from affineq.dtypes import check_quant_range, check_target_dtype, container_dtype, is_float_target
+from affineq.dtypes import check_quant_range, check_target_dtype, container_dtype, is_float_target, qtype
 
 __all__ = [
     "MappingType",
@@ -355,7 +355,7 @@ class _Plan:
         self.float_target = is_float_target(dtype)
         _check_zero_point(fn, zero_point, domain, dtype)
         self.domain = ZeroPointDomain.NONE if self.float_target else domain
-        self.container = container_dtype(dtype)
+        self.qtype = qtype(dtype)
         self.compute = _compute_dtype(self.qmin, self.qmax)
         self.scale = self.blocks.qparam("scale", scale, self.compute, input.device)
         self.zero_point = (
@@ -375,12 +375,12 @@ class _Plan:
             self.qmax,
             self.float_target,
         )
-        q = torch.clamp(y, self.qmin, self.qmax).to(self.container).reshape(self.blocks.shape)
+        q = self.qtype.encode(torch.clamp(y, self.qmin, self.qmax)).reshape(self.blocks.shape)
         return q, y
 
     def dequant(self, q: torch.Tensor, output_dtype: torch.dtype) -> torch.Tensor:
         x = _dequant_math(
-            q.to(self.compute).reshape(self.blocks.blocked),
+            self.qtype.decode(q, self.compute).reshape(self.blocks.blocked),
             self.scale,
             self.zero_point,
             self.domain,

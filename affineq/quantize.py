@@ -1,11 +1,18 @@
-"""`quantize_`: replace module weights in place with AffineQuantizedTensors, driven by a config.
+"""`quantize_`: quantize a model's parameters (or swap its modules) in place, driven by a config.
 
-Each config type maps to one handler (`register_quantize_module_handler`), so a new config plugs in without
-touching `quantize_`. `FqnToConfig` picks a config per module name.
+Each config type maps to one handler, `handler(module, config) -> module` (`register_quantize_module_handler`):
+the built-in one replaces the module's parameters named by `config.parameter_names(module)` (default
+`weight`) with AffineQuantizedTensors; a handler may instead return a new module (an RNN, a QAT module), which
+`quantize_` installs under the same name. `FqnToConfig` picks a config per module or parameter name.
+
+All or nothing: every module's state is recorded before the first change, and any failure (a config check,
+a handler raising, a device move) restores every module's parameters, buffers, submodules and attributes
+to exactly what they were before `QuantizationError` is raised.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,7 +36,8 @@ class QuantizationError(ValueError):
 
 
 def register_quantize_module_handler(config_cls: type) -> Callable[[Handler], Handler]:
-    """Register `handler(module, config) -> module` for `config_cls` (and its subclasses)."""
+    """Register `handler(module, config) -> module` for `config_cls` (and its subclasses). The returned
+    module replaces `module` in the model (return `module` itself after changing it in place)."""
 
     def register(fn: Handler) -> Handler:
         _HANDLERS[config_cls] = fn
@@ -47,18 +55,20 @@ def _handler_for(config) -> Handler:
 
 
 @register_quantize_module_handler(QuantConfig)
-def _replace_weight(module: nn.Module, config: QuantConfig) -> nn.Module:
-    """The handler of every built-in config: quantize `module.weight` and swap the Parameter."""
-    qweight = config.quantize_weight(module.weight.detach(), module)
-    module.weight = nn.Parameter(qweight, requires_grad=False)
+def _replace_parameters(module: nn.Module, config: QuantConfig) -> nn.Module:
+    """The handler of every built-in config: quantize each named parameter and swap the Parameter."""
+    for name in config.parameter_names(module):
+        qweight = config.quantize_weight(getattr(module, name).detach(), module)
+        setattr(module, name, nn.Parameter(qweight, requires_grad=False))
     return module
 
 
 @dataclass(frozen=True)
 class FqnToConfig(QuantConfig):
-    """Per-module configs by fully qualified name.
+    """Per-module (or per-parameter) configs by fully qualified name.
 
-    Keys: an exact module name ("lm_head"), a regex prefixed "re:" matched against the whole name
+    Keys: an exact module name ("lm_head"), an exact parameter name ("rnn.weight_ih_l0", "block.w": that
+    parameter only, whatever the module), a regex prefixed "re:" matched against whole module names
     ("re:layers\\.[0-3]\\..*"), or "_default". Values: a config, or None to leave the module float.
     Precedence: exact name, then the first matching regex (in insertion order), then "_default".
     """
@@ -66,7 +76,12 @@ class FqnToConfig(QuantConfig):
     fqn_to_config: dict = field(default_factory=dict)
 
     def __post_init__(self):
+        if not isinstance(self.fqn_to_config, dict):
+            raise ValueError(f"FqnToConfig(fqn_to_config=...) must be a dict of name -> config, got "
+                             f"{type(self.fqn_to_config).__name__}")
         for key, cfg in self.fqn_to_config.items():
+            if not isinstance(key, str):
+                raise ValueError(f"FqnToConfig keys must be module names (str), got {key!r}")
             if cfg is not None and not isinstance(cfg, QuantConfig):
                 raise ValueError(f"FqnToConfig[{key!r}] must be a config or None, got {cfg!r}")
             if isinstance(cfg, FqnToConfig):
@@ -83,8 +98,8 @@ class FqnToConfig(QuantConfig):
     def config_for(self, fqn: str) -> tuple[QuantConfig | None, bool]:
         """(config, whether `fqn` is named exactly) for module `fqn`.
 
-        A module named exactly is quantized whatever its type; regex and "_default" matches apply to the
-        modules `quantize_`'s filter selects (nn.Linear by default).
+        A module named exactly is quantized whatever `quantize_`'s filter says; regex and "_default" matches
+        apply to the modules the filter selects (nn.Linear by default).
         """
         if fqn in self.fqn_to_config:
             return self.fqn_to_config[fqn], True
@@ -98,6 +113,9 @@ class FqnToConfig(QuantConfig):
 
     @classmethod
     def from_dict(cls, d: dict) -> FqnToConfig:
+        if not isinstance(d, dict) or not isinstance(d.get("fqn_to_config"), dict):
+            raise ValueError(f"FqnToConfig.from_dict expects {{'type': 'FqnToConfig', 'fqn_to_config': {{...}}}}, "
+                             f"got {d!r}")
         return cls({k: (None if v is None else _decode(v)) for k, v in d["fqn_to_config"].items()})
 
 
@@ -105,31 +123,93 @@ def _default_filter(module: nn.Module, fqn: str) -> bool:
     return isinstance(module, nn.Linear)
 
 
+@dataclass
+class _Step:
+    fqn: str
+    module: nn.Module
+    config: QuantConfig
+
+
+def _param_keys(model: nn.Module, config: FqnToConfig) -> dict[str, list[tuple[str, QuantConfig | None]]]:
+    """FqnToConfig keys that name a parameter: module fqn -> [(parameter name, config)]."""
+    modules = dict(model.named_modules())
+    out: dict[str, list] = {}
+    missing = []
+    for key, cfg in config.fqn_to_config.items():
+        if key.startswith("re:") or key == "_default" or key in modules:
+            continue
+        owner, _, pname = key.rpartition(".")
+        if owner in modules and pname in modules[owner]._parameters:
+            out.setdefault(owner, []).append((pname, cfg))
+        else:
+            missing.append(key)
+    if missing:
+        raise QuantizationError(f"FqnToConfig names modules or parameters the model does not have: {missing}")
+    return out
+
+
 def _plan(model: nn.Module, config: QuantConfig, filter_fn: FilterFn | None):
-    """[(fqn, module, config)] to quantize, and [(fqn, reason)] for selected modules that cannot be."""
-    plan, problems = [], []
-    if isinstance(config, FqnToConfig):
-        names = {n for n, _ in model.named_modules()}
-        missing = [k for k in config.fqn_to_config if not k.startswith("re:") and k != "_default"
-                   and k not in names]
-        if missing:
-            raise QuantizationError(f"FqnToConfig names modules the model does not have: {missing}")
+    """[_Step] to run, and [(fqn, reason)] for selected modules that cannot be quantized."""
+    steps, problems = [], []
+    param_keys = _param_keys(model, config) if isinstance(config, FqnToConfig) else {}
     for fqn, module in model.named_modules():
+        for pname, cfg in param_keys.get(fqn, []):
+            if cfg is None:
+                continue
+            cfg = dataclasses.replace(cfg, param_names=(pname,))
+            why = cfg.check_parameter(module, pname)
+            (problems.append((f"{fqn}.{pname}", why)) if why else steps.append(_Step(fqn, module, cfg)))
         cfg, explicit = config.config_for(fqn) if isinstance(config, FqnToConfig) else (config, False)
         if cfg is None:
             continue
-        if filter_fn is not None:
-            selected = filter_fn(module, fqn)
-        else:
-            selected = explicit or _default_filter(module, fqn)
+        selected = filter_fn(module, fqn) if filter_fn is not None else explicit or _default_filter(module, fqn)
         if not selected:
             continue
         why = cfg.check(module)
-        if why is None:
-            plan.append((fqn, module, cfg))
-        else:
-            problems.append((fqn or "<root>", why))
-    return plan, problems
+        (problems.append((fqn or "<root>", why)) if why else steps.append(_Step(fqn, module, cfg)))
+    _check_tied(model, steps)
+    return steps, problems
+
+
+def _check_tied(model: nn.Module, steps: list[_Step]) -> None:
+    """A parameter shared by several modules (tied weights) gets one config: raise when two differ."""
+    owner_of: dict[int, tuple[str, QuantConfig]] = {}
+    for step in steps:
+        for name in step.config.parameter_names(step.module):
+            p = step.module._parameters.get(name)
+            if p is None:
+                continue
+            where = f"{step.fqn}.{name}" if step.fqn else name
+            seen = owner_of.setdefault(id(p), (where, step.config))
+            if seen[1] != step.config:
+                raise QuantizationError(
+                    f"{seen[0]} and {where} are the same (tied) parameter but are given different configs: "
+                    f"{seen[1]!r} and {step.config!r}. Give both names the same config in FqnToConfig (or None "
+                    "to both), or untie the weights first"
+                )
+
+
+class _Snapshot:
+    """Every module's parameters, buffers, submodules and attributes (references, no copies), and the data
+    of every parameter (a device move reassigns `param.data`). `restore()` puts all of it back."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.modules = [(m, dict(m.__dict__), dict(m._parameters), dict(m._buffers), dict(m._modules))
+                        for m in model.modules()]
+        self.data = [(p, p.data) for p in model.parameters()]
+
+    def restore(self) -> None:
+        for m, attrs, params, buffers, modules in self.modules:
+            for name in [k for k in m.__dict__ if k not in attrs]:
+                del m.__dict__[name]
+            m.__dict__.update(attrs)
+            for d, saved in ((m._parameters, params), (m._buffers, buffers), (m._modules, modules)):
+                d.clear()
+                d.update(saved)
+        with torch.no_grad():
+            for p, data in self.data:
+                if p.data is not data:
+                    p.data = data
 
 
 def quantize_(
@@ -138,19 +218,21 @@ def quantize_(
     filter_fn: FilterFn | None = None,
     device: torch.device | str | None = None,
 ) -> nn.Module:
-    """Quantize the weights of `model` in place and return it.
+    """Quantize the parameters of `model` in place (or swap its modules, as the config's handler says) and
+    return it.
 
     Selects modules with `filter_fn(module, fqn)` (default: every nn.Linear), checks them all first and
-    raises `QuantizationError` listing every module the config cannot apply to (nothing is changed then),
-    then replaces each selected module's `weight` with a frozen AffineQuantizedTensor Parameter, one module
-    at a time (peak memory: the float model plus one layer). `device` moves each module there before
-    quantizing (quantize on GPU, for instance). Global torch state is not touched.
+    raises `QuantizationError` listing every module the config cannot apply to, then runs each module's
+    handler, installing the module it returns. `device` moves each selected module there first (quantize
+    on GPU, for instance). All or nothing: if anything fails, every module is restored exactly as it was
+    and `QuantizationError` says which module failed and why. Peak memory: the float model plus its
+    quantized weights (the float weights are freed when the call returns). Global torch state is not touched.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize_ expects an nn.Module, got {type(model).__name__}")
     if not isinstance(config, QuantConfig):
         raise TypeError(f"config must be an affineq config (e.g. Int4WeightOnlyConfig()), got {config!r}")
-    plan, problems = _plan(model, config, filter_fn)
+    steps, problems = _plan(model, config, filter_fn)
     if problems:
         lines = "\n".join(f"  - {fqn}: {why}" for fqn, why in problems)
         raise QuantizationError(
@@ -159,35 +241,61 @@ def quantize_(
             "or pass filter_fn=lambda module, fqn: ... to skip these modules, or use FqnToConfig to give "
             "them another config (None leaves a module float). Nothing was quantized."
         )
-    owners = _weight_owners(model)
-    for fqn, module, cfg in plan:
-        if device is not None:
-            module.to(device)
-        old = module.weight
-        if isinstance(old, AffineQuantizedTensor):  # a tied weight quantized through another module
-            continue
-        try:
-            _handler_for(cfg)(module, cfg)
-        except Exception as e:
-            raise QuantizationError(f"quantizing {fqn!r} with {type(cfg).__name__} failed (the module was "
-                                    f"left unchanged): {e}") from e
-        # Tied weights stay tied (e.g. an embedding and lm_head): every owner gets the quantized Parameter,
-        # so the float copy is freed; embeddings then gather and dequantize only the rows they look up.
-        for owner in owners.get(id(old), []):
-            owner.weight = module.weight
+    snapshot = _Snapshot(model)
+    owners = _parameter_owners(model)
+    parents = {id(m): (parent, name) for parent in model.modules() for name, m in parent._modules.items()
+               if m is not None}
+    try:
+        for step in steps:
+            _run_step(model, step, owners, parents, device)
+    except BaseException as e:
+        snapshot.restore()
+        if isinstance(e, QuantizationError) or not isinstance(e, Exception):
+            raise
+        raise QuantizationError(f"quantizing {step.fqn or '<root>'!r} with {type(step.config).__name__} failed "
+                                f"(the model was left unchanged): {e}") from e
     return model
 
 
-def _weight_owners(model: nn.Module) -> dict[int, list[nn.Module]]:
-    """id(weight Parameter) -> modules whose `weight` is that Parameter."""
-    owners: dict[int, list[nn.Module]] = {}
+def _run_step(model: nn.Module, step: _Step, owners, parents, device) -> None:
+    module, cfg = step.module, step.config
+    if device is not None:
+        module.to(device)
+    names = cfg.parameter_names(module)
+    old = {n: module._parameters.get(n) for n in names}
+    if all(isinstance(p, AffineQuantizedTensor) for p in old.values() if p is not None) and any(
+            p is not None for p in old.values()):
+        return  # tied parameters quantized through another module
+    new = _handler_for(cfg)(module, cfg)
+    if not isinstance(new, nn.Module):
+        raise QuantizationError(f"the handler of {type(cfg).__name__} returned {new!r} for {step.fqn!r}; a "
+                                "handler must return the module to use (the same one, changed, or its replacement)")
+    if new is not module:
+        if module is model:
+            raise QuantizationError(f"the handler of {type(cfg).__name__} replaced the root module; quantize_ works "
+                                    "in place: quantize a parent module, or change the root in place")
+        parent, child = parents[id(module)]
+        setattr(parent, child, new)
+        return
+    # Tied parameters stay tied (e.g. an embedding and lm_head): every owner gets the quantized Parameter, so
+    # the float copy is freed; embeddings then gather and dequantize only the rows they look up.
+    for name, p in old.items():
+        if p is None or module._parameters.get(name) is p:
+            continue
+        for owner, owner_name in owners.get(id(p), []):
+            owner._parameters[owner_name] = module._parameters[name]
+
+
+def _parameter_owners(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """id(Parameter) -> [(module, attribute name)] of every module holding that Parameter."""
+    owners: dict[int, list] = {}
     for m in model.modules():
-        w = m._parameters.get("weight")
-        if w is not None:
-            owners.setdefault(id(w), []).append(m)
+        for name, p in m._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((m, name))
     return owners
 
 
 def quantized_weights(model: nn.Module) -> dict[str, AffineQuantizedTensor]:
-    """{parameter name: AffineQuantizedTensor} for every quantized weight of `model`."""
+    """{parameter name: AffineQuantizedTensor} for every quantized parameter of `model`."""
     return {n: p for n, p in model.named_parameters() if isinstance(p, AffineQuantizedTensor)}

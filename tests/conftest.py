@@ -1,17 +1,17 @@
 import pytest
 import torch
 
-from affineq.tensor import kernels
+from affineq.tensor import fallback
 
 
 @pytest.fixture(autouse=True)
 def _fresh_state():
     """Each test starts seeded, with no fallback announced yet and strict mode off."""
     torch.manual_seed(0)
-    kernels.reset_announcements()
-    kernels.set_strict(False)
+    fallback.reset_announcements()
+    fallback.set_strict(False)
     yield
-    kernels.set_strict(False)
+    fallback.set_strict(False)
 
 
 def sqnr(ref: torch.Tensor, approx: torch.Tensor) -> float:

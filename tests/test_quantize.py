@@ -27,11 +27,11 @@ from affineq import (
     PerTensor,
     QuantizationError,
     config_from_dict,
+    cpp,
     quantize_,
     record_kernels,
 )
-from affineq import cpp
-from affineq.configs import _int_mm_is_fast
+from affineq.tensor.kernel_registry import int_mm_is_fast as _int_mm_is_fast
 
 # (config, min weight SQNR dB, min output SQNR dB, kernel on CPU)
 LOWBIT = "affineq.lowbit_linear"
@@ -369,12 +369,12 @@ def test_int8_dynamic_dense_matches_int_mm(monkeypatch):
     # of the fake-quantized activation and the dequantized weight; "auto" takes dense where _int_mm is slow.
     if not cpp.is_available():
         pytest.skip(f"C++ kernels unavailable: {cpp.unavailable_reason()}")
-    import affineq.configs as configs
+    from affineq.tensor import kernel_registry
 
     model = make_mlp()
     x = torch.randn(33, 256)
     plain = quantize_(copy.deepcopy(model), Int8DynamicActivationInt8WeightConfig(packing_format="plain"))
-    monkeypatch.setattr(configs, "_int_mm_is_fast", lambda: False)
+    monkeypatch.setattr(kernel_registry, "int_mm_is_fast", lambda: False)
     auto = quantize_(copy.deepcopy(model), Int8DynamicActivationInt8WeightConfig())
     assert auto[0].weight.packing_format == "dense"
     assert torch.equal(auto[0].weight.codes(), plain[0].weight.codes())
@@ -383,7 +383,7 @@ def test_int8_dynamic_dense_matches_int_mm(monkeypatch):
     y_plain = plain(x)
     assert used == [LOWBIT] * 2
     torch.testing.assert_close(y_dense, y_plain, rtol=1e-5, atol=1e-5 * y_plain.abs().max().item())
-    monkeypatch.setattr(configs, "_int_mm_is_fast", lambda: True)
+    monkeypatch.setattr(kernel_registry, "int_mm_is_fast", lambda: True)
     assert quantize_(copy.deepcopy(model), Int8DynamicActivationInt8WeightConfig())[0].weight.packing_format == "plain"
 
 
@@ -393,7 +393,7 @@ def test_int8_fake_quant_shortcuts_are_the_primitives(dtype, domain):
     # fake_quantize_activation takes few-op routes for int8 (symmetric; asymmetric with an integer zero point):
     # bit for bit the primitives' result
     from affineq.primitives import dequantize_affine
-    from affineq.tensor.kernels import fake_quantize_activation, quantize_activation
+    from affineq.tensor.activation import fake_quantize_activation, quantize_activation
 
     torch.manual_seed(0)
     mappings = [affineq.MappingType.SYMMETRIC, affineq.MappingType.SYMMETRIC_NO_CLIPPING_ERR]

@@ -78,8 +78,10 @@ CODES_UINT, CODES_E4M3, CODES_E5M2 = 0, 1, 2
 _FP8_CODES = {CODES_E4M3: torch.float8_e4m3fn, CODES_E5M2: torch.float8_e5m2}
 
 
-def codes_kind(dtype: torch.dtype) -> int:
-    """The ``codes`` value for codes of ``dtype``: float8 dtypes map to their kind, integers to CODES_UINT."""
+def codes_kind(dtype) -> int:
+    """The ``codes`` value for codes of ``dtype`` (a torch dtype or an affineq QType): float8 maps to its
+    kind, integers to CODES_UINT."""
+    dtype = getattr(dtype, "torch_dtype", dtype)
     for kind, d in _FP8_CODES.items():
         if d == dtype:
             return kind

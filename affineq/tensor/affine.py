@@ -1,10 +1,12 @@
 """`AffineQuantizedTensor`: the one public tensor type of affineq.
 
 A wrapper subclass whose shape and dtype are those of the float tensor it replaces. It stores the tensors
-its packing format produced (`affineq.tensor.formats`) and a hashable `QuantSpec`. Every op goes through
-the tables in `affineq.tensor.ops`: `__torch_function__` catches `F.linear` and friends before they
-decompose, `__torch_dispatch__` handles aten ops, and anything not in a table runs on the dequantized
-tensor with a one-time notice.
+its packing format produced (`affineq.tensor.formats`), optional activation tensors (names starting with
+``act_``: see `ACT_TENSORS`) and a hashable `QuantSpec`. Every op goes through the class's op tables
+(filled by `affineq.tensor.ops` through `AffineQuantizedTensor.implements`; a subclass inherits them and
+may override entries): `__torch_function__` catches `F.linear` and friends before they decompose,
+`__torch_dispatch__` handles aten ops, and anything in no table runs on the dequantized tensor with a
+one-time notice (`affineq.tensor.dispatch`).
 """
 
 from __future__ import annotations
@@ -13,20 +15,22 @@ import functools
 import hashlib
 import pickle
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
-from affineq.dtypes import check_quant_range, float_range, is_float_target
-from affineq.primitives import (
-    MappingType,
-    ZeroPointDomain,
-    choose_qparams_affine,
-    quantize_affine,
-)
+from affineq.dtypes import QType
+from affineq.primitives import MappingType, ZeroPointDomain, choose_qparams_affine, quantize_affine
+from affineq.tensor import dispatch
 from affineq.tensor.formats import get_format
-from affineq.tensor.spec import ActivationQuant, QuantSpec
+from affineq.tensor.spec import ActivationQuant, QParamOptions, QuantSpec
 
-__all__ = ["AffineQuantizedTensor"]
+__all__ = ["ACT_TENSORS", "AffineQuantizedTensor"]
+
+#: Activation tensors a weight may carry, applied by `linear` to its input (never by the packing format):
+#: act_pre_scale [K]: x -> x * act_pre_scale (AWQ / SmoothQuant input scaling, per input channel);
+#: act_scale, act_zero_point [1]: calibrated per-tensor activation qparams (`ActivationQuant(static=True)`).
+ACT_TENSORS = ("act_pre_scale", "act_scale", "act_zero_point")
 
 
 @functools.cache
@@ -39,16 +43,51 @@ def _source_digest() -> str:
     return h.hexdigest()
 
 
+def _check_act_tensors(t: dict[str, torch.Tensor], spec: QuantSpec) -> None:
+    """ValueError unless the activation tensors in `t` fit `spec` (names, shapes, dtypes, static qparams)."""
+    unknown = [n for n in t if n.startswith("act_") and n not in ACT_TENSORS]
+    if unknown:
+        raise ValueError(f"unknown activation tensors {unknown}; known: {list(ACT_TENSORS)}")
+    pre = t.get("act_pre_scale")
+    if pre is not None and (pre.dim() != 1 or pre.shape[0] != spec.shape[-1] or not pre.dtype.is_floating_point):
+        raise ValueError(f"act_pre_scale must be a float tensor of shape [{spec.shape[-1]}] (one per input "
+                         f"channel), got {pre.dtype} {tuple(pre.shape)}")
+    aq = spec.act_quant
+    static = aq is not None and aq.static
+    for name in ("act_scale", "act_zero_point"):
+        x = t.get(name)
+        if x is not None and not static:
+            raise ValueError(f"{name} is given but the spec has no static activation quantization; set "
+                             "act_quant=ActivationQuant(..., static=True)")
+        if x is not None and x.numel() != 1:
+            raise ValueError(f"{name} must hold one value (per-tensor activation qparams), got shape {tuple(x.shape)}")
+    if static:
+        if "act_scale" not in t:
+            raise ValueError("ActivationQuant(static=True) needs a calibrated act_scale tensor")
+        needs_zp = not aq.dtype.is_float and aq.zero_point_domain is not ZeroPointDomain.NONE
+        if needs_zp != ("act_zero_point" in t):
+            raise ValueError(f"static {aq.zero_point_domain.name}-domain activation quantization "
+                             f"{'needs' if needs_zp else 'takes no'} act_zero_point")
+
+
 class AffineQuantizedTensor(torch.Tensor):
     """A float tensor stored as affine-quantized codes: x ~= dequantize(codes, scale, zero_point).
 
     Fields: `qdata` (packed codes), `scale`, `zero_point` (canonical qparams, shape = number of blocks per
-    dim), `block_size`, `quant_min`, `quant_max`, `zero_point_domain`, `target_dtype`, `packing_format`,
-    `act_quant` (dynamic activation quantization applied by linear, or None). `spec` holds them all.
+    dim), `block_size`, `quant_min`, `quant_max`, `zero_point_domain`, `target` (a QType; `target_dtype` the
+    torch dtype where one exists), `packing_format`, `act_quant`; `spec` holds them all. `tensors` are the
+    stored tensors by name (format tensors, then activation tensors).
     """
 
     spec: QuantSpec
     _names: tuple[str, ...]
+    _torch_function_table: ClassVar[dict] = {}
+    _dispatch_table: ClassVar[dict] = {}
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        cls._torch_function_table = {}  # own entries; lookups walk the MRO, so parents' entries are inherited
+        cls._dispatch_table = {}
 
     @staticmethod
     def __new__(cls, tensors: dict[str, torch.Tensor], spec: QuantSpec, requires_grad: bool = False):
@@ -63,7 +102,38 @@ class AffineQuantizedTensor(torch.Tensor):
         for name, t in tensors.items():
             setattr(self, "_" + name, t)
 
+    # -- op tables ------------------------------------------------------------------------------------
+
+    @classmethod
+    def implements(cls, *ops):
+        """Register `fn(func, args, kwargs)` for torch functions (F.linear) or aten ops / overload packets
+        on this class (a subclass overrides its parent's entry by registering its own)."""
+
+        def register(fn):
+            for op in ops:
+                aten_op = isinstance(op, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
+                (cls._dispatch_table if aten_op else cls._torch_function_table)[op] = fn
+            return fn
+
+        return register
+
+    @classmethod
+    def op_handler(cls, op):
+        """The registered handler of `op` for this class (or a parent), or None."""
+        return dispatch.lookup(cls, op)
+
     # -- construction ---------------------------------------------------------------------------------
+
+    @classmethod
+    def from_spec(cls, input: torch.Tensor, spec: QuantSpec, options: QParamOptions | None = None,
+                  ) -> AffineQuantizedTensor:
+        """Quantize float `input` as `spec` describes: choose_qparams_affine (with `options`), quantize, pack."""
+        o = options or QParamOptions()
+        scale, zero_point = choose_qparams_affine(
+            input, spec.mapping_type, spec.block_size, spec.target, spec.quant_min, spec.quant_max, o.eps,
+            o.scale_dtype, o.zero_point_dtype, o.preserve_zero, spec.zero_point_domain,
+        )
+        return cls.from_qparams(input, scale, zero_point, spec)
 
     @classmethod
     def from_float(
@@ -71,7 +141,7 @@ class AffineQuantizedTensor(torch.Tensor):
         input: torch.Tensor,
         mapping_type: MappingType,
         block_size: tuple[int, ...],
-        target_dtype: torch.dtype,
+        target_dtype: torch.dtype | QType | str,
         quant_min: int | None = None,
         quant_max: int | None = None,
         eps: float | None = None,
@@ -82,15 +152,13 @@ class AffineQuantizedTensor(torch.Tensor):
         packing_format: str = "plain",
         act_quant: ActivationQuant | None = None,
     ) -> AffineQuantizedTensor:
-        """Quantize a float tensor: choose_qparams_affine, then quantize_affine, then pack."""
-        scale, zero_point = choose_qparams_affine(
-            input, mapping_type, block_size, target_dtype, quant_min, quant_max, eps, scale_dtype,
-            zero_point_dtype, preserve_zero, zero_point_domain,
+        """Quantize a float tensor: `from_spec` with a spec built from these arguments."""
+        spec = QuantSpec.create(
+            tuple(input.shape), input.dtype, target_dtype, block_size, mapping_type=mapping_type,
+            zero_point_domain=zero_point_domain, quant_min=quant_min, quant_max=quant_max,
+            packing_format=packing_format, act_quant=act_quant,
         )
-        return cls.from_qparams(
-            input, scale, zero_point, block_size, target_dtype, quant_min, quant_max, zero_point_domain,
-            packing_format=packing_format, mapping_type=mapping_type, act_quant=act_quant,
-        )
+        return cls.from_spec(input, spec, QParamOptions(eps, scale_dtype, zero_point_dtype, preserve_zero))
 
     @classmethod
     def from_qparams(
@@ -98,8 +166,8 @@ class AffineQuantizedTensor(torch.Tensor):
         input: torch.Tensor,
         scale: torch.Tensor,
         zero_point: torch.Tensor | None,
-        block_size: tuple[int, ...],
-        target_dtype: torch.dtype,
+        block_size: tuple[int, ...] | QuantSpec,
+        target_dtype: torch.dtype | QType | str | None = None,
         quant_min: int | None = None,
         quant_max: int | None = None,
         zero_point_domain: ZeroPointDomain = ZeroPointDomain.INT,
@@ -110,22 +178,18 @@ class AffineQuantizedTensor(torch.Tensor):
     ) -> AffineQuantizedTensor:
         """Quantize `input` with precomputed qparams (from an observer, GPTQ, AWQ...) and pack.
 
-        A format that stores qparams in lower precision (dense with bf16 scales) rounds them first, and the
-        codes are computed with the rounded values."""
-        spec = cls._spec(tuple(input.shape), input.dtype, block_size, target_dtype, quant_min, quant_max,
-                         zero_point_domain, packing_format, mapping_type, act_quant)
+        Pass a `QuantSpec` as the fourth argument, or the block size and the other arguments to build one.
+        A format that stores qparams in lower precision (dense with bf16 scales, e8m0 scales) rounds them
+        first, and the codes are computed with the rounded values."""
+        spec = cls._as_spec(input.shape, input.dtype, block_size, target_dtype, quant_min, quant_max,
+                            zero_point_domain, packing_format, mapping_type, act_quant)
         n_blocks = spec.num_blocks
         scale, zero_point = cls._checked_format(spec).represent_qparams(
             scale.reshape(n_blocks), None if zero_point is None else zero_point.reshape(n_blocks), spec
         )
-        codes = quantize_affine(
-            input, block_size, scale, zero_point, target_dtype, quant_min, quant_max, zero_point_domain
-        )
-        return cls.from_codes(
-            codes, scale, zero_point, block_size, target_dtype, quant_min, quant_max, zero_point_domain,
-            dtype=input.dtype, packing_format=packing_format, mapping_type=mapping_type,
-            act_quant=act_quant,
-        )
+        codes = quantize_affine(input, spec.block_size, scale, zero_point, spec.target, spec.quant_min,
+                                spec.quant_max, spec.zero_point_domain)
+        return cls.from_codes(codes, scale, zero_point, spec.replace(dtype=input.dtype))
 
     @classmethod
     def from_codes(
@@ -133,8 +197,8 @@ class AffineQuantizedTensor(torch.Tensor):
         codes: torch.Tensor,
         scale: torch.Tensor,
         zero_point: torch.Tensor | None,
-        block_size: tuple[int, ...],
-        target_dtype: torch.dtype,
+        block_size: tuple[int, ...] | QuantSpec,
+        target_dtype: torch.dtype | QType | str | None = None,
         quant_min: int | None = None,
         quant_max: int | None = None,
         zero_point_domain: ZeroPointDomain = ZeroPointDomain.INT,
@@ -144,28 +208,42 @@ class AffineQuantizedTensor(torch.Tensor):
         mapping_type: MappingType = MappingType.ASYMMETRIC,
         act_quant: ActivationQuant | None = None,
     ) -> AffineQuantizedTensor:
-        """Wrap already-computed codes (as `quantize_affine` returns them); `dtype` is the logical dtype."""
-        spec = cls._spec(tuple(codes.shape), dtype, block_size, target_dtype, quant_min, quant_max,
-                         zero_point_domain, packing_format, mapping_type, act_quant)
+        """Wrap already-computed codes (as `quantize_affine` returns them). Pass a `QuantSpec` as the fourth
+        argument (its dtype is the logical dtype), or the block size and the arguments to build one."""
+        spec = cls._as_spec(codes.shape, dtype, block_size, target_dtype, quant_min, quant_max,
+                            zero_point_domain, packing_format, mapping_type, act_quant)
         fmt = cls._checked_format(spec)
         n_blocks = spec.num_blocks
         scale = scale.reshape(n_blocks)
         zero_point = None if zero_point is None else zero_point.reshape(n_blocks)
         return cls(fmt.pack(codes, scale, zero_point, spec), spec)
 
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], spec: QuantSpec) -> AffineQuantizedTensor:
+        """Rebuild a tensor from stored tensors (as `.tensors` returns them) and its spec, e.g. from a
+        safetensors file and `QuantSpec.from_dict`. Checks every name, shape and dtype against what the
+        format declares (and the activation tensors against the spec); ValueError names what is wrong."""
+        if not isinstance(spec, QuantSpec):
+            raise ValueError(f"spec must be a QuantSpec (QuantSpec.from_dict reads a stored one), got {spec!r}")
+        if not isinstance(tensors, dict):
+            raise ValueError(f"tensors must be a dict of name -> tensor, got {type(tensors).__name__}")
+        fmt = get_format(spec.fmt)
+        fmt.validate({k: v for k, v in tensors.items() if not k.startswith("act_")}, spec)
+        _check_act_tensors(tensors, spec)
+        return cls(dict(tensors), spec)
+
     @staticmethod
-    def _spec(shape, dtype, block_size, target_dtype, quant_min, quant_max, zero_point_domain, packing_format,
-              mapping_type, act_quant) -> QuantSpec:
-        if is_float_target(target_dtype):
-            lo, hi = float_range(target_dtype)
-            qmin, qmax = (lo if quant_min is None else quant_min), (hi if quant_max is None else quant_max)
-        else:
-            qmin, qmax = check_quant_range(target_dtype, quant_min, quant_max)
-        return QuantSpec(
-            shape=shape, dtype=dtype, target_dtype=target_dtype, block_size=tuple(int(b) for b in block_size),
-            quant_min=qmin, quant_max=qmax, zero_point_domain=zero_point_domain, mapping_type=mapping_type,
-            fmt=packing_format, act_quant=act_quant,
-        )
+    def _as_spec(shape, dtype, block_size, target_dtype, quant_min, quant_max, zero_point_domain,
+                 packing_format, mapping_type, act_quant) -> QuantSpec:
+        if isinstance(block_size, QuantSpec):
+            if tuple(shape) != block_size.shape:
+                raise ValueError(f"input shape {tuple(shape)} does not match spec.shape {block_size.shape}")
+            return block_size
+        if target_dtype is None:
+            raise ValueError("pass a QuantSpec, or a block_size and target_dtype")
+        return QuantSpec.create(tuple(shape), dtype, target_dtype, block_size, mapping_type=mapping_type,
+                                zero_point_domain=zero_point_domain, quant_min=quant_min, quant_max=quant_max,
+                                packing_format=packing_format, act_quant=act_quant)
 
     @staticmethod
     def _checked_format(spec: QuantSpec):
@@ -175,12 +253,42 @@ class AffineQuantizedTensor(torch.Tensor):
             raise ValueError(f"packing_format={spec.fmt!r} cannot hold this tensor: {why}")
         return fmt
 
+    def with_act_tensors(self, **act: torch.Tensor | None) -> AffineQuantizedTensor:
+        """A copy carrying activation tensors (`ACT_TENSORS`; None removes one), checked against the spec."""
+        tensors = self.tensors
+        for name, t in act.items():
+            if name not in ACT_TENSORS:
+                raise ValueError(f"unknown activation tensor {name!r}; known: {list(ACT_TENSORS)}")
+            if t is None:
+                tensors.pop(name, None)
+            else:
+                tensors[name] = t.reshape(-1) if name == "act_pre_scale" else t.reshape(1)
+        _check_act_tensors(tensors, self.spec)
+        return type(self)(tensors, self.spec)
+
+    def to_format(self, packing_format: str) -> AffineQuantizedTensor:
+        """The same codes and qparams in another packing format (e.g. `plain` for a portable checkpoint)."""
+        spec = self.spec.replace(fmt=packing_format, transposed=False)
+        out = type(self).from_codes(self.codes(), self.scale, self.zero_point, spec)
+        out = out.with_act_tensors(**self.act_tensors) if self.act_tensors else out
+        return out._replace(spec=out.spec.replace(transposed=self.spec.transposed))
+
+    def to_portable(self) -> AffineQuantizedTensor:
+        """This tensor in a device-independent format (`int4_cpu` / `int4_cuda` -> `plain`), else itself."""
+        portable = get_format(self.spec.fmt).portable
+        return self if portable is None else self.to_format(portable)
+
     # -- fields ---------------------------------------------------------------------------------------
 
     @property
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The stored tensors by name (what the packing format produced)."""
+        """The stored tensors by name (the packing format's, then any activation tensors)."""
         return {name: getattr(self, "_" + name) for name in self._names}
+
+    @property
+    def act_tensors(self) -> dict[str, torch.Tensor]:
+        """The activation tensors (`ACT_TENSORS`) this weight carries."""
+        return {n: getattr(self, "_" + n) for n in self._names if n.startswith("act_")}
 
     @property
     def qdata(self) -> torch.Tensor:
@@ -199,7 +307,11 @@ class AffineQuantizedTensor(torch.Tensor):
         return self.spec.block_size
 
     @property
-    def target_dtype(self) -> torch.dtype:
+    def target(self) -> QType:
+        return self.spec.target
+
+    @property
+    def target_dtype(self) -> torch.dtype | QType:
         return self.spec.target_dtype
 
     @property
@@ -227,17 +339,22 @@ class AffineQuantizedTensor(torch.Tensor):
         return get_format(self.spec.fmt).codes(self.tensors, self.spec)
 
     def dequantize(self, output_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The float tensor these codes stand for, shape `self.shape`, dtype `output_dtype or self.dtype`."""
+        """The float tensor these codes stand for, shape `self.shape`, dtype `output_dtype or self.dtype`.
+
+        Activation tensors are not folded in: they transform the input of `linear`, not the weight."""
         out = get_format(self.spec.fmt).dequantize(self.tensors, self.spec, output_dtype or self.dtype)
         return out.t() if self.spec.transposed else out
 
     def storage_bytes(self) -> int:
-        """Bytes held by the stored tensors (codes and qparams)."""
+        """Bytes held by the stored tensors (codes, qparams and activation tensors)."""
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     def __repr__(self, *, tensor_contents=None) -> str:
         s = self.spec
-        extra = f", act_quant={s.act_quant.dtype}/{s.act_quant.granularity}" if s.act_quant else ""
+        aq = s.act_quant
+        extra = f", act_quant={aq.dtype}/{aq.granularity}{'/static' if aq.static else ''}" if aq else ""
+        extra += f", scale_type={s.scale_type}" if s.scale_type is not None else ""
+        extra += f", act_tensors={list(self.act_tensors)}" if self.act_tensors else ""
         extra += ", transposed" if s.transposed else ""
         return (
             f"AffineQuantizedTensor(shape={tuple(self.shape)}, dtype={s.dtype}, target={s.target_dtype}, "
@@ -251,7 +368,12 @@ class AffineQuantizedTensor(torch.Tensor):
 
     @classmethod
     def __tensor_unflatten__(cls, inner_tensors, spec, outer_size, outer_stride):
-        return cls({k[1:]: v for k, v in inner_tensors.items()}, spec)
+        tensors = {k[1:]: v for k, v in inner_tensors.items()}
+        want = set(get_format(spec.fmt).layout(spec))
+        have = {n for n in tensors if not n.startswith("act_")}
+        if have != want:
+            raise ValueError(f"format {spec.fmt!r} stores tensors {sorted(want)}, got {sorted(have)}")
+        return cls(tensors, spec)
 
     def _stable_hash_for_caching(self) -> str:
         """Key for torch.compile's on-disk caches: spec, inner tensors' shapes/dtypes/devices, and a digest of
@@ -264,21 +386,17 @@ class AffineQuantizedTensor(torch.Tensor):
     def _replace(self, spec: QuantSpec | None = None, **tensors: torch.Tensor) -> AffineQuantizedTensor:
         new = self.tensors
         new.update(tensors)
-        return AffineQuantizedTensor(new, spec or self.spec)
+        return type(self)(new, spec or self.spec)
 
     def _apply_to_tensors(self, fn, spec: QuantSpec | None = None) -> AffineQuantizedTensor:
-        return AffineQuantizedTensor({k: fn(v) for k, v in self.tensors.items()}, spec or self.spec)
+        return type(self)({k: fn(v) for k, v in self.tensors.items()}, spec or self.spec)
 
-    # -- dispatch: the tables live in affineq.tensor.ops ----------------------------------------------
+    # -- dispatch: tables filled by affineq.tensor.ops, entry points in affineq.tensor.dispatch ---------
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        from affineq.tensor import ops
-
-        return ops.torch_function(func, types, args, kwargs or {})
+        return dispatch.torch_function(cls, func, args, kwargs or {})
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        from affineq.tensor import ops
-
-        return ops.torch_dispatch(func, types, args, kwargs or {})
+        return dispatch.torch_dispatch(cls, func, args, kwargs or {})

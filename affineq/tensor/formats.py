@@ -1,7 +1,7 @@
 """Packing formats: how the integer codes and their qparams are laid out in memory (pack / unpack only).
 
 Every format turns (codes, scale, zero_point) into a dict of stored tensors and back. Which kernels can
-multiply a format lives in `affineq.tensor.kernels`; the op table never looks inside a format.
+multiply a format lives in `affineq.tensor.linear_kernels`; the op table never looks inside a format.
 
 | format    | codes layout                                      | qparams stored                       | shapes      |
 |-----------|---------------------------------------------------|--------------------------------------|-------------|
@@ -9,6 +9,11 @@ multiply a format lives in `affineq.tensor.kernels`; the op table never looks in
 | dense     | 1-8 bit codes or fp8 bytes, bit-packed            | scale, offset [N, K/g]: fp32 or bf16 | 2-D, (1, g) |
 | int4_cpu  | aten `_convert_weight_to_int4pack_for_cpu`        | scale_and_zero [K/g, N, 2]           | 2-D, (1, g) |
 | int4_cuda | aten `_convert_weight_to_int4pack` (CUDA)         | scale_and_zero [K/g, N, 2] bf16      | 2-D, (1, g) |
+
+Each format declares the tensors it stores (`layout`: name -> shape and allowed dtypes, checked by
+`validate`, which `AffineQuantizedTensor.from_tensors` and `__tensor_unflatten__` call). Device-specific
+layouts name a `portable` format that holds the same codes and qparams exactly (`int4_cpu` / `int4_cuda`
+-> `plain`), so checkpoints need not be tied to a device.
 
 `dense` and `int4_*` store the dequantization as an affine map of the unsigned code u = q - quant_min:
     w = scale * u + offset                                  (dense, fp32 qparams)
@@ -20,24 +25,64 @@ Float8 codes in `dense` are their bytes, u = the float8 value, offset 0.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from affineq import cpp as _cpp
-from affineq.dtypes import bit_width, container_dtype, is_integer_target
 from affineq.primitives import ZeroPointDomain, dequantize_affine
 from affineq.tensor.spec import QuantSpec
 
 Tensors = dict[str, torch.Tensor]
 
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_INTS = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """What a format stores under one name: its shape (None = any) and the dtypes allowed."""
+
+    shape: tuple[int, ...] | None
+    dtypes: tuple[torch.dtype, ...]
+
 
 class PackingFormat:
-    """Base class: subclasses set `name` and implement `check`, `pack`, `codes`, `qparams`."""
+    """Base class: subclasses set `name` and implement `check`, `layout`, `pack`, `codes`, `qparams`.
+
+    `portable`: the format a checkpoint should use instead of this device-specific one (None: this one)."""
 
     name: str = ""
+    portable: str | None = None
 
     def check(self, spec: QuantSpec) -> str | None:
         """Why this format cannot hold `spec` (a sentence), or None if it can."""
         return None
+
+    def layout(self, spec: QuantSpec) -> dict[str, TensorLayout]:
+        """The stored tensors of `spec` by name, in storage order."""
+        raise NotImplementedError
+
+    def validate(self, t: Tensors, spec: QuantSpec) -> None:
+        """Raise ValueError unless `t` has exactly the names, shapes and dtypes `layout(spec)` declares."""
+        why = self.check(spec)
+        if why is not None:
+            raise ValueError(f"packing_format={self.name!r} cannot hold this spec: {why}")
+        want = self.layout(spec)
+        if set(t) != set(want):
+            raise ValueError(f"format {self.name!r} stores tensors {list(want)}, got {sorted(t)}: pass the "
+                             "tensors as AffineQuantizedTensor.tensors returned them")
+        for name, lay in want.items():
+            x = t[name]
+            if not isinstance(x, torch.Tensor):
+                raise ValueError(f"format {self.name!r}: tensors[{name!r}] must be a torch.Tensor, got "
+                                 f"{type(x).__name__}")
+            if x.dtype not in lay.dtypes:
+                raise ValueError(f"format {self.name!r}: tensors[{name!r}] has dtype {x.dtype}, expected one of "
+                                 f"{[str(d) for d in lay.dtypes]} for this spec")
+            if lay.shape is not None and tuple(x.shape) != lay.shape:
+                raise ValueError(f"format {self.name!r}: tensors[{name!r}] has shape {tuple(x.shape)}, expected "
+                                 f"{lay.shape} for logical shape {spec.shape} and block_size {spec.block_size}")
 
     def pack(self, codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
              spec: QuantSpec) -> Tensors:
@@ -60,7 +105,7 @@ class PackingFormat:
     def dequantize(self, t: Tensors, spec: QuantSpec, output_dtype: torch.dtype) -> torch.Tensor:
         scale, zp = self.qparams(t, spec)
         return dequantize_affine(
-            self.codes(t, spec), spec.block_size, scale, zp, spec.target_dtype, spec.quant_min,
+            self.codes(t, spec), spec.block_size, scale, zp, spec.target, spec.quant_min,
             spec.quant_max, spec.zero_point_domain, output_dtype=output_dtype,
         )
 
@@ -70,7 +115,7 @@ class PackingFormat:
         scale, zp = self.qparams(t, spec)
         return dequantize_affine(
             self.codes(t, spec)[rows], spec.block_size, scale[rows], None if zp is None else zp[rows],
-            spec.target_dtype, spec.quant_min, spec.quant_max, spec.zero_point_domain,
+            spec.target, spec.quant_min, spec.quant_max, spec.zero_point_domain,
             output_dtype=output_dtype,
         )
 
@@ -121,21 +166,62 @@ def _check_rowwise_groups(spec: QuantSpec, name: str, allow_float8: bool = False
         return f"{name} packs 2-D weights only (got shape {spec.shape})"
     if spec.block_size[0] != 1:
         return f"{name} needs one scale per output row and group: block_size (1, g), got {spec.block_size}"
-    if not is_integer_target(spec.target_dtype) and not allow_float8:
-        return f"{name} holds integer codes, not {spec.target_dtype}"
+    if spec.target.is_float and not allow_float8:
+        return f"{name} holds integer codes, not {spec.target}"
+    if spec.scale_type is not None:
+        return f"{name} stores float scales; scale_type={spec.scale_type} needs packing_format='plain'"
     return None
+
+
+# -- power-of-two (e8m0) scales: exponent bytes in `plain` ------------------------------------------------
+
+_E8M0_BIAS = 127
+
+
+def _round_scale_to_pow2(scale: torch.Tensor) -> torch.Tensor:
+    """The smallest power of two >= scale (so no value clips), within e8m0's 2**-127..2**127, in fp32."""
+    e = torch.ceil(torch.log2(scale.float())).clamp(-_E8M0_BIAS, _E8M0_BIAS)
+    return torch.exp2(e)
+
+
+def _e8m0_bytes(scale: torch.Tensor) -> torch.Tensor:
+    return (torch.log2(scale.float()).round() + _E8M0_BIAS).to(torch.uint8)
+
+
+def _e8m0_values(b: torch.Tensor) -> torch.Tensor:
+    return torch.exp2(b.float() - _E8M0_BIAS)
 
 
 # -- formats ------------------------------------------------------------------------------------------
 
 
 class Plain(PackingFormat):
-    """One code per element in its container dtype; qparams as the primitives return them."""
+    """One code per element in its container dtype; qparams as the primitives return them (reduced shape).
+
+    With `scale_type` e8m0 the scales are rounded up to powers of two and stored as exponent bytes (uint8,
+    value 2**(b - 127))."""
 
     name = "plain"
 
+    def layout(self, spec):
+        blocks = spec.num_blocks
+        out = {"qdata": TensorLayout(spec.shape, (spec.target.container,)),
+               "scale": TensorLayout(blocks, (torch.uint8,) if spec.scale_type is not None else _FLOATS)}
+        if spec.zero_point_domain is ZeroPointDomain.INT:
+            out["zero_point"] = TensorLayout(blocks, _INTS + _FLOATS)
+        elif spec.zero_point_domain is ZeroPointDomain.FLOAT:
+            out["zero_point"] = TensorLayout(blocks, _FLOATS)
+        return out
+
+    def represent_qparams(self, scale, zero_point, spec):
+        if spec.scale_type is not None:
+            return _round_scale_to_pow2(scale), zero_point
+        return scale, zero_point
+
     def pack(self, codes, scale, zero_point, spec):
-        t = {"qdata": codes.to(container_dtype(spec.target_dtype)), "scale": scale}
+        if spec.scale_type is not None:
+            scale = _e8m0_bytes(scale)
+        t = {"qdata": codes.to(spec.target.container), "scale": scale}
         if zero_point is not None:
             t["zero_point"] = zero_point
         return t
@@ -144,7 +230,8 @@ class Plain(PackingFormat):
         return t["qdata"]
 
     def qparams(self, t, spec):
-        return t["scale"], t.get("zero_point")
+        scale = _e8m0_values(t["scale"]) if spec.scale_type is not None else t["scale"]
+        return scale, t.get("zero_point")
 
 
 class Dense(PackingFormat):
@@ -160,21 +247,33 @@ class Dense(PackingFormat):
     name = "dense"
 
     def check(self, spec):
-        if _cpp.codes_kind(spec.target_dtype) != _cpp.CODES_UINT:
-            if spec.zero_point_domain is not ZeroPointDomain.NONE:
-                return "float8 codes in dense take no zero point (zero_point_domain NONE)"
+        if spec.target.is_float:
+            if spec.target.torch_dtype is None:
+                return f"dense has no decoder for {spec.target} codes yet; use packing_format='plain'"
             return _check_rowwise_groups(spec, "dense", allow_float8=True)
         why = _check_rowwise_groups(spec, "dense")
-        if why is None and bit_width(spec.target_dtype) > 8:
-            why = f"dense packs 1-8 bit codes, not {spec.target_dtype}"
+        if why is None and spec.target.bits > 8:
+            why = f"dense packs 1-8 bit codes, not {spec.target}"
         return why
+
+    def layout(self, spec):
+        n, k = spec.shape
+        bits = spec.target.bits
+        qp = TensorLayout((n, k // spec.block_size[1]), (torch.float32, torch.bfloat16))
+        return {"qdata": TensorLayout((n, -(-k // 8) * bits), (torch.uint8,)), "scale": qp, "offset": qp}
+
+    def validate(self, t, spec):
+        super().validate(t, spec)
+        if t["scale"].dtype != t["offset"].dtype:
+            raise ValueError(f"format 'dense': scale ({t['scale'].dtype}) and offset ({t['offset'].dtype}) must "
+                             "share one dtype (fp32, or bf16 in the tinygemm convention)")
 
     @staticmethod
     def _bf16(scale: torch.Tensor, spec: QuantSpec) -> bool:
         """True when the qparams are stored in bf16 (the tinygemm convention, see the class docstring)."""
         return (scale.dtype == torch.bfloat16 and spec.zero_point_domain is ZeroPointDomain.FLOAT
-                and is_integer_target(spec.target_dtype)
-                and _mid(spec) - spec.quant_min == 2 ** (bit_width(spec.target_dtype) - 1))
+                and not spec.target.is_float
+                and _mid(spec) - spec.quant_min == 2 ** (spec.target.bits - 1))
 
     def represent_qparams(self, scale, zero_point, spec):
         if self._bf16(scale, spec):
@@ -183,14 +282,14 @@ class Dense(PackingFormat):
 
     def pack(self, codes, scale, zero_point, spec):
         n, k = spec.shape
-        if _cpp.codes_kind(spec.target_dtype) != _cpp.CODES_UINT:
+        if spec.target.is_float:
             u, offset = codes.view(torch.uint8), torch.zeros_like(scale, dtype=torch.float32)
         else:
             u = (codes.to(torch.int32) - spec.quant_min).to(torch.uint8)
             offset = zero_point if self._bf16(scale, spec) else _offset(scale, zero_point, spec)
         qdtype = torch.bfloat16 if self._bf16(scale, spec) else torch.float32
         return {
-            "qdata": _cpp.pack_codes(u, bit_width(spec.target_dtype)),
+            "qdata": _cpp.pack_codes(u, spec.target.bits),
             "scale": scale.to(qdtype).reshape(n, -1).contiguous(),
             "offset": offset.to(qdtype).reshape(n, -1).contiguous(),
         }
@@ -199,18 +298,18 @@ class Dense(PackingFormat):
     def _fp32_offset(t: Tensors, spec: QuantSpec) -> torch.Tensor:
         """The offset of w = scale * u + offset in fp32, whichever convention is stored."""
         if t["scale"].dtype == torch.bfloat16:
-            return t["offset"].float() - 2 ** (bit_width(spec.target_dtype) - 1) * t["scale"].float()
+            return t["offset"].float() - 2 ** (spec.target.bits - 1) * t["scale"].float()
         return t["offset"]
 
     def codes(self, t, spec):
         n, k = spec.shape
-        u = _cpp.unpack_codes(t["qdata"], bit_width(spec.target_dtype), n, k)
-        if _cpp.codes_kind(spec.target_dtype) != _cpp.CODES_UINT:
-            return u.view(spec.target_dtype)
-        return (u.to(torch.int32) + spec.quant_min).to(container_dtype(spec.target_dtype))
+        u = _cpp.unpack_codes(t["qdata"], spec.target.bits, n, k)
+        if spec.target.is_float:
+            return u.view(spec.target.container)
+        return (u.to(torch.int32) + spec.quant_min).to(spec.target.container)
 
     def qparams(self, t, spec):
-        if _cpp.codes_kind(spec.target_dtype) != _cpp.CODES_UINT:
+        if spec.target.is_float:
             return t["scale"], None
         if t["scale"].dtype == torch.bfloat16:
             return t["scale"], t["offset"]  # stored as given: the FLOAT-domain zero point
@@ -219,8 +318,8 @@ class Dense(PackingFormat):
     def dequantize(self, t, spec, output_dtype):
         n, k = spec.shape
         w = torch.ops.affineq.lowbit_dequantize(  # C++ when built, the same math in PyTorch otherwise
-            t["qdata"], t["scale"], t["offset"], bit_width(spec.target_dtype), spec.block_size[1], n, k,
-            _cpp.codes_kind(spec.target_dtype),
+            t["qdata"], t["scale"], t["offset"], spec.target.bits, spec.block_size[1], n, k,
+            _cpp.codes_kind(spec.target),
         )
         return w.to(output_dtype)
 
@@ -232,11 +331,11 @@ class Dense(PackingFormat):
         # Unpack only the 16-row panels that hold the requested rows (embedding lookups).
         panels, inverse = torch.unique(rows // panel, return_inverse=True)
         packed = t["qdata"].view(n // panel, -1)[panels]
-        u = _cpp.unpack_codes(packed.view(panels.numel() * panel, -1), bit_width(spec.target_dtype),
+        u = _cpp.unpack_codes(packed.view(panels.numel() * panel, -1), spec.target.bits,
                               panels.numel() * panel, k)
         u = u.view(-1, panel, k)[inverse, rows % panel]
-        if _cpp.codes_kind(spec.target_dtype) != _cpp.CODES_UINT:
-            u = u.view(spec.target_dtype)
+        if spec.target.is_float:
+            u = u.view(spec.target.container)
         g = spec.block_size[1]
         scale, offset = t["scale"][rows].float().unsqueeze(-1), self._fp32_offset(t, spec)[rows].unsqueeze(-1)
         w = u.float().view(-1, k // g, g) * scale + offset
@@ -245,6 +344,8 @@ class Dense(PackingFormat):
 
 class Int4Tinygemm(PackingFormat):
     """The int4 layout of aten's tinygemm kernels: w = (u - 8) * scale + zero, u in [0, 16)."""
+
+    portable = "plain"
 
     def __init__(self, name: str, device_type: str, convert):
         self.name = name
@@ -267,6 +368,15 @@ class Int4Tinygemm(PackingFormat):
             return f"{self.name} needs out_features N divisible by 16 (got N={n})"
         return None
 
+    def layout(self, spec):
+        n, k = spec.shape
+        if self.device_type == "cpu":
+            qdata = TensorLayout((n, k // 2), (torch.uint8,))
+        else:  # aten's CUDA tile layout: [N/8, K/(16 t), 32, t/2] int32 for a K-dependent t
+            qdata = TensorLayout(None, (torch.int32,))
+        sz = TensorLayout((k // spec.block_size[1], n, 2), (torch.bfloat16, torch.float16, torch.float32))
+        return {"qdata": qdata, "scale_and_zero": sz}
+
     def pack(self, codes, scale, zero_point, spec):
         n, k = spec.shape
         u = (codes.to(torch.int32) - spec.quant_min)
@@ -286,7 +396,7 @@ class Int4Tinygemm(PackingFormat):
         nibbles = torch.stack([packed & 15, packed >> 4], -1).flatten().to(torch.int32)
         u = torch.empty(n * k, dtype=torch.int32, device=packed.device)
         u[self._nibble_source(n, k, packed.device)] = nibbles
-        return (u.view(n, k) + spec.quant_min).to(container_dtype(spec.target_dtype))
+        return (u.view(n, k) + spec.quant_min).to(spec.target.container)
 
     def _nibble_source(self, n: int, k: int, device) -> torch.Tensor:
         """For each packed nibble (low then high, byte order), the flat index n*K+k of the code it holds.

@@ -1,82 +1,26 @@
-"""The op table of `AffineQuantizedTensor`: one small registered function per op.
+"""The ops of `AffineQuantizedTensor`: one small registered function per op, `fn(func, args, kwargs)`.
 
-Two tables: `TORCH_FUNCTION_TABLE` (torch-level functions caught before they decompose, e.g. F.linear)
-and `DISPATCH_TABLE` (aten ops). An op in neither table runs on the dequantized tensors, announced once
-by `kernels.announce_fallback`. Structural ops (view, slice, select, index, split, cat, permute, ...)
-share one rule, `_blockwise`: apply the op to the codes and to per-element copies of the qparams, then
-re-derive the block structure; they fail only when the result would cut blocks unevenly.
+Registered with `AffineQuantizedTensor.implements(...)` into the class's two tables (torch functions caught
+before they decompose, e.g. F.linear; aten ops); lookup and the dequantize fallback for ops in neither
+table live in `affineq.tensor.dispatch`. Structural ops (view, slice, select, index, split, cat, permute,
+...) share one rule, `_blockwise`: apply the op to the codes and to per-element copies of the qparams, then
+re-derive the block structure; they fail only when the result would cut blocks unevenly. Activation
+tensors follow the input-channel dim (`act_pre_scale`) or stay as they are (per-tensor qparams).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_map_only
 
-from affineq.tensor import kernels
+from affineq.tensor import kernel_registry
 from affineq.tensor.affine import AffineQuantizedTensor
 from affineq.tensor.formats import get_format
 
 aten = torch.ops.aten
 AQT = AffineQuantizedTensor
-
-TORCH_FUNCTION_TABLE: dict[Callable, Callable] = {}
-DISPATCH_TABLE: dict[object, Callable] = {}
-
-
-def implements_torch_function(*funcs: Callable):
-    def register(fn):
-        for f in funcs:
-            TORCH_FUNCTION_TABLE[f] = fn
-        return fn
-
-    return register
-
-
-def implements(*ops):
-    """Register `fn(func, args, kwargs)` for aten overloads (or whole overload packets)."""
-
-    def register(fn):
-        for op in ops:
-            DISPATCH_TABLE[op] = fn
-        return fn
-
-    return register
-
-
-def torch_function(func, types, args, kwargs):
-    fn = TORCH_FUNCTION_TABLE.get(func)
-    if fn is not None:
-        return fn(*args, **kwargs)
-    with torch._C.DisableTorchFunctionSubclass():
-        return func(*args, **kwargs)
-
-
-def torch_dispatch(func, types, args, kwargs):
-    fn = DISPATCH_TABLE.get(func) or DISPATCH_TABLE.get(func.overloadpacket)
-    if fn is not None:
-        return fn(func, args, kwargs)
-    return _dequantize_fallback(func, args, kwargs)
-
-
-def _dequantize_fallback(func, args, kwargs):
-    if func._schema.is_mutable:
-        raise NotImplementedError(
-            f"affineq: in-place op {func} on an AffineQuantizedTensor is not supported; "
-            "call .dequantize() first and work on the float tensor"
-        )
-    fmts = {t.spec.fmt for t in _aqts(args, kwargs)}
-    kernels.announce_fallback("/".join(sorted(fmts)), f"{func} is not in the op table", op=str(func))
-    args, kwargs = tree_map_only(AQT, lambda t: t.dequantize(), (args, kwargs))
-    return func(*args, **kwargs)
-
-
-def _aqts(*trees) -> list[AQT]:
-    found: list[AQT] = []
-    tree_map_only(AQT, found.append, trees)
-    return found
+implements = AQT.implements
 
 
 def _dq(t):
@@ -86,11 +30,13 @@ def _dq(t):
 # -- linear and matmuls --------------------------------------------------------------------------------
 
 
-@implements_torch_function(F.linear, torch._C._nn.linear)
-def _linear(input, weight, bias=None):
+@implements(F.linear, torch._C._nn.linear)
+def _linear(func, args, kwargs):
+    named = {**dict(zip(("input", "weight", "bias"), args, strict=False)), **kwargs}
+    input, weight, bias = named["input"], named["weight"], named.get("bias")
     if isinstance(input, AQT) or not isinstance(weight, AQT) or isinstance(bias, AQT):
         return F.linear(_dq(input), _dq(weight), _dq(bias))
-    return kernels.linear(input, weight, bias)
+    return kernel_registry.linear(input, weight, bias)
 
 
 def _as_linear_weight(b: AQT) -> AQT:
@@ -102,7 +48,7 @@ def _as_linear_weight(b: AQT) -> AQT:
 def _mm(func, args, kwargs):
     a, b = args
     if isinstance(b, AQT) and not isinstance(a, AQT):
-        return kernels.linear(a, _as_linear_weight(b))
+        return kernel_registry.linear(a, _as_linear_weight(b))
     return func(_dq(a), _dq(b))
 
 
@@ -111,7 +57,7 @@ def _addmm(func, args, kwargs):
     bias, a, b = args
     beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
     if isinstance(b, AQT) and not isinstance(a, AQT) and not isinstance(bias, AQT) and beta == alpha == 1:
-        return kernels.linear(a, _as_linear_weight(b), bias)
+        return kernel_registry.linear(a, _as_linear_weight(b), bias)
     return func(_dq(bias), _dq(a), _dq(b), **kwargs)
 
 
@@ -128,9 +74,21 @@ def _embedding(func, args, kwargs):
     spec = weight.spec
     if spec.transposed or len(spec.shape) != 2 or spec.block_size[0] != 1:
         return func(weight.dequantize(), *args[1:], **kwargs)
+    _check_indices(indices, spec.shape[0])
     # Dequantize only the rows looked up.
     rows = get_format(spec.fmt).dequantize_rows(weight.tensors, spec, indices.reshape(-1), spec.dtype)
     return rows.view(*indices.shape, spec.shape[1])
+
+
+def _check_indices(indices: torch.Tensor, rows: int) -> None:
+    """IndexError for indices outside [0, rows), as the float embedding raises (eager only: no .item() under
+    torch.compile, where the float op's own bounds check is also off)."""
+    if torch.compiler.is_compiling() or indices.numel() == 0:
+        return
+    lo, hi = int(indices.min()), int(indices.max())
+    if lo < 0 or hi >= rows:
+        bad = lo if lo < 0 else hi
+        raise IndexError(f"index {bad} is out of range for a quantized embedding of {rows} rows (valid: 0..{rows - 1})")
 
 
 # -- tensor bookkeeping ----------------------------------------------------------------------------------
@@ -195,8 +153,13 @@ def _equal(func, args, kwargs):
     if not (isinstance(a, AQT) and isinstance(b, AQT)):
         return func(_dq(a), _dq(b))
     return a.spec == b.spec and a._names == b._names and all(
-        torch.equal(getattr(a, "_" + n), getattr(b, "_" + n)) for n in a._names
+        torch.equal(_bits(getattr(a, "_" + n)), _bits(getattr(b, "_" + n))) for n in a._names
     )
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """float8 tensors compared as their bytes (aten's equal has no float8 kernel)."""
+    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
 
 
 @implements(aten.is_pinned.default)
@@ -247,18 +210,20 @@ def _cat(func, args, kwargs):
     tensors = list(args[0])
     if not all(isinstance(t, AQT) for t in tensors):
         return func([_dq(t) for t in tensors], *args[1:], **kwargs)
-    base = tensors[0].spec
     for t in tensors[1:]:
-        if _family(t.spec) != _family(base):
+        if _family(t) != _family(tensors[0]):
             raise ValueError(
-                f"cat: AffineQuantizedTensors must share target dtype, range, domain and format; got "
-                f"{tensors[0]!r} and {t!r}. Dequantize them first."
+                f"cat: AffineQuantizedTensors must share target, range, domain, format and activation "
+                f"quantization; got {tensors[0]!r} and {t!r}. Dequantize them first."
             )
     return _blockwise(func, tensors, args[1:], kwargs, listwise=True)
 
 
-def _family(spec):
-    return (spec.target_dtype, spec.quant_min, spec.quant_max, spec.zero_point_domain, spec.fmt, spec.dtype)
+def _family(t: AQT):
+    spec = t.spec
+    static = {n: v for n, v in t.act_tensors.items() if n != "act_pre_scale"}
+    return (spec.target, spec.quant_min, spec.quant_max, spec.zero_point_domain, spec.fmt, spec.dtype,
+            spec.act_quant, spec.scale_type, tuple((n, tuple(v.tolist())) for n, v in sorted(static.items())))
 
 
 def _expand(q: torch.Tensor, block: tuple[int, ...]) -> torch.Tensor:
@@ -280,6 +245,8 @@ def _logical_parts(t: AQT) -> dict[str, torch.Tensor]:
     for name in ("scale", "zero_point", "ids"):
         if name in parts:
             parts[name] = _expand(parts[name].reshape(spec.num_blocks), spec.block_size)
+    if "act_pre_scale" in t._names:  # per input channel: the last dim of the untransposed layout
+        parts["act_pre_scale"] = t._act_pre_scale.expand(spec.shape).contiguous()
     if spec.transposed:
         parts = {k: v.t() for k, v in parts.items()}
     return parts
@@ -332,9 +299,21 @@ def _rebuild(base: AQT, p: dict[str, torch.Tensor], func) -> AQT:
     corner = tuple(slice(None, None, b) for b in block)
     zp = p["zero_point"][corner] if "zero_point" in p else None
     new_spec = spec.replace(shape=tuple(p["codes"].shape), block_size=block, transposed=False)
-    fmt = spec.fmt if get_format(spec.fmt).check(new_spec) is None else "plain"
-    return AQT.from_codes(
-        p["codes"].contiguous(), p["scale"][corner], zp, block, spec.target_dtype, spec.quant_min,
-        spec.quant_max, spec.zero_point_domain, dtype=spec.dtype, packing_format=fmt,
-        mapping_type=spec.mapping_type, act_quant=spec.act_quant,
-    )
+    if get_format(spec.fmt).check(new_spec) is not None:
+        new_spec = new_spec.replace(fmt="plain")
+    out = type(base).from_codes(p["codes"].contiguous(), p["scale"][corner], zp, new_spec)
+    act = {n: v for n, v in base.act_tensors.items() if n != "act_pre_scale"}
+    if "act_pre_scale" in p:
+        act["act_pre_scale"] = _input_channel_vector(p["act_pre_scale"], base, func)
+    return out.with_act_tensors(**act) if act else out
+
+
+def _input_channel_vector(per_element: torch.Tensor, base: AQT, func) -> torch.Tensor:
+    """act_pre_scale of a rebuilt weight: its per-element copy must still vary along the input channels only
+    (the last dim of a 2-D result), else the op mixed input channels with output channels."""
+    if per_element.dim() != 2 or not torch.equal(per_element, per_element[:1].expand_as(per_element)):
+        raise ValueError(
+            f"{func} on {base!r} would mix the input channels that its act_pre_scale scales with output "
+            "channels; keep the weight 2-D [out, in] and slice rows or whole columns, or call .dequantize()"
+        )
+    return per_element[0].contiguous()

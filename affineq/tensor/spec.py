@@ -1,54 +1,106 @@
-"""Hashable metadata of a quantized tensor: what the codes mean (`QuantSpec`) and how activations are
-quantized on the fly (`ActivationQuant`).
+"""Hashable metadata of a quantized tensor: what the codes mean (`QuantSpec`), how activations are quantized
+(`ActivationQuant`) and the choices made when qparams are computed (`QParamOptions`).
 
-Both are frozen dataclasses of plain values (dtypes, ints, tuples, enums, strings): no callables, so
-`torch.compile` guards on them cheaply and `torch.load(weights_only=True)` can rebuild them.
+All are frozen dataclasses of plain values (QTypes, dtypes, ints, tuples, enums, strings): no callables, so
+`torch.compile` guards on them cheaply and `torch.load(weights_only=True)` can rebuild them. `QuantSpec`
+also has a portable, versioned JSON form (`to_dict` / `from_dict`) for checkpoints outside torch.save.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from affineq.dtypes import QType, check_quant_range, qtype
 from affineq.primitives import MappingType, ZeroPointDomain
+
+__all__ = ["ActivationQuant", "QParamOptions", "QuantSpec", "SPEC_VERSION"]
+
+#: Version of the `QuantSpec.to_dict` encoding; `from_dict` refuses newer ones.
+SPEC_VERSION = 1
+
+_GRANULARITIES = ("per_token", "per_tensor")
+_KEYS = {"version", "shape", "dtype", "target", "block_size", "quant_min", "quant_max", "zero_point_domain",
+         "mapping_type", "format", "transposed", "act_quant", "scale_type"}
+
+
+def _check_enum(name: str, value, cls: type[enum.Enum]) -> None:
+    if not isinstance(value, cls):
+        raise ValueError(f"{name}={value!r}: use one of {[f'{cls.__name__}.{m.name}' for m in cls]}")
 
 
 @dataclass(frozen=True)
 class ActivationQuant:
-    """How `ops.linear` quantizes its input before the matmul (dynamic activation quantization).
+    """How `linear` quantizes its input before the matmul.
 
+    dtype: the activation target (torch.int8, torch.float8_e4m3fn, a QType or its name; stored as a QType).
     granularity: "per_token" (one scale per row of the flattened [M, K] input) or "per_tensor".
-    For float8 targets `mapping_type` must be SYMMETRIC and `zero_point_domain` NONE.
+    static: False = qparams computed from each input (dynamic); True = the weight carries calibrated
+    `act_scale` / `act_zero_point` tensors (per tensor) and every input uses them.
+    For float targets `mapping_type` must be SYMMETRIC and `zero_point_domain` NONE.
     """
 
-    dtype: torch.dtype = torch.int8
+    dtype: Any = torch.int8
     mapping_type: MappingType = MappingType.SYMMETRIC
     granularity: str = "per_token"
     zero_point_domain: ZeroPointDomain = ZeroPointDomain.INT
     eps: float | None = None
+    static: bool = False
 
     def __post_init__(self) -> None:
-        if self.granularity not in ("per_token", "per_tensor"):
+        object.__setattr__(self, "dtype", qtype(self.dtype))
+        _check_enum("ActivationQuant.mapping_type", self.mapping_type, MappingType)
+        _check_enum("ActivationQuant.zero_point_domain", self.zero_point_domain, ZeroPointDomain)
+        if self.granularity not in _GRANULARITIES:
             raise ValueError(
                 f"ActivationQuant.granularity={self.granularity!r}: use 'per_token' or 'per_tensor'"
             )
+        if self.static and self.granularity != "per_tensor":
+            raise ValueError("ActivationQuant(static=True) needs granularity='per_tensor' (one calibrated scale)")
+
+    def to_dict(self) -> dict:
+        return {"dtype": self.dtype.name, "mapping_type": self.mapping_type.name, "granularity": self.granularity,
+                "zero_point_domain": self.zero_point_domain.name, "eps": self.eps, "static": self.static}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ActivationQuant:
+        return cls(qtype(d["dtype"]), MappingType[d["mapping_type"]], d["granularity"],
+                   ZeroPointDomain[d["zero_point_domain"]], d.get("eps"), d.get("static", False))
+
+
+@dataclass(frozen=True)
+class QParamOptions:
+    """Choices made when qparams are computed (not stored: the stored tensors already reflect them).
+
+    See `choose_qparams_affine`: eps (lower bound on scale), scale_dtype, zero_point_dtype, preserve_zero.
+    """
+
+    eps: float | None = None
+    scale_dtype: torch.dtype | None = None
+    zero_point_dtype: torch.dtype | None = None
+    preserve_zero: bool = True
 
 
 @dataclass(frozen=True)
 class QuantSpec:
     """Everything needed to interpret the stored tensors of an `AffineQuantizedTensor`.
 
-    shape/dtype: the logical (float) tensor; target_dtype: the code dtype (torch.int4, torch.uint4,
-    torch.int8, torch.float8_e4m3fn, ...); block_size: one entry per dim of `shape` (the untransposed
-    layout); fmt: packing format name; transposed: a 2-D tensor viewed as its transpose without moving data;
-    act_quant: dynamic activation quantization applied by linear, or None for weight-only.
+    shape/dtype: the logical (float) tensor, untransposed; target: the code type (a `QType`: int4, uint4,
+    int8, float8_e4m3fn, fp6_e3m2, ...); block_size: one entry per dim of `shape`; quant_min/quant_max: the
+    code range; fmt: packing format name; transposed: a 2-D tensor viewed as its transpose without moving
+    data; act_quant: activation quantization applied by linear, or None for weight-only; scale_type: None
+    (scales are floats of their stored dtype) or a scale QType (`qtype("e8m0")`: powers of two).
+
+    Build one with `QuantSpec.create` (fills and checks the range, normalizes the target).
     """
 
     shape: tuple[int, ...]
     dtype: torch.dtype
-    target_dtype: torch.dtype
+    target: QType
     block_size: tuple[int, ...]
     quant_min: int | float
     quant_max: int | float
@@ -57,9 +109,51 @@ class QuantSpec:
     fmt: str
     transposed: bool = False
     act_quant: ActivationQuant | None = None
+    scale_type: QType | None = None
+
+    @classmethod
+    def create(
+        cls,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        target: QType | torch.dtype | str,
+        block_size: tuple[int, ...],
+        *,
+        mapping_type: MappingType = MappingType.ASYMMETRIC,
+        zero_point_domain: ZeroPointDomain = ZeroPointDomain.INT,
+        quant_min: int | float | None = None,
+        quant_max: int | float | None = None,
+        packing_format: str = "plain",
+        act_quant: ActivationQuant | None = None,
+        scale_type: QType | str | None = None,
+        transposed: bool = False,
+    ) -> QuantSpec:
+        """The one way to build a spec: validates the target and its range (None = the full range); float
+        targets always get ZeroPointDomain.NONE (they have no zero point)."""
+        t = qtype(target)
+        qmin, qmax = check_quant_range(t, quant_min, quant_max)
+        _check_enum("mapping_type", mapping_type, MappingType)
+        _check_enum("zero_point_domain", zero_point_domain, ZeroPointDomain)
+        if len(block_size) != len(shape):
+            raise ValueError(f"block_size {tuple(block_size)} needs one entry per dim of shape {tuple(shape)}")
+        st = None if scale_type is None else qtype(scale_type)
+        if st is not None and st.name != "e8m0":
+            raise ValueError(f"scale_type={scale_type!r}: use None (float scales) or 'e8m0' (powers of two)")
+        return cls(
+            shape=tuple(int(s) for s in shape), dtype=dtype, target=t,
+            block_size=tuple(int(b) for b in block_size), quant_min=qmin, quant_max=qmax,
+            zero_point_domain=ZeroPointDomain.NONE if t.is_float else zero_point_domain,
+            mapping_type=mapping_type, fmt=packing_format, transposed=transposed, act_quant=act_quant,
+            scale_type=st,
+        )
 
     def replace(self, **changes) -> QuantSpec:
         return dataclasses.replace(self, **changes)
+
+    @property
+    def target_dtype(self) -> torch.dtype | QType:
+        """The target as a torch dtype where torch has one (torch.int4), else the QType (fp6_e3m2)."""
+        return self.target.torch_dtype or self.target
 
     @property
     def logical_shape(self) -> tuple[int, ...]:
@@ -69,3 +163,54 @@ class QuantSpec:
     @property
     def num_blocks(self) -> tuple[int, ...]:
         return tuple(s // b for s, b in zip(self.shape, self.block_size, strict=False))
+
+    # -- portable encoding --------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        """Plain JSON values: dtypes, QTypes and enums by name, tuples as lists, plus "version"."""
+        return {
+            "version": SPEC_VERSION,
+            "shape": list(self.shape),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "target": self.target.name,
+            "block_size": list(self.block_size),
+            "quant_min": self.quant_min,
+            "quant_max": self.quant_max,
+            "zero_point_domain": self.zero_point_domain.name,
+            "mapping_type": self.mapping_type.name,
+            "format": self.fmt,
+            "transposed": self.transposed,
+            "act_quant": None if self.act_quant is None else self.act_quant.to_dict(),
+            "scale_type": None if self.scale_type is None else self.scale_type.name,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> QuantSpec:
+        """Inverse of `to_dict`; ValueError for a newer version, a missing or unknown key, or a bad value."""
+        if not isinstance(d, dict):
+            raise ValueError(f"QuantSpec.from_dict expects a dict (from QuantSpec.to_dict), got {type(d).__name__}")
+        version = d.get("version")
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise ValueError(f"QuantSpec dict has no integer 'version' (got {version!r}); it was not written by "
+                             "QuantSpec.to_dict")
+        if version > SPEC_VERSION or version < 1:
+            raise ValueError(f"QuantSpec version {version} is not supported by this affineq (reads versions 1.."
+                             f"{SPEC_VERSION}); upgrade affineq to read this checkpoint")
+        missing, unknown = _KEYS - set(d), set(d) - _KEYS
+        if missing or unknown:
+            raise ValueError(f"QuantSpec dict: missing keys {sorted(missing)}, unknown keys {sorted(unknown)}")
+        dtype = getattr(torch, d["dtype"], None)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"QuantSpec dict: dtype {d['dtype']!r} is not a floating-point torch dtype")
+        try:
+            return cls.create(
+                tuple(d["shape"]), dtype, d["target"], tuple(d["block_size"]),
+                mapping_type=MappingType[d["mapping_type"]],
+                zero_point_domain=ZeroPointDomain[d["zero_point_domain"]], quant_min=d["quant_min"],
+                quant_max=d["quant_max"], packing_format=d["format"],
+                act_quant=None if d["act_quant"] is None else ActivationQuant.from_dict(d["act_quant"]),
+                scale_type=d["scale_type"], transposed=bool(d["transposed"]),
+            )
+        except KeyError as e:
+            raise ValueError(f"QuantSpec dict: unknown enum member {e}") from None
+

@@ -1,0 +1,125 @@
+"""What a quantized linear does to its input before the matmul: the weight's activation tensors and its
+activation quantization (`ActivationQuant`, dynamic or static).
+
+`prepare_input` is the one place activation tensors are applied (`act_pre_scale`: x -> x * pre_scale, the
+AWQ / SmoothQuant input scaling); it runs before a kernel is chosen. `fake_quantize_activation` is the
+reference numerics of activation quantization (dequantize(quantize(x))), with calibrated qparams when the
+weight's `ActivationQuant` is static; kernels that take integer activations call `quantize_activation`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from affineq.primitives import (
+    MappingType,
+    ZeroPointDomain,
+    choose_qparams_affine,
+    dequantize_affine,
+    quantize_affine,
+)
+from affineq.tensor.spec import ActivationQuant
+
+_SYMMETRIC = (MappingType.SYMMETRIC, MappingType.SYMMETRIC_NO_CLIPPING_ERR)
+
+
+def prepare_input(x: torch.Tensor, w) -> torch.Tensor:
+    """`x` with the weight's activation tensors applied (x * act_pre_scale), or `x` itself."""
+    pre = getattr(w, "_act_pre_scale", None) if "act_pre_scale" in w._names else None
+    return x if pre is None else x * pre.to(x.dtype)
+
+
+def _domain(aq: ActivationQuant) -> ZeroPointDomain:
+    return ZeroPointDomain.NONE if aq.dtype.is_float else aq.zero_point_domain
+
+
+def _act_block(x2: torch.Tensor, aq: ActivationQuant) -> tuple[int, int]:
+    return (1, x2.shape[1]) if aq.granularity == "per_token" else tuple(x2.shape)
+
+
+def static_qparams(w) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The calibrated (act_scale, act_zero_point or None) a static `ActivationQuant` weight carries."""
+    zp = w._act_zero_point if "act_zero_point" in w._names else None
+    return w._act_scale, zp
+
+
+def quantize_activation(x2: torch.Tensor, aq: ActivationQuant, qparams=None):
+    """Quantize a 2-D activation [M, K] as `aq` describes -> (codes, scale, zero_point, block_size).
+
+    `qparams`: (scale, zero_point) of a static `aq` (see `static_qparams`); None computes them from x2."""
+    block = _act_block(x2, aq)
+    domain = _domain(aq)
+    if qparams is None:
+        scale, zp = choose_qparams_affine(
+            x2, aq.mapping_type, block, aq.dtype, eps=aq.eps, scale_dtype=torch.float32, zero_point_domain=domain,
+        )
+    else:
+        scale, zp = qparams
+    return quantize_affine(x2, block, scale, zp, aq.dtype, zero_point_domain=domain), scale, zp, block
+
+
+def fake_quantize_activation(x: torch.Tensor, aq: ActivationQuant, w=None) -> torch.Tensor:
+    """dequantize(quantize(x)) with `aq`, same shape and dtype as x (the reference numerics). A static `aq`
+    reads its calibrated qparams from the weight `w`."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if aq.static:
+        q, scale, zp, block = quantize_activation(x2, aq, static_qparams(w))
+        return dequantize_affine(q, block, scale, zp, aq.dtype, zero_point_domain=_domain(aq),
+                                 output_dtype=x.dtype).view(x.shape)
+    # int8 shortcuts, bit for bit the primitives' values (tested), several times faster than the general
+    # primitives (benchmarks/README.md), paid per linear at decode.
+    if is_symmetric_int8(aq):
+        q, scale = int8_activation(x2, aq.granularity == "per_token",
+                                   aq.mapping_type is MappingType.SYMMETRIC_NO_CLIPPING_ERR, act_eps(x, aq))
+        return (q.float() * scale).to(x.dtype).view(x.shape)
+    asymmetric_int = aq.mapping_type is MappingType.ASYMMETRIC and aq.zero_point_domain is ZeroPointDomain.INT
+    if aq.dtype.name == "int8" and asymmetric_int:
+        return _int8_asymmetric_fake_quant(x2, aq.granularity == "per_token", act_eps(x, aq)).view(x.shape)
+    q, scale, zp, block = quantize_activation(x2, aq)
+    out = dequantize_affine(q, block, scale, zp, aq.dtype, zero_point_domain=_domain(aq), output_dtype=x.dtype)
+    return out.view(x.shape)
+
+
+def is_symmetric_int8(aq: ActivationQuant | None) -> bool:
+    return (aq is not None and not aq.static and aq.dtype.name == "int8" and aq.mapping_type in _SYMMETRIC
+            and aq.zero_point_domain in (ZeroPointDomain.NONE, ZeroPointDomain.INT))
+
+
+def act_eps(x: torch.Tensor, aq: ActivationQuant) -> float:
+    """choose_qparams_affine's default eps for this input dtype and a float32 scale, or aq.eps."""
+    return max(torch.finfo(x.dtype).tiny, torch.finfo(torch.float32).tiny) if aq.eps is None else float(aq.eps)
+
+
+def _row_range(xf: torch.Tensor, per_token: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(min, max) of xf [M, K] per row ([M, 1] each) or over the whole tensor ([1, 1] each)."""
+    if per_token:
+        return xf.amin(1, keepdim=True), xf.amax(1, keepdim=True)
+    return xf.amin().view(1, 1), xf.amax().view(1, 1)
+
+
+def int8_activation(x2: torch.Tensor, per_token: bool, no_clipping: bool, eps: float):
+    """`quantize_activation` for symmetric int8 (zero point 0) in a few eager ops -> (codes, float32 scale
+    [M or 1, 1]). Bit-identical: max(-min_neg, max_pos) is amax(|x|), and the rest is the same float32 ops
+    in the same order (scale / 127.5 or the no-clipping max, clamp to eps, round(x * (1 / scale)), clamp)."""
+    xf = x2.float()
+    if no_clipping:
+        lo, hi = _row_range(xf, per_token)
+        scale = torch.maximum(lo.clamp(max=0.0) / -128.0, hi.clamp(min=0.0) / 127.0)
+    else:
+        amax = xf.abs().amax(1, keepdim=True) if per_token else xf.abs().amax().view(1, 1)
+        scale = amax / 127.5
+    scale = scale.clamp(min=eps)
+    return torch.round(xf * (1.0 / scale)).clamp(-128, 127).to(torch.int8), scale
+
+
+def _int8_asymmetric_fake_quant(x2: torch.Tensor, per_token: bool, eps: float) -> torch.Tensor:
+    """dequantize(quantize(x2)) for asymmetric int8 with an integer zero point (range widened to include 0),
+    the primitives' float32 ops in their order: scale = (max - min) / 255, zp = clamp(-128 - round(min /
+    scale)), q = clamp(round(x / scale) + zp), out = (q - zp) * scale."""
+    xf = x2.float()
+    lo, hi = _row_range(xf, per_token)
+    lo, hi = lo.clamp(max=0.0), hi.clamp(min=0.0)
+    scale = ((hi - lo) / 255.0).clamp(min=eps)
+    zp = (-128.0 - torch.round(lo / scale)).clamp(-128, 127)
+    q = (torch.round(xf * (1.0 / scale)) + zp).clamp(-128, 127)
+    return ((q - zp) * scale).to(x2.dtype)

@@ -1,0 +1,63 @@
+"""How an op on a quantized tensor finds its implementation: the op-table lookup and the one dequantize
+fallback.
+
+Every tensor class keeps two tables (`_torch_function_table` for torch-level functions caught before they
+decompose, such as F.linear; `_dispatch_table` for aten ops), filled with `cls.implements(...)`; a lookup
+walks the class's MRO, so a subclass inherits its parent's ops and overrides single entries. Every handler
+has one signature, `fn(func, args, kwargs)`. An aten op in no table runs on the dequantized tensors,
+announced once per format and op (`affineq.tensor.fallback`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_map_only
+
+from affineq.tensor import fallback
+
+
+def lookup(cls: type, op):
+    """The handler registered for `op` (a torch function, aten overload or overload packet) on `cls` or its
+    nearest parent, or None."""
+    aten_op = isinstance(op, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
+    attr = "_dispatch_table" if aten_op else "_torch_function_table"
+    for klass in cls.__mro__:
+        table = klass.__dict__.get(attr)
+        if table is None:
+            continue
+        fn = table.get(op)
+        if fn is None and isinstance(op, torch._ops.OpOverload):
+            fn = table.get(op.overloadpacket)
+        if fn is not None:
+            return fn
+    return None
+
+
+def torch_function(cls: type, func, args, kwargs):
+    fn = lookup(cls, func)
+    if fn is not None:
+        return fn(func, args, kwargs)
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **kwargs)
+
+
+def torch_dispatch(cls: type, func, args, kwargs):
+    fn = lookup(cls, func)
+    if fn is not None:
+        return fn(func, args, kwargs)
+    return dequantize_fallback(cls, func, args, kwargs)
+
+
+def dequantize_fallback(cls: type, func, args, kwargs):
+    """Run `func` on the dequantized tensors (announced once; an error in strict mode or for in-place ops)."""
+    if func._schema.is_mutable:
+        raise NotImplementedError(
+            f"affineq: in-place op {func} on an AffineQuantizedTensor is not supported; "
+            "call .dequantize() first and work on the float tensor"
+        )
+    found: list = []
+    tree_map_only(cls, found.append, (args, kwargs))
+    fmts = {t.spec.fmt for t in found}
+    fallback.announce_fallback("/".join(sorted(fmts)), f"{func} is not in the op table", op=str(func))
+    args, kwargs = tree_map_only(cls, lambda t: t.dequantize(), (args, kwargs))
+    return func(*args, **kwargs)

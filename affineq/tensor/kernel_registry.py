@@ -1,0 +1,131 @@
+"""The linear-kernel registry and the rules that decide which kernel runs, and which format "auto" stores.
+
+Each kernel is one entry (`affineq.tensor.linear_kernels`): the formats it reads, a precondition that returns
+None or the reason it cannot run, and an implementation. `linear` applies the weight's activation tensors
+(`activation.prepare_input`), then `select_linear_kernel` returns the first entry whose precondition holds;
+when none does, `dequantize_linear` runs and `fallback.announce_fallback` says so once per (format, reason).
+
+A config's `packing_format="auto"` is resolved here too (`auto_format`), from the same facts the kernels'
+preconditions test (device, whether our C++ kernels built, whether aten's int8 matmul is fast here), so
+the stored format is the one the fastest available kernel reads. Nothing else in affineq decides either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from affineq import cpp as _cpp
+from affineq.tensor import fallback
+from affineq.tensor.activation import fake_quantize_activation, prepare_input
+
+Check = Callable[[torch.Tensor, "torch.Tensor"], str | None]
+Run = Callable[[torch.Tensor, "torch.Tensor", torch.Tensor | None], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LinearKernel:
+    name: str
+    formats: tuple[str, ...]
+    check: Check
+    run: Run
+
+
+LINEAR_KERNELS: list[LinearKernel] = []
+
+
+def register_linear_kernel(name: str, formats: tuple[str, ...], check: Check, run: Run) -> None:
+    """Append a kernel; earlier registrations win when several preconditions hold."""
+    if any(k.name == name for k in LINEAR_KERNELS):
+        raise ValueError(f"a linear kernel named {name!r} is already registered")
+    LINEAR_KERNELS.append(LinearKernel(name, formats, check, run))
+
+
+def select_linear_kernel(x: torch.Tensor, w) -> tuple[LinearKernel | None, list[str]]:
+    """The first kernel whose precondition holds for F.linear(x, w), and the reasons the others gave."""
+    reasons = []
+    for k in LINEAR_KERNELS:
+        if w.spec.fmt not in k.formats:
+            continue
+        why = k.check(x, w)
+        if why is None:
+            return k, reasons
+        reasons.append(f"{k.name}: {why}")
+    if not reasons:
+        reasons.append(f"no packed kernel reads format {w.spec.fmt!r}")
+    return None, reasons
+
+
+def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, w, bias) for an AffineQuantizedTensor weight w [N, K]: a packed kernel or the fallback."""
+    x = prepare_input(x, w)
+    if w.spec.transposed:
+        kernel, reasons = None, ["the weight is a transposed view; kernels read the stored [N, K] layout"]
+    else:
+        kernel, reasons = select_linear_kernel(x, w)
+    if kernel is not None:
+        fallback.record(kernel.name)
+        if x.requires_grad and torch.is_grad_enabled():
+            out = _KernelLinear.apply(x, w, kernel.name)
+            return out if bias is None else out + bias
+        return kernel.run(x, w, bias)
+    fallback.announce_fallback(w.spec.fmt, "; ".join(reasons))
+    return dequantize_linear(x, w, bias)
+
+
+class _KernelLinear(torch.autograd.Function):
+    """A packed kernel forward with the input gradient grad_x = grad_y @ dequantize(W) (W is frozen)."""
+
+    @staticmethod
+    def forward(ctx, x, w, name):
+        ctx.w = w
+        return next(k for k in LINEAR_KERNELS if k.name == name).run(x, w, None)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad @ ctx.w.dequantize(grad.dtype), None, None
+
+
+def dequantize_linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference numerics: fake-quantize the activation (if any), dequantize the weight, F.linear. `x` has
+    the activation tensors applied already (`prepare_input`)."""
+    if w.spec.act_quant is not None:
+        x = fake_quantize_activation(x, w.spec.act_quant, w)
+    return F.linear(x, w.dequantize(x.dtype), bias)
+
+
+# -- "auto" packing formats ----------------------------------------------------------------------------
+
+
+def int_mm_is_fast() -> bool:
+    """Whether aten's int8 x int8 -> int32 matmul runs on oneDNN here. Without VNNI (an AVX2-only CPU) it
+    runs scalar loops, many times slower than fp32 `F.linear` (benchmarks/README.md)."""
+    has_vnni = getattr(torch.cpu, "_is_vnni_supported", None)
+    return bool(torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+                and (has_vnni is None or has_vnni()))
+
+
+def auto_format(scheme: str, weight: torch.Tensor, module_is_linear: bool = True) -> str:
+    """The packing format "auto" stores for a weight, so that the fastest kernel available here reads it.
+
+    scheme: "int4" (our C++ kernel's `dense` on CPU when it builds, else aten's `int4_cpu`; `int4_cuda` on
+    CUDA), "subbyte" (1-7 bit codes, which no aten kernel reads: `dense`, the compact layout, also when our
+    kernels are unavailable), "byte" (int8 / float8 weight-only: `dense` when our kernels build, else `plain`
+    for aten's kernels), "int8_dynamic" (`plain` for aten's `_int_mm`, except on a CPU where `_int_mm` is
+    slow: `dense`, our kernel on the fake-quantized activation). A weight that is not a 2-D nn.Linear weight
+    on CPU gets `plain` (int4 on CUDA: `int4_cuda`)."""
+    cpu2d = weight.device.type == "cpu" and weight.dim() == 2 and module_is_linear
+    if scheme == "int4":
+        if weight.device.type == "cuda" and weight.dim() == 2:
+            return "int4_cuda"
+        return ("dense" if _cpp.is_available() else "int4_cpu") if cpu2d else "plain"
+    if scheme == "subbyte":
+        return "dense" if cpu2d else "plain"
+    if scheme == "byte":
+        return "dense" if cpu2d and _cpp.is_available() else "plain"
+    if scheme == "int8_dynamic":
+        return "dense" if cpu2d and _cpp.is_available() and not int_mm_is_fast() else "plain"
+    raise ValueError(f"unknown auto-format scheme {scheme!r}")

@@ -1,0 +1,235 @@
+"""The linear kernels: one registered entry each (formats read, precondition, implementation).
+
+| kernel                            | format    | weight / activation                                          |
+|-----------------------------------|-----------|--------------------------------------------------------------|
+| affineq.lowbit_linear (our C++)   | dense     | 1-8 bit or float8 weights; int8 activations fake-quantized   |
+| aten._weight_int4pack_mm_for_cpu  | int4_cpu  | int4 tinygemm, weight-only                                   |
+| aten._weight_int4pack_mm          | int4_cuda | int4 tinygemm, weight-only                                   |
+| aten._int_mm                      | plain     | per-channel int8 weight x dynamic symmetric int8 activation  |
+| aten._weight_int8pack_mm          | plain     | per-channel int8 weight-only                                 |
+| aten._scaled_mm                   | plain     | float8 weight x dynamic float8 activation                    |
+
+Registration order is preference order (`kernel_registry.select_linear_kernel`). A kernel runs after the
+weight's activation tensors were applied to x (`activation.prepare_input`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from affineq import cpp as _cpp
+from affineq.primitives import MappingType, ZeroPointDomain
+from affineq.tensor.activation import (
+    act_eps,
+    fake_quantize_activation,
+    int8_activation,
+    is_symmetric_int8,
+    quantize_activation,
+)
+from affineq.tensor.kernel_registry import Check, Run, register_linear_kernel
+from affineq.tensor.spec import QuantSpec
+
+# -- preconditions shared by the CPU kernels ----------------------------------------------------------
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _common(x: torch.Tensor, w, device: str = "cpu") -> str | None:
+    if x.device.type != device:
+        return f"input is on {x.device.type}, kernel runs on {device}"
+    if x.dtype not in _FLOATS:
+        return f"input dtype {x.dtype} is not fp32/bf16/fp16"
+    return None
+
+
+def _is_zero_point_free(spec: QuantSpec) -> bool:
+    """Codes dequantize as q * scale: symmetric int8 (zero point 0) or the NONE domain."""
+    if spec.zero_point_domain is ZeroPointDomain.NONE:
+        return True
+    symmetric = spec.mapping_type in (MappingType.SYMMETRIC, MappingType.SYMMETRIC_NO_CLIPPING_ERR)
+    return symmetric and (spec.quant_max + spec.quant_min + 1) // 2 == 0
+
+
+def _per_channel_int8(spec: QuantSpec) -> str | None:
+    if spec.target.name != "int8" or len(spec.shape) != 2:
+        return f"needs a 2-D int8 weight (got {spec.target}, {len(spec.shape)}-D)"
+    if spec.block_size != (1, spec.shape[1]):
+        return f"needs per-channel scales, block_size (1, K); got {spec.block_size}"
+    if not _is_zero_point_free(spec):
+        return "needs symmetric codes (zero point 0)"
+    return None
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1])
+
+
+def _finish(out2: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = out2.view(*x.shape[:-1], out2.shape[-1]).to(x.dtype)
+    return out if bias is None else out + bias
+
+
+# -- kernel: affineq::lowbit_linear (our C++), dense format, any width 1-8 -----------------------------
+
+
+def _lowbit_check(x, w):
+    why = _common(x, w)
+    if why is None and not _cpp.is_available():
+        why = f"the affineq C++ kernels are unavailable ({_cpp.unavailable_reason()})"
+    aq = w.spec.act_quant
+    if why is None and aq is not None and aq.dtype.is_float:
+        why = "float8 activations are not supported by lowbit_linear"
+    return why
+
+
+def _lowbit_run(x, w, bias):
+    spec = w.spec
+    if spec.act_quant is not None:
+        # 8da4w-style: the activation is fake-quantized (per token, or with static qparams); the weight
+        # product stays exact.
+        x = fake_quantize_activation(x, spec.act_quant, w)
+    n, k = spec.shape
+    out = torch.ops.affineq.lowbit_linear(
+        x, w._qdata, w._scale, w._offset, spec.target.bits, spec.block_size[1], n, k,
+        _cpp.codes_kind(spec.target),
+    )
+    return out if bias is None else out + bias
+
+
+register_linear_kernel("affineq.lowbit_linear", ("dense",), _lowbit_check, _lowbit_run)
+
+
+# -- kernels: aten int4 tinygemm, CPU and CUDA (bf16 compute) -------------------------------------------
+
+
+def _int4_tinygemm(device: str, op) -> tuple[Check, Run]:
+    def check(x, w):
+        return _common(x, w, device) or ("act_quant is set" if w.spec.act_quant is not None else None)
+
+    def run(x, w, bias):
+        # The CPU kernel is vectorized for bf16 only (fp32 input is 25-100x slower, see benchmarks/README.md)
+        # and the CUDA one takes bf16 only, so the activation is computed in bf16.
+        sz = w._scale_and_zero.to(torch.bfloat16)
+        out = op(_flat(x).to(torch.bfloat16), w._qdata, w.spec.block_size[1], sz)
+        return _finish(out, x, bias)
+
+    return check, run
+
+
+register_linear_kernel("aten._weight_int4pack_mm_for_cpu", ("int4_cpu",),
+                       *_int4_tinygemm("cpu", torch.ops.aten._weight_int4pack_mm_for_cpu))
+register_linear_kernel("aten._weight_int4pack_mm", ("int4_cuda",),
+                       *_int4_tinygemm("cuda", torch.ops.aten._weight_int4pack_mm))
+
+
+# -- kernel: aten int8 x int8 -> int32 (dynamic per-token activation) ----------------------------------
+
+
+def _int_mm_check(x, w):
+    aq = w.spec.act_quant
+    if aq is None or aq.dtype.name != "int8" or aq.static:
+        return "needs int8 dynamic activation quantization"
+    if not is_symmetric_int8(aq):
+        return "needs symmetric activation codes (zero point 0: domain NONE or INT)"
+    return _common(x, w, x.device.type) or _per_channel_int8(w.spec)
+
+
+@torch.library.custom_op("affineq::int8_dynamic_linear", mutates_args=())
+def _int8_dynamic_linear(
+    x2: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor, per_token: bool, no_clipping: bool, eps: float
+) -> torch.Tensor:
+    """x2 [M, K] float -> int8 activation codes (symmetric, per token or per tensor) @ w_codes [N, K].T with
+    torch._int_mm, rescaled by both scales -> [M, N] in x2.dtype.
+
+    One opaque op for the whole linear so torch.compile sees one call per linear: traced, the activation
+    quantization and rescale are ~25 aten nodes per linear, and inductor lowering and codegen of those
+    (dynamic shapes) cost ~11 s per SmolLM2 layer on 2 cores (>6 min for the 30-layer model). Being opaque
+    also keeps _int_mm away from inductor 2.13's own lowering, which passes a one-row input with row stride
+    0 to the CPU kernel (garbage sums at M = 1). Eager and compiled run this same code."""
+    xq, x_scale = int8_activation(x2, per_token, no_clipping, eps)
+    acc = torch._int_mm(xq, w_codes.t())
+    return (acc.float() * x_scale * w_scale.float().reshape(1, -1)).to(x2.dtype)
+
+
+@_int8_dynamic_linear.register_fake
+def _(x2, w_codes, w_scale, per_token, no_clipping, eps):
+    return x2.new_empty(x2.shape[0], w_codes.shape[0])
+
+
+def _int_mm_run(x, w, bias):
+    aq = w.spec.act_quant
+    out = _int8_dynamic_linear(
+        _flat(x), w._qdata, w._scale, aq.granularity == "per_token",
+        aq.mapping_type is MappingType.SYMMETRIC_NO_CLIPPING_ERR, act_eps(x, aq),
+    )
+    return _finish(out, x, bias)
+
+
+register_linear_kernel("aten._int_mm", ("plain",), _int_mm_check, _int_mm_run)
+
+
+# -- kernel: aten int8 weight-only --------------------------------------------------------------------
+
+
+def _int8pack_check(x, w):
+    if w.spec.act_quant is not None:
+        return "act_quant is set"
+    return _common(x, w, x.device.type) or _per_channel_int8(w.spec)
+
+
+@torch.library.custom_op("affineq::weight_int8pack_mm", mutates_args=())
+def _weight_int8pack_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """aten._weight_int8pack_mm behind an opaque op: inductor's own lowering of it rejects fused inputs."""
+    return torch.ops.aten._weight_int8pack_mm(x, w, scale)
+
+
+@_weight_int8pack_mm.register_fake
+def _(x, w, scale):
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
+def _int8pack_run(x, w, bias):
+    # On CPU the aten kernel is vectorized for bf16 only; fp32/fp16 inputs are computed in bf16.
+    cdt = torch.bfloat16 if x.device.type == "cpu" else x.dtype
+    out = _weight_int8pack_mm(_flat(x).to(cdt), w._qdata, w._scale.reshape(-1).to(cdt))
+    return _finish(out, x, bias)
+
+
+register_linear_kernel("aten._weight_int8pack_mm", ("plain",), _int8pack_check, _int8pack_run)
+
+
+# -- kernel: aten float8 scaled matmul (dynamic float8 activation) --------------------------------------
+
+
+def _scaled_mm_check(x, w):
+    aq = w.spec.act_quant
+    if aq is None or aq.dtype.torch_dtype is None or not aq.dtype.is_float or aq.static:
+        return "needs float8 dynamic activation quantization"
+    if w.spec.target.torch_dtype is None or not w.spec.target.is_float or len(w.spec.shape) != 2:
+        return "needs a 2-D float8 weight"
+    n, k = w.spec.shape
+    if w.spec.block_size not in ((n, k), (1, k)):
+        return f"needs per-tensor or per-row weight scales, got block_size {w.spec.block_size}"
+    if (w.spec.block_size == (1, k)) != (aq.granularity == "per_token"):
+        return "needs per-row weight scales with per-token activations, or per-tensor with per-tensor"
+    if k % 16 or n % 16:
+        return f"_scaled_mm needs K and N divisible by 16 (got K={k}, N={n})"
+    return _common(x, w, x.device.type)
+
+
+def _scaled_mm_run(x, w, bias):
+    x2 = _flat(x)
+    xq, x_scale, _, _ = quantize_activation(x2, w.spec.act_quant)
+    n = w.spec.shape[0]
+    w_scale = w._scale.float().reshape(1, -1)
+    per_row = w_scale.numel() == n
+    out = torch._scaled_mm(
+        xq, w._qdata.t(),
+        scale_a=x_scale.float().reshape(-1, 1) if per_row else x_scale.float().reshape(()),
+        scale_b=w_scale if per_row else w_scale.reshape(()),
+        out_dtype=torch.bfloat16 if x.dtype == torch.float16 else x.dtype,
+    )
+    return _finish(out, x, bias)
+
+
+register_linear_kernel("aten._scaled_mm", ("plain",), _scaled_mm_check, _scaled_mm_run)
