@@ -330,6 +330,9 @@ class IntxWeightOnlyConfig(QuantConfig):
     granularity: PerGroup(g) (groups along in_features) or PerAxis(0) (one scale per output channel).
     Also quantizes nn.Embedding (per row / per group of the embedding dim). 1-bit codes need
     MappingType.ASYMMETRIC (a symmetric 1-bit range {-1, 0} cannot represent positive weights).
+    scale_dtype: bf16 by default (16-bit qparams: int2 g32 stores 0.375 B/param, int3 g32 0.5) or fp32;
+    an integer zero point (ASYMMETRIC with the INT domain) keeps its qparams in fp32 in `dense`, where a bf16
+    offset could not hold it exactly (use zero_point_domain=ZeroPointDomain.FLOAT for 16-bit qparams).
     """
 
     modules: ClassVar = (nn.Linear, nn.Embedding)
@@ -338,9 +341,11 @@ class IntxWeightOnlyConfig(QuantConfig):
     mapping_type: MappingType = MappingType.SYMMETRIC
     zero_point_domain: ZeroPointDomain | None = None
     packing_format: str = "auto"
+    scale_dtype: torch.dtype = torch.bfloat16
 
     def __post_init__(self):
         super().__post_init__()
+        _check_choice("scale_dtype", self.scale_dtype, (torch.bfloat16, torch.float32))
         check_target_dtype(self.weight_dtype, "weight_dtype")
         if not is_integer_target(self.weight_dtype) or self.weight_dtype in (torch.int16, torch.int32):
             raise ValueError(f"weight_dtype={self.weight_dtype}: use an integer dtype of 1-8 bits "
@@ -368,6 +373,9 @@ class IntxWeightOnlyConfig(QuantConfig):
     def weight_spec(self, weight, module):
         fmt = _auto(self.packing_format, "subbyte", weight, module)
         return self._spec(weight, module, self.weight_dtype, self.mapping_type, self._domain(), fmt)
+
+    def qparam_options(self):
+        return QParamOptions(scale_dtype=self.scale_dtype)
 
 
 @dataclass(frozen=True)
@@ -425,13 +433,16 @@ class Int8DynamicActivationInt8WeightConfig(QuantConfig):
 @dataclass(frozen=True)
 class Int8DynamicActivationInt4WeightConfig(QuantConfig):
     """The 8da4w scheme of edge runtimes: int8 asymmetric per-token activations, int4 symmetric per-group
-    weights. Numerics: y = F.linear(fake_quant_int8(x), dequant(w))."""
+    weights. Numerics: y = F.linear(fake_quant_int8(x), dequant(w)). scale_dtype: bf16 (default, 16-bit
+    weight scales) or fp32."""
 
     group_size: int = 32
     packing_format: str = "auto"
+    scale_dtype: torch.dtype = torch.bfloat16
 
     def __post_init__(self):
         super().__post_init__()
+        _check_choice("scale_dtype", self.scale_dtype, (torch.bfloat16, torch.float32))
         _check_group_size(self.group_size)
         if self.group_size is None:
             raise ValueError("Int8DynamicActivationInt4WeightConfig needs a group_size (e.g. 32)")
@@ -444,6 +455,9 @@ class Int8DynamicActivationInt4WeightConfig(QuantConfig):
         aq = ActivationQuant(torch.int8, MappingType.ASYMMETRIC, "per_token", ZeroPointDomain.INT)
         fmt = _auto(self.packing_format, "subbyte", weight, module)
         return self._spec(weight, module, torch.int4, MappingType.SYMMETRIC, ZeroPointDomain.NONE, fmt, aq)
+
+    def qparam_options(self):
+        return QParamOptions(scale_dtype=self.scale_dtype)
 
 
 # -- float8 configs ---------------------------------------------------------------------------------------

@@ -95,12 +95,16 @@ def test_config_numerics_kernel_and_size(name, dtype):
 
 
 def test_bytes_per_parameter():
-    # int4: 0.5 B of codes + 2 x 2 B (bf16 scale, zero) per group; others: codes + 2 x 4 B (fp32 scale, offset)
+    # low-bit: codes + 2 x 2 B (bf16 scale, zero) per group; int8/fp8 and fp32 options: codes + 2 x 4 B
     for config, expected in [(Int4WeightOnlyConfig(group_size=128), 0.53125), (Int8WeightOnlyConfig(), 1 + 8 / 4096),
                              (Int4WeightOnlyConfig(group_size=64), 0.5625),
                              (Int4WeightOnlyConfig(group_size=64, scale_dtype=torch.float32), 0.625),
                              (Int4WeightOnlyConfig(group_size=128, packing_format="int4_cpu"), 0.53125),
-                             (IntxWeightOnlyConfig(torch.int2, PerGroup(64)), 0.25 + 8 / 64),
+                             (IntxWeightOnlyConfig(torch.int2, PerGroup(64)), 0.25 + 4 / 64),
+                             (IntxWeightOnlyConfig(torch.int2, PerGroup(32)), 0.375),
+                             (IntxWeightOnlyConfig(torch.int3, PerGroup(32)), 0.5),
+                             (IntxWeightOnlyConfig(torch.int2, PerGroup(64), scale_dtype=torch.float32), 0.25 + 8 / 64),
+                             (Int8DynamicActivationInt4WeightConfig(group_size=32), 0.5 + 4 / 32),
                              (Float8WeightOnlyConfig(), 1 + 8 / 4096)]:
         m = nn.Sequential(nn.Linear(4096, 1024, bias=False))
         quantize_(m, config)

@@ -16,6 +16,17 @@ from torch.utils._pytree import tree_map_only
 from affineq.tensor import fallback
 
 
+def check_frozen(t) -> None:
+    """RuntimeError for a quantized tensor with requires_grad=True used while grad is enabled: its codes
+    cannot receive gradients, so an optimizer would silently never update it."""
+    if t.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{t!r} has requires_grad=True, but quantized codes cannot receive gradients, so it would never "
+            "train. Call weight.requires_grad_(False) (quantize_ leaves weights frozen), or train the float "
+            "model (quantization-aware training: fake-quantize during training) and quantize afterwards"
+        )
+
+
 def lookup(cls: type, op):
     """The handler registered for `op` (a torch function, aten overload or overload packet) on `cls` or its
     nearest parent, or None."""
@@ -57,6 +68,8 @@ def dequantize_fallback(cls: type, func, args, kwargs):
         )
     found: list = []
     tree_map_only(cls, found.append, (args, kwargs))
+    for t in found:
+        check_frozen(t)
     fmts = {t.spec.fmt for t in found}
     fallback.announce_fallback("/".join(sorted(fmts)), f"{func} is not in the op table", op=str(func))
     args, kwargs = tree_map_only(cls, lambda t: t.dequantize(), (args, kwargs))

@@ -270,13 +270,20 @@ class Dense(PackingFormat):
 
     @staticmethod
     def _bf16(scale: torch.Tensor, spec: QuantSpec) -> bool:
-        """True when the qparams are stored in bf16 (the tinygemm convention, see the class docstring)."""
-        return (scale.dtype == torch.bfloat16 and spec.zero_point_domain is ZeroPointDomain.FLOAT
-                and not spec.target.is_float
-                and _mid(spec) - spec.quant_min == 2 ** (spec.target.bits - 1))
+        """True when the qparams are stored in bf16 (the tinygemm convention w = scale * (u - 2**(bits-1)) +
+        zero, see the class docstring): a FLOAT-domain zero point over the full code range, or no zero point
+        with codes starting at -2**(bits-1) (symmetric signed codes: w = scale * q, zero = 0). Both are
+        exact in bf16; an integer zero point is not (scale * (mid - zp) needs more mantissa), so INT-domain
+        qparams stay fp32."""
+        if scale.dtype != torch.bfloat16 or spec.target.is_float:
+            return False
+        half = 2 ** (spec.target.bits - 1)
+        if spec.zero_point_domain is ZeroPointDomain.FLOAT:
+            return _mid(spec) - spec.quant_min == half
+        return spec.zero_point_domain is ZeroPointDomain.NONE and spec.quant_min == -half
 
     def represent_qparams(self, scale, zero_point, spec):
-        if self._bf16(scale, spec):
+        if self._bf16(scale, spec) and zero_point is not None:
             return scale, zero_point.to(torch.bfloat16)
         return scale, zero_point
 
@@ -286,7 +293,10 @@ class Dense(PackingFormat):
             u, offset = codes.view(torch.uint8), torch.zeros_like(scale, dtype=torch.float32)
         else:
             u = (codes.to(torch.int32) - spec.quant_min).to(torch.uint8)
-            offset = zero_point if self._bf16(scale, spec) else _offset(scale, zero_point, spec)
+            if self._bf16(scale, spec):
+                offset = torch.zeros_like(scale) if zero_point is None else zero_point
+            else:
+                offset = _offset(scale, zero_point, spec)
         qdtype = torch.bfloat16 if self._bf16(scale, spec) else torch.float32
         return {
             "qdata": _cpp.pack_codes(u, spec.target.bits),
@@ -311,8 +321,8 @@ class Dense(PackingFormat):
     def qparams(self, t, spec):
         if spec.target.is_float:
             return t["scale"], None
-        if t["scale"].dtype == torch.bfloat16:
-            return t["scale"], t["offset"]  # stored as given: the FLOAT-domain zero point
+        if t["scale"].dtype == torch.bfloat16:  # stored as given: the FLOAT-domain zero point, or 0 for NONE
+            return t["scale"], None if spec.zero_point_domain is ZeroPointDomain.NONE else t["offset"]
         return t["scale"], _zero_point(t["scale"], t["offset"], spec)
 
     def dequantize(self, t, spec, output_dtype):

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from affineq import cpp as _cpp
 from affineq.tensor import fallback
+from affineq.tensor.dispatch import check_frozen
 from affineq.tensor.activation import fake_quantize_activation, prepare_input
 
 Check = Callable[[torch.Tensor, "torch.Tensor"], str | None]
@@ -61,6 +62,7 @@ def select_linear_kernel(x: torch.Tensor, w) -> tuple[LinearKernel | None, list[
 
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, w, bias) for an AffineQuantizedTensor weight w [N, K]: a packed kernel or the fallback."""
+    check_frozen(w)
     x = prepare_input(x, w)
     if w.spec.transposed:
         kernel, reasons = None, ["the weight is a transposed view; kernels read the stored [N, K] layout"]

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_map_only
 
 from affineq.tensor import kernel_registry
+from affineq.tensor.dispatch import check_frozen
 from affineq.tensor.affine import AffineQuantizedTensor
 from affineq.tensor.formats import get_format
 
@@ -64,6 +65,7 @@ def _addmm(func, args, kwargs):
 @implements(aten.bmm.default, aten.convolution.default, aten.embedding_dense_backward.default)
 def _dequantize_then_compute(func, args, kwargs):
     """Ops whose best CPU implementation today is the float op on the dequantized weight."""
+    tree_map_only(AQT, check_frozen, (args, kwargs))
     args, kwargs = tree_map_only(AQT, lambda t: t.dequantize(), (args, kwargs))
     return func(*args, **kwargs)
 
@@ -71,6 +73,7 @@ def _dequantize_then_compute(func, args, kwargs):
 @implements(aten.embedding.default)
 def _embedding(func, args, kwargs):
     weight, indices = args[0], args[1]
+    check_frozen(weight)
     spec = weight.spec
     if spec.transposed or len(spec.shape) != 2 or spec.block_size[0] != 1:
         return func(weight.dequantize(), *args[1:], **kwargs)
