@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 from affineq import cpp as _cpp
 from affineq.tensor import fallback
-from affineq.tensor.dispatch import check_frozen
 from affineq.tensor.activation import fake_quantize_activation, prepare_input
+from affineq.tensor.dispatch import check_frozen
 
 Check = Callable[[torch.Tensor, "torch.Tensor"], str | None]
 Run = Callable[[torch.Tensor, "torch.Tensor", torch.Tensor | None], torch.Tensor]

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_map_only
 
 from affineq.tensor import kernel_registry
-from affineq.tensor.dispatch import check_frozen
 from affineq.tensor.affine import AffineQuantizedTensor
+from affineq.tensor.dispatch import check_frozen
 from affineq.tensor.formats import get_format
 
 aten = torch.ops.aten
