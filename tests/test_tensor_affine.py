@@ -123,3 +123,26 @@ def test_int4_cuda_format_round_trip():
     ref = _int4_asym(w, "plain", g=128)
     q = _int4_asym(w, "int4_cuda", g=128)
     assert torch.equal(q.codes(), ref.codes())
+
+
+@pytest.mark.parametrize(("target", "mapping", "domain", "scale_dtype"), [
+    (torch.int8, MappingType.SYMMETRIC, ZeroPointDomain.NONE, torch.float32),  # Int8WeightOnlyConfig
+    (torch.int3, MappingType.SYMMETRIC, ZeroPointDomain.NONE, torch.float32),
+    (torch.int3, MappingType.SYMMETRIC, ZeroPointDomain.NONE, torch.bfloat16),
+    (torch.uint2, MappingType.ASYMMETRIC, ZeroPointDomain.INT, torch.float32),
+    (torch.uint4, MappingType.ASYMMETRIC, ZeroPointDomain.FLOAT, torch.bfloat16),  # Int4WeightOnlyConfig
+    (torch.float8_e4m3fn, MappingType.SYMMETRIC, ZeroPointDomain.NONE, torch.float32),
+])
+def test_dense_dequantizes_with_the_primitives_rounding(target, mapping, domain, scale_dtype):
+    # "auto" stores `plain` without the C++ kernels and `dense` with them: dequantize() must not depend on it,
+    # so dense rounds as the primitives do ((q - zp) * scale), bit for bit, in dequantize and embedding rows
+    torch.manual_seed(3)
+    w = torch.randn(48, 96)
+    q = AffineQuantizedTensor.from_float(w, mapping, (1, 32), target, scale_dtype=scale_dtype,
+                                         zero_point_domain=domain, packing_format="dense")
+    plain = q.to_format("plain")
+    ref = dequantize_affine(plain.codes(), (1, 32), plain.scale, plain.zero_point, target,
+                            zero_point_domain=domain)
+    assert torch.equal(q.dequantize(), ref) and torch.equal(plain.dequantize(), ref)
+    rows = torch.tensor([0, 47, 16, 5])
+    assert torch.equal(torch.nn.functional.embedding(rows, q), ref[rows])

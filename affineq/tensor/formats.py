@@ -327,11 +327,29 @@ class Dense(PackingFormat):
 
     def dequantize(self, t, spec, output_dtype):
         n, k = spec.shape
+        canonical = self._canonical(t, spec)
+        scale, offset = (torch.ones_like(t["scale"]), torch.zeros_like(t["offset"])) if canonical else (
+            t["scale"], t["offset"])
         w = torch.ops.affineq.lowbit_dequantize(  # C++ when built, the same math in PyTorch otherwise
-            t["qdata"], t["scale"], t["offset"], spec.target.bits, spec.block_size[1], n, k,
-            _cpp.codes_kind(spec.target),
+            t["qdata"], scale, offset, spec.target.bits, spec.block_size[1], n, k, _cpp.codes_kind(spec.target),
         )
+        if canonical:  # w holds the codes u as floats
+            w = self._centered_times_scale(w.view(n, -1, spec.block_size[1]), t["scale"], t["offset"]).view(n, k)
         return w.to(output_dtype)
+
+    @staticmethod
+    def _canonical(t: Tensors, spec: QuantSpec) -> bool:
+        """fp32 qparams of integer codes with an INT or NONE zero point: `scale * u + offset` would round
+        differently from the primitives' `(q - zp) * scale` (by an ulp), so dequantize computes the latter,
+        exactly: offset = scale * (qmin - zp) gives q - zp = u + round(offset / scale). bf16 qparams
+        (`scale * (u - 2**(bits-1)) + zero`) and float8 codes (`scale * c`) already round as the primitives."""
+        return (t["scale"].dtype == torch.float32 and not spec.target.is_float
+                and spec.zero_point_domain is not ZeroPointDomain.FLOAT)
+
+    @staticmethod
+    def _centered_times_scale(u: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+        """(u + round(offset / scale)) * scale per group: u [R, G, g] float codes, scale/offset [R, G]."""
+        return (u + torch.round(offset / scale).unsqueeze(-1)) * scale.unsqueeze(-1)
 
     def dequantize_rows(self, t, spec, rows, output_dtype):
         n, k = spec.shape
@@ -347,8 +365,12 @@ class Dense(PackingFormat):
         if spec.target.is_float:
             u = u.view(spec.target.container)
         g = spec.block_size[1]
-        scale, offset = t["scale"][rows].float().unsqueeze(-1), self._fp32_offset(t, spec)[rows].unsqueeze(-1)
-        w = u.float().view(-1, k // g, g) * scale + offset
+        u = u.float().view(-1, k // g, g)
+        if self._canonical(t, spec):
+            w = self._centered_times_scale(u, t["scale"][rows], t["offset"][rows])
+        else:
+            scale, offset = t["scale"][rows].float().unsqueeze(-1), self._fp32_offset(t, spec)[rows].unsqueeze(-1)
+            w = u * scale + offset
         return w.view(-1, k).to(output_dtype)
 
 
