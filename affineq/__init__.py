@@ -20,7 +20,7 @@ from affineq.configs import (
     QuantConfig,
     config_from_dict,
 )
-from affineq.dtypes import QTYPES, QType, qtype, register_qtype
+from affineq.dtypes import QTYPES, FloatFormat, IntFormat, QType, qtype, register_qtype
 from affineq.granularity import (
     Granularity,
     PerAxis,
@@ -68,12 +68,14 @@ __all__ = [
     "AffineQuantizedTensor",
     "Float8DynamicActivationFloat8WeightConfig",
     "Float8WeightOnlyConfig",
+    "FloatFormat",
     "FqnToConfig",
     "Granularity",
     "Int4WeightOnlyConfig",
     "Int8DynamicActivationInt4WeightConfig",
     "Int8DynamicActivationInt8WeightConfig",
     "Int8WeightOnlyConfig",
+    "IntFormat",
     "IntxWeightOnlyConfig",
     "KernelFallbackError",
     "KernelFallbackWarning",
