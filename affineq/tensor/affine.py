@@ -153,36 +153,22 @@ class AffineQuantizedTensor(torch.Tensor):
         act_quant: ActivationQuant | None = None,
     ) -> AffineQuantizedTensor:
         """Quantize a float tensor: `from_spec` with a spec built from these arguments."""
-        spec = QuantSpec.create(
-            tuple(input.shape), input.dtype, target_dtype, block_size, mapping_type=mapping_type,
-            zero_point_domain=zero_point_domain, quant_min=quant_min, quant_max=quant_max,
-            packing_format=packing_format, act_quant=act_quant,
-        )
+        spec = QuantSpec.create(tuple(input.shape), input.dtype, target_dtype, block_size, mapping_type=mapping_type,
+                                zero_point_domain=zero_point_domain, quant_min=quant_min, quant_max=quant_max,
+                                packing_format=packing_format, act_quant=act_quant)
         return cls.from_spec(input, spec, QParamOptions(eps, scale_dtype, zero_point_dtype, preserve_zero))
 
     @classmethod
-    def from_qparams(
-        cls,
-        input: torch.Tensor,
-        scale: torch.Tensor,
-        zero_point: torch.Tensor | None,
-        block_size: tuple[int, ...] | QuantSpec,
-        target_dtype: torch.dtype | QType | str | None = None,
-        quant_min: int | None = None,
-        quant_max: int | None = None,
-        zero_point_domain: ZeroPointDomain = ZeroPointDomain.INT,
-        *,
-        packing_format: str = "plain",
-        mapping_type: MappingType = MappingType.ASYMMETRIC,
-        act_quant: ActivationQuant | None = None,
-    ) -> AffineQuantizedTensor:
+    def from_qparams(cls, input: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
+                     spec: QuantSpec | tuple[int, ...], target: torch.dtype | QType | None = None,
+                     **spec_args) -> AffineQuantizedTensor:
         """Quantize `input` with precomputed qparams (from an observer, GPTQ, AWQ...) and pack.
 
-        Pass a `QuantSpec` as the fourth argument, or the block size and the other arguments to build one.
-        A format that stores qparams in lower precision (dense with bf16 scales, e8m0 scales) rounds them
-        first, and the codes are computed with the rounded values."""
-        spec = cls._as_spec(input.shape, input.dtype, block_size, target_dtype, quant_min, quant_max,
-                            zero_point_domain, packing_format, mapping_type, act_quant)
+        `spec`: a `QuantSpec`, or a block size followed by the target and `QuantSpec.create` keywords
+        (quant_min, quant_max, zero_point_domain, mapping_type, packing_format, act_quant). A format that
+        stores qparams in lower precision (dense with bf16 scales, e8m0 scales) rounds them first, and the
+        codes are computed with the rounded values."""
+        spec = cls._as_spec(input.shape, input.dtype, spec, target, spec_args)
         n_blocks = spec.num_blocks
         scale, zero_point = cls._checked_format(spec).represent_qparams(
             scale.reshape(n_blocks), None if zero_point is None else zero_point.reshape(n_blocks), spec
@@ -192,26 +178,13 @@ class AffineQuantizedTensor(torch.Tensor):
         return cls.from_codes(codes, scale, zero_point, spec.replace(dtype=input.dtype))
 
     @classmethod
-    def from_codes(
-        cls,
-        codes: torch.Tensor,
-        scale: torch.Tensor,
-        zero_point: torch.Tensor | None,
-        block_size: tuple[int, ...] | QuantSpec,
-        target_dtype: torch.dtype | QType | str | None = None,
-        quant_min: int | None = None,
-        quant_max: int | None = None,
-        zero_point_domain: ZeroPointDomain = ZeroPointDomain.INT,
-        *,
-        dtype: torch.dtype = torch.float32,
-        packing_format: str = "plain",
-        mapping_type: MappingType = MappingType.ASYMMETRIC,
-        act_quant: ActivationQuant | None = None,
-    ) -> AffineQuantizedTensor:
-        """Wrap already-computed codes (as `quantize_affine` returns them). Pass a `QuantSpec` as the fourth
-        argument (its dtype is the logical dtype), or the block size and the arguments to build one."""
-        spec = cls._as_spec(codes.shape, dtype, block_size, target_dtype, quant_min, quant_max,
-                            zero_point_domain, packing_format, mapping_type, act_quant)
+    def from_codes(cls, codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
+                   spec: QuantSpec | tuple[int, ...], target: torch.dtype | QType | None = None,
+                   *, dtype: torch.dtype = torch.float32, **spec_args) -> AffineQuantizedTensor:
+        """Wrap already-computed codes (as `quantize_affine` returns them). `spec`: a `QuantSpec` (its dtype
+        is the logical dtype), or a block size, the target, the logical `dtype` and `QuantSpec.create`
+        keywords."""
+        spec = cls._as_spec(codes.shape, dtype, spec, target, spec_args)
         fmt = cls._checked_format(spec)
         n_blocks = spec.num_blocks
         scale = scale.reshape(n_blocks)
@@ -233,17 +206,16 @@ class AffineQuantizedTensor(torch.Tensor):
         return cls(dict(tensors), spec)
 
     @staticmethod
-    def _as_spec(shape, dtype, block_size, target_dtype, quant_min, quant_max, zero_point_domain,
-                 packing_format, mapping_type, act_quant) -> QuantSpec:
-        if isinstance(block_size, QuantSpec):
-            if tuple(shape) != block_size.shape:
-                raise ValueError(f"input shape {tuple(shape)} does not match spec.shape {block_size.shape}")
-            return block_size
-        if target_dtype is None:
-            raise ValueError("pass a QuantSpec, or a block_size and target_dtype")
-        return QuantSpec.create(tuple(shape), dtype, target_dtype, block_size, mapping_type=mapping_type,
-                                zero_point_domain=zero_point_domain, quant_min=quant_min, quant_max=quant_max,
-                                packing_format=packing_format, act_quant=act_quant)
+    def _as_spec(shape, dtype, spec, target, spec_args: dict) -> QuantSpec:
+        if isinstance(spec, QuantSpec):
+            if target is not None or spec_args:
+                raise ValueError("pass either a QuantSpec or a block size with its target and options, not both")
+            if tuple(shape) != spec.shape:
+                raise ValueError(f"input shape {tuple(shape)} does not match spec.shape {spec.shape}")
+            return spec
+        if target is None:
+            raise ValueError("pass a QuantSpec, or a block size and the target (e.g. torch.int4)")
+        return QuantSpec.create(tuple(shape), dtype, target, spec, **spec_args)
 
     @staticmethod
     def _checked_format(spec: QuantSpec):
