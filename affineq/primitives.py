@@ -184,17 +184,18 @@ def _midpoint(qmin: int, qmax: int) -> float:
 # choose_qparams_affine
 
 
-def _default_eps(input_dtype: torch.dtype, scale_dtype: torch.dtype) -> float:
-    # Never below float32's smallest normal: the range math runs in float32, and a float64 floor would
-    # round to a zero scale there.
-    return max(torch.finfo(input_dtype).tiny, torch.finfo(scale_dtype).tiny, torch.finfo(torch.float32).tiny)
+def _default_eps(scale_dtype: torch.dtype) -> float:
+    # The smallest normal of the dtype the scale is stored in (the input dtype plays no part: an fp16 input
+    # with float32 scales keeps float32's floor), never below float32's: the range math runs in float32,
+    # where a float64 floor would round to a zero scale.
+    return max(torch.finfo(scale_dtype).tiny, torch.finfo(torch.float32).tiny)
 
 
 def _check_eps(fn: str, eps, scale_dtype: torch.dtype) -> float:
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not math.isfinite(eps) or eps <= 0:
         raise ValueError(
             f"{fn}: eps must be a positive finite number (the smallest scale allowed), got {eps!r}; "
-            "pass eps=None for the default"
+            "pass eps=None for the default torch.finfo(scale_dtype).tiny"
         )
     info = torch.finfo(scale_dtype)
     # Below the smallest positive scale_dtype value the scale would round to 0; below float32's smallest
@@ -204,7 +205,7 @@ def _check_eps(fn: str, eps, scale_dtype: torch.dtype) -> float:
         raise ValueError(
             f"{fn}: eps={eps!r} is too small for scale_dtype={scale_dtype}: a scale below {floor:.4g} rounds "
             "to 0 in scale_dtype or makes 1 / scale overflow float32; pass eps >= "
-            f"{floor:.4g} (or eps=None for the default)"
+            f"{floor:.4g} (or eps=None for the default torch.finfo(scale_dtype).tiny)"
         )
     return float(eps)
 
@@ -335,8 +336,12 @@ def choose_qparams_affine(
         block_size: one entry per dim of ``input``, each dividing its dim.
         target_dtype: see ``affineq.dtypes.SUPPORTED_TARGET_DTYPES``.
         quant_min, quant_max: code range, default the dtype's full range; must lie inside it.
-        eps: lower bound on scale. Default: the smallest normal (``finfo.tiny``) of ``input.dtype``, or of
-            ``scale_dtype`` if that is larger (never below float32's), so the stored scale can never be 0.
+        eps: lower bound on scale. Default: the smallest normal (``finfo.tiny``) of ``scale_dtype``, the
+            dtype the scale is stored in, whatever ``input.dtype`` is (float32's for a float64
+            ``scale_dtype``), so the stored scale can never be 0: 1.2e-38 for float32 and bfloat16 scales,
+            6.1e-5 for float16 scales. An fp16 input with float32 / bfloat16 scales thus keeps their floor
+            (small fp16 weights keep int8 precision); float16 scales floor every scale at 6.1e-5, coarse
+            for blocks with ``amax`` below ~8e-3 at int8: prefer float32 / bfloat16 ``scale_dtype`` there.
             Explicit values must be at least float32's ``tiny`` and the smallest positive ``scale_dtype``
             value. Pass ``torch.finfo(torch.float32).eps`` to reproduce ``torch.ao`` observers.
         scale_dtype: dtype of the returned scale, default ``input.dtype``.
@@ -397,7 +402,7 @@ def choose_qparams_affine(
         zero_point_dtype = torch.int32 if domain is ZeroPointDomain.INT else scale_dtype
     elif domain is not ZeroPointDomain.NONE:
         _check_zero_point_dtype(fn, zero_point_dtype, domain, qmin, qmax)
-    eps = _default_eps(input.dtype, scale_dtype) if eps is None else _check_eps(fn, eps, scale_dtype)
+    eps = _default_eps(scale_dtype) if eps is None else _check_eps(fn, eps, scale_dtype)
 
     # Block extremes in the input's own dtype: exact, and rounding them to float32 afterwards gives the
     # extremes of the float32-rounded input (rounding is monotonic).

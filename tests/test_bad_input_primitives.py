@@ -361,3 +361,46 @@ def test_symmetric_none_domain_on_unsigned_codes_raised_instead_of_dropping_nega
     # the scale assumed zero point 128, NONE applied 0: every negative value quantized to 0
     with pytest.raises(ValueError, match="centred on 8"):
         choose_qparams_affine(torch.tensor([[-1.0, 1.0]]), SYM, (1, 2), torch.uint4, zero_point_domain=NONE)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Regressions: the default eps follows scale_dtype, not input.dtype (issue #11). fp16 input with float32
+# scales was floored at fp16's tiny (6.1e-5), far above the int8 scale of small weights.
+
+
+def _per_channel_int8_error(w: torch.Tensor, **kwargs) -> float:
+    block = (1, w.shape[1])
+    scale, zp = choose_qparams_affine(w, SYM, block, torch.int8, **kwargs)
+    q = quantize_affine(w, block, scale, zp, torch.int8)
+    dq = dequantize_affine(q, block, scale, zp, torch.int8)
+    return ((dq - w.float()).norm() / w.float().norm()).item()
+
+
+def test_small_fp16_weights_keep_int8_precision_with_float32_scales():
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)) * 1e-4
+    ref = _per_channel_int8_error(w)  # float32 input: ~0.0074 (was the same before)
+    assert ref < 0.01
+    for dtype, scale_dtype in [(torch.float16, torch.float32), (torch.float16, torch.bfloat16)]:
+        err = _per_channel_int8_error(w.to(dtype), scale_dtype=scale_dtype)
+        assert err < 1.02 * ref, (dtype, scale_dtype, err)  # was 0.18: every scale floored at 6.1e-5
+    assert _per_channel_int8_error(w.bfloat16()) < 1.02 * ref
+
+
+@pytest.mark.parametrize(
+    "input_dtype, scale_dtype, eps",
+    [
+        (torch.float32, None, torch.finfo(torch.float32).tiny),
+        (torch.bfloat16, None, torch.finfo(torch.bfloat16).tiny),
+        (torch.float16, None, torch.finfo(torch.float16).tiny),
+        (torch.float32, torch.float16, torch.finfo(torch.float16).tiny),
+        (torch.bfloat16, torch.float32, torch.finfo(torch.float32).tiny),
+        (torch.float16, torch.float32, torch.finfo(torch.float32).tiny),  # was float16's tiny
+        (torch.float16, torch.bfloat16, torch.finfo(torch.bfloat16).tiny),  # was float16's tiny
+        (torch.float64, None, torch.finfo(torch.float32).tiny),  # was float64's tiny: a zero scale
+    ],
+)
+def test_default_eps_follows_scale_dtype(input_dtype, scale_dtype, eps):
+    x = torch.zeros(2, 8, dtype=input_dtype)
+    scale, _ = choose_qparams_affine(x, SYM, (1, 8), torch.int8, scale_dtype=scale_dtype)
+    assert scale.dtype == (scale_dtype or input_dtype)
+    assert (scale.double() == torch.tensor(eps, dtype=scale.dtype).double()).all()

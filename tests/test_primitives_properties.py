@@ -230,7 +230,8 @@ def _float32_reference(cfg) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 def _default_eps(input_dtype, scale_dtype) -> float:
-    return max(torch.finfo(input_dtype).tiny, torch.finfo(scale_dtype).tiny, torch.finfo(torch.float32).tiny)
+    # follows the dtype the scale is stored in, never below float32's (the input dtype plays no part)
+    return max(torch.finfo(scale_dtype).tiny, torch.finfo(torch.float32).tiny)
 
 
 def _range(cfg):

@@ -313,8 +313,8 @@ def _is_symmetric_int8(aq: ActivationQuant | None) -> bool:
 
 
 def _act_eps(x: torch.Tensor, aq: ActivationQuant) -> float:
-    """choose_qparams_affine's default eps for this input dtype and a float32 scale, or aq.eps."""
-    return max(torch.finfo(x.dtype).tiny, torch.finfo(torch.float32).tiny) if aq.eps is None else float(aq.eps)
+    """choose_qparams_affine's default eps for a float32 scale (whatever x.dtype is), or aq.eps."""
+    return torch.finfo(torch.float32).tiny if aq.eps is None else float(aq.eps)
 
 
 def _int_mm_check(x, w):
