@@ -18,7 +18,8 @@ in float32), rounding *before* adding the zero point: the order of ``torch.fake_
 ``torch.quantize_per_tensor`` / ``torch.quantize_per_channel`` round ``x * inv_scale + zp`` instead, so
 with a nonzero zero point their codes can differ by one where ``x * inv_scale`` is within float rounding
 of a .5 tie; they agree everywhere else, and their dequantization matches exactly. int32 targets compute
-in float64 because float32 cannot hold every int32 code.
+in float64 because float32 cannot hold every int32 code. :func:`choose_qparams_affine` redoes a block whose
+float32 range math overflows without the overflowing intermediate (float64 input: in float64).
 
 Zero-point domains (``mid = (quant_max + quant_min + 1) / 2``):
 
@@ -28,14 +29,16 @@ Zero-point domains (``mid = (quant_max + quant_min + 1) / 2``):
   ``x' = (q - mid) * scale + zp``.
 - ``NONE``:  no zero point; ``q = clamp(round(x * inv_scale))``, ``x' = q * scale``.
 
-None of the functions call ``.item()`` or branch on tensor values (except the eager-only NaN/Inf check in
-:func:`choose_qparams_affine`), so they work under ``torch.compile(fullgraph=True)`` and on any device.
+None of the functions call ``.item()`` or branch on tensor values (except the eager-only NaN/Inf and
+overflow checks in :func:`choose_qparams_affine`), so they work under ``torch.compile(fullgraph=True)`` and
+on any device.
 """
 
 from __future__ import annotations
 
 import enum
 import math
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -107,7 +110,12 @@ def _check_block_size(shape: Sequence[int], block_size: Sequence[int]) -> tuple[
             "give one entry per dim (affineq.granularity.get_block_size(shape, granularity) builds it)"
         )
     for i, (d, b) in enumerate(zip(shape, block, strict=True)):
-        if isinstance(b, bool) or not isinstance(b, int) or b < 1 or d % b != 0:
+        if isinstance(b, bool) or not isinstance(b, int):
+            raise ValueError(
+                f"block_size[{i}]={b!r} must be an int (a positive divisor of dim {i}, size {d}, of input shape "
+                f"{shape}); pass block_size as a tuple of ints, e.g. {tuple(int(x) for x in shape)} per tensor"
+            )
+        if b < 1 or d % b != 0:
             raise ValueError(
                 f"block_size[{i}]={b!r} does not divide dim {i} (size {d}) of input shape {shape}; "
                 f"each entry must be a positive divisor of {d} (1 = one qparam per index, {d} = whole dim)"
@@ -118,7 +126,9 @@ def _check_block_size(shape: Sequence[int], block_size: Sequence[int]) -> tuple[
 def _check_zero_point(fn: str, zero_point, domain: ZeroPointDomain, dtype: torch.dtype) -> None:
     if is_float_target(dtype):
         if zero_point is not None:
-            raise ValueError(f"{fn}: zero_point must be None for float target {dtype} (no zero point)")
+            raise ValueError(
+                f"{fn}: zero_point must be None for float target {dtype} (no zero point); pass zero_point=None"
+            )
     elif domain is ZeroPointDomain.NONE:
         if zero_point is not None:
             raise ValueError(
@@ -155,7 +165,8 @@ class _Blocks:
         if t.numel() != n:
             raise ValueError(
                 f"{name} has {t.numel()} elements (shape {tuple(t.shape)}) but block_size {self.block} on "
-                f"input shape {self.shape} gives {n} blocks (qparam shape {self.reduced})"
+                f"input shape {self.shape} gives {n} blocks (qparam shape {self.reduced}); pass the {name} that "
+                "choose_qparams_affine returns for this input shape and block_size"
             )
         return t.to(dtype).reshape(self.qparam_view)
 
@@ -171,6 +182,117 @@ def _midpoint(qmin: int, qmax: int) -> float:
 
 # ---------------------------------------------------------------------------------------------------------
 # choose_qparams_affine
+
+
+def _default_eps(scale_dtype: torch.dtype) -> float:
+    # The smallest normal of the dtype the scale is stored in (the input dtype plays no part: an fp16 input
+    # with float32 scales keeps float32's floor), never below float32's: the range math runs in float32,
+    # where a float64 floor would round to a zero scale.
+    return max(torch.finfo(scale_dtype).tiny, torch.finfo(torch.float32).tiny)
+
+
+def _check_eps(fn: str, eps, scale_dtype: torch.dtype) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not math.isfinite(eps) or eps <= 0:
+        raise ValueError(
+            f"{fn}: eps must be a positive finite number (the smallest scale allowed), got {eps!r}; "
+            "pass eps=None for the default torch.finfo(scale_dtype).tiny"
+        )
+    info = torch.finfo(scale_dtype)
+    # Below the smallest positive scale_dtype value the scale would round to 0; below float32's smallest
+    # normal, 1 / scale would overflow float32 in quantize_affine (0 * inf = NaN for an all-zero block).
+    floor = max(info.tiny * info.eps, torch.finfo(torch.float32).tiny)
+    if eps < floor:
+        raise ValueError(
+            f"{fn}: eps={eps!r} is too small for scale_dtype={scale_dtype}: a scale below {floor:.4g} rounds "
+            "to 0 in scale_dtype or makes 1 / scale overflow float32; pass eps >= "
+            f"{floor:.4g} (or eps=None for the default torch.finfo(scale_dtype).tiny)"
+        )
+    return float(eps)
+
+
+def _check_zero_point_dtype(fn: str, dtype, domain: ZeroPointDomain, qmin: int, qmax: int) -> None:
+    if not isinstance(dtype, torch.dtype) or dtype is torch.bool or dtype.is_complex:
+        raise ValueError(f"{fn}: zero_point_dtype must be a real torch.dtype or None, got {dtype!r}")
+    if domain is ZeroPointDomain.FLOAT and not dtype.is_floating_point:
+        raise ValueError(
+            f"{fn}: zero_point_dtype={dtype} cannot hold a ZeroPointDomain.FLOAT zero point (a real value); "
+            "use a floating-point zero_point_dtype such as torch.float32, or None for scale_dtype"
+        )
+    if domain is ZeroPointDomain.INT:
+        if dtype.is_floating_point:
+            exact = 2 ** (round(-math.log2(torch.finfo(dtype).eps)) + 1)  # largest run of exact integers
+            fits = max(abs(qmin), abs(qmax)) <= exact
+        else:
+            info = torch.iinfo(dtype)
+            fits = info.min <= qmin and qmax <= info.max
+        if not fits:
+            raise ValueError(
+                f"{fn}: zero_point_dtype={dtype} cannot hold every integer zero point in "
+                f"[quant_min, quant_max] = [{qmin}, {qmax}]; use zero_point_dtype=torch.int32 (or None)"
+            )
+
+
+def _scale_from_range(
+    min_val: torch.Tensor,
+    max_val: torch.Tensor,
+    mapping_type: MappingType,
+    float_target: bool,
+    qmin: float,
+    qmax: float,
+    halve: bool,
+) -> torch.Tensor:
+    """Per-block scale before the eps clamp. ``halve`` evaluates ``max - min`` as ``max / 2 - min / 2``,
+    which cannot overflow; the other formulas divide by a code distance >= 1 (or take a max) and only
+    overflow when the scale itself does."""
+    if mapping_type is MappingType.ASYMMETRIC:
+        if halve:
+            return (max_val * 0.5 - min_val * 0.5) / (float(qmax - qmin) * 0.5)
+        return (max_val - min_val) / float(qmax - qmin)
+    if mapping_type is MappingType.SYMMETRIC and not float_target:
+        return torch.maximum(-min_val, max_val) / (float(qmax - qmin) / 2)
+    # No-clipping rule (also the float8 rule): each side of the range maps exactly onto its end code.
+    zp_sym = (qmax + qmin + 1) // 2
+    lo, hi = (qmin, qmax) if float_target else (qmin - zp_sym, qmax - zp_sym)
+    sides = [v / float(d) for v, d in ((min_val, lo), (max_val, hi)) if d != 0]
+    return sides[0] if len(sides) == 1 else torch.maximum(*sides)
+
+
+def _zero_point_from_range(
+    min_val: torch.Tensor,
+    s: torch.Tensor,
+    domain: ZeroPointDomain,
+    asymmetric: bool,
+    qmin: int,
+    qmax: int,
+    halve: bool,
+) -> torch.Tensor:
+    """Per-block zero point (INT or FLOAT domain) from the block minimum and the stored scale ``s``."""
+    zp_sym = (qmax + qmin + 1) // 2
+    if domain is ZeroPointDomain.INT:
+        if asymmetric:
+            return torch.clamp(qmin - torch.round(min_val / s), qmin, qmax)
+        return torch.full_like(s, zp_sym)
+    mid = _midpoint(qmin, qmax)
+    if not asymmetric:
+        return s * (mid - zp_sym)
+    if halve:
+        # s * (mid - qmin) can overflow (e.g. 2-bit codes over [-3e38, 3e38]) although the sum lies in
+        # [min, max]: add the halves, then double.
+        return (min_val * 0.5 + s * ((mid - qmin) * 0.5)) * 2.0
+    return min_val + s * (mid - qmin)
+
+
+def _worst_block(
+    x_min: torch.Tensor, x_max: torch.Tensor, bad: torch.Tensor, preserve_zero: bool, scale_of
+) -> tuple[float, float, float]:
+    """(needed scale, block min, block max) of the ``bad`` block needing the largest scale, in float64 on
+    the CPU (error messages only)."""
+    lo, hi = x_min[bad].cpu().double(), x_max[bad].cpu().double()
+    if preserve_zero:
+        lo, hi = lo.clamp(max=0.0), hi.clamp(min=0.0)
+    needed = scale_of(lo, hi)
+    i = int(torch.argmax(torch.nan_to_num(needed, nan=math.inf)))
+    return needed[i].item(), lo[i].item(), hi[i].item()
 
 
 def choose_qparams_affine(
@@ -201,22 +323,39 @@ def choose_qparams_affine(
     float8 targets: ``scale = amax / quant_max`` (``amax / finfo.max`` by default), ``zero_point`` None;
     ``zero_point_domain`` is ignored and ASYMMETRIC is rejected.
 
+    Overflow. The formulas run in float32. A block whose float32 arithmetic overflows although its
+    qparams are finite (``max - min`` or ``scale * (mid - qmin)`` past ``finfo.max``, e.g. values near
+    +-3e38, or float64 input beyond the float32 range) is recomputed without the overflowing intermediate
+    (``max / 2 - min / 2``; in float64 for float64 input); every other block keeps the float32 result bit
+    for bit. Where the result itself cannot be stored (a scale past ``scale_dtype``'s or float32's max, a
+    FLOAT zero point past ``zero_point_dtype``'s), eager calls raise ValueError saying which dtype or
+    range to change, so a finite input never gets an inf / NaN / zero scale or zero point.
+
     Args:
-        input: floating-point tensor of any rank (bf16, fp16, fp32); min/max are taken in float32.
+        input: floating-point tensor of any rank (bf16, fp16, fp32, fp64); min/max are taken in its dtype.
         block_size: one entry per dim of ``input``, each dividing its dim.
         target_dtype: see ``affineq.dtypes.SUPPORTED_TARGET_DTYPES``.
         quant_min, quant_max: code range, default the dtype's full range; must lie inside it.
-        eps: lower bound on scale. Default: the smallest normal (``finfo.tiny``) of ``input.dtype``, or of
-            ``scale_dtype`` if that is larger, so the stored scale can never be 0. Pass
-            ``torch.finfo(torch.float32).eps`` to reproduce ``torch.ao`` observers.
+        eps: lower bound on scale. Default: the smallest normal (``finfo.tiny``) of ``scale_dtype``, the
+            dtype the scale is stored in, whatever ``input.dtype`` is (float32's for a float64
+            ``scale_dtype``), so the stored scale can never be 0: 1.2e-38 for float32 and bfloat16 scales,
+            6.1e-5 for float16 scales. An fp16 input with float32 / bfloat16 scales thus keeps their floor
+            (small fp16 weights keep int8 precision); float16 scales floor every scale at 6.1e-5, coarse
+            for blocks with ``amax`` below ~8e-3 at int8: prefer float32 / bfloat16 ``scale_dtype`` there.
+            Explicit values must be at least float32's ``tiny`` and the smallest positive ``scale_dtype``
+            value. Pass ``torch.finfo(torch.float32).eps`` to reproduce ``torch.ao`` observers.
         scale_dtype: dtype of the returned scale, default ``input.dtype``.
-        zero_point_dtype: default ``torch.int32`` for the INT domain and ``scale_dtype`` for FLOAT.
+        zero_point_dtype: default ``torch.int32`` for the INT domain and ``scale_dtype`` for FLOAT; must
+            hold every code in ``[quant_min, quant_max]`` exactly (INT) or be floating-point (FLOAT).
         preserve_zero: widen each block's range to include 0. ASYMMETRIC with ``preserve_zero=False``
             needs the FLOAT domain (an integer zero point inside the code range implies 0 is in range).
 
-    Raises ValueError for integer input, NaN/Inf in ``input`` (checked eagerly only: the data-dependent
-    check is skipped while ``torch.compiler.is_compiling()`` so ``fullgraph=True`` works), bad
-    ``block_size``/range/dtype, or unsupported mapping/domain combinations.
+    Raises ValueError for integer input, NaN/Inf in ``input``, a scale that ``scale_dtype`` cannot hold
+    (e.g. float16 scales for values past ~8e6 with int8 codes: use float32 or bfloat16) or that exceeds
+    float32 (where quantize_affine computes), a zero point that ``zero_point_dtype`` cannot hold, bad
+    ``block_size``/range/dtype/``eps``, or unsupported mapping/domain combinations. The data-dependent
+    checks run eagerly only: they are skipped while ``torch.compiler.is_compiling()`` so
+    ``fullgraph=True`` works (a compiled call then returns inf / NaN where eager would raise).
     """
     fn = "choose_qparams_affine"
     _check_float_input(fn, input)
@@ -231,13 +370,21 @@ def choose_qparams_affine(
     asymmetric = mapping_type is MappingType.ASYMMETRIC
     if float_target and asymmetric:
         raise ValueError(
-            f"{fn}: float target {target_dtype} has no zero point; use MappingType.SYMMETRIC, not ASYMMETRIC"
+            f"{fn}: mapping_type=MappingType.ASYMMETRIC needs a zero point, which float target {target_dtype} "
+            "does not have; use MappingType.SYMMETRIC, not ASYMMETRIC"
         )
     domain = ZeroPointDomain.NONE if float_target else zero_point_domain
     if asymmetric and domain is ZeroPointDomain.NONE:
         raise ValueError(
             f"{fn}: MappingType.ASYMMETRIC needs a zero point; use zero_point_domain=ZeroPointDomain.INT or "
             "FLOAT, or MappingType.SYMMETRIC with ZeroPointDomain.NONE"
+        )
+    if not asymmetric and domain is ZeroPointDomain.NONE and not float_target and (qmax + qmin + 1) // 2 != 0:
+        raise ValueError(
+            f"{fn}: zero_point_domain=ZeroPointDomain.NONE means zero point 0, but the code range "
+            f"[quant_min, quant_max] = [{qmin}, {qmax}] of {target_dtype} is centred on "
+            f"{(qmax + qmin + 1) // 2}, so half of it would be lost; use ZeroPointDomain.INT, or a signed "
+            "target / a range centred on 0 (quant_min = -quant_max or -quant_max - 1)"
         )
     if asymmetric and domain is ZeroPointDomain.INT and not preserve_zero:
         raise ValueError(
@@ -247,48 +394,113 @@ def choose_qparams_affine(
         )
     scale_dtype = input.dtype if scale_dtype is None else scale_dtype
     if not isinstance(scale_dtype, torch.dtype) or not scale_dtype.is_floating_point:
-        raise ValueError(f"{fn}: scale_dtype must be a floating-point torch.dtype, got {scale_dtype!r}")
+        raise ValueError(
+            f"{fn}: scale_dtype must be a floating-point torch.dtype, got {scale_dtype!r}; "
+            "use torch.float32, torch.bfloat16 or torch.float16 (or None for input.dtype)"
+        )
     if zero_point_dtype is None:
         zero_point_dtype = torch.int32 if domain is ZeroPointDomain.INT else scale_dtype
-    if eps is None:
-        eps = max(torch.finfo(input.dtype).tiny, torch.finfo(scale_dtype).tiny)
-    if not torch.compiler.is_compiling() and not bool(torch.isfinite(input).all()):
+    elif domain is not ZeroPointDomain.NONE:
+        _check_zero_point_dtype(fn, zero_point_dtype, domain, qmin, qmax)
+    eps = _default_eps(scale_dtype) if eps is None else _check_eps(fn, eps, scale_dtype)
+
+    # Block extremes in the input's own dtype: exact, and rounding them to float32 afterwards gives the
+    # extremes of the float32-rounded input (rounding is monotonic).
+    x = input.reshape(blocks.blocked)
+    x_min = torch.amin(x, dim=blocks.reduce_dims)
+    x_max = torch.amax(x, dim=blocks.reduce_dims)
+
+    def range_of(work_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        min_val, max_val = x_min.to(work_dtype), x_max.to(work_dtype)
+        if preserve_zero:
+            min_val = torch.clamp(min_val, max=0.0)
+            max_val = torch.clamp(max_val, min=0.0)
+        return min_val, max_val
+
+    def scale_of(min_val: torch.Tensor, max_val: torch.Tensor, halve: bool) -> torch.Tensor:
+        return _scale_from_range(min_val, max_val, mapping_type, float_target, qmin, qmax, halve)
+
+    def qparams(work_dtype: torch.dtype, halve: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        min_val, max_val = range_of(work_dtype)
+        scale = torch.clamp(scale_of(min_val, max_val, halve), min=eps).to(scale_dtype)
+        if domain is ZeroPointDomain.NONE:
+            return scale, None
+        zp = _zero_point_from_range(min_val, scale.to(work_dtype), domain, asymmetric, qmin, qmax, halve)
+        return scale, zp.to(zero_point_dtype)
+
+    # The float32 formulas (bit for bit torch.ao's), trusted where nothing overflowed.
+    scale, zero_point = qparams(torch.float32, halve=False)
+    ok = torch.isfinite(x_min.to(torch.float32)) & torch.isfinite(x_max.to(torch.float32)) & torch.isfinite(scale)
+    if zero_point is not None and zero_point.dtype.is_floating_point:
+        ok = ok & torch.isfinite(zero_point)
+    eager = not torch.compiler.is_compiling()
+    if eager and bool(ok.all()):
+        return scale, zero_point
+    if eager and not bool((torch.isfinite(x_min) & torch.isfinite(x_max)).all()):
         raise ValueError(
             f"{fn}: input contains NaN or Inf, which has no finite scale; clean the tensor "
             "(e.g. torch.nan_to_num) before choosing qparams"
         )
+    # Overflowing blocks: the same rules without overflowing intermediates, in float64 for float64 input.
+    wide_dtype = torch.float64 if input.dtype == torch.float64 else torch.float32
+    wide_scale, wide_zero_point = qparams(wide_dtype, halve=True)
+    scale = torch.where(ok, scale, wide_scale)
+    if zero_point is not None:
+        zero_point = torch.where(ok, zero_point, wide_zero_point)
+    if eager:
+        _check_representable(fn, scale, zero_point, x_min, x_max, preserve_zero, qmin, qmax, scale_of)
+    return scale, zero_point
 
-    x = input.to(torch.float32).reshape(blocks.blocked)
-    min_val = torch.amin(x, dim=blocks.reduce_dims)
-    max_val = torch.amax(x, dim=blocks.reduce_dims)
-    if preserve_zero:
-        min_val = torch.clamp(min_val, max=0.0)
-        max_val = torch.clamp(max_val, min=0.0)
 
-    zp_sym = (qmax + qmin + 1) // 2
-    if asymmetric:
-        scale = (max_val - min_val) / float(qmax - qmin)
-    elif mapping_type is MappingType.SYMMETRIC and not float_target:
-        scale = torch.maximum(-min_val, max_val) / (float(qmax - qmin) / 2)
-    else:
-        # No-clipping rule (also the float8 rule): each side of the range maps exactly onto its end code.
-        lo, hi = (qmin, qmax) if float_target else (qmin - zp_sym, qmax - zp_sym)
-        sides = [v / float(d) for v, d in ((min_val, lo), (max_val, hi)) if d != 0]
-        scale = sides[0] if len(sides) == 1 else torch.maximum(*sides)
-    scale = torch.clamp(scale, min=eps).to(scale_dtype)
-
-    if domain is ZeroPointDomain.NONE:
-        return scale, None
-    s = scale.to(torch.float32)
-    if domain is ZeroPointDomain.INT:
-        if asymmetric:
-            zero_point = torch.clamp(qmin - torch.round(min_val / s), qmin, qmax)
-        else:
-            zero_point = torch.full_like(s, zp_sym)
-    else:
-        mid = _midpoint(qmin, qmax)
-        zero_point = min_val + s * (mid - qmin) if asymmetric else s * (mid - zp_sym)
-    return scale, zero_point.to(zero_point_dtype)
+def _check_representable(
+    fn: str,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None,
+    x_min: torch.Tensor,
+    x_max: torch.Tensor,
+    preserve_zero: bool,
+    qmin: float,
+    qmax: float,
+    scale_of,
+) -> None:
+    """Eager only: raise ValueError naming the dtype to change where a scale or zero point is not finite."""
+    compute = _compute_dtype(qmin, qmax)
+    bad_scale = ~(torch.isfinite(scale) & torch.isfinite(scale.to(compute)))
+    bad_zp = torch.zeros_like(bad_scale)
+    if zero_point is not None and zero_point.dtype.is_floating_point:
+        bad_zp = ~(torch.isfinite(zero_point) & torch.isfinite(zero_point.to(compute)))
+    any_bad_scale, any_bad_zp = torch.stack([bad_scale.any(), bad_zp.any()]).tolist()
+    if any_bad_scale:
+        needed, lo, hi = _worst_block(x_min, x_max, bad_scale, preserve_zero, lambda a, b: scale_of(a, b, True))
+        limit = torch.finfo(compute).max
+        fits = [d for d in (torch.float32, torch.bfloat16) if d != scale.dtype and torch.finfo(d).max >= needed]
+        if needed <= limit and fits:
+            raise ValueError(
+                f"{fn}: scale_dtype={scale.dtype} cannot hold the scale {needed:.3g} needed for values in "
+                f"[{lo:.3g}, {hi:.3g}] (its largest finite value is {torch.finfo(scale.dtype).max:.6g}); "
+                f"use scale_dtype={' or '.join(str(d) for d in fits)}"
+            )
+        raise ValueError(
+            f"{fn}: the scale {needed:.3g} needed for values in [{lo:.3g}, {hi:.3g}] with quant_min={qmin}, "
+            f"quant_max={qmax} exceeds {compute} (largest finite value {limit:.3g}), the precision "
+            "quantize_affine and dequantize_affine compute in, so no scale_dtype can hold it; divide the input "
+            "by a power of two before quantizing (and multiply the scale by it afterwards), or use a wider "
+            "code range (quant_max - quant_min)"
+        )
+    if any_bad_zp:
+        _, lo, hi = _worst_block(x_min, x_max, bad_zp, preserve_zero, lambda a, b: scale_of(a, b, True))
+        zp_dtype = zero_point.dtype
+        if torch.finfo(zp_dtype).max < torch.finfo(compute).max:
+            raise ValueError(
+                f"{fn}: zero_point_dtype={zp_dtype} cannot hold the zero point needed for values in "
+                f"[{lo:.3g}, {hi:.3g}] (its largest finite value is {torch.finfo(zp_dtype).max:.6g}); use "
+                "zero_point_dtype=torch.float32 (for ZeroPointDomain.FLOAT it defaults to scale_dtype)"
+            )
+        raise ValueError(
+            f"{fn}: the zero point needed for values in [{lo:.3g}, {hi:.3g}] exceeds {compute}, the precision "
+            "quantize_affine and dequantize_affine compute in, so no zero_point_dtype can hold it; divide the "
+            "input by a power of two before quantizing (and multiply scale and zero point by it afterwards)"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -86,8 +86,8 @@ def is_symmetric_int8(aq: ActivationQuant | None) -> bool:
 
 
 def act_eps(x: torch.Tensor, aq: ActivationQuant) -> float:
-    """choose_qparams_affine's default eps for this input dtype and a float32 scale, or aq.eps."""
-    return max(torch.finfo(x.dtype).tiny, torch.finfo(torch.float32).tiny) if aq.eps is None else float(aq.eps)
+    """choose_qparams_affine's default eps for a float32 scale (whatever x.dtype is), or aq.eps."""
+    return torch.finfo(torch.float32).tiny if aq.eps is None else float(aq.eps)
 
 
 def _row_range(xf: torch.Tensor, per_token: bool) -> tuple[torch.Tensor, torch.Tensor]:
