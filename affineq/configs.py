@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from affineq import granularity as _gran
-from affineq.dtypes import check_target_dtype, is_integer_target
+from affineq.dtypes import check_target_dtype, is_integer_target, is_signed
 from affineq.granularity import Granularity, PerAxis, PerGroup, PerRow, PerTensor, get_block_size
 from affineq.primitives import MappingType, ZeroPointDomain
 from affineq.tensor.affine import AffineQuantizedTensor
@@ -361,9 +361,12 @@ class IntxWeightOnlyConfig(QuantConfig):
         _check_choice("packing_format", self.packing_format, ("auto", "dense", "plain"))
 
     def _domain(self) -> ZeroPointDomain:
+        """The zero-point domain: as given, else INT for asymmetric mappings and unsigned codes (a symmetric
+        uint4 range [0, 15] is centred on the integer zero point 8), NONE for symmetric signed codes."""
         if self.zero_point_domain is not None:
             return self.zero_point_domain
-        return ZeroPointDomain.INT if self.mapping_type is MappingType.ASYMMETRIC else ZeroPointDomain.NONE
+        unsigned = not is_signed(self.weight_dtype)
+        return ZeroPointDomain.INT if self.mapping_type is MappingType.ASYMMETRIC or unsigned else ZeroPointDomain.NONE
 
     def _block_size(self, shape, module):
         if isinstance(self.granularity, PerAxis):

@@ -578,29 +578,49 @@ class _Plan:
 
     def codes(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(clamped codes in the container dtype, unclamped codes) for a floating input."""
-        y = _unclamped_codes(
-            x.to(self.compute).reshape(self.blocks.blocked),
-            self.scale,
-            self.zero_point,
-            self.domain,
-            self.qmin,
-            self.qmax,
-            self.float_target,
-        )
+        xb = x.to(self.compute).reshape(self.blocks.blocked)
+        y = _unclamped_codes(xb, self.scale, self.zero_point, self.domain, self.qmin, self.qmax, self.float_target)
+        if self.domain is ZeroPointDomain.FLOAT:  # x - min_val can overflow for ranges past +-1.7e38
+            y = self._widen_overflow(y, _unclamped_codes, xb)
         q = self.qtype.encode(torch.clamp(y, self.qmin, self.qmax)).reshape(self.blocks.shape)
         return q, y
 
     def dequant(self, q: torch.Tensor, output_dtype: torch.dtype) -> torch.Tensor:
-        x = _dequant_math(
-            self.qtype.decode(q, self.compute).reshape(self.blocks.blocked),
-            self.scale,
-            self.zero_point,
-            self.domain,
-            self.qmin,
-            self.qmax,
-            self.float_target,
-        )
-        return x.to(output_dtype).reshape(self.blocks.shape)
+        """Real values of codes `q`, saturated to `output_dtype`'s finite range: a code at the end of the range
+        can stand for a value just past it (e.g. -128 * amax / 127.5), which must not become +-inf."""
+        qb = self.qtype.decode(q, self.compute).reshape(self.blocks.blocked)
+        x = _dequant_math(qb, self.scale, self.zero_point, self.domain, self.qmin, self.qmax, self.float_target)
+        if self.domain is ZeroPointDomain.FLOAT:  # (q - mid) * scale can overflow before + zero_point
+            x = self._widen_overflow(x, _dequant_math, qb)
+        limit = torch.finfo(output_dtype).max
+        return x.clamp(-limit, limit).to(output_dtype).reshape(self.blocks.shape)
+
+    def _widen_overflow(self, y: torch.Tensor, math, operand: torch.Tensor) -> torch.Tensor:
+        """`y` with the elements whose float32 intermediates overflowed (non-finite) recomputed by `math` in
+        float64: a FLOAT-domain value in range whose intermediate is not. Eager only (a host sync, paid when
+        quantizing weights); the rest of `y` is untouched."""
+        if torch.compiler.is_compiling():
+            return y
+        bad = ~torch.isfinite(y)
+        if not bool(bad.any()):
+            return y
+        wide = math(operand.double(), self.scale.double(), self.zero_point.double(), self.domain, self.qmin,
+                    self.qmax, False)
+        return torch.where(bad, wide.to(y.dtype), y)
+
+    def check_values(self, fn: str) -> None:
+        """ValueError unless every scale is finite and positive and every zero point finite (eager only)."""
+        if torch.compiler.is_compiling():
+            return
+        ok = torch.isfinite(self.scale).all() & (self.scale > 0).all()
+        if self.zero_point is not None:
+            ok = ok & torch.isfinite(self.zero_point).all()
+        if not bool(ok):
+            raise ValueError(
+                f"{fn}: scale must be finite and positive and zero_point finite (got scale in "
+                f"[{float(self.scale.min()):.3g}, {float(self.scale.max()):.3g}]); pass the qparams "
+                "choose_qparams_affine returns, or clamp your scales to a positive minimum"
+            )
 
 
 def quantize_affine(
@@ -625,18 +645,9 @@ def quantize_affine(
     element per block.
     """
     _check_float_input("quantize_affine", input)
-    plan = _Plan(
-        "quantize_affine",
-        input,
-        block_size,
-        scale,
-        zero_point,
-        output_dtype,
-        "output_dtype",
-        quant_min,
-        quant_max,
-        zero_point_domain,
-    )
+    plan = _Plan("quantize_affine", input, block_size, scale, zero_point,
+                 output_dtype, "output_dtype", quant_min, quant_max, zero_point_domain)
+    plan.check_values("quantize_affine")
     return plan.codes(input)[0]
 
 
@@ -669,18 +680,9 @@ def dequantize_affine(
         )
     if not isinstance(output_dtype, torch.dtype) or not output_dtype.is_floating_point:
         raise ValueError(f"{fn}: output_dtype must be a floating-point torch.dtype, got {output_dtype!r}")
-    plan = _Plan(
-        fn,
-        input,
-        block_size,
-        scale,
-        zero_point,
-        input_dtype,
-        "input_dtype",
-        quant_min,
-        quant_max,
-        zero_point_domain,
-    )
+    plan = _Plan(fn, input, block_size, scale, zero_point,
+                 input_dtype, "input_dtype", quant_min, quant_max, zero_point_domain)
+    plan.check_values(fn)
     return plan.dequant(input, output_dtype)
 
 
@@ -715,18 +717,9 @@ def fake_quantize_affine(
     0 elsewhere (as ``torch.fake_quantize_per_channel_affine``). No gradient flows to scale/zero_point.
     """
     _check_float_input("fake_quantize_affine", input)
-    plan = _Plan(
-        "fake_quantize_affine",
-        input,
-        block_size,
-        scale,
-        zero_point,
-        quant_dtype,
-        "quant_dtype",
-        quant_min,
-        quant_max,
-        zero_point_domain,
-    )
+    plan = _Plan("fake_quantize_affine", input, block_size, scale, zero_point,
+                 quant_dtype, "quant_dtype", quant_min, quant_max, zero_point_domain)
+    plan.check_values("fake_quantize_affine")
     x = input.detach()
     q, unclamped = plan.codes(x)
     mask = ((unclamped >= plan.qmin) & (unclamped <= plan.qmax)).reshape(x.shape)

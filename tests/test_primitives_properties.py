@@ -285,29 +285,6 @@ def _near_limit(cfg) -> bool:
     return False
 
 
-def _known_downstream_overflow(cfg, x64, q, s, zpv, qmin, qmax) -> torch.Tensor:
-    """Elements hit by the overflow bugs of quantize_affine / dequantize_affine (outside this change; see
-    test_known_dequantize_overflow and test_known_float_domain_quantize_overflow): the exact value of the
-    code is beyond float32 (dequantize gives +-inf), or the FLOAT domain's float32 intermediates
-    ``scale * (mid - quant_min)``, ``min_val`` or ``x - min_val`` are."""
-    domain = _domain(cfg)
-    if domain is INT:
-        exact = (q - zpv) * s
-    elif domain is FLOAT:
-        exact = (q - (qmax + qmin + 1) / 2) * s + zpv
-    else:
-        exact = q * s
-    hit = exact.abs() > F32_MAX * (1 - 2**-20)
-    if domain is FLOAT:
-        limit = torch.finfo(_compute_dtype(qmin, qmax)).max * (1 - 2**-20)
-        half_range = s * ((qmax + qmin + 1) / 2 - qmin)
-        min_val = zpv - half_range
-        hit |= (half_range > limit) | (min_val.abs() > limit) | ((x64 - min_val).abs() > limit)
-    # only ever near the top of float32's range
-    assert not hit.any() or x64.abs().max() > F32_MAX / 4
-    return hit
-
-
 def _domain(cfg):
     return NONE if is_float_target(cfg["target_dtype"]) else cfg["zero_point_domain"]
 
@@ -359,12 +336,8 @@ def _check_round_trip(cfg, scale, zp):
     x64 = x.double()
     s = _expand(scale, block, x.shape)
     zpv = torch.zeros_like(s) if zp is None else _expand(zp, block, x.shape)
-    skip = _known_downstream_overflow(cfg, x64, q64, s, zpv, qmin, qmax)
-    if skip.any():
-        event("elements skipped: known quantize/dequantize overflow")
-    # The native-dtype output is the float32 one rounded (it overflows only past the dtype's max).
-    native_max = torch.finfo(x.dtype).max
-    assert (torch.isfinite(dq_native) | skip | (dq.double().abs() > native_max)).all()
+    skip = torch.zeros_like(x64, dtype=torch.bool)  # no element is exempt: dequantize saturates, never inf
+    assert torch.isfinite(dq).all() and torch.isfinite(dq_native).all()
 
     err = (dq.double() - x64).abs()
     d = qmax - qmin
@@ -540,13 +513,10 @@ def test_compiled_overflow_path_matches_eager(mapping):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Bugs outside choose_qparams_affine that the properties above step around (_known_downstream_overflow).
-# strict: when quantize_affine / dequantize_affine are fixed these start passing; then drop the xfail
-# marks and the exclusion.
+# Overflow regressions downstream of choose_qparams_affine: dequantize saturates, the FLOAT domain's
+# intermediates are redone in float64, scales are validated, the int8 activation shortcuts follow.
 
 
-@pytest.mark.xfail(strict=True, reason="dequantize_affine: (q - zp) * scale overflows to inf past the "
-                   "output dtype's max instead of saturating to finfo.max")
 @pytest.mark.parametrize("dtype, scale_dtype", [(torch.float32, None), (torch.float16, torch.float32)])
 def test_known_dequantize_overflow(dtype, scale_dtype):
     # -max / scale is exactly -127.5, which rounds (half to even) to code -128, whose value
@@ -561,12 +531,33 @@ def test_known_dequantize_overflow(dtype, scale_dtype):
     assert torch.isfinite(dq).all(), dq
 
 
-@pytest.mark.xfail(strict=True, reason="quantize_affine, FLOAT domain: min_val = zp - scale * (mid - "
-                   "quant_min) and x - min_val are computed in float32 and overflow for ranges past "
-                   "float32's max, sending every code to quant_max")
 def test_known_float_domain_quantize_overflow():
     x = torch.tensor([[-3e38, 1e38, 3e38]])
     scale, zp = choose_qparams_affine(x, ASYM, x.shape, torch.uint8, zero_point_domain=FLOAT, preserve_zero=False)
     assert torch.isfinite(scale).all() and torch.isfinite(zp).all()
     q = quantize_affine(x, x.shape, scale, zp, torch.uint8, zero_point_domain=FLOAT)
     assert q.tolist() == [[0, 170, 255]], q  # (1e38 + 3e38) / (6e38 / 255) = 170.0
+
+
+def test_quantize_and_dequantize_reject_non_positive_or_non_finite_scales():
+    x = torch.tensor([[0.0, 1.0]])
+    for scale in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="scale must be finite and positive.*choose_qparams_affine"):
+            quantize_affine(x, x.shape, torch.tensor([scale]), torch.tensor([3]), torch.uint8)
+    with pytest.raises(ValueError, match="scale must be finite and positive"):
+        dequantize_affine(torch.zeros(1, 2, dtype=torch.uint8), (1, 2), torch.tensor([0.0]), torch.tensor([3]),
+                          torch.uint8)
+
+
+def test_int8_activation_shortcuts_do_not_overflow():
+    from affineq import ActivationQuant
+    from affineq.tensor.activation import fake_quantize_activation
+
+    x = torch.tensor([[3e38, -3e38, 1.0, 0.0]])
+    aq = ActivationQuant(torch.int8, ASYM, "per_token", INT)
+    out = fake_quantize_activation(x, aq)
+    scale, zp = choose_qparams_affine(x, ASYM, (1, 4), torch.int8, scale_dtype=torch.float32)
+    ref = fake_quantize_affine(x, (1, 4), scale, zp, torch.int8)
+    assert torch.isfinite(out).all() and torch.equal(out, ref)
+    h = torch.tensor([[-65504.0, 1.0]], dtype=torch.float16)
+    assert torch.isfinite(fake_quantize_activation(h, ActivationQuant(torch.int8, SYM, "per_token"))).all()

@@ -71,7 +71,7 @@ def fake_quantize_activation(x: torch.Tensor, aq: ActivationQuant, w=None) -> to
     if is_symmetric_int8(aq):
         q, scale = int8_activation(x2, aq.granularity == "per_token",
                                    aq.mapping_type is MappingType.SYMMETRIC_NO_CLIPPING_ERR, act_eps(x, aq))
-        return (q.float() * scale).to(x.dtype).view(x.shape)
+        return _saturate(q.float() * scale, x.dtype).view(x.shape)
     asymmetric_int = aq.mapping_type is MappingType.ASYMMETRIC and aq.zero_point_domain is ZeroPointDomain.INT
     if aq.dtype.name == "int8" and asymmetric_int:
         return _int8_asymmetric_fake_quant(x2, aq.granularity == "per_token", act_eps(x, aq)).view(x.shape)
@@ -88,6 +88,12 @@ def is_symmetric_int8(aq: ActivationQuant | None) -> bool:
 def act_eps(x: torch.Tensor, aq: ActivationQuant) -> float:
     """choose_qparams_affine's default eps for a float32 scale (whatever x.dtype is), or aq.eps."""
     return torch.finfo(torch.float32).tiny if aq.eps is None else float(aq.eps)
+
+
+def _saturate(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`v` cast to `dtype`, clamped to its finite range first (as dequantize_affine does)."""
+    limit = torch.finfo(dtype).max
+    return v.clamp(-limit, limit).to(dtype)
 
 
 def _row_range(xf: torch.Tensor, per_token: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,12 +120,14 @@ def int8_activation(x2: torch.Tensor, per_token: bool, no_clipping: bool, eps: f
 
 def _int8_asymmetric_fake_quant(x2: torch.Tensor, per_token: bool, eps: float) -> torch.Tensor:
     """dequantize(quantize(x2)) for asymmetric int8 with an integer zero point (range widened to include 0),
-    the primitives' float32 ops in their order: scale = (max - min) / 255, zp = clamp(-128 - round(min /
-    scale)), q = clamp(round(x / scale) + zp), out = (q - zp) * scale."""
+    the primitives' float32 ops in their order: scale = (max - min) / 255 (halves where that overflows), zp =
+    clamp(-128 - round(min / scale)), q = clamp(round(x / scale) + zp), out = (q - zp) * scale saturated."""
     xf = x2.float()
     lo, hi = _row_range(xf, per_token)
     lo, hi = lo.clamp(max=0.0), hi.clamp(min=0.0)
     scale = ((hi - lo) / 255.0).clamp(min=eps)
+    # hi - lo overflows float32 past +-1.7e38: the primitives then take the halves (no overflow)
+    scale = torch.where(torch.isfinite(scale), scale, ((hi * 0.5 - lo * 0.5) / 127.5).clamp(min=eps))
     zp = (-128.0 - torch.round(lo / scale)).clamp(-128, 127)
     q = (torch.round(xf * (1.0 / scale)) + zp).clamp(-128, 127)
-    return ((q - zp) * scale).to(x2.dtype)
+    return _saturate((q - zp) * scale, x2.dtype)
