@@ -15,8 +15,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from affineq import granularity as _gran
 from affineq import cpp as _cpp
+from affineq import granularity as _gran
 from affineq.dtypes import check_target_dtype, is_float_target, is_integer_target
 from affineq.granularity import Granularity, PerAxis, PerGroup, PerRow, PerTensor, get_block_size
 from affineq.primitives import MappingType, ZeroPointDomain

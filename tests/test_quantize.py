@@ -27,10 +27,10 @@ from affineq import (
     PerTensor,
     QuantizationError,
     config_from_dict,
+    cpp,
     quantize_,
     record_kernels,
 )
-from affineq import cpp
 from affineq.configs import _int_mm_is_fast
 
 # (config, min weight SQNR dB, min output SQNR dB, kernel on CPU)
