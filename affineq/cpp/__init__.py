@@ -39,10 +39,15 @@ Kernels (chosen per call; x of any float dtype is converted to fp32 first, the o
   ``vpdpwssd`` (2 MACs per lane, i.e. the bf16 ``F.linear`` rate) multiplies them with x rounded to 16-bit
   fixed point per (row, block of <= 256 columns inside a group): per element error <= 2**-16 *
   max|x_block|, ~1e-5 relative in y, far below the bf16/fp16 output rounding. ``AFFINEQ_KERNELS_INT16_X=1``
-  enables it for fp32 x too (~2x faster at m >= 32, ~80 dB SQNR instead of fp32-exact), ``=0`` disables it.
+  enables it for fp32 x too (faster at larger m, ~80 dB SQNR instead of fp32-exact; see benchmarks/README.md,
+  kernel design measurements), ``=0`` disables it.
 
-The C++ library (``*.cpp`` here) is compiled on first use (see ``_build.py``). ``is_available()`` says whether
-that worked; callers fall back to ``lowbit_linear_reference``-style dequantize + ``F.linear`` otherwise.
+The C++ library is compiled on first use (see ``_build.py``; every ``*.cpp`` here is one translation unit):
+``dispatch.cpp`` holds the entry points and the path choice (``path_for``), ``gemv.cpp``, ``gemm_f32.cpp``,
+``gemm_int16.cpp`` and ``gemm_bf16.cpp`` one path each, over the shared headers ``simd.h`` (SIMD shims),
+``decode.h`` (code decoders) and ``common.h`` / ``common.cpp`` (scratch buffers, qparam loading, tiling);
+``lowbit_ops.cpp`` binds them to the torch ops. ``is_available()`` says whether the build worked; callers fall
+back to ``lowbit_linear_reference``-style dequantize + ``F.linear`` otherwise.
 """
 
 from __future__ import annotations

@@ -26,14 +26,17 @@ from pathlib import Path
 import torch
 
 _HERE = Path(__file__).resolve().parent
-# (source, extra compile flags): the kernel file is compiled as two halves (bit widths 1-4 and 5-8) so that,
-# with the op binding, three compilers share the cores instead of one long serial compile.
-_UNITS = (
-    ("lowbit_kernels.cpp", ("-DAQ_PART=1",)),
-    ("lowbit_kernels.cpp", ("-DAQ_PART=2",)),
-    ("lowbit_ops.cpp", ()),
-)
-_FILES = ("lowbit_kernels.cpp", "lowbit_ops.cpp", "lowbit_kernels.h")
+
+
+def _sources(*suffixes: str) -> tuple[str, ...]:
+    return tuple(sorted(p.name for p in _HERE.iterdir() if p.suffix in suffixes and not p.name.startswith(".")))
+
+
+# Both lists come from the directory, so a new file can never be left out. _UNITS: every .cpp is one translation
+# unit with its own compiler process, all started at once (each kernel path is its own file, see dispatch.cpp,
+# so the compilers share the cores instead of one long serial compile). _FILES: what the cache key hashes.
+_UNITS = _sources(".cpp")
+_FILES = _sources(".cpp", ".h")
 
 #: Seconds spent compiling in this process (0.0 when the cached library was reused).
 last_build_seconds = 0.0
@@ -147,10 +150,10 @@ def build(verbose: bool = False) -> str:
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory(dir=out_dir, prefix="build-") as tmp:
             objs, procs = [], []
-            for i, (src, extra) in enumerate(_UNITS):  # one compiler process per unit, all in parallel
-                obj = Path(tmp) / f"{i}_{src}.o"
+            for src in _UNITS:  # one compiler process per unit, all in parallel
+                obj = Path(tmp) / f"{Path(src).stem}.o"
                 objs.append(str(obj))
-                cmd = [cxx, *cflags, *extra, "-c", str(_HERE / src), "-o", str(obj)]
+                cmd = [cxx, *cflags, "-c", str(_HERE / src), "-o", str(obj)]
                 procs.append((cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                                     text=True)))
             failures = []

@@ -1,5 +1,5 @@
-// Plain-C++ interface of the weight-only low-bit linear kernels (no torch types, so the
-// SIMD translation unit compiles in about a second; the op binding lives in lowbit_ops.cpp).
+// Plain-C++ interface of the weight-only low-bit linear kernels (no torch types, so the SIMD translation
+// units compile fast). Defined in dispatch.cpp (overview of the files there); the op binding is lowbit_ops.cpp.
 #pragma once
 #include <cstdint>
 
@@ -13,7 +13,7 @@ struct LowbitProblem {
   const float* x;          // [m, k8] fp32, row stride ldx; k8 = k rounded up to 8, padding columns are 0
   int64_t ldx;
   int64_t m;
-  const uint8_t* packed;   // codes in the panel layout documented in affineq/kernels/__init__.py
+  const uint8_t* packed;   // codes in the panel layout documented in affineq/cpp/__init__.py
   const void* scale;       // [n, k / group_size] fp32 or bf16 (qparams_bf16), contiguous
   const void* offset;      // [n, k / group_size], same dtype as scale
   // bf16 qparams use the tinygemm convention: offset holds the zero z, W = scale * (u - 2^(bits-1)) + z
@@ -26,7 +26,7 @@ struct LowbitProblem {
   int64_t k;
   float* y;                // [m, n] fp32, row stride ldy (fully overwritten)
   int64_t ldy;
-  bool allow_int16_x = false;  // may the VNNI path round x to 16-bit fixed point (see lowbit_kernels.cpp)?
+  bool allow_int16_x = false;  // may the VNNI path round x to 16-bit fixed point (see gemm_int16.cpp)?
   const uint16_t* x_bf16 = nullptr;  // the same x as bf16 [m, k8] (row stride ldx) when the caller's x is bf16:
                                      // enables the bf16 dot-product path (AVX512-BF16)
 };

@@ -1,8 +1,9 @@
 // torch op binding: argument checks, dtype/layout plumbing, autograd and registration.
 // The schemas of affineq::lowbit_linear / affineq::lowbit_dequantize are defined from Python
-// (affineq/kernels/__init__.py) so that the ops exist, with fake impls, even where this library cannot be
+// (affineq/cpp/__init__.py) so that the ops exist, with fake impls, even where this library cannot be
 // built; this file adds the CPU kernels and the autograd kernel (in C++: a Python autograd kernel would add
-// ~8 us to every call, including no-grad inference).
+// its overhead to every call, including no-grad inference; see benchmarks/README.md, kernel design
+// measurements).
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>

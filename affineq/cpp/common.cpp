@@ -1,0 +1,154 @@
+// Shared context of the kernels, the out-of-line part (declarations and inline helpers in common.h): the
+// per-thread scratch buffers several paths use, and qparam loading (transposed fp32 scales / offsets).
+#include "common.h"
+
+namespace affineq::detail {
+
+thread_local Scratch tl_scale, tl_offset, tl_wbuf, tl_cbuf;
+thread_local Scratch tl_xcall;
+
+namespace {
+
+thread_local Scratch tl_qconv, tl_qconv2;  // load_qparams' conversion buffers
+thread_local Scratch tl_tail;             // panel_ptr's copy of the tail panel
+
+// dst[g * ldd + r] = src[r * lds + g] for r < rows, g < G; rows in [rows, R) are zero-filled.
+// (Scales arrive as [n, G]; the kernels want 16 consecutive rows per vector, hence the transpose.)
+void transpose_rows(const float* src, int64_t lds, int64_t rows, int64_t R, int64_t G, float* dst, int64_t ldd) {
+  int64_t g0 = 0;
+#if AQ_AVX512
+  if (rows == R && R % 16 == 0) {
+    for (; g0 + 16 <= G; g0 += 16) {
+      for (int64_t r0 = 0; r0 < R; r0 += 16) {
+        __m512 r[16], t[16];
+        for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + (r0 + i) * lds + g0);
+        for (int i = 0; i < 8; ++i) {
+          t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+          t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+        }
+        // c[R4][c'] (R4 = row quad): lane L holds column 4L + c' for rows 4*R4 .. 4*R4+3.
+        __m512 c[4][4];
+        for (int q = 0; q < 4; ++q) {
+          const __m512d a = _mm512_castps_pd(t[4 * q]), b = _mm512_castps_pd(t[4 * q + 1]);
+          const __m512d d = _mm512_castps_pd(t[4 * q + 2]), e = _mm512_castps_pd(t[4 * q + 3]);
+          c[q][0] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, d));
+          c[q][1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, d));
+          c[q][2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, e));
+          c[q][3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, e));
+        }
+        for (int cc = 0; cc < 4; ++cc) {
+          const __m512 u0 = _mm512_shuffle_f32x4(c[0][cc], c[1][cc], 0x44);
+          const __m512 u1 = _mm512_shuffle_f32x4(c[0][cc], c[1][cc], 0xEE);
+          const __m512 u2 = _mm512_shuffle_f32x4(c[2][cc], c[3][cc], 0x44);
+          const __m512 u3 = _mm512_shuffle_f32x4(c[2][cc], c[3][cc], 0xEE);
+          _mm512_storeu_ps(dst + (g0 + 0 + cc) * ldd + r0, _mm512_shuffle_f32x4(u0, u2, 0x88));
+          _mm512_storeu_ps(dst + (g0 + 4 + cc) * ldd + r0, _mm512_shuffle_f32x4(u0, u2, 0xDD));
+          _mm512_storeu_ps(dst + (g0 + 8 + cc) * ldd + r0, _mm512_shuffle_f32x4(u1, u3, 0x88));
+          _mm512_storeu_ps(dst + (g0 + 12 + cc) * ldd + r0, _mm512_shuffle_f32x4(u1, u3, 0xDD));
+        }
+      }
+    }
+  }
+#elif AQ_AVX2
+  // 8x8 blocks: with the scalar loop below, qparam loading took a large share of a small-group GEMV on AVX2
+  // (see benchmarks/README.md, kernel design measurements).
+  if (rows == R && R % 8 == 0) {
+    for (; g0 + 8 <= G; g0 += 8) {
+      for (int64_t r0 = 0; r0 < R; r0 += 8) {
+        __m256 r[8], t[8];
+        for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + (r0 + i) * lds + g0);
+        for (int i = 0; i < 4; ++i) {
+          t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+          t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+        }
+        // c[h][c']: in each 128-bit half, column c' (+4 in the high half) of rows 4h .. 4h+3.
+        __m256 c[2][4];
+        for (int h = 0; h < 2; ++h) {
+          const __m256d a = _mm256_castps_pd(t[4 * h]), b = _mm256_castps_pd(t[4 * h + 1]);
+          const __m256d d = _mm256_castps_pd(t[4 * h + 2]), e = _mm256_castps_pd(t[4 * h + 3]);
+          c[h][0] = _mm256_castpd_ps(_mm256_unpacklo_pd(a, d));
+          c[h][1] = _mm256_castpd_ps(_mm256_unpackhi_pd(a, d));
+          c[h][2] = _mm256_castpd_ps(_mm256_unpacklo_pd(b, e));
+          c[h][3] = _mm256_castpd_ps(_mm256_unpackhi_pd(b, e));
+        }
+        for (int cc = 0; cc < 4; ++cc) {
+          _mm256_storeu_ps(dst + (g0 + cc) * ldd + r0, _mm256_permute2f128_ps(c[0][cc], c[1][cc], 0x20));
+          _mm256_storeu_ps(dst + (g0 + 4 + cc) * ldd + r0, _mm256_permute2f128_ps(c[0][cc], c[1][cc], 0x31));
+        }
+      }
+    }
+  }
+#endif
+  for (int64_t g = g0; g < G; ++g) {
+    float* d = dst + g * ldd;
+    for (int64_t r = 0; r < rows; ++r) d[r] = src[r * lds + g];
+    for (int64_t r = rows; r < R; ++r) d[r] = 0.f;
+  }
+}
+
+}  // namespace
+
+void load_qparams(const LowbitProblem& p, bool offset, float mul, int64_t r0, int64_t rows, int64_t R, int64_t G,
+                  float* dst, int64_t ldd) {
+  const float* src = static_cast<const float*>(offset ? p.offset : p.scale) + r0 * G;
+  if (p.qparams_bf16 || mul != 1.f) {
+    // Straight-line loops per case: the per-element qparam_at would not vectorize (see benchmarks/README.md,
+    // kernel design measurements).
+    const int64_t cnt = rows * G;
+    float* t = tl_qconv.get<float>(cnt);
+    const uint16_t* s16 = static_cast<const uint16_t*>(p.scale) + r0 * G;
+    const uint16_t* z16 = static_cast<const uint16_t*>(p.offset) + r0 * G;
+    const auto widen = [](uint16_t b) { return static_cast<uint32_t>(b) << 16; };
+    if (!p.qparams_bf16) {
+      for (int64_t i = 0; i < cnt; ++i) t[i] = src[i] * mul;
+    } else if (!offset) {
+      uint32_t* tb = reinterpret_cast<uint32_t*>(t);
+      for (int64_t i = 0; i < cnt; ++i) tb[i] = widen(s16[i]);
+      if (mul != 1.f)
+        for (int64_t i = 0; i < cnt; ++i) t[i] *= mul;
+    } else {
+      const float half = static_cast<float>(1 << (p.bits - 1));
+      float* sc = tl_qconv2.get<float>(cnt);
+      uint32_t* tb = reinterpret_cast<uint32_t*>(t);
+      uint32_t* sb = reinterpret_cast<uint32_t*>(sc);
+      for (int64_t i = 0; i < cnt; ++i) {
+        tb[i] = widen(z16[i]);
+        sb[i] = widen(s16[i]);
+      }
+      for (int64_t i = 0; i < cnt; ++i) t[i] -= half * sc[i];
+    }
+    src = t;
+  }
+  transpose_rows(src, G, rows, R, G, dst, ldd);
+}
+
+void load_tile_qparams(const LowbitProblem& p, float mul, int64_t r0, int64_t rows, int64_t R, int64_t G, float*& sT,
+                       float*& oT) {
+  sT = tl_scale.get<float>((G + 1) * R);
+  oT = tl_offset.get<float>((G + 1) * R);
+  load_qparams(p, false, mul, r0, rows, R, G, sT, R);
+  load_qparams(p, true, 1.f, r0, rows, R, G, oT, R);
+  std::fill(sT + G * R, sT + (G + 1) * R, 0.f);
+  std::fill(oT + G * R, oT + (G + 1) * R, 0.f);
+}
+
+std::vector<int32_t> group_of_k(const LowbitProblem& p, int64_t K8, int64_t G) {
+  std::vector<int32_t> kg(static_cast<size_t>(K8));
+  for (int64_t k = 0; k < K8; ++k) kg[k] = static_cast<int32_t>(k < p.k ? k / p.group_size : G);
+  return kg;
+}
+
+const uint8_t* panel_ptr(const Ctx& c, int64_t pi) {
+  if (pi >= c.npan) return nullptr;
+  const uint8_t* base = c.p->packed + pi * c.panel_bytes;
+  if (pi < c.nfull) return base;
+  const int64_t w = c.tail_w, slots = c.U * c.B;  // a unit of a w-row panel is B slots of w bytes
+  uint8_t* t = tl_tail.get<uint8_t>(slots * 16);
+  for (int64_t s = 0; s < slots; ++s) {
+    std::memcpy(t + s * 16, base + s * w, w);
+    std::memset(t + s * 16 + w, 0, 16 - w);
+  }
+  return t;
+}
+
+}  // namespace affineq::detail

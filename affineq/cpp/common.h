@@ -1,0 +1,122 @@
+// Context shared by the kernel translation units (gemv.cpp, gemm_f32.cpp, gemm_int16.cpp, gemm_bf16.cpp,
+// dispatch.cpp): per-thread scratch buffers, qparam loading (common.cpp), the problem context Ctx and panel
+// access, small helpers of the parallel loops, the GEMM tiling shared by paths 2-4, and the declarations of
+// the four path templates, each explicitly instantiated for every width in its own .cpp.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <vector>
+
+#include "lowbit_kernels.h"
+#include "simd.h"
+
+namespace affineq::detail {
+
+// ---------------------------------------------------------------------------------------------
+// Scratch buffers: one set per worker thread, grown on demand and kept (no malloc per call).
+// ---------------------------------------------------------------------------------------------
+struct Scratch {
+  void* ptr = nullptr;
+  size_t cap = 0;
+  template <class T>
+  T* get(size_t n) {
+    const size_t bytes = ((n * sizeof(T)) + 63) / 64 * 64 + 64;
+    if (bytes > cap) {
+      std::free(ptr);
+      ptr = std::aligned_alloc(64, bytes);
+      if (ptr == nullptr) throw std::bad_alloc();
+      cap = bytes;
+    }
+    return static_cast<T*>(ptr);
+  }
+  ~Scratch() { std::free(ptr); }
+};
+// The buffers more than one translation unit uses (defined in common.cpp); a buffer of one path only is
+// declared in that path's file.
+extern thread_local Scratch tl_scale, tl_offset, tl_wbuf, tl_cbuf;
+extern thread_local Scratch tl_xcall;  // per-call x buffer (owned by the calling thread)
+
+// dst[g * ldd + r] = qparam_at(r0 + r, g) (dispatch.cpp) for r < rows (zero up to R): the scales (offset=false,
+// times `mul`) or offsets of rows [r0, r0 + rows), transposed so 16 consecutive rows form one vector.
+void load_qparams(const LowbitProblem& p, bool offset, float mul, int64_t r0, int64_t rows, int64_t R, int64_t G,
+                  float* dst, int64_t ldd);
+
+// Transposed fp32 scales and offsets of rows [r0, r0 + rows) for the GEMM tiles (thread-local, R columns),
+// plus an all-zero group G that the padding columns k >= K point at (see group_of_k).
+void load_tile_qparams(const LowbitProblem& p, float mul, int64_t r0, int64_t rows, int64_t R, int64_t G, float*& sT,
+                       float*& oT);
+
+// Group index of each of the K8 (padded) columns; padding columns get the extra all-zero group G.
+std::vector<int32_t> group_of_k(const LowbitProblem& p, int64_t K8, int64_t G);
+
+// Prefetch units [u0, u0 + nu) of `np` panels into L2 (null panels skipped).
+inline void prefetch_units(const uint8_t* const* pan, int np, int64_t u0, int64_t nu, int B) {
+#if defined(__GNUC__)
+  for (int p = 0; p < np; ++p) {
+    if (pan[p] == nullptr) continue;
+    const uint8_t* b = pan[p] + u0 * 16 * B;
+    for (int64_t off = 0; off < nu * 16 * B; off += 64) __builtin_prefetch(b + off, 0, 2);
+  }
+#endif
+}
+
+// y[m, c] = cbuf[m * ldc + c] for c < cols (writes back a dense accumulator tile).
+inline void store_tile(const float* cbuf, int64_t ldc, int64_t rows, int64_t cols, float* y, int64_t ldy) {
+  for (int64_t m = 0; m < rows; ++m) std::memcpy(y + m * ldy, cbuf + m * ldc, sizeof(float) * cols);
+}
+
+// Grain for at::parallel_for: enough items that one chunk carries >= ~2^17 multiply-adds, so small layers
+// run inline instead of paying an OpenMP fork/join that would cost more than their work (see
+// benchmarks/README.md, kernel design measurements).
+inline int64_t grain_for(int64_t macs_per_item) {
+  constexpr int64_t kMinMacs = int64_t{1} << 17;
+  return std::max<int64_t>(1, kMinMacs / std::max<int64_t>(1, macs_per_item));
+}
+
+struct Ctx {
+  const LowbitProblem* p;
+  int B;
+  int64_t K8, U, G, N, M;
+  int64_t nfull, tail_w, npan;  // full 16-row panels, rows in the narrower last panel, panels in total
+  int64_t panel_bytes;          // bytes of one full panel = 16 * U * B
+};
+
+// Pointer to panel `pi` in the 16-wide layout; the narrower tail panel is re-spread into 16-byte slots (in a
+// thread-local buffer).
+const uint8_t* panel_ptr(const Ctx& c, int64_t pi);
+
+// ---------------------------------------------------------------------------------------------
+// Tiling shared by the dequant + GEMM paths (2, 3 and 4).
+// ---------------------------------------------------------------------------------------------
+inline constexpr int64_t kKC = 256;  // k-slice per dequantized tile: 256 x 32 fp32 = 32 KiB
+inline constexpr int64_t kNCB = 8;   // micro-tiles dequantized together per k-slice (x block reused across them)
+// Rows of x per pass. Accumulators live in a dense [kMC x 32] buffer per micro-tile rather than in y, whose
+// row stride (often 16 KiB) would make all rows alias to the same cache sets.
+inline constexpr int64_t kMC = 240;
+// Rows per pass for m rows: at most kMC, split evenly (a multiple of `mult`) so no pass is a small remainder.
+inline int64_t row_chunk(int64_t m, int64_t mult) {
+  const int64_t passes = (m + kMC - 1) / kMC;
+  return std::min(kMC, ((m + passes - 1) / passes + mult - 1) / mult * mult);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The paths (dispatch.cpp picks one per call). Each is defined in its own file, which explicitly instantiates
+// it for every width of AQ_FOR_EACH_WIDTH (decode.h; path 3 for the integer widths only), so that the files
+// compile in parallel.
+// ---------------------------------------------------------------------------------------------
+template <int B> void gemv_path(const Ctx& c);   // 1: fused GEMV (gemv.cpp)
+template <int B> void gemm_path(const Ctx& c);   // 2: dequant + fp32 GEMM (gemm_f32.cpp)
+#if AQ_VNNI
+template <int B> void qgemm_path(const Ctx& c);  // 3: dequant + int16 VNNI GEMM (gemm_int16.cpp)
+#endif
+#if AQ_BF16DOT
+template <int B> void bgemm_path(const Ctx& c);  // 4: dequant to bf16 + bf16 dot GEMM (gemm_bf16.cpp)
+#endif
+
+}  // namespace affineq::detail

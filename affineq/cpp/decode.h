@@ -1,0 +1,243 @@
+// Code decoders shared by the kernel translation units: the template widths B (integer codes of 1..8 bits and
+// the float8 formats), float8 -> fp32 / fp16 conversions, and decode_unit / decode_unit_i, which turn one unit
+// of the panel layout (8 consecutive k of 16 rows; layout in affineq/cpp/__init__.py) into 8 vectors of 16
+// values. All templates and always-inlined functions: each path inlines them into its own hot loop.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+#include <utility>
+
+#include "lowbit_kernels.h"
+#include "simd.h"
+
+namespace affineq::detail {
+// Internal linkage (each translation unit has its own copy; all of it is inlined anyway): with external linkage,
+// GCC compiled the hot loops that inline these functions differently (seen in the disassembly).
+namespace {
+
+// Template "widths" B: 1..8 are unsigned codes of that many bits; kBE4M3 / kBE5M2 are float8 bytes stored in
+// the 8-bit layout. bits_of(B) is the storage width.
+inline constexpr int kBE4M3 = 8 | 16, kBE5M2 = 8 | 32;
+constexpr int bits_of(int B) { return B & 15; }
+// The float8 decoders below return e4m3 values times 2^-8 (an exact re-bias into fp16); code_scale undoes it.
+constexpr float code_scale(int B) { return B == kBE4M3 ? 256.f : 1.f; }
+// X(B) for every width a path is instantiated for (explicit instantiations in the path files; dispatch.cpp
+// maps (bits, codes) to these).
+#define AQ_FOR_EACH_UINT_WIDTH(X) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8)
+#define AQ_FOR_EACH_WIDTH(X) AQ_FOR_EACH_UINT_WIDTH(X) X(kBE4M3) X(kBE5M2)
+
+// Portable float8 -> float (also the reference for the SIMD decoders): e4m3fn has bias 7, no infinities and
+// NaN at 0x7F/0xFF; e5m2 is the top byte of an IEEE fp16.
+inline float fp8_to_float(uint8_t v, int codes) {
+  const bool neg = (v & 0x80) != 0;
+  float mag;
+  if (codes == kCodesE5M2) {
+    const int e = (v >> 2) & 31, m = v & 3;
+    mag = e == 0 ? std::ldexp(static_cast<float>(m), -16)
+        : e == 31 ? (m == 0 ? INFINITY : NAN)
+                  : std::ldexp(static_cast<float>(4 + m), e - 17);
+  } else {
+    const int e = (v >> 3) & 15, m = v & 7;
+    mag = e == 0 ? std::ldexp(static_cast<float>(m), -9)
+        : (e == 15 && m == 7) ? NAN
+                              : std::ldexp(static_cast<float>(8 + m), e - 10);
+  }
+  return neg ? -mag : mag;
+}
+
+// float8 -> fp16 bits, in 16-bit lanes holding the float8 byte in their high half: e5m2 bytes are fp16's top
+// byte already; an e4m3 byte seeeemmm becomes s0eeeemmm0000000 (arithmetic shift by one duplicates s, the mask
+// clears the copy), whose fp16 value is the e4m3 value times 2^-8, subnormals included (vcvtph2ps handles
+// them in hardware). NaN bytes do not occur (quantization rejects non-finite weights).
+#if AQ_AVX512 || (AQ_AVX2 && defined(__F16C__))
+template <int B>
+AQ_INLINE __m256i fp8_to_fp16_bits(__m256i hi_bytes) {
+  if constexpr (B == kBE4M3)
+    return _mm256_and_si256(_mm256_srai_epi16(hi_bytes, 1), _mm256_set1_epi16(static_cast<short>(0xBF80)));
+  else return hi_bytes;
+}
+#endif
+
+// 16 float8 bytes -> 16 floats (AVX2 converts whole units instead, in decode_unit).
+template <int B>
+AQ_INLINE F16 fp8x16(const uint8_t* p) {
+#if AQ_AVX512
+  const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return {_mm512_cvtph_ps(fp8_to_fp16_bits<B>(_mm256_slli_epi16(v, 8)))};
+#else
+  alignas(64) float t[16];
+  for (int i = 0; i < 16; ++i) t[i] = fp8_to_float(p[i], B == kBE5M2 ? kCodesE5M2 : kCodesE4M3) / code_scale(B);
+  return fload(t);
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decoding one unit (8 consecutive k of a 16-row panel, 16 * B bytes).
+// decode_unit_i calls f(integral_constant<t>, v) with int32 v[j] = u[row j, 8 * unit + t] for t = 0..7;
+// decode_unit hands over float(v). Single-plane widths (1, 2, 4, 8) hand each k over as soon as it is
+// decoded (fewer live registers).
+// ---------------------------------------------------------------------------------------------
+#if AQ_AVX2 || AQ_AVX512
+// Multi-plane widths on AVX2 and AVX-512: combining the planes in 32-bit lanes (the portable branch of
+// decode_unit_i) costs ~8 ops per 8 codes and, on AVX2 (two ymm per 16 lanes, 16 registers), spilled. Here
+// the planes are combined in byte lanes, 32 codes per op (ymm t holds k = t and k = 4 + t), and written out
+// as an 8-bit unit that the 8-bit decoder widens with vpmovzxbd straight from L1: a faster GEMV for the
+// multi-plane widths on both ISAs (see benchmarks/README.md, kernel design measurements). The 4-bit plane is
+// loaded as [chunk t/2 | chunk t/2 + 2] so that its nibbles pair k like the 2-bit plane's [chunk 0 | chunk 1]
+// and the 1-bit plane's [bits 0..3 | bits 4..7].
+template <int B>
+AQ_INLINE void decode_unit_bytes(const uint8_t* p, uint8_t* out) {
+  static_assert(B == 3 || B == 5 || B == 6 || B == 7);
+  const auto mask = [](int m) { return _mm256_set1_epi8(static_cast<char>(m)); };
+  const auto ld128 = [](const uint8_t* q) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)); };
+  // Shift left by S >= 0 or right by -S in 16-bit lanes; callers mask to bits that stay within their byte.
+  const auto shift = [](__m256i v, auto S_) {
+    constexpr int S = AQ_CV(S_);
+    if constexpr (S > 0) return _mm256_slli_epi16(v, S);
+    else if constexpr (S < 0) return _mm256_srli_epi16(v, -S);
+    else return v;
+  };
+  constexpr int kSh2 = (B & 4) ? 4 : 0;               // bit position of the 2-bit plane's codes
+  constexpr int kSh1 = kSh2 + ((B & 2) ? 2 : 0);     // bit position of the 1-bit plane's codes
+  constexpr int kOff2 = (B & 4) ? 64 : 0, kOff1 = kOff2 + ((B & 2) ? 32 : 0);
+  __m256i v4[2], v2, v1;
+  if constexpr ((B & 4) != 0)
+    for (int h = 0; h < 2; ++h)
+      v4[h] = _mm256_inserti128_si256(_mm256_castsi128_si256(ld128(p + 16 * h)), ld128(p + 16 * h + 32), 1);
+  if constexpr ((B & 2) != 0) v2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kOff2));
+  if constexpr ((B & 1) != 0) {
+    const __m256i b = _mm256_broadcastsi128_si256(ld128(p + kOff1));
+    v1 = _mm256_srlv_epi64(b, _mm256_setr_epi64x(0, 0, 4, 4));
+  }
+  sfor<4>([&](auto T) {
+    constexpr int t = AQ_CV(T);
+    __m256i c;
+    if constexpr ((B & 4) != 0) {
+      c = _mm256_and_si256((t & 1) ? _mm256_srli_epi16(v4[t / 2], 4) : v4[t / 2], mask(15));
+    }
+    if constexpr ((B & 2) != 0) {
+      const __m256i c2 = _mm256_and_si256(shift(v2, std::integral_constant<int, kSh2 - 2 * t>{}), mask(3 << kSh2));
+      c = (B & 4) ? _mm256_or_si256(c, c2) : c2;
+    }
+    if constexpr ((B & 1) != 0)
+      c = _mm256_or_si256(c, _mm256_and_si256(shift(v1, std::integral_constant<int, kSh1 - t>{}), mask(1 << kSh1)));
+    // k = t and k = 4 + t, rows 0..15 each: the 8-bit unit layout
+    _mm_store_si128(reinterpret_cast<__m128i*>(out + 16 * t), _mm256_castsi256_si128(c));
+    _mm_store_si128(reinterpret_cast<__m128i*>(out + 16 * (t + 4)), _mm256_extracti128_si256(c, 1));
+  });
+}
+#endif
+
+template <int B, class F>
+AQ_INLINE void decode_unit_i(const uint8_t* p, F&& f) {
+#if AQ_AVX2 || AQ_AVX512
+  if constexpr (B == 3 || B == 5 || B == 6 || B == 7) {
+    alignas(32) uint8_t buf[128];
+    decode_unit_bytes<B>(p, buf);
+    // Keep the round trip through memory: left to itself the compiler widens in registers (vmovq, vpsrldq,
+    // vextracti128 + vpmovzxbd: 2-3 shuffles per 8 codes instead of one vpmovzxbd from L1). Hiding the pointer
+    // does it; an "m" operand on buf instead made GCC keep the caller's accumulators in memory, which was
+    // slower (see benchmarks/README.md, kernel design measurements).
+    const uint8_t* q = buf;
+    AQ_OPAQUE(q);
+    decode_unit_i<8>(q, f);
+    return;
+  }
+#endif
+  if constexpr (B == 8) {
+    sfor<8>([&](auto T) { f(T, ld_u8x16(p + 16 * AQ_CV(T))); });
+  } else if constexpr (B == 4) {
+    sfor<4>([&](auto S) {
+      constexpr int s = AQ_CV(S);
+      const I16 v = ld_u8x16(p + 16 * s);
+      f(std::integral_constant<int, 2 * s>{}, iand(v, 15));
+      f(std::integral_constant<int, 2 * s + 1>{}, isrl<4>(v));
+    });
+  } else if constexpr (B == 2) {
+    sfor<2>([&](auto S) {
+      constexpr int s = AQ_CV(S);
+      const I16 v = ld_u8x16(p + 16 * s);
+      sfor<4>([&](auto T) {
+        constexpr int t = AQ_CV(T);
+        f(std::integral_constant<int, 4 * s + t>{}, t == 3 ? isrl<6>(v) : iand(isrl<2 * t>(v), 3));
+      });
+    });
+  } else if constexpr (B == 1) {
+    const I16 v = ld_u8x16(p);
+    sfor<8>([&](auto T) {
+      constexpr int t = AQ_CV(T);
+      f(T, t == 7 ? isrl<7>(v) : iand(isrl<t>(v), 1));
+    });
+  } else {
+    // Multi-plane widths 3 = 2+1, 5 = 4+1, 6 = 4+2, 7 = 4+2+1 (low bits in the widest plane).
+    I16 u[8];
+    constexpr int kSh2 = (B & 4) ? 4 : 0;
+    constexpr int kSh1 = kSh2 + ((B & 2) ? 2 : 0);
+    const uint8_t* q = p;
+    if constexpr ((B & 4) != 0) {
+      sfor<4>([&](auto S) {
+        constexpr int s = AQ_CV(S);
+        const I16 v = ld_u8x16(q + 16 * s);
+        u[2 * s] = iand(v, 15);
+        u[2 * s + 1] = isrl<4>(v);
+      });
+      q += 64;
+    }
+    if constexpr ((B & 2) != 0) {
+      sfor<2>([&](auto S) {
+        constexpr int s = AQ_CV(S);
+        const I16 v = ld_u8x16(q + 16 * s);
+        sfor<4>([&](auto T) {
+          constexpr int t = AQ_CV(T);
+          const I16 c = iand(isrl<2 * t>(v), 3);
+          if constexpr ((B & 4) != 0) u[4 * s + t] = ior(u[4 * s + t], isll<kSh2>(c));
+          else u[4 * s + t] = c;
+        });
+      });
+      q += 32;
+    }
+    if constexpr ((B & 1) != 0) {
+      const I16 v = ld_u8x16(q);
+      sfor<8>([&](auto T) {
+        constexpr int t = AQ_CV(T);
+        u[t] = ior(u[t], isll<kSh1>(iand(isrl<t>(v), 1)));
+      });
+    }
+    sfor<8>([&](auto T) { f(T, u[AQ_CV(T)]); });
+  }
+}
+
+template <int B, class F>
+AQ_INLINE void decode_unit(const uint8_t* p, F&& f) {
+#if AQ_AVX2 && defined(__F16C__)
+  if constexpr (B > 8) {
+    // AVX2 float8: the fp16 bits of 32 codes per op (the bytes of k = 2j and 2j + 1 become words through
+    // vpunpck*bw, within 128-bit lanes), then vcvtph2ps from L1: no vextracti128 per 16 codes as in registers.
+    alignas(32) uint16_t buf[128];
+    sfor<4>([&](auto J) {
+      constexpr int j = AQ_CV(J);
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * j)), z = _mm256_setzero_si256();
+      // lo = [k = 2j rows 0-7 | k = 2j + 1 rows 0-7], hi = the same for rows 8-15
+      _mm256_store_si256(reinterpret_cast<__m256i*>(buf + 32 * j), fp8_to_fp16_bits<B>(_mm256_unpacklo_epi8(z, v)));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(buf + 32 * j + 16),
+                         fp8_to_fp16_bits<B>(_mm256_unpackhi_epi8(z, v)));
+    });
+    const uint16_t* q = buf;
+    AQ_OPAQUE(q);  // see decode_unit_i
+    sfor<8>([&](auto T) {
+      constexpr int t = AQ_CV(T);
+      const uint16_t* r = q + 32 * (t / 2) + 8 * (t % 2);
+      f(T, F16{_mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(r))),
+               _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(r + 16)))});
+    });
+    return;
+  }
+#endif
+  if constexpr (B > 8) sfor<8>([&](auto T) { f(T, fp8x16<B>(p + 16 * AQ_CV(T))); });
+  else decode_unit_i<B>(p, [&](auto T, I16 v) { f(T, i2f(v)); });
+}
+
+}  // namespace
+}  // namespace affineq::detail

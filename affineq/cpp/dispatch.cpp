@@ -1,0 +1,177 @@
+// Entry points of the weight-only low-bit linear kernels (declared in lowbit_kernels.h): the path choice and
+// the dispatch on the bit width.
+//
+// y = x @ W^T with W[n, k] = scale[n, g] * u[n, k] + offset[n, g], g = k / group_size, u unsigned `bits`-bit
+// codes in the 16-row panel layout (documented in affineq/cpp/__init__.py), or float8 bytes (e4m3fn / e5m2,
+// 8-bit layout) whose value replaces u. scale/offset are fp32, or bf16 with the offset holding the zero z of
+// W = scale * (u - 2^(bits-1)) + z; either way they are turned into fp32 scale/offset once per tile while being
+// transposed (common.cpp), so the inner loops never see bf16.
+//
+// Four paths (chosen in path_for below), one file each:
+//  1. gemv.cpp: fused GEMV (m <= 2 before path 3 or 4, else m <= 8; group_size % 8 == 0): decode codes
+//     straight into fp32 registers, 16 output rows per vector, FMA against broadcast x; scale/offset applied
+//     once per group. Memory-bound at m = 1: the packed weights are streamed once, with software prefetch.
+//  2. gemm_f32.cpp: dequant + fp32 GEMM (any group_size; the large-m path where VNNI is missing): dequantize
+//     a [256 x 32] slice of W^T into an L1-resident fp32 tile and run a 12x32 (AVX-512) / 6x16 (AVX2)
+//     outer-product micro-kernel over all m rows, so each dequantized tile is reused m times.
+//  3. gemm_int16.cpp: dequant + int16 VNNI GEMM (AVX512-VNNI, m >= 3, only if the caller allows rounding x: by
+//     default for fp16 x, and bf16 x without AVX512-BF16): like 2 but with exact int16 code pairs and x
+//     rounded to 16-bit fixed point per block; vpdpwssd does two MACs per lane at the issue rate of an fp32 FMA.
+//  4. gemm_bf16.cpp: dequant to bf16 + bf16 dot GEMM (AVX512-BF16, bf16 x, m >= 3): like 2 but the tile holds
+//     W rounded to bf16 (scale and offset already applied) and vdpbf16ps multiplies it with x as given: no
+//     per-group rescaling in the inner loop, so small groups cost no more than large ones.
+// Shared code: simd.h (ISA shims), decode.h (code decoders), common.h / common.cpp (scratch buffers, qparam
+// loading, Ctx, GEMM tiling). Each path file instantiates its template for every width, so the files compile
+// in parallel (see _build.py).
+//
+// Only <ATen/Parallel.h> is included (compiles fast, no torch types); threads come from torch's OpenMP pool.
+#include <algorithm>
+#include <cstring>
+
+#include "common.h"
+#include "decode.h"
+
+namespace affineq {
+namespace detail {
+namespace {
+
+#if AQ_VNNI
+constexpr bool kHasVnni = true;
+#else
+constexpr bool kHasVnni = false;
+#endif
+#if AQ_BF16DOT
+constexpr bool kHasBf16Dot = true;
+#else
+constexpr bool kHasBf16Dot = false;
+#endif
+
+AQ_INLINE float bf16_to_float(uint16_t b) {
+  const uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// Element i of an [n, G] qparam array as the kernels use it: the fp32 scale times `mul`, or the fp32 offset
+// (for bf16 qparams: z - 2^(bits-1) * scale).
+AQ_INLINE float qparam_at(const LowbitProblem& p, bool offset, float mul, int64_t i) {
+  if (!p.qparams_bf16) return static_cast<const float*>(offset ? p.offset : p.scale)[i] * mul;
+  const float s = bf16_to_float(static_cast<const uint16_t*>(p.scale)[i]);
+  if (!offset) return s * mul;
+  return bf16_to_float(static_cast<const uint16_t*>(p.offset)[i]) - static_cast<float>(1 << (p.bits - 1)) * s;
+}
+
+// The path a problem runs (1..4, see the header), given force_path (0 = choose).
+int path_for(const LowbitProblem& p, int force_path) {
+  const bool gemv_ok = p.group_size % 8 == 0;  // the GEMV and the int16 GEMM step through groups 8 k at a time
+  // The caller decides (x dtype, environment); float8 values are not int16 codes, so they never take it.
+  const bool use_vnni = kHasVnni && p.allow_int16_x && p.codes == kCodesUint && gemv_ok;
+  const bool use_bf16 = kHasBf16Dot && p.x_bf16 != nullptr;
+  const int big = use_bf16 ? 4 : use_vnni ? 3 : 2;  // the GEMM path for this x
+  int path = force_path;
+  // The fused GEMV beats the VNNI / bf16 GEMMs only for the first few rows and the fp32 GEMM for a few more
+  // (each extra row costs the GEMV another pass of FMAs over the decoded weights). The row limits (2 and 8)
+  // were tuned by measurement (see benchmarks/README.md, kernel design measurements).
+  if (path == 0) path = !gemv_ok ? big : p.m <= (big > 2 ? 2 : 8) ? 1 : big;
+  if (path == 4 && !use_bf16) path = use_vnni ? 3 : 2;
+  if (path == 3 && !(kHasVnni && p.codes == kCodesUint && gemv_ok)) path = 2;
+  if (path == 1 && !gemv_ok) path = 2;
+  return path;
+}
+
+template <int B>
+void run(const Ctx& c, int force_path) {
+  const int path = path_for(*c.p, force_path);
+  if (path == 1) gemv_path<B>(c);
+#if AQ_VNNI
+  else if (path == 3) {
+    if constexpr (B <= 8) qgemm_path<B>(c);
+  }
+#endif
+#if AQ_BF16DOT
+  else if (path == 4) bgemm_path<B>(c);
+#endif
+  else gemm_path<B>(c);
+}
+
+Ctx make_ctx(const LowbitProblem& p) {
+  Ctx c;
+  c.p = &p;
+  c.B = p.bits;
+  c.K8 = (p.k + 7) / 8 * 8;
+  c.U = c.K8 / 8;
+  c.G = p.k / p.group_size;
+  c.N = p.n;
+  c.M = p.m;
+  c.nfull = p.n / 16;
+  c.tail_w = p.n % 16;
+  c.npan = c.nfull + (c.tail_w > 0 ? 1 : 0);
+  c.panel_bytes = 16 * c.U * p.bits;
+  return c;
+}
+
+}  // namespace
+}  // namespace detail
+
+void lowbit_linear_f32(const LowbitProblem& p, int force_path) {
+  const detail::Ctx c = detail::make_ctx(p);
+  switch (p.bits) {
+    case 1: detail::run<1>(c, force_path); break;
+    case 2: detail::run<2>(c, force_path); break;
+    case 3: detail::run<3>(c, force_path); break;
+    case 4: detail::run<4>(c, force_path); break;
+    case 5: detail::run<5>(c, force_path); break;
+    case 6: detail::run<6>(c, force_path); break;
+    case 7: detail::run<7>(c, force_path); break;
+    case 8:
+      if (p.codes == kCodesE4M3) detail::run<detail::kBE4M3>(c, force_path);
+      else if (p.codes == kCodesE5M2) detail::run<detail::kBE5M2>(c, force_path);
+      else detail::run<8>(c, force_path);
+      break;
+    default: break;  // other values are rejected by the caller
+  }
+}
+
+const char* kernel_isa() { return detail::kIsa; }
+
+int lowbit_path(const LowbitProblem& p, int force_path) { return detail::path_for(p, force_path); }
+
+void dequantize_f32(const uint8_t* packed, const void* scale, const void* offset, bool qparams_bf16, int bits,
+                    int codes, int64_t group_size, int64_t n, int64_t k, float* w) {
+  const int64_t U = (k + 7) / 8, G = k / group_size, panel_bytes = 16 * U * bits;
+  LowbitProblem qp{};
+  qp.scale = scale;
+  qp.offset = offset;
+  qp.qparams_bf16 = qparams_bf16;
+  qp.bits = bits;
+  at::parallel_for(0, (n + 15) / 16, detail::grain_for(16 * k), [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t width = std::min<int64_t>(16, n - 16 * p);
+      const uint8_t* base = packed + p * panel_bytes;
+      for (int64_t j = 0; j < width; ++j) {
+        const int64_t row = 16 * p + j;
+        for (int64_t kk = 0; kk < k; ++kk) {
+          const int64_t u = kk / 8, t = kk % 8;
+          const uint8_t* unit = base + u * width * bits;
+          int code = 0, shift = 0, slot0 = 0;  // planes: 8, or 4/2/1 for the set bits (low bits first)
+          for (int q : {8, 4, 2, 1}) {
+            if (bits == 8 ? q != 8 : (q == 8 || (bits & q) == 0)) continue;
+            const int per = 8 / q;
+            const int byte = unit[(slot0 + t / per) * width + j];
+            code |= ((byte >> ((t % per) * q)) & ((1 << q) - 1)) << shift;
+            shift += q;
+            slot0 += q;
+          }
+          const int64_t g = kk / group_size;
+          const float c =
+              codes == kCodesUint ? static_cast<float>(code) : detail::fp8_to_float(static_cast<uint8_t>(code), codes);
+          w[row * k + kk] =
+              detail::qparam_at(qp, false, 1.f, row * G + g) * c + detail::qparam_at(qp, true, 1.f, row * G + g);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace affineq

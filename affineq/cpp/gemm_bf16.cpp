@@ -1,0 +1,185 @@
+// Path 4: dequant to bf16 + bf16 dot GEMM (AVX512-BF16, bf16 x, m >= 3). Each [256 x 32] tile of W is
+// dequantized once in fp32 (w = scale * c(u) + offset), rounded to bf16 and stored as k-pairs; vdpbf16ps
+// multiplies the pairs with bf16 x pairs (x as given) and accumulates in fp32. The result is that of
+// dequantize-to-bf16 then a bf16 matmul with fp32 accumulation (F.linear on the dequantized bf16 weight), at
+// the CPU's bf16 dot-product rate; no per-group rescaling in the inner loop, so small groups cost no more than
+// large ones. Compiles to nothing without AVX512-BF16 (path_for then never picks path 4).
+#include "simd.h"  // defines AQ_BF16DOT
+
+#if AQ_BF16DOT
+#include <array>
+#include <utility>
+#include <vector>
+
+#include "common.h"
+#include "decode.h"
+
+namespace affineq::detail {
+namespace {
+
+constexpr int kBMR = 12;  // x rows per micro-tile: 24 fp32 accumulators + 2 weight vectors + a broadcast
+static_assert(kMC % kBMR == 0, "row chunks must hold whole bf16 row blocks");
+
+// wb[(kp - 4 * u0) * 32 + 16 * p + j] = bf16(W[row j of panel p, 2 kp]) | bf16(W[row j, 2 kp + 1]) << 16
+template <int B>
+void dequant_bf16_pairs(const uint8_t* const* pan, const float* sT, const float* oT, int64_t lds, const int32_t* kg,
+                        int64_t u0, int64_t nu, uint32_t* wb) {
+  // vcvtne2ps2bf16 puts bf16(even k) in 16-bit lanes 0..15 and bf16(odd k) in 16..31; interleave them.
+  alignas(64) static constexpr int16_t kIdx[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                   8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i idx = _mm512_load_si512(kIdx);
+  for (int64_t u = u0; u < u0 + nu; ++u) {
+    uint32_t* bu = wb + (u - u0) * 4 * 32;
+    sfor<2>([&](auto P_) {
+      constexpr int p = AQ_CV(P_);
+      if (pan[p] == nullptr) {
+        for (int i = 0; i < 4; ++i) _mm512_storeu_si512(bu + i * 32 + 16 * p, _mm512_setzero_si512());
+        return;
+      }
+      __m512 even = _mm512_setzero_ps();
+      decode_unit<B>(pan[p] + u * (16 * bits_of(B)), [&](auto T, F16 w) {
+        constexpr int t = AQ_CV(T);
+        const int64_t g = kg[8 * u + t];
+        const __m512 v = _mm512_fmadd_ps(w.v, _mm512_loadu_ps(sT + g * lds + 16 * p), _mm512_loadu_ps(oT + g * lds + 16 * p));
+        if constexpr (t % 2 == 0) {
+          even = v;
+        } else {
+          const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(v, even));
+          _mm512_storeu_si512(bu + (t / 2) * 32 + 16 * p, _mm512_permutexvar_epi16(idx, both));
+        }
+      });
+    });
+  }
+}
+
+// xp[((m / kBMR) * K2 + kp) * kBMR + m % kBMR] = x[m, 2 kp] | x[m, 2 kp + 1] << 16 (bf16 bits; padding rows 0)
+void pack_x_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t K2, uint32_t* xp) {
+  const int64_t nmb = (M + kBMR - 1) / kBMR;
+  at::parallel_for(0, nmb, grain_for(kBMR * K2 * 64), [&](int64_t mb0, int64_t mb1) {
+    for (int64_t mb = mb0; mb < mb1; ++mb) {
+      uint32_t* dst = xp + mb * K2 * kBMR;
+      for (int r = 0; r < kBMR; ++r) {
+        const int64_t m = mb * kBMR + r;
+        if (m >= M) {
+          for (int64_t kp = 0; kp < K2; ++kp) dst[kp * kBMR + r] = 0;
+          continue;
+        }
+        const uint16_t* row = x + m * ldx;
+        for (int64_t kp = 0; kp < K2; ++kp) {
+          uint32_t pair;
+          std::memcpy(&pair, row + 2 * kp, sizeof(pair));
+          dst[kp * kBMR + r] = pair;
+        }
+      }
+    }
+  });
+}
+
+#if defined(__GNUC__)
+#define AQ_DPBF16(acc, a, b) __asm__("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b))
+#else
+#define AQ_DPBF16(acc, a, b) (acc) = _mm512_dpbf16_ps((acc), (__m512bh)(a), (__m512bh)(b))
+#endif
+#define AQ_B_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+// c[MR x 32] (+)= x[MR x 2 kc2] @ w[2 kc2 x 32]; c is a dense accumulator tile with row stride 32.
+template <int MR>
+void bmicro(const uint32_t* xp, const uint32_t* w, int64_t kc2, float* c, bool init) {
+  static_assert(MR >= 1 && MR <= kBMR, "bmicro handles up to kBMR rows");
+#define AQ_DECL(i)                                                            \
+  __m512 acc##i##0 = _mm512_setzero_ps(), acc##i##1 = _mm512_setzero_ps();    \
+  if constexpr (MR > i) {                                                     \
+    if (!init) {                                                              \
+      acc##i##0 = _mm512_loadu_ps(c + (i) * 32);                              \
+      acc##i##1 = _mm512_loadu_ps(c + (i) * 32 + 16);                         \
+    }                                                                         \
+  }
+  AQ_B_ROWS(AQ_DECL)
+#undef AQ_DECL
+#pragma GCC unroll 2
+  for (int64_t kp = 0; kp < kc2; ++kp, w += 32, xp += kBMR) {
+    const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 16);
+#define AQ_STEP(i)                                            \
+  if constexpr (MR > i) {                                     \
+    const __m512i xv = _mm512_set1_epi32(static_cast<int>(xp[i])); \
+    AQ_DPBF16(acc##i##0, xv, w0);                             \
+    AQ_DPBF16(acc##i##1, xv, w1);                             \
+  }
+    AQ_B_ROWS(AQ_STEP)
+#undef AQ_STEP
+  }
+#define AQ_STORE(i)                                \
+  if constexpr (MR > i) {                          \
+    _mm512_storeu_ps(c + (i) * 32, acc##i##0);      \
+    _mm512_storeu_ps(c + (i) * 32 + 16, acc##i##1); \
+  }
+  AQ_B_ROWS(AQ_STORE)
+#undef AQ_STORE
+}
+#undef AQ_B_ROWS
+
+using BMicroFn = void (*)(const uint32_t*, const uint32_t*, int64_t, float*, bool);
+template <int... Is>
+constexpr std::array<BMicroFn, sizeof...(Is)> bmicro_table(std::integer_sequence<int, Is...>) {
+  return {&bmicro<Is + 1>...};
+}
+constexpr auto kBMicro = bmicro_table(std::make_integer_sequence<int, kBMR>{});
+
+}  // namespace
+
+template <int B>
+void bgemm_path(const Ctx& c) {
+  const LowbitProblem& pr = *c.p;
+  const int64_t G = c.G, M = c.M, K8 = c.K8, K2 = K8 / 2;
+  const int64_t nmb = (M + kBMR - 1) / kBMR;
+  uint32_t* xp = tl_xcall.get<uint32_t>(nmb * K2 * kBMR);
+  pack_x_bf16(pr.x_bf16, pr.ldx, M, K2, xp);
+  const std::vector<int32_t> kg = group_of_k(pr, K8, G);
+  constexpr int64_t TW = 32;
+  const int64_t ntiles = (c.npan + 1) / 2;
+  const int64_t nthreads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t ncb = std::max<int64_t>(1, std::min<int64_t>(kNCB, (ntiles + nthreads - 1) / nthreads));
+  const int64_t nblocks = (ntiles + ncb - 1) / ncb;
+  at::parallel_for(0, nblocks, grain_for(ncb * TW * K8 * M), [&](int64_t b0, int64_t b1) {
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t t0 = blk * ncb, nt = std::min(ncb, ntiles - t0);
+      const int64_t R = nt * TW, r0 = t0 * TW, rows = std::min(R, c.N - r0);
+      float *sT, *oT;
+      load_tile_qparams(pr, code_scale(B), r0, rows, R, G, sT, oT);
+      const uint8_t* pan[2 * kNCB];
+      for (int64_t q = 0; q < nt * 2; ++q) pan[q] = panel_ptr(c, t0 * 2 + q);
+      uint32_t* wb = tl_wbuf.get<uint32_t>(kKC / 2 * TW);
+      const int64_t mcs = row_chunk(M, kBMR);
+      for (int64_t mc0 = 0; mc0 < M; mc0 += mcs) {
+        const int64_t mc = std::min(mcs, M - mc0);
+        float* cbuf = tl_cbuf.get<float>(nt * mc * TW);
+        for (int64_t k0 = 0; k0 < K8; k0 += kKC) {
+          const int64_t kc = std::min(kKC, K8 - k0);
+          for (int64_t t = 0; t < nt; ++t) {  // tile-outer: the 16 KiB bf16 tile stays in L1 for all rows
+            if (t * TW >= rows) break;
+            dequant_bf16_pairs<B>(pan + 2 * t, sT + t * TW, oT + t * TW, R, kg.data(), k0 / 8, kc / 8, wb);
+            if (t + 1 < nt && (t + 1) * TW < rows)
+              prefetch_units(pan + 2 * (t + 1), 2, k0 / 8, kc / 8, c.B);
+            else if (k0 + kc < K8)
+              prefetch_units(pan, 2, (k0 + kc) / 8, std::min(kKC, K8 - k0 - kc) / 8, c.B);
+            for (int64_t m0 = mc0; m0 < mc0 + mc; m0 += kBMR) {
+              const BMicroFn fn = kBMicro[std::min<int64_t>(kBMR, mc0 + mc - m0) - 1];
+              fn(xp + (m0 / kBMR) * K2 * kBMR + (k0 / 2) * kBMR, wb, kc / 2, cbuf + (t * mc + (m0 - mc0)) * TW,
+                 k0 == 0);
+            }
+          }
+        }
+        for (int64_t t = 0; t < nt && t * TW < rows; ++t)
+          store_tile(cbuf + t * mc * TW, TW, mc, std::min(TW, rows - t * TW), pr.y + mc0 * pr.ldy + r0 + t * TW,
+                     pr.ldy);
+      }
+    }
+  });
+}
+
+// The instantiations dispatch.cpp calls (declared in common.h).
+#define AQ_INSTANTIATE(B) template void bgemm_path<B>(const Ctx& c);
+AQ_FOR_EACH_WIDTH(AQ_INSTANTIATE)
+#undef AQ_INSTANTIATE
+
+}  // namespace affineq::detail
+#endif  // AQ_BF16DOT

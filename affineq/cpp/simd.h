@@ -1,0 +1,152 @@
+// SIMD shims shared by every kernel translation unit: which ISA this build targets (AQ_AVX512 / AQ_AVX2 /
+// neither, plus AQ_VNNI and AQ_BF16DOT for the optional GEMM paths), AQ_INLINE / AQ_OPAQUE, the compile-time
+// loop sfor, and 16-lane fp32 / int32 vectors (F16 / I16) over AVX-512, AVX2 or plain arrays.
+// Everything here is a macro, a type, a constant or an always-inlined function: no code of its own.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <utility>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && \
+    !defined(AFFINEQ_FORCE_AVX2) && !defined(AFFINEQ_FORCE_SCALAR)
+#define AQ_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(AFFINEQ_FORCE_SCALAR)
+#define AQ_AVX2 1
+#endif
+
+// Path 3 (gemm_int16.cpp) needs AVX512-VNNI, path 4 (gemm_bf16.cpp) AVX512-BF16; without them those files
+// compile to nothing and path_for never picks them.
+#if AQ_AVX512 && defined(__AVX512VNNI__)
+#define AQ_VNNI 1
+#endif
+#if AQ_AVX512 && defined(__AVX512BF16__)
+#define AQ_BF16DOT 1
+#endif
+
+#if defined(__GNUC__)
+#define AQ_INLINE inline __attribute__((always_inline))
+#define AQ_OPAQUE(ptr) asm("" : "+r"(ptr))  // the compiler forgets where ptr points (no store forwarding)
+#else
+#define AQ_INLINE inline
+#define AQ_OPAQUE(ptr) (void)(ptr)
+#endif
+
+namespace affineq::detail {
+// Internal linkage (each translation unit has its own copy; all of it is inlined anyway): with external linkage,
+// GCC compiled the hot loops that inline these functions differently (seen in the disassembly).
+namespace {
+
+// Compile-time loop: f(std::integral_constant<int, i>) for i in [0, N). Keeps register arrays scalarized.
+template <int... Is, class F>
+AQ_INLINE void sfor_impl(std::integer_sequence<int, Is...>, F&& f) {
+  (f(std::integral_constant<int, Is>{}), ...);
+}
+template <int N, class F>
+AQ_INLINE void sfor(F&& f) {
+  sfor_impl(std::make_integer_sequence<int, N>{}, f);
+}
+#define AQ_CV(T) decltype(T)::value
+
+// ---------------------------------------------------------------------------------------------
+// 16-lane fp32 / int32 vectors: one zmm (AVX-512), two ymm (AVX2) or a plain array (portable).
+// ---------------------------------------------------------------------------------------------
+#if AQ_AVX512
+inline constexpr const char* kIsa = "avx512";
+struct F16 { __m512 v; };
+struct I16 { __m512i v; };
+AQ_INLINE F16 fzero() { return {_mm512_setzero_ps()}; }
+AQ_INLINE F16 fload(const float* p) { return {_mm512_loadu_ps(p)}; }
+AQ_INLINE void fstore(float* p, F16 a) { _mm512_storeu_ps(p, a.v); }
+AQ_INLINE F16 fload_n(const float* p, int w) { return {_mm512_maskz_loadu_ps((__mmask16)((1u << w) - 1u), p)}; }
+AQ_INLINE void fstore_n(float* p, F16 a, int w) { _mm512_mask_storeu_ps(p, (__mmask16)((1u << w) - 1u), a.v); }
+AQ_INLINE F16 fset1(float s) { return {_mm512_set1_ps(s)}; }
+AQ_INLINE F16 ffma(F16 a, F16 b, F16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+AQ_INLINE F16 fadd(F16 a, F16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+AQ_INLINE I16 ld_u8x16(const uint8_t* p) {
+  return {_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
+}
+template <int S> AQ_INLINE I16 isrl(I16 a) {
+  if constexpr (S == 0) return a; else return {_mm512_srli_epi32(a.v, S)};
+}
+template <int S> AQ_INLINE I16 isll(I16 a) {
+  if constexpr (S == 0) return a; else return {_mm512_slli_epi32(a.v, S)};
+}
+AQ_INLINE I16 iand(I16 a, int m) { return {_mm512_and_si512(a.v, _mm512_set1_epi32(m))}; }
+AQ_INLINE I16 ior(I16 a, I16 b) { return {_mm512_or_si512(a.v, b.v)}; }
+AQ_INLINE F16 i2f(I16 a) { return {_mm512_cvtepi32_ps(a.v)}; }
+AQ_INLINE float fhsum(F16 a) { return _mm512_reduce_add_ps(a.v); }
+#elif AQ_AVX2
+inline constexpr const char* kIsa = "avx2";
+struct F16 { __m256 a, b; };
+struct I16 { __m256i a, b; };
+AQ_INLINE F16 fzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+AQ_INLINE F16 fload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+AQ_INLINE void fstore(float* p, F16 x) { _mm256_storeu_ps(p, x.a); _mm256_storeu_ps(p + 8, x.b); }
+AQ_INLINE F16 fload_n(const float* p, int w) {
+  alignas(32) float t[16] = {};
+  std::memcpy(t, p, sizeof(float) * w);
+  return fload(t);
+}
+AQ_INLINE void fstore_n(float* p, F16 x, int w) {
+  alignas(32) float t[16];
+  fstore(t, x);
+  std::memcpy(p, t, sizeof(float) * w);
+}
+AQ_INLINE F16 fset1(float s) { return {_mm256_set1_ps(s), _mm256_set1_ps(s)}; }
+AQ_INLINE F16 ffma(F16 x, F16 y, F16 z) { return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)}; }
+AQ_INLINE F16 fadd(F16 x, F16 y) { return {_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; }
+AQ_INLINE I16 ld_u8x16(const uint8_t* p) {
+  return {_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+template <int S> AQ_INLINE I16 isrl(I16 x) {
+  if constexpr (S == 0) return x; else return {_mm256_srli_epi32(x.a, S), _mm256_srli_epi32(x.b, S)};
+}
+template <int S> AQ_INLINE I16 isll(I16 x) {
+  if constexpr (S == 0) return x; else return {_mm256_slli_epi32(x.a, S), _mm256_slli_epi32(x.b, S)};
+}
+AQ_INLINE I16 iand(I16 x, int m) {
+  const __m256i mm = _mm256_set1_epi32(m);
+  return {_mm256_and_si256(x.a, mm), _mm256_and_si256(x.b, mm)};
+}
+AQ_INLINE I16 ior(I16 x, I16 y) { return {_mm256_or_si256(x.a, y.a), _mm256_or_si256(x.b, y.b)}; }
+AQ_INLINE F16 i2f(I16 x) { return {_mm256_cvtepi32_ps(x.a), _mm256_cvtepi32_ps(x.b)}; }
+AQ_INLINE float fhsum(F16 x) {
+  const __m256 s = _mm256_add_ps(x.a, x.b);
+  __m128 v = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+  v = _mm_add_ss(v, _mm_movehdup_ps(v));
+  return _mm_cvtss_f32(v);
+}
+#else
+// Portable path: plain loops the compiler may auto-vectorize for whatever ISA it targets.
+inline constexpr const char* kIsa = "scalar";
+struct F16 { float v[16]; };
+struct I16 { int32_t v[16]; };
+#define AQ_L16 for (int i = 0; i < 16; ++i)
+AQ_INLINE F16 fzero() { F16 r; AQ_L16 r.v[i] = 0.f; return r; }
+AQ_INLINE F16 fload(const float* p) { F16 r; AQ_L16 r.v[i] = p[i]; return r; }
+AQ_INLINE void fstore(float* p, F16 a) { AQ_L16 p[i] = a.v[i]; }
+AQ_INLINE F16 fload_n(const float* p, int w) { F16 r; AQ_L16 r.v[i] = i < w ? p[i] : 0.f; return r; }
+AQ_INLINE void fstore_n(float* p, F16 a, int w) { for (int i = 0; i < w; ++i) p[i] = a.v[i]; }
+AQ_INLINE F16 fset1(float s) { F16 r; AQ_L16 r.v[i] = s; return r; }
+AQ_INLINE F16 ffma(F16 a, F16 b, F16 c) { F16 r; AQ_L16 r.v[i] = a.v[i] * b.v[i] + c.v[i]; return r; }
+AQ_INLINE F16 fadd(F16 a, F16 b) { F16 r; AQ_L16 r.v[i] = a.v[i] + b.v[i]; return r; }
+AQ_INLINE I16 ld_u8x16(const uint8_t* p) { I16 r; AQ_L16 r.v[i] = p[i]; return r; }
+template <int S> AQ_INLINE I16 isrl(I16 a) { I16 r; AQ_L16 r.v[i] = (int32_t)((uint32_t)a.v[i] >> S); return r; }
+template <int S> AQ_INLINE I16 isll(I16 a) { I16 r; AQ_L16 r.v[i] = (int32_t)((uint32_t)a.v[i] << S); return r; }
+AQ_INLINE I16 iand(I16 a, int m) { I16 r; AQ_L16 r.v[i] = a.v[i] & m; return r; }
+AQ_INLINE I16 ior(I16 a, I16 b) { I16 r; AQ_L16 r.v[i] = a.v[i] | b.v[i]; return r; }
+AQ_INLINE F16 i2f(I16 a) { F16 r; AQ_L16 r.v[i] = (float)a.v[i]; return r; }
+AQ_INLINE float fhsum(F16 a) { float s = 0.f; AQ_L16 s += a.v[i]; return s; }
+#undef AQ_L16
+#endif
+
+}  // namespace
+}  // namespace affineq::detail
