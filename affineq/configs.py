@@ -11,6 +11,7 @@ it wants for a weight, plus `qparam_options()`); the base class's `quantize_weig
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -66,43 +67,68 @@ def _decode(v: Any) -> Any:
         return tuple(_decode(x) for x in v)
     if not isinstance(v, dict):
         return v
-    try:
-        if "dtype" in v:
-            dtype = getattr(torch, str(v["dtype"]), None)
-            if not isinstance(dtype, torch.dtype):
-                raise ValueError(f"unknown torch dtype {v['dtype']!r}")
-            return dtype
-        if "enum" in v:
-            return _ENUMS[v["enum"]][v["name"]]
-        if "granularity" in v:
-            cls = getattr(_gran, str(v["granularity"]), None)
-            if not (isinstance(cls, type) and issubclass(cls, Granularity)):
-                raise ValueError(f"unknown granularity {v['granularity']!r}")
-            return cls(**{k: _decode(x) for k, x in v.items() if k != "granularity"})
-        if "map" in v:
-            return {k: _decode(x) for k, x in v["map"].items()}
-        if "type" in v:
-            return config_from_dict(v)
-    except (KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"cannot decode config field {v!r}: {e!r}") from None
-    raise ValueError(f"cannot decode config field {v!r}")
+    if "type" in v:  # a config first: its fields may be named "granularity" or "dtype" too
+        return config_from_dict(v)
+    if "dtype" in v:
+        dtype = getattr(torch, str(v["dtype"]), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"unknown torch dtype {v['dtype']!r}; use a torch dtype name such as 'bfloat16', "
+                             "'float32' or 'int4' (as QuantConfig.to_dict writes it)")
+        return dtype
+    if "enum" in v:
+        enum_cls = _ENUMS.get(v["enum"]) if isinstance(v["enum"], str) else None
+        if enum_cls is None:
+            raise ValueError(f"unknown enum {v['enum']!r}; use one of {sorted(_ENUMS)}")
+        members = list(enum_cls.__members__)
+        if v.get("name") not in members:
+            raise ValueError(f"{v['enum']} has no member {v.get('name')!r}; use one of {members}")
+        return enum_cls[v["name"]]
+    if "granularity" in v:
+        names = sorted(c.__name__ for c in vars(_gran).values()
+                       if isinstance(c, type) and issubclass(c, Granularity) and c is not Granularity)
+        cls = getattr(_gran, str(v["granularity"]), None)
+        if not (isinstance(cls, type) and issubclass(cls, Granularity)) or cls is Granularity:
+            raise ValueError(f"unknown granularity {v['granularity']!r}; use one of {names}")
+        kwargs = {k: _decode(x) for k, x in v.items() if k != "granularity"}
+        try:
+            return cls(**kwargs)
+        except TypeError as e:
+            raise ValueError(f"{cls.__name__} cannot take fields {sorted(kwargs)} ({e}); pass the fields "
+                             f"{cls.__name__} has, as QuantConfig.to_dict writes them") from None
+    if "map" in v:
+        if not isinstance(v["map"], dict):
+            raise ValueError(f"cannot decode config field {v!r}: 'map' must hold a dict")
+        return {k: _decode(x) for k, x in v["map"].items()}
+    raise ValueError(f"cannot decode config field {v!r}; pass values as QuantConfig.to_dict writes them "
+                     "(plain JSON values, or a dict with one of the keys 'type', 'dtype', 'enum', 'granularity', "
+                     "'map')")
 
 
 def config_from_dict(d: dict) -> QuantConfig:
-    """Inverse of `QuantConfig.to_dict`: {"type": "Int4WeightOnlyConfig", "group_size": 128, ...}."""
+    """Inverse of `QuantConfig.to_dict`: {"type": "Int4WeightOnlyConfig", "group_size": 128, ...}.
+
+    Anything that is not such a dict raises ValueError naming the offending field."""
     if not isinstance(d, dict):
         raise ValueError(f"config_from_dict expects a dict from QuantConfig.to_dict(), got {type(d).__name__}")
     name = d.get("type")
-    if name not in _CONFIGS:
-        raise ValueError(f"unknown config type {name!r}; known: {sorted(_CONFIGS)}")
+    if not isinstance(name, str) or name not in _CONFIGS:
+        raise ValueError(f"unknown config type {name!r}: 'type' must be one of {sorted(_CONFIGS)}")
     cls = _CONFIGS[name]
     if cls.from_dict.__func__ is not QuantConfig.from_dict.__func__:
         return cls.from_dict(d)  # a config with its own encoding (FqnToConfig)
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = set(d) - known - {"type"}
     if unknown:
-        raise ValueError(f"{name} has no fields {sorted(unknown)}; its fields: {sorted(known)}")
-    return cls(**{k: _decode(v) for k, v in d.items() if k != "type"})
+        raise ValueError(f"{name} has no fields {sorted(unknown)}; use its fields: {sorted(known)}")
+    fields = {}
+    for k, v in d.items():
+        if k == "type":
+            continue
+        try:
+            fields[k] = _decode(v)
+        except ValueError as e:
+            raise ValueError(f"{name}.{k}: {e}") from None
+    return cls(**fields)
 
 
 # -- base -----------------------------------------------------------------------------------------------
@@ -117,6 +143,17 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "weight_dtype": (torch.dtype,),
     "activation_dtype": (torch.dtype,),
     "granularity": (Granularity,),
+}
+# What a right value looks like, for the error message of a wrong-typed field.
+_FIELD_EXAMPLES: dict[str, str] = {
+    "mapping_type": "MappingType.ASYMMETRIC, not 'ASYMMETRIC'",
+    "zero_point_domain": "ZeroPointDomain.FLOAT or None, not 'FLOAT'",
+    "packing_format": "'auto' or 'dense'",
+    "preserve_zero": "True or False, not 1",
+    "scale_dtype": "torch.bfloat16, not 'bf16'",
+    "weight_dtype": "torch.int4, not 'int4'",
+    "activation_dtype": "torch.float8_e4m3fn, not 'float8_e4m3fn'",
+    "granularity": "PerGroup(32) or PerAxis(0), not 'per_group:32' (affineq.parse_granularity reads strings)",
 }
 
 
@@ -143,7 +180,7 @@ class QuantConfig:
             if want is not None and not isinstance(value, want):
                 names = " or ".join(t.__name__ for t in want)
                 raise ValueError(f"{type(self).__name__}.{f.name}={value!r} must be a {names}, not "
-                                 f"{type(value).__name__} (e.g. MappingType.ASYMMETRIC, not 'ASYMMETRIC')")
+                                 f"{type(value).__name__}: use e.g. {_FIELD_EXAMPLES[f.name]}")
         if self.param_names is not None and (
                 not isinstance(self.param_names, tuple) or not self.param_names
                 or not all(isinstance(n, str) and n for n in self.param_names)):
@@ -183,15 +220,18 @@ class QuantConfig:
     def check_parameter(self, module: nn.Module, name: str) -> str | None:
         """Why parameter `name` of `module` cannot be quantized by this config, or None."""
         if _is_parametrized(module, name):
-            return (f"its {name} is parametrized (torch.nn.utils.parametrize / weight_norm); call "
+            if hasattr(module, f"{name}_g") and hasattr(module, f"{name}_v"):
+                return (f"its {name} is computed by torch.nn.utils.weight_norm (from {name}_g and {name}_v); "
+                        f"call torch.nn.utils.remove_weight_norm(module, {name!r}) first")
+            return (f"its {name} is parametrized (torch.nn.utils.parametrize); call "
                     f"torch.nn.utils.parametrize.remove_parametrizations(module, {name!r}) first")
         w = module._parameters.get(name)
         if w is None:
             if isinstance(getattr(module, name, None), AffineQuantizedTensor):
-                return f"its {name} is already quantized"
+                return _ALREADY.format(name=name)
             return f"it has no parameter {name!r} (parameters: {list(module._parameters)})"
         if isinstance(w, AffineQuantizedTensor):
-            return f"its {name} is already quantized"
+            return _ALREADY.format(name=name)
         if not w.dtype.is_floating_point:
             return f"its {name} is {w.dtype}, not floating point"
         if w.numel() == 0:
@@ -229,6 +269,10 @@ class QuantConfig:
         )
 
 
+_ALREADY = ("its {name} is already quantized; quantize_ a float model (load the float weights again), or "
+            "skip quantized modules with filter_fn")
+
+
 def _is_parametrized(module: nn.Module, name: str) -> bool:
     parametrizations = getattr(module, "parametrizations", None)
     if parametrizations is not None and name in parametrizations:
@@ -237,16 +281,19 @@ def _is_parametrized(module: nn.Module, name: str) -> bool:
     return hasattr(module, f"{name}_g") and hasattr(module, f"{name}_v")
 
 
-def _check_group_size(group_size: int | None, param: str = "group_size") -> None:
-    if group_size is None:
+def _check_group_size(group_size: int | None, param: str = "group_size", allow_none: bool = True) -> None:
+    if group_size is None and allow_none:
         return
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
-        raise ValueError(f"{param} must be a positive int or None (per channel), got {group_size!r}")
+        alt = " or None (per channel)" if allow_none else " (32, 64, 128 or 256 are typical)"
+        raise ValueError(f"{param} must be a positive int{alt}, got {group_size!r}")
 
 
 def _check_choice(name: str, value, choices) -> None:
     if value not in choices:
-        raise ValueError(f"{name}={value!r} is not one of {list(choices)}")
+        close = difflib.get_close_matches(value, [str(c) for c in choices], n=1) if isinstance(value, str) else []
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"{name}={value!r} is not one of {list(choices)}{hint}")
 
 
 def _row_block(shape: tuple[int, ...], group_size: int | None) -> tuple[int, ...]:
@@ -286,9 +333,9 @@ class Int4WeightOnlyConfig(QuantConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        _check_group_size(self.group_size)
         if self.group_size is None:
-            raise ValueError("Int4WeightOnlyConfig needs a group_size (32, 64, 128 or 256 are typical)")
+            raise ValueError("Int4WeightOnlyConfig needs a group_size: pass group_size=32, 64, 128 or 256")
+        _check_group_size(self.group_size, allow_none=False)
         _check_choice("packing_format", self.packing_format, ("auto", "dense", "int4_cpu", "int4_cuda", "plain"))
         if self.packing_format.startswith("int4_") and self.group_size not in (32, 64, 128, 256):
             raise ValueError(f"packing_format={self.packing_format!r} needs group_size 32, 64, 128 or 256")
@@ -346,8 +393,12 @@ class IntxWeightOnlyConfig(QuantConfig):
     def __post_init__(self):
         super().__post_init__()
         _check_choice("scale_dtype", self.scale_dtype, (torch.bfloat16, torch.float32))
-        check_target_dtype(self.weight_dtype, "weight_dtype")
-        if not is_integer_target(self.weight_dtype) or self.weight_dtype in (torch.int16, torch.int32):
+        try:
+            check_target_dtype(self.weight_dtype, "weight_dtype")
+            supported = is_integer_target(self.weight_dtype) and self.weight_dtype not in (torch.int16, torch.int32)
+        except ValueError:
+            supported = False
+        if not supported:
             raise ValueError(f"weight_dtype={self.weight_dtype}: use an integer dtype of 1-8 bits "
                              "(torch.int1..torch.int8, torch.uint1..torch.uint8)")
         if self.weight_dtype in (torch.int1, torch.uint1) and self.mapping_type is not MappingType.ASYMMETRIC:
@@ -446,9 +497,9 @@ class Int8DynamicActivationInt4WeightConfig(QuantConfig):
     def __post_init__(self):
         super().__post_init__()
         _check_choice("scale_dtype", self.scale_dtype, (torch.bfloat16, torch.float32))
-        _check_group_size(self.group_size)
         if self.group_size is None:
-            raise ValueError("Int8DynamicActivationInt4WeightConfig needs a group_size (e.g. 32)")
+            raise ValueError("Int8DynamicActivationInt4WeightConfig needs a group_size: pass e.g. group_size=32")
+        _check_group_size(self.group_size, allow_none=False)
         _check_choice("packing_format", self.packing_format, ("auto", "dense", "plain"))
 
     def _block_size(self, shape, module):

@@ -39,7 +39,13 @@ def register_quantize_module_handler(config_cls: type) -> Callable[[Handler], Ha
     """Register `handler(module, config) -> module` for `config_cls` (and its subclasses). The returned
     module replaces `module` in the model (return `module` itself after changing it in place)."""
 
+    if not (isinstance(config_cls, type) and issubclass(config_cls, QuantConfig)):
+        raise TypeError(f"register_quantize_module_handler(config_cls={config_cls!r}): config_cls must be a "
+                        "QuantConfig subclass; define a @dataclass(frozen=True) subclass of affineq.QuantConfig")
+
     def register(fn: Handler) -> Handler:
+        if not callable(fn):
+            raise TypeError(f"a quantize handler must be a callable handler(module, config) -> module, got {fn!r}")
         _HANDLERS[config_cls] = fn
         return fn
 
@@ -85,12 +91,14 @@ class FqnToConfig(QuantConfig):
             if cfg is not None and not isinstance(cfg, QuantConfig):
                 raise ValueError(f"FqnToConfig[{key!r}] must be a config or None, got {cfg!r}")
             if isinstance(cfg, FqnToConfig):
-                raise ValueError(f"FqnToConfig[{key!r}]: FqnToConfig cannot nest")
+                raise ValueError(f"FqnToConfig[{key!r}]: FqnToConfig cannot nest; put its entries in the outer "
+                                 "FqnToConfig")
             if key.startswith("re:"):
                 try:
                     re.compile(key[3:])
                 except re.error as e:
-                    raise ValueError(f"FqnToConfig key {key!r} is not a valid regex: {e}") from None
+                    raise ValueError(f"FqnToConfig key {key!r} is not a valid regex: {e}; fix the pattern after "
+                                     "'re:' (it is matched with re.fullmatch), or use an exact module name") from None
 
     def __hash__(self):
         return hash(tuple(self.fqn_to_config.items()))
@@ -116,7 +124,13 @@ class FqnToConfig(QuantConfig):
         if not isinstance(d, dict) or not isinstance(d.get("fqn_to_config"), dict):
             raise ValueError(f"FqnToConfig.from_dict expects {{'type': 'FqnToConfig', 'fqn_to_config': {{...}}}}, "
                              f"got {d!r}")
-        return cls({k: (None if v is None else _decode(v)) for k, v in d["fqn_to_config"].items()})
+        configs = {}
+        for k, v in d["fqn_to_config"].items():
+            try:
+                configs[k] = None if v is None else _decode(v)
+            except ValueError as e:
+                raise ValueError(f"FqnToConfig[{k!r}]: {e}") from None
+        return cls(configs)
 
 
 def _default_filter(module: nn.Module, fqn: str) -> bool:
@@ -144,35 +158,48 @@ def _param_keys(model: nn.Module, config: FqnToConfig) -> dict[str, list[tuple[s
         else:
             missing.append(key)
     if missing:
-        raise QuantizationError(f"FqnToConfig names modules or parameters the model does not have: {missing}")
+        raise QuantizationError(
+            f"FqnToConfig names modules or parameters the model does not have: {missing}. Use names from "
+            "model.named_modules() / model.named_parameters(), or a 're:' regex key for names that may be absent. "
+            "Nothing was quantized."
+        )
     return out
 
 
 def _plan(model: nn.Module, config: QuantConfig, filter_fn: FilterFn | None):
     """[_Step] to run, and [(fqn, reason)] for selected modules that cannot be quantized."""
     steps, problems = [], []
+    kept_float: dict[int, str] = {}  # id(Parameter) -> name, for parameters FqnToConfig names with None
     param_keys = _param_keys(model, config) if isinstance(config, FqnToConfig) else {}
     for fqn, module in model.named_modules():
         for pname, cfg in param_keys.get(fqn, []):
             if cfg is None:
+                p = module._parameters.get(pname)
+                if p is not None:
+                    kept_float.setdefault(id(p), f"{fqn}.{pname}" if fqn else pname)
                 continue
             cfg = dataclasses.replace(cfg, param_names=(pname,))
             why = cfg.check_parameter(module, pname)
             (problems.append((f"{fqn}.{pname}", why)) if why else steps.append(_Step(fqn, module, cfg)))
         cfg, explicit = config.config_for(fqn) if isinstance(config, FqnToConfig) else (config, False)
         if cfg is None:
+            if explicit:
+                for pname, p in module._parameters.items():
+                    if p is not None:
+                        kept_float.setdefault(id(p), f"{fqn}.{pname}" if fqn else pname)
             continue
         selected = filter_fn(module, fqn) if filter_fn is not None else explicit or _default_filter(module, fqn)
         if not selected:
             continue
         why = cfg.check(module)
         (problems.append((fqn or "<root>", why)) if why else steps.append(_Step(fqn, module, cfg)))
-    _check_tied(model, steps)
+    _check_tied(model, steps, kept_float)
     return steps, problems
 
 
-def _check_tied(model: nn.Module, steps: list[_Step]) -> None:
-    """A parameter shared by several modules (tied weights) gets one config: raise when two differ."""
+def _check_tied(model: nn.Module, steps: list[_Step], kept_float: dict[int, str]) -> None:
+    """A parameter shared by several modules (tied weights) gets one config: raise when two differ, or when
+    FqnToConfig leaves one of its names float (None) and gives another a config."""
     owner_of: dict[int, tuple[str, QuantConfig]] = {}
     for step in steps:
         for name in step.config.parameter_names(step.module):
@@ -180,12 +207,18 @@ def _check_tied(model: nn.Module, steps: list[_Step]) -> None:
             if p is None:
                 continue
             where = f"{step.fqn}.{name}" if step.fqn else name
+            if id(p) in kept_float:
+                raise QuantizationError(
+                    f"{kept_float[id(p)]} and {where} are the same (tied) parameter, but FqnToConfig leaves "
+                    f"{kept_float[id(p)]} float (None) and gives {where} {step.config!r}. Give both names the same "
+                    "config in FqnToConfig (or None to both), or untie the weights first. Nothing was quantized."
+                )
             seen = owner_of.setdefault(id(p), (where, step.config))
             if seen[1] != step.config:
                 raise QuantizationError(
                     f"{seen[0]} and {where} are the same (tied) parameter but are given different configs: "
                     f"{seen[1]!r} and {step.config!r}. Give both names the same config in FqnToConfig (or None "
-                    "to both), or untie the weights first"
+                    "to both), or untie the weights first. Nothing was quantized."
                 )
 
 
@@ -229,9 +262,22 @@ def quantize_(
     quantized weights (the float weights are freed when the call returns). Global torch state is not touched.
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(f"quantize_ expects an nn.Module, got {type(model).__name__}")
+        raise TypeError(f"quantize_(model, config): model must be an nn.Module, got {type(model).__name__}; pass "
+                        "the module itself (a state_dict is quantized by loading it into its model first)")
+    if isinstance(config, type) and issubclass(config, QuantConfig):
+        raise TypeError(f"config must be a config instance, got the class {config.__name__}; call it: "
+                        f"{config.__name__}()")
     if not isinstance(config, QuantConfig):
         raise TypeError(f"config must be an affineq config (e.g. Int4WeightOnlyConfig()), got {config!r}")
+    if filter_fn is not None and not callable(filter_fn):
+        raise TypeError(f"filter_fn must be a callable filter_fn(module, fqn) -> bool (or None: every nn.Linear), "
+                        f"got {filter_fn!r}; e.g. filter_fn=lambda module, fqn: isinstance(module, nn.Linear)")
+    if device is not None:
+        try:
+            torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"device={device!r} is not a torch device ({e}); pass e.g. 'cpu', 'cuda' or "
+                             "torch.device('cuda:0'), or None to quantize where each module is") from None
     steps, problems = _plan(model, config, filter_fn)
     if problems:
         lines = "\n".join(f"  - {fqn}: {why}" for fqn, why in problems)

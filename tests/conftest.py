@@ -18,3 +18,41 @@ def sqnr(ref: torch.Tensor, approx: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio in dB."""
     ref, approx = ref.double(), approx.double()
     return float(10 * torch.log10(ref.pow(2).mean() / (ref - approx).pow(2).mean()))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of `t` (so NaN == NaN and -0.0 != 0.0: bit-identical, not numerically equal)."""
+    return t.detach().reshape(-1).contiguous().view(torch.uint8)
+
+
+def snapshot_model(model: torch.nn.Module) -> dict:
+    """Everything `assert_unchanged` checks: each parameter and buffer as (object, detached clone) by name
+    (tied parameters under every name), and each module object (with its class) by name."""
+    return {
+        "params": {n: (p, p.detach().clone()) for n, p in model.named_parameters(remove_duplicate=False)},
+        "buffers": {n: (b, b.detach().clone()) for n, b in model.named_buffers(remove_duplicate=False)},
+        "modules": {n: (m, type(m)) for n, m in model.named_modules(remove_duplicate=False)},
+        "requires_grad": {n: p.requires_grad for n, p in model.named_parameters(remove_duplicate=False)},
+    }
+
+
+def assert_unchanged(model: torch.nn.Module, snapshot: dict) -> None:
+    """Assert `model` holds exactly what `snapshot_model` recorded: the same parameter, buffer and module
+    objects under the same names (`is`), each parameter and buffer bit-identical to its recorded value, with
+    the same dtype, shape, device and requires_grad, and no module changed class."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    modules = dict(model.named_modules(remove_duplicate=False))
+    for kind, now in (("params", params), ("buffers", buffers)):
+        assert now.keys() == snapshot[kind].keys(), f"{kind} names changed"
+        for name, (obj, value) in snapshot[kind].items():
+            t = now[name]
+            assert t is obj, f"{name}: a different object than before"
+            assert t.dtype == value.dtype and t.shape == value.shape, f"{name}: dtype or shape changed"
+            assert t.device == value.device, f"{name}: moved to {t.device}"
+            if kind == "params":
+                assert t.requires_grad == snapshot["requires_grad"][name], f"{name}: requires_grad changed"
+            assert torch.equal(_bits(t), _bits(value)), f"{name}: values changed"
+    assert modules.keys() == snapshot["modules"].keys(), "module names changed"
+    for name, (obj, cls) in snapshot["modules"].items():
+        assert modules[name] is obj and type(obj) is cls, f"module {name!r} was replaced or changed class"

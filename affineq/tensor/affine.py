@@ -47,7 +47,7 @@ def _check_act_tensors(t: dict[str, torch.Tensor], spec: QuantSpec) -> None:
     """ValueError unless the activation tensors in `t` fit `spec` (names, shapes, dtypes, static qparams)."""
     unknown = [n for n in t if n.startswith("act_") and n not in ACT_TENSORS]
     if unknown:
-        raise ValueError(f"unknown activation tensors {unknown}; known: {list(ACT_TENSORS)}")
+        raise ValueError(f"unknown activation tensors {unknown}; use one of {list(ACT_TENSORS)}")
     pre = t.get("act_pre_scale")
     if pre is not None and (pre.dim() != 1 or pre.shape[0] != spec.shape[-1] or not pre.dtype.is_floating_point):
         raise ValueError(f"act_pre_scale must be a float tensor of shape [{spec.shape[-1]}] (one per input "
@@ -68,6 +68,21 @@ def _check_act_tensors(t: dict[str, torch.Tensor], spec: QuantSpec) -> None:
         if needs_zp != ("act_zero_point" in t):
             raise ValueError(f"static {aq.zero_point_domain.name}-domain activation quantization "
                              f"{'needs' if needs_zp else 'takes no'} act_zero_point")
+
+
+def _check_finite_qparams(scale: torch.Tensor, zero_point: torch.Tensor | None) -> None:
+    """ValueError for inf / NaN qparams (e.g. a finite tensor whose range max - min overflows the scale
+    dtype): they would dequantize to NaN. Skipped while tracing and on meta tensors."""
+    if torch.compiler.is_compiling() or scale.device.type == "meta":
+        return
+    bad = [name for name, q in (("scale", scale), ("zero_point", zero_point))
+           if q is not None and q.dtype.is_floating_point and not bool(torch.isfinite(q).all())]
+    if bad:
+        raise ValueError(
+            f"the qparams ({' and '.join(bad)}) are not finite: the tensor's range overflows {scale.dtype} "
+            "(|values| near the float limit, or inf/NaN qparams passed in), so it would dequantize to NaN; "
+            "scale the tensor down before quantizing, or pass finite qparams"
+        )
 
 
 class AffineQuantizedTensor(torch.Tensor):
@@ -173,6 +188,7 @@ class AffineQuantizedTensor(torch.Tensor):
         scale, zero_point = cls._checked_format(spec).represent_qparams(
             scale.reshape(n_blocks), None if zero_point is None else zero_point.reshape(n_blocks), spec
         )
+        _check_finite_qparams(scale, zero_point)
         codes = quantize_affine(input, spec.block_size, scale, zero_point, spec.target, spec.quant_min,
                                 spec.quant_max, spec.zero_point_domain)
         return cls.from_codes(codes, scale, zero_point, spec.replace(dtype=input.dtype))
@@ -197,9 +213,10 @@ class AffineQuantizedTensor(torch.Tensor):
         safetensors file and `QuantSpec.from_dict`. Checks every name, shape and dtype against what the
         format declares (and the activation tensors against the spec); ValueError names what is wrong."""
         if not isinstance(spec, QuantSpec):
-            raise ValueError(f"spec must be a QuantSpec (QuantSpec.from_dict reads a stored one), got {spec!r}")
+            raise ValueError(f"spec must be a QuantSpec (use QuantSpec.from_dict to read a stored one), got {spec!r}")
         if not isinstance(tensors, dict):
-            raise ValueError(f"tensors must be a dict of name -> tensor, got {type(tensors).__name__}")
+            raise ValueError(f"tensors must be a dict of name -> tensor (as AffineQuantizedTensor.tensors returns "
+                             f"it), got {type(tensors).__name__}")
         fmt = get_format(spec.fmt)
         fmt.validate({k: v for k, v in tensors.items() if not k.startswith("act_")}, spec)
         _check_act_tensors(tensors, spec)
@@ -222,7 +239,8 @@ class AffineQuantizedTensor(torch.Tensor):
         fmt = get_format(spec.fmt)
         why = fmt.check(spec)
         if why is not None:
-            raise ValueError(f"packing_format={spec.fmt!r} cannot hold this tensor: {why}")
+            raise ValueError(f"packing_format={spec.fmt!r} cannot hold this tensor: {why}; choose another "
+                             "packing_format ('plain' holds any tensor)")
         return fmt
 
     def with_act_tensors(self, **act: torch.Tensor | None) -> AffineQuantizedTensor:
@@ -230,7 +248,7 @@ class AffineQuantizedTensor(torch.Tensor):
         tensors = self.tensors
         for name, t in act.items():
             if name not in ACT_TENSORS:
-                raise ValueError(f"unknown activation tensor {name!r}; known: {list(ACT_TENSORS)}")
+                raise ValueError(f"unknown activation tensor {name!r}; use one of {list(ACT_TENSORS)}")
             if t is None:
                 tensors.pop(name, None)
             else:

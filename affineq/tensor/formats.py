@@ -25,6 +25,7 @@ Float8 codes in `dense` are their bytes, u = the float8 value, offset 0.
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 
 import torch
@@ -78,10 +79,10 @@ class PackingFormat:
                 raise ValueError(f"format {self.name!r}: tensors[{name!r}] must be a torch.Tensor, got "
                                  f"{type(x).__name__}")
             if x.dtype not in lay.dtypes:
-                raise ValueError(f"format {self.name!r}: tensors[{name!r}] has dtype {x.dtype}, expected one of "
+                raise ValueError(f"format {self.name!r}: tensors[{name!r}] has dtype {x.dtype}; it must be one of "
                                  f"{[str(d) for d in lay.dtypes]} for this spec")
             if lay.shape is not None and tuple(x.shape) != lay.shape:
-                raise ValueError(f"format {self.name!r}: tensors[{name!r}] has shape {tuple(x.shape)}, expected "
+                raise ValueError(f"format {self.name!r}: tensors[{name!r}] has shape {tuple(x.shape)}; it must be "
                                  f"{lay.shape} for logical shape {spec.shape} and block_size {spec.block_size}")
 
     def pack(self, codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
@@ -129,8 +130,10 @@ def register_format(fmt: PackingFormat) -> PackingFormat:
 
 
 def get_format(name: str) -> PackingFormat:
-    if name not in FORMATS:
-        raise ValueError(f"unknown packing_format {name!r}; available: {sorted(FORMATS)}")
+    if not isinstance(name, str) or name not in FORMATS:
+        close = difflib.get_close_matches(name, list(FORMATS), n=1) if isinstance(name, str) else []
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"unknown packing_format {name!r}{hint}; use one of {sorted(FORMATS)}")
     return FORMATS[name]
 
 
@@ -298,11 +301,31 @@ class Dense(PackingFormat):
             else:
                 offset = _offset(scale, zero_point, spec)
         qdtype = torch.bfloat16 if self._bf16(scale, spec) else torch.float32
-        return {
+        t = {
             "qdata": _cpp.pack_codes(u, spec.target.bits),
             "scale": scale.to(qdtype).reshape(n, -1).contiguous(),
             "offset": offset.to(qdtype).reshape(n, -1).contiguous(),
         }
+        self._check_representable(t, spec)
+        return t
+
+    def _check_representable(self, t: Tensors, spec: QuantSpec) -> None:
+        """ValueError unless w = scale * u + offset stays finite in fp32 for every code u (the C++ kernel and
+        the PyTorch dequantize compute scale * u first): weights near the fp32 limit (|w| ~ 1e38) could
+        otherwise dequantize to inf although their qparams are finite."""
+        if torch.compiler.is_compiling() or t["scale"].device.type == "meta":
+            return
+        s = t["scale"].float()
+        umax = (torch.finfo(spec.target.container).max if spec.target.is_float
+                else float(spec.quant_max - spec.quant_min))
+        top = s * umax
+        edges = torch.stack([s, self._fp32_offset(t, spec), top, top + self._fp32_offset(t, spec)])
+        if not bool(torch.isfinite(edges).all()):
+            raise ValueError(
+                f"packing_format='dense' cannot hold these weights: w = scale * u + offset (u up to {umax:g}) "
+                f"overflows float32 for scales up to {float(s.abs().max()):.3g} (weights near the float32 limit); "
+                "use packing_format='plain', or scale the weights down before quantizing"
+            )
 
     @staticmethod
     def _fp32_offset(t: Tensors, spec: QuantSpec) -> torch.Tensor:

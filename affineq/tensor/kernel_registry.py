@@ -63,6 +63,12 @@ def select_linear_kernel(x: torch.Tensor, w) -> tuple[LinearKernel | None, list[
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, w, bias) for an AffineQuantizedTensor weight w [N, K]: a packed kernel or the fallback."""
     check_frozen(w)
+    if x.dim() == 0 or x.shape[-1] != w.shape[-1]:
+        raise RuntimeError(
+            f"linear: input of shape {tuple(x.shape)} cannot be multiplied by the quantized weight of shape "
+            f"{tuple(w.shape)}: the input's last dim must be in_features={w.shape[-1]}; pass an input of shape "
+            f"[..., {w.shape[-1]}]"
+        )
     x = prepare_input(x, w)
     if w.spec.transposed:
         kernel, reasons = None, ["the weight is a transposed view; kernels read the stored [N, K] layout"]

@@ -292,7 +292,8 @@ def _blockwise(func, tensors: list[AQT], rest, kwargs, listwise: bool = False):
 def _rebuild(base: AQT, p: dict[str, torch.Tensor], func) -> AQT:
     spec = base.spec
     if p["codes"].dim() == 0:
-        raise ValueError(f"{func}: a 0-d result of a quantized tensor is not supported; dequantize() first")
+        raise ValueError(f"{func}: a 0-d result of a quantized tensor is not supported; call .dequantize() first "
+                         "and index the float tensor")
     block = _infer_block(p["ids"])
     if block is None:
         raise ValueError(

@@ -28,6 +28,27 @@ _KEYS = {"version", "shape", "dtype", "target", "block_size", "quant_min", "quan
          "mapping_type", "format", "transposed", "act_quant", "scale_type"}
 
 
+def _enum_member(name: str, value, cls: type[enum.Enum]):
+    """`cls[value]` for a stored enum name, else ValueError naming the field and the members."""
+    if not isinstance(value, str) or value not in cls.__members__:
+        raise ValueError(f"{name}={value!r} is an unknown enum member of {cls.__name__}; use one of "
+                         f"{list(cls.__members__)}")
+    return cls[value]
+
+
+def _scale_qtype(scale_type) -> QType | None:
+    """The scale QType of QuantSpec.create's `scale_type`: None (float scales) or e8m0."""
+    if scale_type is None:
+        return None
+    try:
+        st = qtype(scale_type)
+    except ValueError:
+        st = None
+    if st is None or st.name != "e8m0":
+        raise ValueError(f"scale_type={scale_type!r}: use None (float scales) or 'e8m0' (powers of two)")
+    return st
+
+
 def _check_enum(name: str, value, cls: type[enum.Enum]) -> None:
     if not isinstance(value, cls):
         raise ValueError(f"{name}={value!r}: use one of {[f'{cls.__name__}.{m.name}' for m in cls]}")
@@ -68,8 +89,19 @@ class ActivationQuant:
 
     @classmethod
     def from_dict(cls, d: dict) -> ActivationQuant:
-        return cls(qtype(d["dtype"]), MappingType[d["mapping_type"]], d["granularity"],
-                   ZeroPointDomain[d["zero_point_domain"]], d.get("eps"), d.get("static", False))
+        if not isinstance(d, dict):
+            raise ValueError(f"act_quant must be a dict from ActivationQuant.to_dict() or None, got {d!r}")
+        missing = [k for k in ("dtype", "mapping_type", "granularity", "zero_point_domain") if k not in d]
+        if missing:
+            raise ValueError(f"act_quant dict is missing keys {missing}; pass the dict ActivationQuant.to_dict() "
+                             "wrote")
+        try:
+            dtype = qtype(d["dtype"])
+        except ValueError as e:
+            raise ValueError(f"act_quant.dtype: {e}") from None
+        return cls(dtype, _enum_member("act_quant.mapping_type", d["mapping_type"], MappingType), d["granularity"],
+                   _enum_member("act_quant.zero_point_domain", d["zero_point_domain"], ZeroPointDomain),
+                   d.get("eps"), d.get("static", False))
 
 
 @dataclass(frozen=True)
@@ -130,15 +162,19 @@ class QuantSpec:
     ) -> QuantSpec:
         """The one way to build a spec: validates the target and its range (None = the full range); float
         targets always get ZeroPointDomain.NONE (they have no zero point)."""
-        t = qtype(target)
+        try:
+            t = qtype(target)
+        except ValueError as e:
+            raise ValueError(f"target={target!r}: {e}; use one of these names or a torch dtype such as torch.int4 "
+                             "(affineq.register_qtype adds new ones)") from None
         qmin, qmax = check_quant_range(t, quant_min, quant_max)
         _check_enum("mapping_type", mapping_type, MappingType)
         _check_enum("zero_point_domain", zero_point_domain, ZeroPointDomain)
         if len(block_size) != len(shape):
-            raise ValueError(f"block_size {tuple(block_size)} needs one entry per dim of shape {tuple(shape)}")
-        st = None if scale_type is None else qtype(scale_type)
-        if st is not None and st.name != "e8m0":
-            raise ValueError(f"scale_type={scale_type!r}: use None (float scales) or 'e8m0' (powers of two)")
+            example = (1,) * (len(shape) - 1) + (shape[-1],) if len(shape) else ()
+            raise ValueError(f"block_size {tuple(block_size)} must have one entry per dim of shape {tuple(shape)}, "
+                             f"e.g. {example} (one qparam per row)")
+        st = _scale_qtype(scale_type)
         return cls(
             shape=tuple(int(s) for s in shape), dtype=dtype, target=t,
             block_size=tuple(int(b) for b in block_size), quant_min=qmin, quant_max=qmax,
@@ -198,19 +234,25 @@ class QuantSpec:
                              f"{SPEC_VERSION}); upgrade affineq to read this checkpoint")
         missing, unknown = _KEYS - set(d), set(d) - _KEYS
         if missing or unknown:
-            raise ValueError(f"QuantSpec dict: missing keys {sorted(missing)}, unknown keys {sorted(unknown)}")
-        dtype = getattr(torch, d["dtype"], None)
+            raise ValueError(f"QuantSpec dict: missing keys {sorted(missing)}, unknown keys {sorted(unknown)}; pass "
+                             "the dict QuantSpec.to_dict() wrote (or upgrade affineq if a newer one wrote it)")
+        dtype = getattr(torch, d["dtype"], None) if isinstance(d["dtype"], str) else None
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise ValueError(f"QuantSpec dict: dtype {d['dtype']!r} is not a floating-point torch dtype")
+            raise ValueError(f"QuantSpec dict: dtype {d['dtype']!r} is not a floating-point torch dtype; it must be "
+                             "the logical float dtype, e.g. 'float32' or 'bfloat16'")
+        for key in ("shape", "block_size"):
+            if not isinstance(d[key], (list, tuple)) or not all(
+                    isinstance(x, int) and not isinstance(x, bool) for x in d[key]):
+                raise ValueError(f"QuantSpec dict: {key} must be a list of ints, got {d[key]!r}")
         try:
             return cls.create(
                 tuple(d["shape"]), dtype, d["target"], tuple(d["block_size"]),
-                mapping_type=MappingType[d["mapping_type"]],
-                zero_point_domain=ZeroPointDomain[d["zero_point_domain"]], quant_min=d["quant_min"],
-                quant_max=d["quant_max"], packing_format=d["format"],
+                mapping_type=_enum_member("mapping_type", d["mapping_type"], MappingType),
+                zero_point_domain=_enum_member("zero_point_domain", d["zero_point_domain"], ZeroPointDomain),
+                quant_min=d["quant_min"], quant_max=d["quant_max"], packing_format=d["format"],
                 act_quant=None if d["act_quant"] is None else ActivationQuant.from_dict(d["act_quant"]),
                 scale_type=d["scale_type"], transposed=bool(d["transposed"]),
             )
-        except KeyError as e:
-            raise ValueError(f"QuantSpec dict: unknown enum member {e}") from None
+        except ValueError as e:
+            raise ValueError(f"QuantSpec dict: {e}") from None
 
