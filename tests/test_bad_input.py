@@ -302,7 +302,8 @@ CASES = [
     pytest.param(Q(_with_nan, Int8WeightOnlyConfig()), QuantizationError,
                  r"'2'.*NaN or Inf.*clean the tensor", id="nan-weight"),
     pytest.param(Q(_near_fp32_limit, Int4WeightOnlyConfig(group_size=32)), QuantizationError,
-                 r"'2'.*qparams \(scale.*\) are not finite.*scale the tensor down", id="range-overflows-scale"),
+                 r"'2'.*packing_format='dense' cannot hold these weights.*overflows float32.*"
+                 r"use packing_format='plain'", id="dense-range-overflows"),
     pytest.param(Q(_near_fp32_limit, IntxWeightOnlyConfig(torch.int4)), QuantizationError,
                  r"'2'.*packing_format='dense' cannot hold these weights.*use packing_format='plain'",
                  id="dense-overflows"),

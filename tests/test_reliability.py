@@ -39,7 +39,6 @@ from affineq import (
 from affineq.tensor import fallback
 
 AQT = AffineQuantizedTensor
-PRIM_BRANCH = "fixed in choose_qparams_affine on the prim-reliability branch"
 JOIN_S = 30  # no thread test can hang longer than this
 
 
@@ -315,8 +314,6 @@ def test_tied_weights_with_one_config_stay_tied(config):
 # -- 7. fp16 models: small weights --------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason=PRIM_BRANCH + " (eps: the default is fp16's smallest normal, 6.1e-5, "
-                                                     "larger than the scale of N(0, 1e-4) weights)")
 def test_fp16_int8_error_on_small_weights_is_that_of_bf16_and_fp32():
     torch.manual_seed(0)
     w = torch.randn(256, 512) * 1e-4
@@ -522,11 +519,10 @@ def _dense(target, mapping, domain, scale_dtype, group):
                           packing_format="dense")
 
 
-# Found: the C++ lowbit_dequantize computes scale * u + offset with a fused multiply-add (GCC contracts it at
-# -O3 -march=native) where the PyTorch fallback rounds the product first: with fp32 qparams they differ in the
-# last bits of ~half the weights, and a code equal to an integer zero point dequantizes to ~1e-7, not 0.
-_FMA = pytest.mark.xfail(strict=True, reason="C++ dequantize rounding differs from the PyTorch fallback; being "
-                                              "unified (C++: one FMA for scale * u + offset; PyTorch: mul then add)")
+# Found: the C++ lowbit_dequantize computed scale * u + offset as one fused multiply-add (GCC contracted it at
+# -O3 -march=native) where the PyTorch fallback rounds the product first; with fp32 qparams they differed in the
+# last bits of ~half the weights, and a code equal to an integer zero point dequantized to ~1e-7, not 0. Now
+# the C++ loop rounds the product (AQ_ROUNDED) and dense's dequantize() uses the primitives' rounding.
 _DENSE = {
     "uint4-bf16-float-zero": (torch.uint4, MappingType.ASYMMETRIC, ZeroPointDomain.FLOAT, torch.bfloat16, 128),
     "int4-fp32": (torch.int4, MappingType.SYMMETRIC, ZeroPointDomain.NONE, torch.float32, 128),
@@ -535,7 +531,7 @@ _DENSE = {
     "int3-fp32": (torch.int3, MappingType.SYMMETRIC, ZeroPointDomain.NONE, torch.float32, 32),
     "fp8": (torch.float8_e4m3fn, MappingType.SYMMETRIC, ZeroPointDomain.NONE, torch.float32, 256),
 }
-_DENSE_PARAMS = [pytest.param(k, marks=_FMA) if _DENSE[k][3] == torch.float32 and k != "fp8" else k for k in _DENSE]
+_DENSE_PARAMS = list(_DENSE)
 
 
 def _needs_cpp():
@@ -550,17 +546,13 @@ def test_dense_dequantize_is_the_same_with_and_without_the_cpp_library(case):
     t, spec = qw.tensors, qw.spec
     args = (t["qdata"], t["scale"], t["offset"], spec.target.bits, spec.block_size[1], *spec.shape,
             cpp.codes_kind(spec.target))
-    with_cpp = qw.dequantize()
-    with cpp._set_disabled(True):
-        disabled = qw.dequantize()
-    # _set_disabled stops lowbit_linear only: the registered C++ lowbit_dequantize still runs. So compare the
-    # C++ op with the PyTorch implementation that runs where the library is not built, directly, as well.
-    python = cpp._dequantize(*args)
-    assert torch.equal(with_cpp.view(torch.int32), disabled.view(torch.int32))
-    assert torch.equal(with_cpp.view(torch.int32), python.view(torch.int32))
+    # the op: the C++ kernel and the PyTorch implementation that runs where the library is not built
+    op = torch.ops.affineq.lowbit_dequantize(*args)
+    assert torch.equal(op.view(torch.int32), cpp._dequantize(*args).view(torch.int32))
+    # dequantize(): the primitives' values whichever format "auto" picked (dense with C++, plain without)
+    assert torch.equal(qw.dequantize().view(torch.int32), qw.to_format("plain").dequantize().view(torch.int32))
 
 
-@_FMA
 def test_dense_int_zero_point_keeps_zero_exact_with_the_cpp_library():
     # preserve_zero: a weight of exactly 0 has a code whose dequantized value is exactly 0 (plain and the
     # PyTorch dense path give 0; the fused C++ path leaves scale * zp - round(scale * zp), ~1e-7)

@@ -166,8 +166,10 @@ void dequantize_f32(const uint8_t* packed, const void* scale, const void* offset
           const int64_t g = kk / group_size;
           const float c =
               codes == kCodesUint ? static_cast<float>(code) : detail::fp8_to_float(static_cast<uint8_t>(code), codes);
-          w[row * k + kk] =
-              detail::qparam_at(qp, false, 1.f, row * G + g) * c + detail::qparam_at(qp, true, 1.f, row * G + g);
+          // scale * c, rounded, then + offset: the PyTorch fallback's two roundings, never one FMA
+          float product = detail::qparam_at(qp, false, 1.f, row * G + g) * c;
+          AQ_ROUNDED(product);
+          w[row * k + kk] = product + detail::qparam_at(qp, true, 1.f, row * G + g);
         }
       }
     }
