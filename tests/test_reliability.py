@@ -519,10 +519,10 @@ def _dense(target, mapping, domain, scale_dtype, group):
                           packing_format="dense")
 
 
-# Found: the C++ lowbit_dequantize computed scale * u + offset as one fused multiply-add (GCC contracted it at
-# -O3 -march=native) where the PyTorch fallback rounds the product first; with fp32 qparams they differed in the
+# Found: the C++ lowbit_dequantize fused scale * u + offset into one multiply-add for some elements (GCC contracts
+# at -O3 -march=native) where the PyTorch fallback rounded the product first; with fp32 qparams they differed in the
 # last bits of ~half the weights, and a code equal to an integer zero point dequantized to ~1e-7, not 0. Now
-# the C++ loop rounds the product (AQ_ROUNDED) and dense's dequantize() uses the primitives' rounding.
+# both round once (std::fma; float64 in PyTorch), and dense's dequantize() uses the primitives' rounding.
 _DENSE = {
     "uint4-bf16-float-zero": (torch.uint4, MappingType.ASYMMETRIC, ZeroPointDomain.FLOAT, torch.bfloat16, 128),
     "int4-fp32": (torch.int4, MappingType.SYMMETRIC, ZeroPointDomain.NONE, torch.float32, 128),

@@ -258,7 +258,10 @@ def _dequantize(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
     s, o = scale.float(), offset.float()
     if scale.dtype == torch.bfloat16:
         o = o - (1 << (bits - 1)) * s
-    return (u * s[:, :, None] + o[:, :, None]).view(n, k)
+    # One rounding of s * c + o, as the C++ op's std::fma: the product of a 24-bit scale and an 8-bit code is
+    # exact in float64, and so is the sum wherever o is not below 2**-29 of it (always, for stored offsets).
+    w = u.double() * s.double()[:, :, None] + o.double()[:, :, None]
+    return w.float().view(n, k)
 
 
 def lowbit_linear_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,

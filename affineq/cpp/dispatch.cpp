@@ -26,6 +26,7 @@
 //
 // Only <ATen/Parallel.h> is included (compiles fast, no torch types); threads come from torch's OpenMP pool.
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "common.h"
@@ -166,10 +167,10 @@ void dequantize_f32(const uint8_t* packed, const void* scale, const void* offset
           const int64_t g = kk / group_size;
           const float c =
               codes == kCodesUint ? static_cast<float>(code) : detail::fp8_to_float(static_cast<uint8_t>(code), codes);
-          // scale * c, rounded, then + offset: the PyTorch fallback's two roundings, never one FMA
-          float product = detail::qparam_at(qp, false, 1.f, row * G + g) * c;
-          AQ_ROUNDED(product);
-          w[row * k + kk] = product + detail::qparam_at(qp, true, 1.f, row * G + g);
+          // One rounding of scale * c + offset, always (std::fma, not left to the compiler's contraction, which
+          // fused only some elements); the PyTorch fallback computes the same in float64.
+          w[row * k + kk] =
+              std::fma(detail::qparam_at(qp, false, 1.f, row * G + g), c, detail::qparam_at(qp, true, 1.f, row * G + g));
         }
       }
     }

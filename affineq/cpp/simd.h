@@ -29,16 +29,6 @@
 #define AQ_BF16DOT 1
 #endif
 
-// AQ_ROUNDED(v): v is materialized as a float here, so the compiler cannot contract it into a later add
-// (no FMA): a product then a sum round twice, exactly as PyTorch's elementwise mul and add do.
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
-#define AQ_ROUNDED(v) asm("" : "+x"(v))
-#elif defined(__GNUC__) && defined(__aarch64__)
-#define AQ_ROUNDED(v) asm("" : "+w"(v))
-#else
-#define AQ_ROUNDED(v) (void)(v)
-#endif
-
 #if defined(__GNUC__)
 #define AQ_INLINE inline __attribute__((always_inline))
 #define AQ_OPAQUE(ptr) asm("" : "+r"(ptr))  // the compiler forgets where ptr points (no store forwarding)
