@@ -1,5 +1,7 @@
 // Shared context of the kernels, the out-of-line part (declarations and inline helpers in common.h): the
 // per-thread scratch buffers several paths use, and qparam loading (transposed fp32 scales / offsets).
+#include <bit>
+
 #include "common.h"
 
 namespace affineq::detail {
@@ -9,7 +11,7 @@ thread_local Scratch tl_xcall;
 
 namespace {
 
-thread_local Scratch tl_qconv, tl_qconv2;  // load_qparams' conversion buffers
+thread_local Scratch tl_qconv;  // load_qparams' conversion buffer
 thread_local Scratch tl_tail;             // panel_ptr's copy of the tail panel
 
 // dst[g * ldd + r] = src[r * lds + g] for r < rows, g < G; rows in [rows, R) are zero-filled.
@@ -98,24 +100,16 @@ void load_qparams(const LowbitProblem& p, bool offset, float mul, int64_t r0, in
     float* t = tl_qconv.get<float>(cnt);
     const uint16_t* s16 = static_cast<const uint16_t*>(p.scale) + r0 * G;
     const uint16_t* z16 = static_cast<const uint16_t*>(p.offset) + r0 * G;
-    const auto widen = [](uint16_t b) { return static_cast<uint32_t>(b) << 16; };
+    // bf16 -> fp32 is the bf16 bits in the top half; one pass per case (vectorized by the compiler)
+    const auto widen = [](uint16_t b) { return std::bit_cast<float>(static_cast<uint32_t>(b) << 16); };
     if (!p.qparams_bf16) {
       for (int64_t i = 0; i < cnt; ++i) t[i] = src[i] * mul;
     } else if (!offset) {
-      uint32_t* tb = reinterpret_cast<uint32_t*>(t);
-      for (int64_t i = 0; i < cnt; ++i) tb[i] = widen(s16[i]);
-      if (mul != 1.f)
-        for (int64_t i = 0; i < cnt; ++i) t[i] *= mul;
+      for (int64_t i = 0; i < cnt; ++i) t[i] = widen(s16[i]) * mul;
     } else {
+      // fp32 offset of w = scale * u + offset: z - 2^(bits-1) * scale (the product is exact)
       const float half = static_cast<float>(1 << (p.bits - 1));
-      float* sc = tl_qconv2.get<float>(cnt);
-      uint32_t* tb = reinterpret_cast<uint32_t*>(t);
-      uint32_t* sb = reinterpret_cast<uint32_t*>(sc);
-      for (int64_t i = 0; i < cnt; ++i) {
-        tb[i] = widen(z16[i]);
-        sb[i] = widen(s16[i]);
-      }
-      for (int64_t i = 0; i < cnt; ++i) t[i] -= half * sc[i];
+      for (int64_t i = 0; i < cnt; ++i) t[i] = widen(z16[i]) - half * widen(s16[i]);
     }
     src = t;
   }

@@ -71,7 +71,8 @@ def fake_quantize_activation(x: torch.Tensor, aq: ActivationQuant, w=None) -> to
     if is_symmetric_int8(aq):
         q, scale = int8_activation(x2, aq.granularity == "per_token",
                                    aq.mapping_type is MappingType.SYMMETRIC_NO_CLIPPING_ERR, act_eps(x, aq))
-        return _saturate(q.float() * scale, x.dtype).view(x.shape)
+        out = q.float() * scale
+        return (_saturate(out, x.dtype) if _may_overflow(scale, x.dtype, 128) else out.to(x.dtype)).view(x.shape)
     asymmetric_int = aq.mapping_type is MappingType.ASYMMETRIC and aq.zero_point_domain is ZeroPointDomain.INT
     if aq.dtype.name == "int8" and asymmetric_int:
         return _int8_asymmetric_fake_quant(x2, aq.granularity == "per_token", act_eps(x, aq)).view(x.shape)
@@ -94,6 +95,15 @@ def _saturate(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`v` cast to `dtype`, clamped to its finite range first (as dequantize_affine does)."""
     limit = torch.finfo(dtype).max
     return v.clamp(-limit, limit).to(dtype)
+
+
+def _may_overflow(scale: torch.Tensor, dtype: torch.dtype, codes: int) -> bool:
+    """Whether `codes` * scale can pass `dtype`'s finite range (or the scale itself overflowed): then the
+    shortcuts take their overflow-safe steps. Under torch.compile always (no host sync in a graph; inductor
+    fuses the extra ops); eagerly one comparison, as the safe steps cost more than it on every call."""
+    if torch.compiler.is_compiling():
+        return True
+    return bool((scale > torch.finfo(dtype).max / codes).any())
 
 
 def _row_range(xf: torch.Tensor, per_token: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,8 +136,10 @@ def _int8_asymmetric_fake_quant(x2: torch.Tensor, per_token: bool, eps: float) -
     lo, hi = _row_range(xf, per_token)
     lo, hi = lo.clamp(max=0.0), hi.clamp(min=0.0)
     scale = ((hi - lo) / 255.0).clamp(min=eps)
-    # hi - lo overflows float32 past +-1.7e38: the primitives then take the halves (no overflow)
-    scale = torch.where(torch.isfinite(scale), scale, ((hi * 0.5 - lo * 0.5) / 127.5).clamp(min=eps))
+    careful = _may_overflow(scale, x2.dtype, 256)
+    if careful:  # hi - lo overflows float32 past +-1.7e38: the primitives then take the halves (no overflow)
+        scale = torch.where(torch.isfinite(scale), scale, ((hi * 0.5 - lo * 0.5) / 127.5).clamp(min=eps))
     zp = (-128.0 - torch.round(lo / scale)).clamp(-128, 127)
     q = (torch.round(xf * (1.0 / scale)) + zp).clamp(-128, 127)
-    return _saturate((q - zp) * scale, x2.dtype)
+    out = (q - zp) * scale
+    return _saturate(out, x2.dtype) if careful else out.to(x2.dtype)

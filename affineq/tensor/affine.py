@@ -128,6 +128,7 @@ class AffineQuantizedTensor(torch.Tensor):
             for op in ops:
                 aten_op = isinstance(op, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
                 (cls._dispatch_table if aten_op else cls._torch_function_table)[op] = fn
+            dispatch.forget_resolved()
             return fn
 
         return register

@@ -19,7 +19,7 @@ from affineq.tensor import fallback
 def check_frozen(t) -> None:
     """RuntimeError for a quantized tensor with requires_grad=True used while grad is enabled: its codes
     cannot receive gradients, so an optimizer would silently never update it."""
-    if t.requires_grad and torch.is_grad_enabled():
+    if torch.is_grad_enabled() and t.requires_grad:  # grad mode first: requires_grad re-enters dispatch
         raise RuntimeError(
             f"{t!r} has requires_grad=True, but quantized codes cannot receive gradients, so it would never "
             "train. Call weight.requires_grad_(False) (quantize_ leaves weights frozen), or train the float "
@@ -27,11 +27,21 @@ def check_frozen(t) -> None:
         )
 
 
+_resolved: dict[tuple[type, object], object] = {}
+
+
 def lookup(cls: type, op):
     """The handler registered for `op` (a torch function, aten overload or overload packet) on `cls` or its
-    nearest parent, or None."""
+    nearest parent, or None. Resolved once per (class, op) and cached: this runs on every op of every
+    quantized tensor (`implements` clears the cache)."""
+    key = (cls, op)
+    try:
+        return _resolved[key]
+    except KeyError:
+        pass
     aten_op = isinstance(op, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
     attr = "_dispatch_table" if aten_op else "_torch_function_table"
+    fn = None
     for klass in cls.__mro__:
         table = klass.__dict__.get(attr)
         if table is None:
@@ -40,8 +50,14 @@ def lookup(cls: type, op):
         if fn is None and isinstance(op, torch._ops.OpOverload):
             fn = table.get(op.overloadpacket)
         if fn is not None:
-            return fn
-    return None
+            break
+    _resolved[key] = fn
+    return fn
+
+
+def forget_resolved() -> None:
+    """Clear the lookup cache (after a registration)."""
+    _resolved.clear()
 
 
 def torch_function(cls: type, func, args, kwargs):

@@ -63,11 +63,12 @@ def select_linear_kernel(x: torch.Tensor, w) -> tuple[LinearKernel | None, list[
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, w, bias) for an AffineQuantizedTensor weight w [N, K]: a packed kernel or the fallback."""
     check_frozen(w)
-    if x.dim() == 0 or x.shape[-1] != w.shape[-1]:
+    shape = w.spec.logical_shape  # not w.shape: a property read on the subclass re-enters __torch_function__
+    if x.dim() == 0 or x.shape[-1] != shape[-1]:
         raise RuntimeError(
             f"linear: input of shape {tuple(x.shape)} cannot be multiplied by the quantized weight of shape "
-            f"{tuple(w.shape)}: the input's last dim must be in_features={w.shape[-1]}; pass an input of shape "
-            f"[..., {w.shape[-1]}]"
+            f"{shape}: the input's last dim must be in_features={shape[-1]}; pass an input of shape "
+            f"[..., {shape[-1]}]"
         )
     x = prepare_input(x, w)
     if w.spec.transposed:

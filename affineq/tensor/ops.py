@@ -33,8 +33,11 @@ def _dq(t):
 
 @implements(F.linear, torch._C._nn.linear)
 def _linear(func, args, kwargs):
-    named = {**dict(zip(("input", "weight", "bias"), args, strict=False)), **kwargs}
-    input, weight, bias = named["input"], named["weight"], named.get("bias")
+    if kwargs:
+        named = {**dict(zip(("input", "weight", "bias"), args, strict=False)), **kwargs}
+        input, weight, bias = named["input"], named["weight"], named.get("bias")
+    else:
+        input, weight, bias = args if len(args) == 3 else (*args, None)
     if isinstance(input, AQT) or not isinstance(weight, AQT) or isinstance(bias, AQT):
         return F.linear(_dq(input), _dq(weight), _dq(bias))
     return kernel_registry.linear(input, weight, bias)
