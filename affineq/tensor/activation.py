@@ -21,6 +21,7 @@ from affineq.primitives import (
 from affineq.tensor.spec import ActivationQuant
 
 _SYMMETRIC = (MappingType.SYMMETRIC, MappingType.SYMMETRIC_NO_CLIPPING_ERR)
+_FLOAT_MAX = {d: torch.finfo(d).max for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
 
 
 def prepare_input(x: torch.Tensor, w) -> torch.Tensor:
@@ -103,7 +104,8 @@ def _may_overflow(scale: torch.Tensor, dtype: torch.dtype, codes: int) -> bool:
     fuses the extra ops); eagerly one comparison, as the safe steps cost more than it on every call."""
     if torch.compiler.is_compiling():
         return True
-    return bool((scale > torch.finfo(dtype).max / codes).any())
+    largest = scale.item() if scale.numel() == 1 else float(scale.max())  # one token: a plain read
+    return not largest <= _FLOAT_MAX[dtype] / codes  # `not <=`: a NaN scale takes the safe steps too
 
 
 def _row_range(xf: torch.Tensor, per_token: bool) -> tuple[torch.Tensor, torch.Tensor]:
