@@ -504,3 +504,35 @@ def test_kernel_info() -> None:
     assert info["available"] == K.is_available()
     if info["available"]:
         assert info["isa"] in ("avx512", "avx2", "scalar") and Path(info["library"]).exists()
+
+
+def _int8_activation_cases():
+    from affineq import ActivationQuant, MappingType, ZeroPointDomain
+
+    for mapping, domain in [(MappingType.SYMMETRIC, ZeroPointDomain.NONE),
+                            (MappingType.SYMMETRIC_NO_CLIPPING_ERR, ZeroPointDomain.INT),
+                            (MappingType.ASYMMETRIC, ZeroPointDomain.INT)]:
+        for granularity in ("per_token", "per_tensor"):
+            yield ActivationQuant(torch.int8, mapping, granularity, domain)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_int8_fake_quant_op_is_the_eager_shortcut(dtype, monkeypatch):
+    # affineq::int8_fake_quant replaces ~12 eager ops per linear call: bit for bit the same values, including
+    # all-zero rows, one-sign rows, and values at the dtype's limit (saturated, never inf)
+    _needs_kernels()
+    from affineq.tensor import activation
+
+    big = torch.finfo(dtype).max
+    xs = [torch.randn(1, 576) * 3, torch.randn(9, 300) * torch.rand(9, 1) * 50, torch.zeros(2, 64),
+          torch.rand(3, 40) + 1, -torch.rand(3, 40), torch.tensor([[-big, 1.0, 0.0, big / 3]])]
+    for aq in _int8_activation_cases():
+        for x in xs:
+            x = x.to(dtype)
+            fused = activation.fake_quantize_activation(x, aq)
+            with monkeypatch.context() as m:
+                m.setattr(activation._cpp, "is_available", lambda: False)
+                eager = activation.fake_quantize_activation(x, aq)
+            bits = torch.int32 if dtype == torch.float32 else torch.int16
+            assert torch.isfinite(fused).all(), (aq, x)
+            assert torch.equal(fused.view(bits), eager.view(bits)), (aq, dtype, x.shape)

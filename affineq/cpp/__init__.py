@@ -295,6 +295,8 @@ def _push_disabled(flag: bool) -> None:
 def _load() -> str | None:
     """Build (once per process, cached on disk) and load the library; return the failure reason or None."""
     global _lib_path, _load_error, _load_tried
+    if _lib_path is not None:  # loaded: no lock on the per-call path
+        return None
     with _lock:
         if _lib_path is None and not _load_tried:
             _load_tried = True
@@ -375,6 +377,14 @@ _lib.define(
     "lowbit_dequantize(Tensor packed, Tensor scale, Tensor offset, int bits, int group_size, int n, int k,"
     " int codes=0) -> Tensor"
 )
+# dequantize(quantize(x)) of int8 activations [M, K]; mode 0 symmetric, 1 symmetric without clipping, 2
+# asymmetric. CPU kernel only (callers check is_available()); see affineq.tensor.activation.
+_lib.define("int8_fake_quant(Tensor x, bool per_token, int mode, float eps) -> Tensor")
+
+
+@torch.library.register_fake("affineq::int8_fake_quant", lib=_lib)
+def _int8_fake_quant_fake(x, per_token, mode, eps):
+    return torch.empty_like(x)
 
 
 @torch.library.register_fake(_OP, lib=_lib)

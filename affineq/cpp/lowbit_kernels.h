@@ -40,6 +40,12 @@ void lowbit_linear_f32(const LowbitProblem& p, int force_path = 0);
 void dequantize_f32(const uint8_t* packed, const void* scale, const void* offset, bool qparams_bf16, int bits,
                     int codes, int64_t group_size, int64_t n, int64_t k, float* w);
 
+// y[m, k] = dequantize(quantize(x)) with int8 activation codes, qparams per row (per_token) or over all of x;
+// mode 0 symmetric, 1 symmetric without clipping, 2 asymmetric (integer zero point); the result is clamped to
+// +-out_max (the output dtype's largest finite value). Bit-identical to affineq/tensor/activation.py's shortcuts.
+void int8_fake_quant_f32(const float* x, int64_t m, int64_t k, bool per_token, int mode, float eps, float out_max,
+                         float* y);
+
 // The path lowbit_linear_f32 takes for p (reads only m, group_size, codes, allow_int16_x, x_bf16).
 int lowbit_path(const LowbitProblem& p, int force_path = 0);
 

@@ -142,6 +142,22 @@ at::Tensor lowbit_dequantize_cpu(const at::Tensor& packed, const at::Tensor& sca
   return w;
 }
 
+at::Tensor int8_fake_quant_cpu(const at::Tensor& x, bool per_token, int64_t mode, double eps) {
+  TORCH_CHECK(x.dim() == 2, "affineq::int8_fake_quant: x must be 2-D [M, K], got ", x.dim(), "-D");
+  TORCH_CHECK(mode >= 0 && mode <= 2, "affineq::int8_fake_quant: mode must be 0, 1 or 2, got ", mode);
+  TORCH_CHECK(at::isFloatingType(x.scalar_type()) && x.scalar_type() != at::kDouble,
+              "affineq::int8_fake_quant: x must be float32, bfloat16 or float16, got ", x.scalar_type());
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty_like(xf);
+  const double out_max = x.scalar_type() == at::kFloat      ? std::numeric_limits<float>::max()
+                         : x.scalar_type() == at::kBFloat16 ? static_cast<double>(std::numeric_limits<c10::BFloat16>::max())
+                                                            : static_cast<double>(std::numeric_limits<c10::Half>::max());
+  if (xf.numel() > 0)
+    int8_fake_quant_f32(xf.const_data_ptr<float>(), xf.size(0), xf.size(1), per_token, static_cast<int>(mode),
+                        static_cast<float>(eps), static_cast<float>(out_max), y.mutable_data_ptr<float>());
+  return y.to(x.scalar_type());
+}
+
 at::Tensor lowbit_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                              const at::Tensor& offset, int64_t bits, int64_t group_size, int64_t n, int64_t k,
                              int64_t codes) {
@@ -212,6 +228,7 @@ std::string isa() { return kernel_isa(); }
 TORCH_LIBRARY_IMPL(affineq, CPU, m) {
   m.impl("lowbit_linear", &affineq::lowbit_linear_cpu);
   m.impl("lowbit_dequantize", &affineq::lowbit_dequantize_cpu);
+  m.impl("int8_fake_quant", &affineq::int8_fake_quant_cpu);
 }
 
 TORCH_LIBRARY_IMPL(affineq, Autograd, m) { m.impl("lowbit_linear", &affineq::lowbit_linear_autograd); }

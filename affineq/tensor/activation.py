@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from affineq import cpp as _cpp
 from affineq.primitives import (
     MappingType,
     ZeroPointDomain,
@@ -68,7 +69,12 @@ def fake_quantize_activation(x: torch.Tensor, aq: ActivationQuant, w=None) -> to
         return dequantize_affine(q, block, scale, zp, aq.dtype, zero_point_domain=_domain(aq),
                                  output_dtype=x.dtype).view(x.shape)
     # int8 shortcuts, bit for bit the primitives' values (tested), several times faster than the general
-    # primitives (benchmarks/README.md), paid per linear at decode.
+    # primitives (benchmarks/README.md), paid per linear at decode: one C++ pass where it is built, else a few
+    # eager ops.
+    mode = _fused_mode(aq)
+    if mode is not None and x.device.type == "cpu" and x.dtype in _FUSED_DTYPES and _cpp.is_available():
+        out = torch.ops.affineq.int8_fake_quant(x2, aq.granularity == "per_token", mode, act_eps(x, aq))
+        return out.view(x.shape)
     if is_symmetric_int8(aq):
         q, scale = int8_activation(x2, aq.granularity == "per_token",
                                    aq.mapping_type is MappingType.SYMMETRIC_NO_CLIPPING_ERR, act_eps(x, aq))
@@ -80,6 +86,18 @@ def fake_quantize_activation(x: torch.Tensor, aq: ActivationQuant, w=None) -> to
     q, scale, zp, block = quantize_activation(x2, aq)
     out = dequantize_affine(q, block, scale, zp, aq.dtype, zero_point_domain=_domain(aq), output_dtype=x.dtype)
     return out.view(x.shape)
+
+
+_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _fused_mode(aq: ActivationQuant) -> int | None:
+    """The `affineq::int8_fake_quant` mode of a dynamic int8 `aq` with a shortcut (0 symmetric, 1 symmetric
+    without clipping, 2 asymmetric with an integer zero point), or None."""
+    if is_symmetric_int8(aq):
+        return 1 if aq.mapping_type is MappingType.SYMMETRIC_NO_CLIPPING_ERR else 0
+    asymmetric_int = aq.mapping_type is MappingType.ASYMMETRIC and aq.zero_point_domain is ZeroPointDomain.INT
+    return 2 if (not aq.static and aq.dtype.name == "int8" and asymmetric_int) else None
 
 
 def is_symmetric_int8(aq: ActivationQuant | None) -> bool:

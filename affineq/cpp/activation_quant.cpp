@@ -1,0 +1,100 @@
+// affineq::int8_fake_quant: dequantize(quantize(x)) for int8 activations, one row per token or one range for
+// the whole tensor, in one pass over x instead of ~12 eager PyTorch ops (the per-call cost of 8da4w and of int8
+// dynamic quantization with our kernel). Every step is the float32 operation of the PyTorch reference in
+// affineq/tensor/activation.py, in the same order, so the result is bit-identical (tested): no FMA is formed
+// (each product is rounded before the next operation, see AQ_ROUND_BARRIER), rounding is half-to-even.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include <ATen/Parallel.h>
+
+#include "lowbit_kernels.h"
+
+namespace affineq {
+namespace {
+
+// Rounded to float here, so it cannot be contracted into a following add or subtract (x86: keep it in a
+// register the compiler must materialize).
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#define AQ_ROUND_BARRIER(v) asm("" : "+x"(v))
+#elif defined(__GNUC__) && defined(__aarch64__)
+#define AQ_ROUND_BARRIER(v) asm("" : "+w"(v))
+#else
+#define AQ_ROUND_BARRIER(v) (void)(v)
+#endif
+
+inline float round_even(float v) {
+#if defined(__GNUC__)
+  return __builtin_roundevenf(v);
+#else
+  return std::nearbyint(v);  // the default rounding mode is to nearest, ties to even
+#endif
+}
+
+struct Qp {
+  float scale, zp;  // zp = 0 for the symmetric modes
+};
+
+// mode 0: symmetric, scale = amax / 127.5; 1: symmetric without clipping, scale = max(-lo / 128, hi / 127);
+// 2: asymmetric with an integer zero point, scale = (hi - lo) / 255 (halves where that overflows).
+Qp qparams(const float* x, int64_t n, int mode, float eps) {
+  float lo = std::numeric_limits<float>::infinity(), hi = -lo, amax = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    lo = std::min(lo, x[i]);
+    hi = std::max(hi, x[i]);
+  }
+  amax = std::max(-lo, hi);  // max |x|, exactly
+  float scale;
+  float zp = 0.f;
+  if (mode == 0) {
+    scale = amax / 127.5f;
+  } else {
+    lo = std::min(lo, 0.f);
+    hi = std::max(hi, 0.f);
+    if (mode == 1) {
+      scale = std::max(lo / -128.f, hi / 127.f);
+    } else {
+      scale = (hi - lo) / 255.f;
+      if (!std::isfinite(scale)) {
+        float a = hi * 0.5f, b = lo * 0.5f;
+        AQ_ROUND_BARRIER(a);
+        AQ_ROUND_BARRIER(b);
+        scale = (a - b) / 127.5f;
+      }
+    }
+  }
+  scale = std::max(scale, eps);
+  if (mode == 2) zp = std::min(std::max(-128.f - round_even(lo / scale), -128.f), 127.f);
+  return {scale, zp};
+}
+
+void fake_quant_row(const float* x, int64_t n, Qp q, float out_max, float* y) {
+  const float inv = 1.f / q.scale;
+  for (int64_t i = 0; i < n; ++i) {
+    float t = x[i] * inv;
+    AQ_ROUND_BARRIER(t);
+    const float code = std::min(std::max(round_even(t) + q.zp, -128.f), 127.f);
+    float v = (code - q.zp) * q.scale;
+    y[i] = std::min(std::max(v, -out_max), out_max);
+  }
+}
+
+}  // namespace
+
+void int8_fake_quant_f32(const float* x, int64_t m, int64_t k, bool per_token, int mode, float eps, float out_max,
+                         float* y) {
+  if (!per_token) {
+    const Qp q = qparams(x, m * k, mode, eps);
+    at::parallel_for(0, m, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(k, 1)), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) fake_quant_row(x + r * k, k, q, out_max, y + r * k);
+    });
+    return;
+  }
+  at::parallel_for(0, m, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(k, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) fake_quant_row(x + r * k, k, qparams(x + r * k, k, mode, eps), out_max, y + r * k);
+  });
+}
+
+}  // namespace affineq
