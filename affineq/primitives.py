@@ -198,14 +198,16 @@ def _check_eps(fn: str, eps, scale_dtype: torch.dtype) -> float:
             "pass eps=None for the default torch.finfo(scale_dtype).tiny"
         )
     info = torch.finfo(scale_dtype)
-    # Below the smallest positive scale_dtype value the scale would round to 0; below float32's smallest
+    # Below scale_dtype's smallest normal a stored scale is subnormal and rounds by far more than half an ulp
+    # (fp16: 2**-24 steps), so the block's extremes clip by up to tens of percent; below float32's smallest
     # normal, 1 / scale would overflow float32 in quantize_affine (0 * inf = NaN for an all-zero block).
-    floor = max(info.tiny * info.eps, torch.finfo(torch.float32).tiny)
+    floor = max(info.tiny, torch.finfo(torch.float32).tiny)
     if eps < floor:
         raise ValueError(
-            f"{fn}: eps={eps!r} is too small for scale_dtype={scale_dtype}: a scale below {floor:.4g} rounds "
-            "to 0 in scale_dtype or makes 1 / scale overflow float32; pass eps >= "
-            f"{floor:.4g} (or eps=None for the default torch.finfo(scale_dtype).tiny)"
+            f"{fn}: eps={eps!r} is too small for scale_dtype={scale_dtype}: a scale below {floor:.4g} is "
+            "subnormal in scale_dtype (it loses precision, so values clip) or makes 1 / scale overflow float32; "
+            f"pass eps >= {floor:.4g}, or scale_dtype=torch.float32 for smaller scales (or eps=None for the "
+            "default torch.finfo(scale_dtype).tiny)"
         )
     return float(eps)
 
@@ -342,7 +344,7 @@ def choose_qparams_affine(
             6.1e-5 for float16 scales. An fp16 input with float32 / bfloat16 scales thus keeps their floor
             (small fp16 weights keep int8 precision); float16 scales floor every scale at 6.1e-5, coarse
             for blocks with ``amax`` below ~8e-3 at int8: prefer float32 / bfloat16 ``scale_dtype`` there.
-            Explicit values must be at least float32's ``tiny`` and the smallest positive ``scale_dtype``
+            Explicit values must be at least float32's ``tiny`` and the smallest normal ``scale_dtype``
             value. Pass ``torch.finfo(torch.float32).eps`` to reproduce ``torch.ao`` observers.
         scale_dtype: dtype of the returned scale, default ``input.dtype``.
         zero_point_dtype: default ``torch.int32`` for the INT domain and ``scale_dtype`` for FLOAT; must
