@@ -21,6 +21,7 @@ from affineq.configs import (
     config_from_dict,
 )
 from affineq.dtypes import QTYPES, FloatFormat, IntFormat, QType, qtype, register_qtype
+from affineq.fusion import ConvReLU, LinearReLU, fold_batch_norm, fuse_modules_
 from affineq.granularity import (
     Granularity,
     PerAxis,
@@ -65,6 +66,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ACT_TENSORS",
     "ActivationQuant",
+    "ConvReLU",
     "AffineQuantizedTensor",
     "Float8DynamicActivationFloat8WeightConfig",
     "Float8WeightOnlyConfig",
@@ -79,6 +81,7 @@ __all__ = [
     "IntxWeightOnlyConfig",
     "KernelFallbackError",
     "KernelFallbackWarning",
+    "LinearReLU",
     "MappingType",
     "PerAxis",
     "PerBlock",
@@ -97,6 +100,8 @@ __all__ = [
     "config_from_dict",
     "dequantize_affine",
     "fake_quantize_affine",
+    "fold_batch_norm",
+    "fuse_modules_",
     "get_block_size",
     "parse_granularity",
     "quantize_",

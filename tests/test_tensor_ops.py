@@ -153,7 +153,9 @@ def test_conv_and_bmm_run_on_dequantized_weights():
     w = torch.randn(8, 3, 3, 3)
     q = AQT.from_float(w, MappingType.SYMMETRIC, (1, 3, 3, 3), torch.int8)
     x = torch.randn(1, 3, 10, 10)
-    torch.testing.assert_close(F.conv2d(x, q), F.conv2d(x, q.dequantize()))
+    with pytest.warns(KernelFallbackWarning, match="no packed convolution kernel"), record_kernels() as used:
+        torch.testing.assert_close(F.conv2d(x, q), F.conv2d(x, q.dequantize()))
+    assert used == ["dequantize:conv"]
     w1 = AQT.from_float(torch.randn(8, 3, 5), MappingType.SYMMETRIC, (1, 3, 5), torch.int8)
     torch.testing.assert_close(F.conv1d(torch.randn(2, 3, 20), w1).shape, torch.Size([2, 8, 16]))
     b = AQT.from_float(torch.randn(2, 16, 8), MappingType.SYMMETRIC, (1, 1, 8), torch.int8)

@@ -6,6 +6,7 @@
 | aten._weight_int4pack_mm_for_cpu  | int4_cpu  | int4 tinygemm, weight-only                                   |
 | aten._weight_int4pack_mm          | int4_cuda | int4 tinygemm, weight-only                                   |
 | aten._int_mm                      | plain     | per-channel int8 weight x dynamic symmetric int8 activation  |
+| aten._int_mm:static               | plain     | per-channel int8 weight x calibrated (static) int8 activation|
 | aten._weight_int8pack_mm          | plain     | per-channel int8 weight-only                                 |
 | aten._scaled_mm                   | plain     | float8 weight x dynamic float8 activation                    |
 
@@ -25,6 +26,7 @@ from affineq.tensor.activation import (
     int8_activation,
     is_symmetric_int8,
     quantize_activation,
+    static_qparams,
 )
 from affineq.tensor.kernel_registry import Check, Run, register_linear_kernel
 from affineq.tensor.spec import QuantSpec
@@ -166,6 +168,45 @@ def _int_mm_run(x, w, bias):
 
 
 register_linear_kernel("aten._int_mm", ("plain",), _int_mm_check, _int_mm_run)
+
+
+# -- kernel: aten int8 x int8 -> int32 with calibrated (static) activation qparams ---------------------
+
+
+def _int_mm_static_check(x, w):
+    aq = w.spec.act_quant
+    if aq is None or not aq.static or aq.dtype.name != "int8":
+        return "needs static int8 activation quantization (calibrated act_scale)"
+    return _common(x, w, x.device.type) or _per_channel_int8(w.spec)
+
+
+@torch.library.custom_op("affineq::int8_static_linear", mutates_args=())
+def _int8_static_linear(x2: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor, x_scale: torch.Tensor,
+                        x_zero_point: torch.Tensor | None) -> torch.Tensor:
+    """x2 [M, K] float quantized with the calibrated per-tensor (x_scale, x_zero_point) exactly as
+    quantize_affine does (clamp(round(x * (1 / s)) + zp)), times w_codes [N, K].T with torch._int_mm; the
+    zero point is taken out of the int32 sums (acc - zp * sum_k w[n, k], exact), then both scales ->
+    [M, N] in x2.dtype. One opaque op per linear (see `_int8_dynamic_linear`)."""
+    q = torch.round(x2.float() * (1.0 / x_scale.float()))
+    if x_zero_point is not None:
+        q = q + x_zero_point.float()
+    acc = torch._int_mm(q.clamp(-128, 127).to(torch.int8), w_codes.t())
+    if x_zero_point is not None:
+        acc = acc - x_zero_point.to(torch.int32) * w_codes.sum(1, dtype=torch.int32)
+    return (acc.float() * (x_scale.float() * w_scale.float().reshape(1, -1))).to(x2.dtype)
+
+
+@_int8_static_linear.register_fake
+def _(x2, w_codes, w_scale, x_scale, x_zero_point):
+    return x2.new_empty(x2.shape[0], w_codes.shape[0])
+
+
+def _int_mm_static_run(x, w, bias):
+    x_scale, x_zp = static_qparams(w)
+    return _finish(_int8_static_linear(_flat(x), w._qdata, w._scale, x_scale, x_zp), x, bias)
+
+
+register_linear_kernel("aten._int_mm:static", ("plain",), _int_mm_static_check, _int_mm_static_run)
 
 
 # -- kernel: aten int8 weight-only --------------------------------------------------------------------

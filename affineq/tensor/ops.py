@@ -15,8 +15,10 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_map_only
 
 from affineq.tensor import kernel_registry
+from affineq.tensor.activation import fake_quantize_activation
 from affineq.tensor.affine import AffineQuantizedTensor
 from affineq.tensor.dispatch import check_frozen
+from affineq.tensor.fallback import announce_fallback
 from affineq.tensor.formats import get_format
 
 aten = torch.ops.aten
@@ -65,7 +67,23 @@ def _addmm(func, args, kwargs):
     return func(_dq(bias), _dq(a), _dq(b), **kwargs)
 
 
-@implements(aten.bmm.default, aten.convolution.default, aten.embedding_dense_backward.default)
+@implements(aten.convolution.default)
+def _convolution(func, args, kwargs):
+    """No packed convolution kernel yet: the float conv on the dequantized weight, announced once per format.
+    A weight with activation quantization (e.g. static int8 from calibration) fake-quantizes the input first,
+    so the numbers are those of a quantized conv."""
+    input, weight = args[0], args[1]
+    if isinstance(weight, AQT) and not isinstance(input, AQT):
+        check_frozen(weight)
+        announce_fallback(weight.spec.fmt, "no packed convolution kernel", op="conv")
+        aq = weight.spec.act_quant
+        if aq is not None:  # channels last, so that a "token" is one pixel's channels (as a linear's row)
+            x = fake_quantize_activation(input.movedim(1, -1), aq, weight).movedim(-1, 1)
+            args = (x, *args[1:])
+    return _dequantize_then_compute(func, args, kwargs)
+
+
+@implements(aten.bmm.default, aten.embedding_dense_backward.default)
 def _dequantize_then_compute(func, args, kwargs):
     """Ops whose best CPU implementation today is the float op on the dequantized weight."""
     tree_map_only(AQT, check_frozen, (args, kwargs))
