@@ -245,11 +245,43 @@ class _Snapshot:
                     p.data = data
 
 
+def _raise_problems(config: QuantConfig, problems: list[tuple[str, str]]) -> None:
+    if problems:
+        lines = "\n".join(f"  - {fqn}: {why}" for fqn, why in problems)
+        raise QuantizationError(
+            f"{type(config).__name__} cannot quantize {len(problems)} selected module(s):\n{lines}\n"
+            "Ways out: pick a group_size that divides every in_features (or group_size=None where allowed), "
+            "or pass filter_fn=lambda module, fqn: ... to skip these modules, or use FqnToConfig to give "
+            "them another config (None leaves a module float). Nothing was quantized."
+        )
+
+
+def _quantize_with_calibration(model, config, filter_fn, steps, calibration_data) -> nn.Module:
+    """prepare_, run the calibration data, then one all-or-nothing quantize_ of every selected layer (static
+    layers with their calibrated qparams). Observers never outlive the call."""
+    from affineq import calibration
+
+    if calibration_data is None:
+        raise QuantizationError(
+            f"{type(config).__name__} quantizes activations statically and needs calibration: pass "
+            "calibration_data=<an iterable of model inputs>, or call affineq.prepare_(model, config), run "
+            "batches, then affineq.convert_(model)"
+        )
+    calibration.prepare_(model, config, filter_fn)
+    try:
+        calibration.run_calibration(model, calibration_data)
+        others = {s.fqn: s.config for s in steps if not getattr(s.config, "needs_calibration", False)}
+        return calibration.convert_(model, others=others)
+    finally:
+        calibration.unprepare_(model)
+
+
 def quantize_(
     model: nn.Module,
     config: QuantConfig,
     filter_fn: FilterFn | None = None,
     device: torch.device | str | None = None,
+    calibration_data=None,
 ) -> nn.Module:
     """Quantize the parameters of `model` in place (or swap its modules, as the config's handler says) and
     return it.
@@ -258,7 +290,9 @@ def quantize_(
     raises `QuantizationError` listing every module the config cannot apply to, then runs each module's
     handler, installing the module it returns. `device` moves each selected module there first (quantize
     on GPU, for instance). All or nothing: if anything fails, every module is restored exactly as it was
-    and `QuantizationError` says which module failed and why. Peak memory: the float model plus its
+    and `QuantizationError` says which module failed and why. A config that quantizes activations
+    statically (`Int8StaticActivationInt8WeightConfig`) needs `calibration_data`, an iterable of inputs
+    (tensor: model(x), tuple: model(*x), dict: model(**x)), run once with a progress bar. Peak memory: the float model plus its
     quantized weights (the float weights are freed when the call returns). Global torch state is not touched.
     """
     if not isinstance(model, nn.Module):
@@ -279,14 +313,13 @@ def quantize_(
             raise ValueError(f"device={device!r} is not a torch device ({e}); pass e.g. 'cpu', 'cuda' or "
                              "torch.device('cuda:0'), or None to quantize where each module is") from None
     steps, problems = _plan(model, config, filter_fn)
-    if problems:
-        lines = "\n".join(f"  - {fqn}: {why}" for fqn, why in problems)
-        raise QuantizationError(
-            f"{type(config).__name__} cannot quantize {len(problems)} selected module(s):\n{lines}\n"
-            "Ways out: pick a group_size that divides every in_features (or group_size=None where allowed), "
-            "or pass filter_fn=lambda module, fqn: ... to skip these modules, or use FqnToConfig to give "
-            "them another config (None leaves a module float). Nothing was quantized."
-        )
+    _raise_problems(config, problems)
+    if any(getattr(step.config, "needs_calibration", False) for step in steps):
+        return _quantize_with_calibration(model, config, filter_fn, steps, calibration_data)
+    if calibration_data is not None:
+        raise QuantizationError(f"calibration_data was given but {type(config).__name__} quantizes no activation "
+                                "statically; drop calibration_data, or use a static config such as "
+                                "Int8StaticActivationInt8WeightConfig")
     snapshot = _Snapshot(model)
     owners = _parameter_owners(model)
     parents = {id(m): (parent, name) for parent in model.modules() for name, m in parent._modules.items()

@@ -1,0 +1,199 @@
+"""Static quantization: observe activations on calibration data, then quantize with the calibrated qparams.
+
+    prepare_(model, Int8StaticActivationInt8WeightConfig())     # observers on the selected layers' inputs
+    for batch in batches: model(batch)                           # calibration
+    convert_(model)                                              # int8 weights + calibrated act_scale/zero point
+
+or in one call: `quantize_(model, config, calibration_data=batches)`. A calibration item is a tensor
+(`model(x)`), a tuple (`model(*x)`) or a dict (`model(**x)`). The calibrated qparams are activation tensors
+of the weight (`act_scale`, `act_zero_point`), so they save, load (`weights_only=True`) and compile with it;
+linears then run the int8 x int8 GEMM (`aten._int_mm:static`) or, in the `dense` format, our kernel on the
+fake-quantized input; convolutions run the announced dequantize fallback on the fake-quantized input.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from affineq import observers as _obs
+from affineq.configs import QuantConfig, _check_choice, _row_block
+from affineq.primitives import MappingType, ZeroPointDomain
+from affineq.tensor.affine import AffineQuantizedTensor
+from affineq.tensor.kernel_registry import auto_format, int_mm_is_fast
+from affineq.tensor.spec import ActivationQuant
+
+__all__ = ["Int8StaticActivationInt8WeightConfig", "convert_", "prepare_", "run_calibration", "unprepare_"]
+
+#: Observer names a config may use -> the per-tensor observer classes of `affineq.observers`.
+OBSERVERS: dict[str, type] = {
+    "minmax": _obs.PerTensorMinMaxObserver,
+    "moving_average": _obs.MovingAveragePerTensorMinMaxObserver,
+    "histogram": _obs.PerTensorHistogramObserver,
+    "percentile": _obs.PerTensorPercentileObserver,
+    "mse": _obs.PerTensorMSEObserver,
+}
+
+_OBSERVER_ATTR = "affineq_input_observer"  # the submodule prepare_ adds (saved in the state_dict)
+_HOOKS: dict[int, tuple[torch.utils.hooks.RemovableHandle, QuantConfig]] = {}
+
+
+@dataclass(frozen=True)
+class Int8StaticActivationInt8WeightConfig(QuantConfig):
+    """int8 weights (symmetric, per output channel) x int8 activations with calibrated per-tensor qparams:
+    torch.ao's static quantization scheme. Needs calibration (`calibration_data=` or `prepare_`/`convert_`).
+
+    activation_symmetric: False (default: asymmetric, an integer zero point) or True (zero point 0).
+    observer: how the activation range is chosen: "minmax", "moving_average", "histogram", "percentile"
+    or "mse" (`affineq.observers`). packing_format: "auto" (`plain` for aten's int8 GEMM where it is fast,
+    `dense` with our kernel on the fake-quantized input elsewhere; `plain` for convolutions), "plain", "dense".
+    """
+
+    modules: ClassVar = (nn.Linear, nn.Conv1d, nn.Conv2d)
+    needs_calibration: ClassVar[bool] = True
+    activation_symmetric: bool = False
+    observer: str = "minmax"
+    packing_format: str = "auto"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.activation_symmetric, bool):
+            raise ValueError(f"activation_symmetric={self.activation_symmetric!r} must be True or False")
+        _check_choice("observer", self.observer, tuple(OBSERVERS))
+        _check_choice("packing_format", self.packing_format, ("auto", "plain", "dense"))
+
+    def activation_quant(self) -> ActivationQuant:
+        if self.activation_symmetric:
+            return ActivationQuant(torch.int8, MappingType.SYMMETRIC, "per_tensor", ZeroPointDomain.NONE, static=True)
+        return ActivationQuant(torch.int8, MappingType.ASYMMETRIC, "per_tensor", ZeroPointDomain.INT, static=True)
+
+    def make_observer(self) -> nn.Module:
+        aq = self.activation_quant()
+        return OBSERVERS[self.observer](dtype=torch.int8, mapping_type=aq.mapping_type,
+                                        zero_point_domain=aq.zero_point_domain, scale_dtype=torch.float32)
+
+    def _block_size(self, shape, module):
+        return _row_block(shape, None)
+
+    def weight_spec(self, weight, module):
+        fmt = self.packing_format
+        if fmt == "auto":
+            linear = isinstance(module, nn.Linear)
+            fmt = "plain" if not linear or int_mm_is_fast() else auto_format("byte", weight, linear)
+        return self._spec(weight, module, torch.int8, MappingType.SYMMETRIC, ZeroPointDomain.NONE, fmt,
+                          self.activation_quant())
+
+
+@dataclass(frozen=True)
+class _Calibrated(QuantConfig):
+    """A static config with the qparams calibration found (plain floats: hashable, comparable)."""
+
+    modules: ClassVar = (nn.Linear, nn.Conv1d, nn.Conv2d)
+    base: QuantConfig = None
+    act_scale: float = 1.0
+    act_zero_point: int | None = None
+
+    def check(self, module):
+        return self.base.check(module)
+
+    def quantize_weight(self, weight, module) -> AffineQuantizedTensor:
+        zp = None if self.act_zero_point is None else torch.tensor([self.act_zero_point], dtype=torch.int32)
+        qw = self.base.quantize_weight(weight, module)
+        return qw.with_act_tensors(act_scale=torch.tensor([self.act_scale], dtype=torch.float32), act_zero_point=zp)
+
+
+def _needs_calibration(cfg) -> bool:
+    return bool(getattr(cfg, "needs_calibration", False))
+
+
+def prepare_(model: nn.Module, config: QuantConfig, filter_fn=None) -> nn.Module:
+    """Attach an input observer (submodule `affineq_input_observer`, forward pre-hook) to every layer that
+    `config` (or, in an FqnToConfig, its per-layer config) quantizes statically; returns `model`. Raises
+    QuantizationError, changing nothing, when a selected layer cannot be quantized."""
+    from affineq.quantize import QuantizationError, _plan, _raise_problems
+
+    steps, problems = _plan(model, config, filter_fn)
+    _raise_problems(config, problems)
+    static = [s for s in steps if _needs_calibration(s.config)]
+    if not static:
+        raise QuantizationError(f"{type(config).__name__} quantizes no layer statically: nothing to calibrate; "
+                                "use quantize_(model, config) directly")
+    for step in static:
+        if id(step.module) in _HOOKS:
+            raise QuantizationError(f"{step.fqn!r} is already prepared; call convert_(model) first")
+    for step in static:
+        step.module.add_module(_OBSERVER_ATTR, step.config.make_observer())
+        handle = step.module.register_forward_pre_hook(_observe_input)
+        _HOOKS[id(step.module)] = (handle, step.config)
+    return model
+
+
+def _observe_input(module: nn.Module, args) -> None:
+    if args and isinstance(args[0], torch.Tensor):
+        getattr(module, _OBSERVER_ATTR)(args[0])
+
+
+def run_calibration(model: nn.Module, data: Iterable, progress: bool = True) -> int:
+    """Run `model` on every item of `data` (tensor: model(x); tuple: model(*x); dict: model(**x)) without
+    gradients; returns the number of items. Shows a progress bar when tqdm is installed and `progress`."""
+    items = data
+    if progress:
+        try:
+            from tqdm.auto import tqdm
+
+            items = tqdm(data, desc="calibrating", unit="batch", file=sys.stderr)
+        except ImportError:
+            pass
+    n = 0
+    with torch.no_grad():
+        for item in items:
+            if isinstance(item, torch.Tensor):
+                model(item)
+            elif isinstance(item, tuple):
+                model(*item)
+            elif isinstance(item, dict):
+                model(**item)
+            else:
+                raise TypeError(f"calibration item {n} is a {type(item).__name__}: pass tensors (model(x)), tuples "
+                                "(model(*x)) or dicts (model(**x))")
+            n += 1
+    return n
+
+
+def convert_(model: nn.Module, *, others: dict[str, QuantConfig] | None = None) -> nn.Module:
+    """Quantize every prepared layer with its observer's calibrated qparams and remove the observers; returns
+    `model`. All or nothing (one `quantize_`, with `others`: more layers by name and their configs); a
+    layer whose observer saw no data raises QuantizationError naming it, and the model stays prepared."""
+    from affineq.quantize import FqnToConfig, QuantizationError, quantize_
+
+    prepared = {fqn: m for fqn, m in model.named_modules() if id(m) in _HOOKS}
+    if not prepared:
+        raise QuantizationError("convert_: no prepared layer in this model; call prepare_(model, config) first")
+    configs = dict(others or {})
+    for fqn, m in prepared.items():
+        obs = getattr(m, _OBSERVER_ATTR)
+        if int(obs.num_batches) == 0:
+            raise QuantizationError(f"convert_: the observer of {fqn!r} saw no data; run calibration batches "
+                                    "through the model (the layer must be reached by them) before convert_")
+        scale, zp = obs.calculate_qparams()
+        configs[fqn] = _Calibrated(base=_HOOKS[id(m)][1], act_scale=float(scale.reshape(-1)[0]),
+                                   act_zero_point=None if zp is None else int(zp.reshape(-1)[0]))
+    quantize_(model, FqnToConfig(configs), filter_fn=lambda module, fqn: fqn in configs)
+    unprepare_(model)
+    return model
+
+
+def unprepare_(model: nn.Module) -> nn.Module:
+    """Remove every observer and hook `prepare_` added to `model` (nothing else changes)."""
+    for m in model.modules():
+        entry = _HOOKS.pop(id(m), None)
+        if entry is not None:
+            entry[0].remove()
+        if _OBSERVER_ATTR in m._modules:
+            delattr(m, _OBSERVER_ATTR)
+    return model
