@@ -43,10 +43,23 @@ from affineq.primitives import (
 )
 from affineq.quantize import (
     FqnToConfig,
+    ModelConfig,
     QuantizationError,
     quantize_,
     quantized_weights,
     register_quantize_module_handler,
+)
+from affineq.quark_config import (
+    Config,
+    DeviceType,
+    Dtype,
+    QSchemeType,
+    QuantizationConfig,
+    QuantizationMode,
+    QuantizationSpec,
+    RoundType,
+    ScaleType,
+    ZeroPointType,
 )
 from affineq.tensor import linear_kernels as _linear_kernels  # noqa: F401  (registers the kernels)
 from affineq.tensor import ops as _ops  # noqa: F401  (fills the op tables)
@@ -67,6 +80,17 @@ __all__ = [
     "ACT_TENSORS",
     "ActivationQuant",
     "ConvReLU",
+    "Config",
+    "DeviceType",
+    "Dtype",
+    "ModelConfig",
+    "QSchemeType",
+    "QuantizationConfig",
+    "QuantizationMode",
+    "QuantizationSpec",
+    "RoundType",
+    "ScaleType",
+    "ZeroPointType",
     "AffineQuantizedTensor",
     "Float8DynamicActivationFloat8WeightConfig",
     "Float8WeightOnlyConfig",

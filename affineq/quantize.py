@@ -23,7 +23,7 @@ from torch import nn
 from affineq.configs import QuantConfig, _decode, _encode
 from affineq.tensor.affine import AffineQuantizedTensor
 
-__all__ = ["quantize_", "register_quantize_module_handler", "FqnToConfig", "QuantizationError"]
+__all__ = ["quantize_", "register_quantize_module_handler", "FqnToConfig", "ModelConfig", "QuantizationError"]
 
 FilterFn = Callable[[nn.Module, str], bool]
 Handler = Callable[[nn.Module, QuantConfig], nn.Module]
@@ -131,6 +131,15 @@ class FqnToConfig(QuantConfig):
             except ValueError as e:
                 raise ValueError(f"FqnToConfig[{k!r}]: {e}") from None
         return cls(configs)
+
+
+@dataclass(frozen=True)
+class ModelConfig(QuantConfig):
+    """A config that plans over the whole model: `quantize_` calls `to_fqn_config(model)` first and runs the
+    `FqnToConfig` it returns (e.g. `affineq.quark_config.Config`)."""
+
+    def to_fqn_config(self, model: nn.Module) -> FqnToConfig:
+        raise NotImplementedError
 
 
 def _default_filter(module: nn.Module, fqn: str) -> bool:
@@ -312,6 +321,8 @@ def quantize_(
         except (RuntimeError, TypeError) as e:
             raise ValueError(f"device={device!r} is not a torch device ({e}); pass e.g. 'cpu', 'cuda' or "
                              "torch.device('cuda:0'), or None to quantize where each module is") from None
+    if isinstance(config, ModelConfig):
+        config = config.to_fqn_config(model)  # raises QuantizationError before anything changes
     steps, problems = _plan(model, config, filter_fn)
     _raise_problems(config, problems)
     if any(getattr(step.config, "needs_calibration", False) for step in steps):

@@ -1,0 +1,640 @@
+"""AMD Quark-style layered configuration: `Config` -> per-layer `QuantizationConfig` -> affineq configs.
+
+A `Config` holds a global `QuantizationConfig`, per layer-type and per layer-name overrides and `exclude`
+patterns. `quantize_(model, Config(...))` resolves every layer (`Config.resolve`), maps the result to one
+of affineq's configs (`Config.to_affineq`) and runs `quantize_` with the resulting `FqnToConfig`, all or
+nothing. Resolution for a layer named `fqn`:
+
+1. `fqn` matches an `exclude` fnmatch pattern: not quantized.
+2. Levels, most specific first: `layer_quant_config` (exact name, else the first fnmatch pattern in
+   insertion order), `layer_type_quant_config` (the exact class, else the nearest base class in the MRO;
+   a string key matches a class of that name in the MRO), then `global_quant_config`.
+3. Field by field (input_tensors, output_tensors, weight, bias, target_device) the first level that sets
+   it (not None) wins; None at every level means that tensor is not quantized.
+
+Example::
+
+    w8 = QuantizationSpec(Dtype.int8, qscheme=QSchemeType.per_channel, ch_axis=0, symmetric=True)
+    w4 = QuantizationSpec(Dtype.uint4, qscheme=QSchemeType.per_group, ch_axis=1, group_size=32,
+                          symmetric=False)
+    cfg = Config(QuantizationConfig(weight=w8),
+                 layer_quant_config={"*.mlp.*": QuantizationConfig(weight=w4)},
+                 exclude=["lm_head"])
+    # layers.0.attn.q_proj -> int8 per channel (global); layers.0.mlp.up -> uint4 g32; lm_head stays float
+
+Which layers: the global config and fnmatch name patterns apply to nn.Linear layers; a layer-type key or
+an exact layer name selects any module (its affineq config then says whether it can quantize it).
+
+Activations: an `input_tensors` spec with qscheme per_channel means per token (one scale per row of the
+flattened [M, K] input; its ch_axis is not used), per_tensor one scale per input.
+
+What runs now: weight-only specs (int2/int3/int4/uint4/int8/uint8, fp8_e4m3/fp8_e5m2, fp6_e3m2/fp6_e2m3,
+fp4) and dynamic per-token activations in the combinations of affineq's dynamic configs (int8 x int8,
+int8 x int4, fp8 x fp8). Refused by `quantize_` with a `QuantizationError` naming what is missing: static
+activations (need calibration), output_tensors and bias specs, algo_config / pre_quant_opt_config,
+Dtype.mx/mx6/mx9/bfloat16/float16, round_method other than half_even (validated on construction).
+`observer_cls` is recorded (and round-trips) for calibration; weights and dynamic activations get min/max
+qparams, what Quark's MinMax observers compute.
+
+target_device: CPU adds no constraint; weights whose affineq config has a packed CPU kernel are the ones in
+the README table (Int8/Int4/Intx/Float8 weight-only, 8da8w, 8da4w); power-of-two scales, per-tensor
+weights and fp6/fp4 codes use `plain` (dequantize-then-linear). IPU: the rule enforced here follows Quark's
+IPU/NPU (XINT8) constraints as documented for Ryzen AI: every quantized tensor must be int8 or uint8 with
+power-of-two scales (scale_type=ScaleType.pof2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import fnmatch
+import importlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from affineq.configs import (
+    Float8DynamicActivationFloat8WeightConfig,
+    Float8WeightOnlyConfig,
+    Int8DynamicActivationInt4WeightConfig,
+    Int8DynamicActivationInt8WeightConfig,
+    Int8WeightOnlyConfig,
+    IntxWeightOnlyConfig,
+    QuantConfig,
+    _row_block,
+)
+from affineq.dtypes import is_signed, qtype
+from affineq.granularity import Granularity, PerAxis, PerGroup, PerRow, PerTensor, get_block_size
+from affineq.primitives import MappingType, ZeroPointDomain
+from affineq.quantize import FqnToConfig, ModelConfig, QuantizationError
+from affineq.tensor.spec import QParamOptions
+
+__all__ = [
+    "Config",
+    "DeviceType",
+    "Dtype",
+    "PlainWeightOnlyConfig",
+    "QSchemeType",
+    "QuantizationConfig",
+    "QuantizationMode",
+    "QuantizationSpec",
+    "RoundType",
+    "ScaleType",
+    "ZeroPointType",
+    "STATIC_ACTIVATION_MESSAGE",
+]
+
+STATIC_ACTIVATION_MESSAGE = ("static activation quantization needs calibration: pass calibration_data / use "
+                             "prepare_ and convert_ (not available yet)")
+
+
+# -- enums (JSON: member names) --------------------------------------------------------------------------
+
+
+class Dtype(str, enum.Enum):
+    int8 = "int8"
+    uint8 = "uint8"
+    int4 = "int4"
+    uint4 = "uint4"
+    int2 = "int2"
+    int3 = "int3"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    fp8_e4m3 = "fp8_e4m3"
+    fp8_e5m2 = "fp8_e5m2"
+    fp6_e3m2 = "fp6_e3m2"
+    fp6_e2m3 = "fp6_e2m3"
+    fp4 = "fp4"
+    mx = "mx"
+    mx6 = "mx6"
+    mx9 = "mx9"
+
+
+class QSchemeType(str, enum.Enum):
+    per_tensor = "per_tensor"
+    per_channel = "per_channel"
+    per_group = "per_group"
+
+
+class ScaleType(str, enum.Enum):
+    float = "float"
+    pof2 = "pof2"
+    float32 = "float32"
+    float16 = "float16"
+    bfloat16 = "bfloat16"
+
+
+class RoundType(str, enum.Enum):
+    round = "round"
+    floor = "floor"
+    half_even = "half_even"
+
+
+class ZeroPointType(str, enum.Enum):
+    int32 = "int32"
+    float32 = "float32"
+
+
+class DeviceType(str, enum.Enum):
+    CPU = "CPU"
+    IPU = "IPU"
+
+
+class QuantizationMode(str, enum.Enum):
+    eager_mode = "eager_mode"
+    fx_graph_mode = "fx_graph_mode"
+
+
+#: Dtype -> affineq target (a torch dtype or a qtype name); absent members are not usable as targets.
+DTYPE_TARGETS: dict[Dtype, torch.dtype | str] = {
+    Dtype.int8: torch.int8, Dtype.uint8: torch.uint8, Dtype.int4: torch.int4, Dtype.uint4: torch.uint4,
+    Dtype.int2: torch.int2, Dtype.int3: torch.int3, Dtype.fp8_e4m3: torch.float8_e4m3fn,
+    Dtype.fp8_e5m2: torch.float8_e5m2, Dtype.fp6_e3m2: "fp6_e3m2", Dtype.fp6_e2m3: "fp6_e2m3",
+    Dtype.fp4: "fp4_e2m1",
+}
+_UNUSABLE = {
+    Dtype.mx: "the MX block formats are not implemented; use Dtype.fp8_e4m3, Dtype.fp6_e3m2 or Dtype.fp4 with "
+              "qscheme=per_group, group_size=32, scale_type=ScaleType.pof2 (MX element types, e8m0 scales)",
+    Dtype.mx6: "MX6 (shared-microexponent) is not implemented; use Dtype.fp6_e3m2/fp6_e2m3 with "
+               "qscheme=per_group, group_size=32, scale_type=ScaleType.pof2",
+    Dtype.mx9: "MX9 (shared-microexponent) is not implemented; use Dtype.int8 with qscheme=per_group, "
+               "group_size=32, scale_type=ScaleType.pof2",
+    Dtype.bfloat16: "bfloat16 means 'leave float in bfloat16': call model.to(torch.bfloat16) and leave this "
+                    "tensor's spec None",
+    Dtype.float16: "float16 means 'leave float in float16': call model.to(torch.float16) and leave this "
+                   "tensor's spec None",
+}
+_FLOAT_DTYPES = {Dtype.fp8_e4m3, Dtype.fp8_e5m2, Dtype.fp6_e3m2, Dtype.fp6_e2m3, Dtype.fp4, Dtype.mx,
+                 Dtype.mx6, Dtype.mx9, Dtype.bfloat16, Dtype.float16}
+_INT8 = {Dtype.int8, Dtype.uint8}
+_TENSORS = ("input_tensors", "output_tensors", "weight", "bias")
+_FIELDS = (*_TENSORS, "target_device")
+
+
+def _need_enum(owner: str, name: str, value, cls: type[enum.Enum], optional: bool = True) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, cls):
+        raise ValueError(f"{owner}.{name}={value!r}: use a {cls.__name__} member, e.g. "
+                         f"{cls.__name__}.{next(iter(cls)).name}{' (or None)' if optional else ''}")
+
+
+# -- specs ------------------------------------------------------------------------------------------------
+
+
+def _allowed_observer_module(module: str) -> bool:
+    return any(module == m or module.startswith(m + ".") for m in ("affineq.observers", "torch.nn"))
+
+
+@dataclass(frozen=True)
+class QuantizationSpec:
+    """How one tensor is quantized (Quark's QuantizationSpec). `is_dynamic` None counts as static."""
+
+    dtype: Dtype
+    is_dynamic: bool | None = None
+    observer_cls: type | None = None
+    qscheme: QSchemeType | None = None
+    ch_axis: int | None = None
+    group_size: int | None = None
+    symmetric: bool | None = None
+    round_method: RoundType | None = None
+    scale_type: ScaleType | None = None
+    zero_point_type: ZeroPointType | None = None
+
+    def __post_init__(self) -> None:
+        o = "QuantizationSpec"
+        _need_enum(o, "dtype", self.dtype, Dtype, optional=False)
+        for name, cls in (("qscheme", QSchemeType), ("round_method", RoundType), ("scale_type", ScaleType),
+                          ("zero_point_type", ZeroPointType)):
+            _need_enum(o, name, getattr(self, name), cls)
+        for name in ("is_dynamic", "symmetric"):
+            if not (getattr(self, name) is None or isinstance(getattr(self, name), bool)):
+                raise ValueError(f"{o}.{name}={getattr(self, name)!r}: use True, False or None")
+        for name in ("ch_axis", "group_size"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+                raise ValueError(f"{o}.{name}={v!r}: use an int or None")
+        if self.group_size is not None and self.group_size <= 0:
+            raise ValueError(f"{o}.group_size={self.group_size}: use a positive int such as 32 or 128")
+        if self.observer_cls is not None and not isinstance(self.observer_cls, type):
+            raise ValueError(f"{o}.observer_cls={self.observer_cls!r} is not a class: pass the observer class "
+                             "itself (e.g. PerChannelMinMaxObserver, not PerChannelMinMaxObserver()) or None")
+        if self.qscheme is QSchemeType.per_group and (self.group_size is None or self.ch_axis is None):
+            raise ValueError(f"{o}.qscheme=per_group needs group_size and ch_axis: pass e.g. group_size=128, "
+                             "ch_axis=1 (groups along the input features of a weight)")
+        if self.group_size is not None and self.qscheme is not QSchemeType.per_group:
+            raise ValueError(f"{o}.group_size={self.group_size} with qscheme={self.qscheme}: group_size needs "
+                             "qscheme=QSchemeType.per_group (or drop group_size)")
+        if self.dtype in _FLOAT_DTYPES and self.symmetric is False:
+            raise ValueError(f"{o}.symmetric=False with dtype={self.dtype.name}: float formats have no zero "
+                             "point; use symmetric=True (or None)")
+        if self.round_method not in (None, RoundType.half_even):
+            raise ValueError(f"{o}.round_method={self.round_method.name}: affineq's primitives round half to "
+                             "even (torch.round) only; use RoundType.half_even (or None)")
+
+    def to_dict(self) -> dict:
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, enum.Enum):
+                v = v.name
+            elif f.name == "observer_cls" and v is not None:
+                v = {"module": v.__module__, "qualname": v.__qualname__}
+            out[f.name] = v
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict) -> QuantizationSpec:
+        if not isinstance(d, dict):
+            raise ValueError(f"QuantizationSpec.from_dict expects a dict from to_dict(), got {d!r}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        if set(d) - names:
+            raise ValueError(f"QuantizationSpec has no fields {sorted(set(d) - names)}; use {sorted(names)}")
+        kw: dict[str, Any] = dict(d)
+        for name, ecls in (("dtype", Dtype), ("qscheme", QSchemeType), ("round_method", RoundType),
+                           ("scale_type", ScaleType), ("zero_point_type", ZeroPointType)):
+            v = kw.get(name)
+            if v is not None:
+                if v not in ecls.__members__:
+                    raise ValueError(f"QuantizationSpec.{name}={v!r}: use one of {list(ecls.__members__)}")
+                kw[name] = ecls[v]
+        if kw.get("observer_cls") is not None:
+            kw["observer_cls"] = _load_class(kw["observer_cls"], "QuantizationSpec.observer_cls")
+        return cls(**kw)
+
+
+def _load_class(ref, what: str) -> type:
+    if not (isinstance(ref, dict) and isinstance(ref.get("module"), str) and isinstance(ref.get("qualname"), str)):
+        raise ValueError(f"{what}={ref!r}: expected {{'module': ..., 'qualname': ...}} as to_dict writes it")
+    module, qualname = ref["module"], ref["qualname"]
+    if not _allowed_observer_module(module):
+        raise ValueError(f"{what}: refusing to load {module}.{qualname}; only classes from affineq.observers or "
+                         "torch.nn are loaded from JSON (set observer_cls in code for other classes)")
+    try:
+        obj: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{what}: cannot load {module}.{qualname} ({e}); is that affineq version installed?") from None
+    if not isinstance(obj, type):
+        raise ValueError(f"{what}: {module}.{qualname} is not a class")
+    return obj
+
+
+def _check_device(owner: str, qc: QuantizationConfig) -> None:
+    if qc.target_device is not DeviceType.IPU:
+        return
+    for name in _TENSORS:
+        spec = getattr(qc, name)
+        if spec is None:
+            continue
+        if spec.dtype not in _INT8:
+            raise ValueError(f"{owner}.{name}.dtype={spec.dtype.name} with target_device=IPU: the IPU takes int8 "
+                             "or uint8 only; use Dtype.int8 or Dtype.uint8 (or target_device=CPU)")
+        if spec.scale_type is not ScaleType.pof2:
+            raise ValueError(f"{owner}.{name}.scale_type={spec.scale_type} with target_device=IPU: the IPU needs "
+                             "power-of-two scales; use scale_type=ScaleType.pof2 (or target_device=CPU)")
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    """Specs of one layer's tensors; a None spec is inherited from the next level up (see module doc)."""
+
+    input_tensors: QuantizationSpec | None = None
+    output_tensors: QuantizationSpec | None = None
+    weight: QuantizationSpec | None = None
+    bias: QuantizationSpec | None = None
+    target_device: DeviceType | None = None
+
+    def __post_init__(self) -> None:
+        for name in _TENSORS:
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, QuantizationSpec):
+                raise ValueError(f"QuantizationConfig.{name}={v!r}: use a QuantizationSpec(...) or None")
+        _need_enum("QuantizationConfig", "target_device", self.target_device, DeviceType)
+        for name in ("input_tensors", "output_tensors"):
+            s = getattr(self, name)
+            if s is not None and not s.is_dynamic and s.qscheme is QSchemeType.per_group:
+                raise ValueError(f"QuantizationConfig.{name}: a static (is_dynamic={s.is_dynamic}) per_group "
+                                 "activation spec has no calibrated form; use is_dynamic=True or "
+                                 "qscheme=per_tensor")
+        _check_device("QuantizationConfig", self)
+
+    def to_dict(self) -> dict:
+        out: dict[str, Any] = {n: None if getattr(self, n) is None else getattr(self, n).to_dict() for n in _TENSORS}
+        out["target_device"] = None if self.target_device is None else self.target_device.name
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict) -> QuantizationConfig:
+        if not isinstance(d, dict) or set(d) - set(_FIELDS):
+            raise ValueError(f"QuantizationConfig.from_dict expects a dict with keys {list(_FIELDS)}, got {d!r}")
+        kw: dict[str, Any] = {n: None if d.get(n) is None else QuantizationSpec.from_dict(d[n]) for n in _TENSORS}
+        dev = d.get("target_device")
+        if dev is not None and dev not in DeviceType.__members__:
+            raise ValueError(f"QuantizationConfig.target_device={dev!r}: use one of {list(DeviceType.__members__)}")
+        kw["target_device"] = None if dev is None else DeviceType[dev]
+        return cls(**kw)
+
+
+# -- a weight config for what the packed configs cannot express -------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlainWeightOnlyConfig(QuantConfig):
+    """Weight-only, `plain` packing (dequantize-then-linear): any target name (int 1-8 bit, float8, fp6,
+    fp4), PerTensor / PerAxis(0) / PerGroup(g), optional power-of-two scales (scale_type="e8m0")."""
+
+    target: str = "int8"
+    granularity: Granularity = field(default_factory=lambda: PerAxis(0))
+    mapping_type: MappingType = MappingType.SYMMETRIC
+    zero_point_domain: ZeroPointDomain = ZeroPointDomain.NONE
+    scale_dtype: torch.dtype = torch.float32
+    scale_type: str | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        qtype(self.target)
+        if not isinstance(self.granularity, (PerTensor, PerAxis, PerGroup)):
+            raise ValueError(f"granularity={self.granularity!r}: use PerTensor(), PerAxis(0) or PerGroup(g)")
+
+    def _block_size(self, shape, module):
+        if isinstance(self.granularity, PerTensor):
+            return get_block_size(shape, PerTensor())
+        return _row_block(shape, self.granularity.group_size if isinstance(self.granularity, PerGroup) else None)
+
+    def weight_spec(self, weight, module):
+        from affineq.tensor.spec import QuantSpec
+
+        return QuantSpec.create(tuple(weight.shape), weight.dtype, self.target,
+                                self._block_size(tuple(weight.shape), module), mapping_type=self.mapping_type,
+                                zero_point_domain=self.zero_point_domain, packing_format="plain",
+                                scale_type=self.scale_type)
+
+    def qparam_options(self):
+        return QParamOptions(scale_dtype=self.scale_dtype)
+
+
+# -- the layered config ------------------------------------------------------------------------------------
+
+
+def _type_key(key) -> str | type:
+    if isinstance(key, str) and key:
+        return key
+    if isinstance(key, type) and issubclass(key, nn.Module):
+        return key
+    raise ValueError(f"Config.layer_type_quant_config key {key!r}: use an nn.Module class (nn.Linear) or its "
+                     "name as a string ('Linear')")
+
+
+@dataclass(frozen=True)
+class Config(ModelConfig):
+    """Quark's top-level config (see the module docstring for resolution). `quantize_(model, Config(...))`
+    quantizes what it resolves to; `to_fqn_config(model)` shows the plan as an `FqnToConfig`."""
+
+    modules: ClassVar = (nn.Linear,)
+    global_quant_config: QuantizationConfig
+    layer_type_quant_config: dict = field(default_factory=dict)
+    layer_quant_config: dict = field(default_factory=dict)
+    exclude: tuple = ()
+    algo_config: Any = None
+    pre_quant_opt_config: Any = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.param_names is not None:
+            raise ValueError("Config.param_names: Config quantizes each layer's weight; leave param_names None")
+        if not isinstance(self.global_quant_config, QuantizationConfig):
+            raise ValueError(f"Config.global_quant_config={self.global_quant_config!r}: use a "
+                             "QuantizationConfig(...)")
+        for name, check_key in (("layer_type_quant_config", _type_key), ("layer_quant_config", None)):
+            d = getattr(self, name)
+            if not isinstance(d, dict):
+                raise ValueError(f"Config.{name} must be a dict, got {type(d).__name__}")
+            for k, v in d.items():
+                if check_key is not None:
+                    check_key(k)
+                elif not isinstance(k, str) or not k:
+                    raise ValueError(f"Config.layer_quant_config key {k!r}: use a layer name or fnmatch pattern "
+                                     "(str), e.g. 'lm_head' or '*.mlp.*'")
+                if not isinstance(v, QuantizationConfig):
+                    raise ValueError(f"Config.{name}[{k!r}]={v!r}: use a QuantizationConfig(...)")
+        ex = self.exclude
+        if isinstance(ex, str) or not isinstance(ex, (list, tuple)) or not all(isinstance(p, str) for p in ex):
+            raise ValueError(f"Config.exclude={ex!r}: use a list of layer names / fnmatch patterns, e.g. "
+                             "['lm_head', '*.gate']")
+        object.__setattr__(self, "exclude", tuple(ex))
+
+    def __hash__(self):
+        return hash(json.dumps(self.to_dict(), sort_keys=True))
+
+    # -- resolution ------------------------------------------------------------------------------------
+
+    def _name_level(self, fqn: str) -> QuantizationConfig | None:
+        if fqn in self.layer_quant_config:
+            return self.layer_quant_config[fqn]
+        for pattern, qc in self.layer_quant_config.items():
+            if fnmatch.fnmatchcase(fqn, pattern):
+                return qc
+        return None
+
+    def _type_level(self, module: nn.Module) -> QuantizationConfig | None:
+        for cls in type(module).__mro__:
+            if cls in self.layer_type_quant_config:
+                return self.layer_type_quant_config[cls]
+            if cls.__name__ in self.layer_type_quant_config:
+                return self.layer_type_quant_config[cls.__name__]
+        return None
+
+    def is_excluded(self, fqn: str) -> bool:
+        return any(fnmatch.fnmatchcase(fqn, p) for p in self.exclude)
+
+    def resolve(self, fqn: str, module: nn.Module) -> QuantizationConfig | None:
+        """The merged QuantizationConfig of layer `fqn`, or None when it is excluded or nothing is set."""
+        if self.is_excluded(fqn):
+            return None
+        levels = [lv for lv in (self._name_level(fqn), self._type_level(module), self.global_quant_config)
+                  if lv is not None]
+        merged = {n: next((getattr(lv, n) for lv in levels if getattr(lv, n) is not None), None) for n in _FIELDS}
+        if all(merged[n] is None for n in _TENSORS):
+            return None
+        return QuantizationConfig(**merged)  # re-validates the merge (IPU rules on inherited specs)
+
+    def _selects(self, fqn: str, module: nn.Module) -> bool:
+        return (isinstance(module, nn.Linear) or fqn in self.layer_quant_config
+                or self._type_level(module) is not None)
+
+    # -- mapping to affineq configs ----------------------------------------------------------------------
+
+    def to_affineq(self, qc: QuantizationConfig | None, module: nn.Module | None = None) -> QuantConfig | None:
+        """The affineq config that quantizes exactly as `qc` says; QuantizationError names what is refused."""
+        if qc is None:
+            return None
+        for name in _TENSORS:
+            s = getattr(qc, name)
+            if s is not None and s.dtype in _UNUSABLE:
+                raise QuantizationError(f"{name}: Dtype.{s.dtype.name} cannot be used yet: {_UNUSABLE[s.dtype]}")
+        for name in ("input_tensors", "output_tensors"):
+            s = getattr(qc, name)
+            if s is not None and not s.is_dynamic:
+                raise QuantizationError(f"{name} is static (is_dynamic={s.is_dynamic}): {STATIC_ACTIVATION_MESSAGE}")
+        if qc.output_tensors is not None:
+            raise QuantizationError("output_tensors quantization is not supported yet (affineq quantizes a "
+                                    "layer's input and weight); set output_tensors=None")
+        if qc.bias is not None:
+            raise QuantizationError("bias quantization is not supported yet (biases stay float); set bias=None")
+        w, a = qc.weight, qc.input_tensors
+        if w is None:
+            raise QuantizationError("input_tensors without a weight spec: affineq quantizes activations through "
+                                    "the quantized weight of a Linear; give this layer a weight spec")
+        if w.scale_type in (ScaleType.float16,):
+            raise QuantizationError("weight.scale_type=float16: affineq configs store float32 or bfloat16 scales; "
+                                    "use ScaleType.float32, ScaleType.bfloat16 or ScaleType.pof2")
+        return _weight_only(w) if a is None else _dynamic(a, w)
+
+    def to_fqn_config(self, model: nn.Module) -> FqnToConfig:
+        """FqnToConfig with one exact entry per selected layer (None entries are dropped: left float)."""
+        if self.algo_config or self.pre_quant_opt_config:
+            raise QuantizationError("Config.algo_config / pre_quant_opt_config (AWQ, GPTQ, SmoothQuant, rotation) "
+                                    "are not implemented in affineq; set them to None. Nothing was quantized.")
+        entries, problems = {}, []
+        for fqn, module in model.named_modules():
+            if not fqn or not self._selects(fqn, module):
+                continue
+            try:
+                cfg = self.to_affineq(self.resolve(fqn, module), module)
+            except (QuantizationError, ValueError) as e:
+                problems.append(f"  - {fqn}: {e}")
+                continue
+            if cfg is not None:
+                entries[fqn] = cfg
+        if problems:
+            raise QuantizationError("Config cannot quantize {} layer(s):\n{}\nNothing was quantized.".format(
+                len(problems), "\n".join(problems)))
+        return FqnToConfig(entries)
+
+    # -- JSON ------------------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        types = {}
+        for k, v in self.layer_type_quant_config.items():
+            if isinstance(k, type):
+                if not k.__module__.startswith("torch.nn"):
+                    raise ValueError(f"Config.layer_type_quant_config key {k.__qualname__}: only torch.nn classes "
+                                     f"are written as classes; key it by its name {k.__name__!r} (matched by name "
+                                     "in the MRO) to save it")
+                key = f"class:{k.__module__}:{k.__qualname__}"
+            else:
+                key = k
+            types[key] = v.to_dict()
+        return {"type": "Config", "global_quant_config": self.global_quant_config.to_dict(),
+                "layer_type_quant_config": types,
+                "layer_quant_config": {k: v.to_dict() for k, v in self.layer_quant_config.items()},
+                "exclude": list(self.exclude), "algo_config": self.algo_config,
+                "pre_quant_opt_config": self.pre_quant_opt_config}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Config:
+        keys = {"type", "global_quant_config", "layer_type_quant_config", "layer_quant_config", "exclude",
+                "algo_config", "pre_quant_opt_config"}
+        if not isinstance(d, dict) or d.get("type") != "Config" or set(d) - keys:
+            raise ValueError(f"Config.from_dict expects the dict Config.to_dict() writes (keys {sorted(keys)})")
+        types = {}
+        for k, v in (d.get("layer_type_quant_config") or {}).items():
+            if k.startswith("class:"):
+                _, module, qualname = k.split(":", 2)
+                if not module.startswith("torch.nn"):
+                    raise ValueError(f"Config.layer_type_quant_config key {k!r}: only torch.nn classes are loaded")
+                k = _load_class({"module": module, "qualname": qualname}, "Config.layer_type_quant_config key")
+            types[k] = QuantizationConfig.from_dict(v)
+        return cls(QuantizationConfig.from_dict(d["global_quant_config"]), types,
+                   {k: QuantizationConfig.from_dict(v) for k, v in (d.get("layer_quant_config") or {}).items()},
+                   list(d.get("exclude") or ()), d.get("algo_config"), d.get("pre_quant_opt_config"))
+
+
+# -- spec -> affineq config ------------------------------------------------------------------------------
+
+
+def _scale_dtype(s: QuantizationSpec) -> torch.dtype:
+    return torch.bfloat16 if s.scale_type is ScaleType.bfloat16 else torch.float32
+
+
+def _weight_granularity(w: QuantizationSpec) -> Granularity:
+    scheme = w.qscheme or QSchemeType.per_tensor
+    if scheme is QSchemeType.per_tensor:
+        return PerTensor()
+    if scheme is QSchemeType.per_channel:
+        if w.ch_axis not in (None, 0):
+            raise QuantizationError(f"weight per_channel with ch_axis={w.ch_axis}: affineq quantizes weights per "
+                                    "output channel; use ch_axis=0")
+        return PerAxis(0)
+    if w.ch_axis not in (1, -1):
+        raise QuantizationError(f"weight per_group with ch_axis={w.ch_axis}: groups run along the input features; "
+                                "use ch_axis=1")
+    return PerGroup(w.group_size)
+
+
+def _mapping(w: QuantizationSpec) -> MappingType:
+    return MappingType.ASYMMETRIC if w.symmetric is False else MappingType.SYMMETRIC
+
+
+def _weight_only(w: QuantizationSpec) -> QuantConfig:
+    target = DTYPE_TARGETS[w.dtype]
+    gran = _weight_granularity(w)
+    is_float = w.dtype in _FLOAT_DTYPES
+    mapping = _mapping(w)
+    if w.scale_type is ScaleType.pof2 or isinstance(gran, PerTensor) or not isinstance(target, torch.dtype):
+        if is_float:
+            domain = ZeroPointDomain.NONE
+        elif mapping is MappingType.ASYMMETRIC:
+            domain = ZeroPointDomain.FLOAT if w.zero_point_type is ZeroPointType.float32 else ZeroPointDomain.INT
+        else:
+            domain = ZeroPointDomain.NONE if is_signed(target) else ZeroPointDomain.INT
+        return PlainWeightOnlyConfig(qtype(target).name, gran, mapping, domain, _scale_dtype(w),
+                                     "e8m0" if w.scale_type is ScaleType.pof2 else None)
+    if is_float:  # float8, per channel
+        if isinstance(gran, PerGroup) or w.scale_type is ScaleType.bfloat16:
+            return PlainWeightOnlyConfig(qtype(target).name, gran, MappingType.SYMMETRIC, ZeroPointDomain.NONE,
+                                         _scale_dtype(w))
+        return Float8WeightOnlyConfig(weight_dtype=target)
+    if (w.dtype is Dtype.int8 and mapping is MappingType.SYMMETRIC and w.scale_type is not ScaleType.bfloat16
+            and w.zero_point_type is None):
+        return Int8WeightOnlyConfig(group_size=gran.group_size if isinstance(gran, PerGroup) else None)
+    domain = None
+    if mapping is MappingType.ASYMMETRIC and w.zero_point_type is ZeroPointType.float32:
+        domain = ZeroPointDomain.FLOAT
+    return IntxWeightOnlyConfig(weight_dtype=target, granularity=gran, mapping_type=mapping,
+                                zero_point_domain=domain, scale_dtype=_scale_dtype(w))
+
+
+def _dynamic(a: QuantizationSpec, w: QuantizationSpec) -> QuantConfig:
+    combo = (f"dynamic input {a.dtype.name} {a.qscheme and a.qscheme.name} symmetric={a.symmetric} with weight "
+             f"{w.dtype.name} {w.qscheme and w.qscheme.name} symmetric={w.symmetric}")
+    if a.scale_type is ScaleType.pof2 or w.scale_type is ScaleType.pof2:
+        raise QuantizationError(f"{combo}: power-of-two scales with dynamic activations need a packing that stores "
+                                "e8m0 scales for them (only weight-only 'plain' does); use scale_type=float32")
+    if a.qscheme is QSchemeType.per_group:
+        raise QuantizationError(f"{combo}: per_group activations are not supported; use per_channel (per token) "
+                                "or per_tensor")
+    per_token = a.qscheme is QSchemeType.per_channel
+    wg = _weight_granularity(w)
+    if a.dtype is Dtype.int8 and per_token:
+        if (a.symmetric is not False and w.dtype is Dtype.int8 and isinstance(wg, PerAxis)
+                and w.symmetric is not False and w.scale_type is not ScaleType.bfloat16):
+            return Int8DynamicActivationInt8WeightConfig()
+        if (a.symmetric is False and w.dtype is Dtype.int4 and isinstance(wg, PerGroup)
+                and w.symmetric is not False):
+            return Int8DynamicActivationInt4WeightConfig(group_size=wg.group_size, scale_dtype=_scale_dtype(w))
+    if a.dtype in (Dtype.fp8_e4m3, Dtype.fp8_e5m2) and w.dtype in (Dtype.fp8_e4m3, Dtype.fp8_e5m2):
+        if per_token and isinstance(wg, PerAxis) and w.scale_type is not ScaleType.bfloat16:
+            return Float8DynamicActivationFloat8WeightConfig(DTYPE_TARGETS[a.dtype], DTYPE_TARGETS[w.dtype], PerRow())
+        if not per_token and isinstance(wg, PerTensor) and w.scale_type is not ScaleType.bfloat16:
+            return Float8DynamicActivationFloat8WeightConfig(DTYPE_TARGETS[a.dtype], DTYPE_TARGETS[w.dtype],
+                                                             PerTensor())
+    raise QuantizationError(
+        f"{combo} is not supported; affineq's dynamic configs are: int8 symmetric per-token input x int8 symmetric "
+        "per-channel weight; int8 asymmetric per-token input x int4 symmetric per-group weight; fp8 per-token x "
+        "fp8 per-channel, or fp8 per-tensor x fp8 per-tensor (float32 scales)")
