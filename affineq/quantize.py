@@ -302,7 +302,8 @@ def quantize_(
     and `QuantizationError` says which module failed and why. A config that quantizes activations
     statically (`Int8StaticActivationInt8WeightConfig`) needs `calibration_data`, an iterable of inputs
     (tensor: model(x), tuple: model(*x), dict: model(**x)), run once with a progress bar. Peak memory: the
-    float model plus its quantized weights (the float weights are freed when the call returns). Global torch state is not touched.
+    float model plus its quantized weights (the float weights are freed when the call returns). Global torch
+    state is not touched.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize_(model, config): model must be an nn.Module, got {type(model).__name__}; pass "
