@@ -33,6 +33,17 @@ from affineq.granularity import (
     get_block_size,
     parse_granularity,
 )
+from affineq.observers import (
+    MovingAveragePerChannelMinMaxObserver,
+    MovingAveragePerTensorMinMaxObserver,
+    Observer,
+    PerChannelMinMaxObserver,
+    PerGroupMinMaxObserver,
+    PerTensorHistogramObserver,
+    PerTensorMinMaxObserver,
+    PerTensorMSEObserver,
+    PerTensorPercentileObserver,
+)
 from affineq.primitives import (
     MappingType,
     ZeroPointDomain,
@@ -77,6 +88,15 @@ from affineq.tensor.spec import ActivationQuant, QParamOptions, QuantSpec
 __version__ = "0.1.0"
 
 __all__ = [
+    "MovingAveragePerChannelMinMaxObserver",
+    "MovingAveragePerTensorMinMaxObserver",
+    "Observer",
+    "PerChannelMinMaxObserver",
+    "PerGroupMinMaxObserver",
+    "PerTensorHistogramObserver",
+    "PerTensorMSEObserver",
+    "PerTensorMinMaxObserver",
+    "PerTensorPercentileObserver",
     "ACT_TENSORS",
     "ActivationQuant",
     "ConvReLU",
