@@ -9,6 +9,7 @@ Importing affineq registers its tensor class, enums, granularities and metadata 
 
 import torch
 
+from affineq.calibration import Int8StaticActivationInt8WeightConfig, convert_, prepare_, run_calibration
 from affineq.configs import (
     Float8DynamicActivationFloat8WeightConfig,
     Float8WeightOnlyConfig,
@@ -120,6 +121,7 @@ __all__ = [
     "Int4WeightOnlyConfig",
     "Int8DynamicActivationInt4WeightConfig",
     "Int8DynamicActivationInt8WeightConfig",
+    "Int8StaticActivationInt8WeightConfig",
     "Int8WeightOnlyConfig",
     "IntFormat",
     "IntxWeightOnlyConfig",
@@ -142,12 +144,14 @@ __all__ = [
     "ZeroPointDomain",
     "choose_qparams_affine",
     "config_from_dict",
+    "convert_",
     "dequantize_affine",
     "fake_quantize_affine",
     "fold_batch_norm",
     "fuse_modules_",
     "get_block_size",
     "parse_granularity",
+    "prepare_",
     "quantize_",
     "quantize_affine",
     "quantized_weights",
@@ -155,6 +159,7 @@ __all__ = [
     "record_kernels",
     "register_linear_kernel",
     "register_qtype",
+    "run_calibration",
     "register_quantize_module_handler",
     "select_linear_kernel",
     "set_strict",

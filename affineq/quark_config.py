@@ -87,8 +87,8 @@ __all__ = [
     "STATIC_ACTIVATION_MESSAGE",
 ]
 
-STATIC_ACTIVATION_MESSAGE = ("static activation quantization needs calibration: pass calibration_data / use "
-                             "prepare_ and convert_ (not available yet)")
+STATIC_ACTIVATION_MESSAGE = ("static output quantization is not supported yet (static input_tensors are: "
+                             "they calibrate through quantize_(..., calibration_data=...) or prepare_ / convert_)")
 
 
 # -- enums (JSON: member names) --------------------------------------------------------------------------
@@ -477,10 +477,9 @@ class Config(ModelConfig):
             s = getattr(qc, name)
             if s is not None and s.dtype in _UNUSABLE:
                 raise QuantizationError(f"{name}: Dtype.{s.dtype.name} cannot be used yet: {_UNUSABLE[s.dtype]}")
-        for name in ("input_tensors", "output_tensors"):
-            s = getattr(qc, name)
-            if s is not None and not s.is_dynamic:
-                raise QuantizationError(f"{name} is static (is_dynamic={s.is_dynamic}): {STATIC_ACTIVATION_MESSAGE}")
+        if qc.output_tensors is not None and not qc.output_tensors.is_dynamic:
+            raise QuantizationError(f"output_tensors is static (is_dynamic={qc.output_tensors.is_dynamic}): "
+                                    f"{STATIC_ACTIVATION_MESSAGE}")
         if qc.output_tensors is not None:
             raise QuantizationError("output_tensors quantization is not supported yet (affineq quantizes a "
                                     "layer's input and weight); set output_tensors=None")
@@ -493,6 +492,8 @@ class Config(ModelConfig):
         if w.scale_type in (ScaleType.float16,):
             raise QuantizationError("weight.scale_type=float16: affineq configs store float32 or bfloat16 scales; "
                                     "use ScaleType.float32, ScaleType.bfloat16 or ScaleType.pof2")
+        if a is not None and not a.is_dynamic:
+            return _static(a, w)
         return _weight_only(w) if a is None else _dynamic(a, w)
 
     def to_fqn_config(self, model: nn.Module) -> FqnToConfig:
@@ -556,6 +557,32 @@ class Config(ModelConfig):
 
 
 # -- spec -> affineq config ------------------------------------------------------------------------------
+
+_STATIC_OBSERVERS = {"PerTensorMinMaxObserver": "minmax", "MovingAveragePerTensorMinMaxObserver": "moving_average",
+                     "PerTensorHistogramObserver": "histogram", "PerTensorPercentileObserver": "percentile",
+                     "PerTensorMSEObserver": "mse"}
+
+
+def _static(a: QuantizationSpec, w: QuantizationSpec) -> QuantConfig:
+    """A static (calibrated) int8 input with an int8 symmetric per-channel weight: Int8StaticActivationInt8Weight.
+    A uint8 asymmetric input is the same grid as int8 with its zero point shifted by 128."""
+    from affineq.calibration import Int8StaticActivationInt8WeightConfig
+
+    if a.dtype not in (Dtype.int8, Dtype.uint8) or (a.qscheme or QSchemeType.per_tensor) is not QSchemeType.per_tensor:
+        raise QuantizationError(f"static input_tensors: only int8/uint8 per_tensor is calibrated (got {a.dtype.name}, "
+                                f"{(a.qscheme or QSchemeType.per_tensor).name}); use is_dynamic=True for others")
+    if a.dtype is Dtype.uint8 and a.symmetric:
+        raise QuantizationError("static input_tensors: uint8 with symmetric=True has no zero point 0 code; use "
+                                "Dtype.int8 for symmetric inputs, or symmetric=False")
+    if w.dtype is not Dtype.int8 or w.symmetric is False or (w.qscheme or QSchemeType.per_channel) is not \
+            QSchemeType.per_channel:
+        raise QuantizationError("static input_tensors need an int8 symmetric per_channel weight spec (the int8 x "
+                                "int8 GEMM); change the weight spec or make the input dynamic")
+    observer = "minmax" if a.observer_cls is None else _STATIC_OBSERVERS.get(a.observer_cls.__name__)
+    if observer is None:
+        raise QuantizationError(f"static input_tensors: observer_cls={a.observer_cls.__name__} is not a per-tensor "
+                                f"observer; use one of {sorted(_STATIC_OBSERVERS)} (affineq.observers)")
+    return Int8StaticActivationInt8WeightConfig(activation_symmetric=bool(a.symmetric), observer=observer)
 
 
 def _scale_dtype(s: QuantizationSpec) -> torch.dtype:

@@ -272,8 +272,9 @@ def test_dynamic_mapping(a, w, want):
     (qc(weight=QuantizationSpec(Dtype.mx9)), ["Dtype.mx9", "int8"]),
     (qc(weight=QuantizationSpec(Dtype.bfloat16)), ["Dtype.bfloat16", "model.to(torch.bfloat16)"]),
     (qc(weight=QuantizationSpec(Dtype.float16)), ["Dtype.float16", "model.to(torch.float16)"]),
-    (qc(weight=W8, input_tensors=A8_STATIC), [STATIC_ACTIVATION_MESSAGE]),
-    (qc(weight=W8, input_tensors=QuantizationSpec(Dtype.int8)), [STATIC_ACTIVATION_MESSAGE]),
+    (qc(weight=W8, output_tensors=QuantizationSpec(Dtype.int8)), [STATIC_ACTIVATION_MESSAGE]),
+    (qc(weight=W4, input_tensors=A8_STATIC), ["int8 symmetric per_channel weight"]),
+    (qc(weight=W8, input_tensors=QuantizationSpec(Dtype.uint8, is_dynamic=False, symmetric=True)), ["uint8"]),
     (qc(weight=W8, output_tensors=QuantizationSpec(Dtype.int8, is_dynamic=True)), ["output_tensors"]),
     (qc(weight=W8, bias=QuantizationSpec(Dtype.int8)), ["bias"]),
     (qc(input_tensors=A8_DYN), ["weight spec"]),
@@ -373,15 +374,22 @@ def test_quantize_filter_fn_still_applies():
         "layers.0.attn.weight", "layers.1.attn.weight"}
 
 
-def test_static_activation_refused_model_unchanged():
+def test_static_input_needs_calibration_and_then_runs_the_int8_gemm():
+    from affineq import Int8StaticActivationInt8WeightConfig
+
     m = Model()
     snap = snapshot_model(m)
     cfg = Config(qc(weight=W8), layer_quant_config={"layers.1.attn": qc(input_tensors=A8_STATIC)})
-    with pytest.raises(QuantizationError) as e:
+    assert cfg.to_affineq(cfg.resolve("layers.1.attn", m.layers[1].attn)) == Int8StaticActivationInt8WeightConfig(
+        activation_symmetric=True, observer="minmax")
+    with pytest.raises(QuantizationError, match="needs calibration: pass calibration_data"):
         quantize_(m, cfg)
-    assert STATIC_ACTIVATION_MESSAGE in str(e.value) and "layers.1.attn" in str(e.value)
-    assert "Nothing was quantized" in str(e.value)
     assert_unchanged(m, snap)
+    x = torch.randn(2, m.layers[0].attn.in_features)
+    quantize_(m, cfg, calibration_data=[torch.randn(4, x.shape[1]) for _ in range(3)])
+    w = m.layers[1].attn.weight
+    assert w.act_quant.static and w.act_tensors["act_scale"].numel() == 1 and "act_zero_point" not in w.act_tensors
+    assert m.layers[0].attn.weight.act_quant is None  # the global spec: weight-only
 
 
 @pytest.mark.parametrize("cfg, words", [

@@ -1,0 +1,146 @@
+"""Static quantization with calibration: quantize_(..., calibration_data=...), prepare_ / convert_, a folded CNN."""
+
+import copy
+import io
+
+import pytest
+import torch
+from conftest import sqnr
+from torch import nn
+
+import affineq
+from affineq import (
+    AffineQuantizedTensor,
+    FqnToConfig,
+    Int8DynamicActivationInt8WeightConfig,
+    Int8StaticActivationInt8WeightConfig,
+    Int8WeightOnlyConfig,
+    QuantizationError,
+    convert_,
+    fuse_modules_,
+    prepare_,
+    quantize_,
+    record_kernels,
+)
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32)).eval()
+
+
+def _batches(n=6, rows=8):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(rows, 64, generator=g) for _ in range(n)]
+
+
+def _static(observer="minmax"):
+    return Int8StaticActivationInt8WeightConfig(observer=observer, packing_format="plain")
+
+
+@pytest.mark.parametrize("observer", ["minmax", "moving_average", "histogram", "percentile", "mse"])
+def test_calibrated_mlp_runs_the_int8_gemm(observer):
+    m = _mlp()
+    x = torch.randn(16, 64)
+    with torch.no_grad():
+        ref = m(x)
+        quantize_(m, _static(observer), calibration_data=_batches())
+        with record_kernels() as used:
+            out = m(x)
+    assert used == ["aten._int_mm:static"] * 2
+    assert sqnr(ref, out) > 28  # 6 batches of 8 rows: measured 29.1 (moving average) to 40 dB
+    assert not any("observer" in n for n, _ in m.named_modules())  # observers removed
+    w = m[0].weight
+    assert isinstance(w, AffineQuantizedTensor) and w.act_quant.static and set(w.act_tensors) == {
+        "act_scale", "act_zero_point"}
+
+
+def test_static_is_within_one_db_of_dynamic_and_compiles_and_saves():
+    # one per-tensor calibrated scale against per-token dynamic scales on a toy MLP, 16 calibration batches
+    # of 16 rows: 38.7-39.8 dB across calibration draws (mse and moving-average observers) against 40.06
+    # dynamic; min-max about 39.0. (The issue's 1 dB bound is stated for MiniLM, not asserted here.)
+    m, x = _mlp(), torch.randn(16, 64, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = m(x)
+        static = quantize_(copy.deepcopy(m), _static("mse"), calibration_data=_batches(16, 16))
+        dynamic = quantize_(copy.deepcopy(m), Int8DynamicActivationInt8WeightConfig(packing_format="plain"))
+        s_db, d_db = sqnr(ref, static(x)), sqnr(ref, dynamic(x))
+        assert s_db > d_db - 1.5, (s_db, d_db)
+        torch._dynamo.reset()
+        torch.testing.assert_close(torch.compile(static, fullgraph=True)(x), static(x), rtol=1e-6, atol=1e-6)
+    buf = io.BytesIO()
+    torch.save(static.state_dict(), buf)
+    buf.seek(0)
+    fresh = _mlp()
+    fresh.load_state_dict(torch.load(buf, weights_only=True), assign=True)
+    with torch.no_grad():
+        assert torch.equal(fresh(x), static(x))
+
+
+def test_prepare_calibrate_convert_by_hand_with_tuple_and_dict_items():
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(64, 32), nn.Linear(64, 32)
+
+        def forward(self, x, y=None):
+            return self.a(x) + (0 if y is None else self.b(y))
+
+    torch.manual_seed(0)
+    m = Two().eval()
+    prepare_(m, _static())
+    assert hasattr(m.a, "affineq_input_observer") and "a.affineq_input_observer.num_batches" in m.state_dict()
+    affineq.run_calibration(m, [(torch.randn(4, 64), torch.randn(4, 64)), {"x": torch.randn(4, 64),
+                                                                           "y": torch.randn(4, 64)}])
+    convert_(m)
+    assert m.a.weight.act_quant.static and m.b.weight.act_quant.static
+    assert not hasattr(m.a, "affineq_input_observer")
+
+
+def test_mixed_configs_calibrate_only_the_static_layers():
+    m = _mlp()
+    quantize_(m, FqnToConfig({"0": _static(), "2": Int8WeightOnlyConfig()}), calibration_data=_batches())
+    assert m[0].weight.act_quant.static and m[2].weight.act_quant is None
+
+
+def test_calibration_errors_leave_the_model_unchanged():
+    m = _mlp()
+    before = {n: p for n, p in m.named_parameters()}
+    with pytest.raises(QuantizationError, match="needs calibration: pass calibration_data"):
+        quantize_(m, _static())
+    with pytest.raises(QuantizationError, match="calibration_data was given but.*drop calibration_data"):
+        quantize_(m, Int8WeightOnlyConfig(), calibration_data=_batches())
+    with pytest.raises(TypeError, match="calibration item 1 is a list"):
+        quantize_(m, _static(), calibration_data=[torch.randn(2, 64), [torch.randn(2, 64)]])
+    with pytest.raises(QuantizationError, match="no prepared layer"):
+        convert_(m)
+    assert {n: p for n, p in m.named_parameters()} == before
+    assert not any("observer" in n for n, _ in m.named_modules())
+    prepare_(m, _static(), filter_fn=lambda mod, fqn: fqn == "2")
+    with pytest.raises(QuantizationError, match="observer of '2' saw no data"):
+        convert_(m)
+    with pytest.raises(QuantizationError, match="already prepared"):
+        prepare_(m, _static(), filter_fn=lambda mod, fqn: fqn == "2")
+    affineq.calibration.unprepare_(m)
+    assert {n: p for n, p in m.named_parameters()} == before
+
+
+def test_folded_cnn_calibrated_statically():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.Flatten(),
+                      nn.Linear(16 * 8 * 8, 10)).eval()
+    with torch.no_grad():
+        m[1].running_mean.uniform_(-0.3, 0.3)
+        m[1].running_var.uniform_(0.5, 2.0)
+    x = torch.randn(4, 3, 8, 8)
+    data = [torch.randn(4, 3, 8, 8) for _ in range(4)]
+    with torch.no_grad():
+        ref = m(x)
+        assert fuse_modules_(m) == [["0", "1", "2"]]
+        quantize_(m, _static(), filter_fn=lambda mod, fqn: isinstance(mod, (nn.Conv2d, nn.Linear)),
+                  calibration_data=data)
+        with pytest.warns(affineq.KernelFallbackWarning, match="no packed convolution kernel"), \
+                record_kernels() as used:
+            out = m(x)
+    assert used == ["dequantize:conv", "aten._int_mm:static"]
+    assert sqnr(ref, out) > 30
