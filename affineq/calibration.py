@@ -40,7 +40,7 @@ OBSERVERS: dict[str, type] = {
 }
 
 _OBSERVER_ATTR = "affineq_input_observer"  # the submodule prepare_ adds (saved in the state_dict)
-_HOOKS: dict[int, tuple[torch.utils.hooks.RemovableHandle, QuantConfig]] = {}
+_STATE_ATTR = "_affineq_calibration"  # (hook handle, config) on a prepared module; gone after convert_
 
 
 @dataclass(frozen=True)
@@ -124,12 +124,12 @@ def prepare_(model: nn.Module, config: QuantConfig, filter_fn=None) -> nn.Module
         raise QuantizationError(f"{type(config).__name__} quantizes no layer statically: nothing to calibrate; "
                                 "use quantize_(model, config) directly")
     for step in static:
-        if id(step.module) in _HOOKS:
+        if hasattr(step.module, _STATE_ATTR):
             raise QuantizationError(f"{step.fqn!r} is already prepared; call convert_(model) first")
     for step in static:
         step.module.add_module(_OBSERVER_ATTR, step.config.make_observer())
         handle = step.module.register_forward_pre_hook(_observe_input)
-        _HOOKS[id(step.module)] = (handle, step.config)
+        setattr(step.module, _STATE_ATTR, (handle, step.config))
     return model
 
 
@@ -171,7 +171,7 @@ def convert_(model: nn.Module, *, others: dict[str, QuantConfig] | None = None) 
     layer whose observer saw no data raises QuantizationError naming it, and the model stays prepared."""
     from affineq.quantize import FqnToConfig, QuantizationError, quantize_
 
-    prepared = {fqn: m for fqn, m in model.named_modules() if id(m) in _HOOKS}
+    prepared = {fqn: m for fqn, m in model.named_modules() if hasattr(m, _STATE_ATTR)}
     if not prepared:
         raise QuantizationError("convert_: no prepared layer in this model; call prepare_(model, config) first")
     configs = dict(others or {})
@@ -181,7 +181,7 @@ def convert_(model: nn.Module, *, others: dict[str, QuantConfig] | None = None) 
             raise QuantizationError(f"convert_: the observer of {fqn!r} saw no data; run calibration batches "
                                     "through the model (the layer must be reached by them) before convert_")
         scale, zp = obs.calculate_qparams()
-        configs[fqn] = _Calibrated(base=_HOOKS[id(m)][1], act_scale=float(scale.reshape(-1)[0]),
+        configs[fqn] = _Calibrated(base=getattr(m, _STATE_ATTR)[1], act_scale=float(scale.reshape(-1)[0]),
                                    act_zero_point=None if zp is None else int(zp.reshape(-1)[0]))
     quantize_(model, FqnToConfig(configs), filter_fn=lambda module, fqn: fqn in configs)
     unprepare_(model)
@@ -191,9 +191,9 @@ def convert_(model: nn.Module, *, others: dict[str, QuantConfig] | None = None) 
 def unprepare_(model: nn.Module) -> nn.Module:
     """Remove every observer and hook `prepare_` added to `model` (nothing else changes)."""
     for m in model.modules():
-        entry = _HOOKS.pop(id(m), None)
-        if entry is not None:
-            entry[0].remove()
+        state = m.__dict__.pop(_STATE_ATTR, None)
+        if state is not None:
+            state[0].remove()
         if _OBSERVER_ATTR in m._modules:
             delattr(m, _OBSERVER_ATTR)
     return model

@@ -56,3 +56,17 @@ def assert_unchanged(model: torch.nn.Module, snapshot: dict) -> None:
     assert modules.keys() == snapshot["modules"].keys(), "module names changed"
     for name, (obj, cls) in snapshot["modules"].items():
         assert modules[name] is obj and type(obj) is cls, f"module {name!r} was replaced or changed class"
+
+
+class TiedLM(torch.nn.Module):
+    """An embedding and an output head sharing one weight (the tied-weights cases of the reliability tests)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(64, 32)
+        self.head = torch.nn.Linear(32, 64, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(self.embed(ids))

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_unchanged, snapshot_model
+from conftest import TiedLM, assert_unchanged, snapshot_model
 from torch import nn
 
 import affineq
@@ -127,15 +127,6 @@ def _weight_norm():
         warnings.simplefilter("ignore", FutureWarning)  # torch.nn.utils.weight_norm is deprecated
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(16, 16), torch.nn.utils.weight_norm(nn.Linear(16, 16)))
-
-
-class _TiedLM(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = nn.Embedding(64, 32)
-        self.head = nn.Linear(32, 64, bias=False)
-        self.head.weight = self.embed.weight
 
 
 def _spec_dict(**changes):
@@ -320,10 +311,10 @@ CASES = [
                  r"FqnToConfig\['0'\] must be a config or None, got 'int8'", id="fqn-str-value"),
     pytest.param(lambda: FqnToConfig([("0", Int8WeightOnlyConfig())]), ValueError,
                  r"fqn_to_config=\.\.\.\) must be a dict of name -> config, got list", id="fqn-list"),
-    pytest.param(Q(_TiedLM, FqnToConfig({"embed": Int8WeightOnlyConfig(), "head": IntxWeightOnlyConfig(torch.int4)})),
+    pytest.param(Q(TiedLM, FqnToConfig({"embed": Int8WeightOnlyConfig(), "head": IntxWeightOnlyConfig(torch.int4)})),
                  QuantizationError, r"embed\.weight and head\.weight are the same \(tied\) parameter.*"
                  r"Int8WeightOnlyConfig.*IntxWeightOnlyConfig.*Give both names the same config", id="tied-two-configs"),
-    pytest.param(Q(_TiedLM, FqnToConfig({"embed": None, "head": Int8WeightOnlyConfig()})), QuantizationError,
+    pytest.param(Q(TiedLM, FqnToConfig({"embed": None, "head": Int8WeightOnlyConfig()})), QuantizationError,
                  r"leaves embed\.weight float \(None\) and gives head\.weight .*Give both names the same config",
                  id="tied-float-and-quantized"),
     # tensor ops

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_unchanged, snapshot_model, sqnr
+from conftest import TiedLM, assert_unchanged, snapshot_model, sqnr
 from torch import nn
 
 import affineq
@@ -271,20 +271,8 @@ def test_quantized_embedding_raises_index_error_like_the_float_one(config):
 # -- 6. tied weights under FqnToConfig ----------------------------------------------------------------------------
 
 
-class _TiedLM(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = nn.Embedding(64, 32)
-        self.head = nn.Linear(32, 64, bias=False)
-        self.head.weight = self.embed.weight
-
-    def forward(self, ids):
-        return self.head(self.embed(ids))
-
-
 def test_tied_weights_with_two_configs_are_refused_and_nothing_changes():
-    lm = _TiedLM()
+    lm = TiedLM()
     cfg = FqnToConfig({"embed": Int8WeightOnlyConfig(), "head": IntxWeightOnlyConfig(torch.int4)})
     msg = _expect_unchanged_failure(lm, cfg)
     assert "embed.weight" in msg and "head.weight" in msg and "tied" in msg
@@ -294,14 +282,14 @@ def test_tied_weights_with_two_configs_are_refused_and_nothing_changes():
 
 
 def test_tied_weights_left_float_by_one_name_and_quantized_by_the_other_are_refused():
-    lm = _TiedLM()
+    lm = TiedLM()
     msg = _expect_unchanged_failure(lm, FqnToConfig({"embed": None, "head": Int8WeightOnlyConfig()}))
     assert "embed.weight" in msg and "head.weight" in msg and "None" in msg
 
 
 @pytest.mark.parametrize("config", [Int8WeightOnlyConfig(), IntxWeightOnlyConfig(torch.int4)], ids=["int8", "int4"])
 def test_tied_weights_with_one_config_stay_tied(config):
-    lm = _TiedLM()
+    lm = TiedLM()
     ids = torch.tensor([[1, 5, 63]])
     quantize_(lm, FqnToConfig({"embed": config, "head": config}))
     assert lm.embed.weight is lm.head.weight and isinstance(lm.head.weight, AQT)

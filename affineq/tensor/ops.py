@@ -73,8 +73,7 @@ def _convolution(func, args, kwargs):
     A weight with activation quantization (e.g. static int8 from calibration) fake-quantizes the input first,
     so the numbers are those of a quantized conv."""
     input, weight = args[0], args[1]
-    if isinstance(weight, AQT) and not isinstance(input, AQT):
-        check_frozen(weight)
+    if isinstance(weight, AQT) and not isinstance(input, AQT):  # (frozen check: _dequantize_then_compute)
         announce_fallback(weight.spec.fmt, "no packed convolution kernel", op="conv")
         aq = weight.spec.act_quant
         if aq is not None:  # channels last, so that a "token" is one pixel's channels (as a linear's row)
