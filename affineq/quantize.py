@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from affineq.algorithms._base import AlgorithmConfig, quantize_with_algorithms
 from affineq.configs import QuantConfig, _decode, _encode
 from affineq.tensor.affine import AffineQuantizedTensor
 
@@ -326,6 +327,8 @@ def quantize_(
         config = config.to_fqn_config(model)  # raises QuantizationError before anything changes
     steps, problems = _plan(model, config, filter_fn)
     _raise_problems(config, problems)
+    if any(isinstance(step.config, AlgorithmConfig) for step in steps):
+        return quantize_with_algorithms(model, steps, calibration_data, device)
     if any(getattr(step.config, "needs_calibration", False) for step in steps):
         return _quantize_with_calibration(model, config, filter_fn, steps, calibration_data)
     if calibration_data is not None:

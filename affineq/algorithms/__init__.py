@@ -1,0 +1,9 @@
+"""Accuracy algorithms that compute better quantized weights than round-to-nearest: GPTQ, AWQ, SmoothQuant
+and HQQ. Each is a wrapper config around a weight config; the result is an ordinary quantized model.
+
+    quantize_(model, GPTQConfig(Int4WeightOnlyConfig(group_size=64)), calibration_data=batches)
+"""
+
+from affineq.algorithms._base import AlgorithmConfig, Precomputed
+
+__all__ = ["AlgorithmConfig", "Precomputed"]

@@ -1,0 +1,156 @@
+"""What every accuracy algorithm shares: the wrapper config, the precomputed-weight config it hands back,
+and the model-level run that keeps `quantize_` all-or-nothing.
+
+An algorithm config wraps a base weight config (`GPTQConfig(Int4WeightOnlyConfig(group_size=64))`). `quantize_`
+plans the layers as usual (the base config decides which modules qualify), then calls the algorithm's `run`
+once with every layer it selected and the calibration items. `run` may rescale float modules (AWQ and
+SmoothQuant fold scales into a norm or linear by assigning new Parameters, never in place) and returns a config
+per layer; one ordinary `quantize_` then applies them. If anything fails, every module is restored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from affineq.configs import QuantConfig
+from affineq.tensor.affine import AffineQuantizedTensor
+from affineq.tensor.formats import get_format
+from affineq.tensor.spec import QuantSpec
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig(QuantConfig):
+    """Base of the algorithm wrappers. `base_config`: the weight config whose layers, spec and kernels the
+    result uses. Subclasses set `needs_data` and `base_types` and implement `run`."""
+
+    needs_data: ClassVar[bool] = True
+    base_types: ClassVar[tuple[type, ...]] = ()
+    base_config: QuantConfig = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        name = type(self).__name__
+        allowed = ", ".join(t.__name__ for t in self.base_types)
+        if isinstance(self.base_config, type):
+            raise ValueError(f"{name}(base_config=...) must be a config instance, got the class "
+                             f"{self.base_config.__name__}; call it, e.g. {self.base_config.__name__}()")
+        if not isinstance(self.base_config, QuantConfig) or isinstance(self.base_config, AlgorithmConfig):
+            raise ValueError(f"{name}(base_config=...) must be a weight config ({allowed}), got "
+                             f"{self.base_config!r}")
+        if self.base_types and not isinstance(self.base_config, self.base_types):
+            raise ValueError(f"{name} cannot wrap {type(self.base_config).__name__}; base_config must be one of "
+                             f"{allowed}")
+        if self.param_names is not None:
+            raise ValueError(f"{name} quantizes each layer's `weight`; param_names is not supported")
+
+    # the base config decides which modules qualify and how each weight is stored
+    @property
+    def modules(self):  # type: ignore[override]
+        return self.base_config.modules
+
+    def parameter_names(self, module: nn.Module) -> tuple[str, ...]:
+        return ("weight",)
+
+    def check(self, module: nn.Module) -> str | None:
+        if not isinstance(module, nn.Linear):
+            return f"{type(self).__name__} quantizes nn.Linear layers, not {type(module).__name__}"
+        return self.base_config.check(module)
+
+    def weight_spec(self, weight: torch.Tensor, module: nn.Module) -> QuantSpec:
+        return self.base_config.weight_spec(weight, module)
+
+    def qparam_options(self):
+        return self.base_config.qparam_options()
+
+    def run(self, model: nn.Module, layers: dict[str, nn.Module], data: list | None) -> dict[str, QuantConfig]:
+        """Compute the quantization of `layers` ({fqn: nn.Linear} this config selected in `model`) from the
+        calibration items `data` (None when `needs_data` is False); return {fqn: config} for the final pass
+        (`Precomputed`, or a base config after a folded rescale). May assign new Parameters to float modules."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Precomputed(QuantConfig):
+    """A weight an algorithm already quantized: `quantize_weight` returns `weight` (checked against the
+    module's parameter). `base` is the config it was computed for (its `modules` and `check` apply)."""
+
+    modules: ClassVar = (nn.Linear,)
+    base: QuantConfig = None
+    weight: AffineQuantizedTensor = field(default=None, compare=False, hash=False, repr=False)
+
+    def check(self, module: nn.Module) -> str | None:
+        return self.base.check(module)
+
+    def quantize_weight(self, weight: torch.Tensor, module: nn.Module) -> AffineQuantizedTensor:
+        if tuple(self.weight.shape) != tuple(weight.shape):
+            raise ValueError(f"precomputed weight has shape {tuple(self.weight.shape)}, the layer's weight "
+                             f"{tuple(weight.shape)}")
+        return self.weight
+
+
+def represent_qparams(spec: QuantSpec, scale: torch.Tensor, zero_point: torch.Tensor | None):
+    """The qparams as `spec`'s format stores them (e.g. bf16-rounded scales), shaped [n_blocks...]: compute
+    codes with these so the saved tensor dequantizes to exactly what the algorithm computed."""
+    n = spec.num_blocks
+    return get_format(spec.fmt).represent_qparams(
+        scale.reshape(n), None if zero_point is None else zero_point.reshape(n), spec)
+
+
+def group_by_config(steps) -> dict[AlgorithmConfig, dict[str, nn.Module]]:
+    """{algorithm config: {fqn: module}} for the steps whose config is an AlgorithmConfig."""
+    groups: dict[AlgorithmConfig, dict[str, nn.Module]] = {}
+    for s in steps:
+        if isinstance(s.config, AlgorithmConfig):
+            groups.setdefault(s.config, {})[s.fqn] = s.module
+    return groups
+
+
+def quantize_with_algorithms(model: nn.Module, steps, calibration_data, device) -> nn.Module:
+    """Run every algorithm config of `steps`, then one `quantize_` with the configs they return (and the
+    plain configs of the other steps). All or nothing."""
+    from affineq.quantize import FqnToConfig, QuantizationError, _Snapshot, quantize_
+
+    groups = group_by_config(steps)
+    needing = [type(c).__name__ for c in groups if c.needs_data]
+    if needing and calibration_data is None:
+        raise QuantizationError(f"{needing[0]} needs calibration data: pass calibration_data=<an iterable of "
+                                "model inputs> (tensor: model(x), tuple: model(*x), dict: model(**x)), e.g. 32 "
+                                "token sequences; HQQConfig needs none")
+    if calibration_data is not None and not needing and not any(
+            getattr(s.config, "needs_calibration", False) or getattr(getattr(s.config, "base_config", None),
+                                                                       "needs_calibration", False) for s in steps):
+        raise QuantizationError(f"calibration_data was given but {type(next(iter(groups))).__name__} needs none "
+                                "(it is calibration-free); drop calibration_data")
+    data = None if calibration_data is None else list(calibration_data)
+    if data is not None and not data:
+        raise QuantizationError("calibration_data is empty: pass at least one model input")
+    final: dict[str, QuantConfig] = {}
+    for s in steps:
+        if not isinstance(s.config, AlgorithmConfig):
+            if s.fqn in final:
+                raise QuantizationError(f"{s.fqn!r} is given two configs; give each module one")
+            final[s.fqn] = s.config
+    snapshot = _Snapshot(model)
+    try:
+        if device is not None:
+            for s in steps:
+                s.module.to(device)
+        for cfg, layers in groups.items():
+            final.update(cfg.run(model, layers, data))
+        static = any(getattr(c, "needs_calibration", False) for c in final.values())
+        quantize_(model, FqnToConfig(final), filter_fn=lambda m, fqn: fqn in final,
+                  calibration_data=data if static else None)
+    except BaseException as e:
+        snapshot.restore()
+        if isinstance(e, QuantizationError) or not isinstance(e, Exception):
+            raise
+        raise QuantizationError(f"{type(e).__name__} while running the quantization algorithm (the model was "
+                                f"left unchanged): {e}") from e
+    return model
+
+
+__all__ = ["AlgorithmConfig", "Precomputed", "quantize_with_algorithms", "represent_qparams"]

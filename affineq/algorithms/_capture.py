@@ -1,0 +1,112 @@
+"""Calibration plumbing the algorithms share: call a model on one calibration item, find the repeated blocks
+(transformer layers) that hold the selected linears, capture a block's inputs, and record the inputs that
+reach given linears.
+
+Block-wise algorithms (GPTQ) keep one block's activations in memory: the inputs of the first block are
+captured once (the model stops there), then each block runs on them and its outputs feed the next block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+from torch import nn
+
+
+def call_model(model: nn.Module, item, index: int = 0):
+    """model(x) for a tensor, model(*x) for a tuple, model(**x) for a dict."""
+    if isinstance(item, torch.Tensor):
+        return model(item)
+    if isinstance(item, tuple):
+        return model(*item)
+    if isinstance(item, dict):
+        return model(**item)
+    raise TypeError(f"calibration item {index} is a {type(item).__name__}: pass tensors (model(x)), tuples "
+                    "(model(*x)) or dicts (model(**x))")
+
+
+def progress(items: Iterable, desc: str, enabled: bool = True, **kw) -> Iterable:
+    """`items` wrapped in a tqdm bar on stderr when tqdm is installed (an optional extra) and `enabled`."""
+    if not enabled:
+        return items
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return items
+    return tqdm(items, desc=desc, file=sys.stderr, leave=False, **kw)
+
+
+def find_blocks(model: nn.Module, fqns: Iterable[str]) -> tuple[str, list[nn.Module]] | None:
+    """(name, blocks) of the nn.ModuleList whose children hold the most of the linears `fqns` (the decoder
+    layers of a transformer), or None when no ModuleList holds any (then the whole model is one block)."""
+    fqns = list(fqns)
+    best, best_count = None, 0
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.ModuleList) or len(m) == 0:
+            continue
+        prefix = f"{name}." if name else ""
+        count = sum(1 for f in fqns if f.startswith(prefix) and f[len(prefix):].split(".")[0].isdigit())
+        if count > best_count:
+            best, best_count = (name, list(m)), count
+    return best
+
+
+class _Stop(Exception):
+    pass
+
+
+def capture_inputs(model: nn.Module, module: nn.Module, data: list) -> list[tuple[tuple, dict]]:
+    """The (args, kwargs) `module` receives for each calibration item; the model stops at `module`."""
+    captured: list[tuple[tuple, dict]] = []
+
+    def hook(_mod, args, kwargs):
+        captured.append((args, kwargs))
+        raise _Stop
+
+    handle = module.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            for i, item in enumerate(data):
+                with contextlib.suppress(_Stop):
+                    call_model(model, item, i)
+    finally:
+        handle.remove()
+    if len(captured) != len(data):
+        raise RuntimeError(f"{len(data) - len(captured)} calibration item(s) never reached {type(module).__name__}; "
+                           "pass inputs that run the layers being quantized")
+    return captured
+
+
+def block_output(out) -> torch.Tensor:
+    """A block's hidden states: the output itself, or the first element of a tuple (HF decoder layers)."""
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def run_block(block: nn.Module, inputs: list[tuple[tuple, dict]]) -> list[tuple[tuple, dict]]:
+    """Run `block` on each captured input; the next block's inputs (hidden states replaced, other arguments
+    kept)."""
+    out = []
+    with torch.no_grad():
+        for args, kwargs in inputs:
+            h = block_output(block(*args, **kwargs))
+            out.append(((h, *args[1:]), kwargs) if args else ((), {**kwargs, "hidden_states": h}))
+    return out
+
+
+@contextlib.contextmanager
+def record_linear_inputs(layers: dict[str, nn.Module], fn: Callable[[str, torch.Tensor], None]) -> Iterator[None]:
+    """Call fn(fqn, x) with every input x (flattened to [tokens, in_features]) that reaches each layer."""
+    handles = []
+    for fqn, layer in layers.items():
+        def hook(_mod, args, fqn=fqn):
+            x = args[0].detach()
+            fn(fqn, x.reshape(-1, x.shape[-1]))
+        handles.append(layer.register_forward_pre_hook(hook))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
