@@ -40,7 +40,8 @@ OBSERVERS: dict[str, type] = {
 }
 
 _OBSERVER_ATTR = "affineq_input_observer"  # the submodule prepare_ adds (saved in the state_dict)
-_STATE_ATTR = "_affineq_calibration"  # (hook handle, config) on a prepared module; gone after convert_
+_OUTPUT_OBSERVER_ATTR = "affineq_output_observer"  # with quantize_output
+_STATE_ATTR = "_affineq_calibration"  # ([hook handles], config) on a prepared module; gone after convert_
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,10 @@ class Int8StaticActivationInt8WeightConfig(QuantConfig):
 
     activation_symmetric: False (default: asymmetric, an integer zero point) or True (zero point 0).
     observer: how the activation range is chosen: "minmax", "moving_average", "histogram", "percentile"
-    or "mse" (`affineq.observers`). packing_format: "auto" (`plain` for aten's int8 GEMM where it is fast,
+    or "mse" (`affineq.observers`). quantize_output: also calibrate the layer's output and quantize it to
+    int8 with those qparams (`act_out_scale` / `act_out_zero_point`), as a quantized model that passes int8
+    tensors between layers would; output_symmetric: its mapping (None: as activation_symmetric).
+    packing_format: "auto" (`plain` for aten's int8 GEMM where it is fast,
     `dense` with our kernel on the fake-quantized input elsewhere; `plain` for convolutions), "plain", "dense".
     """
 
@@ -59,11 +63,20 @@ class Int8StaticActivationInt8WeightConfig(QuantConfig):
     activation_symmetric: bool = False
     observer: str = "minmax"
     packing_format: str = "auto"
+    quantize_output: bool = False
+    output_symmetric: bool | None = None
 
     def __post_init__(self):
         super().__post_init__()
         if not isinstance(self.activation_symmetric, bool):
             raise ValueError(f"activation_symmetric={self.activation_symmetric!r} must be True or False")
+        if not isinstance(self.quantize_output, bool):
+            raise ValueError(f"quantize_output={self.quantize_output!r} must be True or False")
+        if self.output_symmetric is not None and not isinstance(self.output_symmetric, bool):
+            raise ValueError(f"output_symmetric={self.output_symmetric!r} must be True, False or None")
+        if self.output_symmetric is not None and not self.quantize_output:
+            raise ValueError("output_symmetric is set but quantize_output=False; pass quantize_output=True (or "
+                             "drop output_symmetric)")
         _check_choice("observer", self.observer, tuple(OBSERVERS))
         _check_choice("packing_format", self.packing_format, ("auto", "plain", "dense"))
 
@@ -72,10 +85,15 @@ class Int8StaticActivationInt8WeightConfig(QuantConfig):
             return ActivationQuant(torch.int8, MappingType.SYMMETRIC, "per_tensor", ZeroPointDomain.NONE, static=True)
         return ActivationQuant(torch.int8, MappingType.ASYMMETRIC, "per_tensor", ZeroPointDomain.INT, static=True)
 
-    def make_observer(self) -> nn.Module:
-        aq = self.activation_quant()
-        return OBSERVERS[self.observer](dtype=torch.int8, mapping_type=aq.mapping_type,
-                                        zero_point_domain=aq.zero_point_domain, scale_dtype=torch.float32)
+    def make_observer(self, output: bool = False) -> nn.Module:
+        """The observer of the layer's input (or, with `output`, of its output)."""
+        symmetric = self.activation_symmetric
+        if output and self.output_symmetric is not None:
+            symmetric = self.output_symmetric
+        mapping = MappingType.SYMMETRIC if symmetric else MappingType.ASYMMETRIC
+        domain = ZeroPointDomain.NONE if symmetric else ZeroPointDomain.INT
+        return OBSERVERS[self.observer](dtype=torch.int8, mapping_type=mapping, zero_point_domain=domain,
+                                        scale_dtype=torch.float32)
 
     def _block_size(self, shape, module):
         return _row_block(shape, None)
@@ -97,14 +115,22 @@ class _Calibrated(QuantConfig):
     base: QuantConfig = None
     act_scale: float = 1.0
     act_zero_point: int | None = None
+    out_scale: float | None = None
+    out_zero_point: int | None = None
 
     def check(self, module):
         return self.base.check(module)
 
     def quantize_weight(self, weight, module) -> AffineQuantizedTensor:
-        zp = None if self.act_zero_point is None else torch.tensor([self.act_zero_point], dtype=torch.int32)
+        def f32(v):
+            return None if v is None else torch.tensor([v], dtype=torch.float32)
+
+        def i32(v):
+            return None if v is None else torch.tensor([v], dtype=torch.int32)
+
         qw = self.base.quantize_weight(weight, module)
-        return qw.with_act_tensors(act_scale=torch.tensor([self.act_scale], dtype=torch.float32), act_zero_point=zp)
+        return qw.with_act_tensors(act_scale=f32(self.act_scale), act_zero_point=i32(self.act_zero_point),
+                                   act_out_scale=f32(self.out_scale), act_out_zero_point=i32(self.out_zero_point))
 
 
 def _needs_calibration(cfg) -> bool:
@@ -128,14 +154,26 @@ def prepare_(model: nn.Module, config: QuantConfig, filter_fn=None) -> nn.Module
             raise QuantizationError(f"{step.fqn!r} is already prepared; call convert_(model) first")
     for step in static:
         step.module.add_module(_OBSERVER_ATTR, step.config.make_observer())
-        handle = step.module.register_forward_pre_hook(_observe_input)
-        setattr(step.module, _STATE_ATTR, (handle, step.config))
+        handles = [step.module.register_forward_pre_hook(_observe_input)]
+        if getattr(step.config, "quantize_output", False):
+            step.module.add_module(_OUTPUT_OBSERVER_ATTR, step.config.make_observer(output=True))
+            handles.append(step.module.register_forward_hook(_observe_output))
+        setattr(step.module, _STATE_ATTR, (handles, step.config))
     return model
 
 
 def _observe_input(module: nn.Module, args) -> None:
     if args and isinstance(args[0], torch.Tensor):
         getattr(module, _OBSERVER_ATTR)(args[0])
+
+
+def _observe_output(module: nn.Module, args, out) -> None:
+    if isinstance(out, torch.Tensor):
+        getattr(module, _OUTPUT_OBSERVER_ATTR)(out)
+
+
+def _first(t: torch.Tensor | None):
+    return None if t is None else t.reshape(-1)[0].item()
 
 
 def run_calibration(model: nn.Module, data: Iterable, progress: bool = True) -> int:
@@ -181,8 +219,12 @@ def convert_(model: nn.Module, *, others: dict[str, QuantConfig] | None = None) 
             raise QuantizationError(f"convert_: the observer of {fqn!r} saw no data; run calibration batches "
                                     "through the model (the layer must be reached by them) before convert_")
         scale, zp = obs.calculate_qparams()
-        configs[fqn] = _Calibrated(base=getattr(m, _STATE_ATTR)[1], act_scale=float(scale.reshape(-1)[0]),
-                                   act_zero_point=None if zp is None else int(zp.reshape(-1)[0]))
+        out_scale = out_zp = None
+        if _OUTPUT_OBSERVER_ATTR in m._modules:
+            out_scale, out_zp = getattr(m, _OUTPUT_OBSERVER_ATTR).calculate_qparams()
+        configs[fqn] = _Calibrated(base=getattr(m, _STATE_ATTR)[1], act_scale=_first(scale),
+                                   act_zero_point=_first(zp), out_scale=_first(out_scale),
+                                   out_zero_point=_first(out_zp))
     quantize_(model, FqnToConfig(configs), filter_fn=lambda module, fqn: fqn in configs)
     unprepare_(model)
     return model
@@ -192,8 +234,9 @@ def unprepare_(model: nn.Module) -> nn.Module:
     """Remove every observer and hook `prepare_` added to `model` (nothing else changes)."""
     for m in model.modules():
         state = m.__dict__.pop(_STATE_ATTR, None)
-        if state is not None:
-            state[0].remove()
-        if _OBSERVER_ATTR in m._modules:
-            delattr(m, _OBSERVER_ATTR)
+        for handle in state[0] if state is not None else ():
+            handle.remove()
+        for attr in (_OBSERVER_ATTR, _OUTPUT_OBSERVER_ATTR):
+            if attr in m._modules:
+                delattr(m, attr)
     return model

@@ -22,7 +22,7 @@ from torch import nn
 from affineq import granularity as _gran
 from affineq.dtypes import check_target_dtype, is_integer_target, is_signed
 from affineq.granularity import Granularity, PerAxis, PerGroup, PerRow, PerTensor, get_block_size
-from affineq.primitives import MappingType, ZeroPointDomain
+from affineq.primitives import ROUNDING, MappingType, ZeroPointDomain
 from affineq.tensor.affine import AffineQuantizedTensor
 from affineq.tensor.kernel_registry import auto_format
 from affineq.tensor.spec import ActivationQuant, QParamOptions, QuantSpec
@@ -322,6 +322,7 @@ class Int4WeightOnlyConfig(QuantConfig):
     "dense", "int4_cpu", "int4_cuda" or "plain".
     scale_dtype: dtype of the scales and float zero points, bf16 by default (0.0625 B/param at group 64;
     its 2^-9 rounding is ~1/100 of the int4 step) or fp32; the aten int4 layouts need bf16.
+    rounding: how weights round to codes, "half_even" (default), "half_away_from_zero" or "floor".
     """
 
     group_size: int = 128
@@ -330,9 +331,11 @@ class Int4WeightOnlyConfig(QuantConfig):
     zero_point_domain: ZeroPointDomain = ZeroPointDomain.FLOAT
     preserve_zero: bool = False
     scale_dtype: torch.dtype = torch.bfloat16
+    rounding: str = "half_even"
 
     def __post_init__(self):
         super().__post_init__()
+        _check_choice("rounding", self.rounding, tuple(ROUNDING))
         if self.group_size is None:
             raise ValueError("Int4WeightOnlyConfig needs a group_size: pass group_size=32, 64, 128 or 256")
         _check_group_size(self.group_size, allow_none=False)
@@ -361,7 +364,7 @@ class Int4WeightOnlyConfig(QuantConfig):
         return spec
 
     def qparam_options(self):
-        return QParamOptions(scale_dtype=self.scale_dtype, preserve_zero=self.preserve_zero)
+        return QParamOptions(scale_dtype=self.scale_dtype, preserve_zero=self.preserve_zero, rounding=self.rounding)
 
 
 def _format_cannot_hold(spec: QuantSpec) -> bool:
@@ -380,6 +383,7 @@ class IntxWeightOnlyConfig(QuantConfig):
     scale_dtype: bf16 by default (16-bit qparams: int2 g32 stores 0.375 B/param, int3 g32 0.5) or fp32;
     an integer zero point (ASYMMETRIC with the INT domain) keeps its qparams in fp32 in `dense`, where a bf16
     offset could not hold it exactly (use zero_point_domain=ZeroPointDomain.FLOAT for 16-bit qparams).
+    rounding: how weights round to codes, "half_even" (default), "half_away_from_zero" or "floor".
     """
 
     modules: ClassVar = (nn.Linear, nn.Embedding)
@@ -389,10 +393,12 @@ class IntxWeightOnlyConfig(QuantConfig):
     zero_point_domain: ZeroPointDomain | None = None
     packing_format: str = "auto"
     scale_dtype: torch.dtype = torch.bfloat16
+    rounding: str = "half_even"
 
     def __post_init__(self):
         super().__post_init__()
         _check_choice("scale_dtype", self.scale_dtype, (torch.bfloat16, torch.float32))
+        _check_choice("rounding", self.rounding, tuple(ROUNDING))
         try:
             check_target_dtype(self.weight_dtype, "weight_dtype")
             supported = is_integer_target(self.weight_dtype) and self.weight_dtype not in (torch.int16, torch.int32)
@@ -429,7 +435,7 @@ class IntxWeightOnlyConfig(QuantConfig):
         return self._spec(weight, module, self.weight_dtype, self.mapping_type, self._domain(), fmt)
 
     def qparam_options(self):
-        return QParamOptions(scale_dtype=self.scale_dtype)
+        return QParamOptions(scale_dtype=self.scale_dtype, rounding=self.rounding)
 
 
 @dataclass(frozen=True)
@@ -438,16 +444,19 @@ class Int8WeightOnlyConfig(QuantConfig):
 
     Also quantizes nn.Embedding and nn.Conv1d/2d (per output channel). packing_format: "auto" (C++ `dense`
     kernel on CPU when it builds, else `plain`, which the aten int8 kernels read), "dense" or "plain".
+    rounding: how weights round to codes, "half_even" (default), "half_away_from_zero" or "floor".
     """
 
     modules: ClassVar = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d)
     group_size: int | None = None
     packing_format: str = "auto"
+    rounding: str = "half_even"
 
     def __post_init__(self):
         super().__post_init__()
         _check_group_size(self.group_size)
         _check_choice("packing_format", self.packing_format, ("auto", "dense", "plain"))
+        _check_choice("rounding", self.rounding, tuple(ROUNDING))
 
     def _block_size(self, shape, module):
         return _row_block(shape, self.group_size)
@@ -455,6 +464,9 @@ class Int8WeightOnlyConfig(QuantConfig):
     def weight_spec(self, weight, module):
         fmt = _auto(self.packing_format, "byte", weight, module)
         return self._spec(weight, module, torch.int8, MappingType.SYMMETRIC, ZeroPointDomain.NONE, fmt)
+
+    def qparam_options(self):
+        return QParamOptions(scale_dtype=torch.float32, rounding=self.rounding)
 
 
 # -- dynamic activation configs ----------------------------------------------------------------------

@@ -12,7 +12,8 @@ are returned in int8 (signed) / uint8 (unsigned) containers. float8 targets are 
 ``[quant_min, quant_max]`` (default ``±finfo.max``) and cast; they never have a zero point.
 
 Arithmetic. All math runs in float32 whatever the input dtype (bf16 / fp16 / fp32), with
-``round`` = round-half-to-even and division done as multiplication by ``inv_scale = 1 / scale`` (computed
+``round`` = round-half-to-even (``rounding=`` picks half-away-from-zero or floor instead) and division
+done as multiplication by ``inv_scale = 1 / scale`` (computed
 in float32), rounding *before* adding the zero point: the order of ``torch.fake_quantize_per_tensor_affine``
 / ``torch.fake_quantize_per_channel_affine``, which we match bit for bit (values and gradients).
 ``torch.quantize_per_tensor`` / ``torch.quantize_per_channel`` round ``x * inv_scale + zp`` instead, so
@@ -43,6 +44,14 @@ from collections.abc import Sequence
 
 import torch
 
+from affineq._primitive_checks import (
+    _Blocks,
+    _check_enum,
+    _check_float_input,
+    _check_zero_point,
+    _compute_dtype,
+    _midpoint,
+)
 from affineq.dtypes import check_quant_range, check_target_dtype, container_dtype, is_float_target, qtype
 
 __all__ = [
@@ -77,107 +86,6 @@ class ZeroPointDomain(enum.Enum):
     INT = enum.auto()
     FLOAT = enum.auto()
     NONE = enum.auto()
-
-
-# ---------------------------------------------------------------------------------------------------------
-# validation (pure Python on shapes / dtypes, so it costs nothing under torch.compile)
-
-
-def _check_enum(name: str, value, enum_cls: type[enum.Enum]) -> None:
-    if not isinstance(value, enum_cls):
-        valid = ", ".join(f"{enum_cls.__name__}.{m.name}" for m in enum_cls)
-        raise ValueError(f"{name} must be one of {valid}, got {value!r}")
-
-
-def _check_float_input(fn: str, input) -> None:
-    if not isinstance(input, torch.Tensor):
-        raise ValueError(f"{fn}: input must be a torch.Tensor, got {type(input).__name__}")
-    if not input.dtype.is_floating_point:
-        raise ValueError(
-            f"{fn}: input must be a floating-point tensor (bf16/fp16/fp32), got {input.dtype}; "
-            "convert it with input.float() first"
-        )
-
-
-def _check_block_size(shape: Sequence[int], block_size: Sequence[int]) -> tuple[int, ...]:
-    shape = tuple(shape)
-    if not isinstance(block_size, (tuple, list, torch.Size)):
-        raise ValueError(f"block_size must be a tuple of ints, one per input dim, got {block_size!r}")
-    block = tuple(block_size)
-    if len(block) != len(shape):
-        raise ValueError(
-            f"block_size {block} has {len(block)} entries but the input shape {shape} has rank {len(shape)}; "
-            "give one entry per dim (affineq.granularity.get_block_size(shape, granularity) builds it)"
-        )
-    for i, (d, b) in enumerate(zip(shape, block, strict=True)):
-        if isinstance(b, bool) or not isinstance(b, int):
-            raise ValueError(
-                f"block_size[{i}]={b!r} must be an int (a positive divisor of dim {i}, size {d}, of input shape "
-                f"{shape}); pass block_size as a tuple of ints, e.g. {tuple(int(x) for x in shape)} per tensor"
-            )
-        if b < 1 or d % b != 0:
-            raise ValueError(
-                f"block_size[{i}]={b!r} does not divide dim {i} (size {d}) of input shape {shape}; "
-                f"each entry must be a positive divisor of {d} (1 = one qparam per index, {d} = whole dim)"
-            )
-    return block
-
-
-def _check_zero_point(fn: str, zero_point, domain: ZeroPointDomain, dtype: torch.dtype) -> None:
-    if is_float_target(dtype):
-        if zero_point is not None:
-            raise ValueError(
-                f"{fn}: zero_point must be None for float target {dtype} (no zero point); pass zero_point=None"
-            )
-    elif domain is ZeroPointDomain.NONE:
-        if zero_point is not None:
-            raise ValueError(
-                f"{fn}: zero_point was given but zero_point_domain=ZeroPointDomain.NONE; "
-                "pass zero_point=None or use ZeroPointDomain.INT / FLOAT"
-            )
-    elif zero_point is None:
-        raise ValueError(
-            f"{fn}: zero_point is None but zero_point_domain={domain}; pass the zero_point returned by "
-            "choose_qparams_affine, or use ZeroPointDomain.NONE for symmetric qparams without zero point"
-        )
-
-
-class _Blocks:
-    """Reshapes between an input of ``shape`` and its blocked view ``[n0, b0, n1, b1, ...]``.
-
-    Qparams broadcast against the blocked view as ``[n0, 1, n1, 1, ...]``; reducing the odd dims of the
-    blocked view yields the reduced (qparam) shape ``[n0, n1, ...]``.
-    """
-
-    def __init__(self, shape: Sequence[int], block_size: Sequence[int]) -> None:
-        self.shape = tuple(shape)
-        self.block = _check_block_size(self.shape, block_size)
-        self.reduced = tuple(d // b for d, b in zip(self.shape, self.block, strict=True))
-        self.blocked = tuple(x for n, b in zip(self.reduced, self.block, strict=True) for x in (n, b))
-        self.qparam_view = tuple(x for n in self.reduced for x in (n, 1))
-        self.reduce_dims = tuple(range(1, 2 * len(self.shape), 2))
-
-    def qparam(self, name: str, t, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """``t`` (any shape with one element per block) as a ``dtype`` tensor shaped to broadcast."""
-        if not isinstance(t, torch.Tensor):
-            t = torch.tensor(t, device=device)
-        n = math.prod(self.reduced)
-        if t.numel() != n:
-            raise ValueError(
-                f"{name} has {t.numel()} elements (shape {tuple(t.shape)}) but block_size {self.block} on "
-                f"input shape {self.shape} gives {n} blocks (qparam shape {self.reduced}); pass the {name} that "
-                "choose_qparams_affine returns for this input shape and block_size"
-            )
-        return t.to(dtype).reshape(self.qparam_view)
-
-
-def _compute_dtype(qmin: float, qmax: float) -> torch.dtype:
-    # float32 represents every integer up to 2**24 exactly; int32 codes need float64.
-    return torch.float32 if max(abs(qmin), abs(qmax)) <= 2**24 else torch.float64
-
-
-def _midpoint(qmin: int, qmax: int) -> float:
-    return (qmax + qmin + 1) / 2
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -509,6 +417,19 @@ def _check_representable(
 # quantize / dequantize
 
 
+#: Rounding modes of integer codes (Quark's RoundType: half_even, round, floor).
+ROUNDING = {
+    "half_even": torch.round,  # ties to the even code: torch's and the kernels' rounding
+    "half_away_from_zero": lambda t: torch.sign(t) * torch.floor(t.abs() + 0.5),
+    "floor": torch.floor,
+}
+
+
+def _check_rounding(rounding) -> None:
+    if rounding not in ROUNDING:
+        raise ValueError(f"rounding={rounding!r}: use one of {list(ROUNDING)}")
+
+
 def _unclamped_codes(
     x: torch.Tensor,
     scale: torch.Tensor,
@@ -517,17 +438,19 @@ def _unclamped_codes(
     qmin: float,
     qmax: float,
     float_target: bool,
+    rounding: str = "half_even",
 ) -> torch.Tensor:
     """Codes before clamping, in the compute dtype of ``x`` (all operands already broadcastable)."""
     inv_scale = 1.0 / scale
     if float_target:
         return x * inv_scale
+    rnd = ROUNDING[rounding]
     if domain is ZeroPointDomain.INT:
-        return torch.round(x * inv_scale) + zero_point
+        return rnd(x * inv_scale) + zero_point
     if domain is ZeroPointDomain.FLOAT:
         min_val = zero_point - scale * (_midpoint(qmin, qmax) - qmin)
-        return torch.round((x - min_val) * inv_scale) + qmin
-    return torch.round(x * inv_scale)
+        return rnd((x - min_val) * inv_scale) + qmin
+    return rnd(x * inv_scale)
 
 
 def _dequant_math(
@@ -561,12 +484,18 @@ class _Plan:
         quant_min,
         quant_max,
         domain: ZeroPointDomain,
+        rounding: str = "half_even",
     ) -> None:
         check_target_dtype(dtype, dtype_param)
+        _check_rounding(rounding)
+        self.rounding = rounding
         _check_enum("zero_point_domain", domain, ZeroPointDomain)
         self.qmin, self.qmax = check_quant_range(dtype, quant_min, quant_max)
         self.blocks = _Blocks(input.shape, block_size)
         self.float_target = is_float_target(dtype)
+        if self.float_target and rounding != "half_even":
+            raise ValueError(f"{fn}: rounding={rounding!r} applies to integer codes; float targets ({dtype}) "
+                             "round to the nearest value of their grid (ties to even): use rounding='half_even'")
         _check_zero_point(fn, zero_point, domain, dtype)
         self.domain = ZeroPointDomain.NONE if self.float_target else domain
         self.qtype = qtype(dtype)
@@ -581,7 +510,8 @@ class _Plan:
     def codes(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(clamped codes in the container dtype, unclamped codes) for a floating input."""
         xb = x.to(self.compute).reshape(self.blocks.blocked)
-        y = _unclamped_codes(xb, self.scale, self.zero_point, self.domain, self.qmin, self.qmax, self.float_target)
+        y = _unclamped_codes(xb, self.scale, self.zero_point, self.domain, self.qmin, self.qmax, self.float_target,
+                             self.rounding)
         if self.domain is ZeroPointDomain.FLOAT:  # x - min_val can overflow for ranges past +-1.7e38
             y = self._widen_overflow(y, _unclamped_codes, xb)
         q = self.qtype.encode(torch.clamp(y, self.qmin, self.qmax)).reshape(self.blocks.shape)
@@ -606,8 +536,9 @@ class _Plan:
         bad = ~torch.isfinite(y)
         if not bool(bad.any()):
             return y
+        extra = (self.rounding,) if math is _unclamped_codes else ()
         wide = math(operand.double(), self.scale.double(), self.zero_point.double(), self.domain, self.qmin,
-                    self.qmax, False)
+                    self.qmax, False, *extra)
         return torch.where(bad, wide.to(y.dtype), y)
 
     def check_values(self, fn: str) -> None:
@@ -634,13 +565,16 @@ def quantize_affine(
     quant_min: int | float | None = None,
     quant_max: int | float | None = None,
     zero_point_domain: ZeroPointDomain = ZeroPointDomain.INT,
+    *,
+    rounding: str = "half_even",
 ) -> torch.Tensor:
     """Quantize floating ``input`` to codes of ``output_dtype``, same shape as ``input``.
 
     INT: ``q = clamp(round(x * inv_scale) + zp)``; FLOAT: ``q = clamp(round((x - min_val) * inv_scale) +
     quant_min)`` with ``min_val = zp - scale * (mid - quant_min)``; NONE: ``q = clamp(round(x * inv_scale))``;
-    float8: ``q = clamp(x * inv_scale).to(float8)``. ``inv_scale = 1 / scale`` in float32, round is
-    half-to-even, clamp is to ``[quant_min, quant_max]``.
+    float8: ``q = clamp(x * inv_scale).to(float8)``. ``inv_scale = 1 / scale`` in float32, clamp is to
+    ``[quant_min, quant_max]``; ``round`` is ``rounding``: "half_even" (default, torch.round),
+    "half_away_from_zero" (2.5 -> 3, -2.5 -> -3) or "floor" (integer targets only).
 
     Returns codes in ``affineq.dtypes.container_dtype(output_dtype)``: e.g. ``output_dtype=torch.int4``
     gives a torch.int8 tensor with values in [-8, 7]. ``scale``/``zero_point`` may have any shape with one
@@ -648,7 +582,7 @@ def quantize_affine(
     """
     _check_float_input("quantize_affine", input)
     plan = _Plan("quantize_affine", input, block_size, scale, zero_point,
-                 output_dtype, "output_dtype", quant_min, quant_max, zero_point_domain)
+                 output_dtype, "output_dtype", quant_min, quant_max, zero_point_domain, rounding)
     plan.check_values("quantize_affine")
     return plan.codes(input)[0]
 
@@ -711,6 +645,8 @@ def fake_quantize_affine(
     quant_min: int | float | None = None,
     quant_max: int | float | None = None,
     zero_point_domain: ZeroPointDomain = ZeroPointDomain.INT,
+    *,
+    rounding: str = "half_even",
 ) -> torch.Tensor:
     """``dequantize_affine(quantize_affine(x, ...), ..., output_dtype=x.dtype)`` in one differentiable op.
 
@@ -720,7 +656,7 @@ def fake_quantize_affine(
     """
     _check_float_input("fake_quantize_affine", input)
     plan = _Plan("fake_quantize_affine", input, block_size, scale, zero_point,
-                 quant_dtype, "quant_dtype", quant_min, quant_max, zero_point_domain)
+                 quant_dtype, "quant_dtype", quant_min, quant_max, zero_point_domain, rounding)
     plan.check_values("fake_quantize_affine")
     x = input.detach()
     q, unclamped = plan.codes(x)

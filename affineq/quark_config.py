@@ -29,10 +29,12 @@ Activations: an `input_tensors` spec with qscheme per_channel means per token (o
 flattened [M, K] input; its ch_axis is not used), per_tensor one scale per input.
 
 What runs now: weight-only specs (int2/int3/int4/uint4/int8/uint8, fp8_e4m3/fp8_e5m2, fp6_e3m2/fp6_e2m3,
-fp4) and dynamic per-token activations in the combinations of affineq's dynamic configs (int8 x int8,
-int8 x int4, fp8 x fp8). Refused by `quantize_` with a `QuantizationError` naming what is missing: static
-activations (need calibration), output_tensors and bias specs, algo_config / pre_quant_opt_config,
-Dtype.mx/mx6/mx9/bfloat16/float16, round_method other than half_even (validated on construction).
+fp4); dynamic per-token activations in the combinations of affineq's dynamic configs (int8 x int8,
+int8 x int4, fp8 x fp8); static (calibrated) int8/uint8 per-tensor inputs with int8 per-channel weights,
+optionally with a static int8/uint8 per-tensor output (`Int8StaticActivationInt8WeightConfig`). round_method
+(half_even, round = half away from zero, floor) applies to integer weights of weight-only layers (float
+formats and activations round half to even). Refused by `quantize_` with a `QuantizationError` naming what is
+missing: bias specs, dynamic output specs, algo_config / pre_quant_opt_config, Dtype.mx/mx6/mx9/bfloat16/float16.
 `observer_cls` is recorded (and round-trips) for calibration; weights and dynamic activations get min/max
 qparams, what Quark's MinMax observers compute.
 
@@ -64,11 +66,12 @@ from affineq.configs import (
     Int8WeightOnlyConfig,
     IntxWeightOnlyConfig,
     QuantConfig,
+    _check_choice,
     _row_block,
 )
 from affineq.dtypes import is_signed, qtype
 from affineq.granularity import Granularity, PerAxis, PerGroup, PerRow, PerTensor, get_block_size
-from affineq.primitives import MappingType, ZeroPointDomain
+from affineq.primitives import ROUNDING, MappingType, ZeroPointDomain
 from affineq.quantize import FqnToConfig, ModelConfig, QuantizationError
 from affineq.tensor.spec import QParamOptions
 
@@ -87,8 +90,8 @@ __all__ = [
     "STATIC_ACTIVATION_MESSAGE",
 ]
 
-STATIC_ACTIVATION_MESSAGE = ("static output quantization is not supported yet (static input_tensors are: "
-                             "they calibrate through quantize_(..., calibration_data=...) or prepare_ / convert_)")
+STATIC_ACTIVATION_MESSAGE = ("output quantization is static and calibrated with a static int8 input: give "
+                             "the layer static input_tensors too and set output_tensors.is_dynamic=False (or None)")
 
 
 # -- enums (JSON: member names) --------------------------------------------------------------------------
@@ -231,9 +234,9 @@ class QuantizationSpec:
         if self.dtype in _FLOAT_DTYPES and self.symmetric is False:
             raise ValueError(f"{o}.symmetric=False with dtype={self.dtype.name}: float formats have no zero "
                              "point; use symmetric=True (or None)")
-        if self.round_method not in (None, RoundType.half_even):
-            raise ValueError(f"{o}.round_method={self.round_method.name}: affineq's primitives round half to "
-                             "even (torch.round) only; use RoundType.half_even (or None)")
+        if self.round_method not in (None, RoundType.half_even) and self.dtype in _FLOAT_DTYPES:
+            raise ValueError(f"{o}.round_method={self.round_method.name}: float formats round to the nearest "
+                             "value of their grid (ties to even); use RoundType.half_even (or None)")
 
     def to_dict(self) -> dict:
         out: dict[str, Any] = {}
@@ -354,10 +357,12 @@ class PlainWeightOnlyConfig(QuantConfig):
     zero_point_domain: ZeroPointDomain = ZeroPointDomain.NONE
     scale_dtype: torch.dtype = torch.float32
     scale_type: str | None = None
+    rounding: str = "half_even"
 
     def __post_init__(self):
         super().__post_init__()
         qtype(self.target)
+        _check_choice("rounding", self.rounding, tuple(ROUNDING))
         if not isinstance(self.granularity, (PerTensor, PerAxis, PerGroup)):
             raise ValueError(f"granularity={self.granularity!r}: use PerTensor(), PerAxis(0) or PerGroup(g)")
 
@@ -375,7 +380,7 @@ class PlainWeightOnlyConfig(QuantConfig):
                                 scale_type=self.scale_type)
 
     def qparam_options(self):
-        return QParamOptions(scale_dtype=self.scale_dtype)
+        return QParamOptions(scale_dtype=self.scale_dtype, rounding=self.rounding)
 
 
 # -- the layered config ------------------------------------------------------------------------------------
@@ -477,12 +482,9 @@ class Config(ModelConfig):
             s = getattr(qc, name)
             if s is not None and s.dtype in _UNUSABLE:
                 raise QuantizationError(f"{name}: Dtype.{s.dtype.name} cannot be used yet: {_UNUSABLE[s.dtype]}")
-        if qc.output_tensors is not None and not qc.output_tensors.is_dynamic:
-            raise QuantizationError(f"output_tensors is static (is_dynamic={qc.output_tensors.is_dynamic}): "
-                                    f"{STATIC_ACTIVATION_MESSAGE}")
-        if qc.output_tensors is not None:
-            raise QuantizationError("output_tensors quantization is not supported yet (affineq quantizes a "
-                                    "layer's input and weight); set output_tensors=None")
+        o, a = qc.output_tensors, qc.input_tensors
+        if o is not None and (o.is_dynamic or a is None or a.is_dynamic):
+            raise QuantizationError(f"output_tensors (is_dynamic={o.is_dynamic}): {STATIC_ACTIVATION_MESSAGE}")
         if qc.bias is not None:
             raise QuantizationError("bias quantization is not supported yet (biases stay float); set bias=None")
         w, a = qc.weight, qc.input_tensors
@@ -492,8 +494,14 @@ class Config(ModelConfig):
         if w.scale_type in (ScaleType.float16,):
             raise QuantizationError("weight.scale_type=float16: affineq configs store float32 or bfloat16 scales; "
                                     "use ScaleType.float32, ScaleType.bfloat16 or ScaleType.pof2")
+        if a is not None and a.round_method not in (None, RoundType.half_even):
+            raise QuantizationError(f"input_tensors.round_method={a.round_method.name}: activations are rounded "
+                                    "half to even by the kernels; use RoundType.half_even (or None)")
+        if a is not None and w.round_method not in (None, RoundType.half_even):
+            raise QuantizationError(f"weight.round_method={w.round_method.name} is available for weight-only "
+                                    "layers (input_tensors=None); with quantized inputs use RoundType.half_even")
         if a is not None and not a.is_dynamic:
-            return _static(a, w)
+            return _static(a, w, o)
         return _weight_only(w) if a is None else _dynamic(a, w)
 
     def to_fqn_config(self, model: nn.Module) -> FqnToConfig:
@@ -563,17 +571,28 @@ _STATIC_OBSERVERS = {"PerTensorMinMaxObserver": "minmax", "MovingAveragePerTenso
                      "PerTensorMSEObserver": "mse"}
 
 
-def _static(a: QuantizationSpec, w: QuantizationSpec) -> QuantConfig:
-    """A static (calibrated) int8 input with an int8 symmetric per-channel weight: Int8StaticActivationInt8Weight.
-    A uint8 asymmetric input is the same grid as int8 with its zero point shifted by 128."""
-    from affineq.calibration import Int8StaticActivationInt8WeightConfig
-
+def _check_static_tensor(name: str, a: QuantizationSpec) -> None:
     if a.dtype not in (Dtype.int8, Dtype.uint8) or (a.qscheme or QSchemeType.per_tensor) is not QSchemeType.per_tensor:
-        raise QuantizationError(f"static input_tensors: only int8/uint8 per_tensor is calibrated (got {a.dtype.name}, "
+        raise QuantizationError(f"static {name}: only int8/uint8 per_tensor is calibrated (got {a.dtype.name}, "
                                 f"{(a.qscheme or QSchemeType.per_tensor).name}); use is_dynamic=True for others")
     if a.dtype is Dtype.uint8 and a.symmetric:
-        raise QuantizationError("static input_tensors: uint8 with symmetric=True has no zero point 0 code; use "
-                                "Dtype.int8 for symmetric inputs, or symmetric=False")
+        raise QuantizationError(f"static {name}: uint8 with symmetric=True has no zero point 0 code; use "
+                                "Dtype.int8 for symmetric tensors, or symmetric=False")
+
+
+def _static(a: QuantizationSpec, w: QuantizationSpec, o: QuantizationSpec | None = None) -> QuantConfig:
+    """A static (calibrated) int8 input with an int8 symmetric per-channel weight: Int8StaticActivationInt8Weight,
+    with a static int8 output spec its `quantize_output`. A uint8 asymmetric tensor is the same grid as int8
+    with its zero point shifted by 128."""
+    from affineq.calibration import Int8StaticActivationInt8WeightConfig
+
+    _check_static_tensor("input_tensors", a)
+    if o is not None:
+        _check_static_tensor("output_tensors", o)
+        if o.observer_cls is not None and o.observer_cls is not a.observer_cls:
+            raise QuantizationError(f"output_tensors.observer_cls={o.observer_cls.__name__} differs from the "
+                                    "input's: one layer calibrates both with one observer kind; give both the same "
+                                    "observer_cls (or leave the output's None)")
     if w.dtype is not Dtype.int8 or w.symmetric is False or (w.qscheme or QSchemeType.per_channel) is not \
             QSchemeType.per_channel:
         raise QuantizationError("static input_tensors need an int8 symmetric per_channel weight spec (the int8 x "
@@ -582,7 +601,9 @@ def _static(a: QuantizationSpec, w: QuantizationSpec) -> QuantConfig:
     if observer is None:
         raise QuantizationError(f"static input_tensors: observer_cls={a.observer_cls.__name__} is not a per-tensor "
                                 f"observer; use one of {sorted(_STATIC_OBSERVERS)} (affineq.observers)")
-    return Int8StaticActivationInt8WeightConfig(activation_symmetric=bool(a.symmetric), observer=observer)
+    return Int8StaticActivationInt8WeightConfig(
+        activation_symmetric=bool(a.symmetric), observer=observer, quantize_output=o is not None,
+        output_symmetric=None if o is None else bool(o.symmetric))
 
 
 def _scale_dtype(s: QuantizationSpec) -> torch.dtype:
@@ -608,7 +629,12 @@ def _mapping(w: QuantizationSpec) -> MappingType:
     return MappingType.ASYMMETRIC if w.symmetric is False else MappingType.SYMMETRIC
 
 
+_ROUNDING = {None: "half_even", RoundType.half_even: "half_even", RoundType.round: "half_away_from_zero",
+             RoundType.floor: "floor"}
+
+
 def _weight_only(w: QuantizationSpec) -> QuantConfig:
+    rounding = _ROUNDING[w.round_method]
     target = DTYPE_TARGETS[w.dtype]
     gran = _weight_granularity(w)
     is_float = w.dtype in _FLOAT_DTYPES
@@ -621,7 +647,7 @@ def _weight_only(w: QuantizationSpec) -> QuantConfig:
         else:
             domain = ZeroPointDomain.NONE if is_signed(target) else ZeroPointDomain.INT
         return PlainWeightOnlyConfig(qtype(target).name, gran, mapping, domain, _scale_dtype(w),
-                                     "e8m0" if w.scale_type is ScaleType.pof2 else None)
+                                     "e8m0" if w.scale_type is ScaleType.pof2 else None, rounding)
     if is_float:  # float8, per channel
         if isinstance(gran, PerGroup) or w.scale_type is ScaleType.bfloat16:
             return PlainWeightOnlyConfig(qtype(target).name, gran, MappingType.SYMMETRIC, ZeroPointDomain.NONE,
@@ -629,12 +655,13 @@ def _weight_only(w: QuantizationSpec) -> QuantConfig:
         return Float8WeightOnlyConfig(weight_dtype=target)
     if (w.dtype is Dtype.int8 and mapping is MappingType.SYMMETRIC and w.scale_type is not ScaleType.bfloat16
             and w.zero_point_type is None):
-        return Int8WeightOnlyConfig(group_size=gran.group_size if isinstance(gran, PerGroup) else None)
+        return Int8WeightOnlyConfig(group_size=gran.group_size if isinstance(gran, PerGroup) else None,
+                                    rounding=rounding)
     domain = None
     if mapping is MappingType.ASYMMETRIC and w.zero_point_type is ZeroPointType.float32:
         domain = ZeroPointDomain.FLOAT
     return IntxWeightOnlyConfig(weight_dtype=target, granularity=gran, mapping_type=mapping,
-                                zero_point_domain=domain, scale_dtype=_scale_dtype(w))
+                                zero_point_domain=domain, scale_dtype=_scale_dtype(w), rounding=rounding)
 
 
 def _dynamic(a: QuantizationSpec, w: QuantizationSpec) -> QuantConfig:

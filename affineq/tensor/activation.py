@@ -2,7 +2,8 @@
 activation quantization (`ActivationQuant`, dynamic or static).
 
 `prepare_input` is the one place activation tensors are applied (`act_pre_scale`: x -> x * pre_scale, the
-AWQ / SmoothQuant input scaling); it runs before a kernel is chosen. `fake_quantize_activation` is the
+AWQ / SmoothQuant input scaling); it runs before a kernel is chosen. `finish_output` applies the static output
+quantization (`act_out_scale`) to what the kernel returns. `fake_quantize_activation` is the
 reference numerics of activation quantization (dequantize(quantize(x))), with calibrated qparams when the
 weight's `ActivationQuant` is static; kernels that take integer activations call `quantize_activation`.
 """
@@ -29,6 +30,20 @@ def prepare_input(x: torch.Tensor, w) -> torch.Tensor:
     """`x` with the weight's activation tensors applied (x * act_pre_scale), or `x` itself."""
     pre = getattr(w, "_act_pre_scale", None) if "act_pre_scale" in w._names else None
     return x if pre is None else x * pre.to(x.dtype)
+
+
+def finish_output(y: torch.Tensor, w) -> torch.Tensor:
+    """`y` quantized to int8 and back with the weight's calibrated output qparams (`act_out_scale`, optional
+    `act_out_zero_point`: static output quantization), or `y` itself when the weight has none."""
+    if "act_out_scale" not in w._names:
+        return y
+    zp = w._act_out_zero_point if "act_out_zero_point" in w._names else None
+    domain = ZeroPointDomain.NONE if zp is None else ZeroPointDomain.INT
+    y2 = y.reshape(-1, y.shape[-1]) if y.dim() > 1 else y.reshape(1, -1)
+    block = tuple(y2.shape)
+    q = quantize_affine(y2, block, w._act_out_scale, zp, torch.int8, zero_point_domain=domain)
+    return dequantize_affine(q, block, w._act_out_scale, zp, torch.int8, zero_point_domain=domain,
+                             output_dtype=y.dtype).view(y.shape)
 
 
 def _domain(aq: ActivationQuant) -> ZeroPointDomain:

@@ -29,8 +29,10 @@ __all__ = ["ACT_TENSORS", "AffineQuantizedTensor"]
 
 #: Activation tensors a weight may carry, applied by `linear` to its input (never by the packing format):
 #: act_pre_scale [K]: x -> x * act_pre_scale (AWQ / SmoothQuant input scaling, per input channel);
-#: act_scale, act_zero_point [1]: calibrated per-tensor activation qparams (`ActivationQuant(static=True)`).
-ACT_TENSORS = ("act_pre_scale", "act_scale", "act_zero_point")
+#: act_scale, act_zero_point [1]: calibrated per-tensor activation qparams (`ActivationQuant(static=True)`);
+#: act_out_scale [1] float32, act_out_zero_point [1] int32 (optional): the layer's output is quantized to int8
+#: with these calibrated qparams (static output quantization) before it is returned.
+ACT_TENSORS = ("act_pre_scale", "act_scale", "act_zero_point", "act_out_scale", "act_out_zero_point")
 
 
 @functools.cache
@@ -52,6 +54,13 @@ def _check_act_tensors(t: dict[str, torch.Tensor], spec: QuantSpec) -> None:
     if pre is not None and (pre.dim() != 1 or pre.shape[0] != spec.shape[-1] or not pre.dtype.is_floating_point):
         raise ValueError(f"act_pre_scale must be a float tensor of shape [{spec.shape[-1]}] (one per input "
                          f"channel), got {pre.dtype} {tuple(pre.shape)}")
+    out_scale, out_zp = t.get("act_out_scale"), t.get("act_out_zero_point")
+    if out_zp is not None and out_scale is None:
+        raise ValueError("act_out_zero_point needs act_out_scale (the calibrated output scale)")
+    if out_scale is not None and (out_scale.numel() != 1 or out_scale.dtype != torch.float32):
+        raise ValueError(f"act_out_scale must be one float32 value, got {out_scale.dtype} {tuple(out_scale.shape)}")
+    if out_zp is not None and (out_zp.numel() != 1 or out_zp.dtype != torch.int32):
+        raise ValueError(f"act_out_zero_point must be one int32 value, got {out_zp.dtype} {tuple(out_zp.shape)}")
     aq = spec.act_quant
     static = aq is not None and aq.static
     for name in ("act_scale", "act_zero_point"):
@@ -149,7 +158,7 @@ class AffineQuantizedTensor(torch.Tensor):
             input, spec.mapping_type, spec.block_size, spec.target, spec.quant_min, spec.quant_max, o.eps,
             o.scale_dtype, o.zero_point_dtype, o.preserve_zero, spec.zero_point_domain,
         )
-        return cls.from_qparams(input, scale, zero_point, spec)
+        return cls.from_qparams(input, scale, zero_point, spec, rounding=o.rounding)
 
     @classmethod
     def from_float(
@@ -177,13 +186,13 @@ class AffineQuantizedTensor(torch.Tensor):
     @classmethod
     def from_qparams(cls, input: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
                      spec: QuantSpec | tuple[int, ...], target: torch.dtype | QType | None = None,
-                     **spec_args) -> AffineQuantizedTensor:
+                     *, rounding: str = "half_even", **spec_args) -> AffineQuantizedTensor:
         """Quantize `input` with precomputed qparams (from an observer, GPTQ, AWQ...) and pack.
 
         `spec`: a `QuantSpec`, or a block size followed by the target and `QuantSpec.create` keywords
         (quant_min, quant_max, zero_point_domain, mapping_type, packing_format, act_quant). A format that
         stores qparams in lower precision (dense with bf16 scales, e8m0 scales) rounds them first, and the
-        codes are computed with the rounded values."""
+        codes are computed with the rounded values. `rounding`: as in `quantize_affine`."""
         spec = cls._as_spec(input.shape, input.dtype, spec, target, spec_args)
         n_blocks = spec.num_blocks
         scale, zero_point = cls._checked_format(spec).represent_qparams(
@@ -191,7 +200,7 @@ class AffineQuantizedTensor(torch.Tensor):
         )
         _check_finite_qparams(scale, zero_point)
         codes = quantize_affine(input, spec.block_size, scale, zero_point, spec.target, spec.quant_min,
-                                spec.quant_max, spec.zero_point_domain)
+                                spec.quant_max, spec.zero_point_domain, rounding=rounding)
         return cls.from_codes(codes, scale, zero_point, spec.replace(dtype=input.dtype))
 
     @classmethod

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from affineq import cpp as _cpp
 from affineq.tensor import fallback
-from affineq.tensor.activation import fake_quantize_activation, prepare_input
+from affineq.tensor.activation import fake_quantize_activation, finish_output, prepare_input
 from affineq.tensor.dispatch import check_frozen
 
 Check = Callable[[torch.Tensor, "torch.Tensor"], str | None]
@@ -79,10 +79,10 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
         fallback.record(kernel.name)
         if x.requires_grad and torch.is_grad_enabled():
             out = _KernelLinear.apply(x, w, kernel.name)
-            return out if bias is None else out + bias
-        return kernel.run(x, w, bias)
+            return finish_output(out if bias is None else out + bias, w)
+        return finish_output(kernel.run(x, w, bias), w)
     fallback.announce_fallback(w.spec.fmt, "; ".join(reasons))
-    return dequantize_linear(x, w, bias)
+    return finish_output(dequantize_linear(x, w, bias), w)
 
 
 class _KernelLinear(torch.autograd.Function):

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_map_only
 
 from affineq.tensor import kernel_registry
-from affineq.tensor.activation import fake_quantize_activation
+from affineq.tensor.activation import fake_quantize_activation, finish_output
 from affineq.tensor.affine import AffineQuantizedTensor
 from affineq.tensor.dispatch import check_frozen
 from affineq.tensor.fallback import announce_fallback
@@ -79,6 +79,8 @@ def _convolution(func, args, kwargs):
         if aq is not None:  # channels last, so that a "token" is one pixel's channels (as a linear's row)
             x = fake_quantize_activation(input.movedim(1, -1), aq, weight).movedim(-1, 1)
             args = (x, *args[1:])
+        out = _dequantize_then_compute(func, args, kwargs)
+        return finish_output(out, weight)  # per-tensor qparams: the layout of `out` does not matter
     return _dequantize_then_compute(func, args, kwargs)
 
 

@@ -108,13 +108,15 @@ class ActivationQuant:
 class QParamOptions:
     """Choices made when qparams are computed (not stored: the stored tensors already reflect them).
 
-    See `choose_qparams_affine`: eps (lower bound on scale), scale_dtype, zero_point_dtype, preserve_zero.
+    See `choose_qparams_affine`: eps (lower bound on scale), scale_dtype, zero_point_dtype, preserve_zero;
+    rounding: how `quantize_affine` rounds the codes ("half_even", "half_away_from_zero", "floor").
     """
 
     eps: float | None = None
     scale_dtype: torch.dtype | None = None
     zero_point_dtype: torch.dtype | None = None
     preserve_zero: bool = True
+    rounding: str = "half_even"
 
 
 @dataclass(frozen=True)
