@@ -474,7 +474,10 @@ class Int8WeightOnlyConfig(QuantConfig):
 
 @dataclass(frozen=True)
 class Int8DynamicActivationInt8WeightConfig(QuantConfig):
-    """int8 x int8 matmul: activations quantized per token (symmetric) at run time, weights per channel.
+    """int8 x int8 matmul: activations quantized (symmetric) at run time, weights per channel.
+
+    act_granularity: "per_token" (default: one scale per row of the flattened input) or "per_tensor" (one
+    scale per call: torch.ao's dynamic scheme, without its 7-bit reduce_range).
 
     packing_format: "plain" (torch._int_mm on the codes), "dense" (the C++ kernel on the int8 weight with
     the activation fake-quantized: the same products in fp32) or "auto": plain, except on a CPU whose
@@ -482,16 +485,18 @@ class Int8DynamicActivationInt8WeightConfig(QuantConfig):
     """
 
     packing_format: str = "auto"
+    act_granularity: str = "per_token"
 
     def __post_init__(self):
         super().__post_init__()
         _check_choice("packing_format", self.packing_format, ("auto", "dense", "plain"))
+        _check_choice("act_granularity", self.act_granularity, ("per_token", "per_tensor"))
 
     def _block_size(self, shape, module):
         return _row_block(shape, None)
 
     def weight_spec(self, weight, module):
-        aq = ActivationQuant(torch.int8, MappingType.SYMMETRIC, "per_token", ZeroPointDomain.NONE)
+        aq = ActivationQuant(torch.int8, MappingType.SYMMETRIC, self.act_granularity, ZeroPointDomain.NONE)
         fmt = _auto(self.packing_format, "int8_dynamic", weight, module)
         return self._spec(weight, module, torch.int8, MappingType.SYMMETRIC, ZeroPointDomain.NONE, fmt, aq)
 

@@ -675,10 +675,10 @@ def _dynamic(a: QuantizationSpec, w: QuantizationSpec) -> QuantConfig:
                                 "or per_tensor")
     per_token = a.qscheme is QSchemeType.per_channel
     wg = _weight_granularity(w)
+    if (a.dtype is Dtype.int8 and a.symmetric is not False and w.dtype is Dtype.int8 and isinstance(wg, PerAxis)
+            and w.symmetric is not False and w.scale_type is not ScaleType.bfloat16):
+        return Int8DynamicActivationInt8WeightConfig(act_granularity="per_token" if per_token else "per_tensor")
     if a.dtype is Dtype.int8 and per_token:
-        if (a.symmetric is not False and w.dtype is Dtype.int8 and isinstance(wg, PerAxis)
-                and w.symmetric is not False and w.scale_type is not ScaleType.bfloat16):
-            return Int8DynamicActivationInt8WeightConfig()
         if (a.symmetric is False and w.dtype is Dtype.int4 and isinstance(wg, PerGroup)
                 and w.symmetric is not False):
             return Int8DynamicActivationInt4WeightConfig(group_size=wg.group_size, scale_dtype=_scale_dtype(w))
@@ -689,6 +689,6 @@ def _dynamic(a: QuantizationSpec, w: QuantizationSpec) -> QuantConfig:
             return Float8DynamicActivationFloat8WeightConfig(DTYPE_TARGETS[a.dtype], DTYPE_TARGETS[w.dtype],
                                                              PerTensor())
     raise QuantizationError(
-        f"{combo} is not supported; affineq's dynamic configs are: int8 symmetric per-token input x int8 symmetric "
-        "per-channel weight; int8 asymmetric per-token input x int4 symmetric per-group weight; fp8 per-token x "
-        "fp8 per-channel, or fp8 per-tensor x fp8 per-tensor (float32 scales)")
+        f"{combo} is not supported; affineq's dynamic configs are: int8 symmetric per-token or per-tensor input x "
+        "int8 symmetric per-channel weight; int8 asymmetric per-token input x int4 symmetric per-group weight; "
+        "fp8 per-token x fp8 per-channel, or fp8 per-tensor x fp8 per-tensor (float32 scales)")

@@ -329,8 +329,10 @@ def test_minilm_matches_sentence_transformers(minilm: tuple[nn.Module, object]) 
 @needs_minilm
 def test_minilm_calibrated_statically(minilm: tuple[nn.Module, object]) -> None:
     # static per-tensor int8 inputs x int8 per-channel weights on MiniLM, calibrated on the 16 sentences, the MSE
-    # observer: embeddings at 19.3 dB SQNR / cosine 0.9941 to float (dynamic per-token int8: 22.9 dB / 0.9974;
-    # the "within 1 dB of dynamic" is not reached by per-tensor activations here)
+    # observer: embeddings at 19.3 dB SQNR / cosine 0.9941 to float. Dynamic int8 at the same granularity (one
+    # scale per tensor, found per call): 14.7 dB, so calibration costs nothing here, it gains 4.6 dB (the MSE
+    # observer clips the outliers a per-call min-max keeps; torch.ao's quantize_dynamic: 9.8 dB). Per-token
+    # dynamic int8 (a scale per row, which static per-tensor cannot have): 22.9 dB.
     import copy
     import io
 
@@ -348,6 +350,10 @@ def test_minilm_calibrated_statically(minilm: tuple[nn.Module, object]) -> None:
         emb = am.embed(q, tok, am.SENTENCES)
     assert set(used) == {"aten._int_mm:static"}
     assert sqnr(ref, emb) > 18 and am.embedding_similarity(ref, emb) > 0.99
+    dyn = copy.deepcopy(model)
+    affineq.quantize_(dyn, affineq.Int8DynamicActivationInt8WeightConfig(act_granularity="per_tensor",
+                                                                         packing_format="plain"))
+    assert sqnr(ref, emb) > sqnr(ref, am.embed(dyn, tok, am.SENTENCES)) - 1  # static within 1 dB of dynamic
     buf = io.BytesIO()
     torch.save(q.state_dict(), buf)
     buf.seek(0)

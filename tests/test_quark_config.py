@@ -273,6 +273,12 @@ def test_dynamic_mapping(a, w, want):
     assert Config(qc()).to_affineq(qc(input_tensors=a, weight=w)) == want
 
 
+def test_dynamic_per_tensor_int8_mapping():
+    a = QuantizationSpec(Dtype.int8, is_dynamic=True, qscheme=QSchemeType.per_tensor, symmetric=True)
+    want = Int8DynamicActivationInt8WeightConfig(act_granularity="per_tensor")
+    assert Config(qc()).to_affineq(qc(input_tensors=a, weight=W8)) == want
+
+
 @pytest.mark.parametrize("q, words", [
     (qc(weight=QuantizationSpec(Dtype.mx)), ["Dtype.mx", "fp4", "pof2"]),
     (qc(weight=QuantizationSpec(Dtype.mx6)), ["Dtype.mx6", "fp6"]),
@@ -295,7 +301,7 @@ def test_dynamic_mapping(a, w, want):
     (qc(weight=QuantizationSpec(Dtype.int8, qscheme=QSchemeType.per_channel, ch_axis=1)), ["ch_axis=0"]),
     (qc(weight=QuantizationSpec(Dtype.int8, qscheme=QSchemeType.per_group, ch_axis=0, group_size=32)),
      ["ch_axis=1"]),
-    (qc(weight=W4, input_tensors=A8_DYN), ["not supported", "int8 symmetric per-token"]),
+    (qc(weight=W4, input_tensors=A8_DYN), ["not supported", "int8 symmetric per-token or per-tensor"]),
     (qc(weight=POF2, input_tensors=A8_DYN), ["power-of-two", "e8m0", "packing"]),
     (qc(weight=W8, input_tensors=QuantizationSpec(Dtype.int8, is_dynamic=True, qscheme=QSchemeType.per_group,
                                                   ch_axis=1, group_size=32)), ["per_group activations"]),

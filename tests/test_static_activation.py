@@ -83,3 +83,21 @@ def test_static_weight_compiles_and_saves_with_its_qparams():
     assert torch.equal(fresh.weight.act_tensors["act_zero_point"], qw.act_tensors["act_zero_point"])
     with torch.no_grad():
         assert torch.equal(fresh(x), eager)
+
+
+def test_dynamic_per_tensor_int8_runs_int_mm_with_one_scale_per_call():
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 32, bias=False)
+    affineq.quantize_(lin, affineq.Int8DynamicActivationInt8WeightConfig(act_granularity="per_tensor",
+                                                                         packing_format="plain"))
+    x = torch.randn(5, 64)
+    x[0] *= 10  # one loud row sets the scale of every row (per token it would not)
+    with torch.no_grad(), record_kernels() as used:
+        y = lin(x)
+    assert used == ["aten._int_mm"]
+    s = x.abs().max() / 127.5
+    xq = torch.clamp(torch.round(x / s), -128, 127) * s
+    ref = F.linear(xq, lin.weight.dequantize())
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    with pytest.raises(ValueError, match="act_granularity"):
+        affineq.Int8DynamicActivationInt8WeightConfig(act_granularity="per_row")
