@@ -34,7 +34,9 @@ int8 x int4, fp8 x fp8); static (calibrated) int8/uint8 per-tensor inputs with i
 optionally with a static int8/uint8 per-tensor output (`Int8StaticActivationInt8WeightConfig`). round_method
 (half_even, round = half away from zero, floor) applies to integer weights of weight-only layers (float
 formats and activations round half to even). Refused by `quantize_` with a `QuantizationError` naming what is
-missing: bias specs, dynamic output specs, algo_config / pre_quant_opt_config, Dtype.mx/mx6/mx9/bfloat16/float16.
+missing: bias specs, dynamic output specs, Dtype.mx/mx6/mx9/bfloat16/float16. `algo_config` (GPTQ, AWQ, HQQ) or
+`pre_quant_opt_config` (SmoothQuant): an algorithm template (`GPTQConfig(None, ...)`) that wraps every layer's
+resolved weight config.
 `observer_cls` is recorded (and round-trips) for calibration; weights and dynamic activations get min/max
 qparams, what Quark's MinMax observers compute.
 
@@ -59,27 +61,14 @@ import torch
 from torch import nn
 
 from affineq.configs import (
-    Float8DynamicActivationFloat8WeightConfig,
-    Float8WeightOnlyConfig,
-    Int8DynamicActivationInt4WeightConfig,
-    Int8DynamicActivationInt8WeightConfig,
-    Int8WeightOnlyConfig,
-    IntxWeightOnlyConfig,
     QuantConfig,
-    _check_choice,
-    _row_block,
 )
-from affineq.dtypes import is_signed, qtype
-from affineq.granularity import Granularity, PerAxis, PerGroup, PerRow, PerTensor, get_block_size
-from affineq.primitives import ROUNDING, MappingType, ZeroPointDomain
 from affineq.quantize import FqnToConfig, ModelConfig, QuantizationError
-from affineq.tensor.spec import QParamOptions
 
 __all__ = [
     "Config",
     "DeviceType",
     "Dtype",
-    "PlainWeightOnlyConfig",
     "QSchemeType",
     "QuantizationConfig",
     "QuantizationMode",
@@ -343,46 +332,6 @@ class QuantizationConfig:
         return cls(**kw)
 
 
-# -- a weight config for what the packed configs cannot express -------------------------------------------
-
-
-@dataclass(frozen=True)
-class PlainWeightOnlyConfig(QuantConfig):
-    """Weight-only, `plain` packing (dequantize-then-linear): any target name (int 1-8 bit, float8, fp6,
-    fp4), PerTensor / PerAxis(0) / PerGroup(g), optional power-of-two scales (scale_type="e8m0")."""
-
-    target: str = "int8"
-    granularity: Granularity = field(default_factory=lambda: PerAxis(0))
-    mapping_type: MappingType = MappingType.SYMMETRIC
-    zero_point_domain: ZeroPointDomain = ZeroPointDomain.NONE
-    scale_dtype: torch.dtype = torch.float32
-    scale_type: str | None = None
-    rounding: str = "half_even"
-
-    def __post_init__(self):
-        super().__post_init__()
-        qtype(self.target)
-        _check_choice("rounding", self.rounding, tuple(ROUNDING))
-        if not isinstance(self.granularity, (PerTensor, PerAxis, PerGroup)):
-            raise ValueError(f"granularity={self.granularity!r}: use PerTensor(), PerAxis(0) or PerGroup(g)")
-
-    def _block_size(self, shape, module):
-        if isinstance(self.granularity, PerTensor):
-            return get_block_size(shape, PerTensor())
-        return _row_block(shape, self.granularity.group_size if isinstance(self.granularity, PerGroup) else None)
-
-    def weight_spec(self, weight, module):
-        from affineq.tensor.spec import QuantSpec
-
-        return QuantSpec.create(tuple(weight.shape), weight.dtype, self.target,
-                                self._block_size(tuple(weight.shape), module), mapping_type=self.mapping_type,
-                                zero_point_domain=self.zero_point_domain, packing_format="plain",
-                                scale_type=self.scale_type)
-
-    def qparam_options(self):
-        return QParamOptions(scale_dtype=self.scale_dtype, rounding=self.rounding)
-
-
 # -- the layered config ------------------------------------------------------------------------------------
 
 
@@ -432,6 +381,12 @@ class Config(ModelConfig):
             raise ValueError(f"Config.exclude={ex!r}: use a list of layer names / fnmatch patterns, e.g. "
                              "['lm_head', '*.gate']")
         object.__setattr__(self, "exclude", tuple(ex))
+        for name, pre in (("algo_config", False), ("pre_quant_opt_config", True)):
+            object.__setattr__(self, name, _algorithm_template(name, getattr(self, name), pre))
+        if self.algo_config is not None and self.pre_quant_opt_config is not None:
+            raise ValueError(f"Config: pre_quant_opt_config={type(self.pre_quant_opt_config).__name__} and "
+                             f"algo_config={type(self.algo_config).__name__} together are not supported (one "
+                             "algorithm wraps a layer's weight config); keep one of them")
 
     def __hash__(self):
         return hash(json.dumps(self.to_dict(), sort_keys=True))
@@ -500,15 +455,15 @@ class Config(ModelConfig):
         if a is not None and w.round_method not in (None, RoundType.half_even):
             raise QuantizationError(f"weight.round_method={w.round_method.name} is available for weight-only "
                                     "layers (input_tensors=None); with quantized inputs use RoundType.half_even")
+        from affineq._quark_mapping import dynamic_config, static_config, weight_only_config
+
         if a is not None and not a.is_dynamic:
-            return _static(a, w, o)
-        return _weight_only(w) if a is None else _dynamic(a, w)
+            return static_config(a, w, o)
+        return weight_only_config(w) if a is None else dynamic_config(a, w)
 
     def to_fqn_config(self, model: nn.Module) -> FqnToConfig:
         """FqnToConfig with one exact entry per selected layer (None entries are dropped: left float)."""
-        if self.algo_config or self.pre_quant_opt_config:
-            raise QuantizationError("Config.algo_config / pre_quant_opt_config (AWQ, GPTQ, SmoothQuant, rotation) "
-                                    "are not implemented in affineq; set them to None. Nothing was quantized.")
+        algo = self.algo_config or self.pre_quant_opt_config
         entries, problems = {}, []
         for fqn, module in model.named_modules():
             if not fqn or not self._selects(fqn, module):
@@ -518,6 +473,14 @@ class Config(ModelConfig):
             except (QuantizationError, ValueError) as e:
                 problems.append(f"  - {fqn}: {e}")
                 continue
+            if cfg is not None and algo is not None:
+                if not isinstance(cfg, algo.base_types):
+                    problems.append(f"  - {fqn}: {type(algo).__name__} cannot wrap {type(cfg).__name__} (what this "
+                                    f"layer's specs resolve to); it wraps "
+                                    f"{', '.join(t.__name__ for t in algo.base_types)}: change the layer's specs "
+                                    "or exclude it")
+                    continue
+                cfg = algo.with_base(cfg)
             if cfg is not None:
                 entries[fqn] = cfg
         if problems:
@@ -542,8 +505,10 @@ class Config(ModelConfig):
         return {"type": "Config", "global_quant_config": self.global_quant_config.to_dict(),
                 "layer_type_quant_config": types,
                 "layer_quant_config": {k: v.to_dict() for k, v in self.layer_quant_config.items()},
-                "exclude": list(self.exclude), "algo_config": self.algo_config,
-                "pre_quant_opt_config": self.pre_quant_opt_config}
+                "exclude": list(self.exclude),
+                "algo_config": None if self.algo_config is None else self.algo_config.to_dict(),
+                "pre_quant_opt_config": None if self.pre_quant_opt_config is None
+                else self.pre_quant_opt_config.to_dict()}
 
     @classmethod
     def from_dict(cls, d: dict) -> Config:
@@ -561,134 +526,36 @@ class Config(ModelConfig):
             types[k] = QuantizationConfig.from_dict(v)
         return cls(QuantizationConfig.from_dict(d["global_quant_config"]), types,
                    {k: QuantizationConfig.from_dict(v) for k, v in (d.get("layer_quant_config") or {}).items()},
-                   list(d.get("exclude") or ()), d.get("algo_config"), d.get("pre_quant_opt_config"))
+                   list(d.get("exclude") or ()), _algorithm_from_dict(d.get("algo_config")),
+                   _algorithm_from_dict(d.get("pre_quant_opt_config")))
 
 
-# -- spec -> affineq config ------------------------------------------------------------------------------
+def _algorithm_from_dict(d):
+    from affineq.configs import config_from_dict
 
-_STATIC_OBSERVERS = {"PerTensorMinMaxObserver": "minmax", "MovingAveragePerTensorMinMaxObserver": "moving_average",
-                     "PerTensorHistogramObserver": "histogram", "PerTensorPercentileObserver": "percentile",
-                     "PerTensorMSEObserver": "mse"}
-
-
-def _check_static_tensor(name: str, a: QuantizationSpec) -> None:
-    if a.dtype not in (Dtype.int8, Dtype.uint8) or (a.qscheme or QSchemeType.per_tensor) is not QSchemeType.per_tensor:
-        raise QuantizationError(f"static {name}: only int8/uint8 per_tensor is calibrated (got {a.dtype.name}, "
-                                f"{(a.qscheme or QSchemeType.per_tensor).name}); use is_dynamic=True for others")
-    if a.dtype is Dtype.uint8 and a.symmetric:
-        raise QuantizationError(f"static {name}: uint8 with symmetric=True has no zero point 0 code; use "
-                                "Dtype.int8 for symmetric tensors, or symmetric=False")
+    return None if d is None else config_from_dict(d)
 
 
-def _static(a: QuantizationSpec, w: QuantizationSpec, o: QuantizationSpec | None = None) -> QuantConfig:
-    """A static (calibrated) int8 input with an int8 symmetric per-channel weight: Int8StaticActivationInt8Weight,
-    with a static int8 output spec its `quantize_output`. A uint8 asymmetric tensor is the same grid as int8
-    with its zero point shifted by 128."""
-    from affineq.calibration import Int8StaticActivationInt8WeightConfig
+def _algorithm_template(name: str, value, pre_quant: bool):
+    """`value` as one algorithm template (an AlgorithmConfig with base_config=None; a one-element list, as
+    Quark writes them, is accepted), or None. ValueError names the field and the fix."""
+    from affineq.algorithms._base import AlgorithmConfig
 
-    _check_static_tensor("input_tensors", a)
-    if o is not None:
-        _check_static_tensor("output_tensors", o)
-        if o.observer_cls is not None and o.observer_cls is not a.observer_cls:
-            raise QuantizationError(f"output_tensors.observer_cls={o.observer_cls.__name__} differs from the "
-                                    "input's: one layer calibrates both with one observer kind; give both the same "
-                                    "observer_cls (or leave the output's None)")
-    if w.dtype is not Dtype.int8 or w.symmetric is False or (w.qscheme or QSchemeType.per_channel) is not \
-            QSchemeType.per_channel:
-        raise QuantizationError("static input_tensors need an int8 symmetric per_channel weight spec (the int8 x "
-                                "int8 GEMM); change the weight spec or make the input dynamic")
-    observer = "minmax" if a.observer_cls is None else _STATIC_OBSERVERS.get(a.observer_cls.__name__)
-    if observer is None:
-        raise QuantizationError(f"static input_tensors: observer_cls={a.observer_cls.__name__} is not a per-tensor "
-                                f"observer; use one of {sorted(_STATIC_OBSERVERS)} (affineq.observers)")
-    return Int8StaticActivationInt8WeightConfig(
-        activation_symmetric=bool(a.symmetric), observer=observer, quantize_output=o is not None,
-        output_symmetric=None if o is None else bool(o.symmetric))
-
-
-def _scale_dtype(s: QuantizationSpec) -> torch.dtype:
-    return torch.bfloat16 if s.scale_type is ScaleType.bfloat16 else torch.float32
-
-
-def _weight_granularity(w: QuantizationSpec) -> Granularity:
-    scheme = w.qscheme or QSchemeType.per_tensor
-    if scheme is QSchemeType.per_tensor:
-        return PerTensor()
-    if scheme is QSchemeType.per_channel:
-        if w.ch_axis not in (None, 0):
-            raise QuantizationError(f"weight per_channel with ch_axis={w.ch_axis}: affineq quantizes weights per "
-                                    "output channel; use ch_axis=0")
-        return PerAxis(0)
-    if w.ch_axis not in (1, -1):
-        raise QuantizationError(f"weight per_group with ch_axis={w.ch_axis}: groups run along the input features; "
-                                "use ch_axis=1")
-    return PerGroup(w.group_size)
-
-
-def _mapping(w: QuantizationSpec) -> MappingType:
-    return MappingType.ASYMMETRIC if w.symmetric is False else MappingType.SYMMETRIC
-
-
-_ROUNDING = {None: "half_even", RoundType.half_even: "half_even", RoundType.round: "half_away_from_zero",
-             RoundType.floor: "floor"}
-
-
-def _weight_only(w: QuantizationSpec) -> QuantConfig:
-    rounding = _ROUNDING[w.round_method]
-    target = DTYPE_TARGETS[w.dtype]
-    gran = _weight_granularity(w)
-    is_float = w.dtype in _FLOAT_DTYPES
-    mapping = _mapping(w)
-    if w.scale_type is ScaleType.pof2 or isinstance(gran, PerTensor) or not isinstance(target, torch.dtype):
-        if is_float:
-            domain = ZeroPointDomain.NONE
-        elif mapping is MappingType.ASYMMETRIC:
-            domain = ZeroPointDomain.FLOAT if w.zero_point_type is ZeroPointType.float32 else ZeroPointDomain.INT
-        else:
-            domain = ZeroPointDomain.NONE if is_signed(target) else ZeroPointDomain.INT
-        return PlainWeightOnlyConfig(qtype(target).name, gran, mapping, domain, _scale_dtype(w),
-                                     "e8m0" if w.scale_type is ScaleType.pof2 else None, rounding)
-    if is_float:  # float8, per channel
-        if isinstance(gran, PerGroup) or w.scale_type is ScaleType.bfloat16:
-            return PlainWeightOnlyConfig(qtype(target).name, gran, MappingType.SYMMETRIC, ZeroPointDomain.NONE,
-                                         _scale_dtype(w))
-        return Float8WeightOnlyConfig(weight_dtype=target)
-    if (w.dtype is Dtype.int8 and mapping is MappingType.SYMMETRIC and w.scale_type is not ScaleType.bfloat16
-            and w.zero_point_type is None):
-        return Int8WeightOnlyConfig(group_size=gran.group_size if isinstance(gran, PerGroup) else None,
-                                    rounding=rounding)
-    domain = None
-    if mapping is MappingType.ASYMMETRIC and w.zero_point_type is ZeroPointType.float32:
-        domain = ZeroPointDomain.FLOAT
-    return IntxWeightOnlyConfig(weight_dtype=target, granularity=gran, mapping_type=mapping,
-                                zero_point_domain=domain, scale_dtype=_scale_dtype(w), rounding=rounding)
-
-
-def _dynamic(a: QuantizationSpec, w: QuantizationSpec) -> QuantConfig:
-    combo = (f"dynamic input {a.dtype.name} {a.qscheme and a.qscheme.name} symmetric={a.symmetric} with weight "
-             f"{w.dtype.name} {w.qscheme and w.qscheme.name} symmetric={w.symmetric}")
-    if a.scale_type is ScaleType.pof2 or w.scale_type is ScaleType.pof2:
-        raise QuantizationError(f"{combo}: power-of-two scales with dynamic activations need a packing that stores "
-                                "e8m0 scales for them (only weight-only 'plain' does); use scale_type=float32")
-    if a.qscheme is QSchemeType.per_group:
-        raise QuantizationError(f"{combo}: per_group activations are not supported; use per_channel (per token) "
-                                "or per_tensor")
-    per_token = a.qscheme is QSchemeType.per_channel
-    wg = _weight_granularity(w)
-    if (a.dtype is Dtype.int8 and a.symmetric is not False and w.dtype is Dtype.int8 and isinstance(wg, PerAxis)
-            and w.symmetric is not False and w.scale_type is not ScaleType.bfloat16):
-        return Int8DynamicActivationInt8WeightConfig(act_granularity="per_token" if per_token else "per_tensor")
-    if a.dtype is Dtype.int8 and per_token:
-        if (a.symmetric is False and w.dtype is Dtype.int4 and isinstance(wg, PerGroup)
-                and w.symmetric is not False):
-            return Int8DynamicActivationInt4WeightConfig(group_size=wg.group_size, scale_dtype=_scale_dtype(w))
-    if a.dtype in (Dtype.fp8_e4m3, Dtype.fp8_e5m2) and w.dtype in (Dtype.fp8_e4m3, Dtype.fp8_e5m2):
-        if per_token and isinstance(wg, PerAxis) and w.scale_type is not ScaleType.bfloat16:
-            return Float8DynamicActivationFloat8WeightConfig(DTYPE_TARGETS[a.dtype], DTYPE_TARGETS[w.dtype], PerRow())
-        if not per_token and isinstance(wg, PerTensor) and w.scale_type is not ScaleType.bfloat16:
-            return Float8DynamicActivationFloat8WeightConfig(DTYPE_TARGETS[a.dtype], DTYPE_TARGETS[w.dtype],
-                                                             PerTensor())
-    raise QuantizationError(
-        f"{combo} is not supported; affineq's dynamic configs are: int8 symmetric per-token or per-tensor input x "
-        "int8 symmetric per-channel weight; int8 asymmetric per-token input x int4 symmetric per-group weight; "
-        "fp8 per-token x fp8 per-channel, or fp8 per-tensor x fp8 per-tensor (float32 scales)")
+    if isinstance(value, (list, tuple)):
+        if len(value) > 1:
+            raise ValueError(f"Config.{name} holds {len(value)} algorithms; affineq runs one per layer: pass one")
+        value = value[0] if value else None
+    if value is None:
+        return None
+    kind = "SmoothQuantConfig" if pre_quant else "GPTQConfig, AWQConfig or HQQConfig"
+    if not isinstance(value, AlgorithmConfig):
+        raise ValueError(f"Config.{name}={value!r}: use an affineq algorithm config without a base ({kind}, e.g. "
+                         f"{kind.split(',')[0]}(None)); each layer's resolved weight config becomes its base")
+    if value.base_config is not None:
+        raise ValueError(f"Config.{name}={type(value).__name__}(base_config={value.base_config!r}): inside Config "
+                         f"leave base_config=None; each layer's resolved weight config becomes its base")
+    if bool(getattr(value, "pre_quant", False)) != pre_quant:
+        where = "pre_quant_opt_config" if getattr(value, "pre_quant", False) else "algo_config"
+        raise ValueError(f"Config.{name}={type(value).__name__}: it belongs in Config.{where} ({kind} go in "
+                         f"Config.{name})")
+    return value

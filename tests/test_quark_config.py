@@ -27,12 +27,12 @@ from affineq import (
     config_from_dict,
     quantize_,
 )
+from affineq._quark_mapping import PlainWeightOnlyConfig
 from affineq.quark_config import (
     STATIC_ACTIVATION_MESSAGE,
     Config,
     DeviceType,
     Dtype,
-    PlainWeightOnlyConfig,
     QSchemeType,
     QuantizationConfig,
     QuantizationSpec,
@@ -411,10 +411,19 @@ def test_static_input_needs_calibration_and_then_runs_the_int8_gemm():
     assert m.layers[0].attn.weight.act_quant is None  # the global spec: weight-only
 
 
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(algo_config={"name": "awq"}), ["algo_config", "GPTQConfig"]),
+    (dict(pre_quant_opt_config=[{"name": "smooth"}]), ["pre_quant_opt_config", "SmoothQuantConfig"]),
+])
+def test_algorithm_fields_take_algorithm_templates(kwargs, words):
+    with pytest.raises(ValueError) as e:
+        Config(qc(weight=W8), **kwargs)
+    for w in words:
+        assert w in str(e.value)
+
+
 @pytest.mark.parametrize("cfg, words", [
     (Config(qc(weight=QuantizationSpec(Dtype.mx9))), ["Dtype.mx9"]),
-    (Config(qc(weight=W8), algo_config={"name": "awq"}), ["algo_config"]),
-    (Config(qc(weight=W8), pre_quant_opt_config=[{"name": "smooth"}]), ["pre_quant_opt_config"]),
     # an exactly named non-Linear module is selected and its config's check refuses it
     (Config(qc(weight=W8), layer_quant_config={"layers.0.norm": qc(weight=W4)}), ["layers.0.norm", "LayerNorm"]),
 ])

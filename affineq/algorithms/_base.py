@@ -10,6 +10,7 @@ per layer; one ordinary `quantize_` then applies them. If anything fails, every 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -25,10 +26,12 @@ from affineq.tensor.spec import QuantSpec
 @dataclass(frozen=True)
 class AlgorithmConfig(QuantConfig):
     """Base of the algorithm wrappers. `base_config`: the weight config whose layers, spec and kernels the
-    result uses. Subclasses set `needs_data` and `base_types` and implement `run`."""
+    result uses; None makes a template for the layered `Config(algo_config=...)`, which fills in each layer's
+    resolved weight config (`with_base`). Subclasses set `needs_data` and `base_types` and implement `run`."""
 
     needs_data: ClassVar[bool] = True
     base_types: ClassVar[tuple[type, ...]] = ()
+    pre_quant: ClassVar[bool] = False  # Quark's pre_quant_opt_config (SmoothQuant) rather than its algo_config
     base_config: QuantConfig = None
 
     def __post_init__(self):
@@ -38,6 +41,8 @@ class AlgorithmConfig(QuantConfig):
         if isinstance(self.base_config, type):
             raise ValueError(f"{name}(base_config=...) must be a config instance, got the class "
                              f"{self.base_config.__name__}; call it, e.g. {self.base_config.__name__}()")
+        if self.base_config is None:
+            return  # a template: Config(algo_config=...) supplies the base of each layer
         if not isinstance(self.base_config, QuantConfig) or isinstance(self.base_config, AlgorithmConfig):
             raise ValueError(f"{name}(base_config=...) must be a weight config ({allowed}), got "
                              f"{self.base_config!r}")
@@ -50,12 +55,19 @@ class AlgorithmConfig(QuantConfig):
     # the base config decides which modules qualify and how each weight is stored
     @property
     def modules(self):  # type: ignore[override]
-        return self.base_config.modules
+        return (nn.Linear,) if self.base_config is None else self.base_config.modules
 
     def parameter_names(self, module: nn.Module) -> tuple[str, ...]:
         return ("weight",)
 
+    def with_base(self, base_config: QuantConfig) -> AlgorithmConfig:
+        """This algorithm around `base_config` (ValueError when it cannot wrap it)."""
+        return dataclasses.replace(self, base_config=base_config)
+
     def check(self, module: nn.Module) -> str | None:
+        if self.base_config is None:
+            return (f"{type(self).__name__}(base_config=None) is a template for Config(algo_config=...); give it "
+                    "the weight config to run, e.g. GPTQConfig(Int4WeightOnlyConfig(group_size=64))")
         if not isinstance(module, nn.Linear):
             return f"{type(self).__name__} quantizes nn.Linear layers, not {type(module).__name__}"
         return self.base_config.check(module)

@@ -1,0 +1,204 @@
+"""How a resolved Quark `QuantizationConfig` becomes an affineq config: weight-only, dynamic and static
+(calibrated) activations, and `PlainWeightOnlyConfig` for what the packed configs cannot express."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from affineq.configs import (
+    Float8DynamicActivationFloat8WeightConfig,
+    Float8WeightOnlyConfig,
+    Int8DynamicActivationInt4WeightConfig,
+    Int8DynamicActivationInt8WeightConfig,
+    Int8WeightOnlyConfig,
+    IntxWeightOnlyConfig,
+    QuantConfig,
+    _check_choice,
+    _row_block,
+)
+from affineq.dtypes import is_signed, qtype
+from affineq.granularity import Granularity, PerAxis, PerGroup, PerRow, PerTensor, get_block_size
+from affineq.primitives import ROUNDING, MappingType, ZeroPointDomain
+from affineq.quantize import QuantizationError
+from affineq.quark_config import (
+    _FLOAT_DTYPES,
+    DTYPE_TARGETS,
+    Dtype,
+    QSchemeType,
+    QuantizationSpec,
+    RoundType,
+    ScaleType,
+    ZeroPointType,
+)
+from affineq.tensor.spec import QParamOptions
+
+# -- a weight config for what the packed configs cannot express -------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlainWeightOnlyConfig(QuantConfig):
+    """Weight-only, `plain` packing (dequantize-then-linear): any target name (int 1-8 bit, float8, fp6,
+    fp4), PerTensor / PerAxis(0) / PerGroup(g), optional power-of-two scales (scale_type="e8m0")."""
+
+    target: str = "int8"
+    granularity: Granularity = field(default_factory=lambda: PerAxis(0))
+    mapping_type: MappingType = MappingType.SYMMETRIC
+    zero_point_domain: ZeroPointDomain = ZeroPointDomain.NONE
+    scale_dtype: torch.dtype = torch.float32
+    scale_type: str | None = None
+    rounding: str = "half_even"
+
+    def __post_init__(self):
+        super().__post_init__()
+        qtype(self.target)
+        _check_choice("rounding", self.rounding, tuple(ROUNDING))
+        if not isinstance(self.granularity, (PerTensor, PerAxis, PerGroup)):
+            raise ValueError(f"granularity={self.granularity!r}: use PerTensor(), PerAxis(0) or PerGroup(g)")
+
+    def _block_size(self, shape, module):
+        if isinstance(self.granularity, PerTensor):
+            return get_block_size(shape, PerTensor())
+        return _row_block(shape, self.granularity.group_size if isinstance(self.granularity, PerGroup) else None)
+
+    def weight_spec(self, weight, module):
+        from affineq.tensor.spec import QuantSpec
+
+        return QuantSpec.create(tuple(weight.shape), weight.dtype, self.target,
+                                self._block_size(tuple(weight.shape), module), mapping_type=self.mapping_type,
+                                zero_point_domain=self.zero_point_domain, packing_format="plain",
+                                scale_type=self.scale_type)
+
+    def qparam_options(self):
+        return QParamOptions(scale_dtype=self.scale_dtype, rounding=self.rounding)
+
+
+# -- spec -> affineq config ------------------------------------------------------------------------------
+
+_STATIC_OBSERVERS = {"PerTensorMinMaxObserver": "minmax", "MovingAveragePerTensorMinMaxObserver": "moving_average",
+                     "PerTensorHistogramObserver": "histogram", "PerTensorPercentileObserver": "percentile",
+                     "PerTensorMSEObserver": "mse"}
+
+
+def _check_static_tensor(name: str, a: QuantizationSpec) -> None:
+    if a.dtype not in (Dtype.int8, Dtype.uint8) or (a.qscheme or QSchemeType.per_tensor) is not QSchemeType.per_tensor:
+        raise QuantizationError(f"static {name}: only int8/uint8 per_tensor is calibrated (got {a.dtype.name}, "
+                                f"{(a.qscheme or QSchemeType.per_tensor).name}); use is_dynamic=True for others")
+    if a.dtype is Dtype.uint8 and a.symmetric:
+        raise QuantizationError(f"static {name}: uint8 with symmetric=True has no zero point 0 code; use "
+                                "Dtype.int8 for symmetric tensors, or symmetric=False")
+
+
+def static_config(a: QuantizationSpec, w: QuantizationSpec, o: QuantizationSpec | None = None) -> QuantConfig:
+    """A static (calibrated) int8 input with an int8 symmetric per-channel weight: Int8StaticActivationInt8Weight,
+    with a static int8 output spec its `quantize_output`. A uint8 asymmetric tensor is the same grid as int8
+    with its zero point shifted by 128."""
+    from affineq.calibration import Int8StaticActivationInt8WeightConfig
+
+    _check_static_tensor("input_tensors", a)
+    if o is not None:
+        _check_static_tensor("output_tensors", o)
+        if o.observer_cls is not None and o.observer_cls is not a.observer_cls:
+            raise QuantizationError(f"output_tensors.observer_cls={o.observer_cls.__name__} differs from the "
+                                    "input's: one layer calibrates both with one observer kind; give both the same "
+                                    "observer_cls (or leave the output's None)")
+    if w.dtype is not Dtype.int8 or w.symmetric is False or (w.qscheme or QSchemeType.per_channel) is not \
+            QSchemeType.per_channel:
+        raise QuantizationError("static input_tensors need an int8 symmetric per_channel weight spec (the int8 x "
+                                "int8 GEMM); change the weight spec or make the input dynamic")
+    observer = "minmax" if a.observer_cls is None else _STATIC_OBSERVERS.get(a.observer_cls.__name__)
+    if observer is None:
+        raise QuantizationError(f"static input_tensors: observer_cls={a.observer_cls.__name__} is not a per-tensor "
+                                f"observer; use one of {sorted(_STATIC_OBSERVERS)} (affineq.observers)")
+    return Int8StaticActivationInt8WeightConfig(
+        activation_symmetric=bool(a.symmetric), observer=observer, quantize_output=o is not None,
+        output_symmetric=None if o is None else bool(o.symmetric))
+
+
+def _scale_dtype(s: QuantizationSpec) -> torch.dtype:
+    return torch.bfloat16 if s.scale_type is ScaleType.bfloat16 else torch.float32
+
+
+def _weight_granularity(w: QuantizationSpec) -> Granularity:
+    scheme = w.qscheme or QSchemeType.per_tensor
+    if scheme is QSchemeType.per_tensor:
+        return PerTensor()
+    if scheme is QSchemeType.per_channel:
+        if w.ch_axis not in (None, 0):
+            raise QuantizationError(f"weight per_channel with ch_axis={w.ch_axis}: affineq quantizes weights per "
+                                    "output channel; use ch_axis=0")
+        return PerAxis(0)
+    if w.ch_axis not in (1, -1):
+        raise QuantizationError(f"weight per_group with ch_axis={w.ch_axis}: groups run along the input features; "
+                                "use ch_axis=1")
+    return PerGroup(w.group_size)
+
+
+def _mapping(w: QuantizationSpec) -> MappingType:
+    return MappingType.ASYMMETRIC if w.symmetric is False else MappingType.SYMMETRIC
+
+
+_ROUNDING = {None: "half_even", RoundType.half_even: "half_even", RoundType.round: "half_away_from_zero",
+             RoundType.floor: "floor"}
+
+
+def weight_only_config(w: QuantizationSpec) -> QuantConfig:
+    rounding = _ROUNDING[w.round_method]
+    target = DTYPE_TARGETS[w.dtype]
+    gran = _weight_granularity(w)
+    is_float = w.dtype in _FLOAT_DTYPES
+    mapping = _mapping(w)
+    if w.scale_type is ScaleType.pof2 or isinstance(gran, PerTensor) or not isinstance(target, torch.dtype):
+        if is_float:
+            domain = ZeroPointDomain.NONE
+        elif mapping is MappingType.ASYMMETRIC:
+            domain = ZeroPointDomain.FLOAT if w.zero_point_type is ZeroPointType.float32 else ZeroPointDomain.INT
+        else:
+            domain = ZeroPointDomain.NONE if is_signed(target) else ZeroPointDomain.INT
+        return PlainWeightOnlyConfig(qtype(target).name, gran, mapping, domain, _scale_dtype(w),
+                                     "e8m0" if w.scale_type is ScaleType.pof2 else None, rounding)
+    if is_float:  # float8, per channel
+        if isinstance(gran, PerGroup) or w.scale_type is ScaleType.bfloat16:
+            return PlainWeightOnlyConfig(qtype(target).name, gran, MappingType.SYMMETRIC, ZeroPointDomain.NONE,
+                                         _scale_dtype(w))
+        return Float8WeightOnlyConfig(weight_dtype=target)
+    if (w.dtype is Dtype.int8 and mapping is MappingType.SYMMETRIC and w.scale_type is not ScaleType.bfloat16
+            and w.zero_point_type is None):
+        return Int8WeightOnlyConfig(group_size=gran.group_size if isinstance(gran, PerGroup) else None,
+                                    rounding=rounding)
+    domain = None
+    if mapping is MappingType.ASYMMETRIC and w.zero_point_type is ZeroPointType.float32:
+        domain = ZeroPointDomain.FLOAT
+    return IntxWeightOnlyConfig(weight_dtype=target, granularity=gran, mapping_type=mapping,
+                                zero_point_domain=domain, scale_dtype=_scale_dtype(w), rounding=rounding)
+
+
+def dynamic_config(a: QuantizationSpec, w: QuantizationSpec) -> QuantConfig:
+    combo = (f"dynamic input {a.dtype.name} {a.qscheme and a.qscheme.name} symmetric={a.symmetric} with weight "
+             f"{w.dtype.name} {w.qscheme and w.qscheme.name} symmetric={w.symmetric}")
+    if a.scale_type is ScaleType.pof2 or w.scale_type is ScaleType.pof2:
+        raise QuantizationError(f"{combo}: power-of-two scales with dynamic activations need a packing that stores "
+                                "e8m0 scales for them (only weight-only 'plain' does); use scale_type=float32")
+    if a.qscheme is QSchemeType.per_group:
+        raise QuantizationError(f"{combo}: per_group activations are not supported; use per_channel (per token) "
+                                "or per_tensor")
+    per_token = a.qscheme is QSchemeType.per_channel
+    wg = _weight_granularity(w)
+    if (a.dtype is Dtype.int8 and a.symmetric is not False and w.dtype is Dtype.int8 and isinstance(wg, PerAxis)
+            and w.symmetric is not False and w.scale_type is not ScaleType.bfloat16):
+        return Int8DynamicActivationInt8WeightConfig(act_granularity="per_token" if per_token else "per_tensor")
+    if a.dtype is Dtype.int8 and per_token:
+        if (a.symmetric is False and w.dtype is Dtype.int4 and isinstance(wg, PerGroup)
+                and w.symmetric is not False):
+            return Int8DynamicActivationInt4WeightConfig(group_size=wg.group_size, scale_dtype=_scale_dtype(w))
+    if a.dtype in (Dtype.fp8_e4m3, Dtype.fp8_e5m2) and w.dtype in (Dtype.fp8_e4m3, Dtype.fp8_e5m2):
+        if per_token and isinstance(wg, PerAxis) and w.scale_type is not ScaleType.bfloat16:
+            return Float8DynamicActivationFloat8WeightConfig(DTYPE_TARGETS[a.dtype], DTYPE_TARGETS[w.dtype], PerRow())
+        if not per_token and isinstance(wg, PerTensor) and w.scale_type is not ScaleType.bfloat16:
+            return Float8DynamicActivationFloat8WeightConfig(DTYPE_TARGETS[a.dtype], DTYPE_TARGETS[w.dtype],
+                                                             PerTensor())
+    raise QuantizationError(
+        f"{combo} is not supported; affineq's dynamic configs are: int8 symmetric per-token or per-tensor input x "
+        "int8 symmetric per-channel weight; int8 asymmetric per-token input x int4 symmetric per-group weight; "
+        "fp8 per-token x fp8 per-channel, or fp8 per-tensor x fp8 per-tensor (float32 scales)")
