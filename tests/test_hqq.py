@@ -57,9 +57,9 @@ def rtn_and_hqq(base, w: torch.Tensor, **hqq_kw):
 
 
 @pytest.mark.parametrize("base, lp_ratio, mse_ratio", [
-    (Int4WeightOnlyConfig(group_size=64), 0.97, 0.90),  # measured 0.959 / 0.877
-    (INT3_G64, 0.93, 0.78),                              # measured 0.912 / 0.752
-    (INT2_G32, 0.84, 0.56),                              # measured 0.820 / 0.528
+    (Int4WeightOnlyConfig(group_size=64), 0.97, 0.90),  # measured 0.963 / 0.864
+    (INT3_G64, 0.93, 0.78),                              # measured 0.915 / 0.744
+    (INT2_G32, 0.84, 0.56),                              # measured 0.823 / 0.519
 ], ids=["int4_g64", "int3_g64", "int2_g32"])
 def test_hqq_lowers_reconstruction_error(base, lp_ratio, mse_ratio):
     w = heavy_tailed()
@@ -74,20 +74,20 @@ def test_hqq_lowers_reconstruction_error(base, lp_ratio, mse_ratio):
 def test_zero_point_only_is_the_paper_update_and_still_beats_rtn():
     w = heavy_tailed(seed=1)
     rtn, hqq = rtn_and_hqq(INT3_G64, w, optimize_scale=False)
-    assert errors(w, hqq)[0] < 0.98 * errors(w, rtn)[0]  # measured 0.967
-    assert errors(w, hqq)[1] < 0.9 * errors(w, rtn)[1]  # measured 0.875
+    assert errors(w, hqq)[0] < 0.98 * errors(w, rtn)[0]  # measured 0.972
+    assert errors(w, hqq)[1] < 0.9 * errors(w, rtn)[1]  # measured 0.864
 
 
 @pytest.mark.parametrize("base, ratio", [
-    (IntxWeightOnlyConfig(torch.int4, PerGroup(64)), 0.93),  # symmetric signed: scale only; measured 0.954 / 0.901
-    (Int8DynamicActivationInt4WeightConfig(group_size=32), 0.93),  # measured 0.952 / 0.899
-    (Int8WeightOnlyConfig(), 0.99),  # per channel int8: little to gain; measured 0.990 / 0.981
+    (IntxWeightOnlyConfig(torch.int4, PerGroup(64)), 0.93),  # symmetric signed: scale only; measured 0.955 / 0.900
+    (Int8DynamicActivationInt4WeightConfig(group_size=32), 0.93),  # measured 0.954 / 0.896
+    (Int8WeightOnlyConfig(), 0.99),  # per channel int8: little to gain; measured 0.990 / 0.980
 ], ids=["intx_sym", "8da4w", "int8"])
 def test_symmetric_bases_optimise_the_scale(base, ratio):
     w = heavy_tailed(128, 256)
     rtn, hqq = rtn_and_hqq(base, w)
     assert hqq.zero_point is None or torch.equal(hqq.zero_point, rtn.zero_point)
-    assert errors(w, hqq)[0] < min(0.995, ratio + 0.03) * errors(w, rtn)[0]
+    assert errors(w, hqq)[0] < min(0.995, ratio + 0.04) * errors(w, rtn)[0]
     assert errors(w, hqq)[1] < ratio * errors(w, rtn)[1]
 
 
@@ -97,8 +97,17 @@ def test_int_zero_point_domain_stores_integer_codes():
     rtn, hqq = rtn_and_hqq(base, w)
     zp = hqq.zero_point
     assert torch.equal(zp, zp.round()) and zp.min() >= hqq.quant_min and zp.max() <= hqq.quant_max
-    assert errors(w, hqq)[0] < 0.95 * errors(w, rtn)[0]  # measured 0.932
-    assert errors(w, hqq)[1] < 0.9 * errors(w, rtn)[1]  # measured 0.877
+    assert errors(w, hqq)[0] < 0.95 * errors(w, rtn)[0]  # measured 0.933
+    assert errors(w, hqq)[1] < 0.9 * errors(w, rtn)[1]  # measured 0.875
+
+
+@pytest.mark.parametrize("keep_best_by, p", [("mse", 2.0), ("lp", 0.7)])
+def test_no_group_ends_worse_than_rtn_in_the_kept_measure(keep_best_by, p):
+    w = heavy_tailed(128, 256, seed=2)
+    rtn, hqq = rtn_and_hqq(INT3_G64, w, keep_best_by=keep_best_by)
+    per_group = [(w - q.dequantize(torch.float32)).abs().pow(p).reshape(-1, 64).sum(1) for q in (rtn, hqq)]
+    assert bool((per_group[1] <= per_group[0]).all())
+    assert per_group[1].sum() < 0.95 * per_group[0].sum()
 
 
 def test_zero_iterations_is_round_to_nearest():
@@ -192,7 +201,8 @@ def test_config_json_roundtrip_and_hashable():
 @pytest.mark.parametrize("kw, match", [
     (dict(iters=-1), "iters"), (dict(iters=2.5), "iters"), (dict(lp_norm=0.0), "lp_norm"),
     (dict(lp_norm=1.5), "lp_norm"), (dict(beta=0), "beta"), (dict(beta=float("nan")), "beta"),
-    (dict(kappa=0.9), "kappa"), (dict(optimize_scale="yes"), "optimize_scale"), (dict(progress=1), "progress"),
+    (dict(kappa=0.9), "kappa"), (dict(keep_best_by="l2"), "keep_best_by"),
+    (dict(optimize_scale="yes"), "optimize_scale"), (dict(progress=1), "progress"),
 ])
 def test_bad_options_raise(kw, match):
     with pytest.raises(ValueError, match=match):
