@@ -45,6 +45,7 @@ matter to the model. The weight is then quantized with `from_qparams` using the 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -60,7 +61,13 @@ from affineq.configs import (
     IntxWeightOnlyConfig,
     QuantConfig,
 )
-from affineq.primitives import ZeroPointDomain, _dequant_math, _unclamped_codes, choose_qparams_affine
+from affineq.primitives import (
+    MappingType,
+    ZeroPointDomain,
+    _dequant_math,
+    _unclamped_codes,
+    choose_qparams_affine,
+)
 from affineq.tensor.affine import AffineQuantizedTensor
 from affineq.tensor.spec import QParamOptions, QuantSpec
 
@@ -103,7 +110,7 @@ class HQQConfig(AlgorithmConfig):
                              "round-to-nearest)")
         for name, lo, hi in (("lp_norm", 0.0, 1.0), ("beta", 0.0, None), ("kappa", 1.0, None)):
             v = getattr(self, name)
-            bad = isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v in (float("inf"),)
+            bad = isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
             if not bad:
                 bad = (v <= lo if name != "kappa" else v < lo) or (hi is not None and v > hi)
             if bad:
@@ -135,8 +142,6 @@ class HQQConfig(AlgorithmConfig):
 
 def _zero_point_is_fixed(cfg: QuantConfig) -> bool:
     """True for bases whose zero point is not free (symmetric mappings)."""
-    from affineq.primitives import MappingType
-
     return getattr(cfg, "mapping_type", MappingType.SYMMETRIC) is not MappingType.ASYMMETRIC
 
 
@@ -217,7 +222,7 @@ def hqq_qparams(weight: torch.Tensor, spec: QuantSpec, options: QParamOptions | 
         weight.detach(), spec.mapping_type, spec.block_size, spec.target, spec.quant_min, spec.quant_max,
         options.eps, options.scale_dtype, options.zero_point_dtype, options.preserve_zero, spec.zero_point_domain)
     scale, zp = represent_qparams(spec, scale, zp)
-    free_zero = st.domain is not ZeroPointDomain.NONE and spec.mapping_type.name == "ASYMMETRIC"
+    free_zero = st.domain is not ZeroPointDomain.NONE and spec.mapping_type is MappingType.ASYMMETRIC
     if not free_zero and not optimize_scale:
         raise ValueError("hqq_qparams(optimize_scale=False) with a symmetric spec leaves nothing to optimise "
                          "(its zero point is fixed); pass optimize_scale=True")
