@@ -1,6 +1,7 @@
 """AMD Quark-style layered configuration (affineq.quark_config): construction errors, resolution, JSON and
 quantize_."""
 
+import copy
 import json
 import warnings
 
@@ -444,3 +445,48 @@ def test_global_config_skips_non_linear_and_type_key_selects():
     cfg = Config(qc(), layer_type_quant_config={nn.Embedding: qc(weight=W8)})
     quantize_(emb, cfg)
     assert isinstance(emb[0].weight, AffineQuantizedTensor) and type(emb[1].weight) is nn.Parameter
+
+
+# -- algorithms inside the layered Config ----------------------------------------------------------------
+
+
+def test_algo_config_wraps_each_resolved_layer_config():
+    from affineq.algorithms import HQQConfig
+
+    torch.manual_seed(0)
+    m = Model()
+    ref = copy.deepcopy(m)
+    cfg = Config(qc(weight=W4), layer_quant_config={"layers.1.*": qc(weight=W2)}, exclude=["lm_head"],
+                 algo_config=[HQQConfig(None, iters=5)])
+    plan = cfg.to_fqn_config(m).fqn_to_config
+    assert plan["layers.0.attn"] == HQQConfig(Config(qc()).to_affineq(qc(weight=W4)), iters=5)
+    assert plan["layers.1.mlp.0"] == HQQConfig(Config(qc()).to_affineq(qc(weight=W2)), iters=5)
+    assert "lm_head" not in plan
+    quantize_(m, cfg)
+    quantize_(ref, FqnToConfig({k: v.base_config for k, v in plan.items()}))
+    torch.manual_seed(0)  # the same float weights again: HQQ reconstructs them better than round-to-nearest
+    float_w = {n: mod.weight.detach() for n, mod in Model().named_modules() if n in plan}
+    mods, rmods = dict(m.named_modules()), dict(ref.named_modules())
+    err = sum(float((mods[n].weight.dequantize() - float_w[n]).pow(2).sum()) for n in plan)
+    rtn = sum(float((rmods[n].weight.dequantize() - float_w[n]).pow(2).sum()) for n in plan)
+    assert err < 0.97 * rtn
+    back = Config.from_dict(json.loads(json.dumps(cfg.to_dict())))
+    assert back == cfg and hash(back) == hash(cfg)
+
+
+def test_algo_config_refusals():
+    from affineq.algorithms import HQQConfig
+
+    with pytest.raises(ValueError, match="leave base_config=None"):
+        Config(qc(weight=W8), algo_config=HQQConfig(Int8WeightOnlyConfig()))
+    with pytest.raises(ValueError, match="holds 2 algorithms"):
+        Config(qc(weight=W8), algo_config=[HQQConfig(None), HQQConfig(None)])
+    m = Model()
+    snap = snapshot_model(m)
+    cfg = Config(qc(weight=POF2), algo_config=HQQConfig(None))  # pof2 per-tensor -> PlainWeightOnlyConfig
+    with pytest.raises(QuantizationError, match="HQQConfig cannot wrap PlainWeightOnlyConfig"):
+        quantize_(m, cfg)
+    assert_unchanged(m, snap)
+    with pytest.raises(QuantizationError, match="template"):
+        quantize_(m, HQQConfig(None))
+    assert_unchanged(m, snap)
