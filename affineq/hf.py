@@ -229,7 +229,7 @@ class AffineqHfQuantizer(HfQuantizer):
         self._default_skips = get_keys_to_not_convert(model) if user is None else []
         self.modules_to_not_convert = list(user or []) + list(getattr(model, "_keep_in_fp32_modules", None) or [])
         problems = []
-        for name, p in model.named_parameters():
+        for name, _ in model.named_parameters():
             if self.param_needs_quantization(model, name):
                 c, _ = self.config_for(model, name)
                 module, pname = get_module_from_name(model, name)
