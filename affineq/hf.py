@@ -126,6 +126,8 @@ class AffineqQuantize(ConversionOps):
         module._parameters[pname] = nn.Parameter(value, requires_grad=False)
         quantize_(module, cfg, filter_fn=lambda m, fqn: fqn == "")
         param = module._parameters[pname]
+        _release_float_copy(value)
+        del value
         if missing_keys is not None:
             missing_keys.discard(full_layer_name)
         module._is_hf_initialized = True
@@ -296,6 +298,63 @@ class AffineqHfQuantizer(HfQuantizer):
     @property
     def is_compileable(self) -> bool:
         return True
+
+
+# -- memory: the float weight of a quantized layer must not outlive its quantization --------------------------
+
+_PAGE = 4096
+_libc = None
+
+
+def _get_libc():
+    global _libc
+    if _libc is None:
+        import ctypes
+        import ctypes.util
+        import sys
+
+        _libc = False
+        if sys.platform == "linux":
+            try:
+                _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+                _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+            except (OSError, AttributeError):
+                _libc = False
+    return _libc
+
+
+def _mapped_file(ptr: int) -> str | None:
+    """Path of the file mapping that holds address `ptr`, or None (anonymous memory, or not Linux)."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                if lo <= ptr < hi:
+                    return parts[5].strip() if len(parts) == 6 and parts[5].startswith("/") else None
+    except OSError:
+        return None
+    return None
+
+
+def _release_float_copy(t: torch.Tensor) -> None:
+    """Give back the memory of a float weight that was just quantized (Linux/glibc; a no-op elsewhere).
+
+    transformers hands the weight over as a view of the memory-mapped checkpoint, and the mapping stays open
+    (the float embedding and norms keep viewing it), so every page read while quantizing would stay resident
+    for the model's lifetime: drop those pages (MADV_DONTNEED on a read-only file mapping only forgets the
+    cached copy; a later read would fetch the file again). Then return freed quantization temporaries to the
+    OS (malloc_trim), which glibc would otherwise keep as heap fragments."""
+    libc = _get_libc()
+    if not libc or t.device.type != "cpu" or not t.is_contiguous():
+        return
+    ptr, n = t.data_ptr(), t.numel() * t.element_size()
+    lo, hi = -(-ptr // _PAGE) * _PAGE, (ptr + n) // _PAGE * _PAGE
+    path = _mapped_file(ptr) if hi > lo else None
+    if path is not None and path.endswith(".safetensors") and _mapped_file(hi - 1) == path:
+        libc.madvise(lo, hi - lo, 4)  # MADV_DONTNEED
+    if hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 def _with_param(cfg: QuantConfig, pname: str) -> QuantConfig:
