@@ -222,6 +222,7 @@ class AffineqHfQuantizer(HfQuantizer):
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         if self.pre_quantized:
             self.metadata = _read_checkpoint(checkpoint_files)
+            _trim_heap()  # the validation read's copies are freed: give their pages back before loading
             return model
         cfg = self.quantization_config.quant_config
         if isinstance(cfg, ModelConfig):
@@ -353,7 +354,12 @@ def _release_float_copy(t: torch.Tensor) -> None:
     path = _mapped_file(ptr) if hi > lo else None
     if path is not None and path.endswith(".safetensors") and _mapped_file(hi - 1) == path:
         libc.madvise(lo, hi - lo, 4)  # MADV_DONTNEED
-    if hasattr(libc, "malloc_trim"):
+    _trim_heap()
+
+
+def _trim_heap() -> None:
+    libc = _get_libc()
+    if libc and hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)
 
 

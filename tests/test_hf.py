@@ -271,3 +271,37 @@ def test_corrupted_checkpoints_fail_cleanly(saved_int4, tmp_path, case, match):
         (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=match):
         _load(d)
+
+
+# -- real models (skipped when not installed) ----------------------------------------------------------
+
+
+def _need_minilm():
+    from affineq import models
+
+    if not models.available_models()["minilm"]:
+        pytest.skip("all-MiniLM-L6-v2 is not installed")
+    return models
+
+
+def test_minilm_quantize_on_load():
+    models = _need_minilm()
+    q = _load(models.minilm_path(), AutoModel, quantization_config=AffineqConfig(affineq.Int8WeightOnlyConfig()))
+    assert sum(isinstance(p, affineq.AffineQuantizedTensor) for p in q.parameters()) == 37
+    ref, tok = models.load_minilm()
+    with torch.no_grad():
+        sim = models.embedding_similarity(models.embed(ref, tok, models.SENTENCES),
+                                          models.embed(q, tok, models.SENTENCES))
+    assert sim > 0.999
+
+
+def test_demo_save_and_load_minilm(tmp_path, capsys):
+    from affineq.demo import main
+
+    _need_minilm()
+    main(["--model", "minilm", "--save", str(tmp_path / "m"), "--config", "int8", "--no-progress"])
+    assert "model.safetensors" in capsys.readouterr().out
+    row = main(["--load", str(tmp_path / "m"), "--no-progress"])[0]
+    assert row["quantized_weights"] == 37 and row["similar_pair_cos"] > 0.5  # demo --save: quantize_, all 37
+    with pytest.raises(SystemExit, match="not a transformers model"):
+        main(["--model", "tiny", "--save", str(tmp_path / "t")])
