@@ -305,3 +305,16 @@ def test_demo_save_and_load_minilm(tmp_path, capsys):
     assert row["quantized_weights"] == 37 and row["similar_pair_cos"] > 0.5  # demo --save: quantize_, all 37
     with pytest.raises(SystemExit, match="not a transformers model"):
         main(["--model", "tiny", "--save", str(tmp_path / "t")])
+
+
+def test_install_registers_when_transformers_is_imported_later():
+    import subprocess
+    import sys
+
+    code = ("import sys, affineq; from affineq._hf_register import install; install(); "
+            "assert 'transformers' not in sys.modules; import transformers; "
+            "from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING as m; "
+            "assert m['affineq'].__name__ == 'AffineqConfig'")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
