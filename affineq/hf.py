@@ -279,6 +279,19 @@ class AffineqHfQuantizer(HfQuantizer):
             return None
         return super().get_new_dtype(converter, param, dtype)
 
+    def _dequantize(self, model, dtype=None):
+        """`model.dequantize()`: every quantized weight back to a float Parameter (its act_pre_scale folded in:
+        F.linear(x * s, W) == F.linear(x, W * s); activation quantization is dropped with the codes)."""
+        for module in model.modules():
+            for name, p in list(module._parameters.items()):
+                if isinstance(p, AffineQuantizedTensor):
+                    w = p.dequantize(dtype or p.dtype)
+                    pre = p.act_tensors.get("act_pre_scale")
+                    if pre is not None:
+                        w = w * pre.to(w.dtype)
+                    module._parameters[name] = nn.Parameter(w, requires_grad=False)
+        return model
+
     # -- saving -----------------------------------------------------------------------------------------
 
     def get_state_dict_and_metadata(self, model):

@@ -186,6 +186,15 @@ def test_static_and_pre_scaled_weights_round_trip(float_dirs, tmp_path):
     assert "act_pre_scale" in r.model.layers[1].self_attn.q_proj.weight.act_tensors
     with torch.no_grad():
         assert torch.equal(r(TOKENS).logits, want)
+    # model.dequantize(): float weights (pre-scale folded in), no quantization config left
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        y = torch.nn.functional.linear(x * r.model.layers[1].self_attn.q_proj.weight.act_tensors["act_pre_scale"],
+                                       r.model.layers[1].self_attn.q_proj.weight.dequantize())
+    r.dequantize()
+    assert not any(isinstance(p, affineq.AffineQuantizedTensor) for p in r.parameters())
+    assert not getattr(r.config, "quantization_config", None)
+    torch.testing.assert_close(r.model.layers[1].self_attn.q_proj(x), y)
 
 
 def test_tied_quantized_embedding_saved_once(float_dirs, tmp_path):
