@@ -16,7 +16,10 @@ quantizes on the fly); each selected weight is set on its module and `affineq.qu
 module alone, so no second full-precision copy of the model is ever held. Selection is `quantize_`'s
 (every nn.Linear, `FqnToConfig` names and regexes), minus transformers' default skips (tied weights, the
 output embeddings, the last module: lm_head stays float) unless `modules_to_not_convert` replaces them; a
-module named exactly in an `FqnToConfig` is quantized even if a default skip would keep it float.
+module named exactly in an `FqnToConfig` is quantized even if a default skip would keep it float (except a
+tied copy such as the lm_head of tied embeddings, which transformers never reads from the file: an error says
+to quantize it after loading). Configs that need calibration data (static activations, GPTQ, AWQ) cannot run
+on load: quantize the float model with `affineq.quantize_`, then `set_quantization_config` and save.
 
 Saving: every quantized weight is stored as its inner tensors (``name:qdata``, ...) with its `QuantSpec` in
 the safetensors header (`affineq.safetensors`), so reloading rebuilds exactly those tensors. A model
@@ -239,6 +242,13 @@ class AffineqHfQuantizer(HfQuantizer):
                 why = c.check_parameter(module, pname) if c.param_names else c.check(module)
                 if why:
                     problems.append(f"{name}: {why}")
+        if isinstance(cfg, FqnToConfig):  # a tied copy (lm_head of tied embeddings) is never read from the file
+            for target, source in dict(getattr(model, "all_tied_weights_keys", None) or {}).items():
+                c, explicit = self.config_for(model, target)
+                if explicit and c is not None:
+                    problems.append(f"{target}: it is tied to {source}, which transformers loads as float; quantize "
+                                    "it after loading (affineq.quantize_, then affineq.hf.set_quantization_config) or "
+                                    "untie it (tie_word_embeddings=False)")
         if problems:
             raise QuantizationError(f"{type(cfg).__name__} cannot quantize these weights on load: {problems}; pass "
                                     "AffineqConfig(..., modules_to_not_convert=[...]) or a config that fits them")

@@ -224,6 +224,9 @@ def test_config_errors(float_dirs):
         _load(float_dirs["llama"], quantization_config=AffineqConfig(affineq.Int8StaticActivationInt8WeightConfig()))
     with pytest.raises(affineq.QuantizationError, match="cannot quantize these weights on load"):
         _load(float_dirs["llama"], quantization_config=AffineqConfig(affineq.Int4WeightOnlyConfig(group_size=256)))
+    with pytest.raises(affineq.QuantizationError, match="tied to model.embed_tokens.weight"):
+        _load(float_dirs["llama"], quantization_config=AffineqConfig(affineq.FqnToConfig(
+            {"lm_head": affineq.Int8WeightOnlyConfig()})))
     d = AffineqConfig(CONFIGS["fqn-mix"], modules_to_not_convert=["x"]).to_dict()
     back = AffineqConfig.from_dict(json.loads(json.dumps(d)))
     assert back.quant_config == CONFIGS["fqn-mix"] and back.modules_to_not_convert == ["x"]
