@@ -3,6 +3,8 @@
     python -m affineq.demo                                 # SmolLM2-135M (or the built-in tiny LM)
     python -m affineq.demo --model minilm                  # all-MiniLM-L6-v2 sentence embeddings
     python -m affineq.demo --config int8 int4-g64 --compile --threads 2 --out results.json
+    python -m affineq.demo --save DIR [--config int4-g64]    # quantized SmolLM2 -> DIR (safetensors, transformers)
+    python -m affineq.demo --load DIR                      # reload it with from_pretrained and run it
 
 Each row: the model after `quantize_(model, config)`; size in MB (all parameters, quantized weights at
 their stored bytes), bytes per parameter of the quantized linears, quantize time, latency per generated
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
 import sys
 import time
@@ -219,6 +222,68 @@ def _pick_model(requested: str | None) -> str:
     return "tiny"
 
 
+# -- --save / --load: the quantized model as a transformers checkpoint (affineq.hf) ---------------------------
+
+SAVE_DEFAULT = {"smollm2": "int4-g64", "minilm": "int4-g128"}
+
+
+def save_quantized(name: str, config_name: str, out: str, *, progress: bool) -> dict:
+    """Quantize the float `name` model ("smollm2" or "minilm") with CONFIGS[config_name] and write it to `out`
+    with save_pretrained (safetensors + quantization_config in config.json), with its tokenizer."""
+    from affineq import hf, models
+
+    loader = models.load_smollm2 if name == "smollm2" else models.load_minilm
+    model, tok = loader(progress=progress)
+    config = CONFIGS[config_name]
+    if config is None:
+        raise SystemExit(f"--save needs a quantized config, not {config_name!r}; e.g. --config {SAVE_DEFAULT[name]}")
+    t0 = time.perf_counter()
+    quantize_(model, config)
+    quantize_s = time.perf_counter() - t0
+    hf.set_quantization_config(model, config)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    files = {f: os.path.getsize(os.path.join(out, f)) for f in sorted(os.listdir(out))}
+    print(f"saved {name} quantized with {config_name} ({quantize_s:.1f} s) to {out}:")
+    for f, size in files.items():
+        print(f"  {f:<40} {size / 1e6:>9.2f} MB")
+    print(f"reload: import affineq.hf; transformers.AutoModel{'ForCausalLM' if name == 'smollm2' else ''}"
+          f".from_pretrained({out!r})   or   python -m affineq.demo --load {out}")
+    return {"model": name, "config": config_name, "quantize_s": quantize_s, "files": files}
+
+
+def load_quantized(path: str, *, new_tokens: int, eval_tokens: int, progress: bool) -> dict:
+    """Load a checkpoint written by `save_quantized` with from_pretrained (nothing is re-quantized) and run it:
+    perplexity and a greedy continuation (causal LM) or embeddings of the demo sentences (encoder)."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+    import affineq.hf  # noqa: F401  (registers quant_method "affineq" with transformers)
+    from affineq import models
+
+    cfg = AutoConfig.from_pretrained(path)
+    causal = any(a.endswith("ForCausalLM") for a in (cfg.architectures or []))
+    t0 = time.perf_counter()
+    model = (AutoModelForCausalLM if causal else AutoModel).from_pretrained(path).eval()
+    load_s = time.perf_counter() - t0
+    tok = AutoTokenizer.from_pretrained(path)
+    n_q = sum(isinstance(p, AffineQuantizedTensor) for p in model.parameters())
+    row = {"path": path, "load_s": load_s, "size_mb": model_bytes(model) / 1e6, "quantized_weights": n_q}
+    print(f"loaded {type(model).__name__} from {path} in {load_s:.1f} s: {n_q} quantized weights, "
+          f"{row['size_mb']:.1f} MB, quantization_config {model.config.quantization_config.quant_config}")
+    with torch.inference_mode():
+        if causal:
+            ids = tok("The key idea of quantization is", return_tensors="pt")["input_ids"]
+            out = models.generate_greedy(model, tok, ids, new_tokens)
+            row["text"] = tok.decode(out[0], skip_special_tokens=True)
+            row["perplexity"] = models.perplexity(model, tok, max_tokens=eval_tokens, progress=progress)
+            print(f"perplexity ({eval_tokens} tokens): {row['perplexity']:.3f}\ngreedy: {row['text']!r}")
+        else:
+            emb = models.embed(model, tok, models.SENTENCES)
+            row["similar_pair_cos"] = float(emb[0] @ emb[1])
+            print(f"embeddings {tuple(emb.shape)}; cosine of the first paraphrase pair: {row['similar_pair_cos']:.4f}")
+    return row
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(prog="python -m affineq.demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -233,9 +298,25 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     p.add_argument("--no-progress", action="store_true")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--save", metavar="DIR", default=None,
+                   help="quantize the model with --config (one) and write it with save_pretrained (safetensors)")
+    g.add_argument("--load", metavar="DIR", default=None, help="from_pretrained a --save checkpoint and run it")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.load:
+        return [load_quantized(args.load, new_tokens=args.tokens, eval_tokens=args.eval_tokens,
+                               progress=not args.no_progress)]
+    if args.save:
+        name = _pick_model(args.model)
+        if name == "tiny":
+            raise SystemExit("--save writes a transformers checkpoint: use --model smollm2 or --model minilm "
+                             "(the built-in tiny LM is not a transformers model)")
+        chosen = [c for c in (args.config or [SAVE_DEFAULT[name]]) if c not in FLOAT_ROWS]
+        if len(chosen) != 1:
+            raise SystemExit(f"--save takes one quantized --config, got {args.config}")
+        return [save_quantized(name, chosen[0], args.save, progress=not args.no_progress)]
     name = _pick_model(args.model)
     progress = not args.no_progress
     _progress_note(f"loading {name} ...")

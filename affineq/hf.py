@@ -1,0 +1,469 @@
+"""Hugging Face transformers integration: `AffineqConfig` and its quantizer, registered with transformers
+(quant_method "affineq") when this module is imported.
+
+    import affineq.hf
+    from affineq import Int4WeightOnlyConfig
+    from affineq.hf import AffineqConfig
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=AffineqConfig(
+        Int4WeightOnlyConfig(group_size=64)))        # quantized on load, layer by layer
+    model.save_pretrained(out)                        # safetensors + quantization_config in config.json
+    model = AutoModelForCausalLM.from_pretrained(out) # the same quantized weights, nothing re-quantized
+
+Quantize on load: transformers reads one checkpoint tensor at a time (synchronously when a quantizer
+quantizes on the fly); each selected weight is set on its module and `affineq.quantize_` quantizes that
+module alone, so no second full-precision copy of the model is ever held. Selection is `quantize_`'s
+(every nn.Linear, `FqnToConfig` names and regexes), minus transformers' default skips (tied weights, the
+output embeddings, the last module: lm_head stays float) unless `modules_to_not_convert` replaces them; a
+module named exactly in an `FqnToConfig` is quantized even if a default skip would keep it float (except a
+tied copy such as the lm_head of tied embeddings, which transformers never reads from the file: an error says
+to quantize it after loading). Configs that need calibration data (static activations, GPTQ, AWQ) cannot run
+on load: quantize the float model with `affineq.quantize_`, then `set_quantization_config` and save.
+
+Saving: every quantized weight is stored as its inner tensors (``name:qdata``, ...) with its `QuantSpec` in
+the safetensors header (`affineq.safetensors`), so reloading rebuilds exactly those tensors. A model
+quantized by `affineq.quantize_` outside `from_pretrained` (calibrated static activations, GPTQ, ...) is
+saved the same way after `set_quantization_config(model, config)`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+from torch import nn
+
+try:
+    import transformers  # noqa: F401
+    from transformers.core_model_loading import ConversionOps
+    from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
+    from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
+    from transformers.quantizers.base import get_keys_to_not_convert
+    from transformers.quantizers.quantizers_utils import get_module_from_name, should_convert_module
+    from transformers.utils.quantization_config import QuantizationConfigMixin
+except ImportError as _e:  # pragma: no cover - depends on the environment
+    raise ImportError(f"affineq.hf needs transformers >= 5 ({_e}): pip install 'transformers>=5' "
+                      "(or pip install affineq[models])") from None
+
+from affineq import safetensors as _st
+from affineq.configs import QuantConfig, config_from_dict
+from affineq.quantize import FqnToConfig, ModelConfig, QuantizationError, quantize_
+from affineq.tensor.affine import AffineQuantizedTensor
+
+__all__ = ["AffineqConfig", "AffineqHfQuantizer", "QUANT_METHOD", "set_quantization_config"]
+
+QUANT_METHOD = "affineq"
+
+
+class AffineqConfig(QuantizationConfigMixin):
+    """transformers quantization config for affineq.
+
+    quant_config: any affineq config (Int4WeightOnlyConfig(...), FqnToConfig({...}), ...) or its `to_dict()`;
+    stored in config.json with the configs' own `to_dict()` / `config_from_dict`.
+    modules_to_not_convert: module names (prefixes, regexes or suffixes, as transformers matches them) kept
+    float on load; None = transformers' defaults (tied weights, output embeddings, the last module).
+    """
+
+    def __init__(self, quant_config: QuantConfig | dict, modules_to_not_convert: list[str] | None = None,
+                 **kwargs: Any) -> None:
+        self.quant_method = QUANT_METHOD
+        if isinstance(quant_config, dict):
+            try:
+                quant_config = config_from_dict(quant_config)
+            except ValueError as e:
+                raise ValueError(f"AffineqConfig.quant_config: {e} (upgrade affineq if a newer one wrote it)") from None
+        if not isinstance(quant_config, QuantConfig):
+            raise ValueError(f"AffineqConfig(quant_config=...) must be an affineq config such as "
+                             f"Int4WeightOnlyConfig(group_size=64), got {quant_config!r}")
+        if modules_to_not_convert is not None and (
+                not isinstance(modules_to_not_convert, (list, tuple))
+                or not all(isinstance(m, str) for m in modules_to_not_convert)):
+            raise ValueError(f"modules_to_not_convert must be a list of module names, got {modules_to_not_convert!r}")
+        self.quant_config = quant_config
+        self.modules_to_not_convert = None if modules_to_not_convert is None else list(modules_to_not_convert)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"quant_method": QUANT_METHOD, "quant_config": self.quant_config.to_dict(),
+                "modules_to_not_convert": self.modules_to_not_convert}
+
+    def __iter__(self):
+        yield from self.to_dict().items()
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, return_unused_kwargs: bool = False, **kwargs):
+        d = dict(config_dict)
+        if d.pop("quant_method", QUANT_METHOD) != QUANT_METHOD:
+            raise ValueError(f"AffineqConfig.from_dict got quant_method={config_dict.get('quant_method')!r}")
+        if "quant_config" not in d:
+            raise ValueError("AffineqConfig.from_dict: the dict has no 'quant_config' (AffineqConfig.to_dict writes "
+                             "one)")
+        config = cls(d.pop("quant_config"), d.pop("modules_to_not_convert", None))
+        unused = {k: v for k, v in kwargs.items() if not hasattr(config, k)}
+        for k in set(kwargs) - set(unused):
+            setattr(config, k, kwargs[k])
+        return (config, unused) if return_unused_kwargs else config
+
+
+def _candidates(name: str, prefix: str) -> list[str]:
+    """`name` as saved by a model with or without the base-model prefix (BertModel vs BertForX)."""
+    out = [name]
+    if prefix:
+        out += [name.removeprefix(prefix + ".")] if name.startswith(prefix + ".") else [f"{prefix}.{name}"]
+    return out
+
+
+class AffineqQuantize(ConversionOps):
+    """Load op: set the float weight on its module, then `quantize_` that module alone."""
+
+    def __init__(self, hf_quantizer: AffineqHfQuantizer) -> None:
+        self.hf_quantizer = hf_quantizer
+
+    def convert(self, input_dict: dict, model=None, full_layer_name: str | None = None, missing_keys=None,
+                **kwargs) -> dict[str, torch.Tensor]:
+        value = next(iter(input_dict.values()))
+        value = value[0] if isinstance(value, list) else value
+        module, pname = get_module_from_name(model, full_layer_name)
+        cfg, _ = self.hf_quantizer.config_for(model, full_layer_name)
+        module._parameters[pname] = nn.Parameter(value, requires_grad=False)
+        quantize_(module, cfg, filter_fn=lambda m, fqn: fqn == "")
+        param = module._parameters[pname]
+        _release_float_copy(value)
+        del value
+        if missing_keys is not None:
+            missing_keys.discard(full_layer_name)
+        module._is_hf_initialized = True
+        return {full_layer_name: param}
+
+
+class AffineqDeserialize(ConversionOps):
+    """Load op of a pre-quantized checkpoint: {"weight:qdata": [t], ...} -> the AffineQuantizedTensor."""
+
+    def __init__(self, hf_quantizer: AffineqHfQuantizer) -> None:
+        self.hf_quantizer = hf_quantizer
+
+    def convert(self, input_dict: dict, model=None, full_layer_name: str | None = None, missing_keys=None,
+                **kwargs) -> dict[str, torch.Tensor]:
+        name, entry = self.hf_quantizer.entry_for(model, full_layer_name)
+        inner = {k.rpartition(_st.SEP)[2]: (v[0] if isinstance(v, list) else v) for k, v in input_dict.items()}
+        w = _st.build_entry(name, entry, inner, "checkpoint")
+        module, _ = get_module_from_name(model, full_layer_name)
+        module._is_hf_initialized = True
+        return {full_layer_name: nn.Parameter(w, requires_grad=False)}
+
+
+class AffineqHfQuantizer(HfQuantizer):
+    """The transformers quantizer of `AffineqConfig` (see the module docstring)."""
+
+    requires_calibration = False
+    quantization_config: AffineqConfig
+
+    def __init__(self, quantization_config: AffineqConfig, **kwargs) -> None:
+        super().__init__(quantization_config, **kwargs)
+        self.metadata: dict | None = None  # the checkpoint's "affineq" metadata (pre-quantized)
+        self.modules_to_not_convert: list[str] = []
+        self._default_skips: list[str] = []
+        self._config: QuantConfig = quantization_config.quant_config
+
+    def validate_environment(self, *args, device_map=None, **kwargs) -> None:
+        if isinstance(device_map, dict) and "disk" in device_map.values():
+            raise ValueError("affineq models cannot be offloaded to disk; use a device_map without 'disk'")
+        cfg = self.quantization_config.quant_config
+        if self.pre_quantized:
+            return
+        configs = cfg.fqn_to_config.values() if isinstance(cfg, FqnToConfig) else [cfg]
+        for c in configs:
+            if c is not None and (getattr(c, "needs_calibration", False) or hasattr(c, "base_config")):
+                raise ValueError(f"{type(c).__name__} needs calibration data or a whole-model pass, which quantize-on-"
+                                 "load cannot give: load the float model, run affineq.quantize_(model, config, "
+                                 "calibration_data=...), then affineq.hf.set_quantization_config(model, config) and "
+                                 "save_pretrained")
+
+    # -- which parameters -------------------------------------------------------------------------------
+
+    def config_for(self, model: nn.Module, param_name: str) -> tuple[QuantConfig | None, bool]:
+        """(config for parameter `param_name`, whether an FqnToConfig names it exactly), as quantize_ picks."""
+        module_fqn, _, pname = param_name.rpartition(".")
+        module = model.get_submodule(module_fqn) if module_fqn else model
+        cfg = self._config
+        if isinstance(cfg, FqnToConfig):
+            if param_name in cfg.fqn_to_config:  # a parameter-name key
+                c = cfg.fqn_to_config[param_name]
+                return (None if c is None else _with_param(c, pname)), True
+            cfg, explicit = cfg.config_for(module_fqn)
+        else:
+            explicit = False
+        if cfg is None or pname not in cfg.parameter_names(module):
+            return None, explicit
+        return cfg, explicit
+
+    def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
+        if self.pre_quantized:
+            return False
+        cfg, explicit = self.config_for(model, param_name)
+        if cfg is None:
+            return False
+        module_fqn = param_name.rpartition(".")[0]
+        if not should_convert_module(module_fqn, self.modules_to_not_convert):
+            return False
+        if not explicit and not should_convert_module(module_fqn, self._default_skips):
+            return False
+        module = model.get_submodule(module_fqn) if module_fqn else model
+        return explicit or isinstance(module, nn.Linear)
+
+    def entry_for(self, model, param_name: str) -> tuple[str, dict]:
+        entries = (self.metadata or {}).get("quantized", {})
+        for name in _candidates(param_name, getattr(model, "base_model_prefix", "")):
+            if name in entries:
+                return name, entries[name]
+        raise ValueError(f"checkpoint: {param_name!r} has quantized tensors but no entry in the affineq metadata; "
+                         "the checkpoint was edited")
+
+    # -- loading ----------------------------------------------------------------------------------------
+
+    def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
+        if self.pre_quantized:
+            self.metadata = _read_checkpoint(checkpoint_files)
+            _trim_heap()  # the validation read's copies are freed: give their pages back before loading
+            return model
+        cfg = self.quantization_config.quant_config
+        if isinstance(cfg, ModelConfig):
+            cfg = cfg.to_fqn_config(model)
+        self._config = cfg
+        user = self.quantization_config.modules_to_not_convert
+        self._default_skips = get_keys_to_not_convert(model) if user is None else []
+        self.modules_to_not_convert = list(user or []) + list(getattr(model, "_keep_in_fp32_modules", None) or [])
+        problems = []
+        for name, _ in model.named_parameters():
+            if self.param_needs_quantization(model, name):
+                c, _ = self.config_for(model, name)
+                module, pname = get_module_from_name(model, name)
+                why = c.check_parameter(module, pname) if c.param_names else c.check(module)
+                if why:
+                    problems.append(f"{name}: {why}")
+        if isinstance(cfg, FqnToConfig):  # a tied copy (lm_head of tied embeddings) is never read from the file
+            for target, source in dict(getattr(model, "all_tied_weights_keys", None) or {}).items():
+                c, explicit = self.config_for(model, target)
+                if explicit and c is not None:
+                    problems.append(f"{target}: it is tied to {source}, which transformers loads as float; quantize "
+                                    "it after loading (affineq.quantize_, then affineq.hf.set_quantization_config) or "
+                                    "untie it (tie_word_embeddings=False)")
+        if problems:
+            raise QuantizationError(f"{type(cfg).__name__} cannot quantize these weights on load: {problems}; pass "
+                                    "AffineqConfig(..., modules_to_not_convert=[...]) or a config that fits them")
+        return model
+
+    def _process_model_after_weight_loading(self, model, **kwargs):
+        if self.pre_quantized and self.metadata is not None:
+            params = dict(model.named_parameters(remove_duplicate=False))
+            prefix = getattr(model, "base_model_prefix", "")
+            lost = [n for n in self.metadata["quantized"]
+                    if not any(isinstance(params.get(c), AffineQuantizedTensor) for c in _candidates(n, prefix))]
+            if lost:
+                raise ValueError(f"the checkpoint's quantized weights {lost[:5]} were not loaded into the model (the "
+                                 "checkpoint does not match this model class, or its files were edited)")
+        return model
+
+    def get_quantize_ops(self):
+        return AffineqQuantize(self)
+
+    def get_load_operations(self) -> dict:
+        return {"deserialize": AffineqDeserialize}
+
+    @property
+    def serialized_names(self) -> dict[str, list[str]]:
+        """{parameter name: its keys in the checkpoint} ("weight": ["weight:qdata", ...]) of a pre-quantized
+        checkpoint, from its metadata."""
+        if not self.pre_quantized or not self.metadata:
+            return {}
+        out: dict[str, set[str]] = {}
+        for name, entry in self.metadata["quantized"].items():
+            pname = name.rpartition(".")[2]
+            out.setdefault(pname, set()).update(f"{pname}{_st.SEP}{i}" for i in entry["tensors"])
+        return {p: sorted(v) for p, v in out.items()}
+
+    def get_new_dtype(self, converter, param, dtype):
+        # The inner tensors of a quantized weight keep their stored dtypes (int codes, bf16 qparams).
+        if any(isinstance(op, AffineqDeserialize) for op in getattr(converter, "operations", ())):
+            return None
+        return super().get_new_dtype(converter, param, dtype)
+
+    def _dequantize(self, model, dtype=None):
+        """`model.dequantize()`: every quantized weight back to a float Parameter (its act_pre_scale folded in:
+        F.linear(x * s, W) == F.linear(x, W * s); activation quantization is dropped with the codes)."""
+        for module in model.modules():
+            for name, p in list(module._parameters.items()):
+                if isinstance(p, AffineQuantizedTensor):
+                    w = p.dequantize(dtype or p.dtype)
+                    pre = p.act_tensors.get("act_pre_scale")
+                    if pre is not None:
+                        w = w * pre.to(w.dtype)
+                    module._parameters[name] = nn.Parameter(w, requires_grad=False)
+        return model
+
+    # -- saving -----------------------------------------------------------------------------------------
+
+    def get_state_dict_and_metadata(self, model):
+        sd = model.state_dict()
+        tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+        skip = frozenset(k for k in tied if isinstance(sd.get(k), AffineQuantizedTensor))
+        # checksum_plain=False: transformers may rename or convert plain tensors on save.
+        tensors, meta = _st.flatten_state_dict(sd, checksum_plain=False, skip=skip)
+        return tensors, {_st.METADATA_KEY: json.dumps(meta, separators=(",", ":"))}
+
+    def is_serializable(self) -> bool:
+        return True
+
+    @property
+    def is_trainable(self) -> bool:
+        return False
+
+    @property
+    def is_compileable(self) -> bool:
+        return True
+
+
+# -- memory: the float weight of a quantized layer must not outlive its quantization --------------------------
+
+_PAGE = 4096
+_libc = None
+
+
+def _get_libc():
+    global _libc
+    if _libc is None:
+        import ctypes
+        import ctypes.util
+        import sys
+
+        _libc = False
+        if sys.platform == "linux":
+            try:
+                _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+                _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+            except (OSError, AttributeError):
+                _libc = False
+    return _libc
+
+
+def _mapped_file(ptr: int) -> str | None:
+    """Path of the file mapping that holds address `ptr`, or None (anonymous memory, or not Linux)."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                if lo <= ptr < hi:
+                    return parts[5].strip() if len(parts) == 6 and parts[5].startswith("/") else None
+    except OSError:
+        return None
+    return None
+
+
+def _release_float_copy(t: torch.Tensor) -> None:
+    """Give back the memory of a float weight that was just quantized (Linux/glibc; a no-op elsewhere).
+
+    transformers hands the weight over as a view of the memory-mapped checkpoint, and the mapping stays open
+    (the float embedding and norms keep viewing it), so every page read while quantizing would stay resident
+    for the model's lifetime: drop those pages (MADV_DONTNEED on a read-only file mapping only forgets the
+    cached copy; a later read would fetch the file again). Then return freed quantization temporaries to the
+    OS (malloc_trim), which glibc would otherwise keep as heap fragments."""
+    libc = _get_libc()
+    if not libc or t.device.type != "cpu" or not t.is_contiguous():
+        return
+    ptr, n = t.data_ptr(), t.numel() * t.element_size()
+    lo, hi = -(-ptr // _PAGE) * _PAGE, (ptr + n) // _PAGE * _PAGE
+    path = _mapped_file(ptr) if hi > lo else None
+    if path is not None and path.endswith(".safetensors") and _mapped_file(hi - 1) == path:
+        libc.madvise(lo, hi - lo, 4)  # MADV_DONTNEED
+    _trim_heap()
+
+
+def _trim_heap() -> None:
+    libc = _get_libc()
+    if libc and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
+def _with_param(cfg: QuantConfig, pname: str) -> QuantConfig:
+    import dataclasses
+
+    return dataclasses.replace(cfg, param_names=(pname,))
+
+
+def _read_checkpoint(files: list[str] | None) -> dict:
+    """The merged, validated "affineq" metadata of a pre-quantized checkpoint's safetensors files: every
+    quantized entry complete across the files, its spec, inner tensors and checksums checked (ValueError)."""
+    if not files:
+        raise ValueError("an affineq checkpoint must be stored as .safetensors files (none were found)")
+    st = _st._import_safetensors()
+    merged: dict | None = None
+    found: dict[str, tuple[str, str]] = {}  # key -> file
+    for path in files:
+        if not str(path).endswith(".safetensors"):
+            raise ValueError(f"{path}: affineq checkpoints are .safetensors only (no pickled .bin/.pt files)")
+        try:
+            with st.safe_open(path, framework="pt") as f:
+                meta = _st.parse_metadata(f.metadata(), str(path))
+                keys = list(f.keys())
+        except st.SafetensorError as e:
+            raise ValueError(f"{path} is not a readable safetensors file ({e}): it is truncated or corrupted") from None
+        if meta is None:
+            raise ValueError(f"{path} has no affineq metadata although config.json says quant_method='affineq'; the "
+                             "file was replaced or edited: save the model again with save_pretrained")
+        if merged is None:
+            merged = meta
+        elif meta["quantized"] != merged["quantized"] or meta["checksums"] != merged["checksums"]:
+            raise ValueError(f"{path}: its affineq metadata differs from the other shards'; the checkpoint mixes files "
+                             "from different saves")
+        found.update({k: path for k in keys})
+    missing = sorted(k for k in merged["checksums"] if k not in found)
+    if missing:
+        raise ValueError(f"the checkpoint lacks tensors its metadata lists ({missing[:5]}): a shard is missing or "
+                         "truncated")
+    # Read each quantized entry once to verify checksums and values before anything is loaded into the model.
+    handles: dict[str, Any] = {}
+    try:
+        for name, entry in merged["quantized"].items():
+            inner = {}
+            for i in entry["tensors"]:
+                key = f"{name}{_st.SEP}{i}"
+                path = found[key]
+                if path not in handles:
+                    handles[path] = st.safe_open(path, framework="pt").__enter__()
+                inner[i] = handles[path].get_tensor(key)
+            _st.verify_checksums({f"{name}{_st.SEP}{i}": t for i, t in inner.items()}, merged["checksums"],
+                                 str(found[key]))
+            _st.build_entry(name, {k: v for k, v in entry.items() if k not in ("layout",)}, inner, str(found[key]))
+    finally:
+        for h in handles.values():
+            h.__exit__(None, None, None)
+    return merged
+
+
+def set_quantization_config(model: nn.Module, quant_config: QuantConfig | AffineqConfig) -> nn.Module:
+    """Mark a transformers model quantized by `affineq.quantize_` (outside from_pretrained: calibrated static
+    activations, GPTQ, ...) as an affineq model, so `model.save_pretrained(out)` writes its quantized weights
+    as safetensors with `quant_config` in config.json and `from_pretrained(out)` restores them."""
+    cfg = quant_config if isinstance(quant_config, AffineqConfig) else AffineqConfig(quant_config)
+    if not any(isinstance(p, AffineQuantizedTensor) for p in model.parameters()):
+        raise ValueError("the model has no quantized weights; run affineq.quantize_(model, config) first")
+    model.hf_quantizer = AffineqHfQuantizer(cfg, pre_quantized=True)
+    model.config.quantization_config = cfg
+    model.is_quantized = True
+    model.quantization_method = QUANT_METHOD
+    return model
+
+
+def _register() -> None:
+    """Register with transformers once (re-importing this module replaces the previous registration)."""
+    if QUANT_METHOD in AUTO_QUANTIZATION_CONFIG_MAPPING:
+        AUTO_QUANTIZATION_CONFIG_MAPPING[QUANT_METHOD] = AffineqConfig
+        AUTO_QUANTIZER_MAPPING[QUANT_METHOD] = AffineqHfQuantizer
+        return
+    register_quantization_config(QUANT_METHOD)(AffineqConfig)
+    register_quantizer(QUANT_METHOD)(AffineqHfQuantizer)
+
+
+_register()

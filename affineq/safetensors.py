@@ -1,0 +1,288 @@
+"""safetensors files for state_dicts holding `AffineQuantizedTensor`s: `save_file` / `load_file`, the names and
+meaning of `safetensors.torch`'s, with no pickle anywhere.
+
+A quantized entry `name` is stored as its inner tensors (`AffineQuantizedTensor.tensors`) under the keys
+``name:qdata``, ``name:scale``, ... and its `QuantSpec` as JSON in the header metadata, under the key
+``"affineq"``:
+
+    {"version": 1, "writer": "affineq 0.1.0",
+     "quantized": {name: {"spec": QuantSpec.to_dict(), "tensors": [inner names],
+                          "layout": "int4_cpu", "dtypes": {inner name: "bfloat16"}}},   # layout/dtypes: optional
+     "checksums": {key: crc32 hex of the stored bytes}}
+
+Device-specific packed layouts (aten's `int4_cpu`, whose byte order may depend on the CPU) are written in
+their portable format (`plain`) and repacked on load ("layout" names the layout to rebuild; the save checks
+that the repack reproduces every stored tensor bit for bit, else the layout is stored as it is and its spec
+names it). Loading checks everything it reads: the file itself (a truncated file is a `ValueError`), the
+metadata version, each spec, the names, shapes and dtypes of the inner tensors (`from_tensors`), the CRC32 of
+every checksummed tensor (an edited byte fails), integer codes inside [quant_min, quant_max] and finite float
+qparams.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from typing import Any
+
+import torch
+
+from affineq.tensor.affine import AffineQuantizedTensor
+from affineq.tensor.formats import get_format
+from affineq.tensor.spec import QuantSpec
+
+__all__ = ["FILE_VERSION", "METADATA_KEY", "SEP", "save_file", "load_file", "flatten_state_dict",
+           "unflatten_state_dict", "parse_metadata", "verify_checksums"]
+
+#: Version of the "affineq" metadata encoding; files with a newer one are refused with both versions named.
+FILE_VERSION = 1
+METADATA_KEY = "affineq"
+#: Separates a quantized entry's name from its inner tensor's name in the file's keys ("w:qdata").
+SEP = ":"
+
+
+def _affineq_version() -> str:
+    from affineq import __version__
+
+    return __version__
+
+
+def _import_safetensors():
+    try:
+        import safetensors
+        import safetensors.torch  # noqa: F401
+    except ImportError:
+        raise ImportError("affineq.safetensors needs the safetensors package: pip install safetensors "
+                          "(or pip install affineq[models])") from None
+    return safetensors
+
+
+def _crc(t: torch.Tensor) -> str:
+    """CRC32 (8 hex digits) of the bytes of `t` as safetensors stores them (row-major, little-endian)."""
+    b = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+    return format(zlib.crc32(b.numpy()), "08x")
+
+
+def _dtype_name(d: torch.dtype) -> str:
+    return str(d).removeprefix("torch.")
+
+
+def _dtype(name: Any, where: str) -> torch.dtype:
+    d = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(d, torch.dtype):
+        raise ValueError(f"{where}: {name!r} is not a torch dtype name")
+    return d
+
+
+# -- saving -------------------------------------------------------------------------------------------
+
+
+def _portable(w: AffineQuantizedTensor) -> tuple[AffineQuantizedTensor, dict]:
+    """(tensor to store, extra entry fields): a device-specific layout in its portable format plus what
+    rebuilds it exactly, or the tensor itself."""
+    if get_format(w.spec.fmt).portable is None:
+        return w, {}
+    p = w.to_portable()
+    dtypes = {n: _dtype_name(t.dtype) for n, t in w.tensors.items()}
+    try:
+        back = _repack(p, w.spec.fmt, dtypes, "check")
+        exact = all(torch.equal(back.tensors[n], t) for n, t in w.tensors.items())
+    except (ValueError, RuntimeError):
+        exact = False
+    return (p, {"layout": w.spec.fmt, "dtypes": dtypes}) if exact else (w, {})
+
+
+def _repack(p: AffineQuantizedTensor, layout: str, dtypes: dict, name: str) -> AffineQuantizedTensor:
+    """`p` (portable) repacked into `layout`, each inner tensor cast to its recorded dtype."""
+    try:
+        b = p.to_format(layout)
+        tensors = {n: t.to(_dtype(dtypes.get(n, _dtype_name(t.dtype)), f"{name}: dtypes[{n!r}]"))
+                   for n, t in b.tensors.items()}
+        return AffineQuantizedTensor.from_tensors(tensors, b.spec)
+    except (ValueError, RuntimeError) as e:
+        raise ValueError(f"{name}: the file stores this tensor portably and asks to repack it as {layout!r}, which "
+                         f"failed on this machine ({e}); load it where {layout!r} is available, or save it with "
+                         "packing_format='plain'") from None
+
+
+def flatten_state_dict(state_dict: dict[str, torch.Tensor], *, checksum_plain: bool = True,
+                       skip: frozenset[str] = frozenset()) -> tuple[dict[str, torch.Tensor], dict]:
+    """(plain tensors by file key, the "affineq" metadata dict) for `state_dict`. Quantized entries become
+    ``name:inner`` keys and are checksummed; plain tensors keep their name (checksummed if `checksum_plain`).
+    `skip`: names to leave out (e.g. tied weights that a loader re-ties)."""
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"state_dict must be a dict of name -> tensor, got {type(state_dict).__name__}")
+    out: dict[str, torch.Tensor] = {}
+    entries: dict[str, dict] = {}
+    sums: dict[str, str] = {}
+    plain: list[str] = []
+    for name, v in state_dict.items():
+        if not isinstance(name, str):
+            raise TypeError(f"state_dict keys must be str, got {name!r}")
+        if name in skip:
+            continue
+        if isinstance(v, AffineQuantizedTensor):
+            w, extra = _portable(v)
+            for inner, t in w.tensors.items():
+                key = f"{name}{SEP}{inner}"
+                if key in state_dict:
+                    raise ValueError(f"state_dict has both a quantized {name!r} and a tensor named {key!r}; rename it")
+                out[key] = t.detach().contiguous()
+                sums[key] = _crc(t)
+            entries[name] = {"spec": w.spec.to_dict(), "tensors": list(w.tensors), **extra}
+        elif isinstance(v, torch.Tensor):
+            t = v.detach()
+            if type(t) is not torch.Tensor:
+                t = t.as_subclass(torch.Tensor)
+            out[name] = t
+            plain.append(name)
+            if checksum_plain:
+                sums[name] = _crc(t)
+        else:
+            raise TypeError(f"state_dict[{name!r}] is a {type(v).__name__}; save_file stores tensors only")
+    clash = [k for k in plain if SEP in k and k.partition(SEP)[0] in entries]
+    if clash:
+        raise ValueError(f"state_dict keys {clash[:3]} look like the inner tensors of quantized entries "
+                         f"({SEP!r} after a quantized name); rename them")
+    meta = {"version": FILE_VERSION, "writer": f"affineq {_affineq_version()}", "quantized": entries,
+            "checksums": sums}
+    return out, meta
+
+
+def save_file(state_dict: dict[str, torch.Tensor], path: str | os.PathLike,
+              metadata: dict[str, str] | None = None) -> None:
+    """Write `state_dict` (plain tensors and AffineQuantizedTensors, e.g. `model.state_dict()`) to the
+    safetensors file `path`. `metadata`: extra str -> str header entries (the key "affineq" is reserved)."""
+    st = _import_safetensors()
+    if metadata is not None and (not isinstance(metadata, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
+        raise ValueError("metadata must be a dict of str -> str (as safetensors stores it), or None")
+    if metadata and METADATA_KEY in metadata:
+        raise ValueError(f"metadata key {METADATA_KEY!r} is reserved for affineq's own entry; rename yours")
+    tensors, meta = flatten_state_dict(state_dict)
+    header = {"format": "pt", **(metadata or {}), METADATA_KEY: json.dumps(meta, separators=(",", ":"))}
+    try:
+        st.torch.save_file(tensors, os.fspath(path), metadata=header)
+    except RuntimeError as e:  # shared storage (tied weights), non-contiguous views
+        raise ValueError(f"save_file({os.fspath(path)!r}): safetensors refused the state_dict: {e}") from None
+
+
+# -- loading ------------------------------------------------------------------------------------------
+
+
+def parse_metadata(header: dict[str, str] | None, where: str) -> dict | None:
+    """The validated "affineq" metadata dict of a file's header, or None for a file affineq did not write."""
+    if not header or METADATA_KEY not in header:
+        return None
+    try:
+        meta = json.loads(header[METADATA_KEY])
+    except (json.JSONDecodeError, TypeError) as e:
+        raise ValueError(f"{where}: the {METADATA_KEY!r} metadata is not valid JSON ({e}); the file was edited or "
+                         "corrupted; write it again with affineq") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{where}: the {METADATA_KEY!r} metadata must be a JSON object, got {type(meta).__name__}")
+    version, writer = meta.get("version"), meta.get("writer", "an unknown writer")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise ValueError(f"{where}: the {METADATA_KEY!r} metadata has no valid 'version' (got {version!r})")
+    if version > FILE_VERSION:
+        raise ValueError(f"{where} was written by {writer} with affineq file format version {version}; this affineq "
+                         f"{_affineq_version()} reads versions 1..{FILE_VERSION}: upgrade affineq to load it")
+    q, sums = meta.get("quantized"), meta.get("checksums")
+    if not isinstance(q, dict) or not isinstance(sums, dict):
+        raise ValueError(f"{where}: the {METADATA_KEY!r} metadata needs 'quantized' and 'checksums' objects")
+    for name, e in q.items():
+        if not (isinstance(e, dict) and isinstance(e.get("spec"), dict) and isinstance(e.get("tensors"), list)
+                and e["tensors"] and all(isinstance(n, str) for n in e["tensors"])):
+            raise ValueError(f"{where}: quantized entry {name!r} needs a 'spec' object and a 'tensors' list of names")
+        if "layout" in e and not (isinstance(e["layout"], str) and isinstance(e.get("dtypes"), dict)):
+            raise ValueError(f"{where}: quantized entry {name!r}: 'layout' must be a format name with 'dtypes'")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in sums.items()):
+        raise ValueError(f"{where}: 'checksums' must map tensor keys to crc32 hex strings")
+    return meta
+
+
+def verify_checksums(tensors: dict[str, torch.Tensor], sums: dict[str, str], where: str) -> None:
+    """ValueError unless every key of `sums` present in `tensors` has that CRC32."""
+    for key, want in sums.items():
+        t = tensors.get(key)
+        if t is not None and _crc(t) != want:
+            raise ValueError(f"{where}: tensor {key!r} fails its checksum (crc32 {_crc(t)} != {want}): its bytes were "
+                             "edited or corrupted; write the file again")
+
+
+def _check_values(w: AffineQuantizedTensor, name: str) -> None:
+    """Cheap checks on values: integer codes of `plain` inside [quant_min, quant_max]; finite float qparams."""
+    s = w.spec
+    if s.fmt == "plain" and not s.target.is_float and w.qdata.numel():
+        lo, hi = int(w.qdata.min()), int(w.qdata.max())
+        if lo < s.quant_min or hi > s.quant_max:
+            raise ValueError(f"{name}: codes span [{lo}, {hi}], outside the spec's range [{s.quant_min}, "
+                             f"{s.quant_max}]; the file was edited or corrupted")
+    for inner, t in w.tensors.items():
+        if inner != "qdata" and t.dtype.is_floating_point and t.numel() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{name}: {inner} holds inf or NaN; the file was edited or corrupted")
+
+
+def build_entry(name: str, entry: dict, tensors: dict[str, torch.Tensor], where: str) -> AffineQuantizedTensor:
+    """The AffineQuantizedTensor of metadata `entry` from its inner tensors {inner name: tensor}, validated
+    (spec, names, shapes, dtypes, values) and repacked into its recorded layout."""
+    try:
+        spec = QuantSpec.from_dict(entry["spec"])
+    except ValueError as e:
+        raise ValueError(f"{where}: quantized entry {name!r}: {e}") from None
+    missing = [n for n in entry["tensors"] if n not in tensors]
+    if missing or set(tensors) != set(entry["tensors"]):
+        raise ValueError(f"{where}: quantized entry {name!r} lists tensors {entry['tensors']} but the file holds "
+                         f"{sorted(tensors)}; the file is truncated or was edited")
+    try:
+        w = AffineQuantizedTensor.from_tensors({n: tensors[n] for n in entry["tensors"]}, spec)
+    except ValueError as e:
+        raise ValueError(f"{where}: quantized entry {name!r}: {e}") from None
+    _check_values(w, f"{where}: {name!r}")
+    if "layout" in entry:
+        w = _repack(w, entry["layout"], entry["dtypes"], f"{where}: {name!r}")
+    return w
+
+
+def unflatten_state_dict(tensors: dict[str, torch.Tensor], meta: dict | None, where: str = "state_dict",
+                         ) -> dict[str, torch.Tensor]:
+    """Inverse of `flatten_state_dict` on a whole file's tensors (`meta` from `parse_metadata`)."""
+    if meta is None:
+        odd = [k for k in tensors if SEP in k]
+        if odd:
+            raise ValueError(f"{where} has keys like affineq's quantized tensors ({odd[:3]}) but no {METADATA_KEY!r} "
+                             "metadata: the header was edited; write the file again with affineq.safetensors")
+        return dict(tensors)
+    verify_checksums(tensors, meta["checksums"], where)
+    absent = sorted(k for k in meta["checksums"] if k not in tensors)
+    if absent:
+        raise ValueError(f"{where} lacks tensors its metadata lists ({absent[:5]}); the file is truncated or edited")
+    out: dict[str, torch.Tensor] = {}
+    claimed: set[str] = set()
+    for name, entry in meta["quantized"].items():
+        keys = {k.partition(SEP)[2]: k for k in tensors if k.partition(SEP)[0] == name and SEP in k}
+        claimed.update(keys.values())
+        out[name] = build_entry(name, entry, {i: tensors[k] for i, k in keys.items()}, where)
+    for k, t in tensors.items():
+        if k in claimed:
+            continue
+        if SEP in k and k.partition(SEP)[0] in meta["quantized"]:
+            raise ValueError(f"{where}: unexpected tensor {k!r}; the file was edited")
+        out[k] = t
+    return out
+
+
+def load_file(path: str | os.PathLike, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Read a safetensors file written by `save_file` (or any safetensors file) -> state_dict with
+    AffineQuantizedTensors rebuilt on `device`. ValueError for a truncated, edited or newer-version file."""
+    st = _import_safetensors()
+    where = os.fspath(path)
+    try:
+        with st.safe_open(where, framework="pt", device=str(torch.device(device))) as f:
+            header = f.metadata()
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except st.SafetensorError as e:
+        raise ValueError(f"{where} is not a readable safetensors file ({e}): it is truncated or corrupted; write it "
+                         "again") from None
+    return unflatten_state_dict(tensors, parse_metadata(header, where), where)
