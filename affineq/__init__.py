@@ -9,6 +9,8 @@ Importing affineq registers its tensor class, enums, granularities and metadata 
 
 import torch
 
+from affineq import safetensors  # noqa: F401  (save_file / load_file; the safetensors package is imported lazily)
+from affineq._hf_register import install as _install_hf
 from affineq.calibration import Int8StaticActivationInt8WeightConfig, convert_, prepare_, run_calibration
 from affineq.configs import (
     Float8DynamicActivationFloat8WeightConfig,
@@ -86,9 +88,20 @@ from affineq.tensor.fallback import (
 from affineq.tensor.kernel_registry import register_linear_kernel, select_linear_kernel
 from affineq.tensor.spec import ActivationQuant, QParamOptions, QuantSpec
 
+_install_hf()  # registers quant_method="affineq" with transformers when (and if) transformers is imported
+
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    if name == "AffineqConfig":  # affineq.hf imports transformers (seconds): only when asked for
+        from affineq.hf import AffineqConfig
+
+        return AffineqConfig
+    raise AttributeError(f"module 'affineq' has no attribute {name!r}")
+
 __all__ = [
+    "AffineqConfig",
     "MovingAveragePerChannelMinMaxObserver",
     "MovingAveragePerTensorMinMaxObserver",
     "Observer",
