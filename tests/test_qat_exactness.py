@@ -13,7 +13,6 @@ from affineq import (
     Int8WeightOnlyConfig,
     IntxWeightOnlyConfig,
     MappingType,
-    PerAxis,
     PerGroup,
     PerTensor,
     QuantizationError,
@@ -66,8 +65,8 @@ def test_prepare_then_convert_is_exact_over_20_seeds(name, dtype):
         assert isinstance(m[0], FakeQuantizedLinear)
         with torch.no_grad():
             y_fake = m(x)
-            fake_w = [l.weight_fake_quantizer(l.weight) for l in (m[0], m[2])]
-            codes = [_weight_codes(l.weight_fake_quantizer, l.weight) for l in (m[0], m[2])]
+            fake_w = [lin.weight_fake_quantizer(lin.weight) for lin in (m[0], m[2])]
+            codes = [_weight_codes(lin.weight_fake_quantizer, lin.weight) for lin in (m[0], m[2])]
         quantize_(m, QATConfig(base, step="convert"))
         assert type(m[0]) is nn.Linear
         for layer, fw, c in zip((m[0], m[2]), fake_w, codes, strict=True):
