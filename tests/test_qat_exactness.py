@@ -215,3 +215,15 @@ def test_unsupported_modules_and_bases_are_clear_errors():
     quantize_(m, QATConfig(Int4WeightOnlyConfig(group_size=16), step="prepare"))
     with pytest.raises(QuantizationError, match="already prepared"):
         quantize_(m, QATConfig(Int4WeightOnlyConfig(group_size=16), step="prepare"))
+
+
+def test_convert_finds_every_prepared_module_and_refuses_another_base():
+    net = nn.Sequential(nn.Embedding(40, 32), nn.Linear(32, 16))
+    base = IntxWeightOnlyConfig(torch.int4, PerGroup(16))
+    quantize_(net, QATConfig(base, step="prepare"), filter_fn=lambda m, fqn: isinstance(m, (nn.Linear, nn.Embedding)))
+    with pytest.raises(QuantizationError, match="was prepared with"):
+        quantize_(net, QATConfig(IntxWeightOnlyConfig(torch.int3, PerGroup(16)), step="convert"))
+    assert isinstance(net[0], FakeQuantizedEmbedding)  # nothing converted
+    quantize_(net, QATConfig(base, step="convert"))  # no filter_fn: the embedding is converted too
+    assert type(net[0]) is nn.Embedding and type(net[1]) is nn.Linear
+    assert net[0].weight.spec.target_dtype == torch.int4

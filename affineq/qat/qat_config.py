@@ -31,7 +31,7 @@ from affineq.granularity import PerAxis, PerBlock, PerGroup, PerTensor, PerToken
 from affineq.primitives import ZeroPointDomain
 from affineq.qat.config import FakeQuantizeConfig, TQTThresholdInitMeth
 from affineq.qat.modules import FAKE_QUANTIZED, _FakeQuantized
-from affineq.quantize import FqnToConfig, ModelConfig, register_quantize_module_handler
+from affineq.quantize import FqnToConfig, ModelConfig, QuantizationError, register_quantize_module_handler
 from affineq.tensor.affine import AffineQuantizedTensor
 from affineq.tensor.spec import ActivationQuant, QuantSpec
 
@@ -144,6 +144,7 @@ def _qat_step(module: nn.Module, config: _QATStep) -> nn.Module:
         new = FAKE_QUANTIZED[type(module)].from_float(module, act, wcfg)
         if new.weight_fake_quantizer is not None:
             new.weight_fake_quantizer.packing_format = fmt
+        new.qat_base_config = config.base_config  # what convert stores (checked against convert's config)
         return new
     return _convert(module, config) if isinstance(module, _FakeQuantized) else module
 
@@ -217,7 +218,8 @@ class QATConfig(ModelConfig):
     matching activation quantization). range_learning: None (dynamic weight qparams, the default), "lsq" or
     "tqt": the weight qparams derived from base_config become learned parameters (call
     `initialize_fake_quantizers` after prepare); tqt_init picks TQT's threshold initialisation.
-    Pass the same base_config (and filter_fn) to both steps.
+    convert converts every fake-quantized module of the model (whatever filter_fn says) with the base config
+    it was prepared with; a different base_config given to convert is a QuantizationError.
     """
 
     base_config: QuantConfig | None = None
@@ -257,11 +259,26 @@ class QATConfig(ModelConfig):
             raise ValueError("QATConfig(range_learning=...) applies to the qparams derived from base_config; with "
                              "explicit configs set FakeQuantizeConfig(is_dynamic=False, range_learning=True)")
 
+    def _prepared_base(self, fqn: str, module: nn.Module) -> QuantConfig | None:
+        """The base config `module` was prepared with; QuantizationError if convert names another one."""
+        prepared = getattr(module, "qat_base_config", None)
+        given = self.base_config
+        if isinstance(given, FqnToConfig) or given is None or prepared is None:
+            return prepared if prepared is not None else (None if isinstance(given, FqnToConfig) else given)
+        if given != prepared:
+            raise QuantizationError(f"{fqn} was prepared with {prepared!r} but convert was given {given!r}; pass "
+                                    "the base_config used at prepare to QATConfig(..., step='convert'). Nothing was "
+                                    "converted.")
+        return given
+
     def _step(self, base: QuantConfig | None) -> _QATStep:
         return _QATStep(base, self.activation_config, self.weight_config, self.step, self.range_learning,
                         self.tqt_init)
 
     def to_fqn_config(self, model: nn.Module) -> FqnToConfig:
+        if self.step == "convert":  # every fake-quantized module, by name (whatever filter_fn says)
+            return FqnToConfig({fqn: self._step(self._prepared_base(fqn, m)) for fqn, m in model.named_modules()
+                                if isinstance(m, _FakeQuantized)})
         if isinstance(self.base_config, FqnToConfig):
             return FqnToConfig({k: None if v is None else self._step(v)
                                 for k, v in self.base_config.fqn_to_config.items()})
