@@ -10,7 +10,7 @@ on `eval_text()` (held out). Reported: perplexities, the fraction of the PTQ per
 fine-tuned weights run in float, which separates "learned to live on the grid" from "adapted to the domain").
 
     python benchmarks/bench_qat.py --quick      # a smoke run (a few steps, short eval)
-    python benchmarks/bench_qat.py              # the real run: 2 schemes x 60 steps of 512 tokens
+    python benchmarks/bench_qat.py              # the real run: 2 schemes x 80 steps of 512 tokens
 
 Writes benchmarks/results/bench_qat.json (and bench_qat.png, the loss curves, when matplotlib is installed).
 """
@@ -84,6 +84,9 @@ def train(model: nn.Module, batches: list[torch.Tensor], lr: float, log_every: i
         opt.step()
         sched.step()
         losses.append(loss.item())
+        if i == 2 and len(batches) > 3:
+            per = (time.perf_counter() - start) / 3
+            print(f"    projected training time {per * len(batches) / 60:.1f} min ({per:.1f} s/step)", flush=True)
         if log_every and (i % log_every == 0 or i == len(batches) - 1):
             print(f"    step {i + 1}/{len(batches)} loss {loss.item():.4f} "
                   f"({(time.perf_counter() - start) / (i + 1):.2f} s/step, "
@@ -168,7 +171,7 @@ def plot(result: dict, path: Path) -> Path | None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smoke run: 4 steps of 128 tokens, 256 eval tokens")
-    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--lr", type=float, default=5e-5)
     ap.add_argument("--eval-tokens", type=int, default=4096)

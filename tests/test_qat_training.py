@@ -165,7 +165,7 @@ def test_torch_compile_of_a_prepared_model_trains_without_graph_breaks():
         compiled = torch.compile(mlp, fullgraph=True, backend="aot_eager")
         opt = torch.optim.Adam(mlp.parameters(), lr=1e-2)
         losses = []
-        for _ in range(5):
+        for _ in range(3):
             opt.zero_grad()
             loss = (compiled(x) - y).square().mean()
             loss.backward()
