@@ -89,3 +89,10 @@ def test_qatconfig_validation():
         QATConfig(Float8WeightOnlyConfig())
     with pytest.raises(ValueError, match="range_learning"):
         QATConfig(Int4WeightOnlyConfig(), range_learning="adam")
+
+
+def test_static_per_token_activations_are_refused():
+    from affineq.qat import FakeQuantizer
+
+    with pytest.raises(ValueError, match="per token"):
+        FakeQuantizer(FakeQuantizeConfig(torch.int8, "per_token", is_dynamic=False), activation=True)

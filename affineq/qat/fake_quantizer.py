@@ -35,6 +35,7 @@ from torch import nn
 
 from affineq._primitive_checks import _Blocks, _midpoint
 from affineq.dtypes import check_quant_range
+from affineq.granularity import PerRow, PerToken
 from affineq.primitives import ROUNDING, MappingType, ZeroPointDomain, choose_qparams_affine, fake_quantize_affine
 from affineq.qat.config import FakeQuantizeConfig, TQTThresholdInitMeth, block_size_for
 from affineq.tensor.formats import get_format
@@ -79,8 +80,8 @@ def tqt_threshold(x: torch.Tensor, block_size: tuple[int, ...], method: TQTThres
 
     def hist(v: torch.Tensor) -> torch.Tensor:
         idx = ((v + m) / (2 * m) * bins).floor().clamp(0, bins - 1).long() + offsets
-        h = torch.zeros(rows.shape[0] * bins, device=rows.device).index_add_(0, idx.reshape(-1),
-                                                                               torch.ones(idx.numel()))
+        ones = torch.ones(idx.numel(), device=rows.device)
+        h = torch.zeros(rows.shape[0] * bins, device=rows.device).index_add_(0, idx.reshape(-1), ones)
         h = h.reshape(rows.shape[0], bins) + 1e-8
         return h / h.sum(1, keepdim=True)
 
@@ -111,6 +112,9 @@ class FakeQuantizer(nn.Module):
         super().__init__()
         if not isinstance(config, FakeQuantizeConfig):
             raise ValueError(f"FakeQuantizer(config) needs a FakeQuantizeConfig, got {config!r}")
+        if activation and not config.is_dynamic and isinstance(config.granularity, (PerToken, PerRow)):
+            raise ValueError(f"static / range-learned activation qparams cannot be per token ({config.granularity}): "
+                             "the number of tokens changes between inputs; use PerTensor() (or is_dynamic=True)")
         self.config = config
         self.activation = activation
         self.enabled = True
