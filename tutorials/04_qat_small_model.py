@@ -15,6 +15,7 @@ from torch import nn
 from affineq import IntxWeightOnlyConfig, PerGroup, quantize_
 from affineq.qat import FakeQuantizedLinear, QATConfig, initialize_fake_quantizers
 
+torch.set_num_threads(1)  # tensors this small: thread start-up would cost more than the math
 torch.manual_seed(0)
 x_train, x_test = torch.randn(1024, 32), torch.randn(256, 32)
 teacher = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 4))
