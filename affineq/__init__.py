@@ -55,6 +55,16 @@ from affineq.primitives import (
     fake_quantize_affine,
     quantize_affine,
 )
+from affineq.qat import (
+    FakeQuantizeConfig,
+    FakeQuantizedConv2d,
+    FakeQuantizedEmbedding,
+    FakeQuantizedLinear,
+    FakeQuantizer,
+    QATConfig,
+    TQTThresholdInitMeth,
+    initialize_fake_quantizers,
+)
 from affineq.quantize import (
     FqnToConfig,
     ModelConfig,
@@ -101,6 +111,14 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'affineq' has no attribute {name!r}")
 
 __all__ = [
+    "FakeQuantizeConfig",
+    "FakeQuantizedConv2d",
+    "FakeQuantizedEmbedding",
+    "FakeQuantizedLinear",
+    "FakeQuantizer",
+    "QATConfig",
+    "TQTThresholdInitMeth",
+    "initialize_fake_quantizers",
     "AffineqConfig",
     "MovingAveragePerChannelMinMaxObserver",
     "MovingAveragePerTensorMinMaxObserver",
