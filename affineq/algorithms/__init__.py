@@ -5,5 +5,8 @@ and HQQ. Each is a wrapper config around a weight config; the result is an ordin
 """
 
 from affineq.algorithms._base import AlgorithmConfig, Precomputed
+from affineq.algorithms._migrate import PreScaled
+from affineq.algorithms.awq import AWQConfig
+from affineq.algorithms.smoothquant import SmoothQuantConfig
 
-__all__ = ["AlgorithmConfig", "Precomputed"]
+__all__ = ["AWQConfig", "AlgorithmConfig", "Precomputed", "PreScaled", "SmoothQuantConfig"]

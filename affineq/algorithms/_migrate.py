@@ -214,7 +214,15 @@ class PreScaled(QuantConfig):
 
     def quantize_weight(self, weight: torch.Tensor, module: nn.Module) -> AffineQuantizedTensor:
         qw = self.base.quantize_weight(scaled_weight(weight, self.scale), module)
-        return qw.with_act_tensors(act_pre_scale=(1.0 / self.scale.float()).to(weight.dtype))
+        act = {"act_pre_scale": (1.0 / self.scale.float()).to(weight.dtype)}
+        aq = qw.act_quant
+        if aq is not None and aq.static:
+            # a static base is only reached through convert_, whose `_Calibrated` wraps this config and
+            # replaces these placeholders with the calibrated qparams (a static spec must carry some)
+            act["act_scale"] = torch.ones(1, dtype=torch.float32)
+            if "act_zero_point" in qw.act_tensors or aq.zero_point_domain.name != "NONE":
+                act["act_zero_point"] = torch.zeros(1, dtype=torch.int32)
+        return qw.with_act_tensors(**act)
 
     def make_observer(self) -> nn.Module:
         return _PreScaledObserver(self.base.make_observer(), 1.0 / self.scale.float())
