@@ -266,7 +266,7 @@ def migrate_blocks(model: nn.Module, layers: dict[str, nn.Module], data: list, m
                 continue
             reps = {str(i): next(iter(g.members.values())) for i, g in enumerate(groups)}
             stats = {k: make_stats() for k in reps}
-            with record_linear_inputs(reps, lambda k, x: stats[k].update(x)):
+            with record_linear_inputs(reps, lambda k, x, stats=stats: stats[k].update(x)):
                 for args, kwargs in inputs:
                     block(*args, **kwargs)
             ref = output_tensor(block(*inputs[0][0], **inputs[0][1]))

@@ -162,7 +162,7 @@ class AWQConfig(AlgorithmConfig):
         ref = x @ torch.cat(ws).T
         w_mean = None
         if self.duo_scaling:
-            rows = [_weight_mean(w, sp.block_size[-1]) * w.shape[0] for w, (sp, _) in zip(ws, specs)]
+            rows = [_weight_mean(w, sp.block_size[-1]) * w.shape[0] for w, (sp, _) in zip(ws, specs, strict=True)]
             w_mean = (torch.stack(rows).sum(0) / sum(w.shape[0] for w in ws)).clamp_min(1e-8)
         best, best_s = None, None
         for i in range(self.n_grid):
@@ -170,7 +170,7 @@ class AWQConfig(AlgorithmConfig):
             s = x_mean.pow(a) / w_mean.pow(1 - a) if w_mean is not None else x_mean.pow(a)
             s = s.clamp_min(1e-4)
             s = s / (s.max() * s.min()).sqrt()
-            wq = torch.cat([fake_quant(w * s, sp, op) for w, (sp, op) in zip(ws, specs)])
+            wq = torch.cat([fake_quant(w * s, sp, op) for w, (sp, op) in zip(ws, specs, strict=True)])
             loss = float((ref - (x / s) @ wq.T).pow(2).mean())
             if best is None or loss < best:
                 best, best_s = loss, s
@@ -196,7 +196,6 @@ class AWQConfig(AlgorithmConfig):
 
     def run(self, model: nn.Module, layers: dict[str, nn.Module], data: list | None) -> dict[str, QuantConfig]:
         per_item = max(1, math.ceil(self.n_tokens / len(data)))
-        clips: dict[str, torch.Tensor] = {}
         samples: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
         def choose(group, stats: _Stats):
