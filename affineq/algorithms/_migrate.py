@@ -255,10 +255,22 @@ def migrate_blocks(model: nn.Module, layers: dict[str, nn.Module], data: list, m
     block through `make_stats()` objects (`.update(x)` with x [tokens, in_features], one per group), ask
     `choose_scale(group, stats)` for s [in_features] (or None: leave the group alone), and fold it where a
     fold verifies. Returns {fqn: (s or None, folded)} for every layer of `layers` (layers outside the blocks:
-    (None, False)). Runs under no_grad; the model's float outputs are unchanged up to `tol` per fold."""
+    (None, False)). Runs under no_grad in eval mode (each module's mode restored); the model's float outputs
+    are unchanged up to `tol` per fold."""
+    result: dict[str, tuple[torch.Tensor | None, bool]] = {f: (None, False) for f in layers}
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()  # dropout would make the fold verification (two runs compared) fail at random
+    try:
+        _migrate_blocks(model, layers, data, make_stats, choose_scale, desc, progress, tol, result)
+    finally:
+        for m, training in modes:
+            m.training = training
+    return result
+
+
+def _migrate_blocks(model, layers, data, make_stats, choose_scale, desc, progress, tol, result) -> None:
     from affineq.algorithms._capture import blockwise, record_linear_inputs
 
-    result: dict[str, tuple[torch.Tensor | None, bool]] = {f: (None, False) for f in layers}
     with torch.no_grad():
         for prefix, block, inputs in blockwise(model, layers, data, desc, progress):
             groups = find_groups(block, prefix, layers, inputs[0])
@@ -277,4 +289,3 @@ def migrate_blocks(model: nn.Module, layers: dict[str, nn.Module], data: list, m
                 folded = migrate(block, g, s, inputs[0], ref, tol)
                 for fqn in g.selected:
                     result[fqn] = (s, folded)
-    return result

@@ -120,7 +120,9 @@ class AWQConfig(AlgorithmConfig):
     1 - max_shrink in n_clip steps. n_tokens: calibration tokens the searches evaluate on (spread evenly
     over the items; the activation means use every token). prescale: where a fold is not an identity,
     keep the scale as the weight's input pre-scale (True) or leave that group unscaled (False).
-    progress: a bar per block.
+    progress: a bar per block. The search measures weight error only (an 8da4w base's int8 activation
+    rounding is not simulated). The model should be in eval mode (dropout would make the runs differ; the
+    search runs it in eval mode and restores each module's mode).
     """
 
     needs_data: ClassVar[bool] = True
@@ -181,12 +183,12 @@ class AWQConfig(AlgorithmConfig):
         o, i = w.shape
         g = spec.block_size[-1]
         xg = x.reshape(x.shape[0], i // g, g)
-        best = torch.full((o, i // g), float("inf"))
-        ratio = torch.ones(o, i // g)
+        best = torch.full((o, i // g), float("inf"), device=w.device)
+        ratio = torch.ones(o, i // g, device=w.device)
         ref_out = torch.einsum("ngk,ogk->ogn", xg, w.reshape(o, i // g, g))
         for k in range(self.n_clip):
             r = 1.0 - self.max_shrink * k / self.n_clip
-            rt = torch.full((o, i // g), r)
+            rt = torch.full((o, i // g), r, device=w.device)
             wq = fake_quant(w, spec, opts, rt).reshape(o, i // g, g)
             err = (ref_out - torch.einsum("ngk,ogk->ogn", xg, wq)).pow(2).mean(-1)
             better = err < best
