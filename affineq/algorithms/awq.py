@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from affineq.algorithms._base import AlgorithmConfig, Precomputed, represent_qparams
+from affineq.algorithms._capture import progress
 from affineq.algorithms._migrate import migrate_blocks, scaled_weight
 from affineq.configs import (
     Int4WeightOnlyConfig,
@@ -211,7 +212,7 @@ class AWQConfig(AlgorithmConfig):
         found = migrate_blocks(model, layers, data, lambda: _Stats(per_item), choose, desc="AWQ",
                                progress=self.progress)
         out: dict[str, QuantConfig] = {}
-        for fqn, module in layers.items():
+        for fqn, module in progress(layers.items(), "AWQ clip + quantize", self.progress):
             s, folded = found[fqn]
             pre = s is not None and not folded and self.prescale
             w = module.weight.detach()
