@@ -1,7 +1,7 @@
 """AWQ and SmoothQuant on the real models: SmolLM2-135M perplexity (calibrated on pydoc topics that are not
 in the evaluation text; lm_head left float) and MiniLM embedding cosine / SQNR.
 
-    PYTHONPATH=. python benchmarks/bench_awq_smoothquant.py [--parts awq,sq,minilm] [--n-calib 8]
+    PYTHONPATH=. python benchmarks/bench_awq_smoothquant.py [--parts awq,sq,minilm] [--n-calib 8] [--awq-bits int4,int3]
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def timed(model, config, **kw):
     return q, time.perf_counter() - t
 
 
-def smollm2(parts: set[str], n_calib: int) -> None:
+def smollm2(parts: set[str], n_calib: int, bits: set[str]) -> None:
     model, tok = am.load_smollm2()
     data = lm_batches(tok, n_calib)
     print(f"SmolLM2-135M, calibration {n_calib} x 512 tokens; float ppl {am.perplexity(model, tok):.3f}", flush=True)
@@ -58,6 +58,8 @@ def smollm2(parts: set[str], n_calib: int) -> None:
                            ("int3 g64", affineq.IntxWeightOnlyConfig(weight_dtype=torch.int3,
                                                                      granularity=affineq.PerGroup(64),
                                                                      mapping_type=MappingType.ASYMMETRIC))):
+            if name.split()[0] not in bits:
+                continue
             q, t = timed(model, base, filter_fn=linears_but_head)
             rows.append((f"RTN {name}", am.perplexity(q, tok), t))
             print(rows[-1], flush=True)
@@ -102,13 +104,14 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--parts", default="awq,sq,minilm")
     p.add_argument("--n-calib", type=int, default=8)
+    p.add_argument("--awq-bits", default="int4,int3", help="which of int4,int3 the awq part runs")
     a = p.parse_args()
     parts = set(a.parts.split(","))
     torch.manual_seed(0)
     if "minilm" in parts:
         minilm()
     if parts & {"awq", "sq"}:
-        smollm2(parts, a.n_calib)
+        smollm2(parts, a.n_calib, set(a.awq_bits.split(",")))
 
 
 if __name__ == "__main__":
