@@ -110,3 +110,33 @@ def record_linear_inputs(layers: dict[str, nn.Module], fn: Callable[[str, torch.
     finally:
         for h in handles:
             h.remove()
+
+
+def as_call(item, index: int = 0) -> tuple[tuple, dict]:
+    """A calibration item as the (args, kwargs) of the model call (see `call_model`)."""
+    if isinstance(item, torch.Tensor):
+        return (item,), {}
+    if isinstance(item, tuple):
+        return item, {}
+    if isinstance(item, dict):
+        return (), dict(item)
+    raise TypeError(f"calibration item {index} is a {type(item).__name__}: pass tensors (model(x)), tuples "
+                    "(model(*x)) or dicts (model(**x))")
+
+
+def blockwise(model: nn.Module, fqns: Iterable[str], data: list, desc: str, enabled: bool = True
+              ) -> Iterator[tuple[str, nn.Module, list[tuple[tuple, dict]]]]:
+    """Yield (name, block, inputs) for each block holding the linears `fqns` (the model itself, name "",
+    when `find_blocks` finds none), with the (args, kwargs) each calibration item gives that block. The next
+    block's inputs are computed after the caller is done with a block (so they see what it changed); one
+    block's activations are held at a time."""
+    found = find_blocks(model, fqns)
+    if found is None:
+        yield "", model, [as_call(item, i) for i, item in enumerate(data)]
+        return
+    name, blocks = found
+    inputs = capture_inputs(model, blocks[0], data)
+    for i, block in enumerate(progress(blocks, desc, enabled)):
+        yield (f"{name}.{i}" if name else str(i)), block, inputs
+        if i + 1 < len(blocks):
+            inputs = run_block(block, inputs)
