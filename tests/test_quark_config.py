@@ -490,3 +490,28 @@ def test_algo_config_refusals():
     with pytest.raises(QuantizationError, match="template"):
         quantize_(m, HQQConfig(None))
     assert_unchanged(m, snap)
+
+
+def test_pre_quant_opt_config_smoothquant_before_static_int8():
+    from affineq import Int8StaticActivationInt8WeightConfig
+    from affineq.algorithms import SmoothQuantConfig
+
+    with pytest.raises(ValueError, match="belongs in Config.pre_quant_opt_config"):
+        Config(qc(weight=W8), algo_config=SmoothQuantConfig(None))
+    with pytest.raises(ValueError, match="together are not supported"):
+        from affineq.algorithms import HQQConfig
+
+        Config(qc(weight=W8), algo_config=HQQConfig(None), pre_quant_opt_config=SmoothQuantConfig(None))
+    from affineq.models.tiny import TinyLM, TinyLMConfig
+
+    torch.manual_seed(0)
+    m = TinyLM(TinyLMConfig()).eval()
+    cfg = Config(qc(weight=W8, input_tensors=A8_STATIC), exclude=["lm_head"],
+                 pre_quant_opt_config=SmoothQuantConfig(None, alpha=0.5, progress=False))
+    plan = cfg.to_fqn_config(m).fqn_to_config
+    assert plan["layers.0.self_attn.q_proj"] == SmoothQuantConfig(
+        Int8StaticActivationInt8WeightConfig(activation_symmetric=True, observer="minmax"), alpha=0.5, progress=False)
+    quantize_(m, cfg, calibration_data=[torch.randint(0, 100, (2, 16)) for _ in range(3)])
+    w = m.layers[0].self_attn.q_proj.weight
+    assert w.act_quant.static and "act_scale" in w.act_tensors
+    assert not isinstance(m.lm_head.weight, AffineQuantizedTensor)
