@@ -5,5 +5,6 @@ and HQQ. Each is a wrapper config around a weight config; the result is an ordin
 """
 
 from affineq.algorithms._base import AlgorithmConfig, Precomputed
+from affineq.algorithms.gptq import GPTQConfig
 
-__all__ = ["AlgorithmConfig", "Precomputed"]
+__all__ = ["AlgorithmConfig", "GPTQConfig", "Precomputed"]
