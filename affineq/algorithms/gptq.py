@@ -337,12 +337,17 @@ class _GPTQRun:
         if found is not None:
             name, blocks = found
             prefix = f"{name}." if name else ""
-            inputs = capture_inputs(self.model, blocks[0], data)
-            for b, block in enumerate(progress(blocks, "GPTQ blocks", self.cfg.progress)):
-                inside = {f: m for f, m in self.layers.items() if f.startswith(f"{prefix}{b}.")}
-                if inside:
-                    self._quantize_group(inside, inputs, lambda inp, block=block: block(*inp[0], **inp[1]))
-                if b + 1 < len(blocks):
+            per_block = [{f: m for f, m in self.layers.items() if f.startswith(f"{prefix}{b}.")}
+                         for b in range(len(blocks))]
+            used = [b for b, inside in enumerate(per_block) if inside]
+            # start at the first block with selected linears, stop after the last (the float blocks around
+            # them need no pass; a whole-model pass below handles linears outside the blocks)
+            inputs = capture_inputs(self.model, blocks[used[0]], data)
+            for b in progress(range(used[0], used[-1] + 1), "GPTQ blocks", self.cfg.progress):
+                block = blocks[b]
+                if per_block[b]:
+                    self._quantize_group(per_block[b], inputs, lambda inp, block=block: block(*inp[0], **inp[1]))
+                if b < used[-1]:
                     inputs = run_block(block, inputs)
             del inputs
         rest = {f: m for f, m in self.layers.items() if f not in self.results}
