@@ -262,3 +262,37 @@ def test_calibration_text_is_disjoint_and_batches_are_fixed():
         calibration_batches(None, n=10**6, seq_len=512, vocab=256)
     with pytest.raises(ValueError, match="vocab"):
         calibration_batches(None)
+
+
+def test_captured_kv_caches_are_dropped():
+    """A decoder layer handed a key/value cache (HF passes a DynamicCache) would append to it on every re-run
+    of the block; the captured inputs carry None and use_cache=False instead."""
+    from affineq.algorithms._capture import capture_inputs, run_block
+
+    class Cache:  # duck-typed transformers Cache
+        def __init__(self):
+            self.seen = 0
+
+        def update(self, k):
+            self.seen += 1
+            return k
+
+        def get_seq_length(self):
+            return self.seen
+
+    class Layer(nn.Module):
+        def forward(self, x, past_key_values=None, use_cache=False):
+            return x + (past_key_values.update(x) if past_key_values is not None else 0)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([Layer()])
+
+        def forward(self, x):
+            return self.layers[0](x, past_key_values=Cache(), use_cache=True)
+
+    model = Model()
+    inputs = capture_inputs(model, model.layers[0], [torch.ones(2)])
+    assert inputs[0][1] == {"past_key_values": None, "use_cache": False}
+    assert torch.equal(run_block(model.layers[0], inputs)[0][0][0], torch.ones(2))
