@@ -260,7 +260,7 @@ class GPTQConfig(AlgorithmConfig):
     act_order: quantize columns in order of decreasing diag(H) (largest inputs first, while the most columns
         remain to absorb the error). With groups this uses static groups (see below).
     static_groups: choose every group's qparams from the original weights before GPTQ runs (None: only when
-        act_order needs it). False quantizes the qparams of each group from the GPTQ-updated weights when the
+        act_order needs it). False chooses the qparams of each group from the GPTQ-updated weights when the
         group is reached (the paper's choice; usually slightly better without act_order).
     true_sequential: inside a block, quantize the linears that share an input together, in the order the block
         calls them (q/k/v, then o, then gate/up, then down), each with H from the inputs that the already
