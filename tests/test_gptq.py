@@ -142,8 +142,8 @@ def _is_block_linear(mod, fqn):
     return isinstance(mod, nn.Linear) and fqn.startswith("layers.")
 
 
-@pytest.mark.parametrize("true_sequential", [True, False])
-def test_tiny_lm_block_by_block_beats_rtn(true_sequential):
+@pytest.mark.parametrize("true_sequential, act_order", [(True, True), (False, False)])
+def test_tiny_lm_block_by_block_beats_rtn(true_sequential, act_order):
     model = _anisotropic_tiny_lm()
     data = calibration_batches(None, n=8, seq_len=64, vocab=256)
     test = torch.cat(calibration_batches(None, n=12, seq_len=64, vocab=256)[8:])
@@ -152,7 +152,7 @@ def test_tiny_lm_block_by_block_beats_rtn(true_sequential):
     rtn, gptq = copy.deepcopy(model), copy.deepcopy(model)
     base = Int4WeightOnlyConfig(group_size=32)
     affineq.quantize_(rtn, base, filter_fn=_is_block_linear)
-    affineq.quantize_(gptq, GPTQConfig(base, progress=False, true_sequential=true_sequential),
+    affineq.quantize_(gptq, GPTQConfig(base, progress=False, true_sequential=true_sequential, act_order=act_order),
                       filter_fn=_is_block_linear, calibration_data=data)
     assert all(isinstance(m.weight, AffineQuantizedTensor) for f, m in gptq.named_modules()
                if _is_block_linear(m, f))

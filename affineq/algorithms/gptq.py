@@ -258,7 +258,9 @@ class GPTQConfig(AlgorithmConfig):
         qparams are chosen as groups are reached).
     percdamp: dampening added to diag(H), as a fraction of its mean (0.01 in the paper).
     act_order: quantize columns in order of decreasing diag(H) (largest inputs first, while the most columns
-        remain to absorb the error). With groups this uses static groups (see below).
+        remain to absorb the error). With groups this uses static groups (see below). On by default (the paper's
+        code has it off): on SmolLM2-135M int4 g64 (4 x 512 calibration tokens) it took perplexity from +17.7%
+        to +10.5% over float (RTN: +30.6%).
     static_groups: choose every group's qparams from the original weights before GPTQ runs (None: only when
         act_order needs it). False chooses the qparams of each group from the GPTQ-updated weights when the
         group is reached (the paper's choice; usually slightly better without act_order).
@@ -273,7 +275,7 @@ class GPTQConfig(AlgorithmConfig):
                                                Int8DynamicActivationInt4WeightConfig)
     blocksize: int = 128
     percdamp: float = 0.01
-    act_order: bool = False
+    act_order: bool = True
     static_groups: bool | None = None
     true_sequential: bool = True
     progress: bool = True
