@@ -7,7 +7,9 @@ and HQQ. Each is a wrapper config around a weight config; the result is an ordin
 from affineq.algorithms._base import AlgorithmConfig, Precomputed
 from affineq.algorithms._migrate import PreScaled
 from affineq.algorithms.awq import AWQConfig
+from affineq.algorithms.gptq import GPTQConfig
 from affineq.algorithms.hqq import HQQConfig
 from affineq.algorithms.smoothquant import SmoothQuantConfig
 
-__all__ = ["AWQConfig", "AlgorithmConfig", "HQQConfig", "Precomputed", "PreScaled", "SmoothQuantConfig"]
+__all__ = ["AWQConfig", "AlgorithmConfig", "GPTQConfig", "HQQConfig", "Precomputed", "PreScaled",
+           "SmoothQuantConfig"]

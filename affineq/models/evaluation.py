@@ -15,6 +15,9 @@ __all__ = [
     "EVAL_TOPIC_KEYS",
     "EVAL_TEXT_SHA256",
     "eval_text",
+    "CALIBRATION_TOPIC_KEYS",
+    "calibration_text",
+    "calibration_batches",
     "byte_tokenize",
     "perplexity",
     "SENTENCES",
@@ -52,6 +55,57 @@ def eval_text() -> str:
     if missing:
         raise RuntimeError(f"pydoc_data.topics of this Python lacks eval topics {missing}")
     return "\n".join(topics[k] for k in sorted(EVAL_TOPIC_KEYS))
+
+
+# Keys of ``pydoc_data.topics`` for calibration (GPTQ, AWQ, SmoothQuant, static activations): prose-heavy
+# topics, none of them in EVAL_TOPIC_KEYS (checked in calibration_text), so a method calibrated on this text
+# is measured on text it has not seen. About 214 kB: ~55k SmolLM2 tokens, enough for 32 x 512 + spares.
+# Unlike the eval topics their text may differ slightly between Python releases (calibration only).
+CALIBRATION_TOPIC_KEYS: tuple[str, ...] = (
+    "assignment", "attribute-access", "calls", "class", "customization", "execmodel", "function",
+    "identifiers", "naming", "numeric-types", "objects", "raise", "sequence-types", "string-methods",
+    "strings", "try", "types", "typesmapping", "typesseq",
+)  # fmt: skip
+
+
+def calibration_text() -> str:
+    """Calibration text, disjoint from eval_text(): the CALIBRATION_TOPIC_KEYS topics of
+    ``pydoc_data.topics`` in that (fixed) order, joined with one blank line."""
+    from pydoc_data.topics import topics
+
+    shared = set(CALIBRATION_TOPIC_KEYS) & set(EVAL_TOPIC_KEYS)
+    if shared:
+        raise RuntimeError(f"calibration topics {sorted(shared)} are also eval topics; keep the two disjoint")
+    missing = [k for k in CALIBRATION_TOPIC_KEYS if k not in topics]
+    if missing:
+        raise RuntimeError(f"pydoc_data.topics of this Python lacks calibration topics {missing}")
+    return "\n".join(topics[k] for k in CALIBRATION_TOPIC_KEYS)
+
+
+def calibration_batches(
+    tokenizer: Any, n: int = 32, seq_len: int = 512, *, vocab: int | None = None, as_dict: bool = False
+) -> list[torch.Tensor] | list[dict[str, torch.Tensor]]:
+    """`n` calibration items cut from calibration_text(): consecutive non-overlapping windows of `seq_len`
+    token ids, each int64 [1, seq_len] (``as_dict``: {"input_ids": ..., "attention_mask": ones}). The HF
+    tokenizer runs without special tokens; tokenizer=None uses byte_tokenize(text, vocab) (TinyLM)."""
+    for name, v in (("n", n), ("seq_len", seq_len)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"calibration_batches: {name}={v!r} must be a positive int")
+    text = calibration_text()
+    if tokenizer is None:
+        if vocab is None:
+            raise ValueError("calibration_batches(tokenizer=None) needs vocab=<the model's vocab size> for "
+                             "byte tokens")
+        ids = byte_tokenize(text, vocab)
+    else:
+        ids = torch.tensor(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"], dtype=torch.int64)
+    if ids.numel() < n * seq_len:
+        raise ValueError(f"calibration_batches: the calibration text has {ids.numel()} tokens, fewer than "
+                         f"n * seq_len = {n} * {seq_len}; pass a smaller n or seq_len")
+    windows = [ids[i * seq_len:(i + 1) * seq_len].unsqueeze(0) for i in range(n)]
+    if as_dict:
+        return [{"input_ids": w, "attention_mask": torch.ones_like(w)} for w in windows]
+    return windows
 
 
 def _sha256(text: str) -> str:
