@@ -11,6 +11,7 @@ import torch
 
 from affineq import safetensors  # noqa: F401  (save_file / load_file; the safetensors package is imported lazily)
 from affineq._hf_register import install as _install_hf
+from affineq.algorithms import AWQConfig, GPTQConfig, HQQConfig, SmoothQuantConfig
 from affineq.calibration import Int8StaticActivationInt8WeightConfig, convert_, prepare_, run_calibration
 from affineq.configs import (
     Float8DynamicActivationFloat8WeightConfig,
@@ -111,6 +112,10 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'affineq' has no attribute {name!r}")
 
 __all__ = [
+    "AWQConfig",
+    "GPTQConfig",
+    "HQQConfig",
+    "SmoothQuantConfig",
     "FakeQuantizeConfig",
     "FakeQuantizedConv2d",
     "FakeQuantizedEmbedding",
