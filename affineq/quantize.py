@@ -12,9 +12,10 @@ to exactly what they were before `QuantizationError` is raised.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -335,20 +336,30 @@ def quantize_(
         raise QuantizationError(f"calibration_data was given but {type(config).__name__} quantizes no activation "
                                 "statically; drop calibration_data, or use a static config such as "
                                 "Int8StaticActivationInt8WeightConfig")
-    snapshot = _Snapshot(model)
     owners = _parameter_owners(model)
     parents = {id(m): (parent, name) for parent in model.modules() for name, m in parent._modules.items()
                if m is not None}
-    try:
+    current: list[_Step] = []
+    with all_or_nothing(model, lambda: f"quantizing {current[-1].fqn or '<root>'!r} with "
+                                       f"{type(current[-1].config).__name__}"):
         for step in steps:
+            current.append(step)
             _run_step(model, step, owners, parents, device)
+    return model
+
+
+@contextlib.contextmanager
+def all_or_nothing(model: nn.Module, what: Callable[[], str]) -> Iterator[None]:
+    """Run the body; on any failure restore every module of `model` exactly and raise QuantizationError
+    saying `what()` failed (a QuantizationError or a BaseException such as KeyboardInterrupt passes as is)."""
+    snapshot = _Snapshot(model)
+    try:
+        yield
     except BaseException as e:
         snapshot.restore()
         if isinstance(e, QuantizationError) or not isinstance(e, Exception):
             raise
-        raise QuantizationError(f"quantizing {step.fqn or '<root>'!r} with {type(step.config).__name__} failed "
-                                f"(the model was left unchanged): {e}") from e
-    return model
+        raise QuantizationError(f"{what()} failed (the model was left unchanged): {e}") from e
 
 
 def _run_step(model: nn.Module, step: _Step, owners, parents, device) -> None:

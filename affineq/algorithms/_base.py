@@ -124,7 +124,7 @@ def group_by_config(steps) -> dict[AlgorithmConfig, dict[str, nn.Module]]:
 def quantize_with_algorithms(model: nn.Module, steps, calibration_data, device) -> nn.Module:
     """Run every algorithm config of `steps`, then one `quantize_` with the configs they return (and the
     plain configs of the other steps). All or nothing."""
-    from affineq.quantize import FqnToConfig, QuantizationError, _Snapshot, quantize_
+    from affineq.quantize import FqnToConfig, QuantizationError, all_or_nothing, quantize_
 
     groups = group_by_config(steps)
     needing = [type(c).__name__ for c in groups if c.needs_data]
@@ -146,8 +146,7 @@ def quantize_with_algorithms(model: nn.Module, steps, calibration_data, device) 
             if s.fqn in final:
                 raise QuantizationError(f"{s.fqn!r} is given two configs; give each module one")
             final[s.fqn] = s.config
-    snapshot = _Snapshot(model)
-    try:
+    with all_or_nothing(model, lambda: "running the quantization algorithm"):
         if device is not None:
             for s in steps:
                 s.module.to(device)
@@ -156,12 +155,6 @@ def quantize_with_algorithms(model: nn.Module, steps, calibration_data, device) 
         static = any(getattr(c, "needs_calibration", False) for c in final.values())
         quantize_(model, FqnToConfig(final), filter_fn=lambda m, fqn: fqn in final,
                   calibration_data=data if static else None)
-    except BaseException as e:
-        snapshot.restore()
-        if isinstance(e, QuantizationError) or not isinstance(e, Exception):
-            raise
-        raise QuantizationError(f"{type(e).__name__} while running the quantization algorithm (the model was "
-                                f"left unchanged): {e}") from e
     return model
 
 

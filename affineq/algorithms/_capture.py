@@ -54,8 +54,8 @@ def find_blocks(model: nn.Module, fqns: Iterable[str]) -> tuple[str, list[nn.Mod
     return best
 
 
-class _Stop(Exception):
-    pass
+class Stop(Exception):
+    """Raised by a hook to end a forward early (the rest of the model is not needed)."""
 
 
 def capture_inputs(model: nn.Module, module: nn.Module, data: list) -> list[tuple[tuple, dict]]:
@@ -64,13 +64,13 @@ def capture_inputs(model: nn.Module, module: nn.Module, data: list) -> list[tupl
 
     def hook(_mod, args, kwargs):
         captured.append((args, kwargs))
-        raise _Stop
+        raise Stop
 
     handle = module.register_forward_pre_hook(hook, with_kwargs=True)
     try:
         with torch.no_grad():
             for i, item in enumerate(data):
-                with contextlib.suppress(_Stop):
+                with contextlib.suppress(Stop):
                     call_model(model, item, i)
     finally:
         handle.remove()
@@ -109,7 +109,8 @@ def run_block(block: nn.Module, inputs: list[tuple[tuple, dict]]) -> list[tuple[
 
 @contextlib.contextmanager
 def record_linear_inputs(layers: dict[str, nn.Module], fn: Callable[[str, torch.Tensor], None]) -> Iterator[None]:
-    """Call fn(fqn, x) with every input x (flattened to [tokens, in_features]) that reaches each layer."""
+    """Call fn(fqn, x) with every input x (flattened to [tokens, in_features]) that reaches each layer (a
+    pre-hook; fn may raise `Stop` to end the forward)."""
     handles = []
     for fqn, layer in layers.items():
         def hook(_mod, args, fqn=fqn):

@@ -32,11 +32,12 @@ from torch import nn
 
 from affineq.algorithms._base import AlgorithmConfig, Precomputed
 from affineq.algorithms._capture import (
-    _Stop,
+    Stop,
     call_model,
     capture_inputs,
     find_blocks,
     progress,
+    record_linear_inputs,
     run_block,
 )
 from affineq.configs import (
@@ -375,11 +376,11 @@ class _GPTQRun:
 
         def hook(fqn, x):
             if x0 and not _same_tensor(x, x0[0]):
-                raise _Stop  # a new input: the stage is complete
+                raise Stop  # a new input: the stage is complete
             x0[:1] = [x]
             stage[fqn] = pending[fqn]
 
-        with _hooks(pending, hook), contextlib.suppress(_Stop):
+        with record_linear_inputs(pending, hook), contextlib.suppress(Stop):
             forward(first)
         return stage or pending
 
@@ -396,13 +397,13 @@ class _GPTQRun:
             hessians[fqn].add(x, xtx)
             called.add(fqn)
             if len(called) == len(stage):
-                raise _Stop  # every linear of the stage has its input: the rest of the forward is not needed
+                raise Stop  # every linear of the stage has its input: the rest of the forward is not needed
 
-        with _hooks(stage, hook):
+        with record_linear_inputs(stage, hook):
             for inp in inputs:
                 memo.clear()
                 called.clear()
-                with contextlib.suppress(_Stop):
+                with contextlib.suppress(Stop):
                     forward(inp)
         memo.clear()
         for fqn, layer in stage.items():
@@ -425,20 +426,4 @@ class _GPTQRun:
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
             and a.dtype == b.dtype)
-
-
-@contextlib.contextmanager
-def _hooks(layers: dict[str, nn.Module], fn: Callable[[str, torch.Tensor], None]):
-    """Call fn(fqn, x [T, K]) before each layer runs (a pre-hook; fn may raise _Stop to end the forward)."""
-    handles = []
-    for fqn, layer in layers.items():
-        def hook(_mod, args, fqn=fqn):
-            x = args[0].detach()
-            fn(fqn, x.reshape(-1, x.shape[-1]))
-        handles.append(layer.register_forward_pre_hook(hook))
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
 
