@@ -159,6 +159,8 @@ def main(argv=None) -> None:
     p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     p.add_argument("--quick", action="store_true", help="smoke run: tiny calibration and eval sets, int4-g64 only")
     p.add_argument("--no-save", action="store_true", help="print only; write nothing under results/")
+    p.add_argument("--update", action="store_true",
+                   help="replace only the rows run now in the saved results (keep the others)")
     p.add_argument("--one", nargs=3, metavar=("MODEL", "METHOD", "SETTING"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.one:
@@ -181,6 +183,10 @@ def main(argv=None) -> None:
             if row is not None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+    if args.update and not args.quick:
+        old = json.loads((Path(__file__).parent / "results" / "bench_algorithms.json").read_text())["rows"]
+        new = {(r["model"], r["method"], r["setting"]): r for r in rows}
+        rows = [new.pop((r["model"], r["method"], r["setting"]), r) for r in old] + list(new.values())
     table = markdown(rows)
     print()
     print(table)

@@ -296,3 +296,27 @@ def test_captured_kv_caches_are_dropped():
     inputs = capture_inputs(model, model.layers[0], [torch.ones(2)])
     assert inputs[0][1] == {"past_key_values": None, "use_cache": False}
     assert torch.equal(run_block(model.layers[0], inputs)[0][0][0], torch.ones(2))
+
+
+@pytest.mark.parametrize("base", [Int4WeightOnlyConfig(group_size=32),
+                                  IntxWeightOnlyConfig(torch.int3, PerGroup(32), MappingType.ASYMMETRIC)])
+def test_clip_search_lowers_each_groups_error_and_stays_exact(base):
+    # heavy-tailed weights: a shrunk range trades a few clipped outliers for a finer step everywhere else
+    from affineq.algorithms.gptq import _GroupQParams
+
+    layer, x = _layer(), _correlated_inputs()
+    torch.manual_seed(3)
+    with torch.no_grad():
+        layer.weight.copy_(torch.distributions.StudentT(3.0).sample((N, K)) * 0.05)
+    w = layer.weight.detach()
+    spec, opts = base.weight_spec(w, layer), base.qparam_options()
+    group = w[:, :32]
+    plain, searched = _GroupQParams(spec, opts, N), _GroupQParams(spec, opts, N, clip_search=True)
+    e_plain, e_search = plain._error(group, plain.choose(group)), searched._error(group, searched.choose(group))
+    assert bool((e_search <= e_plain).all()) and float(e_search.sum()) < 0.98 * float(e_plain.sum())
+    h = Hessian(K)
+    h.add(x)
+    aqt, q = gptq_quantize(w, h.matrix(), spec, opts, act_order=True, static_groups=True, clip_search=True)
+    ref, _ = gptq_quantize(w, h.matrix(), spec, opts, act_order=True, static_groups=True)
+    assert torch.equal(aqt.dequantize(), q)
+    assert bool((aqt.scale <= ref.scale * (1 + 1e-6)).all()) and bool((aqt.scale < ref.scale).any())

@@ -119,8 +119,13 @@ class _GroupQParams:
     (evenly spaced) table, a handful of small ops instead of the validated primitives (~100 us each), which
     matters over the K columns of every layer."""
 
-    def __init__(self, spec: QuantSpec, options: QParamOptions, n: int) -> None:
-        self.spec, self.options = spec, options
+    #: clip search: range shrink factors tried (1 down to 0.8) and the error norm, as the reference GPTQ
+    #: code's `Quantizer(mse=True)`
+    SHRINK = torch.linspace(1.0, 0.8, 21)[1:].tolist()
+    NORM = 2.4
+
+    def __init__(self, spec: QuantSpec, options: QParamOptions, n: int, clip_search: bool = False) -> None:
+        self.spec, self.options, self.clip_search = spec, options, clip_search
         g = spec.block_size[1]
         self.levels = int(spec.quant_max - spec.quant_min + 1)
         self.copies = -(-self.levels // g)  # groups of g columns that hold every code once
@@ -131,8 +136,28 @@ class _GroupQParams:
         self.table_codes = codes.to(spec.target.container).expand(n, -1)
 
     def choose(self, w: torch.Tensor):
-        """(scale, zero point, value table [N, levels] float32) for the columns w [N, g]: min/max per row, as
-        the base config would choose them, rounded as the format stores them."""
+        """(scale, zero point, value table [N, levels] float32, lowest value, 1 / step) for the columns w [N, g]:
+        min/max per row, as the base config would choose them, rounded as the format stores them. With
+        `clip_search`, per row the range scaled by the SHRINK factor with the least sum |w - q(w)|^NORM."""
+        best = self._choose(w)
+        if not self.clip_search:
+            return best
+        err = self._error(w, best)
+        for p in self.SHRINK:
+            cand = self._choose(w * p)
+            e = self._error(w, cand)
+            better = e < err
+            err = torch.where(better, e, err)
+            best = tuple(None if b is None else torch.where(better.view(-1, *([1] * (b.dim() - 1))), c, b)
+                         for b, c in zip(best, cand, strict=True))
+        return best
+
+    def _error(self, w: torch.Tensor, qparams) -> torch.Tensor:
+        _, _, table, low, inv_step = qparams
+        u = torch.round((w - low[:, None]) * inv_step[:, None]).clamp_(0, self.levels - 1).long()
+        return (w - table.gather(1, u)).abs().pow(self.NORM).sum(1)
+
+    def _choose(self, w: torch.Tensor):
         s, o = self.spec, self.options
         scale, zp = choose_qparams_affine(
             w, s.mapping_type, (1, w.shape[1]), s.target, s.quant_min, s.quant_max, o.eps, o.scale_dtype,
@@ -177,6 +202,7 @@ def gptq_quantize(
     percdamp: float = 0.01,
     act_order: bool = False,
     static_groups: bool = False,
+    clip_search: bool = False,
 ) -> tuple[AffineQuantizedTensor, torch.Tensor]:
     """GPTQ one weight [N, K] (block size (1, g) or (1, K) in `spec`) with H [K, K] (`Hessian.matrix()`).
 
@@ -185,6 +211,7 @@ def gptq_quantize(
     config's choice), taken from the weights as GPTQ has updated them when the group is reached, or from the
     original weights with `static_groups` (required with `act_order` and groups, so every group keeps its
     contiguous columns in the stored layout while columns are processed in order of decreasing diag(H)).
+    `clip_search`: each group's range is shrunk (per row) where that lowers sum |w - q(w)|^2.4.
     Columns whose input was always zero (diag H = 0) get round-to-nearest and pass no error on (the reference
     zeroes them; inputs at inference need not be zero there). Math in float32, the Cholesky in float64."""
     n, k = weight.shape
@@ -199,7 +226,7 @@ def gptq_quantize(
     h[dead, dead] = 1.0
     grouped = g < k
     static = static_groups or act_order or not grouped  # per-row qparams come from the whole original row
-    qp = _GroupQParams(spec, options, n)
+    qp = _GroupQParams(spec, options, n, clip_search)
     groups: list = [None] * (k // g)  # (scale [N], zero point [N] or None, value table [N, levels]) per group
     if static:
         for gi in range(k // g):
@@ -268,6 +295,9 @@ class GPTQConfig(AlgorithmConfig):
     true_sequential: inside a block, quantize the linears that share an input together, in the order the block
         calls them (q/k/v, then o, then gate/up, then down), each with H from the inputs that the already
         quantized earlier linears produce. False: one H pass per block (faster, slightly less accurate).
+    clip_search: choose each group's range by a search over shrink factors 1 .. 0.8 that minimises
+        sum |w - q(w)|^2.4 per row (the reference code's mse qparams) instead of plain min/max. On by default:
+        SmolLM2-135M int4 g64 (32 x 512 tokens) +11.0% -> +8.9% perplexity over float, quantize 113 -> 147 s.
     progress: a progress bar per block (needs tqdm).
     """
 
@@ -279,6 +309,7 @@ class GPTQConfig(AlgorithmConfig):
     act_order: bool = True
     static_groups: bool | None = None
     true_sequential: bool = True
+    clip_search: bool = True
     progress: bool = True
 
     def __post_init__(self):
@@ -290,7 +321,7 @@ class GPTQConfig(AlgorithmConfig):
                 or not math.isfinite(self.percdamp) or not 0 < self.percdamp <= 1):
             raise ValueError(f"GPTQConfig.percdamp={self.percdamp!r} must be a number in (0, 1] (fraction of "
                              "mean(diag H) added to the diagonal; 0.01 is the paper's)")
-        for name in ("act_order", "true_sequential", "progress"):
+        for name in ("act_order", "true_sequential", "clip_search", "progress"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GPTQConfig.{name}={getattr(self, name)!r} must be True or False")
         if self.static_groups is not None and not isinstance(self.static_groups, bool):
@@ -309,7 +340,7 @@ class GPTQConfig(AlgorithmConfig):
         aqt, _ = gptq_quantize(
             weight, hessian, self.base_config.weight_spec(weight, layer), self.base_config.qparam_options(),
             blocksize=self.blocksize, percdamp=self.percdamp, act_order=self.act_order,
-            static_groups=bool(self.static_groups))
+            static_groups=bool(self.static_groups), clip_search=self.clip_search)
         return aqt
 
 
