@@ -320,3 +320,21 @@ def test_clip_search_lowers_each_groups_error_and_stays_exact(base):
     ref, _ = gptq_quantize(w, h.matrix(), spec, opts, act_order=True, static_groups=True)
     assert torch.equal(aqt.dequantize(), q)
     assert bool((aqt.scale <= ref.scale * (1 + 1e-6)).all()) and bool((aqt.scale < ref.scale).any())
+
+
+def test_fqn_to_config_mixes_gptq_with_plain_configs_and_float_layers():
+    model = _anisotropic_tiny_lm()
+    data = calibration_batches(None, n=4, seq_len=32, vocab=256)
+    gptq = GPTQConfig(Int4WeightOnlyConfig(group_size=32), progress=False)
+    cfg = affineq.FqnToConfig({"re:layers\\.0\\..*": gptq, "layers.1.mlp.down_proj": None,
+                               "re:layers\\.1\\..*": Int8WeightOnlyConfig(), "lm_head": None})
+    affineq.quantize_(model, cfg, calibration_data=data)
+    mods = dict(model.named_modules())
+    assert mods["layers.0.self_attn.q_proj"].weight.target_dtype == torch.uint4
+    assert mods["layers.1.self_attn.q_proj"].weight.target_dtype == torch.int8
+    assert not isinstance(mods["layers.1.mlp.down_proj"].weight, AffineQuantizedTensor)
+    assert not isinstance(model.lm_head.weight, AffineQuantizedTensor)
+    # GPTQ's layers are not round-to-nearest: some codes differ from what the base config alone gives
+    q = mods["layers.0.mlp.down_proj"]
+    assert not torch.equal(q.weight.dequantize(), Int4WeightOnlyConfig(group_size=32).quantize_weight(
+        _anisotropic_tiny_lm().layers[0].mlp.down_proj.weight.detach(), q).dequantize())
