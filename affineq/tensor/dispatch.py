@@ -22,8 +22,10 @@ def check_frozen(t) -> None:
     if torch.is_grad_enabled() and t.requires_grad:  # grad mode first: requires_grad re-enters dispatch
         raise RuntimeError(
             f"{t!r} has requires_grad=True, but quantized codes cannot receive gradients, so it would never "
-            "train. Call weight.requires_grad_(False) (quantize_ leaves weights frozen), or train the float "
-            "model (quantization-aware training: fake-quantize during training) and quantize afterwards"
+            "train. Call weight.requires_grad_(False) (quantize_ leaves weights frozen; a float model's "
+            "load_state_dict(sd, assign=True) keeps its parameters' requires_grad=True, so call "
+            "model.requires_grad_(False) after loading, or run under torch.inference_mode()), or train the float "
+            "model (quantization-aware training: affineq.QATConfig) and quantize afterwards"
         )
 
 
