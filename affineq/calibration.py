@@ -13,7 +13,6 @@ fake-quantized input; convolutions run the announced dequantize fallback on the 
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar
@@ -179,26 +178,13 @@ def _first(t: torch.Tensor | None):
 def run_calibration(model: nn.Module, data: Iterable, progress: bool = True) -> int:
     """Run `model` on every item of `data` (tensor: model(x); tuple: model(*x); dict: model(**x)) without
     gradients; returns the number of items. Shows a progress bar when tqdm is installed and `progress`."""
-    items = data
-    if progress:
-        try:
-            from tqdm.auto import tqdm
+    from affineq.algorithms._capture import call_model
+    from affineq.algorithms._capture import progress as _progress
 
-            items = tqdm(data, desc="calibrating", unit="batch", file=sys.stderr)
-        except ImportError:
-            pass
     n = 0
     with torch.no_grad():
-        for item in items:
-            if isinstance(item, torch.Tensor):
-                model(item)
-            elif isinstance(item, tuple):
-                model(*item)
-            elif isinstance(item, dict):
-                model(**item)
-            else:
-                raise TypeError(f"calibration item {n} is a {type(item).__name__}: pass tensors (model(x)), tuples "
-                                "(model(*x)) or dicts (model(**x))")
+        for item in _progress(data, "calibrating", progress, unit="batch"):
+            call_model(model, item, n)
             n += 1
     return n
 

@@ -16,16 +16,23 @@ import torch
 from torch import nn
 
 
-def call_model(model: nn.Module, item, index: int = 0):
-    """model(x) for a tensor, model(*x) for a tuple, model(**x) for a dict."""
+def as_call(item, index: int = 0) -> tuple[tuple, dict]:
+    """A calibration item as the (args, kwargs) of the model call: model(x) for a tensor, model(*x) for a
+    tuple, model(**x) for a dict."""
     if isinstance(item, torch.Tensor):
-        return model(item)
+        return (item,), {}
     if isinstance(item, tuple):
-        return model(*item)
+        return item, {}
     if isinstance(item, dict):
-        return model(**item)
+        return (), dict(item)
     raise TypeError(f"calibration item {index} is a {type(item).__name__}: pass tensors (model(x)), tuples "
                     "(model(*x)) or dicts (model(**x))")
+
+
+def call_model(model: nn.Module, item, index: int = 0):
+    """Run `model` on one calibration item (see `as_call`)."""
+    args, kwargs = as_call(item, index)
+    return model(*args, **kwargs)
 
 
 def progress(items: Iterable, desc: str, enabled: bool = True, **kw) -> Iterable:
@@ -122,18 +129,6 @@ def record_linear_inputs(layers: dict[str, nn.Module], fn: Callable[[str, torch.
     finally:
         for h in handles:
             h.remove()
-
-
-def as_call(item, index: int = 0) -> tuple[tuple, dict]:
-    """A calibration item as the (args, kwargs) of the model call (see `call_model`)."""
-    if isinstance(item, torch.Tensor):
-        return (item,), {}
-    if isinstance(item, tuple):
-        return item, {}
-    if isinstance(item, dict):
-        return (), dict(item)
-    raise TypeError(f"calibration item {index} is a {type(item).__name__}: pass tensors (model(x)), tuples "
-                    "(model(*x)) or dicts (model(**x))")
 
 
 def blockwise(model: nn.Module, fqns: Iterable[str], data: list, desc: str, enabled: bool = True

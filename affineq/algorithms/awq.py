@@ -28,7 +28,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from affineq.algorithms._base import AlgorithmConfig, Precomputed, represent_qparams
+from affineq.algorithms._base import AlgorithmConfig, Precomputed
 from affineq.algorithms._capture import progress
 from affineq.algorithms._migrate import migrate_blocks, scaled_weight
 from affineq.configs import (
@@ -38,7 +38,7 @@ from affineq.configs import (
     IntxWeightOnlyConfig,
     QuantConfig,
 )
-from affineq.primitives import _dequant_math, _unclamped_codes, choose_qparams_affine
+from affineq.primitives import _fake_quantize_unchecked
 from affineq.tensor.affine import AffineQuantizedTensor
 
 __all__ = ["AWQConfig"]
@@ -57,11 +57,7 @@ def _clip_to(w: torch.Tensor, group: int, ratio: torch.Tensor | None) -> torch.T
 
 def qparams(w: torch.Tensor, spec, opts, ratio: torch.Tensor | None = None):
     """(scale, zero_point) of `spec` for w [O, I] (clipped by `ratio` first), as the format stores them."""
-    src = _clip_to(w, spec.block_size[-1], ratio)
-    scale, zp = choose_qparams_affine(src, spec.mapping_type, spec.block_size, spec.target, spec.quant_min,
-                                      spec.quant_max, opts.eps, opts.scale_dtype, opts.zero_point_dtype,
-                                      opts.preserve_zero, spec.zero_point_domain)
-    return represent_qparams(spec, scale, zp)
+    return AffineQuantizedTensor.stored_qparams(_clip_to(w, spec.block_size[-1], ratio), spec, opts)
 
 
 def fake_quant(w: torch.Tensor, spec, opts, ratio: torch.Tensor | None = None) -> torch.Tensor:
@@ -74,9 +70,8 @@ def fake_quant(w: torch.Tensor, spec, opts, ratio: torch.Tensor | None = None) -
     wg = w.float().reshape(o, i // g, g)
     scale = scale.float().reshape(o, i // g, 1)
     zp = None if zp is None else zp.float().reshape(o, i // g, 1)
-    args = (spec.zero_point_domain, spec.quant_min, spec.quant_max, False)
-    q = _unclamped_codes(wg, scale, zp, *args).clamp(spec.quant_min, spec.quant_max)
-    return _dequant_math(q, scale, zp, *args).reshape(o, i)
+    _, deq = _fake_quantize_unchecked(wg, scale, zp, spec.zero_point_domain, spec.quant_min, spec.quant_max)
+    return deq.reshape(o, i)
 
 
 class _Stats:

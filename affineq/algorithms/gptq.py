@@ -47,9 +47,7 @@ from affineq.configs import (
     IntxWeightOnlyConfig,
     QuantConfig,
 )
-from affineq.primitives import choose_qparams_affine
 from affineq.tensor.affine import AffineQuantizedTensor
-from affineq.tensor.formats import get_format
 from affineq.tensor.spec import QParamOptions, QuantSpec
 
 __all__ = ["GPTQConfig", "gptq_quantize", "Hessian"]
@@ -158,13 +156,8 @@ class _GroupQParams:
         return (w - table.gather(1, u)).abs().pow(self.NORM).sum(1)
 
     def _choose(self, w: torch.Tensor):
-        s, o = self.spec, self.options
-        scale, zp = choose_qparams_affine(
-            w, s.mapping_type, (1, w.shape[1]), s.target, s.quant_min, s.quant_max, o.eps, o.scale_dtype,
-            o.zero_point_dtype, o.preserve_zero, s.zero_point_domain)
         n = w.shape[0]
-        scale, zp = get_format(s.fmt).represent_qparams(
-            scale.reshape(n, 1), None if zp is None else zp.reshape(n, 1), self.group_spec)
+        scale, zp = AffineQuantizedTensor.stored_qparams(w, self.group_spec, self.options)
         rep = (lambda t: t.reshape(n, 1).expand(n, self.copies).contiguous())
         table = AffineQuantizedTensor.from_codes(
             self.table_codes.to(w.device), rep(scale), None if zp is None else rep(zp), self.table_spec

@@ -61,13 +61,7 @@ from affineq.configs import (
     IntxWeightOnlyConfig,
     QuantConfig,
 )
-from affineq.primitives import (
-    MappingType,
-    ZeroPointDomain,
-    _dequant_math,
-    _unclamped_codes,
-    choose_qparams_affine,
-)
+from affineq.primitives import MappingType, ZeroPointDomain, _default_eps, _fake_quantize_unchecked
 from affineq.tensor.affine import AffineQuantizedTensor
 from affineq.tensor.spec import QParamOptions, QuantSpec
 
@@ -164,7 +158,7 @@ class _Stored:
         self.qmin, self.qmax = float(spec.quant_min), float(spec.quant_max)
         self.mid = (self.qmax + self.qmin + 1) / 2
         self.scale_dtype = options.scale_dtype or torch.float32
-        self.eps = options.eps or max(torch.finfo(self.scale_dtype).tiny, torch.finfo(torch.float32).tiny)
+        self.eps = options.eps or _default_eps(self.scale_dtype)
         zp_dtype = options.zero_point_dtype
         self.zp_dtype = zp_dtype or (torch.int32 if self.domain is ZeroPointDomain.INT else self.scale_dtype)
 
@@ -192,8 +186,7 @@ class _Stored:
         """(W_q, W_r) of groups w [R, g] exactly as quantize_affine / dequantize_affine compute them."""
         s = scale.float().reshape(-1, 1)
         z = None if zp is None else zp.float().reshape(-1, 1)
-        q = _unclamped_codes(w, s, z, self.domain, self.qmin, self.qmax, False).clamp(self.qmin, self.qmax)
-        return q, _dequant_math(q, s, z, self.domain, self.qmin, self.qmax, False)
+        return _fake_quantize_unchecked(w, s, z, self.domain, self.qmin, self.qmax)
 
 
 def _shrink_lp(e: torch.Tensor, beta: float, p: float) -> torch.Tensor:
@@ -218,10 +211,7 @@ def hqq_qparams(weight: torch.Tensor, spec: QuantSpec, options: QParamOptions | 
     g = spec.block_size[1]
     w = weight.detach().float().reshape(-1, g)  # [R, g], groups in the row-major order of the qparams
     st = _Stored(spec, options)
-    scale, zp = choose_qparams_affine(
-        weight.detach(), spec.mapping_type, spec.block_size, spec.target, spec.quant_min, spec.quant_max,
-        options.eps, options.scale_dtype, options.zero_point_dtype, options.preserve_zero, spec.zero_point_domain)
-    scale, zp = represent_qparams(spec, scale, zp)
+    scale, zp = AffineQuantizedTensor.stored_qparams(weight.detach(), spec, options)
     free_zero = st.domain is not ZeroPointDomain.NONE and spec.mapping_type is MappingType.ASYMMETRIC
     if not free_zero and not optimize_scale:
         raise ValueError("hqq_qparams(optimize_scale=False) with a symmetric spec leaves nothing to optimise "

@@ -94,6 +94,12 @@ def _check_finite_qparams(scale: torch.Tensor, zero_point: torch.Tensor | None) 
         )
 
 
+def _min_max_qparams(input: torch.Tensor, spec: QuantSpec, o: QParamOptions):
+    return choose_qparams_affine(input, spec.mapping_type, spec.block_size, spec.target, spec.quant_min,
+                                 spec.quant_max, o.eps, o.scale_dtype, o.zero_point_dtype, o.preserve_zero,
+                                 spec.zero_point_domain)
+
+
 class AffineQuantizedTensor(torch.Tensor):
     """A float tensor stored as affine-quantized codes: x ~= dequantize(codes, scale, zero_point).
 
@@ -154,11 +160,19 @@ class AffineQuantizedTensor(torch.Tensor):
                   ) -> AffineQuantizedTensor:
         """Quantize float `input` as `spec` describes: choose_qparams_affine (with `options`), quantize, pack."""
         o = options or QParamOptions()
-        scale, zero_point = choose_qparams_affine(
-            input, spec.mapping_type, spec.block_size, spec.target, spec.quant_min, spec.quant_max, o.eps,
-            o.scale_dtype, o.zero_point_dtype, o.preserve_zero, spec.zero_point_domain,
-        )
+        scale, zero_point = _min_max_qparams(input, spec, o)
         return cls.from_qparams(input, scale, zero_point, spec, rounding=o.rounding)
+
+    @staticmethod
+    def stored_qparams(input: torch.Tensor, spec: QuantSpec, options: QParamOptions | None = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(scale, zero_point) shaped [n_blocks...] that `from_spec(input, spec, options)` stores: min/max
+        qparams with `options`, rounded as the format holds them (bf16 scales, e8m0...). Algorithms compute
+        with these so that their results equal what the packed tensor dequantizes to."""
+        scale, zero_point = _min_max_qparams(input, spec, options or QParamOptions())
+        n = spec.num_blocks
+        return get_format(spec.fmt).represent_qparams(
+            scale.reshape(n), None if zero_point is None else zero_point.reshape(n), spec)
 
     @classmethod
     def from_float(
