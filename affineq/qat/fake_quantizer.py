@@ -36,10 +36,10 @@ from torch import nn
 from affineq._primitive_checks import _Blocks, _midpoint
 from affineq.dtypes import check_quant_range
 from affineq.granularity import PerRow, PerToken
-from affineq.primitives import ROUNDING, MappingType, ZeroPointDomain, choose_qparams_affine, fake_quantize_affine
+from affineq.primitives import ROUNDING, MappingType, ZeroPointDomain, fake_quantize_affine
 from affineq.qat.config import FakeQuantizeConfig, TQTThresholdInitMeth, block_size_for
-from affineq.tensor.formats import get_format
-from affineq.tensor.spec import QuantSpec
+from affineq.tensor.affine import AffineQuantizedTensor
+from affineq.tensor.spec import QParamOptions, QuantSpec
 
 __all__ = ["FakeQuantizer", "tqt_threshold"]
 
@@ -162,11 +162,8 @@ class FakeQuantizer(nn.Module):
         """Min-max qparams of x exactly as convert computes and stores them (choose_qparams_affine with the
         config's options, then the packing format's represent_qparams), shape = number of blocks per dim."""
         c = self.config
-        scale, zp = choose_qparams_affine(
-            x.detach(), c.mapping_type, spec.block_size, c.dtype, spec.quant_min, spec.quant_max, c.eps,
-            c.scale_precision, self._zp_dtype(), c.preserve_zero, spec.zero_point_domain,
-        )
-        return get_format(spec.fmt).represent_qparams(scale, zp, spec)
+        options = QParamOptions(c.eps, c.scale_precision, self._zp_dtype(), c.preserve_zero)
+        return AffineQuantizedTensor.stored_qparams(x.detach(), spec, options)
 
     # -- forward ------------------------------------------------------------------------------------------
 
