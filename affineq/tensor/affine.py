@@ -287,6 +287,17 @@ class AffineQuantizedTensor(torch.Tensor):
         out = out.with_act_tensors(**self.act_tensors) if self.act_tensors else out
         return out._replace(spec=out.spec.replace(transposed=self.spec.transposed))
 
+    @classmethod
+    def from_torch_quantized(cls, qt: torch.Tensor) -> AffineQuantizedTensor:
+        """The tensor holding a torch quantized tensor's codes and qparams (see `affineq.tensor.torch_quantized`)."""
+        from affineq.tensor.torch_quantized import from_torch_quantized
+        return from_torch_quantized(qt, cls)
+
+    def to_torch_quantized(self) -> torch.Tensor:
+        """A torch quantized tensor with equal `int_repr()` and `dequantize()` (`affineq.tensor.torch_quantized`)."""
+        from affineq.tensor.torch_quantized import to_torch_quantized
+        return to_torch_quantized(self)
+
     def to_portable(self) -> AffineQuantizedTensor:
         """This tensor in a device-independent format (`int4_cpu` / `int4_cuda` -> `plain`), else itself."""
         portable = get_format(self.spec.fmt).portable

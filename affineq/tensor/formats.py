@@ -236,6 +236,18 @@ class Plain(PackingFormat):
         scale = _e8m0_values(t["scale"]) if spec.scale_type is not None else t["scale"]
         return scale, t.get("zero_point")
 
+    def dequantize(self, t, spec, output_dtype):
+        if t["scale"].dtype != torch.float64 or spec.target.is_float or spec.zero_point_domain is ZeroPointDomain.FLOAT:
+            return super().dequantize(t, spec, output_dtype)
+        # float64 scales (torch's per-channel qparams, `torch_quantized`): as torch computes it, q - zp in float32
+        # then times scale in float64, so both dequantize bit for bit alike (exact for 8-bit codes)
+        scale, zp = t["scale"], t.get("zero_point")
+        for d, b in enumerate(spec.block_size):
+            scale = scale.repeat_interleave(b, dim=d)
+            zp = None if zp is None else zp.repeat_interleave(b, dim=d)
+        q = t["qdata"].float()
+        return ((q if zp is None else q - zp.float()).double() * scale).to(output_dtype)
+
 
 class Dense(PackingFormat):
     """1-8 bit codes (or float8 bytes) bit-packed by `affineq.cpp.pack_codes` (ceil(N*K*bits/8) bytes),
