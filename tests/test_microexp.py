@@ -11,6 +11,7 @@ from conftest import sqnr
 
 from affineq import AffineQuantizedTensor, KernelFallbackWarning, MappingType, ZeroPointDomain
 from affineq.microexp import dequantize_microexp, microexp_tensor, quantize_microexp
+from affineq.safetensors import load_file, save_file
 from affineq.tensor.spec import QuantSpec
 
 AQT = AffineQuantizedTensor
@@ -139,7 +140,7 @@ def test_format_refuses_other_specs_and_scales():
         AQT.from_codes(codes, spread, None, good)
 
 
-def test_save_load_weights_only_and_compiled_linear():
+def test_save_load_weights_only_and_compiled_linear(tmp_path):
     torch._dynamo.reset()
     w = torch.randn(32, 64)
     q = microexp_tensor(w, "mx6")
@@ -148,6 +149,9 @@ def test_save_load_weights_only_and_compiled_linear():
     buf.seek(0)
     back = torch.load(buf, weights_only=True)["w"]
     assert isinstance(back, AQT) and torch.equal(back.dequantize(), q.dequantize())
+    path = tmp_path / "w.safetensors"
+    save_file({"w": q}, path)
+    assert torch.equal(load_file(path)["w"].dequantize(), q.dequantize())
     x = torch.randn(3, 64)
     ref = x @ q.dequantize().t()
     with warnings.catch_warnings():
