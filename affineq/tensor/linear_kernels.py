@@ -79,8 +79,8 @@ def _lowbit_check(x, w):
     if why is None and not _cpp.is_available():
         why = f"the affineq C++ kernels are unavailable ({_cpp.unavailable_reason()})"
     aq = w.spec.act_quant
-    if why is None and aq is not None and aq.dtype.is_float:
-        why = "float8 activations are not supported by lowbit_linear"
+    if why is None and aq is not None and aq.dtype.is_float and aq.granularity != "per_block":
+        why = "float8 activations are not supported by lowbit_linear (MX activations, per_block, are)"
     return why
 
 
@@ -246,6 +246,8 @@ def _scaled_mm_check(x, w):
     aq = w.spec.act_quant
     if aq is None or aq.dtype.torch_dtype is None or not aq.dtype.is_float or aq.static:
         return "needs float8 dynamic activation quantization"
+    if aq.granularity == "per_block":
+        return "MX (per_block) activations need block-scaled matmul, not _scaled_mm's row / tensor scales"
     if w.spec.target.torch_dtype is None or not w.spec.target.is_float or len(w.spec.shape) != 2:
         return "needs a 2-D float8 weight"
     n, k = w.spec.shape
