@@ -184,7 +184,9 @@ class QType:
             return v.to(self.container)
         if self.format.torch_dtype is not None:
             return v.to(self.format.torch_dtype)
-        mags = _magnitudes(self.format).to(v.device)
+        # tables are built per call from Python floats (a cached tensor would be a real tensor inside a
+        # torch.compile trace)
+        mags = torch.tensor(_magnitudes(self.format).tolist(), dtype=torch.float64, device=v.device)
         grid = round_to_float_format(v, self.format)
         code = torch.searchsorted(mags, grid.abs().to(mags.dtype)).to(torch.uint8)
         if self.signed:
@@ -195,7 +197,7 @@ class QType:
         """Real values of `codes` (as `encode` returns them) in `dtype`."""
         if not self.is_float or self.format.torch_dtype is not None:
             return codes.to(dtype)
-        return _values(self.format).to(codes.device, dtype)[codes.long()]
+        return torch.tensor(_value_list(self.format), dtype=dtype, device=codes.device)[codes.long()]
 
 
 @functools.cache
@@ -219,6 +221,11 @@ def _values(f: FloatFormat) -> torch.Tensor:
     """Value of every code (sign bit included) of a table float format, float64 [2**bits]."""
     mags = _magnitudes(f)
     return torch.cat([mags, -mags]) if f.signed else mags
+
+
+@functools.cache
+def _value_list(f: FloatFormat) -> tuple[float, ...]:
+    return tuple(_values(f).tolist())
 
 
 def round_to_float_format(v: torch.Tensor, f: FloatFormat) -> torch.Tensor:

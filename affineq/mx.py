@@ -37,6 +37,8 @@ even on the element grid (subnormals included). All exponent arithmetic is exact
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from affineq.dtypes import QType, qtype
@@ -101,7 +103,7 @@ def _code_params(t: QType, quant_max: float | None) -> tuple[float, int, int]:
     """(qmax, emax_code, mbits) of a code type: the largest code, floor(log2(qmax)), and the mantissa width
     "even" rounds amax to (a float's mantissa bits; emax_code for integers: their fractional bits)."""
     qmax = float(t.qmax if quant_max is None else quant_max)
-    emax = int(_floor_log2(torch.tensor(qmax, dtype=torch.float64)))
+    emax = math.frexp(qmax)[1] - 1  # floor(log2(qmax)), exact
     mbits = t.format.mantissa_bits if t.is_float else emax
     return qmax, emax, mbits
 

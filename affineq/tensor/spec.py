@@ -81,7 +81,8 @@ class ActivationQuant:
     scale_mode: str | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "dtype", qtype(self.dtype))
+        mx = self.granularity == "per_block"  # MX element types also go by their aliases ("mxfp4", "mxint8")
+        object.__setattr__(self, "dtype", mx_element(self.dtype, "ActivationQuant.dtype") if mx else qtype(self.dtype))
         _check_enum("ActivationQuant.mapping_type", self.mapping_type, MappingType)
         _check_enum("ActivationQuant.zero_point_domain", self.zero_point_domain, ZeroPointDomain)
         if self.granularity not in _GRANULARITIES:
@@ -97,7 +98,6 @@ class ActivationQuant:
                              "leave them None or set granularity='per_block'")
 
     def _check_mx(self) -> None:
-        mx_element(self.dtype, "ActivationQuant.dtype")
         b = self.block_size
         if isinstance(b, bool) or not isinstance(b, int) or b < 1:
             raise ValueError(f"ActivationQuant.block_size={b!r}: granularity='per_block' needs a positive int "
