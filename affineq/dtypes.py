@@ -184,9 +184,7 @@ class QType:
             return v.to(self.container)
         if self.format.torch_dtype is not None:
             return v.to(self.format.torch_dtype)
-        # tables are built per call from Python floats (a cached tensor would be a real tensor inside a
-        # torch.compile trace)
-        mags = torch.tensor(_magnitudes(self.format).tolist(), dtype=torch.float64, device=v.device)
+        mags = torch.tensor(_magnitude_list(self.format), dtype=torch.float64, device=v.device)
         grid = round_to_float_format(v, self.format)
         code = torch.searchsorted(mags, grid.abs().to(mags.dtype)).to(torch.uint8)
         if self.signed:
@@ -201,8 +199,9 @@ class QType:
 
 
 @functools.cache
-def _magnitudes(f: FloatFormat) -> torch.Tensor:
-    """Non-negative values of a table float format by code (sign bit clear), ascending, float64."""
+def _magnitude_list(f: FloatFormat) -> tuple[float, ...]:
+    """Non-negative values of a table float format by code (sign bit clear), ascending. Python floats: the
+    tensors are built per call, as a cached tensor would be a real tensor inside a torch.compile trace."""
     bias = (1 << (f.exponent_bits - 1)) - 1
     out = []
     for c in range(1 << (f.exponent_bits + f.mantissa_bits)):
@@ -213,19 +212,14 @@ def _magnitudes(f: FloatFormat) -> torch.Tensor:
             out.append(m * 2.0 ** (1 - bias - f.mantissa_bits))
         else:
             out.append((1 + m / (1 << f.mantissa_bits)) * 2.0 ** (e - bias))
-    return torch.tensor(out, dtype=torch.float64)
-
-
-@functools.cache
-def _values(f: FloatFormat) -> torch.Tensor:
-    """Value of every code (sign bit included) of a table float format, float64 [2**bits]."""
-    mags = _magnitudes(f)
-    return torch.cat([mags, -mags]) if f.signed else mags
+    return tuple(out)
 
 
 @functools.cache
 def _value_list(f: FloatFormat) -> tuple[float, ...]:
-    return tuple(_values(f).tolist())
+    """Value of every code (sign bit included) of a table float format."""
+    mags = _magnitude_list(f)
+    return mags + tuple(-m for m in mags) if f.signed else mags
 
 
 def round_to_float_format(v: torch.Tensor, f: FloatFormat) -> torch.Tensor:
