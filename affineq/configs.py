@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from affineq import granularity as _gran
-from affineq.dtypes import check_target_dtype, is_integer_target, is_signed
+from affineq.dtypes import check_target_dtype, is_integer_target, is_signed, qtype
 from affineq.granularity import Granularity, PerAxis, PerGroup, PerRow, PerTensor, get_block_size
 from affineq.primitives import ROUNDING, MappingType, ZeroPointDomain
 from affineq.tensor.affine import AffineQuantizedTensor
@@ -40,6 +40,7 @@ __all__ = [
 ]
 
 _CONFIGS: dict[str, type[QuantConfig]] = {}
+_POW2_SCALE_MODES = {"pof2": "rceil", "e8m0": "floor"}  # power-of-two scale types -> affineq.mx scale_mode
 _ENUMS = {"MappingType": MappingType, "ZeroPointDomain": ZeroPointDomain}
 
 
@@ -167,6 +168,7 @@ class QuantConfig:
     """
 
     modules: ClassVar[tuple[type[nn.Module], ...]] = (nn.Linear,)
+    _field_types: ClassVar[dict[str, tuple[type, ...]]] = {}  # a subclass's own overrides of _FIELD_TYPES
     param_names: tuple[str, ...] | None = field(default=None, kw_only=True)
 
     def __init_subclass__(cls, **kw):
@@ -175,7 +177,7 @@ class QuantConfig:
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            want = _FIELD_TYPES.get(f.name)
+            want = self._field_types.get(f.name, _FIELD_TYPES.get(f.name))
             value = getattr(self, f.name)
             if want is not None and not isinstance(value, want):
                 names = " or ".join(t.__name__ for t in want)
@@ -384,6 +386,9 @@ class IntxWeightOnlyConfig(QuantConfig):
     an integer zero point (ASYMMETRIC with the INT domain) keeps its qparams in fp32 in `dense`, where a bf16
     offset could not hold it exactly (use zero_point_domain=ZeroPointDomain.FLOAT for 16-bit qparams).
     rounding: how weights round to codes, "half_even" (default), "half_away_from_zero" or "floor".
+    scale_type: None (float scales of `scale_dtype`), "pof2" (power-of-two scales rounded up from amax / qmax:
+    never clip) or "e8m0" (the OCP MX rule, floor(log2(amax)) - floor(log2(qmax)): may saturate); both are stored
+    as E8M0 bytes in `plain` and need a symmetric mapping of a signed dtype.
     """
 
     modules: ClassVar = (nn.Linear, nn.Embedding)
@@ -394,6 +399,7 @@ class IntxWeightOnlyConfig(QuantConfig):
     packing_format: str = "auto"
     scale_dtype: torch.dtype = torch.bfloat16
     rounding: str = "half_even"
+    scale_type: str | None = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -416,6 +422,11 @@ class IntxWeightOnlyConfig(QuantConfig):
         if isinstance(self.granularity, PerAxis) and self.granularity.axis != 0:
             raise ValueError("granularity=PerAxis(axis) must use axis=0 (one scale per output channel)")
         _check_choice("packing_format", self.packing_format, ("auto", "dense", "plain"))
+        _check_choice("scale_type", self.scale_type, (None, *_POW2_SCALE_MODES))
+        if self.scale_type is not None and (self.mapping_type is not MappingType.SYMMETRIC
+                                            or not is_signed(self.weight_dtype) or self.packing_format == "dense"):
+            raise ValueError(f"scale_type={self.scale_type!r} needs mapping_type=MappingType.SYMMETRIC, a signed "
+                             "weight_dtype (torch.int2..torch.int8) and packing_format 'auto' or 'plain'")
 
     def _domain(self) -> ZeroPointDomain:
         """The zero-point domain: as given, else INT for asymmetric mappings and unsigned codes (a symmetric
@@ -431,11 +442,15 @@ class IntxWeightOnlyConfig(QuantConfig):
         return _row_block(shape, self.granularity.group_size)
 
     def weight_spec(self, weight, module):
+        if self.scale_type is not None:  # e8m0 bytes: plain holds them
+            spec = self._spec(weight, module, self.weight_dtype, self.mapping_type, ZeroPointDomain.NONE, "plain")
+            return spec.replace(scale_type=qtype("e8m0"))
         fmt = _auto(self.packing_format, "subbyte", weight, module)
         return self._spec(weight, module, self.weight_dtype, self.mapping_type, self._domain(), fmt)
 
     def qparam_options(self):
-        return QParamOptions(scale_dtype=self.scale_dtype, rounding=self.rounding)
+        mode = None if self.scale_type is None else _POW2_SCALE_MODES[self.scale_type]
+        return QParamOptions(scale_dtype=self.scale_dtype, rounding=self.rounding, scale_mode=mode)
 
 
 @dataclass(frozen=True)

@@ -184,7 +184,7 @@ class QType:
             return v.to(self.container)
         if self.format.torch_dtype is not None:
             return v.to(self.format.torch_dtype)
-        mags = _magnitudes(self.format).to(v.device)
+        mags = torch.tensor(_magnitude_list(self.format), dtype=torch.float64, device=v.device)
         grid = round_to_float_format(v, self.format)
         code = torch.searchsorted(mags, grid.abs().to(mags.dtype)).to(torch.uint8)
         if self.signed:
@@ -195,12 +195,13 @@ class QType:
         """Real values of `codes` (as `encode` returns them) in `dtype`."""
         if not self.is_float or self.format.torch_dtype is not None:
             return codes.to(dtype)
-        return _values(self.format).to(codes.device, dtype)[codes.long()]
+        return torch.tensor(_value_list(self.format), dtype=dtype, device=codes.device)[codes.long()]
 
 
 @functools.cache
-def _magnitudes(f: FloatFormat) -> torch.Tensor:
-    """Non-negative values of a table float format by code (sign bit clear), ascending, float64."""
+def _magnitude_list(f: FloatFormat) -> tuple[float, ...]:
+    """Non-negative values of a table float format by code (sign bit clear), ascending. Python floats: the
+    tensors are built per call, as a cached tensor would be a real tensor inside a torch.compile trace."""
     bias = (1 << (f.exponent_bits - 1)) - 1
     out = []
     for c in range(1 << (f.exponent_bits + f.mantissa_bits)):
@@ -211,14 +212,14 @@ def _magnitudes(f: FloatFormat) -> torch.Tensor:
             out.append(m * 2.0 ** (1 - bias - f.mantissa_bits))
         else:
             out.append((1 + m / (1 << f.mantissa_bits)) * 2.0 ** (e - bias))
-    return torch.tensor(out, dtype=torch.float64)
+    return tuple(out)
 
 
 @functools.cache
-def _values(f: FloatFormat) -> torch.Tensor:
-    """Value of every code (sign bit included) of a table float format, float64 [2**bits]."""
-    mags = _magnitudes(f)
-    return torch.cat([mags, -mags]) if f.signed else mags
+def _value_list(f: FloatFormat) -> tuple[float, ...]:
+    """Value of every code (sign bit included) of a table float format."""
+    mags = _magnitude_list(f)
+    return mags + tuple(-m for m in mags) if f.signed else mags
 
 
 def round_to_float_format(v: torch.Tensor, f: FloatFormat) -> torch.Tensor:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from affineq import cpp as _cpp
+from affineq.mx import fake_quantize_mx
 from affineq.primitives import (
     MappingType,
     ZeroPointDomain,
@@ -78,6 +79,8 @@ def quantize_activation(x2: torch.Tensor, aq: ActivationQuant, qparams=None):
 def fake_quantize_activation(x: torch.Tensor, aq: ActivationQuant, w=None) -> torch.Tensor:
     """dequantize(quantize(x)) with `aq`, same shape and dtype as x (the reference numerics). A static `aq`
     reads its calibrated qparams from the weight `w`."""
+    if aq.granularity == "per_block":  # OCP MX: shared E8M0 scale per block of K
+        return fake_quantize_mx(x, aq.dtype, aq.block_size, aq.scale_mode, axis=-1)
     x2 = x.reshape(-1, x.shape[-1])
     if aq.static:
         q, scale, zp, block = quantize_activation(x2, aq, static_qparams(w))
@@ -116,7 +119,8 @@ def _fused_mode(aq: ActivationQuant) -> int | None:
 
 
 def is_symmetric_int8(aq: ActivationQuant | None) -> bool:
-    return (aq is not None and not aq.static and aq.dtype.name == "int8" and aq.mapping_type in _SYMMETRIC
+    return (aq is not None and not aq.static and aq.granularity != "per_block" and aq.dtype.name == "int8"
+            and aq.mapping_type in _SYMMETRIC
             and aq.zero_point_domain in (ZeroPointDomain.NONE, ZeroPointDomain.INT))
 
 

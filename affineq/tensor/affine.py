@@ -20,6 +20,7 @@ from typing import ClassVar
 import torch
 
 from affineq.dtypes import QType
+from affineq.mx import pow2_scale_exponent
 from affineq.primitives import MappingType, ZeroPointDomain, choose_qparams_affine, quantize_affine
 from affineq.tensor import dispatch
 from affineq.tensor.formats import get_format
@@ -95,9 +96,32 @@ def _check_finite_qparams(scale: torch.Tensor, zero_point: torch.Tensor | None) 
 
 
 def _min_max_qparams(input: torch.Tensor, spec: QuantSpec, o: QParamOptions):
+    if spec.scale_type is not None and o.scale_mode is not None:
+        return _pow2_qparams(input, spec, o.scale_mode), None
     return choose_qparams_affine(input, spec.mapping_type, spec.block_size, spec.target, spec.quant_min,
                                  spec.quant_max, o.eps, o.scale_dtype, o.zero_point_dtype, o.preserve_zero,
                                  spec.zero_point_domain)
+
+
+def _pow2_qparams(input: torch.Tensor, spec: QuantSpec, scale_mode: str) -> torch.Tensor:
+    """fp32 power-of-two scales [n_blocks...] chosen by the MX rule `scale_mode` (`affineq.mx`) from each block's
+    amax and the code range's positive end: the one place e8m0 scales with a `QParamOptions.scale_mode` are
+    chosen, so from_spec, stored_qparams (GPTQ/AWQ/HQQ/QAT) and the configs agree."""
+    if spec.zero_point_domain is not ZeroPointDomain.NONE or spec.mapping_type is MappingType.ASYMMETRIC:
+        raise ValueError(f"scale_mode={scale_mode!r} picks a power-of-two scale for symmetric codes without a zero "
+                         f"point; this spec is {spec.mapping_type.name} / {spec.zero_point_domain.name}: use "
+                         "MappingType.SYMMETRIC with a signed target, or scale_mode=None")
+    if not torch.compiler.is_compiling() and not bool(torch.isfinite(input).all()):
+        raise ValueError("input contains NaN or Inf, which has no finite scale; clean the tensor (torch.nan_to_num) "
+                         "first (affineq.mx.quantize_mx marks such blocks NaN instead)")
+    amax = _block_amax(input, spec.block_size)
+    return torch.exp2(pow2_scale_exponent(amax, spec.target, scale_mode, spec.quant_max).float())
+
+
+def _block_amax(input: torch.Tensor, block_size: tuple[int, ...]) -> torch.Tensor:
+    """max |x| per block, shape [d // b per dim]."""
+    blocked = [v for d, b in zip(input.shape, block_size, strict=True) for v in (d // b, b)]
+    return input.abs().reshape(blocked).amax(dim=tuple(range(1, 2 * input.dim(), 2)))
 
 
 class AffineQuantizedTensor(torch.Tensor):

@@ -59,6 +59,8 @@ def _per_channel_int8(spec: QuantSpec) -> str | None:
         return f"needs per-channel scales, block_size (1, K); got {spec.block_size}"
     if not _is_zero_point_free(spec):
         return "needs symmetric codes (zero point 0)"
+    if spec.scale_type is not None:
+        return f"reads float scales, not {spec.scale_type} bytes"
     return None
 
 
@@ -79,8 +81,8 @@ def _lowbit_check(x, w):
     if why is None and not _cpp.is_available():
         why = f"the affineq C++ kernels are unavailable ({_cpp.unavailable_reason()})"
     aq = w.spec.act_quant
-    if why is None and aq is not None and aq.dtype.is_float:
-        why = "float8 activations are not supported by lowbit_linear"
+    if why is None and aq is not None and aq.dtype.is_float and aq.granularity != "per_block":
+        why = "float8 activations are not supported by lowbit_linear (MX activations, per_block, are)"
     return why
 
 
@@ -246,8 +248,12 @@ def _scaled_mm_check(x, w):
     aq = w.spec.act_quant
     if aq is None or aq.dtype.torch_dtype is None or not aq.dtype.is_float or aq.static:
         return "needs float8 dynamic activation quantization"
+    if aq.granularity == "per_block":
+        return "MX (per_block) activations need block-scaled matmul, not _scaled_mm's row / tensor scales"
     if w.spec.target.torch_dtype is None or not w.spec.target.is_float or len(w.spec.shape) != 2:
         return "needs a 2-D float8 weight"
+    if w.spec.scale_type is not None:
+        return f"reads float scales, not {w.spec.scale_type} bytes"
     n, k = w.spec.shape
     if w.spec.block_size not in ((n, k), (1, k)):
         return f"needs per-tensor or per-row weight scales, got block_size {w.spec.block_size}"

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 
 from affineq.dtypes import QType, check_quant_range, qtype
+from affineq.mx import SCALE_MODES as _SCALE_MODES
+from affineq.mx import mx_element
 from affineq.primitives import MappingType, ZeroPointDomain
 
 __all__ = ["ActivationQuant", "QParamOptions", "QuantSpec", "SPEC_VERSION"]
@@ -23,7 +25,8 @@ __all__ = ["ActivationQuant", "QParamOptions", "QuantSpec", "SPEC_VERSION"]
 #: Version of the `QuantSpec.to_dict` encoding; `from_dict` refuses newer ones.
 SPEC_VERSION = 1
 
-_GRANULARITIES = ("per_token", "per_tensor")
+_GRANULARITIES = ("per_token", "per_tensor", "per_block")
+
 _KEYS = {"version", "shape", "dtype", "target", "block_size", "quant_min", "quant_max", "zero_point_domain",
          "mapping_type", "format", "transposed", "act_quant", "scale_type"}
 
@@ -63,6 +66,9 @@ class ActivationQuant:
     static: False = qparams computed from each input (dynamic); True = the weight carries calibrated
     `act_scale` / `act_zero_point` tensors (per tensor) and every input uses them.
     For float targets `mapping_type` must be SYMMETRIC and `zero_point_domain` NONE.
+    granularity "per_block" is OCP MX (`affineq.mx`): blocks of `block_size` along K, each with a shared E8M0
+    scale chosen by `scale_mode` ("floor", "ceil", "even", "rceil"); x -> dequantize_mx(quantize_mx(x)).
+    It needs an MX element dtype (float8, fp6, fp4, int8 = MXINT8), SYMMETRIC, and is dynamic only.
     """
 
     dtype: Any = torch.int8
@@ -71,21 +77,42 @@ class ActivationQuant:
     zero_point_domain: ZeroPointDomain = ZeroPointDomain.INT
     eps: float | None = None
     static: bool = False
+    block_size: int | None = None
+    scale_mode: str | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "dtype", qtype(self.dtype))
+        mx = self.granularity == "per_block"  # MX element types also go by their aliases ("mxfp4", "mxint8")
+        object.__setattr__(self, "dtype", mx_element(self.dtype, "ActivationQuant.dtype") if mx else qtype(self.dtype))
         _check_enum("ActivationQuant.mapping_type", self.mapping_type, MappingType)
         _check_enum("ActivationQuant.zero_point_domain", self.zero_point_domain, ZeroPointDomain)
         if self.granularity not in _GRANULARITIES:
             raise ValueError(
-                f"ActivationQuant.granularity={self.granularity!r}: use 'per_token' or 'per_tensor'"
+                f"ActivationQuant.granularity={self.granularity!r}: use 'per_token', 'per_tensor' or 'per_block' (MX)"
             )
         if self.static and self.granularity != "per_tensor":
             raise ValueError("ActivationQuant(static=True) needs granularity='per_tensor' (one calibrated scale)")
+        if self.granularity == "per_block":
+            self._check_mx()
+        elif self.block_size is not None or self.scale_mode is not None:
+            raise ValueError("ActivationQuant.block_size / scale_mode apply to granularity='per_block' (MX) only; "
+                             "leave them None or set granularity='per_block'")
+
+    def _check_mx(self) -> None:
+        b = self.block_size
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise ValueError(f"ActivationQuant.block_size={b!r}: granularity='per_block' needs a positive int "
+                             "(32 for OCP MX)")
+        if self.scale_mode not in _SCALE_MODES:
+            raise ValueError(f"ActivationQuant.scale_mode={self.scale_mode!r}: use one of {list(_SCALE_MODES)}")
+        if self.mapping_type is not MappingType.SYMMETRIC:
+            raise ValueError("ActivationQuant granularity='per_block' (MX) is symmetric: use MappingType.SYMMETRIC")
 
     def to_dict(self) -> dict:
-        return {"dtype": self.dtype.name, "mapping_type": self.mapping_type.name, "granularity": self.granularity,
-                "zero_point_domain": self.zero_point_domain.name, "eps": self.eps, "static": self.static}
+        d = {"dtype": self.dtype.name, "mapping_type": self.mapping_type.name, "granularity": self.granularity,
+             "zero_point_domain": self.zero_point_domain.name, "eps": self.eps, "static": self.static}
+        if self.granularity == "per_block":  # only MX writes the new keys: older dicts stay as they were
+            d.update(block_size=self.block_size, scale_mode=self.scale_mode)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> ActivationQuant:
@@ -101,7 +128,7 @@ class ActivationQuant:
             raise ValueError(f"act_quant.dtype: {e}") from None
         return cls(dtype, _enum_member("act_quant.mapping_type", d["mapping_type"], MappingType), d["granularity"],
                    _enum_member("act_quant.zero_point_domain", d["zero_point_domain"], ZeroPointDomain),
-                   d.get("eps"), d.get("static", False))
+                   d.get("eps"), d.get("static", False), d.get("block_size"), d.get("scale_mode"))
 
 
 @dataclass(frozen=True)
@@ -110,6 +137,9 @@ class QParamOptions:
 
     See `choose_qparams_affine`: eps (lower bound on scale), scale_dtype, zero_point_dtype, preserve_zero;
     rounding: how `quantize_affine` rounds the codes ("half_even", "half_away_from_zero", "floor").
+    scale_mode: how a power-of-two scale is chosen when `QuantSpec.scale_type` is e8m0 (`affineq.mx`:
+    "floor" = OCP MX, "ceil", "even", "rceil" = never clips); None = the min/max scale rounded up to a power
+    of two by the format (the rceil rule on the primitives' scale). Ignored without a scale_type.
     """
 
     eps: float | None = None
@@ -117,6 +147,11 @@ class QParamOptions:
     zero_point_dtype: torch.dtype | None = None
     preserve_zero: bool = True
     rounding: str = "half_even"
+    scale_mode: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.scale_mode is not None and self.scale_mode not in _SCALE_MODES:
+            raise ValueError(f"QParamOptions.scale_mode={self.scale_mode!r}: use None or one of {list(_SCALE_MODES)}")
 
 
 @dataclass(frozen=True)
