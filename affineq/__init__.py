@@ -24,6 +24,12 @@ from affineq.configs import (
     QuantConfig,
     config_from_dict,
 )
+from affineq.configs_float import (
+    FPxWeightOnlyConfig,
+    MicroexpWeightOnlyConfig,
+    MXDynamicActivationMXWeightConfig,
+    MXWeightOnlyConfig,
+)
 from affineq.dtypes import QTYPES, FloatFormat, IntFormat, QType, qtype, register_qtype
 from affineq.fusion import ConvReLU, LinearReLU, fold_batch_norm, fuse_modules_
 from affineq.granularity import (
@@ -37,6 +43,8 @@ from affineq.granularity import (
     get_block_size,
     parse_granularity,
 )
+from affineq.microexp import dequantize_microexp, microexp_tensor, quantize_microexp
+from affineq.mx import SCALE_MODES, dequantize_mx, fake_quantize_mx, quantize_mx
 from affineq.observers import (
     MovingAveragePerChannelMinMaxObserver,
     MovingAveragePerTensorMinMaxObserver,
@@ -112,6 +120,17 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'affineq' has no attribute {name!r}")
 
 __all__ = [
+    "FPxWeightOnlyConfig",
+    "MXDynamicActivationMXWeightConfig",
+    "MXWeightOnlyConfig",
+    "MicroexpWeightOnlyConfig",
+    "SCALE_MODES",
+    "dequantize_microexp",
+    "dequantize_mx",
+    "fake_quantize_mx",
+    "microexp_tensor",
+    "quantize_microexp",
+    "quantize_mx",
     "AWQConfig",
     "GPTQConfig",
     "HQQConfig",

@@ -17,12 +17,14 @@ from torch import nn
 from affineq import cpp as _cpp
 from affineq.configs import _POW2_SCALE_MODES, QuantConfig, _check_choice, _row_block
 from affineq.dtypes import QType, qtype
+from affineq.microexp import MICROEXP_FORMATS, microexp_tensor
 from affineq.mx import SCALE_MODES, mx_element
 from affineq.primitives import MappingType, ZeroPointDomain
 from affineq.tensor.formats import get_format
 from affineq.tensor.spec import ActivationQuant, QParamOptions, QuantSpec
 
-__all__ = ["FPxWeightOnlyConfig", "MXDynamicActivationMXWeightConfig", "MXWeightOnlyConfig"]
+__all__ = ["FPxWeightOnlyConfig", "MXDynamicActivationMXWeightConfig", "MXWeightOnlyConfig",
+           "MicroexpWeightOnlyConfig"]
 
 #: (ebits, mbits) -> element type of FPxWeightOnlyConfig.
 FPX_FORMATS = {(2, 1): "fp4_e2m1", (2, 3): "fp6_e2m3", (3, 2): "fp6_e3m2", (4, 3): "float8_e4m3fn",
@@ -115,7 +117,7 @@ class MXWeightOnlyConfig(QuantConfig):
     (stored as the QType name). scale_mode: "floor" (OCP), "ceil", "even" or "rceil" (see `affineq.mx`).
     block_size: 32 is OCP MX; other even sizes are an affineq extension with the same rules.
     The stored tensor dequantizes exactly to `dequantize_mx(*quantize_mx(w, ...))` (MXINT8: for |w| >= 2**-121).
-    MX6 / MX9 (shared micro-exponents) are not OCP element types: they have their own config.
+    MX6 / MX9 (shared micro-exponents) are not OCP element types: `MicroexpWeightOnlyConfig`.
     """
 
     element_dtype: Any = "fp4_e2m1"
@@ -177,3 +179,33 @@ class MXDynamicActivationMXWeightConfig(QuantConfig):
 
     def qparam_options(self):
         return QParamOptions(scale_dtype=torch.float32, scale_mode=self.scale_mode)
+
+
+@dataclass(frozen=True)
+class MicroexpWeightOnlyConfig(QuantConfig):
+    """MX9 / MX6 / MX4 weights (shared micro-exponents, Rouhani et al. 2023; definition in `affineq.microexp`):
+    blocks of 16 input channels share an 8-bit exponent, pairs a 1-bit micro-exponent, elements are sign +
+    7 / 4 / 2 magnitude bits; stored bit-exactly (9 / 6 / 4 bits per weight) in the `microexp` format. No
+    kernel reads that format: linear runs the announced dequantize fallback."""
+
+    fmt: str = "mx9"
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_choice("fmt", self.fmt, tuple(MICROEXP_FORMATS))
+
+    def _block_size(self, shape, module):
+        if len(shape) != 2 or shape[1] % 16:
+            raise ValueError(f"{self.fmt} shares exponents over blocks of 16 input channels: the weight must be 2-D "
+                             f"with in_features divisible by 16, got shape {tuple(shape)}; use MXWeightOnlyConfig or "
+                             "FPxWeightOnlyConfig with group_size=None for this layer")
+        return (1, 2)
+
+    def weight_spec(self, weight, module):
+        f = MICROEXP_FORMATS[self.fmt]
+        return QuantSpec.create(tuple(weight.shape), weight.dtype, f.target, self._block_size(weight.shape, module),
+                                mapping_type=MappingType.SYMMETRIC, zero_point_domain=ZeroPointDomain.NONE,
+                                quant_min=-f.qmax, quant_max=f.qmax, packing_format="microexp", scale_type="e8m0")
+
+    def quantize_weight(self, weight, module):
+        return microexp_tensor(weight, self.fmt)

@@ -75,7 +75,7 @@ def mx_element(element_dtype, param: str = "element_dtype") -> QType:
         str(element_dtype).removeprefix("torch.") if isinstance(element_dtype, torch.dtype) else element_dtype)
     if isinstance(name, str) and name.lower() in ("mx6", "mx9"):
         raise ValueError(f"{param}={element_dtype!r}: MX6/MX9 share micro-exponents (Rouhani et al. 2023), they are "
-                         "not OCP MX element types; use affineq's MX6/MX9 (shared micro-exponent) config for them")
+                         "not OCP MX element types; use affineq.MicroexpWeightOnlyConfig(fmt='mx9') (or 'mx6')")
     name = _ALIASES.get(name, name) if isinstance(name, str) else name
     if name not in MX_ELEMENT_DTYPES:
         raise ValueError(f"{param}={element_dtype!r} is not an OCP MX element type; use one of "

@@ -166,3 +166,36 @@ def test_linear_fallback_is_announced():
     q = microexp_tensor(torch.randn(16, 32), "mx9")
     with pytest.warns(KernelFallbackWarning, match="microexp"):
         F.linear(torch.randn(2, 32), q)
+
+
+@pytest.mark.parametrize("fmt", ["mx9", "mx6"])
+def test_config_through_quantize_eager_compiled_and_weights_only_load(fmt):
+    from torch import nn
+
+    from affineq import MicroexpWeightOnlyConfig, config_from_dict, quantize_
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 16))
+    w0 = model[0].weight.detach().clone()
+    x = torch.randn(5, 64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", KernelFallbackWarning)
+        quantize_(model, MicroexpWeightOnlyConfig(fmt))
+        qw = model[0].weight
+        expect = microexp_tensor(w0, fmt)
+        assert qw.spec == expect.spec and torch.equal(qw.dequantize(), expect.dequantize())
+        assert qw.storage_bytes() * 8 / qw.numel() == {"mx9": 9.0, "mx6": 6.0}[fmt]
+        with torch.no_grad():
+            y = model(x)
+            torch._dynamo.reset()
+            torch.testing.assert_close(torch.compile(model, fullgraph=True, backend="aot_eager")(x), y)
+        buf = io.BytesIO()
+        torch.save(model.state_dict(), buf)
+        buf.seek(0)
+        fresh = nn.Sequential(nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 16))
+        fresh.load_state_dict(torch.load(buf, weights_only=True), assign=True)
+        fresh.requires_grad_(False)
+        assert torch.equal(fresh(x), y)
+    assert config_from_dict(MicroexpWeightOnlyConfig(fmt).to_dict()) == MicroexpWeightOnlyConfig(fmt)
+    with pytest.raises(ValueError, match="fmt="):
+        MicroexpWeightOnlyConfig("mx5")
