@@ -18,6 +18,13 @@ from affineq.configs import (
     _check_choice,
     _row_block,
 )
+from affineq.configs_float import (
+    FPX_FORMATS,
+    FPxWeightOnlyConfig,
+    MicroexpWeightOnlyConfig,
+    MXDynamicActivationMXWeightConfig,
+    MXWeightOnlyConfig,
+)
 from affineq.dtypes import is_signed, qtype
 from affineq.granularity import Granularity, PerAxis, PerGroup, PerRow, PerTensor, get_block_size
 from affineq.primitives import ROUNDING, MappingType, ZeroPointDomain
@@ -25,6 +32,7 @@ from affineq.quantize import QuantizationError
 from affineq.quark_config import (
     _FLOAT_DTYPES,
     DTYPE_TARGETS,
+    MX_ELEMENTS,
     Dtype,
     QSchemeType,
     QuantizationSpec,
@@ -143,8 +151,48 @@ _ROUNDING = {None: "half_even", RoundType.half_even: "half_even", RoundType.roun
              RoundType.floor: "floor"}
 
 
+_FPX = {name: bits for bits, name in FPX_FORMATS.items()}
+_FPX_SCALES = {None: "float32", ScaleType.float32: "float32", ScaleType.float16: "float16",
+               ScaleType.bfloat16: "bfloat16", ScaleType.float: "float", ScaleType.pof2: "pof2"}
+
+
+def _mx_block(s: QuantizationSpec, name: str, k: int = 32) -> int:
+    """The block size of a Dtype.mx / mx6 / mx9 spec: its per_group group_size along the input features."""
+    if s.qscheme not in (None, QSchemeType.per_group) or s.ch_axis not in (None, 1, -1):
+        raise QuantizationError(f"{name}: Dtype.{s.dtype.name} shares scales over blocks along the input features; "
+                                f"use qscheme=per_group, group_size={k}, ch_axis=-1")
+    if s.scale_type not in (None, ScaleType.pof2):
+        raise QuantizationError(f"{name}: Dtype.{s.dtype.name} scales are E8M0 powers of two; use "
+                                "scale_type=ScaleType.pof2 (or None)")
+    return s.group_size or k
+
+
+def _block_format(w: QuantizationSpec) -> QuantConfig | None:
+    """MX, MX6/MX9 and fp8/fp6/fp4 per-channel or per-group weights (the configs with packed kernels)."""
+    if w.dtype is Dtype.mx:
+        return MXWeightOnlyConfig(MX_ELEMENTS[w.mx_element_dtype], block_size=_mx_block(w, "weight"))
+    if w.dtype in (Dtype.mx6, Dtype.mx9):
+        if _mx_block(w, "weight", 16) != 16:
+            raise QuantizationError(f"weight: Dtype.{w.dtype.name} shares an exponent over 16 values; use "
+                                    "group_size=16")
+        return MicroexpWeightOnlyConfig(w.dtype.name)
+    name = qtype(DTYPE_TARGETS[w.dtype]).name if w.dtype in DTYPE_TARGETS else None
+    if name not in _FPX or (w.qscheme or QSchemeType.per_tensor) is QSchemeType.per_tensor:
+        return None
+    ebits, mbits = _FPX[name]
+    return FPxWeightOnlyConfig(ebits, mbits, _row_group(_weight_granularity(w)), _FPX_SCALES[w.scale_type])
+
+
+def _row_group(gran: Granularity) -> int | None:
+    return gran.group_size if isinstance(gran, PerGroup) else None
+
+
 def weight_only_config(w: QuantizationSpec) -> QuantConfig:
     rounding = _ROUNDING[w.round_method]
+    block = _block_format(w)
+    if block is not None and not (isinstance(block, FPxWeightOnlyConfig) and block.ebits >= 4
+                                  and block.group_size is None and w.scale_type in (None, ScaleType.float32)):
+        return block  # fp8 per channel with float32 scales stays Float8WeightOnlyConfig below
     target = DTYPE_TARGETS[w.dtype]
     gran = _weight_granularity(w)
     is_float = w.dtype in _FLOAT_DTYPES
@@ -177,6 +225,13 @@ def weight_only_config(w: QuantizationSpec) -> QuantConfig:
 def dynamic_config(a: QuantizationSpec, w: QuantizationSpec) -> QuantConfig:
     combo = (f"dynamic input {a.dtype.name} {a.qscheme and a.qscheme.name} symmetric={a.symmetric} with weight "
              f"{w.dtype.name} {w.qscheme and w.qscheme.name} symmetric={w.symmetric}")
+    if a.dtype is Dtype.mx and w.dtype is Dtype.mx:
+        block = _mx_block(w, "weight")
+        if _mx_block(a, "input_tensors") != block:
+            raise QuantizationError(f"{combo}: MX input and weight blocks must match along K; give both "
+                                    f"group_size={block}")
+        return MXDynamicActivationMXWeightConfig(MX_ELEMENTS[a.mx_element_dtype], MX_ELEMENTS[w.mx_element_dtype],
+                                                 block_size=block)
     if a.scale_type is ScaleType.pof2 or w.scale_type is ScaleType.pof2:
         raise QuantizationError(f"{combo}: power-of-two scales with dynamic activations need a packing that stores "
                                 "e8m0 scales for them (only weight-only 'plain' does); use scale_type=float32")

@@ -29,12 +29,14 @@ Activations: an `input_tensors` spec with qscheme per_channel means per token (o
 flattened [M, K] input; its ch_axis is not used), per_tensor one scale per input.
 
 What runs now: weight-only specs (int2/int3/int4/uint4/int8/uint8, fp8_e4m3/fp8_e5m2, fp6_e3m2/fp6_e2m3,
-fp4); dynamic per-token activations in the combinations of affineq's dynamic configs (int8 x int8,
-int8 x int4, fp8 x fp8); static (calibrated) int8/uint8 per-tensor inputs with int8 per-channel weights,
+fp4 with float32/float16/bfloat16/float/pof2 scales: `FPxWeightOnlyConfig`; Dtype.mx with its
+mx_element_dtype: `MXWeightOnlyConfig`; Dtype.mx6/mx9: `MicroexpWeightOnlyConfig`); dynamic activations in the
+combinations of affineq's dynamic configs (int8 x int8, int8 x int4, fp8 x fp8, MX x MX); static (calibrated)
+int8/uint8 per-tensor inputs with int8 per-channel weights,
 optionally with a static int8/uint8 per-tensor output (`Int8StaticActivationInt8WeightConfig`). round_method
 (half_even, round = half away from zero, floor) applies to integer weights of weight-only layers (float
 formats and activations round half to even). Refused by `quantize_` with a `QuantizationError` naming what is
-missing: bias specs, dynamic output specs, Dtype.mx/mx6/mx9/bfloat16/float16. `algo_config` (GPTQ, AWQ, HQQ) or
+missing: bias specs, dynamic output specs, Dtype.bfloat16/float16. `algo_config` (GPTQ, AWQ, HQQ) or
 `pre_quant_opt_config` (SmoothQuant): an algorithm template (`GPTQConfig(None, ...)`) that wraps every layer's
 resolved weight config.
 `observer_cls` is recorded (and round-trips) for calibration; weights and dynamic activations get min/max
@@ -42,7 +44,7 @@ qparams, what Quark's MinMax observers compute.
 
 target_device: CPU adds no constraint; weights whose affineq config has a packed CPU kernel are the ones in
 the README table (Int8/Int4/Intx/Float8 weight-only, 8da8w, 8da4w); power-of-two scales, per-tensor
-weights and fp6/fp4 codes use `plain` (dequantize-then-linear). IPU: the rule enforced here follows Quark's
+weights and MX6/MX9 use the announced dequantize-then-linear fallback. IPU: the rule enforced here follows Quark's
 IPU/NPU (XINT8) constraints as documented for Ryzen AI: every quantized tensor must be int8 or uint8 with
 power-of-two scales (scale_type=ScaleType.pof2).
 """
@@ -148,16 +150,15 @@ DTYPE_TARGETS: dict[Dtype, torch.dtype | str] = {
     Dtype.fp4: "fp4_e2m1",
 }
 _UNUSABLE = {
-    Dtype.mx: "the MX block formats are not implemented; use Dtype.fp8_e4m3, Dtype.fp6_e3m2 or Dtype.fp4 with "
-              "qscheme=per_group, group_size=32, scale_type=ScaleType.pof2 (MX element types, e8m0 scales)",
-    Dtype.mx6: "MX6 (shared-microexponent) is not implemented; use Dtype.fp6_e3m2/fp6_e2m3 with "
-               "qscheme=per_group, group_size=32, scale_type=ScaleType.pof2",
-    Dtype.mx9: "MX9 (shared-microexponent) is not implemented; use Dtype.int8 with qscheme=per_group, "
-               "group_size=32, scale_type=ScaleType.pof2",
     Dtype.bfloat16: "bfloat16 means 'leave float in bfloat16': call model.to(torch.bfloat16) and leave this "
                     "tensor's spec None",
     Dtype.float16: "float16 means 'leave float in float16': call model.to(torch.float16) and leave this "
                    "tensor's spec None",
+}
+#: OCP MX element types (QuantizationSpec.mx_element_dtype with dtype=Dtype.mx) -> affineq element dtype.
+MX_ELEMENTS: dict[Dtype, torch.dtype | str] = {
+    Dtype.fp8_e4m3: torch.float8_e4m3fn, Dtype.fp8_e5m2: torch.float8_e5m2, Dtype.fp6_e3m2: "fp6_e3m2",
+    Dtype.fp6_e2m3: "fp6_e2m3", Dtype.fp4: "fp4_e2m1", Dtype.int8: torch.int8,
 }
 _FLOAT_DTYPES = {Dtype.fp8_e4m3, Dtype.fp8_e5m2, Dtype.fp6_e3m2, Dtype.fp6_e2m3, Dtype.fp4, Dtype.mx,
                  Dtype.mx6, Dtype.mx9, Dtype.bfloat16, Dtype.float16}
@@ -195,13 +196,21 @@ class QuantizationSpec:
     round_method: RoundType | None = None
     scale_type: ScaleType | None = None
     zero_point_type: ZeroPointType | None = None
+    mx_element_dtype: Dtype | None = None
 
     def __post_init__(self) -> None:
         o = "QuantizationSpec"
         _need_enum(o, "dtype", self.dtype, Dtype, optional=False)
         for name, cls in (("qscheme", QSchemeType), ("round_method", RoundType), ("scale_type", ScaleType),
-                          ("zero_point_type", ZeroPointType)):
+                          ("zero_point_type", ZeroPointType), ("mx_element_dtype", Dtype)):
             _need_enum(o, name, getattr(self, name), cls)
+        if (self.dtype is Dtype.mx) != (self.mx_element_dtype is not None):
+            raise ValueError(f"{o}.mx_element_dtype={self.mx_element_dtype} with dtype={self.dtype.name}: Dtype.mx "
+                             "needs mx_element_dtype (one of " + ", ".join(d.name for d in MX_ELEMENTS) + "), "
+                             "other dtypes take none")
+        if self.mx_element_dtype is not None and self.mx_element_dtype not in MX_ELEMENTS:
+            raise ValueError(f"{o}.mx_element_dtype={self.mx_element_dtype.name} is not an OCP MX element type; use "
+                             "one of " + ", ".join(d.name for d in MX_ELEMENTS))
         for name in ("is_dynamic", "symmetric"):
             if not (getattr(self, name) is None or isinstance(getattr(self, name), bool)):
                 raise ValueError(f"{o}.{name}={getattr(self, name)!r}: use True, False or None")
@@ -247,7 +256,7 @@ class QuantizationSpec:
             raise ValueError(f"QuantizationSpec has no fields {sorted(set(d) - names)}; use {sorted(names)}")
         kw: dict[str, Any] = dict(d)
         for name, ecls in (("dtype", Dtype), ("qscheme", QSchemeType), ("round_method", RoundType),
-                           ("scale_type", ScaleType), ("zero_point_type", ZeroPointType)):
+                           ("scale_type", ScaleType), ("zero_point_type", ZeroPointType), ("mx_element_dtype", Dtype)):
             v = kw.get(name)
             if v is not None:
                 if v not in ecls.__members__:
@@ -446,9 +455,10 @@ class Config(ModelConfig):
         if w is None:
             raise QuantizationError("input_tensors without a weight spec: affineq quantizes activations through "
                                     "the quantized weight of a Linear; give this layer a weight spec")
-        if w.scale_type in (ScaleType.float16,):
-            raise QuantizationError("weight.scale_type=float16: affineq configs store float32 or bfloat16 scales; "
-                                    "use ScaleType.float32, ScaleType.bfloat16 or ScaleType.pof2")
+        if w.scale_type is ScaleType.float16 and w.dtype not in _FLOAT_DTYPES:
+            raise QuantizationError("weight.scale_type=float16 with an integer dtype: affineq's integer configs store "
+                                    "float32 or bfloat16 scales; use ScaleType.float32, ScaleType.bfloat16 or "
+                                    "ScaleType.pof2 (float16 scales are available for fp8/fp6/fp4 weights)")
         if a is not None and a.round_method not in (None, RoundType.half_even):
             raise QuantizationError(f"input_tensors.round_method={a.round_method.name}: activations are rounded "
                                     "half to even by the kernels; use RoundType.half_even (or None)")

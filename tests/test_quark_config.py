@@ -29,6 +29,12 @@ from affineq import (
     quantize_,
 )
 from affineq._quark_mapping import PlainWeightOnlyConfig
+from affineq.configs_float import (
+    FPxWeightOnlyConfig,
+    MicroexpWeightOnlyConfig,
+    MXDynamicActivationMXWeightConfig,
+    MXWeightOnlyConfig,
+)
 from affineq.quark_config import (
     STATIC_ACTIVATION_MESSAGE,
     Config,
@@ -90,6 +96,9 @@ def qc(**kw):
     (dict(dtype=Dtype.int4, group_size=32), ["group_size", "per_group"]),
     (dict(dtype=Dtype.fp8_e4m3, symmetric=False), ["symmetric", "fp8_e4m3", "symmetric=True"]),
     (dict(dtype=Dtype.fp4, symmetric=False), ["symmetric", "fp4"]),
+    (dict(dtype=Dtype.mx), ["mx_element_dtype", "fp4"]),
+    (dict(dtype=Dtype.int8, mx_element_dtype=Dtype.fp4), ["mx_element_dtype", "other dtypes take none"]),
+    (dict(dtype=Dtype.mx, mx_element_dtype=Dtype.int4), ["int4", "not an OCP MX element type"]),
     (dict(dtype=Dtype.int8, observer_cls=object()), ["observer_cls", "class"]),
     (dict(dtype=Dtype.int8, observer_cls="MinMaxObserver"), ["observer_cls", "class"]),
     (dict(dtype=Dtype.fp8_e4m3, round_method=RoundType.floor), ["round_method", "half_even", "float formats"]),
@@ -111,7 +120,7 @@ def test_spec_errors(kwargs, words):
 def test_spec_accepts():
     QuantizationSpec(Dtype.int8, round_method=RoundType.half_even, scale_type=ScaleType.pof2)
     QuantizationSpec(Dtype.fp8_e4m3, symmetric=True)
-    QuantizationSpec(Dtype.mx)  # accepted here, refused by quantize_
+    QuantizationSpec(Dtype.mx, qscheme=QSchemeType.per_group, ch_axis=-1, group_size=32, mx_element_dtype=Dtype.fp4)
     QuantizationSpec(Dtype.int8, observer_cls=nn.Identity)
 
 
@@ -241,9 +250,24 @@ def test_exclude_patterns():
     (POF2, PlainWeightOnlyConfig("int8", PerTensor(), scale_type="e8m0")),
     (QuantizationSpec(Dtype.fp4, qscheme=QSchemeType.per_group, ch_axis=-1, group_size=32,
                       scale_type=ScaleType.pof2),
-     PlainWeightOnlyConfig("fp4_e2m1", PerGroup(32), scale_type="e8m0")),
+     FPxWeightOnlyConfig(2, 1, 32, "pof2")),
+    (QuantizationSpec(Dtype.fp4, qscheme=QSchemeType.per_tensor, scale_type=ScaleType.pof2),
+     PlainWeightOnlyConfig("fp4_e2m1", PerTensor(), scale_type="e8m0")),
     (QuantizationSpec(Dtype.fp6_e3m2, qscheme=QSchemeType.per_channel, ch_axis=0),
-     PlainWeightOnlyConfig("fp6_e3m2", PerAxis(0))),
+     FPxWeightOnlyConfig(3, 2, None)),
+    (QuantizationSpec(Dtype.fp6_e2m3, qscheme=QSchemeType.per_group, ch_axis=1, group_size=64,
+                      scale_type=ScaleType.float16),
+     FPxWeightOnlyConfig(2, 3, 64, "float16")),
+    (QuantizationSpec(Dtype.fp8_e4m3, qscheme=QSchemeType.per_group, ch_axis=1, group_size=32),
+     FPxWeightOnlyConfig(4, 3, 32)),
+    (QuantizationSpec(Dtype.mx, qscheme=QSchemeType.per_group, ch_axis=-1, group_size=32, mx_element_dtype=Dtype.fp4),
+     MXWeightOnlyConfig("fp4_e2m1")),
+    (QuantizationSpec(Dtype.mx, mx_element_dtype=Dtype.int8), MXWeightOnlyConfig(torch.int8)),
+    (QuantizationSpec(Dtype.mx, mx_element_dtype=Dtype.fp6_e2m3, scale_type=ScaleType.pof2),
+     MXWeightOnlyConfig("fp6_e2m3")),
+    (QuantizationSpec(Dtype.mx9), MicroexpWeightOnlyConfig("mx9")),
+    (QuantizationSpec(Dtype.mx6, qscheme=QSchemeType.per_group, ch_axis=-1, group_size=16),
+     MicroexpWeightOnlyConfig("mx6")),
     (QuantizationSpec(Dtype.uint8, qscheme=QSchemeType.per_tensor, symmetric=False),
      PlainWeightOnlyConfig("uint8", PerTensor(), MappingType.ASYMMETRIC, ZeroPointDomain.INT)),
     (QuantizationSpec(Dtype.int8, qscheme=QSchemeType.per_channel, ch_axis=0, round_method=RoundType.floor),
@@ -274,6 +298,14 @@ def test_dynamic_mapping(a, w, want):
     assert Config(qc()).to_affineq(qc(input_tensors=a, weight=w)) == want
 
 
+def test_dynamic_mx_mapping():
+    a = QuantizationSpec(Dtype.mx, is_dynamic=True, mx_element_dtype=Dtype.fp8_e4m3)
+    w = QuantizationSpec(Dtype.mx, qscheme=QSchemeType.per_group, ch_axis=-1, group_size=32,
+                         mx_element_dtype=Dtype.fp4)
+    want = MXDynamicActivationMXWeightConfig(torch.float8_e4m3fn, "fp4_e2m1")
+    assert Config(qc()).to_affineq(qc(input_tensors=a, weight=w)) == want
+
+
 def test_dynamic_per_tensor_int8_mapping():
     a = QuantizationSpec(Dtype.int8, is_dynamic=True, qscheme=QSchemeType.per_tensor, symmetric=True)
     want = Int8DynamicActivationInt8WeightConfig(act_granularity="per_tensor")
@@ -281,9 +313,15 @@ def test_dynamic_per_tensor_int8_mapping():
 
 
 @pytest.mark.parametrize("q, words", [
-    (qc(weight=QuantizationSpec(Dtype.mx)), ["Dtype.mx", "fp4", "pof2"]),
-    (qc(weight=QuantizationSpec(Dtype.mx6)), ["Dtype.mx6", "fp6"]),
-    (qc(weight=QuantizationSpec(Dtype.mx9)), ["Dtype.mx9", "int8"]),
+    (qc(weight=QuantizationSpec(Dtype.mx, mx_element_dtype=Dtype.fp4, scale_type=ScaleType.float32)),
+     ["Dtype.mx", "E8M0", "pof2"]),
+    (qc(weight=QuantizationSpec(Dtype.mx, mx_element_dtype=Dtype.fp4, qscheme=QSchemeType.per_channel)),
+     ["Dtype.mx", "per_group", "group_size=32"]),
+    (qc(weight=QuantizationSpec(Dtype.mx6, qscheme=QSchemeType.per_group, ch_axis=1, group_size=32)),
+     ["Dtype.mx6", "group_size=16"]),
+    (qc(weight=QuantizationSpec(Dtype.mx, mx_element_dtype=Dtype.fp4), input_tensors=QuantizationSpec(
+        Dtype.mx, is_dynamic=True, mx_element_dtype=Dtype.fp8_e4m3, qscheme=QSchemeType.per_group, ch_axis=-1,
+        group_size=16)), ["blocks must match", "group_size=32"]),
     (qc(weight=QuantizationSpec(Dtype.bfloat16)), ["Dtype.bfloat16", "model.to(torch.bfloat16)"]),
     (qc(weight=QuantizationSpec(Dtype.float16)), ["Dtype.float16", "model.to(torch.float16)"]),
     (qc(weight=W8, output_tensors=QuantizationSpec(Dtype.int8)), [STATIC_ACTIVATION_MESSAGE]),
@@ -424,7 +462,7 @@ def test_algorithm_fields_take_algorithm_templates(kwargs, words):
 
 
 @pytest.mark.parametrize("cfg, words", [
-    (Config(qc(weight=QuantizationSpec(Dtype.mx9))), ["Dtype.mx9"]),
+    (Config(qc(weight=QuantizationSpec(Dtype.bfloat16))), ["Dtype.bfloat16"]),
     # an exactly named non-Linear module is selected and its config's check refuses it
     (Config(qc(weight=W8), layer_quant_config={"layers.0.norm": qc(weight=W4)}), ["layers.0.norm", "LayerNorm"]),
 ])
