@@ -96,3 +96,14 @@ def test_static_per_token_activations_are_refused():
 
     with pytest.raises(ValueError, match="per token"):
         FakeQuantizer(FakeQuantizeConfig(torch.int8, "per_token", is_dynamic=False), activation=True)
+
+
+def test_power_of_two_scales_are_refused_with_a_way_out():
+    from affineq import IntxWeightOnlyConfig, PerGroup, QuantizationError, quantize_
+
+    model = nn.Sequential(nn.Linear(64, 32))
+    before = model[0].weight.detach().clone()
+    cfg = IntxWeightOnlyConfig(torch.int4, PerGroup(32), scale_type="pof2")
+    with pytest.raises(QuantizationError, match="power-of-two .* no QAT counterpart.*scale_type=None"):
+        quantize_(model, QATConfig(cfg, step="prepare"))
+    assert type(model[0]) is nn.Linear and torch.equal(model[0].weight, before)

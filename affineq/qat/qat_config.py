@@ -77,6 +77,10 @@ def fake_quantize_configs(base: QuantConfig, weight: torch.Tensor, module: nn.Mo
                          "activation_config / weight_config (FakeQuantizeConfig)")
     spec = base.weight_spec(weight, module)
     opts = base.qparam_options()
+    if spec.scale_type is not None:
+        raise ValueError(f"{type(base).__name__} with power-of-two ({spec.scale_type}) scales has no QAT counterpart "
+                         "(FakeQuantizeConfig learns float scales); train with scale_type=None and quantize with "
+                         "power-of-two scales after training")
     target = spec.target.torch_dtype
     full = QuantSpec.create(spec.shape, spec.dtype, spec.target, spec.block_size)
     if target is None or (spec.quant_min, spec.quant_max) != (full.quant_min, full.quant_max):
