@@ -99,6 +99,8 @@ def test_static_per_token_activations_are_refused():
 
 
 def test_power_of_two_scales_are_refused_with_a_way_out():
+    from torch import nn
+
     from affineq import IntxWeightOnlyConfig, PerGroup, QuantizationError, quantize_
 
     model = nn.Sequential(nn.Linear(64, 32))
