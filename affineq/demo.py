@@ -33,6 +33,7 @@ from torch import nn
 from affineq import (
     AffineQuantizedTensor,
     Float8WeightOnlyConfig,
+    FPxWeightOnlyConfig,
     FqnToConfig,
     Int4WeightOnlyConfig,
     Int8DynamicActivationInt4WeightConfig,
@@ -40,6 +41,7 @@ from affineq import (
     Int8WeightOnlyConfig,
     IntxWeightOnlyConfig,
     KernelFallbackWarning,
+    MXWeightOnlyConfig,
     PerGroup,
     QuantConfig,
     quantize_,
@@ -60,6 +62,10 @@ CONFIGS: dict[str, QuantConfig | None] = {
     "8da4w": Int8DynamicActivationInt4WeightConfig(group_size=32),
     "int3-g32": IntxWeightOnlyConfig(torch.int3, PerGroup(32)),
     "fp8": Float8WeightOnlyConfig(),
+    "fp6-g32": FPxWeightOnlyConfig(2, 3, group_size=32),   # fp6 E2M3, float32 scale per 32
+    "fp4-g32": FPxWeightOnlyConfig(2, 1, group_size=32),   # fp4 E2M1, float32 scale per 32
+    "mxfp6": MXWeightOnlyConfig("fp6_e2m3"),                # OCP MX: E8M0 scale per 32
+    "mxfp4": MXWeightOnlyConfig("fp4_e2m1"),
     # int4 body, int8 output head (tied to the embedding in SmolLM2): most of the int4 perplexity loss is the head's
     "int4-g64+int8-head": FqnToConfig({"lm_head": Int8WeightOnlyConfig(),
                                        "_default": Int4WeightOnlyConfig(group_size=64)}),

@@ -34,8 +34,9 @@ from affineq import models as M  # noqa: E402
 from affineq.demo import CONFIGS, FLOAT_ROWS, model_bytes, quantized_bytes_per_param  # noqa: E402
 
 LM_CONFIGS = ["float32", "bfloat16", "torch.ao-int8-dyn", "int8", "int4-g64", "int4-g64+int8-head", "int4-g32",
-              "int8-dyn", "8da4w", "fp8"]
-ENC_CONFIGS = ["float32", "bfloat16", "torch.ao-int8-dyn", "int8", "int4-g128", "int8-dyn"]
+              "int8-dyn", "8da4w", "fp8", "fp6-g32", "mxfp6", "fp4-g32", "mxfp4"]
+ENC_CONFIGS = ["float32", "bfloat16", "torch.ao-int8-dyn", "int8", "int4-g128", "int8-dyn", "fp6-g32", "mxfp6",
+               "fp4-g32", "mxfp4"]
 
 
 def _linear_bytes(model: nn.Module, dtype_bytes: int = 2) -> tuple[int, int]:
