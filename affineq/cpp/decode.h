@@ -9,6 +9,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "decode_fpx.h"
 #include "lowbit_kernels.h"
 #include "simd.h"
 
@@ -18,15 +19,23 @@ namespace affineq::detail {
 namespace {
 
 // Template "widths" B: 1..8 are unsigned codes of that many bits; kBE4M3 / kBE5M2 are float8 bytes stored in
-// the 8-bit layout. bits_of(B) is the storage width.
+// the 8-bit layout; kBF4 / kBF6A / kBF6B (decode_fpx.h) are fp4 / fp6 bit patterns in the 4- / 6-bit layout.
+// bits_of(B) is the storage width.
 inline constexpr int kBE4M3 = 8 | 16, kBE5M2 = 8 | 32;
 constexpr int bits_of(int B) { return B & 15; }
+constexpr bool is_fp8(int B) { return B == kBE4M3 || B == kBE5M2; }
+// Widths path 3 (exact int16 codes) serves: integers, and fp4 / fp6 times int16_mult (float8 values are not
+// small integers).
+constexpr bool int16_ok(int B) { return !is_fp8(B); }
+// Path 3's scale multiplier: codes reach it as value * int16_mult(B).
+constexpr float int16_code_scale(int B) { return 1.f / static_cast<float>(int16_mult(B)); }
 // The float8 decoders below return e4m3 values times 2^-8 (an exact re-bias into fp16); code_scale undoes it.
 constexpr float code_scale(int B) { return B == kBE4M3 ? 256.f : 1.f; }
 // X(B) for every width a path is instantiated for (explicit instantiations in the path files; dispatch.cpp
 // maps (bits, codes) to these).
 #define AQ_FOR_EACH_UINT_WIDTH(X) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8)
-#define AQ_FOR_EACH_WIDTH(X) AQ_FOR_EACH_UINT_WIDTH(X) X(kBE4M3) X(kBE5M2)
+#define AQ_FOR_EACH_INT16_WIDTH(X) AQ_FOR_EACH_UINT_WIDTH(X) X(kBF4) X(kBF6A) X(kBF6B)
+#define AQ_FOR_EACH_WIDTH(X) AQ_FOR_EACH_INT16_WIDTH(X) X(kBE4M3) X(kBE5M2)
 
 // Portable float8 -> float (also the reference for the SIMD decoders): e4m3fn has bias 7, no infinities and
 // NaN at 0x7F/0xFF; e5m2 is the top byte of an IEEE fp16.
@@ -212,7 +221,7 @@ AQ_INLINE void decode_unit_i(const uint8_t* p, F&& f) {
 template <int B, class F>
 AQ_INLINE void decode_unit(const uint8_t* p, F&& f) {
 #if AQ_AVX2 && defined(__F16C__)
-  if constexpr (B > 8) {
+  if constexpr (is_fp8(B)) {
     // AVX2 float8: the fp16 bits of 32 codes per op (the bytes of k = 2j and 2j + 1 become words through
     // vpunpck*bw, within 128-bit lanes), then vcvtph2ps from L1: no vextracti128 per 16 codes as in registers.
     alignas(32) uint16_t buf[128];
@@ -235,7 +244,8 @@ AQ_INLINE void decode_unit(const uint8_t* p, F&& f) {
     return;
   }
 #endif
-  if constexpr (B > 8) sfor<8>([&](auto T) { f(T, fp8x16<B>(p + 16 * AQ_CV(T))); });
+  if constexpr (is_fp8(B)) sfor<8>([&](auto T) { f(T, fp8x16<B>(p + 16 * AQ_CV(T))); });
+  else if constexpr (is_fpx(B)) decode_unit_i<bits_of(B)>(p, [&](auto T, I16 v) { f(T, fcode<B>(v)); });
   else decode_unit_i<B>(p, [&](auto T, I16 v) { f(T, i2f(v)); });
 }
 

@@ -55,8 +55,12 @@ AQ_INLINE float bf16_to_float(uint16_t b) {
 }
 
 // Element i of an [n, G] qparam array as the kernels use it: the fp32 scale times `mul`, or the fp32 offset
-// (for bf16 qparams: z - 2^(bits-1) * scale).
+// (for bf16 qparams: z - 2^(bits-1) * scale; for e8m0 qparams: scale * code_offset).
 AQ_INLINE float qparam_at(const LowbitProblem& p, bool offset, float mul, int64_t i) {
+  if (p.qparams_e8m0) {
+    const float s = e8m0_to_float(static_cast<const uint8_t*>(p.scale)[i]);
+    return offset ? s * static_cast<float>(p.code_offset) : s * mul;
+  }
   if (!p.qparams_bf16) return static_cast<const float*>(offset ? p.offset : p.scale)[i] * mul;
   const float s = bf16_to_float(static_cast<const uint16_t*>(p.scale)[i]);
   if (!offset) return s * mul;
@@ -67,7 +71,8 @@ AQ_INLINE float qparam_at(const LowbitProblem& p, bool offset, float mul, int64_
 int path_for(const LowbitProblem& p, int force_path) {
   const bool gemv_ok = p.group_size % 8 == 0;  // the GEMV and the int16 GEMM step through groups 8 k at a time
   // The caller decides (x dtype, environment); float8 values are not int16 codes, so they never take it.
-  const bool use_vnni = kHasVnni && p.allow_int16_x && p.codes == kCodesUint && gemv_ok;
+  const bool int16_codes = p.codes != kCodesE4M3 && p.codes != kCodesE5M2;  // integers, fp4 / fp6 (decode.h)
+  const bool use_vnni = kHasVnni && p.allow_int16_x && int16_codes && gemv_ok;
   const bool use_bf16 = kHasBf16Dot && p.x_bf16 != nullptr;
   const int big = use_bf16 ? 4 : use_vnni ? 3 : 2;  // the GEMM path for this x
   int path = force_path;
@@ -76,7 +81,7 @@ int path_for(const LowbitProblem& p, int force_path) {
   // were tuned by measurement (see benchmarks/README.md, kernel design measurements).
   if (path == 0) path = !gemv_ok ? big : p.m <= (big > 2 ? 2 : 8) ? 1 : big;
   if (path == 4 && !use_bf16) path = use_vnni ? 3 : 2;
-  if (path == 3 && !(kHasVnni && p.codes == kCodesUint && gemv_ok)) path = 2;
+  if (path == 3 && !(kHasVnni && int16_codes && gemv_ok)) path = 2;
   if (path == 1 && !gemv_ok) path = 2;
   return path;
 }
@@ -87,7 +92,7 @@ void run(const Ctx& c, int force_path) {
   if (path == 1) gemv_path<B>(c);
 #if AQ_VNNI
   else if (path == 3) {
-    if constexpr (B <= 8) qgemm_path<B>(c);
+    if constexpr (int16_ok(B)) qgemm_path<B>(c);
   }
 #endif
 #if AQ_BF16DOT
@@ -121,9 +126,16 @@ void lowbit_linear_f32(const LowbitProblem& p, int force_path) {
     case 1: detail::run<1>(c, force_path); break;
     case 2: detail::run<2>(c, force_path); break;
     case 3: detail::run<3>(c, force_path); break;
-    case 4: detail::run<4>(c, force_path); break;
+    case 4:
+      if (p.codes == kCodesFp4E2M1) detail::run<detail::kBF4>(c, force_path);
+      else detail::run<4>(c, force_path);
+      break;
     case 5: detail::run<5>(c, force_path); break;
-    case 6: detail::run<6>(c, force_path); break;
+    case 6:
+      if (p.codes == kCodesFp6E2M3) detail::run<detail::kBF6A>(c, force_path);
+      else if (p.codes == kCodesFp6E3M2) detail::run<detail::kBF6B>(c, force_path);
+      else detail::run<6>(c, force_path);
+      break;
     case 7: detail::run<7>(c, force_path); break;
     case 8:
       if (p.codes == kCodesE4M3) detail::run<detail::kBE4M3>(c, force_path);
@@ -138,13 +150,16 @@ const char* kernel_isa() { return detail::kIsa; }
 
 int lowbit_path(const LowbitProblem& p, int force_path) { return detail::path_for(p, force_path); }
 
-void dequantize_f32(const uint8_t* packed, const void* scale, const void* offset, bool qparams_bf16, int bits,
-                    int codes, int64_t group_size, int64_t n, int64_t k, float* w) {
+void dequantize_f32(const uint8_t* packed, const void* scale, const void* offset, bool qparams_bf16,
+                    bool qparams_e8m0, int code_offset, int bits, int codes, int64_t group_size, int64_t n,
+                    int64_t k, float* w) {
   const int64_t U = (k + 7) / 8, G = k / group_size, panel_bytes = 16 * U * bits;
   LowbitProblem qp{};
   qp.scale = scale;
   qp.offset = offset;
   qp.qparams_bf16 = qparams_bf16;
+  qp.qparams_e8m0 = qparams_e8m0;
+  qp.code_offset = code_offset;
   qp.bits = bits;
   at::parallel_for(0, (n + 15) / 16, detail::grain_for(16 * k), [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
@@ -165,8 +180,9 @@ void dequantize_f32(const uint8_t* packed, const void* scale, const void* offset
             slot0 += q;
           }
           const int64_t g = kk / group_size;
-          const float c =
-              codes == kCodesUint ? static_cast<float>(code) : detail::fp8_to_float(static_cast<uint8_t>(code), codes);
+          const float c = codes == kCodesUint                     ? static_cast<float>(code)
+                          : codes == kCodesE4M3 || codes == kCodesE5M2 ? detail::fp8_to_float(static_cast<uint8_t>(code), codes)
+                                                                      : detail::fpx_to_float(static_cast<uint8_t>(code), codes);
           // One rounding of scale * c + offset, always (std::fma, not left to the compiler's contraction, which
           // fused only some elements); the PyTorch fallback computes the same in float64.
           w[row * k + kk] =
