@@ -4,7 +4,7 @@
 //   fcode<B>:  their fp32 values (paths 1, 2 and 4), a table lookup in registers;
 //   icode<B>:  their values times int16_mult(B), exact small integers (path 3's int16 code pairs).
 // AVX-512: one vpermps (fp4, 16 entries) or vpermt2ps over the 5-bit magnitude plus a sign xor (fp6);
-// AVX2: vpermps over the 3-bit magnitude (blends for fp6's 5 bits) plus the sign xor; portable: an array.
+// portable: an array. (AVX2 with F16C converts whole units through fp16 bits instead, in decode.h.)
 // The sign xor needs no mask: each table entry is stored xor (index << (31 - mag_bits)), so xoring the whole
 // code shifted to put its sign bit at bit 31 cancels the magnitude bits it drags along and flips the sign.
 #pragma once
@@ -60,8 +60,8 @@ inline float fpx_to_float(uint8_t code, int codes) {
   }
 }
 
-// Tables: entry i = the bits of value(i) (fp4: all 16 signed codes; fp6: the 32 magnitudes, pre-xored as the
-// header says), float or int32 (value * int16_mult).
+// Tables: f32[i] = the bits of magnitude i's value, pre-xored as the header says (AVX-512 fp6); i32: values
+// times int16_mult (path 3); val: the plain signed value of every code (AVX-512 fp4, portable decoders).
 template <int B>
 struct FpxTables {
   static constexpr int kMagBits = fpx_bits(B) - 1;
@@ -92,15 +92,10 @@ struct FpxTables {
 template <int B>
 AQ_INLINE F16 fcode(I16 v) {
   using T = FpxTables<B>;
-  constexpr int kSignShift = 31 - T::kMagBits;  // code << kSignShift puts the sign bit at bit 31
 #if AQ_AVX512
+  constexpr int kSignShift = 31 - T::kMagBits;  // code << kSignShift puts the sign bit at bit 31
   if constexpr (B == kBF4) {
-    // all 16 signed codes in one table: no sign step
-    alignas(64) static constexpr float kAll[16] = {
-        fpx_value(B, 0), fpx_value(B, 1), fpx_value(B, 2),  fpx_value(B, 3),  fpx_value(B, 4),  fpx_value(B, 5),
-        fpx_value(B, 6), fpx_value(B, 7), fpx_value(B, 8),  fpx_value(B, 9),  fpx_value(B, 10), fpx_value(B, 11),
-        fpx_value(B, 12), fpx_value(B, 13), fpx_value(B, 14), fpx_value(B, 15)};
-    return {_mm512_permutexvar_ps(v.v, _mm512_load_ps(kAll))};
+    return {_mm512_permutexvar_ps(v.v, _mm512_load_ps(T::val))};  // all 16 signed codes: no sign step
   } else {
     const __m512 lo = _mm512_castsi512_ps(_mm512_load_si512(T::f32)),
                  hi = _mm512_castsi512_ps(_mm512_load_si512(T::f32 + 16));
@@ -108,21 +103,13 @@ AQ_INLINE F16 fcode(I16 v) {
     return {_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(r), _mm512_slli_epi32(v.v, kSignShift)))};
   }
 #elif AQ_AVX2
-  const auto half = [](__m256i c) {
-    const __m256i s = _mm256_slli_epi32(c, kSignShift);
-    __m256 r = _mm256_permutevar8x32_ps(_mm256_castsi256_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(T::f32))), c);
-    if constexpr (T::kMagBits == 5) {
-      // bits 3 and 4 of the magnitude pick one of 4 tables of 8 (vblendvps reads bit 31 of its mask)
-      const auto tab = [&](int j) {
-        return _mm256_permutevar8x32_ps(
-            _mm256_castsi256_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(T::f32 + 8 * j))), c);
-      };
-      const __m256 b3 = _mm256_castsi256_ps(_mm256_slli_epi32(c, 28)), b4 = _mm256_castsi256_ps(_mm256_slli_epi32(c, 27));
-      r = _mm256_blendv_ps(_mm256_blendv_ps(r, tab(1), b3), _mm256_blendv_ps(tab(2), tab(3), b3), b4);
-    }
-    return _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(r), s));
-  };
-  return {half(v.a), half(v.b)};
+  // Only reached without F16C: AVX2 with F16C decodes whole units through fp16 bits instead (decode_unit).
+  alignas(32) int32_t c[16];
+  alignas(32) float t[16];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(c), v.a);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(c + 8), v.b);
+  for (int i = 0; i < 16; ++i) t[i] = T::val[c[i]];
+  return fload(t);
 #else
   F16 r;
   for (int i = 0; i < 16; ++i) r.v[i] = T::val[v.v[i]];
