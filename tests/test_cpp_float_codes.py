@@ -179,6 +179,13 @@ def test_e8m0_represent_keeps_powers_of_two_and_rounds_up_others() -> None:
     r, _ = get_format(spec.fmt).represent_qparams(s, None, spec)
     want = torch.tensor([0.25, 0.5, 1.0, 4.0, 2.0**-20, 8.0]).repeat(16 * 2)[: 16 * 2].view(16, 2)
     assert torch.equal(r, want)
+    # every e8m0 power of two stays; one ulp above rounds up (fp32 log2 would round it down and clip)
+    e = torch.arange(-126, 127, dtype=torch.float32).view(1, -1).expand(16, -1)
+    spec = _spec((16, 32 * e.shape[1]), "fp4_e2m1")
+    r, _ = get_format(spec.fmt).represent_qparams(torch.exp2(e), None, spec)
+    assert torch.equal(r, torch.exp2(e))
+    r, _ = get_format(spec.fmt).represent_qparams(torch.exp2(e) * (1 + 2.0**-23), None, spec)
+    assert torch.equal(r, torch.exp2(e + 1))
 
 
 def test_e8m0_op_arguments_are_checked() -> None:

@@ -40,7 +40,8 @@ Kernels (chosen per call; x of any float dtype is converted to fp32 first, the o
   registers, scale and offset applied once per group; streams the packed weights once (memory-bound).
 * larger m: a [256 x 32] tile of W is expanded into L1 and reused by all rows of x; an fp32 FMA micro-kernel
   runs on it. fp32 products, fp32 accumulation: results match ``lowbit_linear_reference`` to ~1e-6.
-* larger m, AVX512-VNNI CPUs, bf16/fp16 x (by default; integer codes only): the tile holds exact int16 code pairs and
+* larger m, AVX512-VNNI CPUs, bf16/fp16 x (by default; integer, fp4 and fp6 codes: the latter as the exact
+  integers value * 2 / 8 / 16 for e2m1 / e2m3 / e3m2): the tile holds exact int16 code pairs and
   ``vpdpwssd`` (2 MACs per lane, i.e. the bf16 ``F.linear`` rate) multiplies them with x rounded to 16-bit
   fixed point per (row, block of <= 256 columns inside a group): per element error <= 2**-16 *
   max|x_block|, ~1e-5 relative in y, far below the bf16/fp16 output rounding. ``AFFINEQ_KERNELS_INT16_X=1``

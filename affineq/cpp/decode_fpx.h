@@ -66,7 +66,8 @@ template <int B>
 struct FpxTables {
   static constexpr int kMagBits = fpx_bits(B) - 1;
   alignas(64) static constexpr uint32_t f32[32] = {
-#define AQ_E(i) (i < (1 << kMagBits) ? std::bit_cast<uint32_t>(fpx_mag_scaled(B, i, 0)) ^ (uint32_t{i} << (31 - kMagBits)) : 0u)
+#define AQ_E(i) \
+  (i < (1 << kMagBits) ? std::bit_cast<uint32_t>(fpx_mag_scaled(B, i, 0)) ^ (uint32_t{i} << (31 - kMagBits)) : 0u)
       AQ_E(0),  AQ_E(1),  AQ_E(2),  AQ_E(3),  AQ_E(4),  AQ_E(5),  AQ_E(6),  AQ_E(7),  AQ_E(8),  AQ_E(9),  AQ_E(10),
       AQ_E(11), AQ_E(12), AQ_E(13), AQ_E(14), AQ_E(15), AQ_E(16), AQ_E(17), AQ_E(18), AQ_E(19), AQ_E(20), AQ_E(21),
       AQ_E(22), AQ_E(23), AQ_E(24), AQ_E(25), AQ_E(26), AQ_E(27), AQ_E(28), AQ_E(29), AQ_E(30), AQ_E(31)};

@@ -3,9 +3,11 @@
 //
 // y = x @ W^T with W[n, k] = scale[n, g] * u[n, k] + offset[n, g], g = k / group_size, u unsigned `bits`-bit
 // codes in the 16-row panel layout (documented in affineq/cpp/__init__.py), or float8 bytes (e4m3fn / e5m2,
-// 8-bit layout) whose value replaces u. scale/offset are fp32, or bf16 with the offset holding the zero z of
-// W = scale * (u - 2^(bits-1)) + z; either way they are turned into fp32 scale/offset once per tile while being
-// transposed (common.cpp), so the inner loops never see bf16.
+// 8-bit layout) or fp4 / fp6 bit patterns (4- / 6-bit layout, decode_fpx.h) whose value replaces u.
+// scale/offset are fp32, or bf16 with the offset holding the zero z of W = scale * (u - 2^(bits-1)) + z; either
+// way they are turned into fp32 scale/offset once per tile while being transposed (common.cpp), so the inner
+// loops never see bf16; so are e8m0 exponent bytes (OCP MX scales, no offset array: offset = scale *
+// code_offset).
 //
 // Four paths (chosen in path_for below), one file each:
 //  1. gemv.cpp: fused GEMV (m <= 2 before path 3 or 4, else m <= 8; group_size % 8 == 0): decode codes
@@ -20,7 +22,7 @@
 //  4. gemm_bf16.cpp: dequant to bf16 + bf16 dot GEMM (AVX512-BF16, bf16 x, m >= 3): like 2 but the tile holds
 //     W rounded to bf16 (scale and offset already applied) and vdpbf16ps multiplies it with x as given: no
 //     per-group rescaling in the inner loop, so small groups cost no more than large ones.
-// Shared code: simd.h (ISA shims), decode.h (code decoders), common.h / common.cpp (scratch buffers, qparam
+// Shared code: simd.h (ISA shims), decode.h / decode_fpx.h (code decoders), common.h / common.cpp (scratch buffers, qparam
 // loading, Ctx, GEMM tiling). Each path file instantiates its template for every width, so the files compile
 // in parallel (see _build.py).
 //
@@ -180,9 +182,10 @@ void dequantize_f32(const uint8_t* packed, const void* scale, const void* offset
             slot0 += q;
           }
           const int64_t g = kk / group_size;
-          const float c = codes == kCodesUint                     ? static_cast<float>(code)
-                          : codes == kCodesE4M3 || codes == kCodesE5M2 ? detail::fp8_to_float(static_cast<uint8_t>(code), codes)
-                                                                      : detail::fpx_to_float(static_cast<uint8_t>(code), codes);
+          const uint8_t b = static_cast<uint8_t>(code);
+          const float c = codes == kCodesUint                         ? static_cast<float>(code)
+                          : codes == kCodesE4M3 || codes == kCodesE5M2 ? detail::fp8_to_float(b, codes)
+                                                                       : detail::fpx_to_float(b, codes);
           // One rounding of scale * c + offset, always (std::fma, not left to the compiler's contraction, which
           // fused only some elements); the PyTorch fallback computes the same in float64.
           w[row * k + kk] =

@@ -188,8 +188,10 @@ _E8M0_BIAS = 127
 
 def _round_scale_to_pow2(scale: torch.Tensor) -> torch.Tensor:
     """The smallest power of two >= scale (so no value clips), within e8m0's 2**-127..2**127, in fp32."""
-    e = torch.ceil(torch.log2(scale.float())).clamp(-_E8M0_BIAS, _E8M0_BIAS)
-    return torch.exp2(e)
+    # frexp, not ceil(log2): fp32 log2 rounds 2**e * (1 + 2**-23) down to e, which would clip that scale
+    m, e = torch.frexp(scale.float())  # scale = m * 2**e, m in [0.5, 1)
+    e = torch.where(m == 0.5, e - 1, e).float()
+    return torch.exp2(torch.where(scale > 0, e, -_E8M0_BIAS).clamp(-_E8M0_BIAS, _E8M0_BIAS))
 
 
 def _e8m0_bytes(scale: torch.Tensor) -> torch.Tensor:
@@ -197,7 +199,7 @@ def _e8m0_bytes(scale: torch.Tensor) -> torch.Tensor:
 
 
 def _e8m0_values(b: torch.Tensor) -> torch.Tensor:
-    return torch.exp2(b.float() - _E8M0_BIAS)
+    return _cpp.e8m0_values(b)  # 2**(b - 127), 0xFF = NaN (OCP MX), as the C++ kernels decode them
 
 
 # -- formats ------------------------------------------------------------------------------------------
