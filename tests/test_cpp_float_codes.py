@@ -100,8 +100,11 @@ def test_lowbit_linear_matches_dequantized_weight(target, kind, bits, qp, xdtype
             ref = x.double() @ wr.T
             tol = {1: 1e-5, 2: 1e-5, 3: 2e-4, 4: 1e-5}[ran]
             bound = tol * (x.double().abs() @ wr.abs().T) + out_eps * ref.abs() + 1e-30
-            err = (op(x, pk, s, o, bits, gs, n, k, kind, path).double() - ref).abs()
+            y = op(x, pk, s, o, bits, gs, n, k, kind, path)
+            err = (y.double() - ref).abs()
             assert bool((err <= bound).all()), (m, path, ran, float((err / bound).max()))
+            if o is not None:  # an fp32 scale without offset means offset 0 (what dense stores for fp4 / fp6)
+                assert torch.equal(op(x, pk, s, None, bits, gs, n, k, kind, path), y)
         # the default choice agrees with the public op
         y = torch.ops.affineq.lowbit_linear(x, pk, s, o, bits, gs, n, k, kind)
         assert torch.equal(y, op(x, pk, s, o, bits, gs, n, k, kind, 0))
@@ -156,6 +159,22 @@ def test_mx_storage_bits_per_element(target: str, bits_per_element: float) -> No
     assert set(a.tensors) == {"qdata", "scale"}
     assert a.tensors["scale"].dtype == torch.uint8
     assert _stored_bits(a) == bits_per_element
+
+
+@pytest.mark.parametrize("target,bits_per_element", [("fp4_e2m1", 5.0), ("fp6_e2m3", 7.0), ("fp6_e3m2", 7.0)])
+def test_fpx_fp32_scales_store_no_offset(target: str, bits_per_element: float) -> None:
+    # FPx with an fp32 scale per 32: the codes plus 32 / 32 bits; the offset of float codes is 0, not stored
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(6))
+    a = _aqt(w, target, None)
+    assert set(a.tensors) == {"qdata", "scale"} and a.tensors["scale"].dtype == torch.float32
+    assert _stored_bits(a) == bits_per_element
+    assert torch.equal(a.dequantize(), _aqt(w, target, None, fmt="plain").dequantize())
+    if K.is_available():
+        x = torch.randn(5, 256)
+        torch.testing.assert_close(F.linear(x, a), F.linear(x, a.dequantize()), rtol=1e-5, atol=1e-5)
+        lin = torch.nn.Linear(256, 64, bias=False)
+        lin.weight = torch.nn.Parameter(a, requires_grad=False)
+        torch.testing.assert_close(torch.compile(lin, fullgraph=True)(x), lin(x), rtol=1e-6, atol=1e-6)
 
 
 def test_e8m0_integer_codes_with_zero_points() -> None:

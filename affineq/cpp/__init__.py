@@ -15,7 +15,8 @@ E2M1 value of the bit pattern ``u`` for ``CODES_FP4_E2M1``, with ``bits=6`` the 
 ``offset`` holds the zero ``z`` and ``W = scale * (u - 2**(bits - 1)) + z``, so a bf16 float zero point is
 stored exactly. e8m0 qparams (OCP MX shared scales): ``scale`` is uint8 exponent bytes ``b`` (value
 ``2**(b - 127)``), ``offset`` is None and ``W = 2**(b - 127) * (c(u) + code_offset)``, exact (``code_offset``
-is ``quant_min`` for integer codes stored as ``q - quant_min``, 0 for float codes).
+is ``quant_min`` for integer codes stored as ``q - quant_min``, 0 for float codes). An fp32 ``scale`` may also
+come without ``offset`` (None: offset 0, all that float codes need).
 
 Packed layout (``pack_codes``; a uint8 tensor of shape ``[n, ceil(k / 8) * bits]``):
 
@@ -278,14 +279,14 @@ def _check_args(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offs
         return
     if code_offset != 0:
         raise ValueError("lowbit_linear: code_offset applies to e8m0 (uint8) scales only; fold it into offset")
-    if offset is None:
-        raise ValueError("lowbit_linear: float32/bfloat16 scales need an offset tensor (None only with e8m0 uint8 "
-                         "scales)")
-    for name, t in (("scale", scale), ("offset", offset)):
+    if offset is None and scale.dtype != torch.float32:
+        raise ValueError("lowbit_linear: bfloat16 scales need an offset tensor (None: float32 or e8m0 uint8 "
+                         "scales only)")
+    for name, t in (("scale", scale), ("offset", scale if offset is None else offset)):
         if t.dtype not in (torch.float32, torch.bfloat16) or tuple(t.shape) != (n, g):
             raise ValueError(f"lowbit_linear: {name} must be float32 or bfloat16 of shape [n, k // group_size] = "
                              f"[{n}, {g}], got {t.dtype} {tuple(t.shape)}")
-    if scale.dtype != offset.dtype:
+    if offset is not None and scale.dtype != offset.dtype:
         raise ValueError(f"lowbit_linear: scale and offset must share a dtype, got {scale.dtype} and {offset.dtype}")
     if scale.dtype == torch.bfloat16 and codes != CODES_UINT:
         raise ValueError("lowbit_linear: bfloat16 qparams (the W = scale * (u - 2**(bits-1)) + zero convention) "
@@ -307,7 +308,8 @@ def _dequantize(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor 
         s = e8m0_values(scale)
         o = s * code_offset
     else:
-        s, o = scale.float(), offset.float()
+        s = scale.float()
+        o = torch.zeros_like(s) if offset is None else offset.float()
     if scale.dtype == torch.bfloat16:
         o = o - (1 << (bits - 1)) * s
     # One rounding of s * c + o, as the C++ op's std::fma: the product of a 24-bit scale and an 8-bit code is

@@ -63,6 +63,7 @@ AQ_INLINE float qparam_at(const LowbitProblem& p, bool offset, float mul, int64_
     const float s = e8m0_to_float(static_cast<const uint8_t*>(p.scale)[i]);
     return offset ? s * static_cast<float>(p.code_offset) : s * mul;
   }
+  if (offset && p.offset == nullptr) return 0.f;
   if (!p.qparams_bf16) return static_cast<const float*>(offset ? p.offset : p.scale)[i] * mul;
   const float s = bf16_to_float(static_cast<const uint16_t*>(p.scale)[i]);
   if (!offset) return s * mul;

@@ -17,7 +17,7 @@ struct LowbitProblem {
   int64_t m;
   const uint8_t* packed;   // codes in the panel layout documented in affineq/cpp/__init__.py
   const void* scale;       // [n, k / group_size] fp32 or bf16 (qparams_bf16), contiguous
-  const void* offset;      // [n, k / group_size], same dtype as scale
+  const void* offset;      // [n, k / group_size], same dtype as scale; null: 0 (fp32 scales of float codes)
   // bf16 qparams use the tinygemm convention: offset holds the zero z, W = scale * (u - 2^(bits-1)) + z
   // (integer codes only), so a float zero point is stored exactly instead of a rounded scale * u offset.
   bool qparams_bf16 = false;

@@ -49,8 +49,9 @@ bool codes_ok(int64_t codes, int64_t bits) {
   }
 }
 
-// scale/offset: both float32 or both bfloat16, [n, k / group_size]; or scale uint8 e8m0 exponent bytes with no
-// offset (offset = scale * code_offset). Returns whether the qparams are e8m0.
+// scale/offset: both float32 or both bfloat16, [n, k / group_size]; a float32 scale without offset (offset 0: float
+// codes); or scale uint8 e8m0 exponent bytes with no offset (offset = scale * code_offset). Returns whether the
+// qparams are e8m0.
 bool check_qparams(const char* op, const at::Tensor& scale, const std::optional<at::Tensor>& offset_opt,
                    int64_t bits, int64_t codes, int64_t code_offset, int64_t n, int64_t G) {
   TORCH_CHECK(codes_ok(codes, bits), op,
@@ -67,9 +68,10 @@ bool check_qparams(const char* op, const at::Tensor& scale, const std::optional<
     return true;
   }
   TORCH_CHECK(code_offset == 0, op, ": code_offset applies to e8m0 (uint8) scales only; fold it into offset");
-  TORCH_CHECK(offset_opt.has_value() && offset_opt->defined(), op,
-              ": float32/bfloat16 scales need an offset tensor (None only with e8m0 uint8 scales)");
-  const at::Tensor& offset = *offset_opt;
+  const bool has_offset = offset_opt.has_value() && offset_opt->defined();
+  TORCH_CHECK(has_offset || scale.scalar_type() == at::kFloat, op,
+              ": bfloat16 scales need an offset tensor (None: float32 or e8m0 uint8 scales only)");
+  const at::Tensor& offset = has_offset ? *offset_opt : scale;  // no offset: check scale twice
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"scale", scale}, {"offset", offset}}) {
     TORCH_CHECK((t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16) && t.device().is_cpu(), op,
                 ": ", name, " must be a float32 or bfloat16 CPU tensor, got ", t.scalar_type(), " on ", t.device());
@@ -128,14 +130,15 @@ at::Tensor lowbit_linear_impl(const at::Tensor& x, const at::Tensor& packed, con
   at::Tensor y = at::empty({M, n}, xf.options());
   if (M > 0 && n > 0) {
     const at::Tensor pk = packed.contiguous(), sc = scale.contiguous();
-    const at::Tensor of = e8m0 ? at::Tensor() : offset->contiguous();
+    const bool has_offset = offset.has_value() && offset->defined();
+    const at::Tensor of = has_offset ? offset->contiguous() : at::Tensor();
     LowbitProblem p;
     p.x = xf.const_data_ptr<float>();
     p.ldx = K8;
     p.m = M;
     p.packed = pk.const_data_ptr<uint8_t>();
     p.scale = sc.const_data_ptr();
-    p.offset = e8m0 ? nullptr : of.const_data_ptr();
+    p.offset = has_offset ? of.const_data_ptr() : nullptr;  // null: offset 0 (or scale * code_offset for e8m0)
     p.qparams_bf16 = sc.scalar_type() == at::kBFloat16;
     p.qparams_e8m0 = e8m0;
     p.code_offset = static_cast<int>(code_offset);
@@ -167,10 +170,11 @@ at::Tensor lowbit_dequantize_cpu(const at::Tensor& packed, const at::Tensor& sca
   const bool e8m0 =
       check_qparams("affineq::lowbit_dequantize", scale, offset, bits, codes, code_offset, n, k / group_size);
   const at::Tensor pk = packed.contiguous(), sc = scale.contiguous();
-  const at::Tensor of = e8m0 ? at::Tensor() : offset->contiguous();
+  const bool has_offset = offset.has_value() && offset->defined();
+  const at::Tensor of = has_offset ? offset->contiguous() : at::Tensor();
   at::Tensor w = at::empty({n, k}, scale.options().dtype(at::kFloat));
   if (n > 0)
-    dequantize_f32(pk.const_data_ptr<uint8_t>(), sc.const_data_ptr(), e8m0 ? nullptr : of.const_data_ptr(),
+    dequantize_f32(pk.const_data_ptr<uint8_t>(), sc.const_data_ptr(), has_offset ? of.const_data_ptr() : nullptr,
                    sc.scalar_type() == at::kBFloat16, e8m0, static_cast<int>(code_offset), static_cast<int>(bits),
                    static_cast<int>(codes), group_size, n, k, w.mutable_data_ptr<float>());
   return w;

@@ -7,6 +7,7 @@ multiply a format lives in `affineq.tensor.linear_kernels`; the op table never l
 |-----------|---------------------------------------------------|--------------------------------------|-------------|
 | plain     | one code per element (int8/uint8/int16/int32/fp8) | scale, zero_point (reduced shape)    | any rank    |
 | dense     | 1-8 bit codes, fp8 / fp6 / fp4 codes, bit-packed  | scale, offset [N, K/g]: fp32 or bf16;| 2-D, (1, g) |
+|           |                                                   | fp6 / fp4: fp32 scale, no offset;    |             |
 |           |                                                   | e8m0: scale bytes [N, K/g], no offset|             |
 | int4_cpu  | aten `_convert_weight_to_int4pack_for_cpu`        | scale_and_zero [K/g, N, 2]           | 2-D, (1, g) |
 | int4_cuda | aten `_convert_weight_to_int4pack` (CUDA)         | scale_and_zero [K/g, N, 2] bf16      | 2-D, (1, g) |
@@ -21,7 +22,8 @@ layouts name a `portable` format that holds the same codes and qparams exactly (
     w = scale * (u - 2**(bits-1)) + zero                    (dense with bf16 qparams; see `Dense`)
     w = scale * (u - 8) + zero,  zero = offset + 8 * scale  (int4 tinygemm layout)
 with offset derived from the zero-point domain (see `_offset`), so one kernel serves INT, FLOAT and NONE.
-Float8 / fp6 / fp4 codes in `dense` are their bit patterns, u = the float value, offset 0. With
+Float8 / fp6 / fp4 codes in `dense` are their bit patterns, u = the float value, offset 0 (float8 stores the
+zeros, fp6 / fp4 do not: fp4 with an fp32 scale per 32 costs 5 bits per element). With
 `scale_type` e8m0 (OCP MX) `dense` stores one exponent byte per group and no offset:
     w = 2**(b - 127) * (c(u) + code_offset),  code_offset = quant_min (integer codes), 0 (float codes)
 which is exact, so MXFP4 costs 4 + 8/32 = 4.25 bits per element, MXFP6 6.25, MXFP8 and MXINT8 8.25.
@@ -290,6 +292,8 @@ class Dense(PackingFormat):
         qdata = TensorLayout((n, -(-k // 8) * bits), (torch.uint8,))
         if spec.scale_type is not None:  # e8m0 exponent bytes, no offset
             return {"qdata": qdata, "scale": TensorLayout((n, k // spec.block_size[1]), (torch.uint8,))}
+        if self._scale_only(spec):
+            return {"qdata": qdata, "scale": TensorLayout((n, k // spec.block_size[1]), (torch.float32,))}
         qp = TensorLayout((n, k // spec.block_size[1]), (torch.float32, torch.bfloat16))
         return {"qdata": qdata, "scale": qp, "offset": qp}
 
@@ -347,8 +351,16 @@ class Dense(PackingFormat):
             "scale": scale.to(qdtype).reshape(n, -1).contiguous(),
             "offset": offset.to(qdtype).reshape(n, -1).contiguous(),
         }
+        if self._scale_only(spec):
+            del t["offset"]
         self._check_representable(t, spec)
         return t
+
+    @staticmethod
+    def _scale_only(spec: QuantSpec) -> bool:
+        """fp4 / fp6 codes with fp32 scales store no offset (it is 0; the kernel takes offset=None): 4 + 32 / g
+        bits per element. (float8 keeps its stored zeros: the layout of existing checkpoints.)"""
+        return spec.scale_type is None and spec.target.is_float and spec.target.torch_dtype is None
 
     def _check_representable(self, t: Tensors, spec: QuantSpec) -> None:
         """ValueError unless w = scale * u + offset stays finite in fp32 for every code u (the C++ kernel and
@@ -375,7 +387,7 @@ class Dense(PackingFormat):
             return s, s * dense_code_offset(spec)
         if t["scale"].dtype == torch.bfloat16:
             return t["scale"].float(), t["offset"].float() - 2 ** (spec.target.bits - 1) * t["scale"].float()
-        return t["scale"], t["offset"]
+        return t["scale"], t["offset"] if "offset" in t else torch.zeros_like(t["scale"])
 
     def codes(self, t, spec):
         n, k = spec.shape
@@ -405,7 +417,7 @@ class Dense(PackingFormat):
             return w.to(output_dtype)
         canonical = self._canonical(t, spec)
         scale, offset = (torch.ones_like(t["scale"]), torch.zeros_like(t["offset"])) if canonical else (
-            t["scale"], t["offset"])
+            t["scale"], t.get("offset"))
         w = torch.ops.affineq.lowbit_dequantize(  # C++ when built, the same math in PyTorch otherwise
             t["qdata"], scale, offset, spec.target.bits, spec.block_size[1], n, k, _cpp.codes_kind(spec.target),
         )

@@ -94,7 +94,7 @@ def _lowbit_run(x, w, bias):
     n, k = spec.shape
     e8m0 = spec.scale_type is not None  # exponent bytes, no offset tensor (see formats.Dense)
     out = torch.ops.affineq.lowbit_linear(
-        x, w._qdata, w._scale, None if e8m0 else w._offset, spec.target.bits, spec.block_size[1], n, k,
+        x, w._qdata, w._scale, getattr(w, "_offset", None), spec.target.bits, spec.block_size[1], n, k,
         _cpp.codes_kind(spec.target), dense_code_offset(spec) if e8m0 else 0,
     )
     return out if bias is None else out + bias
