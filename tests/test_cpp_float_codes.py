@@ -14,10 +14,11 @@ import affineq
 import affineq.cpp as K
 from affineq.dtypes import qtype
 from affineq.primitives import MappingType, ZeroPointDomain, dequantize_affine
+from affineq.tensor.activation import fake_quantize_activation
 from affineq.tensor.affine import AffineQuantizedTensor
 from affineq.tensor.formats import get_format
 from affineq.tensor.kernel_registry import auto_format
-from affineq.tensor.spec import QuantSpec
+from affineq.tensor.spec import ActivationQuant, QuantSpec
 
 # (target, codes kind, storage bits)
 FPX = [("fp4_e2m1", K.CODES_FP4_E2M1, 4), ("fp6_e2m3", K.CODES_FP6_E2M3, 6), ("fp6_e3m2", K.CODES_FP6_E3M2, 6)]
@@ -244,3 +245,19 @@ def test_linear_compile_save_load_and_auto_format() -> None:
     torch.testing.assert_close(eager, F.linear(x, a.dequantize(), lin.bias), rtol=1e-5, atol=1e-5)
     compiled = torch.compile(lin, fullgraph=True)
     torch.testing.assert_close(compiled(x), eager, rtol=1e-6, atol=1e-6)
+
+
+def test_float_activation_quantization_runs_on_the_kernel() -> None:
+    # float8 (and, through the same route, MX) activations on a dense weight: x is fake-quantized first, then the
+    # exact weight product (no dequantize fallback)
+    _needs_kernels()
+    aq = ActivationQuant(torch.float8_e4m3fn, MappingType.SYMMETRIC, "per_token", ZeroPointDomain.NONE)
+    w = torch.randn(64, 128, generator=torch.Generator().manual_seed(7))
+    a = _aqt(w, "fp4_e2m1")
+    a = AffineQuantizedTensor.from_qparams(w, get_format("dense").qparams(a.tensors, a.spec)[0], None,
+                                           a.spec.replace(act_quant=aq))
+    x = torch.randn(4, 128, generator=torch.Generator().manual_seed(8))
+    with affineq.record_kernels() as used:
+        y = F.linear(x, a)
+    assert used == ["affineq.lowbit_linear"]
+    torch.testing.assert_close(y, F.linear(fake_quantize_activation(x, aq), a.dequantize()), rtol=1e-5, atol=1e-5)
