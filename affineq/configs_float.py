@@ -14,13 +14,13 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from affineq import cpp as _cpp
 from affineq.configs import _POW2_SCALE_MODES, QuantConfig, _check_choice, _row_block
 from affineq.dtypes import QType, qtype
 from affineq.microexp import MICROEXP_FORMATS, microexp_tensor
 from affineq.mx import SCALE_MODES, mx_element
 from affineq.primitives import MappingType, ZeroPointDomain
 from affineq.tensor.formats import get_format
+from affineq.tensor.kernel_registry import auto_format
 from affineq.tensor.spec import ActivationQuant, QParamOptions, QuantSpec
 
 __all__ = ["FPxWeightOnlyConfig", "MXDynamicActivationMXWeightConfig", "MXWeightOnlyConfig",
@@ -37,13 +37,14 @@ FPX_SCALE_TYPES = (*_FLOAT_SCALES, *_POW2_SCALES)
 
 
 def _auto_fmt(fmt: str, spec: QuantSpec, weight: torch.Tensor, module: nn.Module) -> str:
-    """"auto": `dense` when that format holds the spec and our C++ kernel reads it here (a 2-D nn.Linear weight
-    on CPU), else `plain`. Asks the format, so it picks dense by itself once dense decodes a code type."""
+    """"auto": what `auto_format("float_codes", ...)` picks (`dense` for a 2-D nn.Linear weight on CPU: our
+    kernel's layout and the compact one), unless `dense` cannot hold this spec (then `plain`)."""
     if fmt != "auto":
         return fmt
-    cpu_linear = weight.device.type == "cpu" and weight.dim() == 2 and isinstance(module, nn.Linear)
-    dense = cpu_linear and _cpp.is_available() and get_format("dense").check(spec.replace(fmt="dense")) is None
-    return "dense" if dense else "plain"
+    fmt = auto_format("float_codes", weight, isinstance(module, nn.Linear))
+    if fmt == "dense" and get_format("dense").check(spec.replace(fmt="dense")) is not None:
+        return "plain"
+    return fmt
 
 
 def _block_spec(weight: torch.Tensor, module: nn.Module, target: QType, group: int,

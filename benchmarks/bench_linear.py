@@ -3,6 +3,7 @@
     python benchmarks/bench_linear.py                       # full grid, eager
     python benchmarks/bench_linear.py --compile --m 1 32    # add torch.compile rows
     python benchmarks/bench_linear.py --quick               # one shape, M = 1 and 32
+    python benchmarks/bench_linear.py --quick --dtypes fp32 bf16 --configs mxfp4 mxfp6-e2m3 fp6-e3m2 mxfp8-e4m3
 
 For every (shape N x K, M, dtype) it prints the time of F.linear in fp32 and in the input dtype, the
 best of them ("float"), each config's time and speedup over "float", and at M = 1 the effective weight
@@ -38,6 +39,27 @@ from affineq import (  # noqa: E402
     PerGroup,
     quantize_,
 )
+from affineq.dtypes import qtype  # noqa: E402
+from affineq.primitives import MappingType, ZeroPointDomain  # noqa: E402
+from affineq.tensor.affine import AffineQuantizedTensor  # noqa: E402
+from affineq.tensor.spec import QuantSpec  # noqa: E402
+
+
+def _float_codes(target: str, scale_type: str | None, group: int = 32):
+    """Weight-only fp4 / fp6 / fp8 codes in `dense` with one scale per (1, group) block: amax / element max,
+    fp32 (scale_type None) or e8m0 (OCP MX: rounded up to a power of two). A quantizer (module -> module) standing
+    in for the MX / FPx configs; the rows measure the kernel, which is the same either way."""
+    def apply(m: nn.Linear) -> nn.Linear:
+        w = m.weight.detach()
+        scale = w.float().view(w.shape[0], -1, group).abs().amax(-1).clamp_min(1e-12) / qtype(target).qmax
+        spec = QuantSpec.create(tuple(w.shape), w.dtype, target, (1, group), mapping_type=MappingType.SYMMETRIC,
+                                zero_point_domain=ZeroPointDomain.NONE, packing_format="dense",
+                                scale_type=scale_type)
+        m.weight = nn.Parameter(AffineQuantizedTensor.from_qparams(w, scale, None, spec), requires_grad=False)
+        return m
+
+    return apply
+
 
 CONFIGS = {
     "int4-g128": Int4WeightOnlyConfig(group_size=128),
@@ -50,6 +72,11 @@ CONFIGS = {
     "int8-dyn-dense": Int8DynamicActivationInt8WeightConfig(packing_format="dense"),
     "8da4w-g32": Int8DynamicActivationInt4WeightConfig(group_size=32),
     "fp8-e4m3": Float8WeightOnlyConfig(),
+    # OCP MX (e8m0 scale per 32) and FPx (fp32 scale per 32) weight-only, on affineq.lowbit_linear
+    "mxfp4": _float_codes("fp4_e2m1", "e8m0"),
+    "mxfp6-e2m3": _float_codes("fp6_e2m3", "e8m0"),
+    "fp6-e3m2": _float_codes("fp6_e3m2", None),
+    "mxfp8-e4m3": _float_codes("float8_e4m3fn", "e8m0"),
 }
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]  # (N = out_features, K = in_features)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -109,7 +136,8 @@ def run(args) -> list[dict]:
             quantized = {}
             for cname in args.configs:
                 t0 = time.perf_counter()
-                qm = quantize_(copy.deepcopy(base).to(dtype), CONFIGS[cname])
+                cfg = CONFIGS[cname]
+                qm = (cfg if callable(cfg) else lambda m, c=cfg: quantize_(m, c))(copy.deepcopy(base).to(dtype))
                 quantize_s = time.perf_counter() - t0
                 quantized[cname] = (_copies(qm.weight.detach()), quantize_s)
             kernels: dict[str, str] = {}

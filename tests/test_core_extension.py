@@ -196,8 +196,10 @@ def test_float_target_without_torch_dtype_through_spec_pack_dequantize_save_load
     back = _roundtrip({"w": qw})["w"]
     assert torch.equal(back, qw) and back.spec == qw.spec and back.spec.target is t
     assert QuantSpec.from_dict(json.loads(json.dumps(qw.spec.to_dict()))) == qw.spec
-    with pytest.raises(ValueError, match="dense has no decoder for " + target):
-        AQT.from_float(w, MappingType.SYMMETRIC, (1, 32), t, packing_format="dense")
+    # `dense` bit-packs the codes (the C++ kernel's layout, tests/test_cpp_float_codes.py) and dequantizes alike
+    dense = AQT.from_float(w, MappingType.SYMMETRIC, (1, 32), t, zero_point_domain=ZeroPointDomain.NONE,
+                           packing_format="dense")
+    assert torch.equal(dense.dequantize(), qw.dequantize())
 
 
 def test_a_registered_integer_target_without_torch_dtype():
@@ -227,8 +229,11 @@ def test_power_of_two_scales_as_e8m0_bytes():
     assert torch.equal(_roundtrip({"w": qw})["w"].dequantize(), qw.dequantize())
     with pytest.raises(ValueError, match="scale_type"):
         QuantSpec.create(w.shape, w.dtype, torch.int8, (1, 32), scale_type="float8_e4m3fn")
+    dense = AQT.from_spec(w, spec.replace(fmt="dense"))  # exponent bytes, no offset (OCP MX, 8.25 bits)
+    assert dense.tensors["scale"].dtype == torch.uint8 and torch.equal(dense.dequantize(), qw.dequantize())
+    asymmetric = QuantSpec.create(w.shape, w.dtype, torch.int8, (1, 32), scale_type="e8m0", packing_format="dense")
     with pytest.raises(ValueError, match="packing_format='plain'"):
-        AQT.from_spec(w, spec.replace(fmt="dense"))
+        AQT.from_spec(w, asymmetric)
 
 
 # -- 3. activation tensors -------------------------------------------------------------------------------------

@@ -258,7 +258,8 @@ def _cpu_flags() -> set[str]:
 @pytest.mark.parametrize("march,isa,needs", [("x86-64", "scalar", set()),
                                              ("x86-64-v3", "avx2", {"avx2", "fma", "f16c", "bmi2"})])
 def test_other_isa_build_matches(tmp_path: Path, march: str, isa: str, needs: set[str]) -> None:
-    # integer codes of every width, bf16 qparams and float8 codes, through the GEMV and the GEMM path
+    # integer codes of every width, bf16 qparams, float8 / fp4 / fp6 codes and e8m0 (uint8) scales, through the
+    # GEMV and the GEMM path
     if sys.platform != "linux" or _build.find_compiler(dict(os.environ)) is None:
         pytest.skip("needs a C++ compiler on Linux")
     if not needs <= _cpu_flags():
@@ -269,24 +270,33 @@ def test_other_isa_build_matches(tmp_path: Path, march: str, isa: str, needs: se
         "P = torch.ops.affineq_cpp.lowbit_linear_path\n"
         "n, k, gs = 37, 72, 24\n"
         "cases = [(b, 0, (torch.float32, torch.bfloat16)[b % 2]) for b in range(1, 9)]\n"
-        "for bits, kind, qd in cases + [(8, 1, torch.float32), (8, 2, torch.float32)]:\n"
+        "cases += [(8, 1, torch.float32), (8, 2, torch.float32), (4, 3, torch.float32), (6, 4, torch.float32),\n"
+        "          (6, 5, torch.float32), (4, 3, torch.uint8), (6, 4, torch.uint8), (6, 5, torch.uint8),\n"
+        "          (8, 1, torch.uint8), (8, 0, torch.uint8)]\n"
+        "for bits, kind, qd in cases:\n"
         "    u = torch.randint(0, 2 ** bits, (n, k), dtype=torch.uint8)\n"
-        "    if kind:\n"
+        "    if kind in (1, 2):\n"
         "        u = (torch.randn(n, k) * 9).to([None, torch.float8_e4m3fn, torch.float8_e5m2][kind])"
         ".view(torch.uint8)\n"
         "    s, o = (torch.rand(n, k // gs) + 0.1).to(qd), torch.randn(n, k // gs).to(qd)\n"
+        "    co = -128 if kind == 0 and qd == torch.uint8 else 0\n"
+        "    if qd == torch.uint8:  # e8m0 exponent bytes, no offset: W = 2^(b - 127) * (c(u) + co)\n"
+        "        s, o = torch.randint(120, 134, (n, k // gs), dtype=torch.uint8), None\n"
         "    pk = K.pack_codes(u, bits)\n"
         # fp32 rounding bound: 1e-5 of sum |x| * (|s| * (|code| + bf16 bias) + |o|) over k (the terms summed)
-        "    f = u.float() if kind == 0 else u.view([None, torch.float8_e4m3fn, torch.float8_e5m2][kind]).float()\n"
-        "    bias = 2 ** (bits - 1) if qd == torch.bfloat16 else 0\n"
+        "    f = K._code_values(u, kind)\n"
+        "    bias = 2 ** (bits - 1) if qd == torch.bfloat16 else -co\n"
+        "    sv = K.e8m0_values(s) if qd == torch.uint8 else s\n"
         "    rep = lambda q: q.float().abs().repeat_interleave(gs, 1)\n"
-        "    terms = rep(s) * (f.abs() + bias) + rep(o)\n"
+        "    terms = rep(sv) * (f.abs() + bias) + (0 if o is None else rep(o))\n"
+        "    W = K._dequantize(pk, s, o, bits, gs, n, k, kind, co)\n"
+        "    assert torch.equal(torch.ops.affineq.lowbit_dequantize(pk, s, o, bits, gs, n, k, kind, co), W)\n"
         "    for m in (1, 5, 33):\n"
         "        x = torch.randn(m, k)\n"
-        "        ref = x.double() @ K._dequantize(pk, s, o, bits, gs, n, k, kind).double().T\n"
+        "        ref = x.double() @ W.double().T\n"
         "        bound = 1e-5 * (x.abs() @ terms.T).double()\n"
         "        for path in (1, 2):\n"
-        "            err = (P(x, pk, s, o, bits, gs, n, k, kind, path).double() - ref).abs()\n"
+        "            err = (P(x, pk, s, o, bits, gs, n, k, kind, path, co).double() - ref).abs()\n"
         "            assert bool((err <= bound).all()), (bits, kind, qd, m, path, (err / bound).max())\n"
         "print('ok')\n"
     )

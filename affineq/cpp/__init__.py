@@ -8,9 +8,15 @@ both bf16) for ``g = k // group_size``::
     y = x @ W.T = sum_g scale[:, g] * (x_g @ c(u_g).T) + offset[:, g] * x_g.sum(-1)
 
 where ``c(u) = u`` for ``codes=CODES_UINT`` and, with ``bits=8``, the float8 value of the byte ``u`` for
-``CODES_E4M3`` (``torch.float8_e4m3fn``) or ``CODES_E5M2`` (``torch.float8_e5m2``). bf16 qparams (integer
-codes only) follow the tinygemm convention instead: ``offset`` holds the zero ``z`` and
-``W = scale * (u - 2**(bits - 1)) + z``, so a bf16 float zero point is stored exactly.
+``CODES_E4M3`` (``torch.float8_e4m3fn``) or ``CODES_E5M2`` (``torch.float8_e5m2``); with ``bits=4`` the fp4
+E2M1 value of the bit pattern ``u`` for ``CODES_FP4_E2M1``, with ``bits=6`` the fp6 value for
+``CODES_FP6_E2M3`` / ``CODES_FP6_E3M2`` (OCP MX element types, sign in the top bit, the codes
+``qtype(...).encode`` returns). bf16 qparams (integer codes only) follow the tinygemm convention instead:
+``offset`` holds the zero ``z`` and ``W = scale * (u - 2**(bits - 1)) + z``, so a bf16 float zero point is
+stored exactly. e8m0 qparams (OCP MX shared scales): ``scale`` is uint8 exponent bytes ``b`` (value
+``2**(b - 127)``), ``offset`` is None and ``W = 2**(b - 127) * (c(u) + code_offset)``, exact (``code_offset``
+is ``quant_min`` for integer codes stored as ``q - quant_min``, 0 for float codes). An fp32 ``scale`` may also
+come without ``offset`` (None: offset 0, all that float codes need).
 
 Packed layout (``pack_codes``; a uint8 tensor of shape ``[n, ceil(k / 8) * bits]``):
 
@@ -35,7 +41,8 @@ Kernels (chosen per call; x of any float dtype is converted to fp32 first, the o
   registers, scale and offset applied once per group; streams the packed weights once (memory-bound).
 * larger m: a [256 x 32] tile of W is expanded into L1 and reused by all rows of x; an fp32 FMA micro-kernel
   runs on it. fp32 products, fp32 accumulation: results match ``lowbit_linear_reference`` to ~1e-6.
-* larger m, AVX512-VNNI CPUs, bf16/fp16 x (by default; integer codes only): the tile holds exact int16 code pairs and
+* larger m, AVX512-VNNI CPUs, bf16/fp16 x (by default; integer, fp4 and fp6 codes: the latter as the exact
+  integers value * 2 / 8 / 16 for e2m1 / e2m3 / e3m2): the tile holds exact int16 code pairs and
   ``vpdpwssd`` (2 MACs per lane, i.e. the bf16 ``F.linear`` rate) multiplies them with x rounded to 16-bit
   fixed point per (row, block of <= 256 columns inside a group): per element error <= 2**-16 *
   max|x_block|, ~1e-5 relative in y, far below the bf16/fp16 output rounding. ``AFFINEQ_KERNELS_INT16_X=1``
@@ -59,6 +66,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from affineq.dtypes import qtype
+
 from . import _build
 
 __all__ = [
@@ -72,25 +81,46 @@ __all__ = [
     "CODES_UINT",
     "CODES_E4M3",
     "CODES_E5M2",
+    "CODES_FP4_E2M1",
+    "CODES_FP6_E2M3",
+    "CODES_FP6_E3M2",
     "codes_kind",
+    "e8m0_values",
 ]
 
 #: Rows per packed panel: rows [16p, 16p + 16) of ``pack_codes`` output are exactly panel p's bytes.
 PANEL_ROWS = 16
 
-#: The ``codes`` argument of the ops: what a stored code means (integers, or float8 bytes with bits=8).
-CODES_UINT, CODES_E4M3, CODES_E5M2 = 0, 1, 2
+#: The ``codes`` argument of the ops: what a stored code means (integers, float8 bytes with bits=8, or the
+#: bit patterns of fp4 E2M1 (bits=4) / fp6 E2M3, E3M2 (bits=6)).
+CODES_UINT, CODES_E4M3, CODES_E5M2, CODES_FP4_E2M1, CODES_FP6_E2M3, CODES_FP6_E3M2 = 0, 1, 2, 3, 4, 5
 _FP8_CODES = {CODES_E4M3: torch.float8_e4m3fn, CODES_E5M2: torch.float8_e5m2}
+#: fp4 / fp6 kinds: (affineq target name, storage bits)
+_FPX_CODES = {CODES_FP4_E2M1: ("fp4_e2m1", 4), CODES_FP6_E2M3: ("fp6_e2m3", 6), CODES_FP6_E3M2: ("fp6_e3m2", 6)}
+_CODE_BITS = {CODES_E4M3: 8, CODES_E5M2: 8, **{k: b for k, (_, b) in _FPX_CODES.items()}}
 
 
 def codes_kind(dtype) -> int:
-    """The ``codes`` value for codes of ``dtype`` (a torch dtype or an affineq QType): float8 maps to its
-    kind, integers to CODES_UINT."""
+    """The ``codes`` value for codes of ``dtype`` (a torch dtype or an affineq QType): float8, fp4 and fp6 map
+    to their kind, integers to CODES_UINT."""
+    name = getattr(dtype, "name", None)
+    for kind, (fname, _) in _FPX_CODES.items():
+        if name == fname:
+            return kind
     dtype = getattr(dtype, "torch_dtype", dtype)
     for kind, d in _FP8_CODES.items():
         if d == dtype:
             return kind
     return CODES_UINT
+
+
+def _code_values(u: torch.Tensor, codes: int) -> torch.Tensor:
+    """fp32 value c(u) of uint8 codes u for a codes kind (see the module docstring)."""
+    if codes in _FP8_CODES:
+        return u.view(_FP8_CODES[codes]).float()
+    if codes in _FPX_CODES:
+        return qtype(_FPX_CODES[codes][0]).decode(u, torch.float32)
+    return u.float()
 _PANEL = PANEL_ROWS  # older private alias
 
 _ENV_DISABLE = "AFFINEQ_DISABLE_CPP_KERNELS"
@@ -219,13 +249,14 @@ def unpack_codes(packed: torch.Tensor, bits: int, n: int, k: int) -> torch.Tenso
 # --------------------------------------------------------------------------------------------------------
 # Reference implementation and argument checks
 # --------------------------------------------------------------------------------------------------------
-def _check_args(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int,
-                group_size: int, n: int, k: int, codes: int = CODES_UINT) -> None:
+def _check_args(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, bits: int,
+                group_size: int, n: int, k: int, codes: int = CODES_UINT, code_offset: int = 0) -> None:
     """Same rules as the C++ binding (ValueError naming the offending argument)."""
     _check_bits(bits)
-    if codes != CODES_UINT and not (codes in _FP8_CODES and bits == 8):
+    if codes != CODES_UINT and _CODE_BITS.get(codes) != bits:
         raise ValueError(f"lowbit_linear: codes must be 0 (unsigned integers), 1 (float8_e4m3fn) or 2 (float8_e5m2, "
-                         f"both with bits=8), got codes={codes}, bits={bits}")
+                         f"both with bits=8), 3 (fp4_e2m1, bits=4), 4 (fp6_e2m3) or 5 (fp6_e3m2, both bits=6), got "
+                         f"codes={codes}, bits={bits}")
     if n < 0 or k <= 0:
         raise ValueError(f"lowbit_linear: need n >= 0 and k > 0, got n={n}, k={k}")
     if group_size <= 0 or k % group_size:
@@ -238,24 +269,47 @@ def _check_args(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offs
         raise ValueError(f"lowbit_linear: packed must be uint8 with {packed_nbytes(n, k, bits)} elements "
                          f"(pack_codes output), got {packed.dtype} with {packed.numel()}")
     g = k // group_size
-    for name, t in (("scale", scale), ("offset", offset)):
+    if scale.dtype == torch.uint8:  # e8m0 exponent bytes: no offset array
+        if offset is not None:
+            raise ValueError("lowbit_linear: e8m0 (uint8) scales store no offset: pass offset=None and the code "
+                             "offset as code_offset")
+        if tuple(scale.shape) != (n, g):
+            raise ValueError(f"lowbit_linear: scale must have shape [n, k // group_size] = [{n}, {g}], got "
+                             f"{tuple(scale.shape)}")
+        return
+    if code_offset != 0:
+        raise ValueError("lowbit_linear: code_offset applies to e8m0 (uint8) scales only; fold it into offset")
+    if offset is None and scale.dtype != torch.float32:
+        raise ValueError("lowbit_linear: bfloat16 scales need an offset tensor (None: float32 or e8m0 uint8 "
+                         "scales only)")
+    for name, t in (("scale", scale), ("offset", scale if offset is None else offset)):
         if t.dtype not in (torch.float32, torch.bfloat16) or tuple(t.shape) != (n, g):
             raise ValueError(f"lowbit_linear: {name} must be float32 or bfloat16 of shape [n, k // group_size] = "
                              f"[{n}, {g}], got {t.dtype} {tuple(t.shape)}")
-    if scale.dtype != offset.dtype:
+    if offset is not None and scale.dtype != offset.dtype:
         raise ValueError(f"lowbit_linear: scale and offset must share a dtype, got {scale.dtype} and {offset.dtype}")
     if scale.dtype == torch.bfloat16 and codes != CODES_UINT:
         raise ValueError("lowbit_linear: bfloat16 qparams (the W = scale * (u - 2**(bits-1)) + zero convention) "
                          "need integer codes")
 
 
-def _dequantize(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int, group_size: int,
-                n: int, k: int, codes: int = CODES_UINT) -> torch.Tensor:
-    """fp32 W [n, k] = scale * c(u) + offset (per group); bf16 qparams: scale * (u - 2**(bits-1)) + offset."""
+def e8m0_values(b: torch.Tensor) -> torch.Tensor:
+    """fp32 2**(b - 127) of e8m0 exponent bytes (uint8), b = 255 -> NaN, as the C++ kernels decode them."""
+    return torch.where(b == 255, float("nan"), torch.exp2(b.float() - 127))
+
+
+def _dequantize(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, bits: int, group_size: int,
+                n: int, k: int, codes: int = CODES_UINT, code_offset: int = 0) -> torch.Tensor:
+    """fp32 W [n, k] = scale * c(u) + offset (per group); bf16 qparams: scale * (u - 2**(bits-1)) + offset;
+    e8m0 qparams: 2**(b - 127) * (c(u) + code_offset)."""
     u = unpack_codes(packed, bits, n, k).to(scale.device)
-    u = u.view(_FP8_CODES[codes]) if codes in _FP8_CODES else u
-    u = u.float().view(n, k // group_size, group_size)
-    s, o = scale.float(), offset.float()
+    u = _code_values(u, codes).view(n, k // group_size, group_size)
+    if scale.dtype == torch.uint8:
+        s = e8m0_values(scale)
+        o = s * code_offset
+    else:
+        s = scale.float()
+        o = torch.zeros_like(s) if offset is None else offset.float()
     if scale.dtype == torch.bfloat16:
         o = o - (1 << (bits - 1)) * s
     # One rounding of s * c + o, as the C++ op's std::fma: the product of a 24-bit scale and an 8-bit code is
@@ -264,11 +318,12 @@ def _dequantize(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
     return w.float().view(n, k)
 
 
-def lowbit_linear_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
-                            bits: int, group_size: int, n: int, k: int, codes: int = CODES_UINT) -> torch.Tensor:
+def lowbit_linear_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+                            bits: int, group_size: int, n: int, k: int, codes: int = CODES_UINT,
+                            code_offset: int = 0) -> torch.Tensor:
     """Pure-PyTorch ``lowbit_linear``: unpack, dequantize to fp32, ``F.linear`` in fp32, cast to ``x.dtype``."""
-    _check_args(x, packed, scale, offset, bits, group_size, n, k, codes)
-    w = _dequantize(packed, scale, offset, bits, group_size, n, k, codes)
+    _check_args(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset)
+    w = _dequantize(packed, scale, offset, bits, group_size, n, k, codes, code_offset)
     return F.linear(x.float(), w).to(x.dtype)
 
 
@@ -370,12 +425,12 @@ def kernel_info() -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------------
 _lib = torch.library.Library("affineq", "FRAGMENT")
 _lib.define(
-    "lowbit_linear(Tensor x, Tensor packed, Tensor scale, Tensor offset, int bits, int group_size, int n, int k,"
-    " int codes=0) -> Tensor"
+    "lowbit_linear(Tensor x, Tensor packed, Tensor scale, Tensor? offset, int bits, int group_size, int n, int k,"
+    " int codes=0, int code_offset=0) -> Tensor"
 )
 _lib.define(
-    "lowbit_dequantize(Tensor packed, Tensor scale, Tensor offset, int bits, int group_size, int n, int k,"
-    " int codes=0) -> Tensor"
+    "lowbit_dequantize(Tensor packed, Tensor scale, Tensor? offset, int bits, int group_size, int n, int k,"
+    " int codes=0, int code_offset=0) -> Tensor"
 )
 # dequantize(quantize(x)) of int8 activations [M, K]; mode 0 symmetric, 1 symmetric without clipping, 2
 # asymmetric. CPU kernel only (callers check is_available()); see affineq.tensor.activation.
@@ -388,17 +443,17 @@ def _int8_fake_quant_fake(x, per_token, mode, eps):
 
 
 @torch.library.register_fake(_OP, lib=_lib)
-def _lowbit_linear_fake(x, packed, scale, offset, bits, group_size, n, k, codes=CODES_UINT):
-    _check_args(x, packed, scale, offset, bits, group_size, n, k, codes)
+def _lowbit_linear_fake(x, packed, scale, offset, bits, group_size, n, k, codes=CODES_UINT, code_offset=0):
+    _check_args(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset)
     return x.new_empty((*x.shape[:-1], n))
 
 
 @torch.library.register_fake("affineq::lowbit_dequantize", lib=_lib)
-def _lowbit_dequantize_fake(packed, scale, offset, bits, group_size, n, k, codes=CODES_UINT):
+def _lowbit_dequantize_fake(packed, scale, offset, bits, group_size, n, k, codes=CODES_UINT, code_offset=0):
     return scale.new_empty((n, k), dtype=torch.float32)
 
 
-def _lowbit_linear_fallback(x, packed, scale, offset, bits, group_size, n, k, codes=CODES_UINT):
+def _lowbit_linear_fallback(x, packed, scale, offset, bits, group_size, n, k, codes=CODES_UINT, code_offset=0):
     # Runs only while no C++ CPU kernel is registered: load it, then dispatch again to reach it.
     if x.device.type != "cpu":
         raise NotImplementedError(f"affineq::lowbit_linear only supports CPU tensors, got x on {x.device}")
@@ -409,12 +464,12 @@ def _lowbit_linear_fallback(x, packed, scale, offset, bits, group_size, n, k, co
         )
     if not torch._C._dispatch_has_kernel_for_dispatch_key(_OP, "CPU"):
         raise RuntimeError(f"affineq: {_lib_path} loaded but did not register a CPU kernel for {_OP}")
-    return torch.ops.affineq.lowbit_linear(x, packed, scale, offset, bits, group_size, n, k, codes)
+    return torch.ops.affineq.lowbit_linear(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset)
 
 
-def _lowbit_dequantize_fallback(packed, scale, offset, bits, group_size, n, k, codes=CODES_UINT):
+def _lowbit_dequantize_fallback(packed, scale, offset, bits, group_size, n, k, codes=CODES_UINT, code_offset=0):
     # Pure PyTorch until (or unless) the C++ kernel is registered.
-    return _dequantize(packed, scale, offset, bits, group_size, n, k, codes)
+    return _dequantize(packed, scale, offset, bits, group_size, n, k, codes, code_offset)
 
 
 _lib.impl("lowbit_linear", _lowbit_linear_fallback, "CompositeExplicitAutograd")

@@ -92,8 +92,20 @@ void transpose_rows(const float* src, int64_t lds, int64_t rows, int64_t R, int6
 
 void load_qparams(const LowbitProblem& p, bool offset, float mul, int64_t r0, int64_t rows, int64_t R, int64_t G,
                   float* dst, int64_t ldd) {
+  if (offset && p.offset == nullptr && !p.qparams_e8m0) {  // no offset array: offset 0
+    for (int64_t g = 0; g < G; ++g) std::fill(dst + g * ldd, dst + g * ldd + R, 0.f);
+    return;
+  }
   const float* src = static_cast<const float*>(offset ? p.offset : p.scale) + r0 * G;
-  if (p.qparams_bf16 || mul != 1.f) {
+  if (p.qparams_e8m0) {
+    // exponent bytes -> fp32 (exact), times mul for the scale or code_offset for the offset (both exact)
+    const int64_t cnt = rows * G;
+    float* t = tl_qconv.get<float>(cnt);
+    const uint8_t* b = static_cast<const uint8_t*>(p.scale) + r0 * G;
+    const float f = offset ? static_cast<float>(p.code_offset) : mul;
+    for (int64_t i = 0; i < cnt; ++i) t[i] = e8m0_to_float(b[i]) * f;
+    src = t;
+  } else if (p.qparams_bf16 || mul != 1.f) {
     // Straight-line loops per case: the per-element qparam_at would not vectorize (see benchmarks/README.md,
     // kernel design measurements).
     const int64_t cnt = rows * G;

@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <bit>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -41,6 +42,12 @@ struct Scratch {
 // declared in that path's file.
 extern thread_local Scratch tl_scale, tl_offset, tl_wbuf, tl_cbuf;
 extern thread_local Scratch tl_xcall;  // per-call x buffer (owned by the calling thread)
+
+// An e8m0 scale byte: 2^(b - 127) (b = 0 is the fp32 subnormal 2^-127), b = 255 is NaN (OCP MX v1.0).
+AQ_INLINE float e8m0_to_float(uint8_t b) {
+  const uint32_t bits = b == 0 ? 0x00400000u : b == 255 ? 0x7FC00000u : static_cast<uint32_t>(b) << 23;
+  return std::bit_cast<float>(bits);
+}
 
 // dst[g * ldd + r] = qparam_at(r0 + r, g) (dispatch.cpp) for r < rows (zero up to R): the scales (offset=false,
 // times `mul`) or offsets of rows [r0, r0 + rows), transposed so 16 consecutive rows form one vector.

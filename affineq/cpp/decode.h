@@ -9,6 +9,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "decode_fpx.h"
 #include "lowbit_kernels.h"
 #include "simd.h"
 
@@ -18,15 +19,29 @@ namespace affineq::detail {
 namespace {
 
 // Template "widths" B: 1..8 are unsigned codes of that many bits; kBE4M3 / kBE5M2 are float8 bytes stored in
-// the 8-bit layout. bits_of(B) is the storage width.
+// the 8-bit layout; kBF4 / kBF6A / kBF6B (decode_fpx.h) are fp4 / fp6 bit patterns in the 4- / 6-bit layout.
+// bits_of(B) is the storage width.
 inline constexpr int kBE4M3 = 8 | 16, kBE5M2 = 8 | 32;
 constexpr int bits_of(int B) { return B & 15; }
-// The float8 decoders below return e4m3 values times 2^-8 (an exact re-bias into fp16); code_scale undoes it.
-constexpr float code_scale(int B) { return B == kBE4M3 ? 256.f : 1.f; }
+constexpr bool is_fp8(int B) { return B == kBE4M3 || B == kBE5M2; }
+// Widths path 3 (exact int16 codes) serves: integers, and fp4 / fp6 times int16_mult (float8 values are not
+// small integers).
+constexpr bool int16_ok(int B) { return !is_fp8(B); }
+// Path 3's scale multiplier: codes reach it as value * int16_mult(B).
+constexpr float int16_code_scale(int B) { return 1.f / static_cast<float>(int16_mult(B)); }
+// The float8 decoders below return e4m3 values times 2^-8 (an exact re-bias into fp16), and the AVX2 fp4 / fp6
+// decoders values times 2^(bias - 15) (fp16 re-bias, see decode_unit); code_scale undoes it.
+constexpr float code_scale(int B) {
+#if AQ_AVX2 && defined(__F16C__)
+  if (is_fpx(B)) return B == kBF6B ? 4096.f : 16384.f;  // 2^(15 - bias): bias 3 (e3m2), 1 (e2m1, e2m3)
+#endif
+  return B == kBE4M3 ? 256.f : 1.f;
+}
 // X(B) for every width a path is instantiated for (explicit instantiations in the path files; dispatch.cpp
 // maps (bits, codes) to these).
 #define AQ_FOR_EACH_UINT_WIDTH(X) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8)
-#define AQ_FOR_EACH_WIDTH(X) AQ_FOR_EACH_UINT_WIDTH(X) X(kBE4M3) X(kBE5M2)
+#define AQ_FOR_EACH_INT16_WIDTH(X) AQ_FOR_EACH_UINT_WIDTH(X) X(kBF4) X(kBF6A) X(kBF6B)
+#define AQ_FOR_EACH_WIDTH(X) AQ_FOR_EACH_INT16_WIDTH(X) X(kBE4M3) X(kBE5M2)
 
 // Portable float8 -> float (also the reference for the SIMD decoders): e4m3fn has bias 7, no infinities and
 // NaN at 0x7F/0xFF; e5m2 is the top byte of an IEEE fp16.
@@ -87,8 +102,9 @@ AQ_INLINE F16 fp8x16(const uint8_t* p) {
 // multi-plane widths on both ISAs (see benchmarks/README.md, kernel design measurements). The 4-bit plane is
 // loaded as [chunk t/2 | chunk t/2 + 2] so that its nibbles pair k like the 2-bit plane's [chunk 0 | chunk 1]
 // and the 1-bit plane's [bits 0..3 | bits 4..7].
-template <int B>
-AQ_INLINE void decode_unit_bytes(const uint8_t* p, uint8_t* out) {
+// g(integral_constant<t>, c) for t = 0..3 with c = the byte codes of [k = t (rows 0-15) | k = 4 + t (rows 0-15)].
+template <int B, class G>
+AQ_INLINE void decode_unit_bytes_ymm(const uint8_t* p, G&& g) {
   static_assert(B == 3 || B == 5 || B == 6 || B == 7);
   const auto mask = [](int m) { return _mm256_set1_epi8(static_cast<char>(m)); };
   const auto ld128 = [](const uint8_t* q) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)); };
@@ -123,6 +139,14 @@ AQ_INLINE void decode_unit_bytes(const uint8_t* p, uint8_t* out) {
     }
     if constexpr ((B & 1) != 0)
       c = _mm256_or_si256(c, _mm256_and_si256(shift(v1, std::integral_constant<int, kSh1 - t>{}), mask(1 << kSh1)));
+    g(T, c);
+  });
+}
+
+template <int B>
+AQ_INLINE void decode_unit_bytes(const uint8_t* p, uint8_t* out) {
+  decode_unit_bytes_ymm<B>(p, [&](auto T, __m256i c) {
+    constexpr int t = AQ_CV(T);
     // k = t and k = 4 + t, rows 0..15 each: the 8-bit unit layout
     _mm_store_si128(reinterpret_cast<__m128i*>(out + 16 * t), _mm256_castsi256_si128(c));
     _mm_store_si128(reinterpret_cast<__m128i*>(out + 16 * (t + 4)), _mm256_extracti128_si256(c, 1));
@@ -212,7 +236,64 @@ AQ_INLINE void decode_unit_i(const uint8_t* p, F&& f) {
 template <int B, class F>
 AQ_INLINE void decode_unit(const uint8_t* p, F&& f) {
 #if AQ_AVX2 && defined(__F16C__)
-  if constexpr (B > 8) {
+  if constexpr (is_fpx(B)) {
+    // AVX2 fp4 / fp6: the table decoder (fcode) needs 1 (fp4) or 4 (fp6) vpermps plus blends per 8 codes, which
+    // made fp6 slower than fp32 F.linear at m = 1. Instead, as for float8: a code s|mag becomes the fp16 bits
+    // s << 15 | mag << (10 - mbits), whose value is the code's times 2^(bias - 15) for normals and subnormals
+    // alike (both formats are IEEE-style; code_scale undoes the factor), 32 codes per few integer ops, then
+    // vcvtph2ps from L1. Each ymm of byte codes holds [k = ka (rows 0-15) | k = kb (rows 0-15)].
+    alignas(32) uint16_t buf[128];
+    const __m256i z = _mm256_setzero_si256();
+    const auto bytes = [](int v) { return _mm256_set1_epi8(static_cast<char>(v)); };
+    // c: 32 byte codes [ka | kb] -> their fp16 bits in buf[32 i, 32 i + 32), built as a low and a high byte per
+    // code (byte-lane ops, 32 codes each; no shift crosses a byte) and interleaved by the in-lane unpacks:
+    // lo = [ka rows 0-7 | kb rows 0-7], hi = rows 8-15.
+    const auto to_fp16 = [&](int i, __m256i c) {
+      __m256i lo = z, hi;
+      if constexpr (B == kBF4) {
+        // fp16 = s << 15 | mag << 9: the high byte s << 7 | mag << 1, one 16-entry byte table
+        const __m256i lut = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, -128, -126, -124, -122, -120, -118, -116,
+                                             -114, 0, 2, 4, 6, 8, 10, 12, 14, -128, -126, -124, -122, -120, -118,
+                                             -116, -114);
+        hi = _mm256_shuffle_epi8(lut, c);
+      } else {
+        const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(c, bytes(32)), 2);  // bit 5 -> bit 7
+        if constexpr (B == kBF6B) {  // fp16 = s << 15 | mag << 8: the high byte s << 7 | mag
+          hi = _mm256_or_si256(_mm256_and_si256(c, bytes(31)), sign);
+        } else {  // e2m3: fp16 = s << 15 | mag << 7: high byte s << 7 | mag >> 1, low byte (mag & 1) << 7
+          hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 1), bytes(15)), sign);
+          lo = _mm256_slli_epi16(_mm256_and_si256(c, bytes(1)), 7);
+        }
+      }
+      _mm256_store_si256(reinterpret_cast<__m256i*>(buf + 32 * i), _mm256_unpacklo_epi8(lo, hi));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(buf + 32 * i + 16), _mm256_unpackhi_epi8(lo, hi));
+    };
+    if constexpr (bits_of(B) == 6) {
+      decode_unit_bytes_ymm<6>(p, [&](auto T, __m256i c) { to_fp16(AQ_CV(T), c); });  // pairs (t, t + 4)
+    } else {
+      // 4-bit unit: slot s holds k = 2s (low nibbles) and 2s + 1 (high); a ymm of slots (2j, 2j + 1) gives the
+      // pairs (4j, 4j + 2) (low nibbles) and (4j + 1, 4j + 3) (high nibbles).
+      const __m256i lo4 = _mm256_set1_epi8(15);
+      sfor<2>([&](auto J) {
+        constexpr int j = AQ_CV(J);
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * j));
+        to_fp16(2 * j, _mm256_and_si256(v, lo4));
+        to_fp16(2 * j + 1, _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4));
+      });
+    }
+    const uint16_t* q = buf;
+    AQ_OPAQUE(q);  // see decode_unit_i
+    sfor<8>([&](auto T) {
+      constexpr int k = AQ_CV(T);
+      // where k's 16 fp16 values start: its pair, + 8 when k is the pair's kb
+      constexpr int off = bits_of(B) == 6 ? 32 * (k % 4) + 8 * (k / 4) : 32 * (2 * (k / 4) + k % 2) + 8 * ((k % 4) / 2);
+      const uint16_t* r = q + off;
+      f(T, F16{_mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(r))),
+               _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(r + 16)))});
+    });
+    return;
+  }
+  if constexpr (is_fp8(B)) {
     // AVX2 float8: the fp16 bits of 32 codes per op (the bytes of k = 2j and 2j + 1 become words through
     // vpunpck*bw, within 128-bit lanes), then vcvtph2ps from L1: no vextracti128 per 16 codes as in registers.
     alignas(32) uint16_t buf[128];
@@ -235,7 +316,8 @@ AQ_INLINE void decode_unit(const uint8_t* p, F&& f) {
     return;
   }
 #endif
-  if constexpr (B > 8) sfor<8>([&](auto T) { f(T, fp8x16<B>(p + 16 * AQ_CV(T))); });
+  if constexpr (is_fp8(B)) sfor<8>([&](auto T) { f(T, fp8x16<B>(p + 16 * AQ_CV(T))); });
+  else if constexpr (is_fpx(B)) decode_unit_i<bits_of(B)>(p, [&](auto T, I16 v) { f(T, fcode<B>(v)); });
   else decode_unit_i<B>(p, [&](auto T, I16 v) { f(T, i2f(v)); });
 }
 

@@ -3,9 +3,11 @@
 //
 // y = x @ W^T with W[n, k] = scale[n, g] * u[n, k] + offset[n, g], g = k / group_size, u unsigned `bits`-bit
 // codes in the 16-row panel layout (documented in affineq/cpp/__init__.py), or float8 bytes (e4m3fn / e5m2,
-// 8-bit layout) whose value replaces u. scale/offset are fp32, or bf16 with the offset holding the zero z of
-// W = scale * (u - 2^(bits-1)) + z; either way they are turned into fp32 scale/offset once per tile while being
-// transposed (common.cpp), so the inner loops never see bf16.
+// 8-bit layout) or fp4 / fp6 bit patterns (4- / 6-bit layout, decode_fpx.h) whose value replaces u.
+// scale/offset are fp32, or bf16 with the offset holding the zero z of W = scale * (u - 2^(bits-1)) + z; either
+// way they are turned into fp32 scale/offset once per tile while being transposed (common.cpp), so the inner
+// loops never see bf16; so are e8m0 exponent bytes (OCP MX scales, no offset array: offset = scale *
+// code_offset).
 //
 // Four paths (chosen in path_for below), one file each:
 //  1. gemv.cpp: fused GEMV (m <= 2 before path 3 or 4, else m <= 8; group_size % 8 == 0): decode codes
@@ -20,7 +22,7 @@
 //  4. gemm_bf16.cpp: dequant to bf16 + bf16 dot GEMM (AVX512-BF16, bf16 x, m >= 3): like 2 but the tile holds
 //     W rounded to bf16 (scale and offset already applied) and vdpbf16ps multiplies it with x as given: no
 //     per-group rescaling in the inner loop, so small groups cost no more than large ones.
-// Shared code: simd.h (ISA shims), decode.h (code decoders), common.h / common.cpp (scratch buffers, qparam
+// Shared code: simd.h (ISA shims), decode.h / decode_fpx.h (code decoders), common.h / common.cpp (scratch buffers, qparam
 // loading, Ctx, GEMM tiling). Each path file instantiates its template for every width, so the files compile
 // in parallel (see _build.py).
 //
@@ -55,8 +57,13 @@ AQ_INLINE float bf16_to_float(uint16_t b) {
 }
 
 // Element i of an [n, G] qparam array as the kernels use it: the fp32 scale times `mul`, or the fp32 offset
-// (for bf16 qparams: z - 2^(bits-1) * scale).
+// (for bf16 qparams: z - 2^(bits-1) * scale; for e8m0 qparams: scale * code_offset).
 AQ_INLINE float qparam_at(const LowbitProblem& p, bool offset, float mul, int64_t i) {
+  if (p.qparams_e8m0) {
+    const float s = e8m0_to_float(static_cast<const uint8_t*>(p.scale)[i]);
+    return offset ? s * static_cast<float>(p.code_offset) : s * mul;
+  }
+  if (offset && p.offset == nullptr) return 0.f;
   if (!p.qparams_bf16) return static_cast<const float*>(offset ? p.offset : p.scale)[i] * mul;
   const float s = bf16_to_float(static_cast<const uint16_t*>(p.scale)[i]);
   if (!offset) return s * mul;
@@ -67,7 +74,8 @@ AQ_INLINE float qparam_at(const LowbitProblem& p, bool offset, float mul, int64_
 int path_for(const LowbitProblem& p, int force_path) {
   const bool gemv_ok = p.group_size % 8 == 0;  // the GEMV and the int16 GEMM step through groups 8 k at a time
   // The caller decides (x dtype, environment); float8 values are not int16 codes, so they never take it.
-  const bool use_vnni = kHasVnni && p.allow_int16_x && p.codes == kCodesUint && gemv_ok;
+  const bool int16_codes = p.codes != kCodesE4M3 && p.codes != kCodesE5M2;  // integers, fp4 / fp6 (decode.h)
+  const bool use_vnni = kHasVnni && p.allow_int16_x && int16_codes && gemv_ok;
   const bool use_bf16 = kHasBf16Dot && p.x_bf16 != nullptr;
   const int big = use_bf16 ? 4 : use_vnni ? 3 : 2;  // the GEMM path for this x
   int path = force_path;
@@ -76,7 +84,7 @@ int path_for(const LowbitProblem& p, int force_path) {
   // were tuned by measurement (see benchmarks/README.md, kernel design measurements).
   if (path == 0) path = !gemv_ok ? big : p.m <= (big > 2 ? 2 : 8) ? 1 : big;
   if (path == 4 && !use_bf16) path = use_vnni ? 3 : 2;
-  if (path == 3 && !(kHasVnni && p.codes == kCodesUint && gemv_ok)) path = 2;
+  if (path == 3 && !(kHasVnni && int16_codes && gemv_ok)) path = 2;
   if (path == 1 && !gemv_ok) path = 2;
   return path;
 }
@@ -87,7 +95,7 @@ void run(const Ctx& c, int force_path) {
   if (path == 1) gemv_path<B>(c);
 #if AQ_VNNI
   else if (path == 3) {
-    if constexpr (B <= 8) qgemm_path<B>(c);
+    if constexpr (int16_ok(B)) qgemm_path<B>(c);
   }
 #endif
 #if AQ_BF16DOT
@@ -121,9 +129,16 @@ void lowbit_linear_f32(const LowbitProblem& p, int force_path) {
     case 1: detail::run<1>(c, force_path); break;
     case 2: detail::run<2>(c, force_path); break;
     case 3: detail::run<3>(c, force_path); break;
-    case 4: detail::run<4>(c, force_path); break;
+    case 4:
+      if (p.codes == kCodesFp4E2M1) detail::run<detail::kBF4>(c, force_path);
+      else detail::run<4>(c, force_path);
+      break;
     case 5: detail::run<5>(c, force_path); break;
-    case 6: detail::run<6>(c, force_path); break;
+    case 6:
+      if (p.codes == kCodesFp6E2M3) detail::run<detail::kBF6A>(c, force_path);
+      else if (p.codes == kCodesFp6E3M2) detail::run<detail::kBF6B>(c, force_path);
+      else detail::run<6>(c, force_path);
+      break;
     case 7: detail::run<7>(c, force_path); break;
     case 8:
       if (p.codes == kCodesE4M3) detail::run<detail::kBE4M3>(c, force_path);
@@ -138,13 +153,16 @@ const char* kernel_isa() { return detail::kIsa; }
 
 int lowbit_path(const LowbitProblem& p, int force_path) { return detail::path_for(p, force_path); }
 
-void dequantize_f32(const uint8_t* packed, const void* scale, const void* offset, bool qparams_bf16, int bits,
-                    int codes, int64_t group_size, int64_t n, int64_t k, float* w) {
+void dequantize_f32(const uint8_t* packed, const void* scale, const void* offset, bool qparams_bf16,
+                    bool qparams_e8m0, int code_offset, int bits, int codes, int64_t group_size, int64_t n,
+                    int64_t k, float* w) {
   const int64_t U = (k + 7) / 8, G = k / group_size, panel_bytes = 16 * U * bits;
   LowbitProblem qp{};
   qp.scale = scale;
   qp.offset = offset;
   qp.qparams_bf16 = qparams_bf16;
+  qp.qparams_e8m0 = qparams_e8m0;
+  qp.code_offset = code_offset;
   qp.bits = bits;
   at::parallel_for(0, (n + 15) / 16, detail::grain_for(16 * k), [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
@@ -165,8 +183,10 @@ void dequantize_f32(const uint8_t* packed, const void* scale, const void* offset
             slot0 += q;
           }
           const int64_t g = kk / group_size;
-          const float c =
-              codes == kCodesUint ? static_cast<float>(code) : detail::fp8_to_float(static_cast<uint8_t>(code), codes);
+          const uint8_t b = static_cast<uint8_t>(code);
+          const float c = codes == kCodesUint                         ? static_cast<float>(code)
+                          : codes == kCodesE4M3 || codes == kCodesE5M2 ? detail::fp8_to_float(b, codes)
+                                                                       : detail::fpx_to_float(b, codes);
           // One rounding of scale * c + offset, always (std::fma, not left to the compiler's contraction, which
           // fused only some elements); the PyTorch fallback computes the same in float64.
           w[row * k + kk] =

@@ -118,7 +118,7 @@ void gemm_path(const Ctx& c) {
                             wbuf + t * kKC * TW);
           if (k0 + kc < K8)  // the next k-slice of all tiles arrives while this one computes
             prefetch_units(pan.data(), static_cast<int>(nt * kNP), (k0 + kc) / 8,
-                           std::min(kKC, K8 - k0 - kc) / 8, B);
+                           std::min(kKC, K8 - k0 - kc) / 8, bits_of(B));
           for (int64_t t = 0; t < nt; ++t) {  // tile-outer: the dequantized tile stays in L1
             if (t * TW >= rows) break;
             for (int64_t m0 = 0; m0 < mc; m0 += kMR) {

@@ -49,10 +49,17 @@ void dequant_pairs(const uint8_t* const* pan, int64_t u0, int64_t nu, int32_t* i
         return;
       }
       I16 lo{};
-      decode_unit_i<B>(pan[p] + u * (16 * B), [&](auto T, I16 v) {
+      decode_unit_i<bits_of(B)>(pan[p] + u * (16 * bits_of(B)), [&](auto T, I16 v) {
         constexpr int t = AQ_CV(T);
-        if constexpr (t % 2 == 0) lo = v;
-        else _mm512_storeu_si512(bu + (t / 2) * 32 + 16 * p, _mm512_or_si512(lo.v, _mm512_slli_epi32(v.v, 16)));
+        if constexpr (is_fpx(B)) v.v = icode<B>(v.v);  // signed: the pair is blended, not or-ed
+        if constexpr (t % 2 == 0) {
+          lo = v;
+        } else if constexpr (is_fpx(B)) {
+          _mm512_storeu_si512(bu + (t / 2) * 32 + 16 * p,
+                              _mm512_mask_blend_epi16(0xAAAAAAAA, lo.v, _mm512_slli_epi32(v.v, 16)));
+        } else {
+          _mm512_storeu_si512(bu + (t / 2) * 32 + 16 * p, _mm512_or_si512(lo.v, _mm512_slli_epi32(v.v, 16)));
+        }
       });
     });
   }
@@ -198,9 +205,11 @@ template <int B>
 void qgemm_path(const Ctx& c) {
   const LowbitProblem& pr = *c.p;
   const int64_t G = c.G, M = c.M, K = pr.k, gs = pr.group_size;
-  // Block: the largest multiple of 8 dividing the group and <= 256, so |int32 sums| <= 256 * 255 * 32767 < 2^31.
+  // Block: the largest multiple of 8 dividing the group and <= 256 (128 for fp6 e3m2, whose codes reach 448),
+  // so |int32 sums| <= qb * max|code| * 32767 < 2^31.
+  constexpr int64_t kMaxQb = B == kBF6B ? 128 : 256;
   int64_t qb = 8;
-  for (int64_t d = 256; d >= 8; d -= 8)
+  for (int64_t d = kMaxQb; d >= 8; d -= 8)
     if (gs % d == 0) { qb = d; break; }
   const int64_t nb = K / qb, kcq = std::max(qb, kQKC / qb * qb);
   const int64_t nmb = (M + kQMR - 1) / kQMR;
@@ -220,7 +229,7 @@ void qgemm_path(const Ctx& c) {
       const int64_t R = nt * TW, r0 = t0 * TW, rows = std::min(R, c.N - r0);
       float* sT = tl_scale.get<float>(G * R);
       float* oT = tl_offset.get<float>(G * R);
-      load_qparams(pr, false, code_scale(B), r0, rows, R, G, sT, R);
+      load_qparams(pr, false, int16_code_scale(B), r0, rows, R, G, sT, R);
       load_qparams(pr, true, 1.f, r0, rows, R, G, oT, R);
       const uint8_t* pan[2 * kNCB];
       for (int64_t q = 0; q < nt * 2; ++q) pan[q] = panel_ptr(c, t0 * 2 + q);
@@ -239,9 +248,9 @@ void qgemm_path(const Ctx& c) {
             // The codes of the next tile arrive from DRAM while this one computes (tiles are short, scattered
             // streams that the hardware prefetchers do not pick up on their own).
             if (t + 1 < nt && (t + 1) * TW < rows)
-              prefetch_units(pan + 2 * (t + 1), 2, k0 / 8, kc / 8, B);
+              prefetch_units(pan + 2 * (t + 1), 2, k0 / 8, kc / 8, bits_of(B));
             else if (k0 + kc < K)
-              prefetch_units(pan, 2, (k0 + kc) / 8, std::min(kcq, K - k0 - kc) / 8, B);
+              prefetch_units(pan, 2, (k0 + kc) / 8, std::min(kcq, K - k0 - kc) / 8, bits_of(B));
             for (int64_t m0 = mc0; m0 < mc0 + mc; m0 += kQMR) {
               const QMicroFn fn = kQMicro[std::min<int64_t>(kQMR, mc0 + mc - m0) - 1];
               QArgs a{xp + (m0 / kQMR) * (K / 2) * kQMR + (k0 / 2) * kQMR,
@@ -261,7 +270,7 @@ void qgemm_path(const Ctx& c) {
 
 // The instantiations dispatch.cpp calls (declared in common.h).
 #define AQ_INSTANTIATE(B) template void qgemm_path<B>(const Ctx& c);
-AQ_FOR_EACH_UINT_WIDTH(AQ_INSTANTIATE)
+AQ_FOR_EACH_INT16_WIDTH(AQ_INSTANTIATE)
 #undef AQ_INSTANTIATE
 
 }  // namespace affineq::detail

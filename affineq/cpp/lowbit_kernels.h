@@ -6,8 +6,10 @@
 namespace affineq {
 
 // y[m, n] = sum_k x[m, k] * (scale[n, k / gs] * c(u[n, k]) + offset[n, k / gs]), where c(u) = u for integer
-// codes and the float8 value of the byte u for codes == kCodesE4M3 / kCodesE5M2 (bits == 8).
-constexpr int kCodesUint = 0, kCodesE4M3 = 1, kCodesE5M2 = 2;
+// codes, the float8 value of the byte u for codes == kCodesE4M3 / kCodesE5M2 (bits == 8), and the OCP MX
+// element value of the bit pattern u (sign in the top bit) for kCodesFp4E2M1 (bits == 4) and kCodesFp6E2M3 /
+// kCodesFp6E3M2 (bits == 6).
+constexpr int kCodesUint = 0, kCodesE4M3 = 1, kCodesE5M2 = 2, kCodesFp4E2M1 = 3, kCodesFp6E2M3 = 4, kCodesFp6E3M2 = 5;
 
 struct LowbitProblem {
   const float* x;          // [m, k8] fp32, row stride ldx; k8 = k rounded up to 8, padding columns are 0
@@ -15,12 +17,17 @@ struct LowbitProblem {
   int64_t m;
   const uint8_t* packed;   // codes in the panel layout documented in affineq/cpp/__init__.py
   const void* scale;       // [n, k / group_size] fp32 or bf16 (qparams_bf16), contiguous
-  const void* offset;      // [n, k / group_size], same dtype as scale
+  const void* offset;      // [n, k / group_size], same dtype as scale; null: 0 (fp32 scales of float codes)
   // bf16 qparams use the tinygemm convention: offset holds the zero z, W = scale * (u - 2^(bits-1)) + z
   // (integer codes only), so a float zero point is stored exactly instead of a rounded scale * u offset.
   bool qparams_bf16 = false;
+  // e8m0 qparams (OCP MX): scale holds one exponent byte b per group (uint8, value 2^(b - 127); 255 = NaN) and
+  // there is no offset array: offset = scale * code_offset (quant_min for integer codes stored as q - quant_min,
+  // 0 for float codes). Both products are exact, so W = 2^(b - 127) * (c(u) + code_offset) exactly.
+  bool qparams_e8m0 = false;
+  int code_offset = 0;
   int bits;                // 1..8
-  int codes = kCodesUint;  // kCodesE4M3 / kCodesE5M2 need bits == 8
+  int codes = kCodesUint;  // kCodesE4M3 / kCodesE5M2 need bits == 8, kCodesFp4E2M1 4, kCodesFp6E2M3 / E3M2 6
   int64_t group_size;      // divides k
   int64_t n;
   int64_t k;
@@ -37,8 +44,10 @@ struct LowbitProblem {
 void lowbit_linear_f32(const LowbitProblem& p, int force_path = 0);
 
 // w[n, k] = scale[n, k / gs] * c(u[n, k]) + offset[n, k / gs] as fp32 [n, k] (portable code; used by backward).
-void dequantize_f32(const uint8_t* packed, const void* scale, const void* offset, bool qparams_bf16, int bits,
-                    int codes, int64_t group_size, int64_t n, int64_t k, float* w);
+// qparams as in LowbitProblem (offset is null for e8m0 qparams).
+void dequantize_f32(const uint8_t* packed, const void* scale, const void* offset, bool qparams_bf16,
+                    bool qparams_e8m0, int code_offset, int bits, int codes, int64_t group_size, int64_t n,
+                    int64_t k, float* w);
 
 // y[m, k] = dequantize(quantize(x)) with int8 activation codes, qparams per row (per_token) or over all of x;
 // mode 0 symmetric, 1 symmetric without clipping, 2 asymmetric (integer zero point); the result is clamped to

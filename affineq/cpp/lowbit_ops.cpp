@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -37,12 +38,40 @@ bool allow_int16_x(at::ScalarType xt) {
   return xt != at::kFloat;  // "auto"
 }
 
-// scale/offset: both float32 or both bfloat16, [n, k / group_size]; codes: kCodesUint or a float8 kind (bits 8).
-void check_qparams(const char* op, const at::Tensor& scale, const at::Tensor& offset, int64_t bits, int64_t codes,
-                   int64_t n, int64_t G) {
-  TORCH_CHECK(codes == kCodesUint || ((codes == kCodesE4M3 || codes == kCodesE5M2) && bits == 8), op,
-              ": codes must be 0 (unsigned integers), 1 (float8_e4m3fn) or 2 (float8_e5m2, both with bits=8), got "
-              "codes=", codes, ", bits=", bits);
+// codes: kCodesUint (any bits), a float8 kind (bits 8), fp4 (bits 4) or an fp6 kind (bits 6).
+bool codes_ok(int64_t codes, int64_t bits) {
+  switch (codes) {
+    case kCodesUint: return true;
+    case kCodesE4M3: case kCodesE5M2: return bits == 8;
+    case kCodesFp4E2M1: return bits == 4;
+    case kCodesFp6E2M3: case kCodesFp6E3M2: return bits == 6;
+    default: return false;
+  }
+}
+
+// scale/offset: both float32 or both bfloat16, [n, k / group_size]; a float32 scale without offset (offset 0: float
+// codes); or scale uint8 e8m0 exponent bytes with no offset (offset = scale * code_offset). Returns whether the
+// qparams are e8m0.
+bool check_qparams(const char* op, const at::Tensor& scale, const std::optional<at::Tensor>& offset_opt,
+                   int64_t bits, int64_t codes, int64_t code_offset, int64_t n, int64_t G) {
+  TORCH_CHECK(codes_ok(codes, bits), op,
+              ": codes must be 0 (unsigned integers), 1 (float8_e4m3fn) or 2 (float8_e5m2, both with bits=8), 3 "
+              "(fp4_e2m1, bits=4), 4 (fp6_e2m3) or 5 (fp6_e3m2, both bits=6), got codes=", codes, ", bits=", bits);
+  if (scale.scalar_type() == at::kByte) {
+    TORCH_CHECK(!offset_opt.has_value() || !offset_opt->defined(), op,
+                ": e8m0 (uint8) scales store no offset: pass offset=None and the code offset as code_offset");
+    TORCH_CHECK(scale.device().is_cpu() && scale.dim() == 2 && scale.size(0) == n && scale.size(1) == G, op,
+                ": scale must have shape [n, k // group_size] = [", n, ", ", G, "] on CPU, got ", scale.sizes(),
+                " on ", scale.device());
+    TORCH_CHECK(code_offset >= -(1 << 16) && code_offset <= (1 << 16), op, ": code_offset must be small, got ",
+                code_offset);
+    return true;
+  }
+  TORCH_CHECK(code_offset == 0, op, ": code_offset applies to e8m0 (uint8) scales only; fold it into offset");
+  const bool has_offset = offset_opt.has_value() && offset_opt->defined();
+  TORCH_CHECK(has_offset || scale.scalar_type() == at::kFloat, op,
+              ": bfloat16 scales need an offset tensor (None: float32 or e8m0 uint8 scales only)");
+  const at::Tensor& offset = has_offset ? *offset_opt : scale;  // no offset: check scale twice
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"scale", scale}, {"offset", offset}}) {
     TORCH_CHECK((t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16) && t.device().is_cpu(), op,
                 ": ", name, " must be a float32 or bfloat16 CPU tensor, got ", t.scalar_type(), " on ", t.device());
@@ -53,11 +82,12 @@ void check_qparams(const char* op, const at::Tensor& scale, const at::Tensor& of
               scale.scalar_type(), " and ", offset.scalar_type());
   TORCH_CHECK(scale.scalar_type() == at::kFloat || codes == kCodesUint, op,
               ": bfloat16 qparams (the W = scale * (u - 2^(bits-1)) + zero convention) need integer codes");
+  return false;
 }
 
 at::Tensor lowbit_linear_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                              const at::Tensor& offset, int64_t bits, int64_t group_size, int64_t n, int64_t k,
-                              int64_t codes, int64_t path) {
+                              const std::optional<at::Tensor>& offset, int64_t bits, int64_t group_size, int64_t n,
+                              int64_t k, int64_t codes, int64_t path, int64_t code_offset) {
   TORCH_CHECK(!g_disabled.load(),
               "affineq::lowbit_linear: the affineq C++ kernels are disabled (AFFINEQ_DISABLE_CPP_KERNELS=1 or "
               "affineq.kernels._set_disabled(True)); use affineq.kernels.lowbit_linear_reference instead");
@@ -76,7 +106,7 @@ at::Tensor lowbit_linear_impl(const at::Tensor& x, const at::Tensor& packed, con
               packed.scalar_type(), " on ", packed.device());
   TORCH_CHECK(packed.numel() == packed_nbytes(n, k, bits), "affineq::lowbit_linear: packed must hold ",
               packed_nbytes(n, k, bits), " bytes for n=", n, ", k=", k, ", bits=", bits, ", got ", packed.numel());
-  check_qparams("affineq::lowbit_linear", scale, offset, bits, codes, n, k / group_size);
+  const bool e8m0 = check_qparams("affineq::lowbit_linear", scale, offset, bits, codes, code_offset, n, k / group_size);
 
   const at::Tensor x2 = x.reshape({-1, k});
   const int64_t M = x2.size(0);
@@ -99,15 +129,19 @@ at::Tensor lowbit_linear_impl(const at::Tensor& x, const at::Tensor& packed, con
   }
   at::Tensor y = at::empty({M, n}, xf.options());
   if (M > 0 && n > 0) {
-    const at::Tensor pk = packed.contiguous(), sc = scale.contiguous(), of = offset.contiguous();
+    const at::Tensor pk = packed.contiguous(), sc = scale.contiguous();
+    const bool has_offset = offset.has_value() && offset->defined();
+    const at::Tensor of = has_offset ? offset->contiguous() : at::Tensor();
     LowbitProblem p;
     p.x = xf.const_data_ptr<float>();
     p.ldx = K8;
     p.m = M;
     p.packed = pk.const_data_ptr<uint8_t>();
     p.scale = sc.const_data_ptr();
-    p.offset = of.const_data_ptr();
+    p.offset = has_offset ? of.const_data_ptr() : nullptr;  // null: offset 0 (or scale * code_offset for e8m0)
     p.qparams_bf16 = sc.scalar_type() == at::kBFloat16;
+    p.qparams_e8m0 = e8m0;
+    p.code_offset = static_cast<int>(code_offset);
     p.bits = static_cast<int>(bits);
     p.codes = static_cast<int>(codes);
     p.group_size = group_size;
@@ -124,21 +158,25 @@ at::Tensor lowbit_linear_impl(const at::Tensor& x, const at::Tensor& packed, con
   return y.to(xt).view(out_sizes);
 }
 
-at::Tensor lowbit_dequantize_cpu(const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& offset,
-                                 int64_t bits, int64_t group_size, int64_t n, int64_t k, int64_t codes) {
+at::Tensor lowbit_dequantize_cpu(const at::Tensor& packed, const at::Tensor& scale,
+                                 const std::optional<at::Tensor>& offset, int64_t bits, int64_t group_size, int64_t n,
+                                 int64_t k, int64_t codes, int64_t code_offset) {
   TORCH_CHECK(bits >= 1 && bits <= 8, "affineq::lowbit_dequantize: bits must be in [1, 8], got ", bits);
   TORCH_CHECK(n >= 0 && k > 0 && group_size > 0 && k % group_size == 0,
               "affineq::lowbit_dequantize: need n >= 0, k > 0 and group_size dividing k, got n=", n, ", k=", k,
               ", group_size=", group_size);
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.numel() == packed_nbytes(n, k, bits),
               "affineq::lowbit_dequantize: packed must be uint8 with ", packed_nbytes(n, k, bits), " elements");
-  check_qparams("affineq::lowbit_dequantize", scale, offset, bits, codes, n, k / group_size);
-  const at::Tensor pk = packed.contiguous(), sc = scale.contiguous(), of = offset.contiguous();
+  const bool e8m0 =
+      check_qparams("affineq::lowbit_dequantize", scale, offset, bits, codes, code_offset, n, k / group_size);
+  const at::Tensor pk = packed.contiguous(), sc = scale.contiguous();
+  const bool has_offset = offset.has_value() && offset->defined();
+  const at::Tensor of = has_offset ? offset->contiguous() : at::Tensor();
   at::Tensor w = at::empty({n, k}, scale.options().dtype(at::kFloat));
   if (n > 0)
-    dequantize_f32(pk.const_data_ptr<uint8_t>(), sc.const_data_ptr(), of.const_data_ptr(),
-                   sc.scalar_type() == at::kBFloat16, static_cast<int>(bits), static_cast<int>(codes), group_size, n,
-                   k, w.mutable_data_ptr<float>());
+    dequantize_f32(pk.const_data_ptr<uint8_t>(), sc.const_data_ptr(), has_offset ? of.const_data_ptr() : nullptr,
+                   sc.scalar_type() == at::kBFloat16, e8m0, static_cast<int>(code_offset), static_cast<int>(bits),
+                   static_cast<int>(codes), group_size, n, k, w.mutable_data_ptr<float>());
   return w;
 }
 
@@ -159,9 +197,9 @@ at::Tensor int8_fake_quant_cpu(const at::Tensor& x, bool per_token, int64_t mode
 }
 
 at::Tensor lowbit_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                             const at::Tensor& offset, int64_t bits, int64_t group_size, int64_t n, int64_t k,
-                             int64_t codes) {
-  return lowbit_linear_impl(x, packed, scale, offset, bits, group_size, n, k, codes, 0);
+                             const std::optional<at::Tensor>& offset, int64_t bits, int64_t group_size, int64_t n,
+                             int64_t k, int64_t codes, int64_t code_offset) {
+  return lowbit_linear_impl(x, packed, scale, offset, bits, group_size, n, k, codes, 0, code_offset);
 }
 
 // dL/dx = dL/dy @ W (W dequantized to fp32); codes, scale and offset get no gradient.
@@ -169,42 +207,44 @@ at::Tensor lowbit_linear_cpu(const at::Tensor& x, const at::Tensor& packed, cons
 class LowbitLinearFunction : public torch::autograd::Function<LowbitLinearFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& packed,
-                            const at::Tensor& scale, const at::Tensor& offset, int64_t bits, int64_t group_size,
-                            int64_t n, int64_t k, int64_t codes) {
+                            const at::Tensor& scale, const std::optional<at::Tensor>& offset, int64_t bits,
+                            int64_t group_size, int64_t n, int64_t k, int64_t codes, int64_t code_offset) {
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("affineq::lowbit_linear", "")
                          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                           const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t)>();
-    ctx->save_for_backward({packed, scale, offset});
-    ctx->saved_data["meta"] = std::vector<int64_t>{bits, group_size, n, k, codes};
+                                           const std::optional<at::Tensor>&, int64_t, int64_t, int64_t, int64_t,
+                                           int64_t, int64_t)>();
+    ctx->save_for_backward({packed, scale, offset.value_or(at::Tensor())});  // undefined: e8m0 (no offset)
+    ctx->saved_data["meta"] = std::vector<int64_t>{bits, group_size, n, k, codes, code_offset};
     ctx->saved_data["dtype"] = static_cast<int64_t>(x.scalar_type());
     at::AutoDispatchBelowADInplaceOrView guard;
-    return op.call(x, packed, scale, offset, bits, group_size, n, k, codes);
+    return op.call(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset);
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     static auto deq = c10::Dispatcher::singleton()
                           .findSchemaOrThrow("affineq::lowbit_dequantize", "")
-                          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
-                                            int64_t, int64_t, int64_t, int64_t)>();
+                          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                            int64_t, int64_t, int64_t, int64_t, int64_t, int64_t)>();
     const auto saved = ctx->get_saved_variables();
     const auto meta = ctx->saved_data["meta"].toIntVector();
     const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
     at::Tensor gx;
     if (ctx->needs_input_grad(0)) {
-      const at::Tensor w = deq.call(saved[0], saved[1], saved[2], meta[0], meta[1], meta[2], meta[3], meta[4]);
+      const std::optional<at::Tensor> off = saved[2].defined() ? std::optional<at::Tensor>(saved[2]) : std::nullopt;
+      const at::Tensor w = deq.call(saved[0], saved[1], off, meta[0], meta[1], meta[2], meta[3], meta[4], meta[5]);
       gx = grads[0].to(at::kFloat).matmul(w).to(dtype);
     }
-    return {gx,          at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {gx,           at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 at::Tensor lowbit_linear_autograd(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                                  const at::Tensor& offset, int64_t bits, int64_t group_size, int64_t n, int64_t k,
-                                  int64_t codes) {
-  return LowbitLinearFunction::apply(x, packed, scale, offset, bits, group_size, n, k, codes);
+                                  const std::optional<at::Tensor>& offset, int64_t bits, int64_t group_size,
+                                  int64_t n, int64_t k, int64_t codes, int64_t code_offset) {
+  return LowbitLinearFunction::apply(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset);
 }
 
 // Which path lowbit_linear would run for x (tests assert it; the kernel itself decides in lowbit_path).
@@ -238,8 +278,8 @@ TORCH_LIBRARY_IMPL(affineq, Autograd, m) { m.impl("lowbit_linear", &affineq::low
 TORCH_LIBRARY(affineq_cpp, m) {
   m.def("set_disabled(bool flag) -> ()", &affineq::set_disabled);
   m.def("isa() -> str", &affineq::isa);
-  m.def("lowbit_linear_path(Tensor x, Tensor packed, Tensor scale, Tensor offset, int bits, int group_size, "
-        "int n, int k, int codes, int path) -> Tensor",
+  m.def("lowbit_linear_path(Tensor x, Tensor packed, Tensor scale, Tensor? offset, int bits, int group_size, "
+        "int n, int k, int codes, int path, int code_offset=0) -> Tensor",
         &affineq::lowbit_linear_impl);
   m.def("lowbit_path_for(Tensor x, int group_size, int codes, int path) -> int", &affineq::lowbit_path_for);
 }

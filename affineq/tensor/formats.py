@@ -6,7 +6,9 @@ multiply a format lives in `affineq.tensor.linear_kernels`; the op table never l
 | format    | codes layout                                      | qparams stored                       | shapes      |
 |-----------|---------------------------------------------------|--------------------------------------|-------------|
 | plain     | one code per element (int8/uint8/int16/int32/fp8) | scale, zero_point (reduced shape)    | any rank    |
-| dense     | 1-8 bit codes or fp8 bytes, bit-packed            | scale, offset [N, K/g]: fp32 or bf16 | 2-D, (1, g) |
+| dense     | 1-8 bit codes, fp8 / fp6 / fp4 codes, bit-packed  | scale, offset [N, K/g]: fp32 or bf16;| 2-D, (1, g) |
+|           |                                                   | fp6 / fp4: fp32 scale, no offset;    |             |
+|           |                                                   | e8m0: scale bytes [N, K/g], no offset|             |
 | int4_cpu  | aten `_convert_weight_to_int4pack_for_cpu`        | scale_and_zero [K/g, N, 2]           | 2-D, (1, g) |
 | int4_cuda | aten `_convert_weight_to_int4pack` (CUDA)         | scale_and_zero [K/g, N, 2] bf16      | 2-D, (1, g) |
 
@@ -20,7 +22,11 @@ layouts name a `portable` format that holds the same codes and qparams exactly (
     w = scale * (u - 2**(bits-1)) + zero                    (dense with bf16 qparams; see `Dense`)
     w = scale * (u - 8) + zero,  zero = offset + 8 * scale  (int4 tinygemm layout)
 with offset derived from the zero-point domain (see `_offset`), so one kernel serves INT, FLOAT and NONE.
-Float8 codes in `dense` are their bytes, u = the float8 value, offset 0.
+Float8 / fp6 / fp4 codes in `dense` are their bit patterns, u = the float value, offset 0 (float8 stores the
+zeros, fp6 / fp4 do not: fp4 with an fp32 scale per 32 costs 5 bits per element). With
+`scale_type` e8m0 (OCP MX) `dense` stores one exponent byte per group and no offset:
+    w = 2**(b - 127) * (c(u) + code_offset),  code_offset = quant_min (integer codes), 0 (float codes)
+which is exact, so MXFP4 costs 4 + 8/32 = 4.25 bits per element, MXFP6 6.25, MXFP8 and MXINT8 8.25.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from affineq import cpp as _cpp
-from affineq.primitives import ZeroPointDomain, dequantize_affine
+from affineq.primitives import MappingType, ZeroPointDomain, dequantize_affine
 from affineq.tensor.spec import QuantSpec
 
 Tensors = dict[str, torch.Tensor]
@@ -164,14 +170,15 @@ def _zero_point(scale: torch.Tensor, offset: torch.Tensor, spec: QuantSpec) -> t
     return None
 
 
-def _check_rowwise_groups(spec: QuantSpec, name: str, allow_float8: bool = False) -> str | None:
+def _check_rowwise_groups(spec: QuantSpec, name: str, allow_float8: bool = False,
+                          allow_e8m0: bool = False) -> str | None:
     if len(spec.shape) != 2:
         return f"{name} packs 2-D weights only (got shape {spec.shape})"
     if spec.block_size[0] != 1:
         return f"{name} needs one scale per output row and group: block_size (1, g), got {spec.block_size}"
     if spec.target.is_float and not allow_float8:
         return f"{name} holds integer codes, not {spec.target}"
-    if spec.scale_type is not None:
+    if spec.scale_type is not None and not allow_e8m0:
         return f"{name} stores float scales; scale_type={spec.scale_type} needs packing_format='plain'"
     return None
 
@@ -183,8 +190,10 @@ _E8M0_BIAS = 127
 
 def _round_scale_to_pow2(scale: torch.Tensor) -> torch.Tensor:
     """The smallest power of two >= scale (so no value clips), within e8m0's 2**-127..2**127, in fp32."""
-    e = torch.ceil(torch.log2(scale.float())).clamp(-_E8M0_BIAS, _E8M0_BIAS)
-    return torch.exp2(e)
+    # frexp, not ceil(log2): fp32 log2 rounds 2**e * (1 + 2**-23) down to e, which would clip that scale
+    m, e = torch.frexp(scale.float())  # scale = m * 2**e, m in [0.5, 1)
+    e = torch.where(m == 0.5, e - 1, e).float()
+    return torch.exp2(torch.where(scale > 0, e, -_E8M0_BIAS).clamp(-_E8M0_BIAS, _E8M0_BIAS))
 
 
 def _e8m0_bytes(scale: torch.Tensor) -> torch.Tensor:
@@ -192,7 +201,7 @@ def _e8m0_bytes(scale: torch.Tensor) -> torch.Tensor:
 
 
 def _e8m0_values(b: torch.Tensor) -> torch.Tensor:
-    return torch.exp2(b.float() - _E8M0_BIAS)
+    return _cpp.e8m0_values(b)  # 2**(b - 127), 0xFF = NaN (OCP MX), as the C++ kernels decode them
 
 
 # -- formats ------------------------------------------------------------------------------------------
@@ -249,9 +258,21 @@ class Plain(PackingFormat):
         return ((q if zp is None else q - zp.float()).double() * scale).to(output_dtype)
 
 
+def dense_code_offset(spec: QuantSpec) -> int:
+    """The `code_offset` of the lowbit ops for a `dense` spec with e8m0 scales: w = scale * (c(u) + code_offset),
+    u = q - quant_min for integer codes (so quant_min), u = the bit pattern for float codes (0)."""
+    return 0 if spec.target.is_float else int(spec.quant_min)
+
+
 class Dense(PackingFormat):
-    """1-8 bit codes (or float8 bytes) bit-packed by `affineq.cpp.pack_codes` (ceil(N*K*bits/8) bytes),
-    with scale and offset [N, K/g]. This is the layout the `affineq::lowbit_linear` CPU kernel reads directly.
+    """1-8 bit codes (or float8 / fp6 / fp4 bit patterns) bit-packed by `affineq.cpp.pack_codes`
+    (ceil(N*K*bits/8) bytes), with scale and offset [N, K/g]. This is the layout the `affineq::lowbit_linear` CPU
+    kernel reads directly.
+
+    With `scale_type` e8m0 (zero point 0: the NONE domain or symmetric INT codes) the scale is one uint8
+    exponent byte per group (value 2**(b - 127), rounded up to a power of two by `represent_qparams` unless it
+    is one) and there is no offset: the kernel computes w = scale * (c(u) + quant_min) for integer codes
+    u = q - quant_min, scale * c(u) for float codes, both exact.
 
     Qparams are fp32 (w = scale * u + offset), except for a bf16 scale with a float zero point over the full
     code range (the tinygemm scheme of Int4WeightOnlyConfig): then scale and zero point are stored as they
@@ -262,11 +283,17 @@ class Dense(PackingFormat):
     name = "dense"
 
     def check(self, spec):
+        if spec.scale_type is not None:
+            symmetric = spec.mapping_type in (MappingType.SYMMETRIC, MappingType.SYMMETRIC_NO_CLIPPING_ERR)
+            if not (spec.zero_point_domain is ZeroPointDomain.NONE
+                    or (spec.zero_point_domain is ZeroPointDomain.INT and symmetric)):
+                return ("dense stores e8m0 scales without a zero point: use mapping_type=SYMMETRIC or "
+                        "zero_point_domain=NONE, or packing_format='plain'")
         if spec.target.is_float:
-            if spec.target.torch_dtype is None:
+            if spec.target.torch_dtype is None and _cpp.codes_kind(spec.target) == _cpp.CODES_UINT:
                 return f"dense has no decoder for {spec.target} codes yet; use packing_format='plain'"
-            return _check_rowwise_groups(spec, "dense", allow_float8=True)
-        why = _check_rowwise_groups(spec, "dense")
+            return _check_rowwise_groups(spec, "dense", allow_float8=True, allow_e8m0=True)
+        why = _check_rowwise_groups(spec, "dense", allow_e8m0=True)
         if why is None and spec.target.bits > 8:
             why = f"dense packs 1-8 bit codes, not {spec.target}"
         return why
@@ -274,12 +301,17 @@ class Dense(PackingFormat):
     def layout(self, spec):
         n, k = spec.shape
         bits = spec.target.bits
+        qdata = TensorLayout((n, -(-k // 8) * bits), (torch.uint8,))
+        if spec.scale_type is not None:  # e8m0 exponent bytes, no offset
+            return {"qdata": qdata, "scale": TensorLayout((n, k // spec.block_size[1]), (torch.uint8,))}
+        if self._scale_only(spec):
+            return {"qdata": qdata, "scale": TensorLayout((n, k // spec.block_size[1]), (torch.float32,))}
         qp = TensorLayout((n, k // spec.block_size[1]), (torch.float32, torch.bfloat16))
-        return {"qdata": TensorLayout((n, -(-k // 8) * bits), (torch.uint8,)), "scale": qp, "offset": qp}
+        return {"qdata": qdata, "scale": qp, "offset": qp}
 
     def validate(self, t, spec):
         super().validate(t, spec)
-        if t["scale"].dtype != t["offset"].dtype:
+        if "offset" in t and t["scale"].dtype != t["offset"].dtype:
             raise ValueError(f"format 'dense': scale ({t['scale'].dtype}) and offset ({t['offset'].dtype}) must "
                              "share one dtype (fp32, or bf16 in the tinygemm convention)")
 
@@ -298,12 +330,25 @@ class Dense(PackingFormat):
         return spec.zero_point_domain is ZeroPointDomain.NONE and spec.quant_min == -half
 
     def represent_qparams(self, scale, zero_point, spec):
+        if spec.scale_type is not None:  # the same rule as `plain`: a power of two >= scale (exact if one)
+            return _round_scale_to_pow2(scale), zero_point
         if self._bf16(scale, spec) and zero_point is not None:
             return scale, zero_point.to(torch.bfloat16)
         return scale, zero_point
 
     def pack(self, codes, scale, zero_point, spec):
         n, k = spec.shape
+        if spec.scale_type is not None:
+            if (zero_point is not None and not torch.compiler.is_compiling()
+                    and bool((zero_point != 0).any())):
+                raise ValueError("packing_format='dense' with e8m0 scales stores no zero point, got nonzero "
+                                 "zero points: use mapping_type=SYMMETRIC, or packing_format='plain'")
+            u = codes.view(torch.uint8) if spec.target.is_float else (
+                codes.to(torch.int32) - spec.quant_min).to(torch.uint8)
+            t = {"qdata": _cpp.pack_codes(u, spec.target.bits),
+                 "scale": _e8m0_bytes(scale).reshape(n, -1).contiguous()}
+            self._check_representable(t, spec)
+            return t
         if spec.target.is_float:
             u, offset = codes.view(torch.uint8), torch.zeros_like(scale, dtype=torch.float32)
         else:
@@ -318,8 +363,16 @@ class Dense(PackingFormat):
             "scale": scale.to(qdtype).reshape(n, -1).contiguous(),
             "offset": offset.to(qdtype).reshape(n, -1).contiguous(),
         }
+        if self._scale_only(spec):
+            del t["offset"]
         self._check_representable(t, spec)
         return t
+
+    @staticmethod
+    def _scale_only(spec: QuantSpec) -> bool:
+        """fp4 / fp6 codes with fp32 scales store no offset (it is 0; the kernel takes offset=None): 4 + 32 / g
+        bits per element. (float8 keeps its stored zeros: the layout of existing checkpoints.)"""
+        return spec.scale_type is None and spec.target.is_float and spec.target.torch_dtype is None
 
     def _check_representable(self, t: Tensors, spec: QuantSpec) -> None:
         """ValueError unless w = scale * u + offset stays finite in fp32 for every code u (the C++ kernel and
@@ -327,11 +380,10 @@ class Dense(PackingFormat):
         otherwise dequantize to inf although their qparams are finite."""
         if torch.compiler.is_compiling() or t["scale"].device.type == "meta":
             return
-        s = t["scale"].float()
-        umax = (torch.finfo(spec.target.container).max if spec.target.is_float
-                else float(spec.quant_max - spec.quant_min))
+        s, offset = self._fp32_scale_offset(t, spec)
+        umax = float(spec.target.qmax) if spec.target.is_float else float(spec.quant_max - spec.quant_min)
         top = s * umax
-        edges = torch.stack([s, self._fp32_offset(t, spec), top, top + self._fp32_offset(t, spec)])
+        edges = torch.stack([s, offset, top, top + offset])
         if not bool(torch.isfinite(edges).all()):
             raise ValueError(
                 f"packing_format='dense' cannot hold these weights: w = scale * u + offset (u up to {umax:g}) "
@@ -340,11 +392,14 @@ class Dense(PackingFormat):
             )
 
     @staticmethod
-    def _fp32_offset(t: Tensors, spec: QuantSpec) -> torch.Tensor:
-        """The offset of w = scale * u + offset in fp32, whichever convention is stored."""
+    def _fp32_scale_offset(t: Tensors, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, offset) of w = scale * c(u) + offset in fp32, whichever convention is stored."""
+        if t["scale"].dtype == torch.uint8:
+            s = _e8m0_values(t["scale"])
+            return s, s * dense_code_offset(spec)
         if t["scale"].dtype == torch.bfloat16:
-            return t["offset"].float() - 2 ** (spec.target.bits - 1) * t["scale"].float()
-        return t["offset"]
+            return t["scale"].float(), t["offset"].float() - 2 ** (spec.target.bits - 1) * t["scale"].float()
+        return t["scale"], t["offset"] if "offset" in t else torch.zeros_like(t["scale"])
 
     def codes(self, t, spec):
         n, k = spec.shape
@@ -354,6 +409,10 @@ class Dense(PackingFormat):
         return (u.to(torch.int32) + spec.quant_min).to(spec.target.container)
 
     def qparams(self, t, spec):
+        if t["scale"].dtype == torch.uint8:  # e8m0: zero point 0 (None in the NONE domain)
+            s = _e8m0_values(t["scale"])
+            zp = torch.zeros_like(s, dtype=torch.int32) if spec.zero_point_domain is ZeroPointDomain.INT else None
+            return s, zp
         if spec.target.is_float:
             return t["scale"], None
         if t["scale"].dtype == torch.bfloat16:  # stored as given: the FLOAT-domain zero point, or 0 for NONE
@@ -362,9 +421,15 @@ class Dense(PackingFormat):
 
     def dequantize(self, t, spec, output_dtype):
         n, k = spec.shape
+        if t["scale"].dtype == torch.uint8:  # e8m0: scale * (c(u) + code_offset) is exact as the C++ op computes it
+            w = torch.ops.affineq.lowbit_dequantize(
+                t["qdata"], t["scale"], None, spec.target.bits, spec.block_size[1], n, k,
+                _cpp.codes_kind(spec.target), dense_code_offset(spec),
+            )
+            return w.to(output_dtype)
         canonical = self._canonical(t, spec)
         scale, offset = (torch.ones_like(t["scale"]), torch.zeros_like(t["offset"])) if canonical else (
-            t["scale"], t["offset"])
+            t["scale"], t.get("offset"))
         w = torch.ops.affineq.lowbit_dequantize(  # C++ when built, the same math in PyTorch otherwise
             t["qdata"], scale, offset, spec.target.bits, spec.block_size[1], n, k, _cpp.codes_kind(spec.target),
         )
@@ -397,15 +462,13 @@ class Dense(PackingFormat):
         u = _cpp.unpack_codes(packed.view(panels.numel() * panel, -1), spec.target.bits,
                               panels.numel() * panel, k)
         u = u.view(-1, panel, k)[inverse, rows % panel]
-        if spec.target.is_float:
-            u = u.view(spec.target.container)
         g = spec.block_size[1]
-        u = u.float().view(-1, k // g, g)
+        u = _cpp._code_values(u, _cpp.codes_kind(spec.target)).view(-1, k // g, g)
         if self._canonical(t, spec):
             w = self._centered_times_scale(u, t["scale"][rows], t["offset"][rows])
         else:
-            scale, offset = t["scale"][rows].float().unsqueeze(-1), self._fp32_offset(t, spec)[rows].unsqueeze(-1)
-            w = u * scale + offset
+            scale, offset = self._fp32_scale_offset(t, spec)
+            w = u * scale[rows].float().unsqueeze(-1) + offset[rows].unsqueeze(-1)
         return w.view(-1, k).to(output_dtype)
 
 

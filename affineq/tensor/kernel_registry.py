@@ -124,14 +124,16 @@ def auto_format(scheme: str, weight: torch.Tensor, module_is_linear: bool = True
     CUDA), "subbyte" (1-7 bit codes, which no aten kernel reads: `dense`, the compact layout, also when our
     kernels are unavailable), "byte" (int8 / float8 weight-only: `dense` when our kernels build, else `plain`
     for aten's kernels), "int8_dynamic" (`plain` for aten's `_int_mm`, except on a CPU where `_int_mm` is
-    slow: `dense`, our kernel on the fake-quantized activation). A weight that is not a 2-D nn.Linear weight
-    on CPU gets `plain` (int4 on CUDA: `int4_cuda`)."""
+    slow: `dense`, our kernel on the fake-quantized activation), "float_codes" (fp4 / fp6 codes, and any
+    weight with e8m0 scales (MXFP4/6/8, MXINT8): `dense`, which our kernel reads and which is the compact
+    layout (4.25 bits per MXFP4 element) also when our kernels are unavailable). A weight that is not a 2-D
+    nn.Linear weight on CPU gets `plain` (int4 on CUDA: `int4_cuda`)."""
     cpu2d = weight.device.type == "cpu" and weight.dim() == 2 and module_is_linear
     if scheme == "int4":
         if weight.device.type == "cuda" and weight.dim() == 2:
             return "int4_cuda"
         return ("dense" if _cpp.is_available() else "int4_cpu") if cpu2d else "plain"
-    if scheme == "subbyte":
+    if scheme in ("subbyte", "float_codes"):
         return "dense" if cpu2d else "plain"
     if scheme == "byte":
         return "dense" if cpu2d and _cpp.is_available() else "plain"

@@ -2,7 +2,7 @@
 
 | kernel                            | format    | weight / activation                                          |
 |-----------------------------------|-----------|--------------------------------------------------------------|
-| affineq.lowbit_linear (our C++)   | dense     | 1-8 bit or float8 weights; int8 activations fake-quantized   |
+| affineq.lowbit_linear (our C++)   | dense     | 1-8 bit, fp8/fp6/fp4 (e8m0 too); int8 activations fake-quant |
 | aten._weight_int4pack_mm_for_cpu  | int4_cpu  | int4 tinygemm, weight-only                                   |
 | aten._weight_int4pack_mm          | int4_cuda | int4 tinygemm, weight-only                                   |
 | aten._int_mm                      | plain     | per-channel int8 weight x dynamic symmetric int8 activation  |
@@ -28,6 +28,7 @@ from affineq.tensor.activation import (
     quantize_activation,
     static_qparams,
 )
+from affineq.tensor.formats import dense_code_offset
 from affineq.tensor.kernel_registry import Check, Run, register_linear_kernel
 from affineq.tensor.spec import QuantSpec
 
@@ -80,9 +81,8 @@ def _lowbit_check(x, w):
     why = _common(x, w)
     if why is None and not _cpp.is_available():
         why = f"the affineq C++ kernels are unavailable ({_cpp.unavailable_reason()})"
-    aq = w.spec.act_quant
-    if why is None and aq is not None and aq.dtype.is_float and aq.granularity != "per_block":
-        why = "float8 activations are not supported by lowbit_linear (MX activations, per_block, are)"
+    # Any activation quantization runs: `_lowbit_run` fake-quantizes x first (float8 / MX activations too), the
+    # reference numerics, and the weight product stays exact.
     return why
 
 
@@ -93,9 +93,10 @@ def _lowbit_run(x, w, bias):
         # product stays exact.
         x = fake_quantize_activation(x, spec.act_quant, w)
     n, k = spec.shape
+    e8m0 = spec.scale_type is not None  # exponent bytes, no offset tensor (see formats.Dense)
     out = torch.ops.affineq.lowbit_linear(
-        x, w._qdata, w._scale, w._offset, spec.target.bits, spec.block_size[1], n, k,
-        _cpp.codes_kind(spec.target),
+        x, w._qdata, w._scale, getattr(w, "_offset", None), spec.target.bits, spec.block_size[1], n, k,
+        _cpp.codes_kind(spec.target), dense_code_offset(spec) if e8m0 else 0,
     )
     return out if bias is None else out + bias
 
