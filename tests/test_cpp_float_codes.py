@@ -124,11 +124,12 @@ def test_path_choice_for_float_codes() -> None:
     assert choice(torch.zeros(32, 64, dtype=torch.float16), 32, K.CODES_E4M3, 0) == 2
 
 
-@pytest.mark.parametrize("target", ["fp4_e2m1", "fp6_e2m3", "fp6_e3m2", "float8_e4m3fn", "float8_e5m2", "int8"])
-@pytest.mark.parametrize("scale_type", [None, "e8m0"])
+# (int8 with fp32 scales: tests/test_tensor_affine.py)
+@pytest.mark.parametrize("target, scale_type", [
+    *((t, s) for t in ("fp4_e2m1", "fp6_e2m3", "fp6_e3m2", "float8_e4m3fn", "float8_e5m2") for s in (None, "e8m0")),
+    ("int8", "e8m0"),
+])
 def test_dense_dequantizes_like_plain_and_the_primitives(target: str, scale_type) -> None:
-    if target == "int8" and scale_type is None:
-        pytest.skip("int8 with fp32 scales is covered by test_tensor_affine")
     w = torch.randn(48, 128, generator=torch.Generator().manual_seed(3)) * 0.05
     d = _aqt(w, target, scale_type)
     p = _aqt(w, target, scale_type, fmt="plain")

@@ -150,14 +150,13 @@ def test_lowbit_kernel_accepts_mx_activations():
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_auto_asks_the_dense_format():
-    m = affineq.quantize_(_model(), FPxWeightOnlyConfig(2, 1))
-    spec = m[0].weight.spec
-    dense_ok = get_format("dense").check(spec.replace(fmt="dense")) is None and _cpp.is_available()
-    assert spec.fmt == ("dense" if dense_ok else "plain")
-    m8 = affineq.quantize_(_model(), FPxWeightOnlyConfig(4, 3))
-    assert m8[0].weight.spec.fmt == ("dense" if _cpp.is_available() else "plain")
-    assert affineq.quantize_(_model(), MXWeightOnlyConfig("mxfp8_e4m3"))[0].weight.spec.fmt == "plain"
+def test_auto_stores_dense_for_cpu_linears():
+    """"auto" = kernel_registry.auto_format("float_codes"): `dense` (our kernel's layout, and the compact one even
+    without a compiler) for 2-D CPU nn.Linear weights."""
+    for cfg in (FPxWeightOnlyConfig(2, 1), FPxWeightOnlyConfig(4, 3), MXWeightOnlyConfig("mxfp8_e4m3"),
+                MXWeightOnlyConfig("mxint8"), FPxWeightOnlyConfig(3, 2, scale_type="pof2")):
+        spec = affineq.quantize_(_model(), cfg)[0].weight.spec
+        assert spec.fmt == "dense" and get_format("dense").check(spec) is None, cfg
 
 
 # -- every new config: eager, compiled, saved and loaded ------------------------------------------------------
