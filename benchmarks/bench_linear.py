@@ -31,35 +31,16 @@ from common import RESULTS, machine_line, memory_bandwidth_gbs, round_robin_ms, 
 import affineq  # noqa: E402
 from affineq import (  # noqa: E402
     Float8WeightOnlyConfig,
+    FPxWeightOnlyConfig,
     Int4WeightOnlyConfig,
     Int8DynamicActivationInt4WeightConfig,
     Int8DynamicActivationInt8WeightConfig,
     Int8WeightOnlyConfig,
     IntxWeightOnlyConfig,
+    MXWeightOnlyConfig,
     PerGroup,
     quantize_,
 )
-from affineq.dtypes import qtype  # noqa: E402
-from affineq.primitives import MappingType, ZeroPointDomain  # noqa: E402
-from affineq.tensor.affine import AffineQuantizedTensor  # noqa: E402
-from affineq.tensor.spec import QuantSpec  # noqa: E402
-
-
-def _float_codes(target: str, scale_type: str | None, group: int = 32):
-    """Weight-only fp4 / fp6 / fp8 codes in `dense` with one scale per (1, group) block: amax / element max,
-    fp32 (scale_type None) or e8m0 (OCP MX: rounded up to a power of two). A quantizer (module -> module) standing
-    in for the MX / FPx configs; the rows measure the kernel, which is the same either way."""
-    def apply(m: nn.Linear) -> nn.Linear:
-        w = m.weight.detach()
-        scale = w.float().view(w.shape[0], -1, group).abs().amax(-1).clamp_min(1e-12) / qtype(target).qmax
-        spec = QuantSpec.create(tuple(w.shape), w.dtype, target, (1, group), mapping_type=MappingType.SYMMETRIC,
-                                zero_point_domain=ZeroPointDomain.NONE, packing_format="dense",
-                                scale_type=scale_type)
-        m.weight = nn.Parameter(AffineQuantizedTensor.from_qparams(w, scale, None, spec), requires_grad=False)
-        return m
-
-    return apply
-
 
 CONFIGS = {
     "int4-g128": Int4WeightOnlyConfig(group_size=128),
@@ -73,10 +54,11 @@ CONFIGS = {
     "8da4w-g32": Int8DynamicActivationInt4WeightConfig(group_size=32),
     "fp8-e4m3": Float8WeightOnlyConfig(),
     # OCP MX (e8m0 scale per 32) and FPx (fp32 scale per 32) weight-only, on affineq.lowbit_linear
-    "mxfp4": _float_codes("fp4_e2m1", "e8m0"),
-    "mxfp6-e2m3": _float_codes("fp6_e2m3", "e8m0"),
-    "fp6-e3m2": _float_codes("fp6_e3m2", None),
-    "mxfp8-e4m3": _float_codes("float8_e4m3fn", "e8m0"),
+    "mxfp4": MXWeightOnlyConfig("fp4_e2m1"),
+    "mxfp6-e2m3": MXWeightOnlyConfig("fp6_e2m3"),
+    "fp6-e3m2": FPxWeightOnlyConfig(3, 2, group_size=32),
+    "fp4-g32": FPxWeightOnlyConfig(2, 1, group_size=32),
+    "mxfp8-e4m3": MXWeightOnlyConfig(torch.float8_e4m3fn),
 }
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]  # (N = out_features, K = in_features)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -137,7 +119,7 @@ def run(args) -> list[dict]:
             for cname in args.configs:
                 t0 = time.perf_counter()
                 cfg = CONFIGS[cname]
-                qm = (cfg if callable(cfg) else lambda m, c=cfg: quantize_(m, c))(copy.deepcopy(base).to(dtype))
+                qm = quantize_(copy.deepcopy(base).to(dtype), cfg)
                 quantize_s = time.perf_counter() - t0
                 quantized[cname] = (_copies(qm.weight.detach()), quantize_s)
             kernels: dict[str, str] = {}
