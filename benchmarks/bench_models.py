@@ -76,7 +76,8 @@ def _quantize(model: nn.Module, name: str) -> nn.Module:
     return model
 
 
-def run_one(model_name: str, config: str, compile: bool, new_tokens: int, eval_tokens: int) -> dict:
+def run_one(model_name: str, config: str, compile: bool, new_tokens: int, eval_tokens: int,
+            model_dtype: str = "float32") -> dict:
     """One row, measured in this process."""
     torch.manual_seed(0)
     if model_name == "smollm2":
@@ -85,6 +86,8 @@ def run_one(model_name: str, config: str, compile: bool, new_tokens: int, eval_t
         model, tok = M.load_minilm()
     rss_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     t0 = time.perf_counter()
+    if model_dtype != "float32" and config not in FLOAT_ROWS:  # quantize the bf16 model: bf16 activations
+        model = model.to(FLOAT_ROWS[model_dtype])
     model = _quantize(model, config)
     quantize_s = time.perf_counter() - t0
     lin_stored, lin_bf16 = _linear_bytes(model)
@@ -92,6 +95,7 @@ def run_one(model_name: str, config: str, compile: bool, new_tokens: int, eval_t
         "model": model_name,
         "config": config,
         "mode": "compiled" if compile else "eager",
+        "model_dtype": model_dtype,
         "quantize_s": quantize_s,
         "linear_mb": lin_stored / 1e6,
         "smaller_than_bf16": lin_bf16 / lin_stored if lin_stored else None,
@@ -149,11 +153,14 @@ def main(argv=None) -> None:
     p.add_argument("--no-save", action="store_true", help="print only; write nothing under results/")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--eval-tokens", type=int, default=2048)
+    p.add_argument("--model-dtype", default="float32", choices=list(FLOAT_ROWS),
+                   help="dtype of the model the quantized rows start from (bfloat16: bf16 activations)")
     p.add_argument("--one", nargs=3, metavar=("MODEL", "CONFIG", "MODE"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.one:
         model_name, config, mode = args.one
-        print("ROW " + json.dumps(run_one(model_name, config, mode == "compiled", args.tokens, args.eval_tokens)))
+        print("ROW " + json.dumps(run_one(model_name, config, mode == "compiled", args.tokens, args.eval_tokens,
+                                          args.model_dtype)))
         return
     print(machine_line())
     if "smollm2" in args.model:
@@ -177,6 +184,8 @@ def main(argv=None) -> None:
                     str(args.tokens),
                     "--eval-tokens",
                     str(args.eval_tokens),
+                    "--model-dtype",
+                    args.model_dtype,
                 ]
                 out = subprocess.run(
                     cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"}

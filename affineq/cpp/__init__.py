@@ -458,10 +458,12 @@ def _lowbit_linear_fallback(x, packed, scale, offset, bits, group_size, n, k, co
     if x.device.type != "cpu":
         raise NotImplementedError(f"affineq::lowbit_linear only supports CPU tensors, got x on {x.device}")
     if not is_available():
-        raise RuntimeError(
-            f"affineq::lowbit_linear needs the affineq C++ kernels, which are unavailable: {unavailable_reason()}. "
-            "Dequantize and use F.linear instead (affineq.cpp.lowbit_linear_reference)."
-        )
+        # Reached only by a graph compiled while the kernels were available (torch's compile caches do not key
+        # on that): compute the same numbers in PyTorch, and say so as every dequantize fallback does.
+        from affineq.tensor.fallback import announce_fallback
+
+        announce_fallback("dense", f"the affineq C++ kernels are unavailable ({unavailable_reason()})")
+        return lowbit_linear_reference(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset)
     if not torch._C._dispatch_has_kernel_for_dispatch_key(_OP, "CPU"):
         raise RuntimeError(f"affineq: {_lib_path} loaded but did not register a CPU kernel for {_OP}")
     return torch.ops.affineq.lowbit_linear(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset)
