@@ -494,11 +494,14 @@ def test_no_compiler_reason_in_fresh_process(tmp_path: Path) -> None:
         "import torch, affineq.cpp as K\n"
         "assert not K.is_available()\n"
         "print(K.unavailable_reason())\n"
-        "try:\n"
-        "    torch.ops.affineq.lowbit_linear(torch.randn(1, 8), torch.zeros(16, 4, dtype=torch.uint8),"
-        " torch.ones(16, 1), torch.zeros(16, 1), 4, 8, 16, 8)\n"
-        "except RuntimeError as e:\n"
-        "    print('ERR', e)\n"
+        "import warnings\n"
+        "args = (torch.randn(1, 8), torch.randint(0, 255, (16, 4), dtype=torch.uint8), torch.rand(16, 1),"
+        " torch.randn(16, 1), 4, 8, 16, 8)\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    y = torch.ops.affineq.lowbit_linear(*args)\n"
+        "assert torch.equal(y, K.lowbit_linear_reference(*args))\n"
+        "print('WARN', [str(c.message) for c in caught])\n"
     )
     env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"), "AFFINEQ_CACHE_DIR": str(tmp_path),
            "PYTHONPATH": str(REPO)}
@@ -506,7 +509,8 @@ def test_no_compiler_reason_in_fresh_process(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "no C++ compiler found" in out.stdout
-    assert "ERR" in out.stdout and "unavailable" in out.stdout
+    # the op still answers (a graph compiled while the kernels were there), with the reference numbers, and says so
+    assert "WARN" in out.stdout and "dequantize-then-linear" in out.stdout and "unavailable" in out.stdout
 
 
 def test_kernel_info() -> None:
