@@ -109,8 +109,28 @@ class FPxWeightOnlyConfig(QuantConfig):
         return QParamOptions(scale_dtype=_FLOAT_SCALES[self.scale_type])
 
 
+class _MXBlocks:
+    """What the MX configs share: blocks of `block_size` input channels, one E8M0 scale each, chosen by
+    `scale_mode`."""
+
+    block_size: int
+    scale_mode: str
+    packing_format: str
+
+    def _check_mx(self) -> None:
+        _check_block("block_size", self.block_size)
+        _check_choice("scale_mode", self.scale_mode, SCALE_MODES)
+        _check_choice("packing_format", self.packing_format, ("auto", "dense", "plain"))
+
+    def _block_size(self, shape, module):
+        return _row_block(shape, self.block_size)
+
+    def qparam_options(self):
+        return QParamOptions(scale_dtype=torch.float32, scale_mode=self.scale_mode)
+
+
 @dataclass(frozen=True)
-class MXWeightOnlyConfig(QuantConfig):
+class MXWeightOnlyConfig(_MXBlocks, QuantConfig):
     """OCP Microscaling weights (`affineq.mx`): blocks of `block_size` (32) input channels, one E8M0 scale each.
 
     element_dtype: torch.float8_e4m3fn / torch.float8_e5m2 (MXFP8), "fp6_e2m3" / "fp6_e3m2" (MXFP6),
@@ -129,23 +149,15 @@ class MXWeightOnlyConfig(QuantConfig):
     def __post_init__(self):
         super().__post_init__()
         object.__setattr__(self, "element_dtype", mx_element(self.element_dtype).name)
-        _check_block("block_size", self.block_size)
-        _check_choice("scale_mode", self.scale_mode, SCALE_MODES)
-        _check_choice("packing_format", self.packing_format, ("auto", "dense", "plain"))
-
-    def _block_size(self, shape, module):
-        return _row_block(shape, self.block_size)
+        self._check_mx()
 
     def weight_spec(self, weight, module):
         return _block_spec(weight, module, qtype(self.element_dtype), self.block_size, qtype("e8m0"),
                            self.packing_format)
 
-    def qparam_options(self):
-        return QParamOptions(scale_dtype=torch.float32, scale_mode=self.scale_mode)
-
 
 @dataclass(frozen=True)
-class MXDynamicActivationMXWeightConfig(QuantConfig):
+class MXDynamicActivationMXWeightConfig(_MXBlocks, QuantConfig):
     """MX weights (as `MXWeightOnlyConfig`, element `weight_dtype`) and MX activations: at run time the input is
     quantized per `block_size` block along K to `activation_dtype` with a shared E8M0 scale and dequantized
     (x -> dequantize_mx(quantize_mx(x))), then multiplied by the weight. Numerics:
@@ -165,21 +177,13 @@ class MXDynamicActivationMXWeightConfig(QuantConfig):
         object.__setattr__(self, "activation_dtype", mx_element(self.activation_dtype, "activation_dtype").name)
         object.__setattr__(self, "weight_dtype", mx_element(self.weight_dtype, "weight_dtype").name)
         super().__post_init__()
-        _check_block("block_size", self.block_size)
-        _check_choice("scale_mode", self.scale_mode, SCALE_MODES)
-        _check_choice("packing_format", self.packing_format, ("auto", "dense", "plain"))
-
-    def _block_size(self, shape, module):
-        return _row_block(shape, self.block_size)
+        self._check_mx()
 
     def weight_spec(self, weight, module):
         aq = ActivationQuant(self.activation_dtype, MappingType.SYMMETRIC, "per_block", ZeroPointDomain.NONE,
                              block_size=self.block_size, scale_mode=self.scale_mode)
         return _block_spec(weight, module, qtype(self.weight_dtype), self.block_size, qtype("e8m0"),
                            self.packing_format, aq)
-
-    def qparam_options(self):
-        return QParamOptions(scale_dtype=torch.float32, scale_mode=self.scale_mode)
 
 
 @dataclass(frozen=True)

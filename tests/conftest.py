@@ -1,3 +1,5 @@
+import io
+
 import pytest
 import torch
 
@@ -70,3 +72,11 @@ class TiedLM(torch.nn.Module):
 
     def forward(self, ids):
         return self.head(self.embed(ids))
+
+
+def save_load(obj, weights_only: bool = True):
+    """`obj` through torch.save and torch.load (weights_only by default), in memory."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=weights_only)

@@ -2,12 +2,12 @@
 activation tensors, the portable spec and `from_tensors`, per-class op tables."""
 
 import copy
-import io
 import json
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import save_load as _roundtrip
 from conftest import sqnr
 from torch import nn
 
@@ -32,11 +32,6 @@ from affineq.tensor.formats import FORMATS
 AQT = AffineQuantizedTensor
 
 
-def _roundtrip(obj):
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
 
 
 def _state(model: nn.Module) -> dict:

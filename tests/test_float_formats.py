@@ -2,12 +2,12 @@
 MXDynamicActivationMXWeightConfig, power-of-two scales for IntxWeightOnlyConfig, and E5M2 in the float8 configs:
 exactness, scale types, rounding modes, eager / torch.compile(fullgraph=True) / torch.save(weights_only=True)."""
 
-import io
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import save_load as _roundtrip
 from torch import nn
 
 import affineq
@@ -177,11 +177,6 @@ SQNR_MIN = {"fp4": 12, "fp6_e3m2_plain": 20, "fp8_e5m2_bf16": 20, "mxfp4": 10, "
             "mx_dynamic": 10, "int4_pof2": 12, "float8_e5m2_wo": 20, "float8_e5m2_dyn": 15}
 
 
-def _roundtrip(obj):
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

@@ -1,21 +1,14 @@
 """torch.save / torch.load(weights_only=True), load_state_dict(assign=True), and torch.compile per config."""
 
 import copy
-import io
 
 import pytest
 import torch
+from conftest import save_load as _roundtrip
 from test_quantize import CASES, make_mlp
 
 import affineq
 from affineq import AffineQuantizedTensor, Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
-
-
-def _roundtrip(obj, weights_only=True):
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=weights_only)
 
 
 @pytest.mark.parametrize("name", list(CASES))
