@@ -442,9 +442,11 @@ class IntxWeightOnlyConfig(QuantConfig):
         return _row_block(shape, self.granularity.group_size)
 
     def weight_spec(self, weight, module):
-        if self.scale_type is not None:  # e8m0 bytes: plain holds them
-            spec = self._spec(weight, module, self.weight_dtype, self.mapping_type, ZeroPointDomain.NONE, "plain")
-            return spec.replace(scale_type=qtype("e8m0"))
+        if self.scale_type is not None:  # e8m0 bytes: dense (our kernel) where it holds them, else plain
+            fmt = _auto(self.packing_format, "float_codes", weight, module)
+            spec = self._spec(weight, module, self.weight_dtype, self.mapping_type, ZeroPointDomain.NONE, fmt)
+            spec = spec.replace(scale_type=qtype("e8m0"))
+            return spec.replace(fmt="plain") if _format_cannot_hold(spec) else spec
         fmt = _auto(self.packing_format, "subbyte", weight, module)
         return self._spec(weight, module, self.weight_dtype, self.mapping_type, self._domain(), fmt)
 

@@ -244,3 +244,18 @@ def test_mx_activation_spec_json_round_trip():
     assert spec.to_dict()["act_quant"]["block_size"] == 32
     plain = ActivationQuant(torch.int8).to_dict()
     assert "block_size" not in plain and ActivationQuant.from_dict(plain) == ActivationQuant(torch.int8)
+
+
+def test_integer_pof2_scales_run_our_kernel_in_dense_and_equal_plain():
+    for wd in (torch.int4, torch.int8, torch.int3):
+        cfg = dict(weight_dtype=wd, granularity=affineq.PerGroup(32), scale_type="pof2")
+        dense = affineq.quantize_(_model(), affineq.IntxWeightOnlyConfig(**cfg))[0].weight
+        plain = affineq.quantize_(_model(), affineq.IntxWeightOnlyConfig(**cfg, packing_format="plain"))[0].weight
+        assert dense.spec.fmt == "dense" and plain.spec.fmt == "plain"
+        assert torch.equal(dense.dequantize(), plain.dequantize())
+        if _cpp.is_available():
+            x = torch.randn(3, 64)
+            with affineq.record_kernels() as used:
+                y = F.linear(x, dense)
+            assert used == ["affineq.lowbit_linear"]
+            torch.testing.assert_close(y, F.linear(x, plain.dequantize()), rtol=1e-5, atol=1e-5)
