@@ -92,7 +92,8 @@ void transpose_rows(const float* src, int64_t lds, int64_t rows, int64_t R, int6
 
 void load_qparams(const LowbitProblem& p, bool offset, float mul, int64_t r0, int64_t rows, int64_t R, int64_t G,
                   float* dst, int64_t ldd) {
-  if (offset && p.offset == nullptr && !p.qparams_e8m0) {  // no offset array: offset 0
+  // no offset array, or e8m0 qparams of float codes (code_offset 0): offset 0
+  if (offset && p.offset == nullptr && (!p.qparams_e8m0 || p.code_offset == 0)) {
     for (int64_t g = 0; g < G; ++g) std::fill(dst + g * ldd, dst + g * ldd + R, 0.f);
     return;
   }
