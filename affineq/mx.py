@@ -48,6 +48,8 @@ __all__ = [
     "SCALE_MODES",
     "dequantize_mx",
     "e8m0_to_torch",
+    "fp4_from_torch",
+    "fp4_to_torch",
     "fake_quantize_mx",
     "mx_bits_per_element",
     "mx_element",
@@ -224,6 +226,26 @@ def e8m0_to_torch(scale_bytes: torch.Tensor) -> torch.Tensor:
     if scale_bytes.dtype != torch.uint8:
         raise ValueError(f"scale_bytes must be uint8 E8M0 bytes, got {scale_bytes.dtype}")
     return scale_bytes.view(torch.float8_e8m0fnu)
+
+
+def fp4_to_torch(codes: torch.Tensor) -> torch.Tensor:
+    """fp4 E2M1 codes [..., K] (uint8, one per byte, as `quantize_mx` returns them; K even) packed two per byte
+    as torch.float4_e2m1fn_x2 [..., K / 2]: element 2i in the low nibble, 2i + 1 in the high one (the layout
+    c10::Float4_e2m1fn_x2 documents), for torch's MXFP4 kernels."""
+    if codes.dtype != torch.uint8 or codes.dim() == 0 or codes.shape[-1] % 2:
+        raise ValueError(f"codes must be uint8 fp4 codes with an even last dim, got {codes.dtype} "
+                         f"{tuple(codes.shape)}")
+    if bool((codes > 15).any()):
+        raise ValueError("codes hold values above 15: they are not fp4 E2M1 codes (use quantize_mx(x, 'fp4_e2m1'))")
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).view(torch.float4_e2m1fn_x2)
+
+
+def fp4_from_torch(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of `fp4_to_torch`: torch.float4_e2m1fn_x2 [..., K / 2] -> uint8 fp4 codes [..., K]."""
+    if packed.dtype != torch.float4_e2m1fn_x2:
+        raise ValueError(f"packed must be torch.float4_e2m1fn_x2, got {packed.dtype}")
+    b = packed.view(torch.uint8)
+    return torch.stack([b & 15, b >> 4], dim=-1).flatten(-2)
 
 
 def mx_bits_per_element(element_dtype, block_size: int = 32) -> float:

@@ -238,3 +238,21 @@ def test_bits_per_element():
 def test_bad_input(call, words):
     with pytest.raises(ValueError, match=words.replace("(", r"\(").replace("[", r"\[")):
         call()
+
+
+def test_fp4_codes_round_trip_through_torch_float4_e2m1fn_x2():
+    from affineq.mx import e8m0_to_torch, fp4_from_torch, fp4_to_torch
+
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(5))
+    codes, scale = quantize_mx(x, "fp4_e2m1")
+    packed = fp4_to_torch(codes)
+    assert packed.dtype == torch.float4_e2m1fn_x2 and packed.shape == (3, 32)
+    # c10::Float4_e2m1fn_x2: element 0 in bits 3..0, element 1 in bits 7..4
+    assert int(packed.view(torch.uint8)[0, 0]) == int(codes[0, 0]) | int(codes[0, 1]) << 4
+    assert torch.equal(fp4_from_torch(packed), codes)
+    assert e8m0_to_torch(scale).dtype == torch.float8_e8m0fnu
+    torch.testing.assert_close(e8m0_to_torch(scale).float(), torch.exp2(scale.float() - 127))
+    with pytest.raises(ValueError, match="even last dim"):
+        fp4_to_torch(codes[:, :3])
+    with pytest.raises(ValueError, match="not fp4 E2M1 codes"):
+        fp4_to_torch(torch.full((2,), 16, dtype=torch.uint8))
