@@ -4,6 +4,8 @@ mode, round-trip SQNR golden table, and the AffineQuantizedTensor path that stor
 import expecttest
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from affineq.dtypes import qtype
 from affineq.mx import (
@@ -256,3 +258,36 @@ def test_fp4_codes_round_trip_through_torch_float4_e2m1fn_x2():
         fp4_to_torch(codes[:, :3])
     with pytest.raises(ValueError, match="not fp4 E2M1 codes"):
         fp4_to_torch(torch.full((2,), 16, dtype=torch.uint8))
+
+
+# -- properties (hypothesis) -------------------------------------------------------------------------------------
+
+_BLOCKS = st.lists(st.floats(-3e4, 3e4, allow_nan=False, width=32), min_size=32, max_size=32)
+
+
+@settings(max_examples=150, deadline=None)
+@given(block=_BLOCKS, element=st.sampled_from(["fp4_e2m1", "fp6_e2m3", "fp6_e3m2"]),
+       mode=st.sampled_from(["floor", "ceil", "even", "rceil"]))
+def test_codes_are_a_nearest_grid_point_of_the_scaled_block(block, element, mode):
+    """Whatever the scale mode, every element is a nearest value of the element grid to clamp(x / X)."""
+    x = torch.tensor([block], dtype=torch.float32)
+    codes, scale = quantize_mx(x, element, scale_mode=mode)
+    if int(scale) == 0 and bool((x != 0).any()):
+        return  # X = 2**-127 (the clamp): x / X overflows float32; covered by the hand-computed blocks
+    t = qtype(element)
+    grid = t.decode(torch.arange(1 << t.bits, dtype=torch.uint8), torch.float64)
+    xs = (x.double() / 2.0 ** (int(scale) - 127)).clamp(-t.qmax, t.qmax)
+    got = t.decode(codes, torch.float64)
+    best = (xs[..., None] - grid).abs().min(-1).values
+    assert bool(((xs - got).abs() <= best).all())
+
+
+@settings(max_examples=150, deadline=None)
+@given(block=_BLOCKS, element=st.sampled_from(["fp4_e2m1", "fp6_e2m3", "fp6_e3m2", "float8_e4m3fn"]))
+def test_floor_mode_is_idempotent(block, element):
+    """Quantizing an MX-dequantized block again (OCP floor rule) gives the same codes and scale."""
+    x = torch.tensor([block], dtype=torch.float32)
+    codes, scale = quantize_mx(x, element)
+    again = quantize_mx(dequantize_mx(codes, scale, element), element)
+    assert torch.equal(again[1], scale)
+    assert torch.equal(qtype(element).decode(again[0]), qtype(element).decode(codes))
