@@ -2,12 +2,15 @@
 `microexp` packing format through AffineQuantizedTensor, save/load and torch.compile."""
 
 import io
+import math
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import sqnr
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from affineq import AffineQuantizedTensor, KernelFallbackWarning, MappingType, ZeroPointDomain
 from affineq.microexp import dequantize_microexp, microexp_tensor, quantize_microexp
@@ -199,3 +202,31 @@ def test_config_through_quantize_eager_compiled_and_weights_only_load(fmt):
     assert config_from_dict(MicroexpWeightOnlyConfig(fmt).to_dict()) == MicroexpWeightOnlyConfig(fmt)
     with pytest.raises(ValueError, match="fmt="):
         MicroexpWeightOnlyConfig("mx5")
+
+
+@settings(max_examples=150, deadline=None)
+@given(block=st.lists(st.floats(-1e6, 1e6, allow_nan=False, width=32).filter(lambda v: v == 0 or abs(v) > 1e-30),
+                      min_size=16, max_size=16),
+       fmt=st.sampled_from(["mx9", "mx6", "mx4"]))
+def test_shared_exponent_and_per_element_rounding_properties(block, fmt):
+    """E is the block's largest exponent; each pair's micro-exponent is 1 exactly when the pair is a binade below
+    E; every element is its value rounded to the pair's step, clamped at 2**m - 1 steps."""
+    from affineq.microexp import MICROEXP_FORMATS, pair_scales
+
+    f = MICROEXP_FORMATS[fmt]
+    x = torch.tensor([block], dtype=torch.float32)
+    c = quantize_microexp(x, fmt)
+    nonzero = [abs(v) for v in block if v != 0]
+    if not nonzero:
+        assert int(c.codes.abs().max()) == 0
+        return
+    big_e = max(math.frexp(v)[1] - 1 for v in nonzero)
+    assert int(c.shared_exp[0, 0]) - 127 == big_e
+    for j in range(8):
+        pair = [abs(v) for v in block[2 * j: 2 * j + 2] if v != 0]
+        e_sub = max((math.frexp(v)[1] - 1 for v in pair), default=None)
+        assert int(c.micro_exp[0, j]) == (1 if e_sub is None or e_sub < big_e else 0)
+    step = pair_scales(c.shared_exp.to(torch.int32) - 127, c.micro_exp.to(torch.int32), f).repeat_interleave(2, -1)
+    q = (x.double().abs() / step.double()).round()  # round half even on exact doubles
+    assert torch.equal(c.codes.abs().double(), q.clamp(max=f.qmax))
+    assert torch.equal(torch.sign(c.codes.double()), torch.sign(x.double()) * (q.clamp(max=f.qmax) > 0))
