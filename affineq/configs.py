@@ -375,6 +375,16 @@ def _format_cannot_hold(spec: QuantSpec) -> bool:
     return get_format(spec.fmt).check(spec) is not None
 
 
+def _auto_float_codes(fmt: str, spec: QuantSpec, weight: torch.Tensor, module: nn.Module) -> QuantSpec:
+    """`spec` with "auto" resolved for fp4 / fp6 / fp8 codes and e8m0 scales: `auto_format("float_codes")`
+    (`dense`, our kernel's compact layout, for a 2-D nn.Linear weight on CPU), or `plain` where `dense` cannot
+    hold the spec. An explicit `fmt` is kept as given."""
+    if fmt != "auto":
+        return spec.replace(fmt=fmt)
+    spec = spec.replace(fmt=_auto("auto", "float_codes", weight, module))
+    return spec.replace(fmt="plain") if _format_cannot_hold(spec) else spec
+
+
 @dataclass(frozen=True)
 class IntxWeightOnlyConfig(QuantConfig):
     """1-8 bit weights (`weight_dtype` torch.int1..torch.int8 or torch.uint1..torch.uint8).
@@ -443,10 +453,8 @@ class IntxWeightOnlyConfig(QuantConfig):
 
     def weight_spec(self, weight, module):
         if self.scale_type is not None:  # e8m0 bytes: dense (our kernel) where it holds them, else plain
-            fmt = _auto(self.packing_format, "float_codes", weight, module)
-            spec = self._spec(weight, module, self.weight_dtype, self.mapping_type, ZeroPointDomain.NONE, fmt)
-            spec = spec.replace(scale_type=qtype("e8m0"))
-            return spec.replace(fmt="plain") if _format_cannot_hold(spec) else spec
+            spec = self._spec(weight, module, self.weight_dtype, self.mapping_type, ZeroPointDomain.NONE, "plain")
+            return _auto_float_codes(self.packing_format, spec.replace(scale_type=qtype("e8m0")), weight, module)
         fmt = _auto(self.packing_format, "subbyte", weight, module)
         return self._spec(weight, module, self.weight_dtype, self.mapping_type, self._domain(), fmt)
 

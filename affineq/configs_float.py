@@ -14,13 +14,11 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from affineq.configs import _POW2_SCALE_MODES, QuantConfig, _check_choice, _row_block
+from affineq.configs import _POW2_SCALE_MODES, QuantConfig, _auto_float_codes, _check_choice, _row_block
 from affineq.dtypes import QType, qtype
 from affineq.microexp import MICROEXP_FORMATS, microexp_tensor
 from affineq.mx import SCALE_MODES, mx_element
 from affineq.primitives import MappingType, ZeroPointDomain
-from affineq.tensor.formats import get_format
-from affineq.tensor.kernel_registry import auto_format
 from affineq.tensor.spec import ActivationQuant, QParamOptions, QuantSpec
 
 __all__ = ["FPxWeightOnlyConfig", "MXDynamicActivationMXWeightConfig", "MXWeightOnlyConfig",
@@ -36,17 +34,6 @@ _POW2_SCALES = _POW2_SCALE_MODES  # e8m0: the OCP MX rule (floor); pof2: rounded
 FPX_SCALE_TYPES = (*_FLOAT_SCALES, *_POW2_SCALES)
 
 
-def _auto_fmt(fmt: str, spec: QuantSpec, weight: torch.Tensor, module: nn.Module) -> str:
-    """"auto": what `auto_format("float_codes", ...)` picks (`dense` for a 2-D nn.Linear weight on CPU: our
-    kernel's layout and the compact one), unless `dense` cannot hold this spec (then `plain`)."""
-    if fmt != "auto":
-        return fmt
-    fmt = auto_format("float_codes", weight, isinstance(module, nn.Linear))
-    if fmt == "dense" and get_format("dense").check(spec.replace(fmt="dense")) is not None:
-        return "plain"
-    return fmt
-
-
 def _block_spec(weight: torch.Tensor, module: nn.Module, target: QType, group: int,
                 scale_type: QType | None, fmt: str, act_quant: ActivationQuant | None = None) -> QuantSpec:
     """Symmetric per-row-group spec of `target` codes (no zero point), with "auto" resolved."""
@@ -54,7 +41,7 @@ def _block_spec(weight: torch.Tensor, module: nn.Module, target: QType, group: i
                             mapping_type=MappingType.SYMMETRIC, zero_point_domain=ZeroPointDomain.NONE,
                             quant_min=-127 if target.name == "int8" else None, packing_format="plain",
                             act_quant=act_quant, scale_type=scale_type)
-    return spec.replace(fmt=_auto_fmt(fmt, spec, weight, module))
+    return _auto_float_codes(fmt, spec, weight, module)
 
 
 def _check_block(name: str, value: Any) -> None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from affineq._primitive_checks import _Blocks
 from affineq.dtypes import check_quant_range, check_target_dtype, is_float_target
 from affineq.granularity import PerAxis, PerTensor, get_block_size
 from affineq.primitives import MappingType, ZeroPointDomain, choose_qparams_affine, fake_quantize_affine
@@ -223,12 +224,9 @@ class _MinMaxBase(Observer):
         self.register_buffer("max_val", torch.zeros(0))
 
     def _batch_min_max(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        block = self.block_size(x.shape)
-        reduced = [d // b for d, b in zip(x.shape, block, strict=True)]
-        blocked = [v for n, b in zip(reduced, block, strict=True) for v in (n, b)]
-        dims = tuple(range(1, 2 * x.dim(), 2))
-        xb = x.reshape(blocked)
-        return torch.amin(xb, dim=dims).flatten(), torch.amax(xb, dim=dims).flatten()
+        b = _Blocks(x.shape, self.block_size(x.shape))
+        xb = x.reshape(b.blocked)
+        return torch.amin(xb, dim=b.reduce_dims).flatten(), torch.amax(xb, dim=b.reduce_dims).flatten()
 
     def _update(self, cur_min: torch.Tensor, cur_max: torch.Tensor) -> None:
         if self.min_val.numel() == 0:

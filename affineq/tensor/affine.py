@@ -19,6 +19,7 @@ from typing import ClassVar
 
 import torch
 
+from affineq._primitive_checks import _Blocks
 from affineq.dtypes import QType
 from affineq.mx import pow2_scale_exponent
 from affineq.primitives import MappingType, ZeroPointDomain, choose_qparams_affine, quantize_affine
@@ -120,8 +121,8 @@ def _pow2_qparams(input: torch.Tensor, spec: QuantSpec, scale_mode: str) -> torc
 
 def _block_amax(input: torch.Tensor, block_size: tuple[int, ...]) -> torch.Tensor:
     """max |x| per block, shape [d // b per dim]."""
-    blocked = [v for d, b in zip(input.shape, block_size, strict=True) for v in (d // b, b)]
-    return input.abs().reshape(blocked).amax(dim=tuple(range(1, 2 * input.dim(), 2)))
+    b = _Blocks(input.shape, block_size)
+    return input.abs().reshape(b.blocked).amax(dim=b.reduce_dims)
 
 
 class AffineQuantizedTensor(torch.Tensor):
