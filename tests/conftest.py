@@ -80,3 +80,15 @@ def save_load(obj, weights_only: bool = True):
     torch.save(obj, buf)
     buf.seek(0)
     return torch.load(buf, weights_only=weights_only)
+
+
+def outlier_tiny_lm() -> torch.nn.Module:
+    """A 2-layer TinyLM whose norms scale 4 channels by 20 (activation outliers for AWQ / SmoothQuant)."""
+    from affineq.models.tiny import build_tiny_lm
+
+    m = build_tiny_lm(layers=2, dim=64, heads=2, ffn=128)
+    with torch.no_grad():
+        for layer in m.layers:
+            layer.input_layernorm.weight[:4] = 20.0
+            layer.post_attention_layernorm.weight[:4] = 20.0
+    return m

@@ -7,12 +7,12 @@ import io
 
 import pytest
 import torch
+from conftest import outlier_tiny_lm
 from torch import nn
 
 import affineq
 from affineq.algorithms import AWQConfig
 from affineq.algorithms.awq import fake_quant, qparams
-from affineq.models.tiny import build_tiny_lm
 from affineq.primitives import MappingType
 from affineq.quantize import QuantizationError
 
@@ -73,11 +73,7 @@ def test_awq_beats_round_to_nearest_on_outlier_channels(make, base, bound):
 
 
 def test_awq_end_to_end_on_tiny_lm_folds_and_beats_rtn():
-    model = build_tiny_lm(layers=2, dim=64, heads=2, ffn=128)
-    with torch.no_grad():
-        for layer in model.layers:
-            layer.input_layernorm.weight[:4] = 20.0
-            layer.post_attention_layernorm.weight[:4] = 20.0
+    model = outlier_tiny_lm()
     calib = [torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(i)) for i in range(4)]
     x = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(9))
     ref = model(x)

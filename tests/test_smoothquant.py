@@ -8,13 +8,13 @@ import io
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import outlier_tiny_lm
 from torch import nn
 
 import affineq
 from affineq.algorithms import PreScaled, SmoothQuantConfig
 from affineq.algorithms._migrate import migrate_blocks
 from affineq.algorithms.smoothquant import _AbsMax
-from affineq.models.tiny import build_tiny_lm
 from affineq.quantize import QuantizationError
 
 # -- a post-norm BERT-like model (HF BertLayer names): its LayerNorm outputs also feed the residual -----------
@@ -97,13 +97,6 @@ def _bert_data(n=4):
     return [torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(i)) for i in range(n)]
 
 
-def _tiny_lm():
-    m = build_tiny_lm(layers=2, dim=64, heads=2, ffn=128)
-    with torch.no_grad():
-        for layer in m.layers:
-            layer.input_layernorm.weight[:4] = 20.0
-            layer.post_attention_layernorm.weight[:4] = 20.0
-    return m
 
 
 def _lm_data(n=4):
@@ -127,7 +120,7 @@ def _random_scales(group, _stats):
 
 
 def test_migration_folds_into_norms_and_linears_of_a_pre_norm_decoder():
-    model = _tiny_lm()
+    model = outlier_tiny_lm()
     x = _lm_data(1)[0]
     ref = model(x)
     old = {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
@@ -176,7 +169,7 @@ def test_prescaled_weight_is_the_migration_identity():
 # -- accuracy -----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("make, data, bound", [(TinyBert, _bert_data, 0.6), (_tiny_lm, _lm_data, 0.7)])
+@pytest.mark.parametrize("make, data, bound", [(TinyBert, _bert_data, 0.6), (outlier_tiny_lm, _lm_data, 0.7)])
 def test_smoothquant_w8a8_dynamic_beats_plain_w8a8(make, data, bound):
     model = make()
     x = data(5)[4]
