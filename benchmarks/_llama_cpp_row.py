@@ -1,0 +1,77 @@
+"""The llama.cpp row of bench_decode.py, run under the benchmark-only llama-cpp-python venv.
+
+Imports neither affineq nor torch (that venv has neither). Called as
+
+    python _llama_cpp_row.py '{"model": PATH, "prompt_ids": [...], "prompt_text": "...", "new_tokens": 64,
+                              "threads": 2, "repeats": 5}'
+
+and prints one line ``ROW {json}``. Greedy decoding by hand on the low-level eval API, so EOS is never
+special and the input is exactly our token ids: ``llm.eval(prompt_ids)``, then n - 1 times
+``tok = argmax(last logits)``, ``llm.eval([tok])``. Timed per run: prefill = eval(prompt) + first argmax,
+decode = the n - 1 single-token steps (each step's eval and argmax), so decode tok/s = (n - 1) / decode s,
+the same definition bench_decode.py uses for every torch row. Median over `repeats` runs after one warm-up.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+from llama_cpp import Llama
+
+
+def _greedy(llm: Llama, prompt_ids: list[int], n: int) -> tuple[list[int], float, float]:
+    """(n generated ids, prefill s, decode s of the n - 1 later tokens), from an empty KV cache."""
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(prompt_ids)
+    out = [int(np.argmax(llm.scores[llm.n_tokens - 1]))]
+    t1 = time.perf_counter()
+    for _ in range(n - 1):
+        llm.eval([out[-1]])
+        out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+    return out, t1 - t0, time.perf_counter() - t1
+
+
+def run(args: dict) -> dict:
+    n, ids = int(args["new_tokens"]), [int(i) for i in args["prompt_ids"]]
+    if n < 2:
+        raise ValueError("new_tokens must be >= 2 (decode time covers tokens 2..n)")
+    threads = int(args.get("threads", 2))
+    t = time.perf_counter()
+    llm = Llama(model_path=args["model"], n_ctx=512, n_batch=512, n_threads=threads, n_threads_batch=threads,
+                logits_all=False, verbose=False)
+    load_s = time.perf_counter() - t
+    row: dict = {"load_s": load_s, "llama_cpp_threads": threads}
+    text = args.get("prompt_text")
+    if text is not None:
+        theirs = llm.tokenize(text.encode(), add_bos=False, special=True)
+        row["tokenizer_ids_equal"] = theirs == ids
+        if theirs != ids:
+            print(f"note: llama.cpp tokenizes the prompt as {theirs}, ours is {ids}; the row feeds our ids",
+                  file=sys.stderr)
+    tokens, _, _ = _greedy(llm, ids, n)  # warm-up (page-in of the mmapped weights, thread pool)
+    prefill, decode = [], []
+    for _ in range(int(args.get("repeats", 5))):
+        again, p, d = _greedy(llm, ids, n)
+        if again != tokens:
+            row["nondeterministic"] = True
+        prefill.append(p)
+        decode.append(d)
+    d = statistics.median(decode)
+    row.update(tokens=tokens, prefill_ms=statistics.median(prefill) * 1e3, decode_tok_s=(n - 1) / d,
+               ms_per_token=d / (n - 1) * 1e3, runs=len(decode))
+    try:
+        import llama_cpp
+
+        row["llama_cpp_version"] = llama_cpp.__version__
+    except AttributeError:
+        pass
+    return row
+
+
+if __name__ == "__main__":
+    print("ROW " + json.dumps(run(json.loads(sys.argv[1]))), flush=True)
