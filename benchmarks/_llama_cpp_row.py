@@ -7,9 +7,10 @@ Imports neither affineq nor torch (that venv has neither). Called as
 
 and prints one line ``ROW {json}``. Greedy decoding by hand on the low-level eval API, so EOS is never
 special and the input is exactly our token ids: ``llm.eval(prompt_ids)``, then n - 1 times
-``tok = argmax(last logits)``, ``llm.eval([tok])``. Timed per run: prefill = eval(prompt) + first argmax,
-decode = the n - 1 single-token steps (each step's eval and argmax), so decode tok/s = (n - 1) / decode s,
-the same definition bench_decode.py uses for every torch row. Median over `repeats` runs after one warm-up.
+``tok = argmax(last logits)`` (llama_get_logits_ith), ``llm.eval([tok])``. Timed per run: prefill =
+eval(prompt) + first argmax; decode = the n - 1 single-token steps (eval + argmax each), so decode
+tok/s = (n - 1) / decode s, the definition bench_decode.py uses for every row. Median over `repeats`
+runs after one warm-up run.
 """
 
 from __future__ import annotations
@@ -20,7 +21,13 @@ import sys
 import time
 
 import numpy as np
-from llama_cpp import Llama
+from llama_cpp import Llama, llama_get_logits_ith
+
+
+def _argmax_last(llm: Llama) -> int:
+    """Greedy token from the last evaluated position's logits. Read from the context itself: with
+    logits_all=False, llama-cpp-python 0.3.x no longer copies them into ``llm.scores``."""
+    return int(np.argmax(np.ctypeslib.as_array(llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))))
 
 
 def _greedy(llm: Llama, prompt_ids: list[int], n: int) -> tuple[list[int], float, float]:
@@ -28,11 +35,11 @@ def _greedy(llm: Llama, prompt_ids: list[int], n: int) -> tuple[list[int], float
     llm.reset()
     t0 = time.perf_counter()
     llm.eval(prompt_ids)
-    out = [int(np.argmax(llm.scores[llm.n_tokens - 1]))]
+    out = [_argmax_last(llm)]
     t1 = time.perf_counter()
     for _ in range(n - 1):
         llm.eval([out[-1]])
-        out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        out.append(_argmax_last(llm))
     return out, t1 - t0, time.perf_counter() - t1
 
 
@@ -64,12 +71,10 @@ def run(args: dict) -> dict:
     d = statistics.median(decode)
     row.update(tokens=tokens, prefill_ms=statistics.median(prefill) * 1e3, decode_tok_s=(n - 1) / d,
                ms_per_token=d / (n - 1) * 1e3, runs=len(decode))
-    try:
-        import llama_cpp
+    import llama_cpp
 
-        row["llama_cpp_version"] = llama_cpp.__version__
-    except AttributeError:
-        pass
+    row["llama_cpp_version"] = getattr(llama_cpp, "__version__", None)
+    row["system_info"] = llama_cpp.llama_print_system_info().decode()  # SIMD the build uses (GGML_NATIVE)
     return row
 
 

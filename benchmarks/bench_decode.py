@@ -52,7 +52,10 @@ from common import machine_line, memory_bandwidth_gbs, round_robin_ms, save_json
 from affineq import models as M  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-PROMPT = "Hello! Could you explain in simple words why small language models run fast on an ordinary laptop?"
+# SmolLM2-Instruct's chat format, so that every engine starts a real answer (a bare sentence makes it emit EOS)
+# (19 tokens; fp32's greedy top-2 logit margin stays > 0.1 for the first 13 tokens, so early agreement is not
+# a coin toss -- the earlier "why do small LMs run fast" prompt had a 0.04 tie at token 0)
+PROMPT = "<|im_start|>user\nExplain in two sentences why the sky is blue.<|im_end|>\n<|im_start|>assistant\n"
 ROWS = ["llama.cpp", "fp32", "bf16", "int4-g64-eager", "int4-g32+int8-head", "int4-g64", "int8"]
 VENV_HINT = ('python -m venv .venv-llamacpp && CMAKE_ARGS="-DGGML_NATIVE=ON" '
              ".venv-llamacpp/bin/pip install llama-cpp-python==0.3.36")
@@ -222,12 +225,14 @@ def _report(rows: list[dict], bandwidth: float, n: int, save: bool) -> None:
         r["achieved_gbs"], r["bandwidth_fraction"] = gbs, gbs / bandwidth
         if fp32 is not None:
             r["tokens_equal_fp32"] = sum(a == b for a, b in zip(r["tokens"], fp32["tokens"], strict=False))
+            first = _first_mismatch(r["tokens"], fp32["tokens"])
+            r["fp32_common_prefix"] = len(r["tokens"]) if first is None else first
         out.append({
             "row": r["row"], "engine": r["engine"], "decode tok/s": f"{r['decode_tok_s']:.1f}",
             "ms/token": f"{r['ms_per_token']:.2f}", "vs llama.cpp": _ratio(r, llama), "vs bf16": _ratio(r, bf16),
             "MB/token": f"{r['weight_bytes_per_token'] / 1e6:.1f}", "GB/s": f"{gbs:.1f}",
             "% of BW": f"{gbs / bandwidth * 100:.0f}%", "prefill ms": f"{r['prefill_ms']:.1f}",
-            f"= fp32 (of {n})": r.get("tokens_equal_fp32", ""),
+            f"fp32 prefix (of {n})": r.get("fp32_common_prefix", ""),
             "= eager": "" if "eager_equal" not in r else
             ("yes" if r["eager_equal"] else f"no (from {r['eager_first_mismatch']})"),
             "warm-up s": f"{r['warmup_s']:.1f}" if r.get("warmup_s") else "",
