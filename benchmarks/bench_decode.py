@@ -89,12 +89,16 @@ def _first_mismatch(a: list[int], b: list[int]) -> int | None:
 
 def run_torch_row(name: str, n: int, repeats: int, threads: int) -> dict:
     """One transformers / affineq.models.generate row, measured in this process."""
+    eager = name in ("fp32", "bf16") or name.endswith("-eager")
+    generate = getattr(M, "generate", None)
+    if not eager and generate is None:  # fail before the model load and quantization
+        raise RuntimeError("affineq.models.generate is missing from this tree: the compiled decode path "
+                           f"of issue #17 is needed for row {name!r} (run {name}-eager meanwhile)")
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     model, tok = M.load_smollm2()
     prompt = tok(PROMPT, return_tensors="pt")["input_ids"]
     s = prompt.shape[1]
-    eager = name in ("fp32", "bf16") or name.endswith("-eager")
     config = name.removesuffix("-eager")
     t0 = time.perf_counter()
     if config == "bf16":
@@ -112,10 +116,6 @@ def run_torch_row(name: str, n: int, repeats: int, threads: int) -> dict:
             row.update(_decode_timing(lambda k: M.generate_greedy(model, tok, prompt, k), n, repeats))
             row["tokens"] = eager_tokens
             return row
-        generate = getattr(M, "generate", None)
-        if generate is None:
-            raise RuntimeError("affineq.models.generate is missing from this tree: the compiled decode path "
-                               "of issue #17 is needed for this row (run the -eager row meanwhile)")
         row["engine"] = "affineq.models.generate compiled"
         gen = lambda k: generate(model, prompt, k, compile=True)  # noqa: E731
         t0 = time.perf_counter()
