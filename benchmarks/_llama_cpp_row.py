@@ -10,7 +10,8 @@ special and the input is exactly our token ids: ``llm.eval(prompt_ids)``, then n
 ``tok = argmax(last logits)`` (llama_get_logits_ith), ``llm.eval([tok])``. Timed per run: prefill =
 eval(prompt) + first argmax; decode = the n - 1 single-token steps (eval + argmax each), so decode
 tok/s = (n - 1) / decode s, the definition bench_decode.py uses for every row. Median over `repeats`
-runs after one warm-up run.
+runs after one warm-up run. ``internal_decode_tok_s`` is llama.cpp's own timer of the same steps (no
+Python), to show what the binding adds.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import sys
 import time
 
 import numpy as np
-from llama_cpp import Llama, llama_get_logits_ith
+from llama_cpp import Llama, llama_get_logits_ith, llama_perf_context, llama_perf_context_reset
 
 
 def _argmax_last(llm: Llama) -> int:
@@ -33,6 +34,7 @@ def _argmax_last(llm: Llama) -> int:
 def _greedy(llm: Llama, prompt_ids: list[int], n: int) -> tuple[list[int], float, float]:
     """(n generated ids, prefill s, decode s of the n - 1 later tokens), from an empty KV cache."""
     llm.reset()
+    llama_perf_context_reset(llm.ctx)
     t0 = time.perf_counter()
     llm.eval(prompt_ids)
     out = [_argmax_last(llm)]
@@ -61,16 +63,21 @@ def run(args: dict) -> dict:
             print(f"note: llama.cpp tokenizes the prompt as {theirs}, ours is {ids}; the row feeds our ids",
                   file=sys.stderr)
     tokens, _, _ = _greedy(llm, ids, n)  # warm-up (page-in of the mmapped weights, thread pool)
-    prefill, decode = [], []
+    prefill, decode, internal = [], [], []
     for _ in range(int(args.get("repeats", 5))):
         again, p, d = _greedy(llm, ids, n)
+        perf = llama_perf_context(llm.ctx)  # llama.cpp's own timer of the single-token decodes
+        if perf.n_eval and perf.t_eval_ms > 0:
+            internal.append(perf.n_eval / (perf.t_eval_ms * 1e-3))
         if again != tokens:
             row["nondeterministic"] = True
         prefill.append(p)
         decode.append(d)
     d = statistics.median(decode)
     row.update(tokens=tokens, prefill_ms=statistics.median(prefill) * 1e3, decode_tok_s=(n - 1) / d,
-               ms_per_token=d / (n - 1) * 1e3, runs=len(decode))
+               ms_per_token=d / (n - 1) * 1e3, runs=len(decode),
+               # without llama-cpp-python's per-token Python work (batch setup, ctypes, our argmax)
+               internal_decode_tok_s=statistics.median(internal) if internal else None)
     import llama_cpp
 
     row["llama_cpp_version"] = getattr(llama_cpp, "__version__", None)
