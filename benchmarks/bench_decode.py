@@ -49,19 +49,20 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_models import _linear_bytes  # noqa: E402
 from common import machine_line, memory_bandwidth_gbs, round_robin_ms, save_json, table  # noqa: E402
 
+from affineq import QuantConfig  # noqa: E402
 from affineq import models as M  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-# SmolLM2-Instruct's chat format, so that every engine starts a real answer (a bare sentence makes it emit EOS)
-# (19 tokens; fp32's greedy top-2 logit margin stays > 0.1 for the first 13 tokens, so early agreement is not
-# a coin toss -- the earlier "why do small LMs run fast" prompt had a 0.04 tie at token 0)
+# SmolLM2-Instruct's chat format, so that every engine starts a real answer (a bare sentence invites EOS).
+# 19 tokens; fp32's greedy top-2 logit margin stays > 0.1 for the first 13 tokens, so early token agreement
+# between engines is not decided by a near-tie (another prompt tried had a 0.04 tie at token 0).
 PROMPT = "<|im_start|>user\nExplain in two sentences why the sky is blue.<|im_end|>\n<|im_start|>assistant\n"
 ROWS = ["llama.cpp", "fp32", "bf16", "int4-g64-eager", "int4-g32+int8-head", "int4-g64", "int8"]
 VENV_HINT = ('python -m venv .venv-llamacpp && CMAKE_ARGS="-DGGML_NATIVE=ON" '
              ".venv-llamacpp/bin/pip install llama-cpp-python==0.3.36")
 
 
-def _config(name: str):
+def _config(name: str) -> QuantConfig | None:
     from affineq.demo import CONFIGS
 
     if name in CONFIGS:
