@@ -1,0 +1,89 @@
+"""The llama.cpp row of bench_decode.py, run under the benchmark-only llama-cpp-python venv.
+
+Imports neither affineq nor torch (that venv has neither). Called as
+
+    python _llama_cpp_row.py '{"model": PATH, "prompt_ids": [...], "prompt_text": "...", "new_tokens": 64,
+                              "threads": 2, "repeats": 5}'
+
+and prints one line ``ROW {json}``. Greedy decoding by hand on the low-level eval API, so EOS is never
+special and the input is exactly our token ids: ``llm.eval(prompt_ids)``, then n - 1 times
+``tok = argmax(last logits)`` (llama_get_logits_ith), ``llm.eval([tok])``. Timed per run: prefill =
+eval(prompt) + first argmax; decode = the n - 1 single-token steps (eval + argmax each), so decode
+tok/s = (n - 1) / decode s, the definition bench_decode.py uses for every row. Median over `repeats`
+runs after one warm-up run. ``internal_decode_tok_s`` is llama.cpp's own timer of the same steps (no
+Python), to show what the binding adds.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+from llama_cpp import Llama, llama_get_logits_ith, llama_perf_context, llama_perf_context_reset
+
+
+def _argmax_last(llm: Llama) -> int:
+    """Greedy token from the last evaluated position's logits. Read from the context itself: with
+    logits_all=False, llama-cpp-python 0.3.x no longer copies them into ``llm.scores``."""
+    return int(np.argmax(np.ctypeslib.as_array(llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))))
+
+
+def _greedy(llm: Llama, prompt_ids: list[int], n: int) -> tuple[list[int], float, float]:
+    """(n generated ids, prefill s, decode s of the n - 1 later tokens), from an empty KV cache."""
+    llm.reset()
+    llama_perf_context_reset(llm.ctx)
+    t0 = time.perf_counter()
+    llm.eval(prompt_ids)
+    out = [_argmax_last(llm)]
+    t1 = time.perf_counter()
+    for _ in range(n - 1):
+        llm.eval([out[-1]])
+        out.append(_argmax_last(llm))
+    return out, t1 - t0, time.perf_counter() - t1
+
+
+def run(args: dict) -> dict:
+    n, ids = int(args["new_tokens"]), [int(i) for i in args["prompt_ids"]]
+    if n < 2:
+        raise ValueError("new_tokens must be >= 2 (decode time covers tokens 2..n)")
+    threads = int(args.get("threads", 2))
+    t = time.perf_counter()
+    llm = Llama(model_path=args["model"], n_ctx=512, n_batch=512, n_threads=threads, n_threads_batch=threads,
+                logits_all=False, verbose=False)
+    load_s = time.perf_counter() - t
+    row: dict = {"load_s": load_s, "llama_cpp_threads": threads}
+    text = args.get("prompt_text")
+    if text is not None:
+        theirs = llm.tokenize(text.encode(), add_bos=False, special=True)
+        row["tokenizer_ids_equal"] = theirs == ids
+        if theirs != ids:
+            print(f"note: llama.cpp tokenizes the prompt as {theirs}, ours is {ids}; the row feeds our ids",
+                  file=sys.stderr)
+    tokens, _, _ = _greedy(llm, ids, n)  # warm-up (page-in of the mmapped weights, thread pool)
+    prefill, decode, internal = [], [], []
+    for _ in range(int(args.get("repeats", 5))):
+        again, p, d = _greedy(llm, ids, n)
+        perf = llama_perf_context(llm.ctx)  # llama.cpp's own timer of the single-token decodes
+        if perf.n_eval and perf.t_eval_ms > 0:
+            internal.append(perf.n_eval / (perf.t_eval_ms * 1e-3))
+        if again != tokens:
+            row["nondeterministic"] = True
+        prefill.append(p)
+        decode.append(d)
+    d = statistics.median(decode)
+    row.update(tokens=tokens, prefill_ms=statistics.median(prefill) * 1e3, decode_tok_s=(n - 1) / d,
+               ms_per_token=d / (n - 1) * 1e3, runs=len(decode),
+               # without llama-cpp-python's per-token Python work (batch setup, ctypes, our argmax)
+               internal_decode_tok_s=statistics.median(internal) if internal else None)
+    import llama_cpp
+
+    row["llama_cpp_version"] = getattr(llama_cpp, "__version__", None)
+    row["system_info"] = llama_cpp.llama_print_system_info().decode()  # SIMD the build uses (GGML_NATIVE)
+    return row
+
+
+if __name__ == "__main__":
+    print("ROW " + json.dumps(run(json.loads(sys.argv[1]))), flush=True)
