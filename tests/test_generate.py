@@ -99,29 +99,44 @@ def test_fused_projections_match_separate_ones():
 def test_compiled_matches_and_never_recompiles_across_positions():
     model = _llama(1)
     _int4(model)
-    torch._dynamo.reset()
     stats = torch._dynamo.utils.counters["stats"]
+    before = stats["unique_graphs"]
     ids = _prompt(1, 7)
     out = generate(model, ids, 12, ignore_eos=True)
     assert torch.equal(out, _hf(model, ids, 12, min_new_tokens=12))
-    graphs = stats["unique_graphs"]
-    assert graphs == 2  # one prefill graph (dynamic prompt length) and one decode-step graph
-    # Other prompt lengths and positions, up to the cache length (128): the same two graphs serve them all.
+    assert stats["unique_graphs"] - before == 1  # the decode step (the prefill runs eagerly by default)
+    # Other prompt lengths and positions, up to the cache length (128): the same graph serves them all.
     for s, n in ((5, 40), (30, 90), (1, 8)):
         ids = _prompt(1, s, seed=s)
         out = generate(model, ids, n, ignore_eos=True)
         assert torch.equal(out, _hf(model, ids, n, min_new_tokens=n))
-    assert stats["unique_graphs"] == graphs
+    assert stats["unique_graphs"] - before == 1
 
 
-def test_rebuilds_after_the_weights_change():
+def test_compiled_prefill_pads_prompts_to_one_graph_per_block():
+    model = _llama(1)
+    _int4(model)
+    stats = torch._dynamo.utils.counters["stats"]
+    before = stats["unique_graphs"]
+    for s in (7, 20, 64):  # all pad to 64: one prefill graph, one step graph
+        ids = _prompt(1, s, seed=s)
+        out = generate(model, ids, 10, ignore_eos=True, compile_prefill=True)
+        assert torch.equal(out, _hf(model, ids, 10, min_new_tokens=10))
+    assert stats["unique_graphs"] - before == 2
+    assert generate_module.padded_prompt_length(65) == 128
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_rebuilds_after_the_weights_change(compile):
     model = _llama(1)
     ids = _prompt(1, 5)
-    float_out = generate(model, ids, 8, compile=False, ignore_eos=True)
-    _int4(model, 64)  # quantize_ swaps the weights: the cached decoder must not keep the float ones
-    out = generate(model, ids, 8, compile=False, ignore_eos=True)
+    float_out = generate(model, ids, 8, compile=compile, ignore_eos=True)
+    _int4(model, 64)  # quantize_ swaps the weights: the cached decoder (and its graph) must not keep the float ones
+    out = generate(model, ids, 8, compile=compile, ignore_eos=True)
     assert torch.equal(out, _hf(model, ids, 8, min_new_tokens=8))
     assert torch.equal(float_out, _hf(_llama(1), ids, 8, min_new_tokens=8))
+    other = _llama(1, hidden_act="gelu")  # another model of the same shapes: its own graph, not the first one's
+    assert torch.equal(generate(other, ids, 8, compile=compile, ignore_eos=True), _hf(other, ids, 8, min_new_tokens=8))
 
 
 def test_sampling_is_reproducible_and_top_k_1_is_greedy():

@@ -195,3 +195,18 @@ def test_lstm_with_quantized_weights_runs_and_warns_once():
     fallback = [w for w in caught if issubclass(w.category, KernelFallbackWarning)]
     assert len(fallback) == 1
     assert (out - ref).abs().max() < 0.01
+
+
+def test_views_of_a_quantized_weight_work_under_inference_mode():
+    """detach / slice / cat of a (normal) quantized parameter inside torch.inference_mode(): the view's version
+    counter bookkeeping needs a non-inference output (affineq.models.generate concatenates q/k/v weights there)."""
+    import affineq
+
+    lin = torch.nn.Linear(64, 48, bias=False)
+    affineq.quantize_(lin, affineq.Int4WeightOnlyConfig(group_size=32))
+    x = torch.randn(2, 64)
+    with torch.inference_mode():
+        w = lin.weight.detach()
+        assert torch.equal(torch.nn.functional.linear(x, w[:16]), lin(x)[:, :16])
+        both = torch.cat([w, lin.weight[:16]], 0)
+        assert torch.equal(both.dequantize()[48:], w.dequantize()[:16])

@@ -3,8 +3,9 @@
 ``generate(model, input_ids, max_new_tokens)`` returns what ``model.generate(input_ids, do_sample=False)``
 returns for the same model (the same token ids: the layers run the model's own weights, norms, rotary tables and
 activation in the same order), without transformers' per-token Python: the decoder is rebuilt here as one
-function of (token ids, positions) over preallocated caches, compiled with ``torch.compile(fullgraph=True)``
-once for the decode step (batch B, one token) and once for the prefill (any prompt length, dynamic).
+function of (token ids, positions) over preallocated caches; the decode step (batch B, one token) is compiled
+once with ``torch.compile(fullgraph=True)`` and serves every position, the prefill runs eagerly or compiled on
+padded prompt lengths.
 
 Supported: transformers ``LlamaForCausalLM``, ``MistralForCausalLM`` (no sliding window) and
 ``Qwen2ForCausalLM`` (no sliding window), with rotary types whose tables do not depend on the sequence length
@@ -14,6 +15,7 @@ Supported: transformers ``LlamaForCausalLM``, ``MistralForCausalLM`` (no sliding
 
 from __future__ import annotations
 
+import types
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +30,7 @@ SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "affineq TinyLM")
 _HF_TYPES = ("llama", "mistral", "qwen2")
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 _CACHE_BLOCK = 128  # cache lengths are rounded up to a multiple of this: one compiled step serves many lengths
+PREFILL_BLOCK = 64  # compiled prefill: prompts are padded to a multiple of this (static shapes, few graphs)
 
 
 # -- the model, as plain callables ------------------------------------------------------------------------
@@ -149,6 +152,27 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x[..., h:], x[..., :h]), -1) * sin
 
 
+_GLOBAL_GUARDS = frozenset({"GRAD_MODE", "DETERMINISTIC_ALGORITHMS", "GLOBAL_STATE", "TORCH_FUNCTION_STATE",
+                            "DEFAULT_DEVICE", "SHAPE_ENV", "AUTOGRAD_SAVED_TENSORS_HOOKS"})
+
+
+def _input_guards_only(entries) -> list[bool]:
+    """Keep dynamo's guards on the step's inputs (ids, pos) and on global state; drop those on the weights, caches
+    and closures (hundreds of tensor checks, milliseconds per token). Safe because a decoder owns its caches and
+    closures, and a weight change (quantize_, load_state_dict(assign=True)) builds a new decoder (`_decoder`)."""
+    return [e.name in ("ids", "pos") or e.guard_type in _GLOBAL_GUARDS for e in entries]
+
+
+def _own_code(method):
+    """`method` bound to the same object, with a code object of its own. dynamo keeps compiled code per code
+    object; with the weight guards dropped (`_input_guards_only`), a decoder sharing `_step`'s code object with
+    another decoder would run that decoder's graph."""
+    fn = method.__func__
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{id(method.__self__):x}")
+    return types.MethodType(types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__),
+                            method.__self__)
+
+
 class StaticDecoder:
     """A model's decoder over a preallocated KV cache: ``forward(ids [B, S], pos [S]) -> logits [B, V]`` of the
     last position, writing keys/values of positions ``pos`` into the cache.
@@ -157,7 +181,8 @@ class StaticDecoder:
     attends to cache slots <= its position (the rest are masked), so one compiled graph serves every position.
     """
 
-    def __init__(self, model: nn.Module, batch: int, max_len: int, *, compile: bool = True, fuse: bool = True):
+    def __init__(self, model: nn.Module, batch: int, max_len: int, *, compile: bool = True,
+                 compile_prefill: bool = False, fuse: bool = True):
         self.arch = a = _describe(model, fuse)
         self.batch, self.max_len = batch, max_len
         dev = a.embed.weight.device
@@ -169,23 +194,40 @@ class StaticDecoder:
         self.slots = torch.arange(max_len, device=dev)
         self.gqa = a.heads != a.kv_heads  # a bool here: under dynamic=True an int comparison would be symbolic
         self.step, self.prefill = self._step, self._prefill
-        self.exact = not compile  # eager attention over the filled slots only (see _attend)
-        if compile:  # two functions, so that each keeps its own compiled code (cache entries are per function)
-            self.step = torch.compile(self._step, fullgraph=True, dynamic=False)
-            self.prefill = torch.compile(self._prefill, fullgraph=True, dynamic=True)
+        if compile:
+            opts = {"guard_filter_fn": _input_guards_only}
+            self.step = torch.compile(_own_code(self._step), fullgraph=True, dynamic=False, options=opts)
+            if compile_prefill:  # static shapes: `run_prefill` pads prompts to a multiple of PREFILL_BLOCK
+                self.prefill = torch.compile(_own_code(self._prefill), fullgraph=True, dynamic=False, options=opts)
+        self.prefill_compiled = compile and compile_prefill
 
     def _step(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         return self.forward(ids, pos)
 
-    def _prefill(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        return self.forward(ids, pos)
+    def _prefill(self, ids: torch.Tensor, pos: torch.Tensor, last: torch.Tensor | None = None) -> torch.Tensor:
+        return self.forward(ids, pos, last)
 
-    def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def run_prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        """Logits [B, V] after the prompt ids [B, S] (positions 0..S-1). Compiled prefill: the prompt is padded to a
+        multiple of PREFILL_BLOCK (one graph per padded length); the pad's cache slots lie after the prompt, where
+        decode steps overwrite them before any query can attend to them."""
+        s, dev = ids.shape[1], ids.device
+        if s == 1:
+            return self.step(ids, torch.zeros(1, dtype=torch.int64, device=dev))  # a length-1 prompt is a step
+        if not self.prefill_compiled:
+            return self.prefill(ids, torch.arange(s, device=dev))
+        p = padded_prompt_length(s)
+        padded = torch.zeros(ids.shape[0], p, dtype=ids.dtype, device=dev)
+        padded[:, :s] = ids
+        return self.prefill(padded, torch.arange(p, device=dev), torch.tensor([s - 1], device=dev))
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, last: torch.Tensor | None = None) -> torch.Tensor:
         a = self.arch
         b, s = ids.shape
         x = a.embed(ids)
         cos, sin = self.cos[pos][None, None], self.sin[pos][None, None]  # [1, 1, S, D]
-        mask = None if self.exact else self.slots[None, :] <= pos[:, None]  # [S, T]: causal over the cache
+        compiled = torch.compiler.is_compiling()
+        mask = self.slots[None, :] <= pos[:, None] if compiled else None  # [S, T]: causal over the cache
         for layer, kc, vc in zip(a.layers, self.k, self.v, strict=True):
             q, k, v = layer.qkv(layer.norm1(x))
             q = _rotate(q.view(b, s, a.heads, a.head_dim).transpose(1, 2), cos, sin)
@@ -196,7 +238,8 @@ class StaticDecoder:
             x = x + layer.o(o.transpose(1, 2).reshape(b, s, a.heads * a.head_dim))
             gate, up = layer.gate_up(layer.norm2(x))
             x = x + layer.down(layer.act(gate) * up)
-        return a.lm_head(a.norm(x[:, -1]))
+        x = x[:, -1] if last is None else x.index_select(1, last)[:, 0]
+        return a.lm_head(a.norm(x))
 
     def _attend(self, q, kc, vc, pos, mask):
         """softmax(q k^T / sqrt(D)) v over the cache [B, H, S, D]. Compiled: over all T slots under the causal mask
@@ -220,13 +263,18 @@ def _weights_key(model: nn.Module) -> tuple:
     return tuple(id(p) for p in model.parameters())
 
 
-def _decoder(model: nn.Module, batch: int, length: int, compile: bool, fuse: bool) -> StaticDecoder:
+def padded_prompt_length(s: int) -> int:
+    return -(-s // PREFILL_BLOCK) * PREFILL_BLOCK
+
+
+def _decoder(model: nn.Module, batch: int, length: int, compile: bool, compile_prefill: bool,
+             fuse: bool) -> StaticDecoder:
     max_len = -(-length // _CACHE_BLOCK) * _CACHE_BLOCK
     per_model = _decoders.setdefault(model, {})
-    key = (batch, max_len, compile, fuse, next(model.parameters()).dtype)
+    key = (batch, max_len, compile, compile_prefill, fuse, next(model.parameters()).dtype)
     dec, wkey = per_model.get(key, (None, None))
     if dec is None or wkey != _weights_key(model):
-        dec = StaticDecoder(model, batch, max_len, compile=compile, fuse=fuse)
+        dec = StaticDecoder(model, batch, max_len, compile=compile, compile_prefill=compile_prefill, fuse=fuse)
         per_model[key] = (dec, _weights_key(model))
     return dec
 
@@ -285,6 +333,7 @@ def generate(
     max_new_tokens: int,
     *,
     compile: bool = True,
+    compile_prefill: bool = False,
     fuse_projections: bool = True,
     eos_token_id: int | list[int] | None = None,
     ignore_eos: bool = False,
@@ -304,24 +353,26 @@ def generate(
     filled with ``pad_token_id`` (default: the first eos id). ``do_sample=True`` samples with ``temperature``,
     ``top_k``, ``top_p`` (``generator`` for reproducibility).
 
-    ``compile=True`` compiles the decode step once per (batch, cache length rounded up to 128, dtype) and the
-    prefill once with a dynamic prompt length; the compiled code and the KV cache are kept with the model and
-    reused by later calls (rebuilt when its weights change). ``fuse_projections`` runs q/k/v and gate/up each as
+    ``compile=True`` compiles the decode step once per (batch, cache length rounded up to 128, dtype); the
+    compiled code and the KV cache stay with the model for later calls (rebuilt when its weights change). The
+    prefill runs eagerly (one call over the whole prompt: its Python overhead is shared by all prompt tokens), or
+    compiled with ``compile_prefill=True`` on prompts padded to a multiple of 64 (static shapes: one compile per
+    padded length; benchmarks/README.md has the trade-off). ``fuse_projections`` runs q/k/v and gate/up each as
     one linear where their weights concatenate (same format and config).
     """
     _check(input_ids, max_new_tokens, do_sample, temperature, top_k, top_p)
     b, s = input_ids.shape
     if max_new_tokens == 0:
         return input_ids.clone()
-    dec = _decoder(model, b, s + max_new_tokens, compile, fuse_projections)
+    length = max(s + max_new_tokens, padded_prompt_length(s) if compile and compile_prefill else 0)
+    dec = _decoder(model, b, length, compile, compile_prefill, fuse_projections)
     dev = dec.slots.device
     eos = _eos_ids(model, eos_token_id)
     eos_t = torch.tensor(eos, dtype=torch.int64, device=dev)
     banned, eos = (eos_t, []) if ignore_eos and eos else (None, eos)
     pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
     ids = input_ids.to(dev).clone(memory_format=torch.contiguous_format)  # an inference tensor like every step input
-    prefill = dec.prefill if s > 1 else dec.step  # a length-1 prompt is a decode step
-    logits = prefill(ids, torch.arange(s, device=dev))
+    logits = dec.run_prefill(ids)
     out = [ids]
     done = torch.zeros(b, dtype=torch.bool, device=dev)
     for i in range(max_new_tokens):

@@ -11,6 +11,7 @@ one-time notice (`affineq.tensor.dispatch`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import pickle
@@ -147,9 +148,13 @@ class AffineQuantizedTensor(torch.Tensor):
     @staticmethod
     def __new__(cls, tensors: dict[str, torch.Tensor], spec: QuantSpec, requires_grad: bool = False):
         device = tensors["qdata"].device
-        return torch.Tensor._make_wrapper_subclass(
-            cls, spec.logical_shape, dtype=spec.dtype, device=device, requires_grad=requires_grad
-        )
+        # Never an inference tensor: a view op (detach, slice) under torch.inference_mode() on a normal quantized
+        # weight sets its output's version counter, which an inference tensor does not have.
+        inference = torch.is_inference_mode_enabled() and not torch.compiler.is_compiling()
+        with torch.inference_mode(False) if inference else contextlib.nullcontext():
+            return torch.Tensor._make_wrapper_subclass(
+                cls, spec.logical_shape, dtype=spec.dtype, device=device, requires_grad=requires_grad
+            )
 
     def __init__(self, tensors: dict[str, torch.Tensor], spec: QuantSpec, requires_grad: bool = False):
         self.spec = spec

@@ -456,8 +456,12 @@ class Dense(PackingFormat):
         panel = _cpp.PANEL_ROWS
         if n % panel:
             return super().dequantize_rows(t, spec, rows, output_dtype)
-        # Unpack only the 16-row panels that hold the requested rows (embedding lookups).
-        panels, inverse = torch.unique(rows // panel, return_inverse=True)
+        # Unpack only the 16-row panels that hold the requested rows (embedding lookups). Compiled: a panel per
+        # row, no dedupe (torch.unique has a data-dependent size, which a fullgraph dynamic compile cannot hold).
+        if torch.compiler.is_compiling():
+            panels, inverse = rows // panel, torch.arange(rows.numel(), device=rows.device)
+        else:
+            panels, inverse = torch.unique(rows // panel, return_inverse=True)
         packed = t["qdata"].view(n // panel, -1)[panels]
         u = _cpp.unpack_codes(packed.view(panels.numel() * panel, -1), spec.target.bits,
                               panels.numel() * panel, k)
