@@ -69,6 +69,8 @@ CONFIGS: dict[str, QuantConfig | None] = {
     # int4 body, int8 output head (tied to the embedding in SmolLM2): most of the int4 perplexity loss is the head's
     "int4-g64+int8-head": FqnToConfig({"lm_head": Int8WeightOnlyConfig(),
                                        "_default": Int4WeightOnlyConfig(group_size=64)}),
+    "int4-g32+int8-head": FqnToConfig({"lm_head": Int8WeightOnlyConfig(),
+                                       "_default": Int4WeightOnlyConfig(group_size=32)}),
 }
 # SmolLM2's in_features are 576 and 1536: 128 does not divide 576, so its int4 default is g64 (32 would
 # reproduce the 4-bit / 32-group grid its GGUF weights already lie on, flattering the result).

@@ -118,7 +118,7 @@ def run_torch_row(name: str, n: int, repeats: int, threads: int) -> dict:
             row["tokens"] = eager_tokens
             return row
         row["engine"] = "affineq.models.generate compiled"
-        gen = lambda k: generate(model, prompt, k, compile=True)  # noqa: E731
+        gen = lambda k: generate(model, prompt, k, compile=True, ignore_eos=True)  # noqa: E731
         t0 = time.perf_counter()
         out = gen(n)
         gen(1)

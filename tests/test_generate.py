@@ -120,7 +120,7 @@ def test_compiled_prefill_pads_prompts_to_one_graph_per_block():
     before = stats["unique_graphs"]
     for s in (7, 20, 64):  # all pad to 64: one prefill graph, one step graph
         ids = _prompt(1, s, seed=s)
-        out = generate(model, ids, 10, ignore_eos=True, compile_prefill=True)
+        out = generate(model, ids, 10, ignore_eos=True, compile_prefill=True, cpp_wrapper=False)
         assert torch.equal(out, _hf(model, ids, 10, min_new_tokens=10))
     assert stats["unique_graphs"] - before == 2
     assert generate_module.padded_prompt_length(65) == 128
@@ -130,13 +130,14 @@ def test_compiled_prefill_pads_prompts_to_one_graph_per_block():
 def test_rebuilds_after_the_weights_change(compile):
     model = _llama(1)
     ids = _prompt(1, 5)
-    float_out = generate(model, ids, 8, compile=compile, ignore_eos=True)
+    float_out = generate(model, ids, 8, compile=compile, ignore_eos=True, cpp_wrapper=False)
     _int4(model, 64)  # quantize_ swaps the weights: the cached decoder (and its graph) must not keep the float ones
-    out = generate(model, ids, 8, compile=compile, ignore_eos=True)
+    out = generate(model, ids, 8, compile=compile, ignore_eos=True, cpp_wrapper=False)
     assert torch.equal(out, _hf(model, ids, 8, min_new_tokens=8))
     assert torch.equal(float_out, _hf(_llama(1), ids, 8, min_new_tokens=8))
     other = _llama(1, hidden_act="gelu")  # another model of the same shapes: its own graph, not the first one's
-    assert torch.equal(generate(other, ids, 8, compile=compile, ignore_eos=True), _hf(other, ids, 8, min_new_tokens=8))
+    out = generate(other, ids, 8, compile=compile, ignore_eos=True, cpp_wrapper=False)
+    assert torch.equal(out, _hf(other, ids, 8, min_new_tokens=8))
 
 
 def test_sampling_is_reproducible_and_top_k_1_is_greedy():

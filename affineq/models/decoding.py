@@ -182,7 +182,7 @@ class StaticDecoder:
     """
 
     def __init__(self, model: nn.Module, batch: int, max_len: int, *, compile: bool = True,
-                 compile_prefill: bool = False, fuse: bool = True):
+                 compile_prefill: bool = False, cpp_wrapper: bool = True, fuse: bool = True):
         self.arch = a = _describe(model, fuse)
         self.batch, self.max_len = batch, max_len
         dev = a.embed.weight.device
@@ -195,7 +195,7 @@ class StaticDecoder:
         self.gqa = a.heads != a.kv_heads  # a bool here: under dynamic=True an int comparison would be symbolic
         self.step, self.prefill = self._step, self._prefill
         if compile:
-            opts = {"guard_filter_fn": _input_guards_only}
+            opts = {"guard_filter_fn": _input_guards_only, "cpp_wrapper": cpp_wrapper}
             self.step = torch.compile(_own_code(self._step), fullgraph=True, dynamic=False, options=opts)
             if compile_prefill:  # static shapes: `run_prefill` pads prompts to a multiple of PREFILL_BLOCK
                 self.prefill = torch.compile(_own_code(self._prefill), fullgraph=True, dynamic=False, options=opts)
@@ -246,7 +246,15 @@ class StaticDecoder:
         (static shapes). Eager: over exactly the filled slots, causal in the prefill, as transformers' dynamic
         cache does, so that eager results equal model.generate's bit for bit."""
         if mask is not None:
-            return F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=self.gqa)
+            b, h, s, d = q.shape
+            g = h // kc.shape[1]
+            qg = q.reshape(b, kc.shape[1], g * s, d)  # query heads kv*g + i share kv head kv: rows (i, s)
+            # Broadcast products and sums, not matmuls: inductor fuses them into its own loops, where 60 tiny
+            # bmm calls per token would each pay a library call.
+            scores = (qg[:, :, :, None, :] * kc[:, :, None]).sum(-1).float() * d**-0.5
+            scores = scores.masked_fill(~mask.repeat(g, 1), float("-inf"))
+            p = scores.softmax(-1).to(q.dtype)
+            return (p[..., None] * vc[:, :, None]).sum(-2).view(b, h, s, d)
         end = int(pos[-1]) + 1
         prefill = q.shape[2] > 1
         return F.scaled_dot_product_attention(q, kc[:, :, :end], vc[:, :, :end], is_causal=prefill,
@@ -267,14 +275,15 @@ def padded_prompt_length(s: int) -> int:
     return -(-s // PREFILL_BLOCK) * PREFILL_BLOCK
 
 
-def _decoder(model: nn.Module, batch: int, length: int, compile: bool, compile_prefill: bool,
+def _decoder(model: nn.Module, batch: int, length: int, compile: bool, compile_prefill: bool, cpp_wrapper: bool,
              fuse: bool) -> StaticDecoder:
     max_len = -(-length // _CACHE_BLOCK) * _CACHE_BLOCK
     per_model = _decoders.setdefault(model, {})
-    key = (batch, max_len, compile, compile_prefill, fuse, next(model.parameters()).dtype)
+    key = (batch, max_len, compile, compile_prefill, cpp_wrapper, fuse, next(model.parameters()).dtype)
     dec, wkey = per_model.get(key, (None, None))
     if dec is None or wkey != _weights_key(model):
-        dec = StaticDecoder(model, batch, max_len, compile=compile, compile_prefill=compile_prefill, fuse=fuse)
+        dec = StaticDecoder(model, batch, max_len, compile=compile, compile_prefill=compile_prefill,
+                            cpp_wrapper=cpp_wrapper, fuse=fuse)
         per_model[key] = (dec, _weights_key(model))
     return dec
 
@@ -334,6 +343,7 @@ def generate(
     *,
     compile: bool = True,
     compile_prefill: bool = False,
+    cpp_wrapper: bool = True,
     fuse_projections: bool = True,
     eos_token_id: int | list[int] | None = None,
     ignore_eos: bool = False,
@@ -357,7 +367,9 @@ def generate(
     compiled code and the KV cache stay with the model for later calls (rebuilt when its weights change). The
     prefill runs eagerly (one call over the whole prompt: its Python overhead is shared by all prompt tokens), or
     compiled with ``compile_prefill=True`` on prompts padded to a multiple of 64 (static shapes: one compile per
-    padded length; benchmarks/README.md has the trade-off). ``fuse_projections`` runs q/k/v and gate/up each as
+    padded length; benchmarks/README.md has the trade-off). ``cpp_wrapper=True`` has inductor emit the code that
+    calls the step's kernels as C++ instead of Python (less per-token overhead; its first compile takes longer,
+    later processes load it from inductor's cache). ``fuse_projections`` runs q/k/v and gate/up each as
     one linear where their weights concatenate (same format and config).
     """
     _check(input_ids, max_new_tokens, do_sample, temperature, top_k, top_p)
@@ -365,7 +377,7 @@ def generate(
     if max_new_tokens == 0:
         return input_ids.clone()
     length = max(s + max_new_tokens, padded_prompt_length(s) if compile and compile_prefill else 0)
-    dec = _decoder(model, b, length, compile, compile_prefill, fuse_projections)
+    dec = _decoder(model, b, length, compile, compile_prefill, cpp_wrapper, fuse_projections)
     dev = dec.slots.device
     eos = _eos_ids(model, eos_token_id)
     eos_t = torch.tensor(eos, dtype=torch.int64, device=dev)

@@ -43,6 +43,26 @@ def register_linear_kernel(name: str, formats: tuple[str, ...], check: Check, ru
     if any(k.name == name for k in LINEAR_KERNELS):
         raise ValueError(f"a linear kernel named {name!r} is already registered")
     LINEAR_KERNELS.append(LinearKernel(name, formats, check, run))
+    _selected.clear()
+
+
+# (id(spec), device type, input dtype) -> (spec, kernel, reasons). The preconditions read only these (and whether
+# the C++ kernels built, fixed per process), so eager F.linear pays the selection once per weight, not per call.
+# Keyed by identity (hashing a spec costs as much as selecting); the entry holds the spec, so its id stays unique.
+_selected: dict[tuple, tuple] = {}
+
+
+def _select_cached(x: torch.Tensor, w) -> tuple[LinearKernel | None, list[str]]:
+    if torch.compiler.is_compiling():  # traced once anyway; keep dynamo away from the dict
+        return select_linear_kernel(x, w)
+    spec = w.spec
+    key = (id(spec), x.device.type, x.dtype)
+    hit = _selected.get(key)
+    if hit is None or hit[0] is not spec:
+        if len(_selected) > 4096:
+            _selected.clear()
+        hit = _selected[key] = (spec, *select_linear_kernel(x, w))
+    return hit[1], hit[2]
 
 
 def select_linear_kernel(x: torch.Tensor, w) -> tuple[LinearKernel | None, list[str]]:
@@ -74,7 +94,7 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
     if w.spec.transposed:
         kernel, reasons = None, ["the weight is a transposed view; kernels read the stored [N, K] layout"]
     else:
-        kernel, reasons = select_linear_kernel(x, w)
+        kernel, reasons = _select_cached(x, w)
     if kernel is not None:
         fallback.record(kernel.name)
         if x.requires_grad and torch.is_grad_enabled():
