@@ -185,3 +185,15 @@ def test_smollm2_tokens_equal_model_generate():
     ids = tok("Quantization makes language models", return_tensors="pt")["input_ids"]
     ref = generate_greedy(model, tok, ids, 24)
     assert torch.equal(generate(model, ids, 24, compile=False, ignore_eos=True), ref)
+
+
+def test_the_cached_decoder_does_not_keep_the_model_alive():
+    import gc
+    import weakref
+
+    model = _llama(1)
+    generate(model, _prompt(), 4, compile=False)
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None  # the decoder cache is keyed weakly and its closures hold modules, not the model

@@ -117,8 +117,10 @@ def _describe(model: nn.Module, fuse: bool) -> _Arch:
     if isinstance(model, TinyLM):
         cfg = model.config
 
+        dev = model.embed_tokens.weight.device  # the closures below must not hold the model (cache key, weakref)
+
         def tiny_rope(t: int, dt: torch.dtype):
-            ang = _rope_angles(t, cfg.head_dim, cfg.rope_theta, model.embed_tokens.weight.device)
+            ang = _rope_angles(t, cfg.head_dim, cfg.rope_theta, dev)
             return torch.cat([ang, ang], -1).cos().to(dt), torch.cat([ang, ang], -1).sin().to(dt)
 
         return _Arch(model.embed_tokens, _layers(model.layers, F.silu, fuse), model.norm, _linear(model.lm_head),
@@ -134,8 +136,10 @@ def _describe(model: nn.Module, fuse: bool) -> _Arch:
         raise _unsupported(model, f"rope type {rotary.rope_type!r} depends on the sequence length")
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
+    dev = model.lm_head.weight.device  # the closure below must not hold the model (cache key, weakref)
+
     def hf_rope(t: int, dt: torch.dtype):
-        x = torch.empty(0, dtype=dt, device=model.lm_head.weight.device)
+        x = torch.empty(0, dtype=dt, device=dev)
         cos, sin = rotary(x, torch.arange(t, device=x.device)[None])  # the model's own tables, bit for bit
         return cos[0], sin[0]
 

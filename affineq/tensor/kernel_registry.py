@@ -46,8 +46,8 @@ def register_linear_kernel(name: str, formats: tuple[str, ...], check: Check, ru
     _selected.clear()
 
 
-# (id(spec), device type, input dtype) -> (spec, kernel, reasons). The preconditions read only these (and whether
-# the C++ kernels built, fixed per process), so eager F.linear pays the selection once per weight, not per call.
+# (id(spec), device type, input dtype, C++ kernels available) -> (spec, kernel, reasons). The preconditions read
+# only these, so eager F.linear pays the selection once per weight, not per call.
 # Keyed by identity (hashing a spec costs as much as selecting); the entry holds the spec, so its id stays unique.
 _selected: dict[tuple, tuple] = {}
 
@@ -56,7 +56,7 @@ def _select_cached(x: torch.Tensor, w) -> tuple[LinearKernel | None, list[str]]:
     if torch.compiler.is_compiling():  # traced once anyway; keep dynamo away from the dict
         return select_linear_kernel(x, w)
     spec = w.spec
-    key = (id(spec), x.device.type, x.dtype)
+    key = (id(spec), x.device.type, x.dtype, _cpp.is_available())
     hit = _selected.get(key)
     if hit is None or hit[0] is not spec:
         if len(_selected) > 4096:
