@@ -185,6 +185,9 @@ def test_smollm2_tokens_equal_model_generate():
     ids = tok("Quantization makes language models", return_tensors="pt")["input_ids"]
     ref = generate_greedy(model, tok, ids, 24)
     assert torch.equal(generate(model, ids, 24, compile=False, ignore_eos=True), ref)
+    # Compiled (the Python wrapper: ~20 s to compile here, where the C++ one takes ~95 s on 2 cores; the
+    # C++-wrapper path is checked on the tiny model above and on SmolLM2 by benchmarks/bench_decode.py).
+    assert torch.equal(generate(model, ids, 24, ignore_eos=True, cpp_wrapper=False), ref)
 
 
 def test_the_cached_decoder_does_not_keep_the_model_alive():
