@@ -59,6 +59,9 @@ class Int8StaticActivationInt8WeightConfig(QuantConfig):
 
     modules: ClassVar = (nn.Linear, nn.Conv1d, nn.Conv2d)
     needs_calibration: ClassVar[bool] = True
+    recurrent_unsupported: ClassVar = ("static activation scales are calibrated on module inputs, and a recurrent "
+                                       "module's hidden state changes every step; use "
+                                       "Int8DynamicActivationInt8WeightConfig (per-step dynamic scales) instead")
     activation_symmetric: bool = False
     observer: str = "minmax"
     packing_format: str = "auto"

@@ -23,6 +23,7 @@ from affineq import granularity as _gran
 from affineq.dtypes import check_target_dtype, is_integer_target, is_signed, qtype
 from affineq.granularity import Granularity, PerAxis, PerGroup, PerRow, PerTensor, get_block_size
 from affineq.primitives import ROUNDING, MappingType, ZeroPointDomain
+from affineq.recurrent import RECURRENT_TYPES, recurrent_weight_names
 from affineq.tensor.affine import AffineQuantizedTensor
 from affineq.tensor.kernel_registry import auto_format
 from affineq.tensor.spec import ActivationQuant, QParamOptions, QuantSpec
@@ -163,11 +164,17 @@ class QuantConfig:
     """Base of all configs. Subclasses list the module types they quantize in `modules` and say which spec
     they want for a weight (`weight_spec`, `qparam_options`).
 
-    param_names: the parameters of each selected module to quantize (default None: `weight`); e.g.
-    ("weight_ih_l0",) or a bare Parameter's name. `FqnToConfig` sets it for parameter-name keys.
+    param_names: the parameters of each selected module to quantize (default None: `weight`; for a
+    recurrent module every `weight_ih*` / `weight_hh*` / `weight_hr*`); e.g. ("weight_ih_l0",) or a bare
+    Parameter's name. `FqnToConfig` sets it for parameter-name keys.
+
+    Recurrent modules (nn.LSTM / GRU / RNN and their cells, `affineq.recurrent`) run their weights through
+    F.linear, so every config that quantizes nn.Linear takes them when `filter_fn` selects them, unless it
+    sets `recurrent_unsupported` to the reason it cannot.
     """
 
     modules: ClassVar[tuple[type[nn.Module], ...]] = (nn.Linear,)
+    recurrent_unsupported: ClassVar[str | None] = None
     _field_types: ClassVar[dict[str, tuple[type, ...]]] = {}  # a subclass's own overrides of _FIELD_TYPES
     param_names: tuple[str, ...] | None = field(default=None, kw_only=True)
 
@@ -206,11 +213,17 @@ class QuantConfig:
 
     def parameter_names(self, module: nn.Module) -> tuple[str, ...]:
         """Names of the parameters of `module` this config quantizes."""
+        if self.param_names is None and isinstance(module, RECURRENT_TYPES):
+            return recurrent_weight_names(module)
         return self.param_names or ("weight",)
 
     def check(self, module: nn.Module) -> str | None:
         """Why this config cannot quantize `module` (a sentence), or None."""
-        if not isinstance(module, self.modules) and self.param_names is None:
+        if isinstance(module, RECURRENT_TYPES) and self.param_names is None:
+            why = _recurrent_problem(self, module)
+            if why is not None:
+                return why
+        elif not isinstance(module, self.modules) and self.param_names is None:
             names = ", ".join(m.__name__ for m in self.modules)
             return f"{type(self).__name__} quantizes {names} modules, not {type(module).__name__}"
         for name in self.parameter_names(module):
@@ -271,6 +284,20 @@ class QuantConfig:
         )
 
 
+def _recurrent_problem(config: QuantConfig, module: nn.Module) -> str | None:
+    name = type(config).__name__
+    if config.recurrent_unsupported is not None:
+        return f"{name} cannot quantize {type(module).__name__}: {config.recurrent_unsupported}"
+    if nn.Linear not in config.modules:
+        return f"{name} quantizes {', '.join(m.__name__ for m in config.modules)} modules, not recurrent ones"
+    if type(module) not in RECURRENT_TYPES:
+        base = next(t for t in RECURRENT_TYPES if isinstance(module, t))
+        return (f"it is {type(module).__name__}, a subclass of {base.__name__} whose forward may differ; quantize_ "
+                f"replaces exact {base.__name__} modules only: quantize the Linear layers inside it, or build it "
+                f"from a plain {base.__name__}")
+    return None
+
+
 _ALREADY = ("its {name} is already quantized; quantize_ a float model (load the float weights again), or "
             "skip quantized modules with filter_fn")
 
@@ -309,7 +336,8 @@ def _row_block(shape: tuple[int, ...], group_size: int | None) -> tuple[int, ...
 
 
 def _auto(fmt: str, scheme: str, weight: torch.Tensor, module: nn.Module) -> str:
-    return auto_format(scheme, weight, isinstance(module, nn.Linear)) if fmt == "auto" else fmt
+    linear_like = isinstance(module, (nn.Linear, *RECURRENT_TYPES))  # recurrent weights also go through F.linear
+    return auto_format(scheme, weight, linear_like) if fmt == "auto" else fmt
 
 
 # -- weight-only integer configs -------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from torch import nn
 
 from affineq.algorithms._base import AlgorithmConfig, quantize_with_algorithms
 from affineq.configs import QuantConfig, _decode, _encode
+from affineq.recurrent import quantized_twin
 from affineq.tensor.affine import AffineQuantizedTensor
 
 __all__ = ["quantize_", "register_quantize_module_handler", "FqnToConfig", "ModelConfig", "QuantizationError"]
@@ -64,11 +65,13 @@ def _handler_for(config) -> Handler:
 
 @register_quantize_module_handler(QuantConfig)
 def _replace_parameters(module: nn.Module, config: QuantConfig) -> nn.Module:
-    """The handler of every built-in config: quantize each named parameter and swap the Parameter."""
+    """The handler of every built-in config: quantize each named parameter and swap the Parameter. A float
+    recurrent module (nn.LSTM, nn.GRUCell, ...) is then replaced by its quantized twin, which shares the
+    Parameters and runs them through F.linear (`affineq.recurrent`)."""
     for name in config.parameter_names(module):
         qweight = config.quantize_weight(getattr(module, name).detach(), module)
         setattr(module, name, nn.Parameter(qweight, requires_grad=False))
-    return module
+    return quantized_twin(module)
 
 
 @dataclass(frozen=True)
@@ -377,8 +380,12 @@ def _run_step(model: nn.Module, step: _Step, owners, parents, device) -> None:
                                 "handler must return the module to use (the same one, changed, or its replacement)")
     if new is not module:
         if module is model:
-            raise QuantizationError(f"the handler of {type(cfg).__name__} replaced the root module; quantize_ works "
-                                    "in place: quantize a parent module, or change the root in place")
+            raise QuantizationError(
+                f"the handler of {type(cfg).__name__} replaces {type(module).__name__} modules with "
+                f"{type(new).__name__}, and this one is the root module passed to quantize_, which works in place "
+                f"(the model was left unchanged): quantize a model that contains it, e.g. "
+                f"quantize_(nn.Sequential(module), config)[0], or, for a torch.ao-style copy, "
+                f"affineq.quantize_dynamic(module)")
         parent, child = parents[id(module)]
         setattr(parent, child, new)
         return

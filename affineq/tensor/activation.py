@@ -89,7 +89,7 @@ def fake_quantize_activation(x: torch.Tensor, aq: ActivationQuant, w=None) -> to
     # int8 shortcuts, bit for bit the primitives' values (tested), several times faster than the general
     # primitives (benchmarks/README.md), paid per linear at decode: one C++ pass where it is built, else a few
     # eager ops.
-    mode = _fused_mode(aq)
+    mode = fused_int8_mode(aq)
     if mode is not None and x.device.type == "cpu" and x.dtype in _FUSED_DTYPES and _cpp.is_available():
         out = torch.ops.affineq.int8_fake_quant(x2, aq.granularity == "per_token", mode, act_eps(x, aq))
         return out.view(x.shape)
@@ -109,7 +109,7 @@ def fake_quantize_activation(x: torch.Tensor, aq: ActivationQuant, w=None) -> to
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _fused_mode(aq: ActivationQuant) -> int | None:
+def fused_int8_mode(aq: ActivationQuant) -> int | None:
     """The `affineq::int8_fake_quant` mode of a dynamic int8 `aq` with a shortcut (0 symmetric, 1 symmetric
     without clipping, 2 asymmetric with an integer zero point), or None."""
     if is_symmetric_int8(aq):

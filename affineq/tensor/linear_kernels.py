@@ -86,6 +86,15 @@ def _lowbit_check(x, w):
     return why
 
 
+def lowbit_weight_args(w) -> tuple:
+    """(packed, scale, offset, bits, group_size, codes, code_offset) of a `dense` weight, as the affineq C++
+    ops take them (e8m0 scales: exponent bytes, no offset tensor, see formats.Dense)."""
+    spec = w.spec
+    e8m0 = spec.scale_type is not None
+    return (w._qdata, w._scale, getattr(w, "_offset", None), spec.target.bits, spec.block_size[1],
+            _cpp.codes_kind(spec.target), dense_code_offset(spec) if e8m0 else 0)
+
+
 def _lowbit_run(x, w, bias):
     spec = w.spec
     if spec.act_quant is not None:
@@ -93,11 +102,8 @@ def _lowbit_run(x, w, bias):
         # product stays exact.
         x = fake_quantize_activation(x, spec.act_quant, w)
     n, k = spec.shape
-    e8m0 = spec.scale_type is not None  # exponent bytes, no offset tensor (see formats.Dense)
-    out = torch.ops.affineq.lowbit_linear(
-        x, w._qdata, w._scale, getattr(w, "_offset", None), spec.target.bits, spec.block_size[1], n, k,
-        _cpp.codes_kind(spec.target), dense_code_offset(spec) if e8m0 else 0,
-    )
+    packed, scale, offset, bits, group_size, codes, code_offset = lowbit_weight_args(w)
+    out = torch.ops.affineq.lowbit_linear(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset)
     return out if bias is None else out + bias
 
 
