@@ -287,5 +287,7 @@ def quantize_dynamic(model: nn.Module, qconfig_spec=None, dtype: torch.dtype = t
         try:
             quantize_(model, FqnToConfig(plan))
         except QuantizationError as e:
-            raise QuantizationError(f"quantize_dynamic: {e}") from e
+            raise QuantizationError(f"quantize_dynamic: {e}\nIn quantize_dynamic terms: leave those module types "
+                                    "out of qconfig_spec, or map their names to None in a dict qconfig_spec "
+                                    "({'name': None})") from e
     return model.eval()

@@ -180,6 +180,20 @@ def test_config_for_qconfig():
     assert config_for_dtype(torch.quint4x2, nn.Embedding) == IntxWeightOnlyConfig(weight_dtype=torch.uint4, **floatq)
 
 
+def test_config_for_qconfig_refusals():
+    axis1 = tq.QConfig(activation=tq.default_dynamic_quant_observer,
+                       weight=tq.PerChannelMinMaxObserver.with_args(dtype=torch.qint8, ch_axis=1,
+                                                                    qscheme=torch.per_channel_symmetric))
+    with pytest.raises(ValueError, match="ch_axis=0"):
+        config_for_qconfig(axis1, nn.Linear)
+    with pytest.raises(ValueError, match="where.*not a torch.ao qconfig"):
+        config_for_qconfig(torch.qint8, nn.Linear, where="where")
+    with pytest.raises(ValueError, match="cannot quantize nn.Conv2d"):
+        config_for_qconfig(tq.default_dynamic_qconfig, nn.Conv2d)
+    with pytest.raises(ValueError, match="dtype=torch.float16: affineq stores no float16 weights"):
+        config_for_dtype(torch.float16, nn.Linear)
+
+
 @pytest.mark.parametrize("call,match", [
     (lambda m: quantize_dynamic(m, dtype=torch.float16), "float16.*Float8WeightOnlyConfig"),
     (lambda m: quantize_dynamic(m, {nn.Linear: tq.float16_dynamic_qconfig}), r"qconfig_spec\[nn.Linear\].*float16"),
@@ -347,3 +361,11 @@ def test_migration_tutorial_runs():
         warnings.simplefilter("ignore")
         ns = runpy.run_path(str(TUTORIAL), run_name="__main__")
     assert ns["SECTIONS_DONE"] == ns["SECTIONS"]
+
+
+def test_embedding_bag_compiles():
+    bag = _uint8_bag(mode="mean")
+    ids, offsets = torch.tensor([1, 5, 5, 9, 30]), torch.tensor([0, 2])
+    torch._dynamo.reset()
+    out = torch.compile(bag, fullgraph=True, backend="eager")(ids, offsets)
+    assert torch.equal(out, F.embedding_bag(ids, bag.weight.dequantize(), offsets, mode="mean"))

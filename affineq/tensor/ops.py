@@ -123,7 +123,8 @@ def _embedding_bag(func, args, kwargs):
         raise NotImplementedError("F.embedding_bag(max_norm=...) renormalizes weight rows in place, which a "
                                   "quantized weight cannot do; use max_norm=None (or call .dequantize() first)")
     spec = weight.spec
-    if spec.transposed or len(spec.shape) != 2 or spec.block_size[0] != 1:
+    # torch.unique has a data-dependent size, which torch.compile cannot trace: the whole table there
+    if spec.transposed or len(spec.shape) != 2 or spec.block_size[0] != 1 or torch.compiler.is_compiling():
         a["weight"] = weight.dequantize()
         return F.embedding_bag(**a)
     rows = spec.shape[0]
