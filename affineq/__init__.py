@@ -12,6 +12,7 @@ import torch
 from affineq import safetensors  # noqa: F401  (save_file / load_file; the safetensors package is imported lazily)
 from affineq._hf_register import install as _install_hf
 from affineq.algorithms import AWQConfig, GPTQConfig, HQQConfig, SmoothQuantConfig
+from affineq.ao_compat import quantize_dynamic
 from affineq.calibration import Int8StaticActivationInt8WeightConfig, convert_, prepare_, run_calibration
 from affineq.configs import (
     Float8DynamicActivationFloat8WeightConfig,
@@ -208,6 +209,7 @@ __all__ = [
     "parse_granularity",
     "prepare_",
     "quantize_",
+    "quantize_dynamic",
     "quantize_affine",
     "quantized_weights",
     "qtype",

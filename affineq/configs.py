@@ -418,7 +418,7 @@ class IntxWeightOnlyConfig(QuantConfig):
     """1-8 bit weights (`weight_dtype` torch.int1..torch.int8 or torch.uint1..torch.uint8).
 
     granularity: PerGroup(g) (groups along in_features) or PerAxis(0) (one scale per output channel).
-    Also quantizes nn.Embedding (per row / per group of the embedding dim). 1-bit codes need
+    Also quantizes nn.Embedding and nn.EmbeddingBag (per row / per group of the embedding dim). 1-bit codes need
     MappingType.ASYMMETRIC (a symmetric 1-bit range {-1, 0} cannot represent positive weights).
     scale_dtype: bf16 by default (16-bit qparams: int2 g32 stores 0.375 B/param, int3 g32 0.5) or fp32;
     an integer zero point (ASYMMETRIC with the INT domain) keeps its qparams in fp32 in `dense`, where a bf16
@@ -429,7 +429,7 @@ class IntxWeightOnlyConfig(QuantConfig):
     as E8M0 bytes in `plain` and need a symmetric mapping of a signed dtype.
     """
 
-    modules: ClassVar = (nn.Linear, nn.Embedding)
+    modules: ClassVar = (nn.Linear, nn.Embedding, nn.EmbeddingBag)
     weight_dtype: torch.dtype = torch.int8
     granularity: Granularity = field(default_factory=lambda: PerGroup(32))
     mapping_type: MappingType = MappingType.SYMMETRIC

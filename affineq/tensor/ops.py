@@ -105,6 +105,41 @@ def _embedding(func, args, kwargs):
     return rows.view(*indices.shape, spec.shape[1])
 
 
+_EMBEDDING_BAG_ARGS = ("input", "weight", "offsets", "max_norm", "norm_type", "scale_grad_by_freq", "mode",
+                       "sparse", "per_sample_weights", "include_last_offset", "padding_idx")
+
+
+@implements(F.embedding_bag)
+def _embedding_bag(func, args, kwargs):
+    """F.embedding_bag on a quantized weight: dequantize only the distinct rows looked up (a [U, D] table),
+    remap the indices into it and run the float op, so the result equals the op on the dequantized weight."""
+    a = {**dict(zip(_EMBEDDING_BAG_ARGS, args, strict=False)), **kwargs}
+    weight, indices = a["weight"], a["input"]
+    if not isinstance(weight, AQT) or any(isinstance(a.get(k), AQT) for k in ("input", "offsets",
+                                                                               "per_sample_weights")):
+        return F.embedding_bag(**{k: _dq(v) for k, v in a.items()})
+    check_frozen(weight)
+    if a.get("max_norm") is not None:  # the float op renormalizes the weight rows in place
+        raise NotImplementedError("F.embedding_bag(max_norm=...) renormalizes weight rows in place, which a "
+                                  "quantized weight cannot do; use max_norm=None (or call .dequantize() first)")
+    spec = weight.spec
+    # torch.unique has a data-dependent size, which torch.compile cannot trace: the whole table there
+    if spec.transposed or len(spec.shape) != 2 or spec.block_size[0] != 1 or torch.compiler.is_compiling():
+        a["weight"] = weight.dequantize()
+        return F.embedding_bag(**a)
+    rows = spec.shape[0]
+    _check_indices(indices, rows)
+    unique, inverse = torch.unique(indices, return_inverse=True)
+    a["input"] = inverse.to(indices.dtype)
+    a["weight"] = get_format(spec.fmt).dequantize_rows(weight.tensors, spec, unique, spec.dtype)
+    pad = a.get("padding_idx")
+    if pad is not None:  # the padding row's position in the small table (absent: it never occurs)
+        pad = pad + rows if pad < 0 else pad
+        hit = (unique == pad).nonzero()
+        a["padding_idx"] = int(hit[0, 0]) if hit.numel() else None
+    return F.embedding_bag(**a)
+
+
 def _check_indices(indices: torch.Tensor, rows: int) -> None:
     """IndexError for indices outside [0, rows), as the float embedding raises (eager only: no .item() under
     torch.compile, where the float op's own bounds check is also off)."""
