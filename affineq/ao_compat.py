@@ -45,6 +45,7 @@ from affineq.configs import (
 from affineq.granularity import PerAxis
 from affineq.primitives import MappingType, ZeroPointDomain
 from affineq.quantize import FqnToConfig, QuantizationError, quantize_
+from affineq.recurrent import RECURRENT_TYPES
 
 __all__ = ["quantize_dynamic", "config_for_qconfig", "config_for_dtype"]
 
@@ -278,8 +279,18 @@ def quantize_dynamic(model: nn.Module, qconfig_spec=None, dtype: torch.dtype = t
         raise ValueError(f"inplace must be True or False, got {inplace!r}")
     spec = _normalize_spec(qconfig_spec, dtype)
     plan = _plan(model, spec, _check_mapping(mapping))
+    # A recurrent module is replaced by its quantized twin; at the root that is only possible on a copy.
+    recurrent_root = "" in plan and plan[""] is not None and isinstance(model, RECURRENT_TYPES)
+    if recurrent_root and inplace:
+        raise ValueError(f"quantize_dynamic(inplace=True) cannot quantize a {type(model).__name__} passed as the "
+                         "model itself: it is replaced by a quantized module, not changed in place; pass "
+                         "inplace=False and use the returned module")
     if not inplace:
         model = copy.deepcopy(model)
+    if recurrent_root:
+        holder = nn.Sequential(model)
+        quantize_(holder, FqnToConfig({"0": plan[""]}))
+        return holder[0].eval()
     if not plan:
         warnings.warn("quantize_dynamic: no module matched qconfig_spec, so nothing was quantized (torch.ao "
                       "returns the model unchanged too); check the types / names in qconfig_spec", stacklevel=2)

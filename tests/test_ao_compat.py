@@ -31,7 +31,6 @@ with warnings.catch_warnings():  # torch.ao.quantization is deprecated; we compa
     import torch.ao.quantization as tq
 
 TUTORIAL = Path(__file__).resolve().parents[1] / "tutorials" / "migrating_from_torch_ao.py"
-HAS_RNN = Int8DynamicActivationInt8WeightConfig().check(nn.LSTM(4, 4)) is None
 
 
 def ao_quantize_dynamic(*args, **kwargs):
@@ -273,8 +272,6 @@ def test_embedding_numerics_match_torch_ao():
     torch.testing.assert_close(ours(ids), theirs(ids), atol=1e-6, rtol=0)
 
 
-@pytest.mark.xfail(not HAS_RNN, strict=True, reason="needs quantized nn.LSTM/GRU in quantize_ (issue #18, the "
-                   "recurrent part, merged separately)")
 @pytest.mark.parametrize("rnn_type", [nn.LSTM, nn.GRU])
 def test_recurrent_modules_by_exact_name(rnn_type):
     torch.manual_seed(0)
@@ -369,3 +366,14 @@ def test_embedding_bag_compiles():
     torch._dynamo.reset()
     out = torch.compile(bag, fullgraph=True, backend="eager")(ids, offsets)
     assert torch.equal(out, F.embedding_bag(ids, bag.weight.dequantize(), offsets, mode="mean"))
+
+
+def test_recurrent_root_module_returns_the_quantized_copy():
+    torch.manual_seed(0)
+    lstm, x = nn.LSTM(16, 32), torch.randn(5, 2, 16)
+    q = quantize_dynamic(lstm)
+    assert type(q).__name__ == "QuantizedLSTM" and type(lstm) is nn.LSTM and not is_q(lstm.weight_ih_l0)
+    with torch.no_grad():
+        assert sqnr(lstm(x)[0], q(x)[0]) >= 30
+    with pytest.raises(ValueError, match="inplace=False"):
+        quantize_dynamic(lstm, inplace=True)
