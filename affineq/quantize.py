@@ -71,7 +71,7 @@ def _replace_parameters(module: nn.Module, config: QuantConfig) -> nn.Module:
     for name in config.parameter_names(module):
         qweight = config.quantize_weight(getattr(module, name).detach(), module)
         setattr(module, name, nn.Parameter(qweight, requires_grad=False))
-    return quantized_twin(module)
+    return quantized_twin(module, config)
 
 
 @dataclass(frozen=True)

@@ -385,8 +385,12 @@ def recurrent_weight_names(module: nn.Module) -> tuple[str, ...]:
     return tuple(n for n, p in module._parameters.items() if p is not None and n.startswith("weight_"))
 
 
-def quantized_twin(module: nn.Module) -> nn.Module:
+def quantized_twin(module: nn.Module, config=None) -> nn.Module:
     """The quantized twin of a float recurrent module (sharing its Parameters); any other module as is.
+
+    With `config.packing_format == "auto"`, a recurrent matrix (`weight_hh*`: M = batch rows, every step)
+    that "auto" stored `plain` (int8 dynamic where aten's `_int_mm` is fast: right for the input projection,
+    M = seq x batch) is re-stored `dense`, the format the C++ recurrence reads; codes and qparams unchanged.
 
     Exact type match: a user subclass of nn.LSTM may override forward (QuantConfig.check refuses it)."""
     twin = _TWINS.get(type(module))
@@ -394,4 +398,9 @@ def quantized_twin(module: nn.Module) -> nn.Module:
         return module
     if isinstance(module, nn.RNNBase) and module.mode not in ("LSTM", "GRU", "RNN_TANH", "RNN_RELU"):
         raise ValueError(f"unknown recurrent mode {module.mode!r}")
+    if getattr(config, "packing_format", None) == "auto" and _cpp.is_available():
+        for name, p in module._parameters.items():
+            if (name.startswith("weight_hh") and isinstance(p, AffineQuantizedTensor) and p.spec.fmt == "plain"
+                    and p.device.type == "cpu" and len(p.spec.shape) == 2 and _act_mode(p) is not None):
+                module._parameters[name] = nn.Parameter(p.to_format("dense"), requires_grad=False)
     return twin.from_float(module)

@@ -67,7 +67,8 @@ def run(cells: list[str], layers: int, quick: bool) -> list[dict]:
             with torch.inference_mode():
                 ref = model(x)[0]
                 sq = {name: _sqnr(ref, m(x.to(dt))[0].float()) for name, (m, dt) in variants.items()}
-                ms = round_robin_ms({name: (lambda m=m, xx=x.to(dt): m(xx)) for name, (m, dt) in variants.items()},
+                inputs = {name: x.to(dt) for name, (_, dt) in variants.items()}
+                ms = round_robin_ms({name: (lambda m=m, xx=inputs[name]: m(xx)) for name, (m, _) in variants.items()},
                                     budget_s=0.3 if quick else 1.0)
             best_float = min(ms["fp32"], ms["bf16"])
             for name in variants:
