@@ -14,6 +14,7 @@ import io
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -338,3 +339,18 @@ def test_exported_and_aoti_programs_load_in_a_fresh_process(aoti_packages, tmp_p
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def test_tutorial_05_exports_a_quantized_block():
+    """tutorials/05 as a user runs it (SmolLM2's block when the model package is installed, else TinyLM's):
+    the loaded program equals eager and its graph holds the packed ops and no float matmul."""
+    _skip_without_cpp(["affineq.lowbit_linear"])
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "tutorials" / "05_export_a_quantized_block.py")],
+                          capture_output=True, text=True, timeout=300, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert "loaded program equals eager (batch 2 x seq 16, batch 3 x seq 40): True" in out, out
+    # 7 linears on our kernel; the 3 MLP linears (8da4w) quantize their input with affineq::int8_fake_quant
+    assert "'affineq.lowbit_linear.default': 7" in out and "'affineq.int8_fake_quant.default': 3" in out, out
+    assert "float matmuls in the graph: none" in out, out
