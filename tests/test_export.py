@@ -22,10 +22,12 @@ from torch import nn
 
 from affineq import (
     AffineQuantizedTensor,
+    AWQConfig,
     Float8DynamicActivationFloat8WeightConfig,
     Float8WeightOnlyConfig,
     FPxWeightOnlyConfig,
     FqnToConfig,
+    GPTQConfig,
     HQQConfig,
     Int4WeightOnlyConfig,
     Int8DynamicActivationInt4WeightConfig,
@@ -95,9 +97,12 @@ CONFIGS = {
     "static_sym_out": Int8StaticActivationInt8WeightConfig(activation_symmetric=True, quantize_output=True),
     "static_dense": Int8StaticActivationInt8WeightConfig(packing_format="dense"),
     "hqq_int4": HQQConfig(Int4WeightOnlyConfig(group_size=64), progress=False),
+    "gptq_int4": GPTQConfig(Int4WeightOnlyConfig(group_size=64), progress=False),
+    "awq_8da4w": AWQConfig(Int8DynamicActivationInt4WeightConfig(group_size=32), progress=False),
     "smoothquant_int8_dyn": SmoothQuantConfig(Int8DynamicActivationInt8WeightConfig(), progress=False),
 }
-NEEDS_DATA = {"static_asym", "static_sym_out", "static_dense", "smoothquant_int8_dyn"}
+# AWQ / SmoothQuant scale the input of a linear with no norm before it by the weight's act_pre_scale.
+PRE_SCALED = {"awq_8da4w", "smoothquant_int8_dyn"}
 # MicroexpWeightOnlyConfig's `microexp` format has no kernel (its docstring says so): eager runs the announced
 # dequantize fallback, and the exported program holds that same dequantize + linear.
 FALLBACK = {"mx6_microexp"}
@@ -110,11 +115,14 @@ def make_mlp() -> nn.Sequential:
     return nn.Sequential(nn.Linear(D_IN, D_HID), nn.ReLU(), nn.Linear(D_HID, D_IN))
 
 
-def quantized(model: nn.Module, config) -> nn.Module:
-    needs_data = isinstance(config, (Int8StaticActivationInt8WeightConfig, SmoothQuantConfig))
+def _needs_data(config) -> bool:
     if isinstance(config, FqnToConfig):
-        needs_data = any(isinstance(c, Int8StaticActivationInt8WeightConfig) for c in config.fqn_to_config.values())
-    return quantize_(model, config, calibration_data=CALIBRATION if needs_data else None)
+        return any(_needs_data(c) for c in config.fqn_to_config.values())
+    return getattr(config, "needs_calibration", False) or getattr(config, "needs_data", False)
+
+
+def quantized(model: nn.Module, config) -> nn.Module:
+    return quantize_(model, config, calibration_data=CALIBRATION if _needs_data(config) else None)
 
 
 def _skip_without_cpp(kernels) -> None:
@@ -163,6 +171,7 @@ def test_export_keeps_the_packed_kernel_and_equals_eager(name):
     with torch.no_grad(), record_kernels() as used:
         ref = model(x)
     _skip_without_cpp(used)
+    assert ("act_pre_scale" in model[0].weight.act_tensors) == (name in PRE_SCALED)
     ep = export_batch_dynamic(model, x)
     assert_no_baked_weights(ep, model)
     if name in FALLBACK:
@@ -228,9 +237,10 @@ def test_per_tensor_activation_qparams_equal_the_whole_tensor_block(target, mapp
 # One compile per group (inductor's C++ compile costs ~15 s on 2 cores): each model has one linear per config.
 AOTI_GROUPS = {
     "weight_only": ["int4_g64", "int4_g64_aten", "int8", "int8_aten", "int3_g32", "uint2_axis", "int6_g64",
-                    "fp8_weight", "fp6_e3m2", "fp4_e8m0", "mxfp4", "mxfp8", "mx6_microexp", "hqq_int4"],
+                    "fp8_weight", "fp6_e3m2", "fp4_e8m0", "mxfp4", "mxfp8", "mx6_microexp", "hqq_int4", "gptq_int4"],
     "activation_quant": ["int8_dyn", "int8_dyn_tensor", "int8_dyn_dense", "8da4w", "fp8_dyn_row",
-                         "fp8_dyn_tensor", "mxfp4_dyn", "static_asym", "static_sym_out", "static_dense"],
+                         "fp8_dyn_tensor", "mxfp4_dyn", "static_asym", "static_sym_out", "static_dense",
+                         "awq_8da4w", "smoothquant_int8_dyn"],
 }
 
 
@@ -248,7 +258,7 @@ class Fanout(nn.Module):
 
 def test_aoti_groups_cover_every_config():
     grouped = [n for names in AOTI_GROUPS.values() for n in names]
-    assert sorted(grouped) == sorted(set(CONFIGS) - {"smoothquant_int8_dyn"})  # SmoothQuant: below
+    assert sorted(grouped) == sorted(CONFIGS)
 
 
 def _fanout(group: str) -> nn.Module:
@@ -301,21 +311,6 @@ def test_aoti_keeps_the_packed_kernels_in_the_generated_code(aoti_packages):
     for op in ("affineq::lowbit_linear", "affineq::int8_dynamic_linear", "affineq::int8_static_linear",
                "_scaled_mm"):
         assert op in code, op
-
-
-def test_aoti_smoothquant_pre_scale():
-    # SmoothQuant stores act_pre_scale on the first layer's weight (no norm to fold it into): x * pre_scale
-    # is part of the graph.
-    model = quantized(make_mlp(), CONFIGS["smoothquant_int8_dyn"])
-    assert "act_pre_scale" in model[0].weight.act_tensors
-    _skip_without_cpp(["affineq.lowbit_linear"])
-    x = torch.randn(4, D_IN)
-    ep = export_batch_dynamic(model, x)
-    path = torch._inductor.aoti_compile_and_package(ep)
-    runner = torch._inductor.aoti_load_package(path)
-    x = torch.randn(6, D_IN)
-    with torch.no_grad():
-        assert torch.equal(runner(x), model(x))
 
 
 def test_exported_and_aoti_programs_load_in_a_fresh_process(aoti_packages, tmp_path):
