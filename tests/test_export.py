@@ -216,6 +216,25 @@ def test_mixed_formats_read_every_stored_tensor_from_the_weight():
         assert torch.equal(ep.module()(x), model(x))
 
 
+def test_strict_export_of_a_bf16_model_with_mixed_configs():
+    # strict=True traces with dynamo (the default, non-strict, with Python): both keep the packed ops.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D_IN, D_HID), nn.ReLU(), nn.Linear(D_HID, D_HID), nn.ReLU(),
+                          nn.Linear(D_HID, D_IN)).to(torch.bfloat16)
+    quantized(model, FqnToConfig({"0": Int8WeightOnlyConfig(packing_format="plain"),
+                                  "2": Float8DynamicActivationFloat8WeightConfig(granularity=PerTensor()),
+                                  "4": Int4WeightOnlyConfig(group_size=64)}))
+    x = torch.randn(4, D_IN, dtype=torch.bfloat16)
+    with torch.no_grad(), record_kernels() as used:
+        model(x)
+    _skip_without_cpp(used)
+    ep = torch.export.export(model, (x,), dynamic_shapes=({0: torch.export.Dim("batch", max=4096)},), strict=True)
+    assert_packed_graph(ep.graph_module, used, linears=3)
+    x = torch.randn(9, D_IN, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(ep.module()(x), model(x))
+
+
 @pytest.mark.parametrize("target, mapping", [(torch.int8, MappingType.SYMMETRIC), (torch.int8, MappingType.ASYMMETRIC),
                                              (torch.float8_e4m3fn, MappingType.SYMMETRIC)])
 def test_per_tensor_activation_qparams_equal_the_whole_tensor_block(target, mapping):
