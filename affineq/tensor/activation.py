@@ -41,9 +41,11 @@ def finish_output(y: torch.Tensor, w) -> torch.Tensor:
     zp = w._act_out_zero_point if "act_out_zero_point" in w._names else None
     domain = ZeroPointDomain.NONE if zp is None else ZeroPointDomain.INT
     y2 = y.reshape(-1, y.shape[-1]) if y.dim() > 1 else y.reshape(1, -1)
-    block = tuple(y2.shape)
-    q = quantize_affine(y2, block, w._act_out_scale, zp, torch.int8, zero_point_domain=domain)
-    return dequantize_affine(q, block, w._act_out_scale, zp, torch.int8, zero_point_domain=domain,
+    # One scale for the tensor, as one per row of (1, N) blocks: int block sizes with a symbolic batch dim.
+    block = (1, y2.shape[1])
+    scale, zp = _per_row(w._act_out_scale, y2.shape[0]), _per_row(zp, y2.shape[0])
+    q = quantize_affine(y2, block, scale, zp, torch.int8, zero_point_domain=domain)
+    return dequantize_affine(q, block, scale, zp, torch.int8, zero_point_domain=domain,
                              output_dtype=y.dtype).view(y.shape)
 
 
@@ -51,8 +53,9 @@ def _domain(aq: ActivationQuant) -> ZeroPointDomain:
     return ZeroPointDomain.NONE if aq.dtype.is_float else aq.zero_point_domain
 
 
-def _act_block(x2: torch.Tensor, aq: ActivationQuant) -> tuple[int, int]:
-    return (1, x2.shape[1]) if aq.granularity == "per_token" else tuple(x2.shape)
+def _per_row(t: torch.Tensor | None, rows) -> torch.Tensor | None:
+    """A per-tensor qparam (one element) as a [rows, 1] view: one entry per row of a (1, K) block."""
+    return None if t is None else t.reshape(1, 1).expand(rows, 1)
 
 
 def static_qparams(w) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -64,15 +67,25 @@ def static_qparams(w) -> tuple[torch.Tensor, torch.Tensor | None]:
 def quantize_activation(x2: torch.Tensor, aq: ActivationQuant, qparams=None):
     """Quantize a 2-D activation [M, K] as `aq` describes -> (codes, scale, zero_point, block_size).
 
-    `qparams`: (scale, zero_point) of a static `aq` (see `static_qparams`); None computes them from x2."""
-    block = _act_block(x2, aq)
+    block_size is (1, K) for per-token and per-tensor alike (per tensor, the one scale / zero point is returned
+    as a [M, 1] expanded view): the primitives take int block sizes, and M is symbolic under torch.export with
+    a dynamic batch dim. `qparams`: (scale, zero_point) of a static `aq` (see `static_qparams`); None computes
+    them from x2."""
+    block = (1, x2.shape[1])
     domain = _domain(aq)
+    per_tensor = aq.granularity != "per_token"
     if qparams is None:
+        # Per tensor: the qparams read only the block's min and max, so those of the [1, 2] tensor
+        # (min(x2), max(x2)) are bit for bit those of block x2.shape.
+        src = torch.stack([x2.amin(), x2.amax()]).view(1, 2) if per_tensor else x2
         scale, zp = choose_qparams_affine(
-            x2, aq.mapping_type, block, aq.dtype, eps=aq.eps, scale_dtype=torch.float32, zero_point_domain=domain,
+            src, aq.mapping_type, (1, 2) if per_tensor else block, aq.dtype, eps=aq.eps,
+            scale_dtype=torch.float32, zero_point_domain=domain,
         )
     else:
         scale, zp = qparams
+    if per_tensor:
+        scale, zp = _per_row(scale, x2.shape[0]), _per_row(zp, x2.shape[0])
     return quantize_affine(x2, block, scale, zp, aq.dtype, zero_point_domain=domain), scale, zp, block
 
 

@@ -36,6 +36,8 @@ __all__ = ["ACT_TENSORS", "AffineQuantizedTensor"]
 #: act_out_scale [1] float32, act_out_zero_point [1] int32 (optional): the layer's output is quantized to int8
 #: with these calibrated qparams (static output quantization) before it is returned.
 ACT_TENSORS = ("act_pre_scale", "act_scale", "act_zero_point", "act_out_scale", "act_out_zero_point")
+#: Every stored tensor name an AffineQuantizedTensor was built with in this process (see `__dir__`).
+_SEEN_NAMES: set[str] = set(ACT_TENSORS)
 
 
 @functools.cache
@@ -159,8 +161,19 @@ class AffineQuantizedTensor(torch.Tensor):
     def __init__(self, tensors: dict[str, torch.Tensor], spec: QuantSpec, requires_grad: bool = False):
         self.spec = spec
         self._names = tuple(tensors)
+        if not torch.compiler.is_compiling() and not _SEEN_NAMES.issuperset(self._names):  # no traced side effect
+            _SEEN_NAMES.update(self._names)
         for name, t in tensors.items():
             setattr(self, "_" + name, t)
+
+    def __dir__(self):
+        # torch.export (2.13, non-strict) traces reads of the attributes it finds in dir() of the *first*
+        # instance of a subclass as graph nodes, for every instance: list each stored tensor name any instance
+        # has, else a weight storing one the first lacks (dense `offset` after a `plain` weight, say) has it
+        # baked into the program as a constant, and export fails ("fake tensor in the constant's list").
+        with torch._C.DisableTorchFunctionSubclass():
+            names = torch.Tensor.__dir__(self)
+        return sorted(set(names) | {"_" + n for n in _SEEN_NAMES})
 
     # -- op tables ------------------------------------------------------------------------------------
 

@@ -279,7 +279,7 @@ def _scaled_mm_run(x, w, bias):
     per_row = w_scale.numel() == n
     out = torch._scaled_mm(
         xq, w._qdata.t(),
-        scale_a=x_scale.float().reshape(-1, 1) if per_row else x_scale.float().reshape(()),
+        scale_a=x_scale.float().reshape(-1, 1) if per_row else x_scale.float()[:1].reshape(()),  # [M, 1] view
         scale_b=w_scale if per_row else w_scale.reshape(()),
         out_dtype=torch.bfloat16 if x.dtype == torch.float16 else x.dtype,
     )
