@@ -90,7 +90,8 @@ def _fused_layer(gi, steps, h, c, w_hh, b_hh, cell: str, reverse: bool):
     from affineq.tensor.linear_kernels import lowbit_weight_args
 
     aq = w_hh.spec.act_quant
-    fallback.record("affineq.lowbit_rnn_layer")
+    if not torch.compiler.is_compiling():  # dynamo cannot trace the recorder's ContextVar
+        fallback.record("affineq.lowbit_rnn_layer")
     out, h_n, c_n = torch.ops.affineq.lowbit_rnn_layer(
         gi, steps, h, c, None if b_hh is None else b_hh.float(), *lowbit_weight_args(w_hh), _act_mode(w_hh),
         aq is not None and aq.granularity == "per_token", act_eps(gi, aq) if aq is not None else 0.0,
