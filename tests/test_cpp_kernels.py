@@ -550,3 +550,45 @@ def test_int8_fake_quant_op_is_the_eager_shortcut(dtype, monkeypatch):
             bits = torch.int32 if dtype == torch.float32 else torch.int16
             assert torch.isfinite(fused).all(), (aq, x)
             assert torch.equal(fused.view(bits), eager.view(bits)), (aq, dtype, x.shape)
+
+
+@pytest.mark.parametrize("n,k,gs", [(16, 64, 64), (80, 96, 32), (160, 128, 64), (48, 256, 256)])
+def test_int8_codes_kernel_sums_exact_products(n: int, k: int, gs: int) -> None:
+    # The recurrence's Int8CodesGemm (gemm_int8_codes.cpp): int8 codes of x times 8-bit weight codes summed in
+    # int32, then the qparams: y = int8_fake_quant(x) @ W^T up to the fp32 epilogue. Tile shapes covered: 1-6
+    # rows x 4 panels, 7-12 rows x 2 panels, several row blocks, and the panels past the last group of four
+    # (n = 80, 160 + 0); asymmetric rows (mode 2: zero points, including one-sign rows) and per-tensor qparams.
+    _needs_kernels()
+    codes, packed, scale, offset = _problem(8, n, k, gs, seed=n + k)
+    args = (packed, scale, offset, 8, gs, n, k, 0)
+    if not torch.ops.affineq_cpp.int8_codes_supported(*args):
+        assert not {"avx512_vnni", "avx512vbmi"} <= _cpu_flags(), "the kernel must be built on this CPU"
+        pytest.skip("Int8CodesGemm needs AVX512-VNNI and VBMI")
+    W = K._dequantize(packed, scale, offset, 8, gs, n, k).double()
+    terms = (scale.repeat_interleave(gs, 1) * codes.float() + offset.abs().repeat_interleave(gs, 1)).double()
+    g = torch.Generator().manual_seed(1)
+    for m in (1, 5, 7, 12, 13, 30):
+        x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 4
+        x[0] = x[0].abs() + 0.5  # one-sign row: zero point -128 in mode 2
+        if m > 2:
+            x[1] = 0.0
+        for mode in (0, 1, 2):
+            for per_token in (True, False):
+                y = torch.ops.affineq_cpp.int8_codes_linear(x, *args, per_token, mode, 1e-12)
+                xq = torch.ops.affineq.int8_fake_quant(x, per_token, mode, 1e-12).double()
+                err = (y.double() - xq @ W.T).abs()
+                bound = 1e-6 * (xq.abs() @ terms.T) + 1e-30
+                assert bool((err <= bound).all()), (m, mode, per_token, (err / bound).max().item())
+
+
+def test_int8_codes_kernel_refuses_other_weights() -> None:
+    _needs_kernels()
+    _, packed, scale, offset = _problem(8, 24, 64, 64)
+    x = torch.randn(2, 64)
+    assert not torch.ops.affineq_cpp.int8_codes_supported(packed, scale, offset, 8, 64, 24, 64, 0)  # n % 16
+    with pytest.raises(RuntimeError, match="not one the kernel reads"):
+        torch.ops.affineq_cpp.int8_codes_linear(x, packed, scale, offset, 8, 64, 24, 64, 0, True, 0, 1e-12)
+    _, p4, s4, o4 = _problem(4, 32, 64, 32)
+    assert not torch.ops.affineq_cpp.int8_codes_supported(p4, s4, o4, 4, 32, 32, 64, 0)  # 4-bit codes
+    with pytest.raises(RuntimeError, match="mode"):
+        torch.ops.affineq_cpp.int8_codes_linear(x, packed, scale, offset, 8, 64, 24, 64, 0, True, 3, 1e-12)

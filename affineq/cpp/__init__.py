@@ -53,6 +53,9 @@ The C++ library is compiled on first use (see ``_build.py``; every ``*.cpp`` her
 ``dispatch.cpp`` holds the entry points and the path choice (``path_for``), ``gemv.cpp``, ``gemm_f32.cpp``,
 ``gemm_int16.cpp`` and ``gemm_bf16.cpp`` one path each, over the shared headers ``simd.h`` (SIMD shims),
 ``decode.h`` (code decoders) and ``common.h`` / ``common.cpp`` (scratch buffers, qparam loading, tiling);
+``activation_quant.cpp`` the int8 activation quantization, ``recurrent.cpp`` the LSTM / GRU / RNN recurrence
+(``affineq::lowbit_rnn_layer``), whose dynamic int8 steps use ``gemm_int8_codes.cpp`` (int8 codes of h times
+8-bit weight codes, summed exactly in int32 by VNNI ``vpdpbusd``; AVX512-VNNI + VBMI builds);
 ``lowbit_ops.cpp`` binds them to the torch ops. ``is_available()`` says whether the build worked; callers fall
 back to ``lowbit_linear_reference``-style dequantize + ``F.linear`` otherwise.
 """

@@ -70,12 +70,17 @@ Qp qparams(const float* x, int64_t n, int mode, float eps) {
   return {scale, zp};
 }
 
+// The int8 code of v (as a float): clamp(round_half_even(v / scale) + zp, -128, 127), with 1 / scale precomputed.
+inline float code_of(float v, float inv, float zp) {
+  float t = v * inv;
+  AQ_ROUND_BARRIER(t);
+  return std::min(std::max(round_even(t) + zp, -128.f), 127.f);
+}
+
 void fake_quant_row(const float* x, int64_t n, Qp q, float out_max, float* y) {
   const float inv = 1.f / q.scale;
   for (int64_t i = 0; i < n; ++i) {
-    float t = x[i] * inv;
-    AQ_ROUND_BARRIER(t);
-    const float code = std::min(std::max(round_even(t) + q.zp, -128.f), 127.f);
+    const float code = code_of(x[i], inv, q.zp);
     float v = (code - q.zp) * q.scale;
     y[i] = std::min(std::max(v, -out_max), out_max);
   }
@@ -94,6 +99,20 @@ void int8_fake_quant_f32(const float* x, int64_t m, int64_t k, bool per_token, i
   }
   at::parallel_for(0, m, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(k, 1)), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) fake_quant_row(x + r * k, k, qparams(x + r * k, k, mode, eps), out_max, y + r * k);
+  });
+}
+
+void int8_quantize_rows(const float* x, int64_t m, int64_t k, bool per_token, int mode, float eps, int8_t* codes,
+                        float* scale, int32_t* zp) {
+  const Qp all = per_token ? Qp{} : qparams(x, m * k, mode, eps);
+  at::parallel_for(0, m, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(k, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const Qp q = per_token ? qparams(x + r * k, k, mode, eps) : all;
+      const float inv = 1.f / q.scale;
+      for (int64_t i = 0; i < k; ++i) codes[r * k + i] = static_cast<int8_t>(code_of(x[r * k + i], inv, q.zp));
+      scale[r] = q.scale;
+      zp[r] = static_cast<int32_t>(q.zp);
+    }
   });
 }
 

@@ -55,6 +55,32 @@ void dequantize_f32(const uint8_t* packed, const void* scale, const void* offset
 void int8_fake_quant_f32(const float* x, int64_t m, int64_t k, bool per_token, int mode, float eps, float out_max,
                          float* y);
 
+// The same quantization as int8 codes: codes[m, k] = clamp(round(x / scale[r]) + zp[r], -128, 127) with the
+// qparams of row r (or of all of x), so dequantize(codes) is exactly int8_fake_quant_f32's result.
+void int8_quantize_rows(const float* x, int64_t m, int64_t k, bool per_token, int mode, float eps, int8_t* codes,
+                        float* scale, int32_t* zp);
+
+// y[m, n] = sx[m] * sum_k (c[m, k] - zp[m]) * W[n, k] for int8 activation codes c and a dense 8-bit integer
+// weight (fp32 qparams), with the code products summed exactly in int32 (VNNI u8 x s8 dot products). Built
+// for one weight (its qparams are transposed once) and run once per step of a recurrence.
+class Int8CodesGemm {
+ public:
+  // Whether this build has the kernel (AVX512-VNNI + VBMI) and p's weight is one it reads: bits == 8 integer
+  // codes, fp32 scale and offset, n a multiple of 16, group_size a multiple of 8.
+  static bool supported(const LowbitProblem& p);
+  Int8CodesGemm(const LowbitProblem& p, bool zero_points);  // zero_points: rows may have zp != 0
+  ~Int8CodesGemm();
+  Int8CodesGemm(const Int8CodesGemm&) = delete;
+  Int8CodesGemm& operator=(const Int8CodesGemm&) = delete;
+  // x [m, k] fp32 (row stride k) is quantized as int8_quantize_rows does; y [m, n] (row stride n) is overwritten.
+  void run(const float* x, int64_t m, bool per_token, int mode, float eps, float* y);
+
+  struct State;  // defined in gemm_int8_codes.cpp
+
+ private:
+  State* s_;
+};
+
 // The path lowbit_linear_f32 takes for p (reads only m, group_size, codes, allow_int16_x, x_bf16).
 int lowbit_path(const LowbitProblem& p, int force_path = 0);
 

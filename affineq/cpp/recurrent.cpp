@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <tuple>
 #include <vector>
 
@@ -151,10 +152,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lowbit_rnn_layer_cpu(
   float* op_ = out.mutable_data_ptr<float>();
   float* tp = tmp.mutable_data_ptr<float>();
   const int64_t steps = static_cast<int64_t>(batch_sizes.size());
+  // Dynamic int8 state with an 8-bit integer weight: exact int8 code products (gemm_int8_codes.cpp).
+  std::unique_ptr<Int8CodesGemm> i8;
+  if (act_mode >= 0 && Int8CodesGemm::supported(p)) i8 = std::make_unique<Int8CodesGemm>(p, act_mode == 2);
   for (int64_t i = 0; i < steps; ++i) {
     const int64_t t = reverse ? steps - 1 - i : i;
     const int64_t b = batch_sizes[t], s = starts[t];
-    if (act_mode >= 0) {
+    if (i8) {
+      i8->run(hp, b, act_per_token, static_cast<int>(act_mode), static_cast<float>(act_eps), p.y);
+    } else if (act_mode >= 0) {
       int8_fake_quant_f32(hp, b, H, act_per_token, static_cast<int>(act_mode), static_cast<float>(act_eps),
                           std::numeric_limits<float>::max(), xq.mutable_data_ptr<float>());
       p.x = xq.const_data_ptr<float>();
@@ -162,7 +168,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lowbit_rnn_layer_cpu(
       p.x = hp;
     }
     p.m = b;
-    lowbit_linear_f32(p, 0);
+    if (!i8) lowbit_linear_f32(p, 0);
     const float* yp = p.y;
     at::parallel_for(0, b, std::max<int64_t>(1, 8192 / n), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r)

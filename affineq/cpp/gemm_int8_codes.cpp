@@ -1,0 +1,214 @@
+// Int8CodesGemm: y = dequantize(int8 codes of x) @ W^T for a dense 8-bit integer weight, with the products of
+// codes summed exactly in int32 by VNNI u8 x s8 dot products (vpdpbusd: 4 MACs per int32 lane, twice
+// vpdpwssd's rate and four times an fp32 FMA's). The recurrence of a dynamically quantized LSTM / GRU
+// (recurrent.cpp) multiplies the int8-quantized state by W_hh every step; this is that product.
+//
+// Layout read: a full 16-row panel of 8-bit codes is [k][16 rows] bytes (see affineq/cpp/__init__.py), so
+// the four codes of k .. k + 3 for 16 rows are 64 consecutive bytes; one vpermb turns them into 16 int32 lanes
+// of 4 consecutive-k bytes (the VNNI operand), reused by every row of x. Per group g of the weight:
+//   I[m, n] = sum_{k in g} c[m, k] * u[n, k] - zp[m] * sum_{k in g} u[n, k]     (int32, exact)
+//   S[m]    = sum_{k in g} c[m, k] - zp[m] * |g|                                 (int32, exact)
+//   y[m, n] += sx[m] * (scale[n, g] * I + offset[n, g] * S)                      (fp32)
+// which is sx * sum_k (c - zp) * (scale * u + offset), i.e. x_fake_quant @ W^T with exact code products.
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <stdexcept>
+#include <utility>
+#include <vector>
+
+#include "lowbit_kernels.h"
+#include "simd.h"
+
+#if AQ_VNNI && defined(__AVX512VBMI__)
+#define AQ_INT8_CODES 1
+#endif
+
+namespace affineq {
+
+struct Int8CodesGemm::State {
+  int64_t n = 0, k = 0, gs = 0, G = 0;
+  const uint8_t* packed = nullptr;
+  std::vector<float> sT, oT;      // [G][n]: scale / offset transposed, so 16 rows' values are one load
+  std::vector<int32_t> usumT;     // [G][n]: sum of the codes of each group (only when zero points occur)
+  std::vector<int8_t> codes;      // [m][k] per-run scratch
+  std::vector<int8_t> quads;      // the codes by row block: [block][k / 4][rows of the block][4]
+  std::vector<float> sx;          // [m]
+  std::vector<int32_t> zp, csum;  // [m], [m][G]
+};
+
+namespace {
+// Rows of x per register block. The tile is NP 16-row weight panels x MR rows of x: NP * MR int32
+// accumulators plus NP weight registers, a broadcast and the vpermb index must fit the 32 zmm registers.
+constexpr int kRows = 12;
+}  // namespace
+
+#if AQ_INT8_CODES
+namespace {
+
+using detail::sfor;
+
+// vpermb index: output byte 4 j + t = input byte 16 t + j (code of row j at k + t).
+inline __m512i quad_index() {
+  alignas(64) uint8_t idx[64];
+  for (int j = 0; j < 16; ++j)
+    for (int t = 0; t < 4; ++t) idx[4 * j + t] = static_cast<uint8_t>(16 * t + j);
+  return _mm512_load_si512(idx);
+}
+
+// Rows [m0, m0 + MR) of x (their quad-major codes q: [k / 4][MR][4]) against NP consecutive 16-row panels
+// starting at panel p0 (weight rows 16 p0 ..); y rows have stride n. The NP * MR accumulators are independent
+// dependency chains, so even MR = 1 keeps the VNNI unit busy when NP = 4.
+template <int NP, int MR>
+void tile(const Int8CodesGemm::State& s, const int8_t* q, int64_t p0, int64_t m0, float* y) {
+  const __m512i idx = quad_index();
+  const uint8_t* w0 = s.packed + p0 * 16 * s.k;
+  for (int64_t g = 0; g < s.G; ++g) {
+    __m512i acc[NP][MR];
+    sfor<NP>([&](auto J_) {
+      sfor<MR>([&](auto I_) { acc[AQ_CV(J_)][AQ_CV(I_)] = _mm512_setzero_si512(); });
+    });
+    const int64_t q0 = g * s.gs / 4, q1 = q0 + s.gs / 4;
+    for (int64_t kq = q0; kq < q1; ++kq) {
+      __m512i w[NP];
+      sfor<NP>([&](auto J_) {
+        constexpr int j = AQ_CV(J_);
+        w[j] = _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(w0 + j * 16 * s.k + 64 * kq));
+      });
+      const int8_t* qk = q + kq * 4 * MR;
+      sfor<MR>([&](auto I_) {
+        constexpr int i = AQ_CV(I_);
+        int32_t quad;
+        std::memcpy(&quad, qk + 4 * i, sizeof(quad));
+        const __m512i b = _mm512_set1_epi32(quad);
+        sfor<NP>([&](auto J_) {
+          constexpr int j = AQ_CV(J_);
+          acc[j][i] = _mm512_dpbusd_epi32(acc[j][i], w[j], b);
+        });
+      });
+    }
+    sfor<NP>([&](auto J_) {
+      constexpr int j = AQ_CV(J_);
+      const int64_t n0 = (p0 + j) * 16;
+      const __m512 sc = _mm512_loadu_ps(s.sT.data() + g * s.n + n0);
+      const __m512 of = _mm512_loadu_ps(s.oT.data() + g * s.n + n0);
+      const __m512i us =
+          s.usumT.empty() ? _mm512_setzero_si512() : _mm512_loadu_si512(s.usumT.data() + g * s.n + n0);
+      sfor<MR>([&](auto I_) {
+        constexpr int i = AQ_CV(I_);
+        const int64_t m = m0 + i;
+        const int32_t z = s.zp[m];
+        __m512i prod = acc[j][i];
+        if (z != 0) prod = _mm512_sub_epi32(prod, _mm512_mullo_epi32(_mm512_set1_epi32(z), us));
+        const __m512 S = _mm512_set1_ps(static_cast<float>(s.csum[m * s.G + g] - z * static_cast<int32_t>(s.gs)));
+        const __m512 t = _mm512_fmadd_ps(of, S, _mm512_mul_ps(sc, _mm512_cvtepi32_ps(prod)));
+        float* yr = y + m * s.n + n0;
+        const __m512 f = _mm512_set1_ps(s.sx[m]);
+        _mm512_storeu_ps(yr, g == 0 ? _mm512_mul_ps(f, t) : _mm512_fmadd_ps(f, t, _mm512_loadu_ps(yr)));
+      });
+    });
+  }
+}
+
+using TileFn = void (*)(const Int8CodesGemm::State&, const int8_t*, int64_t, int64_t, float*);
+template <int NP, int... Is>
+constexpr std::array<TileFn, sizeof...(Is)> tile_table(std::integer_sequence<int, Is...>) {
+  return {&tile<NP, Is + 1>...};
+}
+// Row blocks of <= 6 rows take 4 panels at once (small batches: enough independent chains), larger blocks 2.
+constexpr int kWide = 6;
+constexpr auto kTiles4 = tile_table<4>(std::make_integer_sequence<int, kWide>{});
+constexpr auto kTiles2 = tile_table<2>(std::make_integer_sequence<int, kRows>{});
+constexpr auto kTiles1 = tile_table<1>(std::make_integer_sequence<int, kRows>{});
+
+}  // namespace
+#endif  // AQ_INT8_CODES
+
+bool Int8CodesGemm::supported(const LowbitProblem& p) {
+#if AQ_INT8_CODES
+  return p.bits == 8 && p.codes == kCodesUint && !p.qparams_bf16 && !p.qparams_e8m0 && p.n % 16 == 0 &&
+         p.group_size % 8 == 0 && p.k % p.group_size == 0;
+#else
+  (void)p;
+  return false;
+#endif
+}
+
+Int8CodesGemm::Int8CodesGemm(const LowbitProblem& p, bool zero_points) : s_(new State) {
+  if (!supported(p)) {
+    delete s_;
+    throw std::invalid_argument("Int8CodesGemm: unsupported weight (check Int8CodesGemm::supported first)");
+  }
+  State& s = *s_;
+  s.n = p.n, s.k = p.k, s.gs = p.group_size, s.G = p.k / p.group_size, s.packed = p.packed;
+  s.sT.resize(s.G * s.n);
+  s.oT.assign(s.G * s.n, 0.f);
+  const float* sc = static_cast<const float*>(p.scale);
+  const float* of = static_cast<const float*>(p.offset);
+  for (int64_t r = 0; r < s.n; ++r)
+    for (int64_t g = 0; g < s.G; ++g) {
+      s.sT[g * s.n + r] = sc[r * s.G + g];
+      if (of) s.oT[g * s.n + r] = of[r * s.G + g];
+    }
+  if (zero_points) {
+    s.usumT.assign(s.G * s.n, 0);
+    for (int64_t r = 0; r < s.n; ++r) {
+      const uint8_t* panel = s.packed + (r / 16) * 16 * s.k;
+      for (int64_t k = 0; k < s.k; ++k) s.usumT[(k / s.gs) * s.n + r] += panel[16 * k + r % 16];
+    }
+  }
+}
+
+Int8CodesGemm::~Int8CodesGemm() { delete s_; }
+
+void Int8CodesGemm::run(const float* x, int64_t m, bool per_token, int mode, float eps, float* y) {
+  State& s = *s_;
+  s.codes.resize(m * s.k);
+  s.quads.resize(m * s.k);
+  s.sx.resize(m);
+  s.zp.resize(m);
+  s.csum.assign(m * s.G, 0);
+  int8_quantize_rows(x, m, s.k, per_token, mode, eps, s.codes.data(), s.sx.data(), s.zp.data());
+  // Quad-major codes per row block, so a tile's broadcasts read one stream with constant offsets.
+  for (int64_t m0 = 0; m0 < m; m0 += kRows) {
+    const int64_t mr = std::min<int64_t>(kRows, m - m0);
+    int8_t* blk = s.quads.data() + m0 * s.k;
+    for (int64_t r = 0; r < mr; ++r) {
+      const int8_t* c = s.codes.data() + (m0 + r) * s.k;
+      int32_t* cs = s.csum.data() + (m0 + r) * s.G;
+      for (int64_t kq = 0; kq < s.k / 4; ++kq) {
+        std::memcpy(blk + (kq * mr + r) * 4, c + 4 * kq, 4);
+        cs[4 * kq / s.gs] += c[4 * kq] + c[4 * kq + 1] + c[4 * kq + 2] + c[4 * kq + 3];
+      }
+    }
+  }
+#if AQ_INT8_CODES
+  // Work items: groups of 4 panels (64 weight rows); the panels past the last full group go one by one.
+  const int64_t npan = s.n / 16, nquad = npan / 4, items = nquad + npan % 4;
+  at::parallel_for(0, items, std::max<int64_t>(1, (1 << 17) / std::max<int64_t>(1, 64 * s.k * m)),
+                   [&](int64_t i0, int64_t i1) {
+    for (int64_t it = i0; it < i1; ++it) {
+      const int64_t p0 = it < nquad ? 4 * it : 4 * nquad + (it - nquad);
+      for (int64_t m0 = 0; m0 < m; m0 += kRows) {
+        const int64_t mr = std::min<int64_t>(kRows, m - m0);
+        const int8_t* q = s.quads.data() + m0 * s.k;
+        if (it >= nquad) {
+          kTiles1[mr - 1](s, q, p0, m0, y);
+        } else if (mr <= kWide) {
+          kTiles4[mr - 1](s, q, p0, m0, y);
+        } else {
+          kTiles2[mr - 1](s, q, p0, m0, y);
+          kTiles2[mr - 1](s, q, p0 + 2, m0, y);
+        }
+      }
+    }
+  });
+#else
+  (void)y;
+  throw std::logic_error("Int8CodesGemm::run: not built");
+#endif
+}
+
+}  // namespace affineq
