@@ -390,8 +390,9 @@ def quantized_twin(module: nn.Module, config=None) -> nn.Module:
     """The quantized twin of a float recurrent module (sharing its Parameters); any other module as is.
 
     With `config.packing_format == "auto"`, a recurrent matrix (`weight_hh*`: M = batch rows, every step)
-    that "auto" stored `plain` (int8 dynamic where aten's `_int_mm` is fast: right for the input projection,
-    M = seq x batch) is re-stored `dense`, the format the C++ recurrence reads; codes and qparams unchanged.
+    that "auto" stored `plain` (int8 dynamic, for aten's `_int_mm`) is re-stored `dense`, the format the C++
+    recurrence reads; codes and qparams unchanged. So is an input matrix (`weight_ih*`, M = seq x batch) that
+    the `affineq.int8_codes_linear` kernel reads (exact int8 code products, VNNI + VBMI builds).
 
     Exact type match: a user subclass of nn.LSTM may override forward (QuantConfig.check refuses it)."""
     twin = _TWINS.get(type(module))
@@ -400,8 +401,13 @@ def quantized_twin(module: nn.Module, config=None) -> nn.Module:
     if isinstance(module, nn.RNNBase) and module.mode not in ("LSTM", "GRU", "RNN_TANH", "RNN_RELU"):
         raise ValueError(f"unknown recurrent mode {module.mode!r}")
     if getattr(config, "packing_format", None) == "auto" and _cpp.is_available():
+        from affineq.tensor.linear_kernels import _int8_codes_check
+
         for name, p in module._parameters.items():
-            if (name.startswith("weight_hh") and isinstance(p, AffineQuantizedTensor) and p.spec.fmt == "plain"
-                    and p.device.type == "cpu" and len(p.spec.shape) == 2 and _act_mode(p) is not None):
-                module._parameters[name] = nn.Parameter(p.to_format("dense"), requires_grad=False)
+            if not (isinstance(p, AffineQuantizedTensor) and p.spec.fmt == "plain" and p.device.type == "cpu"
+                    and len(p.spec.shape) == 2 and _act_mode(p) is not None):
+                continue
+            dense = p.to_format("dense")
+            if name.startswith("weight_hh") or _int8_codes_check(torch.empty(1, p.shape[1]), dense) is None:
+                module._parameters[name] = nn.Parameter(dense, requires_grad=False)
     return twin.from_float(module)

@@ -554,16 +554,15 @@ def test_int8_fake_quant_op_is_the_eager_shortcut(dtype, monkeypatch):
 
 @pytest.mark.parametrize("n,k,gs", [(16, 64, 64), (80, 96, 32), (160, 128, 64), (48, 256, 256)])
 def test_int8_codes_kernel_sums_exact_products(n: int, k: int, gs: int) -> None:
-    # The recurrence's Int8CodesGemm (gemm_int8_codes.cpp): int8 codes of x times 8-bit weight codes summed in
-    # int32, then the qparams: y = int8_fake_quant(x) @ W^T up to the fp32 epilogue. Tile shapes covered: 1-6
-    # rows x 4 panels, 7-12 rows x 2 panels, several row blocks, and the panels past the last group of four
-    # (n = 80, 160 + 0); asymmetric rows (mode 2: zero points, including one-sign rows) and per-tensor qparams.
+    # affineq::int8_codes_linear (gemm_int8_codes.cpp): int8 codes of x times 8-bit weight codes summed in int32,
+    # then the qparams: y = int8_fake_quant(x) @ W^T up to the fp32 epilogue. Tile shapes covered: 1-6 rows x 4
+    # panels, 7-12 rows x 2 panels, several row blocks, and the panels past the last group of four (n = 80,
+    # 48); asymmetric rows (mode 2: zero points, including one-sign rows) and per-tensor qparams.
     _needs_kernels()
-    codes, packed, scale, offset = _problem(8, n, k, gs, seed=n + k)
-    args = (packed, scale, offset, 8, gs, n, k, 0)
-    if not torch.ops.affineq_cpp.int8_codes_supported(*args):
+    if not K.int8_codes_built():
         assert not {"avx512_vnni", "avx512vbmi"} <= _cpu_flags(), "the kernel must be built on this CPU"
-        pytest.skip("Int8CodesGemm needs AVX512-VNNI and VBMI")
+        pytest.skip("the int8-codes kernel needs AVX512-VNNI and VBMI")
+    codes, packed, scale, offset = _problem(8, n, k, gs, seed=n + k)
     W = K._dequantize(packed, scale, offset, 8, gs, n, k).double()
     terms = (scale.repeat_interleave(gs, 1) * codes.float() + offset.abs().repeat_interleave(gs, 1)).double()
     g = torch.Generator().manual_seed(1)
@@ -574,21 +573,25 @@ def test_int8_codes_kernel_sums_exact_products(n: int, k: int, gs: int) -> None:
             x[1] = 0.0
         for mode in (0, 1, 2):
             for per_token in (True, False):
-                y = torch.ops.affineq_cpp.int8_codes_linear(x, *args, per_token, mode, 1e-12)
+                y = torch.ops.affineq.int8_codes_linear(x, packed, scale, offset, gs, n, k, per_token, mode, 1e-12)
                 xq = torch.ops.affineq.int8_fake_quant(x, per_token, mode, 1e-12).double()
                 err = (y.double() - xq @ W.T).abs()
                 bound = 1e-6 * (xq.abs() @ terms.T) + 1e-30
                 assert bool((err <= bound).all()), (m, mode, per_token, (err / bound).max().item())
 
 
-def test_int8_codes_kernel_refuses_other_weights() -> None:
+def test_int8_codes_kernel_refuses_what_it_cannot_read() -> None:
     _needs_kernels()
-    _, packed, scale, offset = _problem(8, 24, 64, 64)
+    if not K.int8_codes_built():
+        pytest.skip("the int8-codes kernel needs AVX512-VNNI and VBMI")
     x = torch.randn(2, 64)
-    assert not torch.ops.affineq_cpp.int8_codes_supported(packed, scale, offset, 8, 64, 24, 64, 0)  # n % 16
-    with pytest.raises(RuntimeError, match="not one the kernel reads"):
-        torch.ops.affineq_cpp.int8_codes_linear(x, packed, scale, offset, 8, 64, 24, 64, 0, True, 0, 1e-12)
-    _, p4, s4, o4 = _problem(4, 32, 64, 32)
-    assert not torch.ops.affineq_cpp.int8_codes_supported(p4, s4, o4, 4, 32, 32, 64, 0)  # 4-bit codes
+    _, packed, scale, offset = _problem(8, 24, 64, 64)
+    with pytest.raises(RuntimeError, match="n % 16 == 0"):
+        torch.ops.affineq.int8_codes_linear(x, packed, scale, offset, 64, 24, 64, True, 0, 1e-12)
+    _, packed, scale, offset = _problem(8, 32, 64, 64)
+    with pytest.raises(RuntimeError, match="bfloat16 scales need an offset|not one the kernel reads"):
+        torch.ops.affineq.int8_codes_linear(x, packed, scale.bfloat16(), offset.bfloat16(), 64, 32, 64, True, 0, 0.0)
     with pytest.raises(RuntimeError, match="mode"):
-        torch.ops.affineq_cpp.int8_codes_linear(x, packed, scale, offset, 8, 64, 24, 64, 0, True, 3, 1e-12)
+        torch.ops.affineq.int8_codes_linear(x, packed, scale, offset, 64, 32, 64, True, 3, 1e-12)
+    with pytest.raises(RuntimeError, match="8-bit codes"):
+        torch.ops.affineq.int8_codes_linear(x, packed.flatten()[:100], scale, offset, 64, 32, 64, True, 0, 1e-12)

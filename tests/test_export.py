@@ -59,6 +59,7 @@ D_IN, D_HID = 128, 256
 # opaque custom ops (one op per linear: see tensor/linear_kernels.py).
 KERNEL_OPS = {
     "affineq.lowbit_linear": torch.ops.affineq.lowbit_linear.default,
+    "affineq.int8_codes_linear": torch.ops.affineq.int8_codes_linear.default,
     "aten._weight_int4pack_mm_for_cpu": aten._weight_int4pack_mm_for_cpu.default,
     "aten._weight_int8pack_mm": torch.ops.affineq.weight_int8pack_mm.default,
     "aten._int_mm": torch.ops.affineq.int8_dynamic_linear.default,
@@ -107,7 +108,7 @@ PRE_SCALED = {"awq_8da4w", "smoothquant_int8_dyn"}
 # dequantize fallback, and the exported program holds that same dequantize + linear.
 FALLBACK = {"mx6_microexp"}
 # Kernels that need the affineq C++ library (built with the machine's C++ compiler on first use).
-CPP_KERNELS = {"affineq.lowbit_linear"}
+CPP_KERNELS = {"affineq.lowbit_linear", "affineq.int8_codes_linear"}
 
 
 def make_mlp() -> nn.Sequential:

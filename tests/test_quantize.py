@@ -65,7 +65,9 @@ def make_mlp(dtype=torch.float32):
 WITHOUT_CPP = {"int4_g128": "aten._weight_int4pack_mm_for_cpu", "int8": "aten._weight_int8pack_mm"}
 
 
-def _expected_kernel(name, kernel):
+def _expected_kernel(name, kernel, dtype=torch.float32):
+    if name == "int8_dyn_dense" and dtype == torch.float32 and cpp.int8_codes_built():
+        return "affineq.int8_codes_linear"  # exact int32 code products where the build has VNNI + VBMI
     if name == "int8_dyn" and not _int_mm_is_fast() and cpp.is_available():
         return LOWBIT  # "auto" on a CPU whose _int_mm is slow (no VNNI)
     if kernel == LOWBIT and not cpp.is_available():
@@ -91,7 +93,38 @@ def test_config_numerics_kernel_and_size(name, dtype):
             out = model(x)
     assert out.dtype == dtype
     assert sqnr(ref, out) > out_db
-    assert used == [_expected_kernel(name, kernel)] * 2
+    assert used == [_expected_kernel(name, kernel, dtype)] * 2
+
+
+def test_int8_codes_kernel_equals_the_fake_quant_route():
+    # dense int8 x dynamic int8 on fp32 input: affineq.int8_codes_linear (int32 code sums) computes what
+    # affineq.lowbit_linear computes on the fake-quantized input (fp32 sums), per token and per tensor, with the
+    # same input gradient; bf16 input takes lowbit_linear
+    if not cpp.int8_codes_built():
+        pytest.skip("the int8-codes kernel needs a C++ build with AVX512-VNNI and VBMI")
+    from affineq.tensor.kernel_registry import LINEAR_KERNELS
+
+    for gran in ("per_token", "per_tensor"):
+        model = quantize_(make_mlp(), Int8DynamicActivationInt8WeightConfig(packing_format="dense",
+                                                                            act_granularity=gran))
+        x = torch.randn(37, 256)
+        with torch.no_grad(), record_kernels() as used:
+            out = model(x)
+        assert used == ["affineq.int8_codes_linear"] * 2
+        lowbit = next(k for k in LINEAR_KERNELS if k.name == LOWBIT)
+        with torch.no_grad():
+            h = torch.relu(lowbit.run(x, model[0].weight, model[0].bias))
+            ref = lowbit.run(h, model[2].weight, model[2].bias)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        xg = x.clone().requires_grad_()
+        with record_kernels() as used:
+            model(xg).sum().backward()
+        assert used == ["affineq.int8_codes_linear"] * 2
+        w1, w2 = model[0].weight.dequantize(), model[2].weight.dequantize()  # grad_x = grad_y @ W per layer
+        torch.testing.assert_close(xg.grad, ((torch.ones(37, 256) @ w2) * (h > 0)) @ w1)
+        with torch.no_grad(), record_kernels() as used:
+            model.bfloat16()(x.bfloat16())
+        assert used == [LOWBIT] * 2
 
 
 def test_bytes_per_parameter():
@@ -369,8 +402,9 @@ def test_cuda_kernels(config, kernel):
 
 
 def test_int8_dynamic_dense_matches_int_mm(monkeypatch):
-    # Same int8 weights and activation codes: _int_mm sums exact int32 products, the C++ kernel fp32 products
-    # of the fake-quantized activation and the dequantized weight; "auto" takes dense where _int_mm is slow.
+    # Same int8 weights and activation codes: _int_mm sums exact int32 products, as does the C++ int8-codes
+    # kernel where built (else lowbit_linear: fp32 products of the fake-quantized activation and the
+    # dequantized weight); "auto" takes dense where _int_mm is slow.
     if not cpp.is_available():
         pytest.skip(f"C++ kernels unavailable: {cpp.unavailable_reason()}")
     from affineq.tensor import kernel_registry
@@ -385,7 +419,7 @@ def test_int8_dynamic_dense_matches_int_mm(monkeypatch):
     with torch.no_grad(), record_kernels() as used:
         y_dense = auto(x)
     y_plain = plain(x)
-    assert used == [LOWBIT] * 2
+    assert used == ["affineq.int8_codes_linear" if cpp.int8_codes_built() else LOWBIT] * 2
     torch.testing.assert_close(y_dense, y_plain, rtol=1e-5, atol=1e-5 * y_plain.abs().max().item())
     monkeypatch.setattr(kernel_registry, "int_mm_is_fast", lambda: True)
     assert quantize_(copy.deepcopy(model), Int8DynamicActivationInt8WeightConfig())[0].weight.packing_format == "plain"

@@ -134,6 +134,7 @@ _override: bool | None = None  # set by _set_disabled; None defers to the enviro
 _lib_path: str | None = None
 _load_error: str | None = None
 _load_tried = False
+_int8_codes = False  # the loaded build has the int8-codes kernel (set when the library loads)
 _cpp_disabled_flag: bool | None = None  # last value pushed to the C++ kill switch
 
 
@@ -352,7 +353,7 @@ def _push_disabled(flag: bool) -> None:
 
 def _load() -> str | None:
     """Build (once per process, cached on disk) and load the library; return the failure reason or None."""
-    global _lib_path, _load_error, _load_tried
+    global _lib_path, _load_error, _load_tried, _int8_codes
     if _lib_path is not None:  # loaded: no lock on the per-call path
         return None
     with _lock:
@@ -362,6 +363,7 @@ def _load() -> str | None:
                 path = _build.build(verbose=os.environ.get("AFFINEQ_VERBOSE_BUILD", "") not in ("", "0"))
                 torch.ops.load_library(path)
                 _lib_path = path
+                _int8_codes = bool(torch.ops.affineq_cpp.int8_codes_built())
             except _build.CompilerNotFoundError as e:
                 _load_error = str(e)
             except Exception as e:  # noqa: BLE001 - any failure means "fall back", with the reason kept
@@ -410,6 +412,12 @@ def _set_disabled(flag: bool | None) -> _Restore:
     return _Restore(prev)
 
 
+def int8_codes_built() -> bool:
+    """Whether the kernels are available and the build has `affineq::int8_codes_linear`'s kernel (AVX512-VNNI
+    and VBMI)."""
+    return is_available() and _int8_codes
+
+
 def kernel_info() -> dict[str, Any]:
     """Diagnostics: availability, reason, library path, compiled SIMD path and build seconds."""
     ok = is_available()
@@ -449,6 +457,20 @@ _lib.define(
     " Tensor scale, Tensor? offset, int bits, int group_size, int codes, int code_offset, int act_mode,"
     " bool act_per_token, float act_eps, int cell, bool reverse) -> (Tensor, Tensor, Tensor)"
 )
+
+
+# int8_fake_quant(x) @ W^T with the code products summed exactly in int32 (cpp/gemm_int8_codes.cpp): x float32
+# [M, K], W an 8-bit integer dense-format weight [n, k] with float32 qparams; mode as int8_fake_quant. CPU kernel
+# only, on builds where int8_codes_built() (AVX512-VNNI + VBMI); n % 16 == 0, group_size % 8 == 0.
+_lib.define(
+    "int8_codes_linear(Tensor x, Tensor packed, Tensor scale, Tensor? offset, int group_size, int n, int k,"
+    " bool per_token, int mode, float eps) -> Tensor"
+)
+
+
+@torch.library.register_fake("affineq::int8_codes_linear", lib=_lib)
+def _int8_codes_linear_fake(x, packed, scale, offset, group_size, n, k, per_token, mode, eps):
+    return x.new_empty((x.shape[0], n))
 
 
 @torch.library.register_fake("affineq::lowbit_rnn_layer", lib=_lib)

@@ -126,6 +126,14 @@ constexpr auto kTiles1 = tile_table<1>(std::make_integer_sequence<int, kRows>{})
 }  // namespace
 #endif  // AQ_INT8_CODES
 
+bool Int8CodesGemm::built() {
+#if AQ_INT8_CODES
+  return true;
+#else
+  return false;
+#endif
+}
+
 bool Int8CodesGemm::supported(const LowbitProblem& p) {
 #if AQ_INT8_CODES
   return p.bits == 8 && p.codes == kCodesUint && !p.qparams_bf16 && !p.qparams_e8m0 && p.n % 16 == 0 &&

@@ -68,6 +68,7 @@ class Int8CodesGemm {
   // Whether this build has the kernel (AVX512-VNNI + VBMI) and p's weight is one it reads: bits == 8 integer
   // codes, fp32 scale and offset, n a multiple of 16, group_size a multiple of 8.
   static bool supported(const LowbitProblem& p);
+  static bool built();  // whether this build has the kernel at all
   Int8CodesGemm(const LowbitProblem& p, bool zero_points);  // zero_points: rows may have zp != 0
   ~Int8CodesGemm();
   Int8CodesGemm(const Int8CodesGemm&) = delete;

@@ -259,52 +259,46 @@ int64_t lowbit_path_for(const at::Tensor& x, int64_t group_size, int64_t codes, 
   return lowbit_path(p, static_cast<int>(path));
 }
 
-// The weight problem of a dense weight as the int8-codes kernel sees it (only the fields supported() reads).
-LowbitProblem int8_codes_problem(const at::Tensor& packed, const at::Tensor& scale,
-                                 const std::optional<at::Tensor>& offset, int64_t bits, int64_t group_size, int64_t n,
-                                 int64_t k, int64_t codes) {
+// affineq::int8_codes_linear: y = int8_fake_quant(x) @ W^T for an 8-bit integer dense weight with fp32 qparams,
+// through Int8CodesGemm (exact int32 sums of the code products, gemm_int8_codes.cpp).
+at::Tensor int8_codes_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                                 const std::optional<at::Tensor>& offset, int64_t group_size, int64_t n, int64_t k,
+                                 bool per_token, int64_t mode, double eps) {
+  const char* op = "affineq::int8_codes_linear";
+  TORCH_CHECK(!g_disabled.load(), op, ": the affineq C++ kernels are disabled");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.scalar_type() == at::kFloat && x.device().is_cpu(), op,
+              ": x must be a float32 CPU tensor [m, k=", k, "], got ", x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(mode >= 0 && mode <= 2, op, ": mode must be an int8_fake_quant mode (0, 1 or 2), got ", mode);
+  TORCH_CHECK(group_size > 0 && k % group_size == 0, op, ": group_size must divide k, got group_size=",
+              group_size, ", k=", k);
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.numel() == packed_nbytes(n, k, 8), op,
+              ": packed must be uint8 with ", packed_nbytes(n, k, 8), " elements (8-bit codes)");
+  check_qparams(op, scale, offset, 8, kCodesUint, 0, n, k / group_size);
+  const bool has_offset = offset.has_value() && offset->defined();
+  const at::Tensor pk = packed.contiguous(), sc = scale.contiguous(), xc = x.contiguous();
+  const at::Tensor of = has_offset ? offset->contiguous() : at::Tensor();
   LowbitProblem p;
-  p.packed = packed.const_data_ptr<uint8_t>();
-  p.scale = scale.const_data_ptr();
-  p.offset = offset.has_value() && offset->defined() ? offset->const_data_ptr() : nullptr;
-  p.qparams_bf16 = scale.scalar_type() == at::kBFloat16;
-  p.qparams_e8m0 = scale.scalar_type() == at::kByte;
-  p.bits = static_cast<int>(bits);
-  p.codes = static_cast<int>(codes);
+  p.packed = pk.const_data_ptr<uint8_t>();
+  p.scale = sc.const_data_ptr();
+  p.offset = has_offset ? of.const_data_ptr() : nullptr;
+  p.qparams_bf16 = sc.scalar_type() == at::kBFloat16;
+  p.bits = 8;
+  p.codes = kCodesUint;
   p.group_size = group_size;
   p.n = n;
   p.k = k;
-  return p;
-}
-
-bool int8_codes_supported(const at::Tensor& packed, const at::Tensor& scale, const std::optional<at::Tensor>& offset,
-                          int64_t bits, int64_t group_size, int64_t n, int64_t k, int64_t codes) {
-  return Int8CodesGemm::supported(int8_codes_problem(packed, scale, offset, bits, group_size, n, k, codes));
-}
-
-// y = int8_fake_quant(x) @ W^T through Int8CodesGemm (the recurrence's kernel), for tests to pin it alone.
-at::Tensor int8_codes_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                             const std::optional<at::Tensor>& offset, int64_t bits, int64_t group_size, int64_t n,
-                             int64_t k, int64_t codes, bool per_token, int64_t mode, double eps) {
-  const char* op = "affineq_cpp::int8_codes_linear";
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.scalar_type() == at::kFloat && x.device().is_cpu(), op,
-              ": x must be a float32 CPU tensor [m, k=", k, "], got ", x.sizes());
-  TORCH_CHECK(mode >= 0 && mode <= 2, op, ": mode must be an int8_fake_quant mode (0, 1 or 2), got ", mode);
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.numel() == packed_nbytes(n, k, bits), op,
-              ": packed must be uint8 with ", packed_nbytes(n, k, bits), " elements");
-  check_qparams(op, scale, offset, bits, codes, 0, n, k / std::max<int64_t>(1, group_size));
-  const at::Tensor pk = packed.contiguous(), sc = scale.contiguous(), xc = x.contiguous();
-  const std::optional<at::Tensor> of =
-      offset.has_value() && offset->defined() ? std::optional<at::Tensor>(offset->contiguous()) : std::nullopt;
-  const LowbitProblem p = int8_codes_problem(pk, sc, of, bits, group_size, n, k, codes);
-  TORCH_CHECK(Int8CodesGemm::supported(p), op, ": this build or weight is not one the kernel reads "
-              "(see int8_codes_supported)");
+  TORCH_CHECK(Int8CodesGemm::supported(p), op, ": this build or weight is not one the kernel reads (AVX512-VNNI "
+              "and VBMI builds; fp32 qparams, n % 16 == 0, group_size % 8 == 0); use affineq::lowbit_linear");
   at::Tensor y = at::empty({x.size(0), n}, x.options());
-  Int8CodesGemm gemm(p, mode == 2);
-  gemm.run(xc.const_data_ptr<float>(), x.size(0), per_token, static_cast<int>(mode), static_cast<float>(eps),
-           y.mutable_data_ptr<float>());
+  if (x.size(0) > 0 && n > 0) {
+    Int8CodesGemm gemm(p, mode == 2);
+    gemm.run(xc.const_data_ptr<float>(), x.size(0), per_token, static_cast<int>(mode), static_cast<float>(eps),
+             y.mutable_data_ptr<float>());
+  }
   return y;
 }
+
+bool int8_codes_built() { return Int8CodesGemm::built(); }
 
 void set_disabled(bool flag) { g_disabled.store(flag); }
 std::string isa() { return kernel_isa(); }
@@ -316,13 +310,14 @@ TORCH_LIBRARY_IMPL(affineq, CPU, m) {
   m.impl("lowbit_linear", &affineq::lowbit_linear_cpu);
   m.impl("lowbit_dequantize", &affineq::lowbit_dequantize_cpu);
   m.impl("int8_fake_quant", &affineq::int8_fake_quant_cpu);
+  m.impl("int8_codes_linear", &affineq::int8_codes_linear_cpu);
 }
 
 TORCH_LIBRARY_IMPL(affineq, Autograd, m) { m.impl("lowbit_linear", &affineq::lowbit_linear_autograd); }
 
 // Private helpers (tests/benchmarks): kill switch, compiled ISA, forcing a path (1 = GEMV, 2 = fp32 GEMM,
-// 3 = int16 VNNI GEMM, 4 = bf16 dot GEMM), asking which path would run, and the int8-codes kernel of the
-// dynamically quantized recurrence (gemm_int8_codes.cpp) on its own.
+// 3 = int16 VNNI GEMM, 4 = bf16 dot GEMM), asking which path would run, and whether this build has the
+// int8-codes kernel (gemm_int8_codes.cpp).
 TORCH_LIBRARY(affineq_cpp, m) {
   m.def("set_disabled(bool flag) -> ()", &affineq::set_disabled);
   m.def("isa() -> str", &affineq::isa);
@@ -330,10 +325,5 @@ TORCH_LIBRARY(affineq_cpp, m) {
         "int n, int k, int codes, int path, int code_offset=0) -> Tensor",
         &affineq::lowbit_linear_impl);
   m.def("lowbit_path_for(Tensor x, int group_size, int codes, int path) -> int", &affineq::lowbit_path_for);
-  m.def("int8_codes_supported(Tensor packed, Tensor scale, Tensor? offset, int bits, int group_size, int n, int k, "
-        "int codes) -> bool",
-        &affineq::int8_codes_supported);
-  m.def("int8_codes_linear(Tensor x, Tensor packed, Tensor scale, Tensor? offset, int bits, int group_size, int n, "
-        "int k, int codes, bool per_token, int mode, float eps) -> Tensor",
-        &affineq::int8_codes_linear);
+  m.def("int8_codes_built() -> bool", &affineq::int8_codes_built);
 }

@@ -2,6 +2,7 @@
 
 | kernel                            | format    | weight / activation                                          |
 |-----------------------------------|-----------|--------------------------------------------------------------|
+| affineq.int8_codes_linear (C++)   | dense     | 8-bit integer weight x dynamic int8 activation (VNNI, int32) |
 | affineq.lowbit_linear (our C++)   | dense     | 1-8 bit, fp8/fp6/fp4 (e8m0 too); int8 activations fake-quant |
 | aten._weight_int4pack_mm_for_cpu  | int4_cpu  | int4 tinygemm, weight-only                                   |
 | aten._weight_int4pack_mm          | int4_cuda | int4 tinygemm, weight-only                                   |
@@ -23,6 +24,7 @@ from affineq.primitives import MappingType, ZeroPointDomain
 from affineq.tensor.activation import (
     act_eps,
     fake_quantize_activation,
+    fused_int8_mode,
     int8_activation,
     is_symmetric_int8,
     quantize_activation,
@@ -93,6 +95,41 @@ def lowbit_weight_args(w) -> tuple:
     e8m0 = spec.scale_type is not None
     return (w._qdata, w._scale, getattr(w, "_offset", None), spec.target.bits, spec.block_size[1],
             _cpp.codes_kind(spec.target), dense_code_offset(spec) if e8m0 else 0)
+
+
+# -- kernel: affineq::int8_codes_linear (our C++), dense 8-bit weight x dynamic int8 activation ----------------
+
+
+def _int8_codes_check(x, w):
+    """The int8 codes of x times the 8-bit weight codes, summed exactly in int32 (VNNI), where the build has it;
+    the same values as `affineq.lowbit_linear` on the fake-quantized x, whose fp32 sums it replaces."""
+    spec = w.spec
+    mode = None if spec.act_quant is None else fused_int8_mode(spec.act_quant)
+    n, k = spec.shape
+    group_size = spec.block_size[1]
+    if x.device.type != "cpu" or x.dtype != torch.float32:
+        return "needs a float32 CPU input"
+    if mode is None:
+        return "needs a dynamic int8 activation quantization"
+    if spec.target.bits != 8 or _cpp.codes_kind(spec.target) != _cpp.CODES_UINT or w._scale.dtype != torch.float32:
+        return "needs 8-bit integer codes with float32 qparams"
+    if n % 16 or group_size % 8:
+        return f"needs out_features % 16 == 0 and group_size % 8 == 0 (got {n}, {group_size})"
+    if not _cpp.int8_codes_built():
+        return "this build has no int8-codes kernel (needs AVX512-VNNI and VBMI)"
+    return None
+
+
+def _int8_codes_run(x, w, bias):
+    aq = w.spec.act_quant
+    n, k = w.spec.shape
+    out = torch.ops.affineq.int8_codes_linear(_flat(x).contiguous(), w._qdata, w._scale, getattr(w, "_offset", None),
+                                              w.spec.block_size[1], n, k, aq.granularity == "per_token",
+                                              fused_int8_mode(aq), act_eps(x, aq))
+    return _finish(out, x, bias)
+
+
+register_linear_kernel("affineq.int8_codes_linear", ("dense",), _int8_codes_check, _int8_codes_run)
 
 
 def _lowbit_run(x, w, bias):
