@@ -180,18 +180,21 @@ void Int8CodesGemm::run(const float* x, int64_t m, bool per_token, int mode, flo
   s.csum.assign(m * s.G, 0);
   int8_quantize_rows(x, m, s.k, per_token, mode, eps, s.codes.data(), s.sx.data(), s.zp.data());
   // Quad-major codes per row block, so a tile's broadcasts read one stream with constant offsets.
-  for (int64_t m0 = 0; m0 < m; m0 += kRows) {
-    const int64_t mr = std::min<int64_t>(kRows, m - m0);
-    int8_t* blk = s.quads.data() + m0 * s.k;
-    for (int64_t r = 0; r < mr; ++r) {
-      const int8_t* c = s.codes.data() + (m0 + r) * s.k;
-      int32_t* cs = s.csum.data() + (m0 + r) * s.G;
-      for (int64_t kq = 0; kq < s.k / 4; ++kq) {
-        std::memcpy(blk + (kq * mr + r) * 4, c + 4 * kq, 4);
-        cs[4 * kq / s.gs] += c[4 * kq] + c[4 * kq + 1] + c[4 * kq + 2] + c[4 * kq + 3];
+  const int64_t blocks = (m + kRows - 1) / kRows;
+  at::parallel_for(0, blocks, std::max<int64_t>(1, (1 << 16) / (kRows * s.k)), [&](int64_t b0, int64_t b1) {
+    for (int64_t m0 = b0 * kRows; m0 < std::min(m, b1 * kRows); m0 += kRows) {
+      const int64_t mr = std::min<int64_t>(kRows, m - m0);
+      int8_t* blk = s.quads.data() + m0 * s.k;
+      for (int64_t r = 0; r < mr; ++r) {
+        const int8_t* c = s.codes.data() + (m0 + r) * s.k;
+        int32_t* cs = s.csum.data() + (m0 + r) * s.G;
+        for (int64_t kq = 0; kq < s.k / 4; ++kq) {
+          std::memcpy(blk + (kq * mr + r) * 4, c + 4 * kq, 4);
+          cs[4 * kq / s.gs] += c[4 * kq] + c[4 * kq + 1] + c[4 * kq + 2] + c[4 * kq + 3];
+        }
       }
     }
-  }
+  });
 #if AQ_INT8_CODES
   // Work items: groups of 4 panels (64 weight rows); the panels past the last full group go one by one.
   const int64_t npan = s.n / 16, nquad = npan / 4, items = nquad + npan % 4;
