@@ -108,9 +108,9 @@ def test_three_weight_kinds_quantized_and_equal_to_eager(config, min_sqnr, kerne
     assert sqnr(ref, out) >= min_sqnr
 
 
-def _cnn():
+def _cnn(conv_bias=True):
     torch.manual_seed(0)
-    m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(2),
+    m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=conv_bias), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(2),
                       nn.Flatten(), nn.Linear(32, 10)).eval()
     with torch.no_grad():
         m[1].running_mean.uniform_(-0.3, 0.3)
@@ -119,10 +119,11 @@ def _cnn():
     return m
 
 
-def test_cnn_graph_mode_equals_eager_static():
-    """conv+bn+relu, pool, linear: graph mode folds the BatchNorm (fuse_modules_'s math), observes the conv and
-    linear inputs, and gives the eager route's qparams and outputs exactly (same kernels on the same numbers)."""
-    m = _cnn()
+@pytest.mark.parametrize("conv_bias", [True, False])
+def test_cnn_graph_mode_equals_eager_static(conv_bias):
+    """conv+bn+relu, pool, linear: graph mode folds the BatchNorm (fuse_modules_'s math; a conv without bias
+    gets one), observes the conv and linear inputs, and gives the eager route's qparams and outputs exactly."""
+    m = _cnn(conv_bias)
     x = torch.randn(2, 3, 8, 8)
     data = _data(4, (2, 3, 8, 8))
     config = Int8StaticActivationInt8WeightConfig()
@@ -144,7 +145,9 @@ def test_cnn_graph_mode_equals_eager_static():
         assert graph_w.act_tensors.keys() == eager_w.act_tensors.keys() == {"act_scale", "act_zero_point"}
         for k, v in eager_w.act_tensors.items():
             assert torch.equal(graph_w.act_tensors[k], v), k
-    assert torch.equal(q.get_submodule("0").bias, eager[0][0].bias)  # the folded bias
+    folded_bias = q.get_submodule("0").bias if conv_bias else q.get_submodule("0").bias_bn_folded
+    assert torch.equal(folded_bias, eager[0][0].bias)
+    assert not hasattr(q.get_submodule("1"), "running_mean")  # the BatchNorm's tensors are gone
     with torch.no_grad(), pytest.warns(affineq.KernelFallbackWarning), record_kernels() as used:
         out = q(x)
     with torch.no_grad(), record_kernels() as eager_used:
@@ -153,6 +156,23 @@ def test_cnn_graph_mode_equals_eager_static():
     assert torch.equal(out, expect)  # tolerance: none, bit for bit
     with torch.no_grad():
         assert sqnr(m(x), out) > 25
+
+
+def test_training_mode_batch_norm_warns_and_dynamic_batch_calibrates():
+    m = _cnn().train()
+    x = torch.randn(2, 3, 8, 8)
+    with pytest.warns(GraphModeWarning, match="node 'batch_norm' .* BatchNorm in training mode .* model.eval()"):
+        prepare(m, Int8WeightOnlyConfig(), (x,))
+    m.eval()
+    prepared = prepare(m, Int8StaticActivationInt8WeightConfig(), (x,),
+                       dynamic_shapes=({0: torch.export.Dim("batch")},))
+    with torch.no_grad():
+        prepared(x)
+        prepared(torch.randn(5, 3, 8, 8))
+    q = convert(prepared)
+    x7 = torch.randn(7, 3, 8, 8)
+    with torch.no_grad(), pytest.warns(affineq.KernelFallbackWarning):
+        assert sqnr(m(x7), q(x7)) > 25
 
 
 class ReluBlock(nn.Module):

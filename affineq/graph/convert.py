@@ -17,7 +17,7 @@ from torch import fx, nn
 
 from affineq.calibration import _Calibrated, _first
 from affineq.graph.prepare import STATE_ATTR, GraphPlan, Planned, _static
-from affineq.graph.trace import Warner, get_attr_tensor
+from affineq.graph.trace import Warner, drop_unread, get_attr_tensor
 from affineq.quantize import QuantizationError
 from affineq.tensor.activation import fake_quantize_static
 from affineq.tensor.spec import ActivationQuant
@@ -92,7 +92,7 @@ def convert(prepared: fx.GraphModule) -> fx.GraphModule:
             if p.out_on_node:
                 folded_out.setdefault(p.out_observer, set()).add(out)
     _replace_observers(gm, qparams, folded_in, folded_out)
-    _drop_float_weights(gm, {t for t, _ in weights})
+    drop_unread(gm, {t for t, _ in weights})  # the float weights the quantized ones replace
     delattr(gm, STATE_ATTR)
     gm.graph.lint()
     gm.recompile()
@@ -178,11 +178,3 @@ def _replace_observers(gm: fx.GraphModule, qparams: dict, folded_in: dict, folde
         node.target = fq[name]
     for name in qparams:
         gm.delete_submodule(name)
-
-
-def _drop_float_weights(gm: fx.GraphModule, targets: set[str]) -> None:
-    """Free the float parameters no node reads any more (the quantized copies replace them)."""
-    read = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
-    for target in targets - read:
-        owner, _, name = target.rpartition(".")
-        delattr(gm.get_submodule(owner) if owner else gm, name)

@@ -13,7 +13,7 @@ import torch
 from torch import fx, nn
 
 from affineq.fusion import fold_bn_tensors
-from affineq.graph.trace import Warner, get_attr_tensor
+from affineq.graph.trace import Warner, drop_unread, get_attr_tensor
 
 __all__ = ["fold_batch_norms", "layer_output", "shared_groups"]
 
@@ -74,6 +74,7 @@ def fold_batch_norms(gm: fx.GraphModule, warn: Warner) -> int:
         for s in stats:
             if isinstance(s, fx.Node) and not s.users:
                 gm.graph.erase_node(s)
+        drop_unread(gm, [s.target for s in stats if isinstance(s, fx.Node)])
         folded += 1
     return folded
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx, nn
 
-__all__ = ["GraphModeWarning", "WeightUse", "export_graph", "find_weight_uses", "get_attr_tensor"]
+__all__ = ["GraphModeWarning", "WeightUse", "drop_unread", "export_graph", "find_weight_uses", "get_attr_tensor"]
 
 aten = torch.ops.aten
 _LINEAR = {aten.linear.default}
@@ -75,6 +75,14 @@ def export_graph(model: nn.Module, example_inputs: tuple, dynamic_shapes=None) -
 def get_attr_tensor(gm: nn.Module, target: str) -> torch.Tensor:
     owner, _, name = target.rpartition(".")
     return getattr(gm.get_submodule(owner) if owner else gm, name)
+
+
+def drop_unread(gm: fx.GraphModule, targets) -> None:
+    """Delete the attributes among `targets` that no get_attr node reads any more (frees replaced tensors)."""
+    read = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    for target in set(targets) - read:
+        owner, _, name = target.rpartition(".")
+        delattr(gm.get_submodule(owner) if owner else gm, name)
 
 
 def _param_source(gm: fx.GraphModule, node) -> tuple[fx.Node, bool] | None:
