@@ -110,8 +110,8 @@ def test_three_weight_kinds_quantized_and_equal_to_eager(config, min_sqnr, kerne
 
 def _cnn(conv_bias=True):
     torch.manual_seed(0)
-    m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=conv_bias), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(2),
-                      nn.Flatten(), nn.Linear(32, 10)).eval()
+    m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=conv_bias), nn.BatchNorm2d(8), nn.ReLU(),
+                      nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(32, 10)).eval()
     with torch.no_grad():
         m[1].running_mean.uniform_(-0.3, 0.3)
         m[1].running_var.uniform_(0.5, 2.0)
@@ -368,6 +368,8 @@ def test_fqn_to_config_by_parameter_and_layer_name():
     aqts = _aqts(q)
     assert set(aqts) == {"affineq_q_w1", "affineq_q_w2_t"}
     assert aqts["affineq_q_w1"].spec.target.name == "int8" and aqts["affineq_q_w2_t"].spec.block_size == (1, 32)
+    with pytest.raises(QuantizationError, match=r"does not have: \['w3'\]"):
+        prepare(m, FqnToConfig({"w3": Int8WeightOnlyConfig()}), (x,))
 
 
 def test_bad_input():

@@ -138,8 +138,10 @@ def prepare(model: nn.Module, config: QuantConfig, example_inputs, *, dynamic_sh
     warn = Warner()
     gm = export_graph(model, tuple(example_inputs), dynamic_shapes)
     fold_batch_norms(gm, warn)
+    uses = find_weight_uses(gm, model, warn)
+    _check_names(config, model, uses)
     planned = []
-    for use in find_weight_uses(gm, model, warn):
+    for use in uses:
         cfg = resolver(use)
         if cfg is None:
             continue
@@ -157,6 +159,18 @@ def prepare(model: nn.Module, config: QuantConfig, example_inputs, *, dynamic_sh
     gm.recompile()
     setattr(gm, STATE_ATTR, plan)
     return gm
+
+
+def _check_names(config: QuantConfig, model: nn.Module, uses: list[WeightUse]) -> None:
+    """FqnToConfig keys must name something (a typo would silently leave a layer float)."""
+    if not isinstance(config, FqnToConfig):
+        return
+    known = {u.target for u in uses} | {u.layer for u in uses} | dict(model.named_modules()).keys() | \
+        dict(model.named_parameters()).keys()
+    missing = [k for k in config.fqn_to_config if not k.startswith("re:") and k != "_default" and k not in known]
+    if missing:
+        raise QuantizationError(f"FqnToConfig names modules or parameters the model does not have: {missing}. Use "
+                                "names from model.named_modules() / model.named_parameters(), or a 're:' regex key")
 
 
 def _node(gm: fx.GraphModule, name: str) -> fx.Node:
