@@ -32,8 +32,9 @@ def _set_param(gm: fx.GraphModule, target: str, value: torch.Tensor) -> None:
     owner.register_parameter(name, nn.Parameter(value, requires_grad=False))
 
 
-def _only_attr(node, n_users: int = 1) -> bool:
-    return isinstance(node, fx.Node) and node.op == "get_attr" and len(node.users) == n_users
+def _only_attr(node) -> bool:
+    """`node` reads a tensor attribute and nothing else reads it through this node."""
+    return isinstance(node, fx.Node) and node.op == "get_attr" and len(node.users) == 1
 
 
 def fold_batch_norms(gm: fx.GraphModule, warn: Warner) -> int:
@@ -47,8 +48,8 @@ def fold_batch_norms(gm: fx.GraphModule, warn: Warner) -> int:
         if not (isinstance(layer, fx.Node) and layer.op == "call_function" and layer.target in _FOLDS_INTO):
             continue
         if bool(bn.args[5]):
-            warn(bn, "BatchNorm in training mode (batch statistics) cannot be folded; call model.eval() before "
-                     "affineq.graph.prepare")
+            warn(bn, "BatchNorm in training mode (or with track_running_stats=False) normalizes with batch "
+                     "statistics and cannot be folded; call model.eval() before affineq.graph.prepare")
             continue
         w_node, b_node = layer.args[1], layer.args[2] if len(layer.args) > 2 else None
         stats = bn.args[1:5]
@@ -56,11 +57,15 @@ def fold_batch_norms(gm: fx.GraphModule, warn: Warner) -> int:
                 not all(s is None or (isinstance(s, fx.Node) and s.op == "get_attr") for s in stats):
             warn(bn, f"not folded into {layer.name!r}: its parameters are shared with other nodes or computed")
             continue
+        if stats[2] is None or stats[3] is None:
+            warn(bn, "BatchNorm without running statistics (track_running_stats=False) normalizes with batch "
+                     "statistics and cannot be folded")
+            continue
         eps = bn.args[7]
         gamma, beta, mean, var = (None if s is None else get_attr_tensor(gm, s.target) for s in stats)
         stat = SimpleNamespace(weight=gamma, bias=beta, running_mean=mean, running_var=var, eps=eps)
-        b_target = b_node.target if b_node is not None else w_node.target.rpartition(".")[0] + (
-            ".bias_bn_folded" if "." in w_node.target else "bias_bn_folded")
+        owner = w_node.target.rpartition(".")[0]
+        b_target = b_node.target if b_node is not None else (f"{owner}." if owner else "") + "bias_bn_folded"
         w, b = fold_bn_tensors(get_attr_tensor(gm, w_node.target).detach(),
                                None if b_node is None else get_attr_tensor(gm, b_node.target).detach(), stat)
         _set_param(gm, w_node.target, w)
