@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import fx, nn
 
+from affineq.tensor.affine import AffineQuantizedTensor
+
 __all__ = ["GraphModeWarning", "WeightUse", "drop_unread", "export_graph", "find_weight_uses", "get_attr_tensor"]
 
 aten = torch.ops.aten
@@ -145,7 +147,7 @@ def find_weight_uses(gm: fx.GraphModule, model: nn.Module, warn: Warner) -> list
             continue
         kind, src, transpose, act, cls, groups = found
         p = get_attr_tensor(gm, src.target)
-        if not p.dtype.is_floating_point:
+        if not p.dtype.is_floating_point or isinstance(p, AffineQuantizedTensor):  # nothing (more) to quantize
             continue
         shape = tuple(p.shape)
         if cls is nn.Linear and len(shape) != 2:
