@@ -9,7 +9,10 @@ Importing affineq registers its tensor class, enums, granularities and metadata 
 
 import torch
 
-from affineq import safetensors  # noqa: F401  (save_file / load_file; the safetensors package is imported lazily)
+from affineq import (
+    graph,  # noqa: F401  (graph mode: affineq.graph.prepare / convert)
+    safetensors,  # noqa: F401  (save_file / load_file; the safetensors package is imported lazily)
+)
 from affineq._hf_register import install as _install_hf
 from affineq.algorithms import AWQConfig, GPTQConfig, HQQConfig, SmoothQuantConfig
 from affineq.ao_compat import quantize_dynamic
@@ -121,6 +124,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'affineq' has no attribute {name!r}")
 
 __all__ = [
+    "graph",
     "FPxWeightOnlyConfig",
     "MXDynamicActivationMXWeightConfig",
     "MXWeightOnlyConfig",

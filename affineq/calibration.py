@@ -124,13 +124,17 @@ class _Calibrated(QuantConfig):
         return self.base.check(module)
 
     def quantize_weight(self, weight, module) -> AffineQuantizedTensor:
+        return self.attach(self.base.quantize_weight(weight, module))
+
+    def attach(self, qw: AffineQuantizedTensor) -> AffineQuantizedTensor:
+        """`qw` (the base config's weight) carrying these calibrated qparams as its activation tensors (the
+        stored codes are shared, not copied)."""
         def f32(v):
             return None if v is None else torch.tensor([v], dtype=torch.float32)
 
         def i32(v):
             return None if v is None else torch.tensor([v], dtype=torch.int32)
 
-        qw = self.base.quantize_weight(weight, module)
         return qw.with_act_tensors(act_scale=f32(self.act_scale), act_zero_point=i32(self.act_zero_point),
                                    act_out_scale=f32(self.out_scale), act_out_zero_point=i32(self.out_zero_point))
 

@@ -18,7 +18,7 @@ import copy
 import torch
 from torch import nn
 
-__all__ = ["ConvReLU", "LinearReLU", "fold_batch_norm", "fuse_modules_"]
+__all__ = ["ConvReLU", "LinearReLU", "fold_batch_norm", "fold_bn_tensors", "fuse_modules_"]
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _BNS = {nn.Conv1d: nn.BatchNorm1d, nn.Conv2d: nn.BatchNorm2d, nn.Conv3d: nn.BatchNorm3d, nn.Linear: nn.BatchNorm1d}
@@ -30,6 +30,22 @@ class ConvReLU(nn.Sequential):
 
 class LinearReLU(nn.Sequential):
     """A linear (BatchNorm folded in, if any) followed by a ReLU, fused by `fuse_modules_`."""
+
+
+def fold_bn_tensors(weight: torch.Tensor, bias: torch.Tensor | None, bn: nn.Module
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w', b'): eval-mode `bn` (running statistics) folded into a conv / linear `weight` [out, ...] and `bias`
+    [out] (None: zeros), computed in float64 and returned in the weight's dtype (the module docstring's formula).
+    `bn` may be any object with BatchNorm's attributes (running_mean, running_var, eps, weight, bias)."""
+    with torch.no_grad():
+        inv_std = torch.rsqrt(bn.running_var.double() + bn.eps)
+        gamma = bn.weight.double() if bn.weight is not None else torch.ones_like(inv_std)
+        beta = bn.bias.double() if bn.bias is not None else torch.zeros_like(inv_std)
+        factor = gamma * inv_std
+        shape = (-1,) + (1,) * (weight.dim() - 1)
+        b = bias.double() if bias is not None else torch.zeros_like(inv_std)
+        return ((weight.double() * factor.view(shape)).to(weight.dtype),
+                ((b - bn.running_mean.double()) * factor + beta).to(weight.dtype))
 
 
 def fold_batch_norm(layer: nn.Module, bn: nn.Module) -> nn.Module:
@@ -45,16 +61,9 @@ def fold_batch_norm(layer: nn.Module, bn: nn.Module) -> nn.Module:
         raise ValueError(f"{type(bn).__name__} has no running statistics (track_running_stats=False); it cannot "
                          "be folded: remove it or train with running statistics")
     out = copy.deepcopy(layer)
-    with torch.no_grad():
-        w, dtype = layer.weight.detach(), layer.weight.dtype
-        inv_std = torch.rsqrt(bn.running_var.double() + bn.eps)
-        gamma = bn.weight.double() if bn.weight is not None else torch.ones_like(inv_std)
-        beta = bn.bias.double() if bn.bias is not None else torch.zeros_like(inv_std)
-        factor = gamma * inv_std
-        shape = (-1,) + (1,) * (w.dim() - 1)
-        bias = layer.bias.double() if layer.bias is not None else torch.zeros_like(inv_std)
-        out.weight = nn.Parameter((w.double() * factor.view(shape)).to(dtype), requires_grad=w.requires_grad)
-        out.bias = nn.Parameter(((bias - bn.running_mean.double()) * factor + beta).to(dtype))
+    w, b = fold_bn_tensors(layer.weight.detach(), None if layer.bias is None else layer.bias.detach(), bn)
+    out.weight = nn.Parameter(w, requires_grad=layer.weight.requires_grad)
+    out.bias = nn.Parameter(b)
     return out
 
 

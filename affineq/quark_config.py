@@ -365,9 +365,15 @@ class Config(ModelConfig):
     exclude: tuple = ()
     algo_config: Any = None
     pre_quant_opt_config: Any = None
+    quant_mode: QuantizationMode = QuantizationMode.eager_mode
 
     def __post_init__(self):
         super().__post_init__()
+        try:
+            object.__setattr__(self, "quant_mode", QuantizationMode(self.quant_mode))
+        except (ValueError, TypeError):
+            raise ValueError(f"Config.quant_mode={self.quant_mode!r}: use QuantizationMode.eager_mode (quantize_) or "
+                             "QuantizationMode.fx_graph_mode (affineq.graph.prepare / convert)") from None
         if self.param_names is not None:
             raise ValueError("Config.param_names: Config quantizes each layer's weight; leave param_names None")
         if not isinstance(self.global_quant_config, QuantizationConfig):
@@ -473,6 +479,11 @@ class Config(ModelConfig):
 
     def to_fqn_config(self, model: nn.Module) -> FqnToConfig:
         """FqnToConfig with one exact entry per selected layer (None entries are dropped: left float)."""
+        if self.quant_mode is QuantizationMode.fx_graph_mode:
+            raise QuantizationError("Config(quant_mode=QuantizationMode.fx_graph_mode) quantizes a traced graph: use "
+                                    "affineq.graph.prepare(model, config, example_inputs), calibrate, then "
+                                    "affineq.graph.convert(prepared); or set quant_mode=QuantizationMode.eager_mode "
+                                    "for quantize_")
         algo = self.algo_config or self.pre_quant_opt_config
         entries, problems = {}, []
         for fqn, module in model.named_modules():
@@ -518,12 +529,12 @@ class Config(ModelConfig):
                 "exclude": list(self.exclude),
                 "algo_config": None if self.algo_config is None else self.algo_config.to_dict(),
                 "pre_quant_opt_config": None if self.pre_quant_opt_config is None
-                else self.pre_quant_opt_config.to_dict()}
+                else self.pre_quant_opt_config.to_dict(), "quant_mode": self.quant_mode.value}
 
     @classmethod
     def from_dict(cls, d: dict) -> Config:
         keys = {"type", "global_quant_config", "layer_type_quant_config", "layer_quant_config", "exclude",
-                "algo_config", "pre_quant_opt_config"}
+                "algo_config", "pre_quant_opt_config", "quant_mode"}
         if not isinstance(d, dict) or d.get("type") != "Config" or set(d) - keys:
             raise ValueError(f"Config.from_dict expects the dict Config.to_dict() writes (keys {sorted(keys)})")
         types = {}
@@ -537,7 +548,8 @@ class Config(ModelConfig):
         return cls(QuantizationConfig.from_dict(d["global_quant_config"]), types,
                    {k: QuantizationConfig.from_dict(v) for k, v in (d.get("layer_quant_config") or {}).items()},
                    list(d.get("exclude") or ()), _algorithm_from_dict(d.get("algo_config")),
-                   _algorithm_from_dict(d.get("pre_quant_opt_config")))
+                   _algorithm_from_dict(d.get("pre_quant_opt_config")),
+                   d.get("quant_mode", QuantizationMode.eager_mode.value))
 
 
 def _algorithm_from_dict(d):

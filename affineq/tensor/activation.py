@@ -94,11 +94,9 @@ def fake_quantize_activation(x: torch.Tensor, aq: ActivationQuant, w=None) -> to
     reads its calibrated qparams from the weight `w`."""
     if aq.granularity == "per_block":  # OCP MX: shared E8M0 scale per block of K
         return fake_quantize_mx(x, aq.dtype, aq.block_size, aq.scale_mode, axis=-1)
-    x2 = x.reshape(-1, x.shape[-1])
     if aq.static:
-        q, scale, zp, block = quantize_activation(x2, aq, static_qparams(w))
-        return dequantize_affine(q, block, scale, zp, aq.dtype, zero_point_domain=_domain(aq),
-                                 output_dtype=x.dtype).view(x.shape)
+        return fake_quantize_static(x, aq, *static_qparams(w))
+    x2 = x.reshape(-1, x.shape[-1])
     # int8 shortcuts, bit for bit the primitives' values (tested), several times faster than the general
     # primitives (benchmarks/README.md), paid per linear at decode: one C++ pass where it is built, else a few
     # eager ops.
@@ -117,6 +115,16 @@ def fake_quantize_activation(x: torch.Tensor, aq: ActivationQuant, w=None) -> to
     q, scale, zp, block = quantize_activation(x2, aq)
     out = dequantize_affine(q, block, scale, zp, aq.dtype, zero_point_domain=_domain(aq), output_dtype=x.dtype)
     return out.view(x.shape)
+
+
+def fake_quantize_static(x: torch.Tensor, aq: ActivationQuant, scale: torch.Tensor,
+                         zero_point: torch.Tensor | None) -> torch.Tensor:
+    """dequantize(quantize(x)) with calibrated per-tensor qparams (one-element `scale`, `zero_point` or None):
+    what a static `aq` weight does to its input, and what graph mode's quantize/dequantize nodes do."""
+    x2 = x.reshape(-1, x.shape[-1])
+    q, scale, zp, block = quantize_activation(x2, aq, (scale, zero_point))
+    return dequantize_affine(q, block, scale, zp, aq.dtype, zero_point_domain=_domain(aq),
+                             output_dtype=x.dtype).view(x.shape)
 
 
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
