@@ -35,6 +35,7 @@ from affineq import safetensors as _st
 from affineq._memory import release_float_copy, trim_heap
 from affineq.algorithms._base import AlgorithmConfig
 from affineq.configs import QuantConfig
+from affineq.primitives import quantize_affine
 from affineq.quantize import (
     FqnToConfig,
     ModelConfig,
@@ -46,7 +47,7 @@ from affineq.quantize import (
     _replace_parameters,
 )
 from affineq.recurrent import RECURRENT_TYPES
-from affineq.tensor.affine import AffineQuantizedTensor
+from affineq.tensor.affine import AffineQuantizedTensor, _check_finite_qparams
 
 __all__ = ["quantize_checkpoint", "load_quantized", "is_linear_weight", "QuantizedCheckpoint"]
 
@@ -54,6 +55,8 @@ SelectFn = Callable[[str, tuple[int, ...]], bool]
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 2 * 2**30
+#: Elements per row chunk when a weight with row-local qparams is quantized (16 MiB of fp32 temporaries).
+CHUNK_ELEMENTS = 1 << 20
 
 # safetensors dtype codes -> torch dtypes (for planning from the headers, before any data is read)
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -266,6 +269,42 @@ def _targets(source: _Source, config: QuantConfig, model, filter_fn: SelectFn | 
     return _targets_by_name(source, config, filter_fn)
 
 
+# -- quantizing one weight in row chunks ---------------------------------------------------------------------
+
+
+def quantize_weight(config: QuantConfig, weight: torch.Tensor, module: nn.Module) -> AffineQuantizedTensor:
+    """`config.quantize_weight(weight, module)`, bit for bit, with temporaries bounded by `CHUNK_ELEMENTS`.
+
+    `from_spec` holds several full-size fp32 temporaries (the scaled, rounded, clamped weight: ~4x an fp32
+    weight). Where the qparams are row-local (block_size[0] == 1: per row, per group) the codes of a row
+    depend on that row only, so they are computed chunk by chunk (`stored_qparams` + `quantize_affine`, as
+    `from_qparams` computes them) and packed once: the temporaries shrink to one chunk plus the codes (one
+    byte per weight). Other weights and configs with their own `quantize_weight` are quantized whole."""
+    if type(config).quantize_weight is not QuantConfig.quantize_weight or weight.dim() != 2:
+        return config.quantize_weight(weight, module)
+    spec = config.weight_spec(weight, module)
+    rows = max(1, CHUNK_ELEMENTS // max(1, weight.shape[1]))
+    if spec.block_size[0] != 1 or spec.transposed or weight.shape[0] <= rows:
+        return config.quantize_weight(weight, module)
+    options = config.qparam_options()
+    codes: torch.Tensor | None = None  # filled in place: a list + torch.cat would hold the codes twice
+    scales, zero_points = [], []
+    for r in range(0, weight.shape[0], rows):
+        chunk = weight[r:r + rows]
+        scale, zero_point = AffineQuantizedTensor.stored_qparams(chunk, spec.replace(shape=tuple(chunk.shape)),
+                                                                 options)
+        _check_finite_qparams(scale, zero_point)
+        c = quantize_affine(chunk, spec.block_size, scale, zero_point, spec.target, spec.quant_min, spec.quant_max,
+                            spec.zero_point_domain, rounding=options.rounding)
+        if codes is None:
+            codes = torch.empty(weight.shape, dtype=c.dtype, device=c.device)
+        codes[r:r + rows] = c
+        scales.append(scale)
+        zero_points.append(zero_point)
+    zero_point = None if zero_points[0] is None else torch.cat(zero_points)
+    return AffineQuantizedTensor.from_codes(codes, torch.cat(scales), zero_point, spec)
+
+
 # -- writing shards -------------------------------------------------------------------------------------------
 
 
@@ -381,7 +420,7 @@ def quantize_checkpoint(
             if target is None:
                 writer.add(key, t)
                 continue
-            q = target.config.quantize_weight(t, target.module)
+            q = quantize_weight(target.config, t, target.module)
             float_bytes += _nbytes(t)
             quantized_bytes += _nbytes(q)
             release_float_copy(t)
@@ -443,7 +482,7 @@ def load_quantized(
             _place(slots[name], owners, _st.build_entry(name, entries[name], got, where), quantized=True)
             continue
         if key in targets:
-            q = targets[key].config.quantize_weight(t, targets[key].module)
+            q = quantize_weight(targets[key].config, t, targets[key].module)
             release_float_copy(t)
             _place(slots[key], owners, q, quantized=True)
         else:
