@@ -279,7 +279,8 @@ def quantize_weight(config: QuantConfig, weight: torch.Tensor, module: nn.Module
     weight). Where the qparams are row-local (block_size[0] == 1: per row, per group) the codes of a row
     depend on that row only, so they are computed chunk by chunk (`stored_qparams` + `quantize_affine`, as
     `from_qparams` computes them) and packed once: the temporaries shrink to one chunk plus the codes (one
-    byte per weight). Other weights and configs with their own `quantize_weight` are quantized whole."""
+    byte per weight), and the pages of a memory-mapped weight are given back chunk by chunk. Other weights,
+    and configs with their own `quantize_weight`, are quantized whole."""
     if type(config).quantize_weight is not QuantConfig.quantize_weight or weight.dim() != 2:
         return config.quantize_weight(weight, module)
     spec = config.weight_spec(weight, module)
@@ -299,6 +300,7 @@ def quantize_weight(config: QuantConfig, weight: torch.Tensor, module: nn.Module
         if codes is None:
             codes = torch.empty(weight.shape, dtype=c.dtype, device=c.device)
         codes[r:r + rows] = c
+        release_float_copy(chunk)  # rows already quantized: their mmapped pages are not needed again
         scales.append(scale)
         zero_points.append(zero_point)
     zero_point = None if zero_points[0] is None else torch.cat(zero_points)

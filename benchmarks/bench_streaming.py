@@ -24,15 +24,13 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine_line, save_json, table  # noqa: E402
+from common import machine_line, run_child, save_json, table  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 MB = 2**20
 
 
@@ -119,14 +117,6 @@ def child(mode: str, src: str, dst: str, config_name: str, quick: bool) -> dict:
             "out MB": round(written, 1), "s": round(secs, 1)}
 
 
-def _run_child(*args: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "HF_HUB_OFFLINE": "1"}
-    res = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True, text=True, env=env)
-    if res.returncode:
-        raise SystemExit(f"child {args} failed:\n{res.stderr[-3000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="int4-g64", help="a config name of affineq.demo.CONFIGS")
@@ -142,12 +132,12 @@ def main(argv: list[str] | None = None) -> None:
     d = Path(args.dir) / ("tiny" if args.quick else "smollm2")
     flt = d / "float"
     if not flt.exists():
-        _run_child("save-float", str(flt), "-", args.config, q)
+        run_child(__file__, "save-float", str(flt), "-", args.config, q)
     rows = []
     for mode in ("by-name", "meta-model", "quantize_"):
         out = d / f"{args.config}-{mode}"
         shutil.rmtree(out, ignore_errors=True)
-        rows.append(_run_child(mode, str(flt), str(out), args.config, q))
+        rows.append(run_child(__file__, mode, str(flt), str(out), args.config, q))
     float_mb, quant_mb = _dir_mb(flt), rows[1]["out MB"]
     print(machine_line())
     print(f"{'TinyLM' if args.quick else 'SmolLM2-135M'} float32 checkpoint {float_mb:.1f} MB; {args.config}: "
