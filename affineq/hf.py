@@ -352,11 +352,7 @@ def _read_checkpoint(files: list[str] | None) -> dict:
         if meta is None:
             raise ValueError(f"{path} has no affineq metadata although config.json says quant_method='affineq'; the "
                              "file was replaced or edited: save the model again with save_pretrained")
-        if merged is None:
-            merged = meta
-        elif meta["quantized"] != merged["quantized"] or meta["checksums"] != merged["checksums"]:
-            raise ValueError(f"{path}: its affineq metadata differs from the other shards'; the checkpoint mixes files "
-                             "from different saves")
+        merged = _st.merge_metadata(merged, meta, str(path))
         found.update({k: path for k in keys})
     missing = sorted(k for k in merged["checksums"] if k not in found)
     if missing:

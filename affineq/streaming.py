@@ -24,6 +24,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,20 +145,8 @@ def _open_source(src: str | os.PathLike) -> _Source:
         except st.SafetensorError as e:
             raise ValueError(f"{path} is not a readable safetensors file ({e}): it is truncated or corrupted") from None
         if meta is not None:
-            source.meta = _merge_meta(source.meta, meta, path)
+            source.meta = _st.merge_metadata(source.meta, meta, str(path))
     return source
-
-
-def _merge_meta(merged: dict | None, meta: dict, path: Path) -> dict:
-    """The union of the shards' "affineq" metadata (each shard may list only its own entries, or all)."""
-    if merged is None:
-        return {"quantized": dict(meta["quantized"]), "checksums": dict(meta["checksums"])}
-    for field in ("quantized", "checksums"):
-        for k, v in meta[field].items():
-            if merged[field].setdefault(k, v) != v:
-                raise ValueError(f"{path}: its affineq metadata for {k!r} differs from another shard's; the "
-                                 "checkpoint mixes files from different saves")
-    return merged
 
 
 def _read(source: _Source) -> Iterator[tuple[str, torch.Tensor]]:
@@ -374,6 +363,36 @@ def _check_dst(src_files: list[Path], dst: Path) -> None:
         raise ValueError("dst_dir must differ from the source directory")
 
 
+def _hf_config(src: Path) -> dict | None:
+    """The checkpoint directory's transformers config.json, or None; ValueError if it is already quantized."""
+    path = src / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); fix or remove it") from None
+    if not isinstance(cfg, dict):
+        return None
+    if cfg.get("quantization_config"):
+        method = cfg["quantization_config"].get("quant_method") if isinstance(cfg["quantization_config"], dict) else "?"
+        raise ValueError(f"{path} says the checkpoint is already quantized (quant_method {method!r}); "
+                         "quantize_checkpoint reads float checkpoints")
+    return cfg
+
+
+def _copy_side_files(src: Path, dst: Path, hf_config: dict | None, config: QuantConfig) -> None:
+    """Every other file of the source directory (tokenizer, generation config...), and config.json marked
+    quantized as `affineq.hf.AffineqConfig` writes it, so that transformers' `from_pretrained(dst)` loads the
+    quantized checkpoint (its weights are named by the files' metadata, not by the config)."""
+    for f in sorted(src.iterdir()):
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in (INDEX_FILE, "config.json"):
+            shutil.copy2(f, dst / f.name)
+    if hf_config is not None:
+        quant = {"quant_method": "affineq", "quant_config": config.to_dict(), "modules_to_not_convert": None}
+        (dst / "config.json").write_text(json.dumps({**hf_config, "quantization_config": quant}, indent=2) + "\n")
+
+
 # -- the public entry points ----------------------------------------------------------------------------------
 
 
@@ -395,7 +414,8 @@ def quantize_checkpoint(
     anything is read (`QuantizationError` lists every weight the config cannot take). The output is affineq's
     safetensors format (`affineq.safetensors.load_file` reads each shard; `load_quantized` fills a model) in
     shards of at most `max_shard_bytes` (a larger single tensor gets its own), named and indexed as
-    transformers names them. Only weights are written: copy config / tokenizer files yourself.
+    transformers names them. The directory's other files are copied, config.json with the affineq
+    `quantization_config`, so transformers' `from_pretrained(dst_dir)` loads it too (`import affineq` first).
 
     model: a module (only its structure is read; build it under ``with torch.device("meta"):``) or a
     zero-argument factory called on the meta device, e.g.
@@ -410,6 +430,8 @@ def quantize_checkpoint(
         raise ValueError(f"src_dir={os.fspath(src_dir)!r} is already an affineq-quantized checkpoint; quantize the "
                          "float checkpoint (or load this one with affineq.load_quantized)")
     targets = _targets(source, config, None if model is None else _meta_model(model), filter_fn)
+    src = Path(src_dir)
+    hf_config = _hf_config(src) if src.is_dir() else None
     dst = Path(dst_dir)
     _check_dst(source.files, dst)
     dst.mkdir(parents=True, exist_ok=True)
@@ -429,6 +451,8 @@ def quantize_checkpoint(
             del t
             writer.add(key, q)
         files = writer.close()
+        if src.is_dir():
+            _copy_side_files(src, dst, hf_config, config)
     except BaseException:
         for part in writer.written:
             part.unlink(missing_ok=True)

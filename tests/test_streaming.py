@@ -3,6 +3,7 @@ memory, and quantize a checkpoint larger than the memory they use."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -82,7 +83,8 @@ def _assert_same(model: torch.nn.Module, ref: torch.nn.Module) -> None:
             assert torch.equal(_bits(q), _bits(p)), name
     ids = torch.randint(0, TINY["vocab"], (2, 9))
     with torch.no_grad():
-        assert torch.equal(model(ids), ref(ids))
+        out, want = model(ids), ref(ids)
+        assert torch.equal(getattr(out, "logits", out), getattr(want, "logits", want))
 
 
 def test_meta_model_is_the_tiny_lm():
@@ -155,6 +157,36 @@ def test_load_quantized_from_the_float_checkpoint(tmp_path):
     ref = build_tiny_lm(**TINY)
     affineq.quantize_(ref, cfg)
     _assert_same(affineq.load_quantized(_meta_model(), src, cfg), ref)
+
+
+def test_transformers_loads_the_output(tmp_path):
+    """A transformers checkpoint in, a transformers checkpoint out: from_pretrained(dst) (pre-quantized, per-shard
+    metadata merged) equals from_pretrained(src) + quantize_, and the tokenizer-side files are copied."""
+    transformers = pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    cfg = affineq.Int4WeightOnlyConfig(group_size=32)
+    hf_cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    LlamaForCausalLM(hf_cfg).save_pretrained(tmp_path / "float", max_shard_size="40KB")
+    (tmp_path / "float" / "tokenizer_config.json").write_text("{}")
+    assert len(list((tmp_path / "float").glob("*.safetensors"))) > 1
+    info = affineq.quantize_checkpoint(tmp_path / "float", tmp_path / "q", cfg, max_shard_bytes=20_000)
+    assert len(info.files) > 1 and (tmp_path / "q" / "tokenizer_config.json").read_text() == "{}"
+    assert json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["quant_method"] == "affineq"
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "float", dtype=torch.float32).eval()
+    affineq.quantize_(ref, cfg)
+    got = AutoModelForCausalLM.from_pretrained(tmp_path / "q", dtype=torch.float32).eval()
+    assert sorted(affineq.quantized_weights(got)) == sorted(affineq.quantized_weights(ref)) == sorted(info.quantized)
+    _assert_same(got, ref)
+    # a float-looking checkpoint whose config.json says another method quantized it is refused
+    shutil.copytree(tmp_path / "float", tmp_path / "gptq")
+    hf = json.loads((tmp_path / "gptq" / "config.json").read_text())
+    (tmp_path / "gptq" / "config.json").write_text(json.dumps({**hf, "quantization_config": {"quant_method": "gptq"}}))
+    with pytest.raises(ValueError, match="already quantized \\(quant_method 'gptq'\\)"):
+        affineq.quantize_checkpoint(tmp_path / "gptq", tmp_path / "again", cfg)
+    assert transformers and not (tmp_path / "again").exists()
 
 
 def test_bad_input(tmp_path):
