@@ -166,8 +166,9 @@ def test_transformers_loads_the_output(tmp_path):
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     cfg = affineq.Int4WeightOnlyConfig(group_size=32)
-    hf_cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    hf_cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False)
     torch.manual_seed(0)
     LlamaForCausalLM(hf_cfg).save_pretrained(tmp_path / "float", max_shard_size="40KB")
     (tmp_path / "float" / "tokenizer_config.json").write_text("{}")
