@@ -210,7 +210,12 @@ def _targets_from_model(source: _Source, config: QuantConfig, model: nn.Module,
         for pname in step.config.parameter_names(step.module):
             by_param.setdefault(id(step.module._parameters[pname]), _Target(step.config, step.module))
     params = dict(model.named_parameters(remove_duplicate=False))
-    return {k: by_param[id(params[k])] for k in source.keys if k in params and id(params[k]) in by_param}
+    targets = {k: by_param[id(params[k])] for k in source.keys if k in params and id(params[k]) in by_param}
+    wrong = [f"{k}: {source.keys[k][1]} in the file, {tuple(params[k].shape)} in the model" for k in targets
+             if source.keys[k][1] != tuple(params[k].shape)]
+    if wrong:
+        raise ValueError(f"model= does not match the checkpoint ({wrong[:3]}); build it with the checkpoint's config")
+    return targets
 
 
 def _targets_by_name(source: _Source, config: QuantConfig, filter_fn: SelectFn | None) -> dict[str, _Target]:

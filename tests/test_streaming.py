@@ -208,6 +208,9 @@ def test_bad_input(tmp_path):
         affineq.quantize_checkpoint(src, tmp_path / "x", affineq.GPTQConfig(cfg))
     with pytest.raises(ValueError, match="pass model="):
         affineq.quantize_checkpoint(src, tmp_path / "x", _Plan())
+    with pytest.raises(ValueError, match=r"model= does not match the checkpoint.*\(64, 64\) in the file"):
+        affineq.quantize_checkpoint(src, tmp_path / "x", cfg, model=lambda: TinyLM(TinyLMConfig(
+            vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128)))
     affineq.quantize_checkpoint(src, tmp_path / "q", cfg)
     with pytest.raises(ValueError, match="already holds a safetensors checkpoint"):
         affineq.quantize_checkpoint(src, tmp_path / "q", cfg)
