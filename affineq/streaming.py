@@ -210,6 +210,10 @@ def _targets_from_model(source: _Source, config: QuantConfig, model: nn.Module,
         for pname in step.config.parameter_names(step.module):
             by_param.setdefault(id(step.module._parameters[pname]), _Target(step.config, step.module))
     params = dict(model.named_parameters(remove_duplicate=False))
+    if params and not any(k in params for k in source.keys):
+        raise ValueError(f"model= shares no parameter name with the checkpoint (model: {next(iter(params))!r}, file: "
+                         f"{next(iter(source.keys), None)!r}); pass the model class the checkpoint was saved from "
+                         "(e.g. AutoModelForCausalLM rather than AutoModel)")
     targets = {k: by_param[id(params[k])] for k in source.keys if k in params and id(params[k]) in by_param}
     wrong = [f"{k}: {source.keys[k][1]} in the file, {tuple(params[k].shape)} in the model" for k in targets
              if source.keys[k][1] != tuple(params[k].shape)]
@@ -435,6 +439,9 @@ def quantize_checkpoint(
         raise ValueError(f"src_dir={os.fspath(src_dir)!r} is already an affineq-quantized checkpoint; quantize the "
                          "float checkpoint (or load this one with affineq.load_quantized)")
     targets = _targets(source, config, None if model is None else _meta_model(model), filter_fn)
+    if not targets:
+        raise QuantizationError(f"{type(config).__name__} selects no weight of {os.fspath(src_dir)!r} (no 2-D *.weight "
+                                "outside embeddings, or filter_fn / model= chose none); the output would be the input")
     src = Path(src_dir)
     hf_config = _hf_config(src) if src.is_dir() else None
     dst = Path(dst_dir)

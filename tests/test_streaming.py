@@ -211,6 +211,11 @@ def test_bad_input(tmp_path):
     with pytest.raises(ValueError, match=r"model= does not match the checkpoint.*\(64, 64\) in the file"):
         affineq.quantize_checkpoint(src, tmp_path / "x", cfg, model=lambda: TinyLM(TinyLMConfig(
             vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128)))
+    with pytest.raises(ValueError, match="shares no parameter name"):
+        affineq.quantize_checkpoint(src, tmp_path / "x", cfg, model=lambda: torch.nn.Sequential(_meta_model()))
+    with pytest.raises(affineq.QuantizationError, match="selects no weight"):
+        affineq.quantize_checkpoint(src, tmp_path / "x", cfg, filter_fn=lambda name, shape: False)
+    assert not (tmp_path / "x").exists()
     affineq.quantize_checkpoint(src, tmp_path / "q", cfg)
     with pytest.raises(ValueError, match="already holds a safetensors checkpoint"):
         affineq.quantize_checkpoint(src, tmp_path / "q", cfg)
