@@ -98,6 +98,7 @@ from affineq.quark_config import (
     ScaleType,
     ZeroPointType,
 )
+from affineq.streaming import QuantizedCheckpoint, is_linear_weight, load_quantized, quantize_checkpoint
 from affineq.tensor import linear_kernels as _linear_kernels  # noqa: F401  (registers the kernels)
 from affineq.tensor import ops as _ops  # noqa: F401  (fills the op tables)
 from affineq.tensor.affine import ACT_TENSORS, AffineQuantizedTensor
@@ -216,6 +217,10 @@ __all__ = [
     "quantize_dynamic",
     "quantize_affine",
     "quantized_weights",
+    "quantize_checkpoint",
+    "load_quantized",
+    "is_linear_weight",
+    "QuantizedCheckpoint",
     "qtype",
     "record_kernels",
     "register_linear_kernel",

@@ -48,6 +48,8 @@ except ImportError as _e:  # pragma: no cover - depends on the environment
                       "(or pip install affineq[models])") from None
 
 from affineq import safetensors as _st
+from affineq._memory import release_float_copy as _release_float_copy
+from affineq._memory import trim_heap as _trim_heap
 from affineq.configs import QuantConfig, config_from_dict
 from affineq.quantize import FqnToConfig, ModelConfig, QuantizationError, quantize_
 from affineq.tensor.affine import AffineQuantizedTensor
@@ -324,68 +326,6 @@ class AffineqHfQuantizer(HfQuantizer):
         return True
 
 
-# -- memory: the float weight of a quantized layer must not outlive its quantization --------------------------
-
-_PAGE = 4096
-_libc = None
-
-
-def _get_libc():
-    global _libc
-    if _libc is None:
-        import ctypes
-        import ctypes.util
-        import sys
-
-        _libc = False
-        if sys.platform == "linux":
-            try:
-                _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-                _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-            except (OSError, AttributeError):
-                _libc = False
-    return _libc
-
-
-def _mapped_file(ptr: int) -> str | None:
-    """Path of the file mapping that holds address `ptr`, or None (anonymous memory, or not Linux)."""
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                parts = line.split(maxsplit=5)
-                lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                if lo <= ptr < hi:
-                    return parts[5].strip() if len(parts) == 6 and parts[5].startswith("/") else None
-    except OSError:
-        return None
-    return None
-
-
-def _release_float_copy(t: torch.Tensor) -> None:
-    """Give back the memory of a float weight that was just quantized (Linux/glibc; a no-op elsewhere).
-
-    transformers hands the weight over as a view of the memory-mapped checkpoint, and the mapping stays open
-    (the float embedding and norms keep viewing it), so every page read while quantizing would stay resident
-    for the model's lifetime: drop those pages (MADV_DONTNEED on a read-only file mapping only forgets the
-    cached copy; a later read would fetch the file again). Then return freed quantization temporaries to the
-    OS (malloc_trim), which glibc would otherwise keep as heap fragments."""
-    libc = _get_libc()
-    if not libc or t.device.type != "cpu" or not t.is_contiguous():
-        return
-    ptr, n = t.data_ptr(), t.numel() * t.element_size()
-    lo, hi = -(-ptr // _PAGE) * _PAGE, (ptr + n) // _PAGE * _PAGE
-    path = _mapped_file(ptr) if hi > lo else None
-    if path is not None and path.endswith(".safetensors") and _mapped_file(hi - 1) == path:
-        libc.madvise(lo, hi - lo, 4)  # MADV_DONTNEED
-    _trim_heap()
-
-
-def _trim_heap() -> None:
-    libc = _get_libc()
-    if libc and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
-
-
 def _with_param(cfg: QuantConfig, pname: str) -> QuantConfig:
     import dataclasses
 
@@ -412,11 +352,7 @@ def _read_checkpoint(files: list[str] | None) -> dict:
         if meta is None:
             raise ValueError(f"{path} has no affineq metadata although config.json says quant_method='affineq'; the "
                              "file was replaced or edited: save the model again with save_pretrained")
-        if merged is None:
-            merged = meta
-        elif meta["quantized"] != merged["quantized"] or meta["checksums"] != merged["checksums"]:
-            raise ValueError(f"{path}: its affineq metadata differs from the other shards'; the checkpoint mixes files "
-                             "from different saves")
+        merged = _st.merge_metadata(merged, meta, str(path))
         found.update({k: path for k in keys})
     missing = sorted(k for k in merged["checksums"] if k not in found)
     if missing:

@@ -33,7 +33,7 @@ from affineq.tensor.formats import get_format
 from affineq.tensor.spec import QuantSpec
 
 __all__ = ["FILE_VERSION", "METADATA_KEY", "SEP", "save_file", "load_file", "flatten_state_dict",
-           "unflatten_state_dict", "parse_metadata", "verify_checksums"]
+           "unflatten_state_dict", "parse_metadata", "merge_metadata", "verify_checksums"]
 
 #: Version of the "affineq" metadata encoding; files with a newer one are refused with both versions named.
 FILE_VERSION = 1
@@ -200,6 +200,20 @@ def parse_metadata(header: dict[str, str] | None, where: str) -> dict | None:
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in sums.items()):
         raise ValueError(f"{where}: 'checksums' must map tensor keys to crc32 hex strings")
     return meta
+
+
+def merge_metadata(merged: dict | None, meta: dict, where: str) -> dict:
+    """The "affineq" metadata of a sharded checkpoint: the union of its shards' (`parse_metadata` dicts). A shard
+    may list every entry (transformers' save_pretrained writes the same metadata into each) or only its own
+    (`affineq.quantize_checkpoint`); an entry or checksum listed by two shards must agree (ValueError)."""
+    if merged is None:
+        return {**meta, "quantized": dict(meta["quantized"]), "checksums": dict(meta["checksums"])}
+    for field in ("quantized", "checksums"):
+        for k, v in meta[field].items():
+            if merged[field].setdefault(k, v) != v:
+                raise ValueError(f"{where}: its affineq metadata for {k!r} differs from another shard's; the "
+                                 "checkpoint mixes files from different saves")
+    return merged
 
 
 def verify_checksums(tensors: dict[str, torch.Tensor], sums: dict[str, str], where: str) -> None:

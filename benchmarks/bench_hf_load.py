@@ -19,16 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine_line, save_json, table  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
+from common import machine_line, run_child, save_json, table  # noqa: E402
 
 
 def _status_mb(field: str) -> float:
@@ -97,14 +94,6 @@ def child(mode: str, src: str, config_name: str, out: str | None) -> dict:
     return row
 
 
-def _run_child(*args: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "HF_HUB_OFFLINE": "1"}
-    res = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True, text=True, env=env)
-    if res.returncode:
-        raise SystemExit(f"child {args} failed:\n{res.stderr[-3000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="int4-g64", help="a config name of affineq.demo.CONFIGS")
@@ -118,10 +107,10 @@ def main(argv: list[str] | None = None) -> None:
     d = Path(args.dir)
     flt, q = d / "float", d / f"affineq-{args.config}"
     if not (flt / "config.json").exists():
-        _run_child("save-float", str(flt), args.config, "-")
-    rows = [_run_child("float", str(flt), args.config, "-"),
-            _run_child("quantize-on-load", str(flt), args.config, str(q)),
-            _run_child("pre-quantized", str(q), args.config, "-")]
+        run_child(__file__, "save-float", str(flt), args.config, "-")
+    rows = [run_child(__file__, "float", str(flt), args.config, "-"),
+            run_child(__file__, "quantize-on-load", str(flt), args.config, str(q)),
+            run_child(__file__, "pre-quantized", str(q), args.config, "-")]
     rows[1]["load"] += f" ({args.config})"
     fl, ql = rows[0], rows[1]
     bound = fl["peak - base"] + ql["model MB"]

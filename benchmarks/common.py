@@ -6,6 +6,8 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -97,3 +99,14 @@ def table(rows: list[dict], columns: list[str]) -> str:
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
     line = lambda vals: "  ".join(v.rjust(w) for v, w in zip(vals, widths, strict=False))
     return "\n".join([line(columns), line(["-" * w for w in widths]), *map(line, cells)])
+
+
+def run_child(script: str, *args: str) -> dict:
+    """Run `python script --child *args` in a fresh process (this checkout first on PYTHONPATH, the hub
+    offline) and return the JSON dict its last stdout line holds; SystemExit with its stderr if it fails."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "HF_HUB_OFFLINE": "1"}
+    res = subprocess.run([sys.executable, script, "--child", *args], capture_output=True, text=True, env=env)
+    if res.returncode:
+        raise SystemExit(f"child {args} failed:\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])

@@ -150,6 +150,15 @@ def _mid(spec: QuantSpec) -> float:
     return (spec.quant_max + spec.quant_min + 1) / 2
 
 
+def _unsigned_codes(codes: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """codes - quant_min as uint8 (codes of at most 8 bits). One-byte containers subtract in uint8 arithmetic:
+    the result is exact modulo 256 and lies in [0, 255], so it needs no int32 copy (4 bytes per weight, the
+    peak of packing a large weight)."""
+    if codes.dtype in (torch.int8, torch.uint8):
+        return codes.view(torch.uint8) - (spec.quant_min % 256)
+    return (codes.to(torch.int32) - spec.quant_min).to(torch.uint8)
+
+
 def _offset(scale: torch.Tensor, zp: torch.Tensor | None, spec: QuantSpec) -> torch.Tensor:
     """fp32 offset such that w = scale * (q - quant_min) + offset reproduces the domain's dequantization."""
     s = scale.float()
@@ -343,8 +352,7 @@ class Dense(PackingFormat):
                     and bool((zero_point != 0).any())):
                 raise ValueError("packing_format='dense' with e8m0 scales stores no zero point, got nonzero "
                                  "zero points: use mapping_type=SYMMETRIC, or packing_format='plain'")
-            u = codes.view(torch.uint8) if spec.target.is_float else (
-                codes.to(torch.int32) - spec.quant_min).to(torch.uint8)
+            u = codes.view(torch.uint8) if spec.target.is_float else _unsigned_codes(codes, spec)
             t = {"qdata": _cpp.pack_codes(u, spec.target.bits),
                  "scale": _e8m0_bytes(scale).reshape(n, -1).contiguous()}
             self._check_representable(t, spec)
@@ -352,7 +360,7 @@ class Dense(PackingFormat):
         if spec.target.is_float:
             u, offset = codes.view(torch.uint8), torch.zeros_like(scale, dtype=torch.float32)
         else:
-            u = (codes.to(torch.int32) - spec.quant_min).to(torch.uint8)
+            u = _unsigned_codes(codes, spec)
             if self._bf16(scale, spec):
                 offset = torch.zeros_like(scale) if zero_point is None else zero_point
             else:

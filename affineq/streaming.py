@@ -1,0 +1,561 @@
+"""Quantizing models larger than memory: a float safetensors checkpoint is read, quantized and written (or
+placed into a model built on the `meta` device) one tensor at a time.
+
+    affineq.quantize_checkpoint("float_dir", "int4_dir", affineq.Int4WeightOnlyConfig(group_size=64))
+    with torch.device("meta"):
+        model = MyModel()
+    affineq.load_quantized(model, "int4_dir")            # or load_quantized(model, "float_dir", config)
+
+Peak memory: one float tensor (its mmapped pages, released right after it is quantized) plus the
+quantization temporaries plus the output shard being filled (at most `max_shard_bytes`) for
+`quantize_checkpoint`, or plus the quantized model for `load_quantized`. Never the float model.
+
+Which tensors are quantized mirrors `quantize_`: with a `model` (any module, usually built on `meta`; only its
+structure is used) exactly `quantize_`'s selection on it (every nn.Linear, `FqnToConfig` names, tied weights);
+without one, every 2-D floating ``*.weight`` tensor whose module name is not an embedding's (`is_linear_weight`).
+`filter_fn(name, shape)` replaces that default: it is asked about every ``*.weight`` tensor (with a model: each
+module's weight, and the module's config then checks it as `quantize_` would). The result is bit-identical to
+`quantize_` on the float model loaded in memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from affineq import safetensors as _st
+from affineq._memory import release_float_copy, trim_heap
+from affineq.algorithms._base import AlgorithmConfig
+from affineq.configs import QuantConfig
+from affineq.primitives import quantize_affine
+from affineq.quantize import (
+    FqnToConfig,
+    ModelConfig,
+    QuantizationError,
+    _handler_for,
+    _parameter_owners,
+    _plan,
+    _raise_problems,
+    _replace_parameters,
+)
+from affineq.recurrent import RECURRENT_TYPES
+from affineq.tensor.affine import AffineQuantizedTensor, _check_finite_qparams
+
+__all__ = ["quantize_checkpoint", "load_quantized", "is_linear_weight", "QuantizedCheckpoint"]
+
+SelectFn = Callable[[str, tuple[int, ...]], bool]
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_BYTES = 2 * 2**30
+#: Elements per row chunk when a weight with row-local qparams is quantized (16 MiB of fp32 temporaries).
+CHUNK_ELEMENTS = 1 << 20
+
+# safetensors dtype codes -> torch dtypes (for planning from the headers, before any data is read)
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+           "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "U16": torch.uint16, "U32": torch.uint32,
+           "U64": torch.uint64, "BOOL": torch.bool}
+# module names of embeddings in common model families: their 2-D weights are looked up, not multiplied
+_EMBEDDING = re.compile(r"(^|.*\.)(\w*embed\w*|wte|wpe|shared)$")
+
+
+def is_linear_weight(name: str, shape: tuple[int, ...]) -> bool:
+    """The default selection without a model: a 2-D ``*.weight`` whose module is not an embedding by name
+    (``*embed*``, ``wte``, ``wpe``, ``shared``). Pass `model=` for a decision by module type instead."""
+    module, _, leaf = name.rpartition(".")
+    return leaf == "weight" and len(shape) == 2 and not _EMBEDDING.fullmatch(module)
+
+
+@dataclass(frozen=True)
+class QuantizedCheckpoint:
+    """What `quantize_checkpoint` wrote: `files` (paths), `quantized` (names of the quantized weights),
+    `float_bytes` / `quantized_bytes` (those weights before and after), `src_bytes` / `dst_bytes` (all tensors
+    read / written)."""
+
+    files: tuple[str, ...]
+    quantized: tuple[str, ...]
+    float_bytes: int
+    quantized_bytes: int
+    src_bytes: int
+    dst_bytes: int
+
+
+# -- the source checkpoint (headers only) ----------------------------------------------------------------------
+
+
+@dataclass
+class _Source:
+    files: list[Path]
+    keys: dict[str, tuple[Path, tuple[int, ...], torch.dtype]]  # key -> (file, shape, dtype)
+    meta: dict | None  # merged "affineq" metadata of a quantized checkpoint
+
+
+def _safetensors():
+    return _st._import_safetensors()
+
+
+def _files(src: str | os.PathLike) -> list[Path]:
+    path = Path(src)
+    if path.is_file():
+        if path.suffix != ".safetensors":
+            raise ValueError(f"src={os.fspath(src)!r} is not a .safetensors file; pass a checkpoint directory or "
+                             "a .safetensors file")
+        return [path]
+    if not path.is_dir():
+        raise ValueError(f"src={os.fspath(src)!r} does not exist; pass a checkpoint directory holding "
+                         f"{SINGLE_FILE} or {INDEX_FILE}")
+    if (path / INDEX_FILE).is_file():
+        try:
+            weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{path / INDEX_FILE} is not a safetensors index (a 'weight_map' of tensor name -> "
+                             f"file): {e}") from None
+        missing = [n for n in names if not (path / n).is_file()]
+        if missing:
+            raise ValueError(f"{path / INDEX_FILE} lists shards that are missing: {missing[:5]}")
+        return [path / n for n in names]
+    if (path / SINGLE_FILE).is_file():
+        return [path / SINGLE_FILE]
+    raise ValueError(f"src={os.fspath(src)!r} holds neither {SINGLE_FILE} nor {INDEX_FILE}; pass a safetensors "
+                     "checkpoint directory (save_pretrained writes one) or a .safetensors file")
+
+
+def _open_source(src: str | os.PathLike) -> _Source:
+    st = _safetensors()
+    source = _Source(_files(src), {}, None)
+    for path in source.files:
+        try:
+            with st.safe_open(str(path), framework="pt") as f:
+                meta = _st.parse_metadata(f.metadata(), str(path))
+                for key in f.keys():
+                    sl = f.get_slice(key)
+                    if key in source.keys:
+                        raise ValueError(f"tensor {key!r} is in both {source.keys[key][0]} and {path}")
+                    source.keys[key] = (path, tuple(sl.get_shape()), _DTYPES.get(sl.get_dtype(), torch.uint8))
+        except st.SafetensorError as e:
+            raise ValueError(f"{path} is not a readable safetensors file ({e}): it is truncated or corrupted") from None
+        if meta is not None:
+            source.meta = _st.merge_metadata(source.meta, meta, str(path))
+    return source
+
+
+def _read(source: _Source) -> Iterator[tuple[str, torch.Tensor]]:
+    """(key, tensor) for every tensor of the checkpoint, file by file. Each tensor is a view of the file's
+    mapping: its pages become resident as they are read."""
+    st = _safetensors()
+    for path in source.files:
+        with st.safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
+
+
+# -- which tensors to quantize ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Target:
+    config: QuantConfig
+    module: nn.Module  # what the config's weight_spec sees (the model's module, or a meta nn.Linear)
+
+
+def _meta_model(model: nn.Module | Callable[[], nn.Module]) -> nn.Module:
+    if isinstance(model, nn.Module):
+        return model
+    if callable(model):
+        with torch.device("meta"):
+            built = model()
+        if not isinstance(built, nn.Module):
+            raise TypeError(f"model=... factory returned {type(built).__name__}; it must return an nn.Module")
+        return built
+    raise TypeError(f"model must be an nn.Module (e.g. built under `with torch.device('meta'):`) or a factory "
+                    f"returning one, got {type(model).__name__}")
+
+
+def _check_streamable(config: QuantConfig, fqn: str, module: nn.Module) -> None:
+    if isinstance(config, AlgorithmConfig) or getattr(config, "needs_calibration", False):
+        raise QuantizationError(f"{type(config).__name__} ({fqn or '<root>'}) needs calibration data or a whole-model "
+                                "pass, which a tensor-by-tensor quantizer cannot give: load the float model and run "
+                                "affineq.quantize_(model, config, calibration_data=...)")
+    if _handler_for(config) is not _replace_parameters or isinstance(module, RECURRENT_TYPES):
+        raise QuantizationError(f"{type(config).__name__} replaces the module {fqn or '<root>'} "
+                                f"({type(module).__name__}) rather than its weights; the streaming quantizer only "
+                                "replaces weights: quantize that module with affineq.quantize_, or leave it float "
+                                "(FqnToConfig {name: None} or filter_fn)")
+
+
+def _targets_from_model(source: _Source, config: QuantConfig, model: nn.Module,
+                        filter_fn: SelectFn | None) -> dict[str, _Target]:
+    if isinstance(config, ModelConfig):
+        config = config.to_fqn_config(model)
+    module_filter = None
+    if filter_fn is not None:
+        def module_filter(module: nn.Module, fqn: str) -> bool:
+            w = module._parameters.get("weight")
+            return w is not None and bool(filter_fn(f"{fqn}.weight" if fqn else "weight", tuple(w.shape)))
+    steps, problems = _plan(model, config, module_filter)
+    _raise_problems(config, problems)
+    by_param: dict[int, _Target] = {}
+    for step in steps:
+        _check_streamable(step.config, step.fqn, step.module)
+        for pname in step.config.parameter_names(step.module):
+            by_param.setdefault(id(step.module._parameters[pname]), _Target(step.config, step.module))
+    params = dict(model.named_parameters(remove_duplicate=False))
+    if params and not any(k in params for k in source.keys):
+        raise ValueError(f"model= shares no parameter name with the checkpoint (model: {next(iter(params))!r}, file: "
+                         f"{next(iter(source.keys), None)!r}); pass the model class the checkpoint was saved from "
+                         "(e.g. AutoModelForCausalLM rather than AutoModel)")
+    targets = {k: by_param[id(params[k])] for k in source.keys if k in params and id(params[k]) in by_param}
+    wrong = [f"{k}: {source.keys[k][1]} in the file, {tuple(params[k].shape)} in the model" for k in targets
+             if source.keys[k][1] != tuple(params[k].shape)]
+    if wrong:
+        raise ValueError(f"model= does not match the checkpoint ({wrong[:3]}); build it with the checkpoint's config")
+    return targets
+
+
+def _targets_by_name(source: _Source, config: QuantConfig, filter_fn: SelectFn | None) -> dict[str, _Target]:
+    if isinstance(config, ModelConfig):
+        raise ValueError(f"{type(config).__name__} plans over the model's modules: pass model=<the model built on "
+                         "the meta device> (or a factory)")
+    fqn_config = config if isinstance(config, FqnToConfig) else None
+    targets, problems = {}, []
+    for key, (_, shape, dtype) in source.keys.items():
+        fqn, _, leaf = key.rpartition(".")
+        cfg, explicit = config, False
+        if fqn_config is not None:
+            if key in fqn_config.fqn_to_config:  # a parameter-name key
+                cfg, explicit = fqn_config.fqn_to_config[key], True
+            else:
+                cfg, explicit = fqn_config.config_for(fqn)
+        if cfg is None or not dtype.is_floating_point:
+            continue
+        chosen = filter_fn(key, shape) if filter_fn is not None and leaf == "weight" else None
+        if not (chosen if chosen is not None else explicit or is_linear_weight(key, shape)):
+            continue
+        cfg = dataclasses.replace(cfg, param_names=None)
+        if len(shape) != 2:
+            problems.append((key, f"it is {len(shape)}-D {shape}; without a model only 2-D (Linear) weights can be "
+                                  "quantized: pass model=<the model on the meta device>"))
+            continue
+        module = nn.Linear(shape[1], shape[0], bias=False, device="meta", dtype=dtype)
+        why = cfg.check(module)
+        if why is None:
+            _check_streamable(cfg, fqn, module)
+            targets[key] = _Target(cfg, module)
+        else:
+            problems.append((key, why))
+    _raise_problems(config, problems)
+    return targets
+
+
+def _targets(source: _Source, config: QuantConfig, model, filter_fn: SelectFn | None) -> dict[str, _Target]:
+    if not isinstance(config, QuantConfig) or isinstance(config, type):
+        raise TypeError(f"config must be an affineq config instance (e.g. Int4WeightOnlyConfig()), got {config!r}")
+    if filter_fn is not None and not callable(filter_fn):
+        raise TypeError(f"filter_fn must be a callable filter_fn(name, shape) -> bool, got {filter_fn!r}")
+    if model is not None:
+        return _targets_from_model(source, config, model, filter_fn)
+    return _targets_by_name(source, config, filter_fn)
+
+
+# -- quantizing one weight in row chunks ---------------------------------------------------------------------
+
+
+def quantize_weight(config: QuantConfig, weight: torch.Tensor, module: nn.Module) -> AffineQuantizedTensor:
+    """`config.quantize_weight(weight, module)`, bit for bit, with temporaries bounded by `CHUNK_ELEMENTS`.
+
+    `from_spec` holds several full-size fp32 temporaries (the scaled, rounded, clamped weight: ~4x an fp32
+    weight). Where the qparams are row-local (block_size[0] == 1: per row, per group) the codes of a row
+    depend on that row only, so they are computed chunk by chunk (`stored_qparams` + `quantize_affine`, as
+    `from_qparams` computes them) and packed once: the temporaries shrink to one chunk plus the codes (one
+    byte per weight), and the pages of a memory-mapped weight are given back chunk by chunk. Other weights,
+    and configs with their own `quantize_weight`, are quantized whole."""
+    if type(config).quantize_weight is not QuantConfig.quantize_weight or weight.dim() != 2:
+        return config.quantize_weight(weight, module)
+    spec = config.weight_spec(weight, module)
+    rows = max(1, CHUNK_ELEMENTS // max(1, weight.shape[1]))
+    if spec.block_size[0] != 1 or spec.transposed or weight.shape[0] <= rows:
+        return config.quantize_weight(weight, module)
+    options = config.qparam_options()
+    codes: torch.Tensor | None = None  # filled in place: a list + torch.cat would hold the codes twice
+    scales, zero_points = [], []
+    for r in range(0, weight.shape[0], rows):
+        chunk = weight[r:r + rows]
+        scale, zero_point = AffineQuantizedTensor.stored_qparams(chunk, spec.replace(shape=tuple(chunk.shape)),
+                                                                 options)
+        _check_finite_qparams(scale, zero_point)
+        c = quantize_affine(chunk, spec.block_size, scale, zero_point, spec.target, spec.quant_min, spec.quant_max,
+                            spec.zero_point_domain, rounding=options.rounding)
+        if codes is None:
+            codes = torch.empty(weight.shape, dtype=c.dtype, device=c.device)
+        codes[r:r + rows] = c
+        release_float_copy(chunk)  # rows already quantized: their mmapped pages are not needed again
+        scales.append(scale)
+        zero_points.append(zero_point)
+    zero_point = None if zero_points[0] is None else torch.cat(zero_points)
+    return AffineQuantizedTensor.from_codes(codes, torch.cat(scales), zero_point, spec)
+
+
+# -- writing shards -------------------------------------------------------------------------------------------
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.storage_bytes() if isinstance(t, AffineQuantizedTensor) else t.numel() * t.element_size()
+
+
+class _ShardWriter:
+    """Collects tensors and writes them with `affineq.safetensors.save_file` once the next one would take the
+    shard past `max_bytes`; `close()` names the shards as transformers does and writes the index."""
+
+    def __init__(self, dst: Path, max_bytes: int) -> None:
+        self.dst, self.max_bytes = dst, max_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.size = 0
+        self.written: list[Path] = []
+        self.dst_bytes = 0
+
+    def add(self, key: str, t: torch.Tensor) -> None:
+        n = _nbytes(t)
+        if self.pending and self.size + n > self.max_bytes:
+            self.flush()
+        self.pending[key] = t
+        self.size += n
+
+    def flush(self) -> None:
+        path = self.dst / f".model-{len(self.written) + 1:05d}.safetensors.part"
+        _st.save_file(self.pending, path)
+        for t in self.pending.values():  # float tensors passed through are views of the source's mapping
+            if not isinstance(t, AffineQuantizedTensor):
+                release_float_copy(t)
+        self.dst_bytes += self.size
+        self.written.append(path)
+        self.pending, self.size = {}, 0
+        trim_heap()
+
+    def close(self) -> list[Path]:
+        if self.pending or not self.written:
+            self.flush()
+        n = len(self.written)
+        if n == 1:
+            final = [self.dst / SINGLE_FILE]
+        else:
+            final = [self.dst / f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+        for part, path in zip(self.written, final, strict=True):
+            os.replace(part, path)
+        if n > 1:
+            st = _safetensors()
+            weight_map = {}
+            for path in final:
+                with st.safe_open(str(path), framework="pt") as f:
+                    weight_map.update({k: path.name for k in f.keys()})
+            index = {"metadata": {"total_size": self.dst_bytes, "format": "affineq"}, "weight_map": weight_map}
+            (self.dst / INDEX_FILE).write_text(json.dumps(index, indent=2))
+        return final
+
+
+def _check_dst(src_files: list[Path], dst: Path) -> None:
+    if dst.exists() and not dst.is_dir():
+        raise ValueError(f"dst_dir={os.fspath(dst)!r} is a file; pass a directory (it is created if missing)")
+    if dst.is_dir() and (list(dst.glob("*.safetensors")) or (dst / INDEX_FILE).exists()):
+        raise ValueError(f"dst_dir={os.fspath(dst)!r} already holds a safetensors checkpoint; pass an empty or new "
+                         "directory (mixing shards of two checkpoints would load the wrong weights)")
+    if any(f.resolve().parent == dst.resolve() for f in src_files):
+        raise ValueError("dst_dir must differ from the source directory")
+
+
+def _hf_config(src: Path) -> dict | None:
+    """The checkpoint directory's transformers config.json, or None; ValueError if it is already quantized."""
+    path = src / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); fix or remove it") from None
+    if not isinstance(cfg, dict):
+        return None
+    if cfg.get("quantization_config"):
+        method = cfg["quantization_config"].get("quant_method") if isinstance(cfg["quantization_config"], dict) else "?"
+        raise ValueError(f"{path} says the checkpoint is already quantized (quant_method {method!r}); "
+                         "quantize_checkpoint reads float checkpoints")
+    return cfg
+
+
+def _copy_side_files(src: Path, dst: Path, hf_config: dict | None, config: QuantConfig) -> None:
+    """Every other file of the source directory (tokenizer, generation config...), and config.json marked
+    quantized as `affineq.hf.AffineqConfig` writes it, so that transformers' `from_pretrained(dst)` loads the
+    quantized checkpoint (its weights are named by the files' metadata, not by the config)."""
+    for f in sorted(src.iterdir()):
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in (INDEX_FILE, "config.json"):
+            shutil.copy2(f, dst / f.name)
+    if hf_config is not None:
+        quant = {"quant_method": "affineq", "quant_config": config.to_dict(), "modules_to_not_convert": None}
+        (dst / "config.json").write_text(json.dumps({**hf_config, "quantization_config": quant}, indent=2) + "\n")
+
+
+# -- the public entry points ----------------------------------------------------------------------------------
+
+
+def quantize_checkpoint(
+    src_dir: str | os.PathLike,
+    dst_dir: str | os.PathLike,
+    config: QuantConfig,
+    *,
+    model: nn.Module | Callable[[], nn.Module] | None = None,
+    filter_fn: SelectFn | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> QuantizedCheckpoint:
+    """Quantize the float safetensors checkpoint `src_dir` (``model.safetensors``, a sharded
+    ``model.safetensors.index.json`` checkpoint, or one ``.safetensors`` file) into `dst_dir`, one tensor at
+    a time, without ever holding the float model.
+
+    The selected weights (see the module docstring: `model`, `filter_fn`) are quantized with `config` exactly
+    as `quantize_` would; every other tensor is copied as is. Everything is validated from the headers before
+    anything is read (`QuantizationError` lists every weight the config cannot take). The output is affineq's
+    safetensors format (`affineq.safetensors.load_file` reads each shard; `load_quantized` fills a model) in
+    shards of at most `max_shard_bytes` (a larger single tensor gets its own), named and indexed as
+    transformers names them. The directory's other files are copied, config.json with the affineq
+    `quantization_config`, so transformers' `from_pretrained(dst_dir)` loads it too (`import affineq` first).
+
+    model: a module (only its structure is read; build it under ``with torch.device("meta"):``) or a
+    zero-argument factory called on the meta device, e.g.
+    ``lambda: AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src_dir))``; its parameter names
+    must be the checkpoint's.
+    Peak memory: one float tensor, its quantization temporaries and one output shard.
+    """
+    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be a positive int (bytes per output shard), got {max_shard_bytes!r}")
+    source = _open_source(src_dir)
+    if source.meta is not None:
+        raise ValueError(f"src_dir={os.fspath(src_dir)!r} is already an affineq-quantized checkpoint; quantize the "
+                         "float checkpoint (or load this one with affineq.load_quantized)")
+    targets = _targets(source, config, None if model is None else _meta_model(model), filter_fn)
+    if not targets:
+        raise QuantizationError(f"{type(config).__name__} selects no weight of {os.fspath(src_dir)!r} (no 2-D *.weight "
+                                "outside embeddings, or filter_fn / model= chose none); the output would be the input")
+    src = Path(src_dir)
+    hf_config = _hf_config(src) if src.is_dir() else None
+    dst = Path(dst_dir)
+    _check_dst(source.files, dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    writer = _ShardWriter(dst, max_shard_bytes)
+    float_bytes = quantized_bytes = src_bytes = 0
+    try:
+        for key, t in _read(source):
+            src_bytes += _nbytes(t)
+            target = targets.get(key)
+            if target is None:
+                writer.add(key, t)
+                continue
+            q = quantize_weight(target.config, t, target.module)
+            float_bytes += _nbytes(t)
+            quantized_bytes += _nbytes(q)
+            release_float_copy(t)
+            del t
+            writer.add(key, q)
+        files = writer.close()
+        if src.is_dir():
+            _copy_side_files(src, dst, hf_config, config)
+    except BaseException:
+        for part in writer.written:
+            part.unlink(missing_ok=True)
+        raise
+    return QuantizedCheckpoint(tuple(str(f) for f in files), tuple(k for k in source.keys if k in targets),
+                               float_bytes, quantized_bytes, src_bytes, writer.dst_bytes)
+
+
+def load_quantized(
+    model: nn.Module,
+    src: str | os.PathLike,
+    config: QuantConfig | None = None,
+    *,
+    filter_fn: SelectFn | None = None,
+) -> nn.Module:
+    """Fill `model` (usually built on the meta device) from the safetensors checkpoint `src`, one tensor at a
+    time, and return it.
+
+    `src` may be a checkpoint `quantize_checkpoint` (or `save_file`, or transformers with affineq) wrote: its
+    quantized weights are rebuilt as they were stored. With `config`, float weights are quantized as they are
+    read, selected as `quantize_(model, config)` selects them (`filter_fn(name, shape)` replaces that choice),
+    so the model never holds its float weights: peak memory is one float tensor plus the quantized model.
+    Every parameter and persistent buffer must come from the file and every tensor of the file must have a
+    place in the model (ValueError lists what does not, before anything changes); tied parameters are filled
+    once for all their names. Non-persistent buffers (e.g. rotary tables) are left as they are.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"load_quantized(model, ...): model must be an nn.Module, got {type(model).__name__}")
+    source = _open_source(src)
+    entries = (source.meta or {}).get("quantized", {})
+    targets = {} if config is None else _targets(source, config, model, filter_fn)
+    slots = _slots(model)
+    names = {k.partition(_st.SEP)[0] if k.partition(_st.SEP)[0] in entries else k for k in source.keys}
+    unexpected = sorted(names - set(slots))
+    filled = {id(slots[n][2]) for n in names if n in slots}
+    missing = sorted(n for n, (_, _, t) in slots.items() if id(t) not in filled)
+    if unexpected or missing:
+        raise ValueError(f"load_quantized: the checkpoint {os.fspath(src)!r} does not match the model: tensors with no "
+                         f"place in the model {unexpected[:5]}, model tensors not in the checkpoint {missing[:5]} "
+                         "(build the model the checkpoint was saved from; its state_dict names must be the file's)")
+    owners = _parameter_owners(model)
+    partial: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in _read(source):
+        name, _, inner = key.partition(_st.SEP)
+        if name in entries and inner:
+            got = partial.setdefault(name, {})
+            got[inner] = t
+            if len(got) < len(entries[name]["tensors"]):
+                continue
+            del partial[name]
+            where = str(source.keys[key][0])
+            _st.verify_checksums({f"{name}{_st.SEP}{i}": v for i, v in got.items()}, source.meta["checksums"], where)
+            _place(slots[name], owners, _st.build_entry(name, entries[name], got, where), quantized=True)
+            continue
+        if key in targets:
+            q = quantize_weight(targets[key].config, t, targets[key].module)
+            release_float_copy(t)
+            _place(slots[key], owners, q, quantized=True)
+        else:
+            _place(slots[key], owners, t, quantized=False)
+        del t
+    if partial:
+        raise ValueError(f"{os.fspath(src)!r}: quantized entries {sorted(partial)[:5]} lack some of their tensors; the "
+                         "checkpoint is truncated or was edited")
+    trim_heap()
+    return model
+
+
+def _slots(model: nn.Module) -> dict[str, tuple[nn.Module, str, torch.Tensor]]:
+    """{state_dict name: (module, attribute, current tensor)} for every parameter (tied ones under each of
+    their names) and persistent buffer."""
+    out = {}
+    for fqn, m in model.named_modules(remove_duplicate=False):
+        prefix = f"{fqn}." if fqn else ""
+        for n, p in m._parameters.items():
+            if p is not None:
+                out[prefix + n] = (m, n, p)
+        for n, b in m._buffers.items():
+            if b is not None and n not in m._non_persistent_buffers_set:
+                out[prefix + n] = (m, n, b)
+    return out
+
+
+def _place(slot: tuple[nn.Module, str, torch.Tensor], owners, value: torch.Tensor, *, quantized: bool) -> None:
+    module, attr, old = slot
+    if tuple(value.shape) != tuple(old.shape):
+        raise ValueError(f"{type(module).__name__}.{attr}: the checkpoint's tensor has shape {tuple(value.shape)}, the "
+                         f"model's {tuple(old.shape)}; build the model with the checkpoint's configuration")
+    if attr in module._buffers:
+        module._buffers[attr] = value
+        return
+    new = nn.Parameter(value, requires_grad=False if quantized else old.requires_grad)
+    for owner, owner_attr in owners.get(id(old), [(module, attr)]):
+        owner._parameters[owner_attr] = new
