@@ -378,3 +378,6 @@ def _input_channel_vector(per_element: torch.Tensor, base: AQT, func) -> torch.T
             "channels; keep the weight 2-D [out, in] and slice rows or whole columns, or call .dequantize()"
         )
     return per_element[0].contiguous()
+
+
+from affineq.tensor import sharding as _sharding  # noqa: E402, F401  (collectives, empty_like: DTensor sharding)
