@@ -89,9 +89,10 @@ def _checks(rank: int, tmp: Path) -> None:
         rows, cols = slice(256 * rank, 256 * (rank + 1)), slice(256 * rank, 256 * (rank + 1))
         assert torch.equal(l0.dequantize(), full0.dequantize()[rows])
         assert torch.equal(l2.dequantize(), full2.dequantize()[:, cols])
-        with torch.no_grad():
+        with torch.inference_mode(), affineq.record_kernels() as used, affineq.strict_kernels():  # no fallback
             out = model(x)
-        _close(out.full_tensor() if isinstance(out, DTensor) else out, ref)
+        assert len(used) == 2, used  # both linears ran a packed kernel on their local shards
+        _close(out, ref)
         # full_tensor (all-gather of the stored tensors), distribute_tensor with Replicate (broadcast), from_local
         g2 = w2.full_tensor()
         assert isinstance(g2, affineq.AffineQuantizedTensor) and torch.equal(g2.dequantize(), full2.dequantize())

@@ -33,7 +33,7 @@ def _dq(t):
 # -- linear and matmuls --------------------------------------------------------------------------------
 
 
-@implements(F.linear, torch._C._nn.linear)
+@implements(F.linear, torch._C._nn.linear, aten.linear.default)  # aten: what DTensor hands its local shards
 def _linear(func, args, kwargs):
     if kwargs:
         named = {**dict(zip(("input", "weight", "bias"), args, strict=False)), **kwargs}
@@ -54,6 +54,15 @@ def _as_linear_weight(b: AQT) -> AQT:
 def _mm(func, args, kwargs):
     a, b = args
     if isinstance(b, AQT) and not isinstance(a, AQT):
+        return kernel_registry.linear(a, _as_linear_weight(b))
+    return func(_dq(a), _dq(b))
+
+
+@implements(aten.matmul.default)
+def _matmul(func, args, kwargs):
+    """x @ W.t() with W quantized (DTensor runs a sharded linear as aten.matmul on its local shards)."""
+    a, b = args
+    if isinstance(b, AQT) and not isinstance(a, AQT) and b.dim() == 2 and a.dim() >= 2:
         return kernel_registry.linear(a, _as_linear_weight(b))
     return func(_dq(a), _dq(b))
 
