@@ -10,8 +10,14 @@ Each row quantizes the fp32 model with `affineq.demo.CONFIGS[config]` and decode
   every MLP (gate_proj / up_proj ColwiseParallel, down_proj RowwiseParallel: half of each MLP's weights and bytes
   per rank, one all-reduce per layer). Attention stays replicated: SmolLM2 has 9 heads and 3 KV heads, which do
   not split over 2 ranks.
-Reported: decode tokens/s and ms per token of each, whether the 2-process tokens equal the 1-process tokens, and
-the bytes of quantized MLP weights each rank holds. Results: results/bench_distributed.json. Time nothing else on
+Reported: decode tokens/s and ms per token of each, whether the 2-process tokens equal the 1-process tokens (and
+for how many leading tokens), the max |difference| of the prompt's last logits, and the bytes of quantized MLP
+weights each rank holds. Weight-only configs must decode identical tokens (the script fails otherwise). Configs
+with dynamic activation quantization (8da4w) get the unsharded activation qparams on the rowwise layers, but the
+K split changes the fp32 summation order of down_proj, and SmolLM2 amplifies that: its hidden states reach ~1000,
+so per-token int8 steps are coarse and a 1e-7 relative change flips codes (measured in one process: 1e-7 noise
+on every down_proj input moves the 8da4w logits by 1.7 and changes the greedy token), so their tokens are
+reported, not required. Results: results/bench_distributed.json. Time nothing else on
 the machine meanwhile (the two ranks share its cores).
 """
 
@@ -69,14 +75,19 @@ def _mlp_bytes(lm) -> int:
     return total
 
 
-def _decode(lm, tok, tokens: int) -> tuple[list[int], float]:
+def _decode(lm, tok, tokens: int) -> tuple[list[int], float, list[float]]:
+    """(new token ids, decode seconds, the prompt's last-position logits)."""
     ids = tok(PROMPT, return_tensors="pt").input_ids
     with torch.inference_mode():
-        M.generate_greedy(lm, tok, ids, 2)  # warm-up: first-call allocations, C++ kernel load
+        logits = lm(ids).logits[0, -1].tolist()  # also the warm-up: first-call allocations, C++ kernel load
         t = time.perf_counter()
         out = M.generate_greedy(lm, tok, ids, tokens)
         seconds = time.perf_counter() - t
-    return out[0, ids.shape[1]:].tolist(), seconds
+    return out[0, ids.shape[1]:].tolist(), seconds, logits
+
+
+def _same_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
 
 
 def _rank(rank: int, port: int, config: str, layers: int | None, tokens: int, threads: int, out_dir: str) -> None:
@@ -89,8 +100,8 @@ def _rank(rank: int, port: int, config: str, layers: int | None, tokens: int, th
         lm, tok = _load(layers)
         affineq.quantize_(lm, CONFIGS[config])
         affineq.parallelize_quantized(lm, init_device_mesh("cpu", (WORLD,)), _mlp_plan(lm))
-        ids, seconds = _decode(lm, tok, tokens)
-        result = {"tokens": ids, "seconds": seconds, "mlp_bytes": _mlp_bytes(lm)}
+        ids, seconds, logits = _decode(lm, tok, tokens)
+        result = {"tokens": ids, "seconds": seconds, "logits": logits, "mlp_bytes": _mlp_bytes(lm)}
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
         dist.destroy_process_group()
     except BaseException:
@@ -152,8 +163,10 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.configs:
         torch.set_num_threads(WORLD * args.threads)
         q = affineq.quantize_(copy.deepcopy(lm), CONFIGS[name])
-        ids1, s1 = _decode(q, tok, tokens)
+        ids1, s1, logits1 = _decode(q, tok, tokens)
         full_bytes = _mlp_bytes(q)
+        dynamic = any(isinstance(p, affineq.AffineQuantizedTensor) and p.spec.act_quant is not None
+                      and not p.spec.act_quant.static for p in q.parameters())
         del q
         tp = run_tp(name, layers, tokens, args.threads, args.timeout_s)
         rows.append({
@@ -162,16 +175,19 @@ def main(argv: list[str] | None = None) -> None:
             "tok_s_2proc": round(tokens / tp["seconds"], 2),
             "ms_token_1proc": round(1000 * s1 / tokens, 1),
             "ms_token_2proc": round(1000 * tp["seconds"] / tokens, 1),
+            "dynamic_activations": dynamic,
             "tokens_identical": tp["tokens"] == ids1,
+            "same_prefix": _same_prefix(tp["tokens"], ids1),
+            "logit_max_diff": float(f"{(torch.tensor(tp['logits']) - torch.tensor(logits1)).abs().max():.3g}"),
             "mlp_MB_1proc": round(full_bytes / 1e6, 2),
             "mlp_MB_per_rank": round(tp["mlp_bytes"] / 1e6, 2),
             "text": tok.decode(ids1),
         })
         print(f"{name}: {rows[-1]['text']!r}", flush=True)
     print(table(rows, ["config", "tok_s_1proc", "tok_s_2proc", "ms_token_1proc", "ms_token_2proc",
-                       "tokens_identical", "mlp_MB_1proc", "mlp_MB_per_rank"]))
-    if not all(r["tokens_identical"] for r in rows):
-        raise SystemExit("the 2-process tokens differ from the 1-process tokens")
+                       "tokens_identical", "same_prefix", "logit_max_diff", "mlp_MB_1proc", "mlp_MB_per_rank"]))
+    if not all(r["tokens_identical"] for r in rows if not r["dynamic_activations"]):
+        raise SystemExit("the 2-process tokens of a weight-only config differ from the 1-process tokens")
     if not (args.quick or args.no_save):
         path = save_json("bench_distributed", {"model": model_name, "prompt": PROMPT, "tokens": tokens,
                                                "threads_per_rank": args.threads, "rows": rows})

@@ -11,6 +11,7 @@ weight's `ActivationQuant` is static; kernels that take integer activations call
 from __future__ import annotations
 
 import contextvars
+import functools
 from collections.abc import Callable
 
 import torch
@@ -57,7 +58,13 @@ def reduce_input_ranges(x: torch.Tensor, w):
                                       zero_point_domain=_domain(aq))
     q, scale, zp, block = quantize_activation(x2, aq, (scale, zp))
     out = dequantize_affine(q, block, scale, zp, aq.dtype, zero_point_domain=_domain(aq), output_dtype=x.dtype)
-    return out.view(x.shape), w._replace(spec=w.spec.replace(act_quant=None))
+    return out.view(x.shape), w._replace(spec=_without_act_quant(w.spec))
+
+
+@functools.lru_cache(maxsize=512)
+def _without_act_quant(spec):
+    """One spec object per weight spec, so the kernel choice (cached by spec identity) is made once."""
+    return spec.replace(act_quant=None)
 
 
 def finish_output(y: torch.Tensor, w) -> torch.Tensor:
