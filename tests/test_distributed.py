@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 import affineq
 from affineq.distributed import check_plan, dcp_load, dcp_save, parallelize_quantized
@@ -120,14 +122,19 @@ def _checks(rank: int, tmp: Path) -> None:
         assert torch.equal(back, full0)
         # DCP: the world-1 checkpoint (saved by the test process) loads resharded; then save at world 2
         loaded = parallelize_quantized(_model(config), mesh, _plan())
-        for layer in (0, 2):  # scramble the codes, so the load has to restore them
-            local = loaded[layer].weight.to_local()
-            local.copy_(local._apply_to_tensors(lambda t: t.flip(0)))
+        _scramble(loaded[0].weight.to_local(), loaded[2].weight.to_local())  # so the load has to restore them
         dcp_load(loaded, tmp / f"{config}-w1")
         assert torch.equal(loaded[0].weight.to_local(), l0) and torch.equal(loaded[2].weight.to_local(), l2)
         with torch.no_grad():
             _close(loaded(x), ref)
         dcp_save(model, tmp / f"{config}-w2")
+        # plain torch.distributed.checkpoint on the state_dict: world 2 -> 2, world 1 -> 2 (and 2 -> 1 below)
+        dcp.save(model.state_dict(), checkpoint_id=str(tmp / f"{config}-plain-w2"))
+        for source in ("plain-w2", "plain-w1"):
+            loaded = parallelize_quantized(_model(config), mesh, _plan())
+            _scramble(loaded[0].weight.to_local(), loaded[2].weight.to_local())
+            dcp.load(loaded.state_dict(), checkpoint_id=str(tmp / f"{config}-{source}"))
+            assert torch.equal(loaded[0].weight.to_local(), l0) and torch.equal(loaded[2].weight.to_local(), l2)
     for config, (make, tol) in OTHER_CONFIGS.items():
         torch.manual_seed(0)
         ref_model = affineq.quantize_(nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 128)), make())
@@ -141,6 +148,11 @@ def _checks(rank: int, tmp: Path) -> None:
             limit = 0.6 if config == "int4-cpu" else 0.53  # per-row qparams: whole in both column shards
             assert w.to_local().storage_bytes() <= limit * full.storage_bytes(), config
             assert torch.equal(w.full_tensor().dequantize(), full.dequantize()), config
+
+
+def _scramble(*weights) -> None:
+    for w in weights:
+        w.copy_(w._apply_to_tensors(lambda t: t.flip(0)))
 
 
 def _free_port() -> int:
@@ -157,6 +169,7 @@ def test_two_ranks_shard_run_gather_and_checkpoint(tmp_path):
         with torch.no_grad():
             refs[config] = model(x)
         dcp_save(model, tmp_path / f"{config}-w1")  # world 1: no process group
+        dcp.save(model.state_dict(), checkpoint_id=str(tmp_path / f"{config}-plain-w1"))
     ctx = mp.get_context("spawn")
     port = _free_port()
     procs = [ctx.Process(target=_worker, args=(rank, port, str(tmp_path))) for rank in range(WORLD)]
@@ -174,14 +187,20 @@ def test_two_ranks_shard_run_gather_and_checkpoint(tmp_path):
     assert [p.exitcode for p in procs] == [0] * WORLD
     for config in CONFIGS:  # world 2 -> world 1: the same weights and outputs as the unsharded model
         model, ref_model = _model(config), _model(config)
-        for layer in (0, 2):
-            w = model[layer].weight
-            w.copy_(w._apply_to_tensors(lambda t: t.flip(0)))
+        _scramble(model[0].weight, model[2].weight)
         dcp_load(model, tmp_path / f"{config}-w2")
         for layer in (0, 2):
             assert torch.equal(model[layer].weight, ref_model[layer].weight)
         with torch.no_grad():
             assert torch.equal(model(x), refs[config])
+        plain = _model(config)
+        _scramble(plain[0].weight, plain[2].weight)
+        if config == "int8":  # per-row scales: the column halves of layer 2 cut its blocks, loaded one at a time
+            with pytest.raises(CheckpointException, match="ValueError: .*affineq.dcp_save / affineq.dcp_load"):
+                dcp.load(plain.state_dict(), checkpoint_id=str(tmp_path / f"{config}-plain-w2"))
+            continue
+        dcp.load(plain.state_dict(), checkpoint_id=str(tmp_path / f"{config}-plain-w2"))
+        assert torch.equal(plain[0].weight, ref_model[0].weight) and torch.equal(plain[2].weight, ref_model[2].weight)
 
 
 def test_reduced_ranges_reproduce_unsharded_activation_quantization():
@@ -219,3 +238,18 @@ def test_group_straddling_two_ranks_is_a_clear_error():
         check_plan(model, 2, plan)  # K = 192 over 2 ranks cuts the second group of 64
     with pytest.raises(ValueError, match=r"layer '0': ColwiseParallel splits weight dim 0 of size 192 over 5"):
         check_plan(model, 5, {"0": ColwiseParallel()})
+
+
+def test_copy_into_a_slice_writes_through():
+    """What DCP's load does to its target: narrow, detach, copy_; the copied region lands in the sliced tensor."""
+    a = affineq.AffineQuantizedTensor.from_float(torch.randn(32, 128), MappingType.ASYMMETRIC, (1, 32), torch.uint4,
+                                                 packing_format="dense")
+    b = affineq.AffineQuantizedTensor.from_float(torch.randn(32, 128), MappingType.ASYMMETRIC, (1, 32), torch.uint4,
+                                                 packing_format="dense")
+    expected = torch.cat([b.dequantize()[:, :64], a.dequantize()[:, 64:]], 1)
+    a.view(32, 128).narrow(1, 0, 64).detach().copy_(b[:, :64])
+    assert torch.equal(a.dequantize(), expected) and a.spec.fmt == "dense"
+    a[16:].copy_(b[16:])
+    assert torch.equal(a.dequantize()[16:], b.dequantize()[16:])
+    with pytest.raises(ValueError, match="differs within its quantization blocks"):
+        a[:, 64:80].copy_(b[:, 64:80])  # cuts groups of 32 that rows 0-15 still hold from `a`

@@ -165,7 +165,7 @@ def _check_indices(indices: torch.Tensor, rows: int) -> None:
 
 @implements(aten.detach.default, aten.alias.default)
 def _detach(func, args, kwargs):
-    return args[0]._apply_to_tensors(func)
+    return _sharding.keep_slice_link(args[0], args[0]._apply_to_tensors(func))
 
 
 @implements(aten.clone.default)
@@ -204,6 +204,7 @@ def _copy_(func, args, kwargs):
             )
         for name in dst._names:
             getattr(dst, "_" + name).copy_(getattr(src, "_" + name))
+        _sharding.write_back(dst)  # dst a slice (DCP's load narrows its target): into the tensor sliced
         return dst
     if isinstance(src, AQT):
         raise ValueError(
@@ -271,7 +272,14 @@ def _transpose2d(t: AQT) -> AQT:
     aten.unbind.int,
 )
 def _structural(func, args, kwargs):
-    return _blockwise(func, [args[0]], args[1:], kwargs)
+    t = args[0]
+    if func in _VIEWS and len(args) == 2 and tuple(args[1]) == tuple(t.shape):  # a view of the same tensor:
+        return _sharding.keep_slice_link(t, t._apply_to_tensors(aten.alias.default))  # writes go through
+    out = _blockwise(func, [t], args[1:], kwargs)
+    return _sharding.link_slice(out, args) if func is aten.slice.Tensor else out
+
+
+_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 
 @implements(aten.cat.default)
