@@ -10,6 +10,9 @@ Each row quantizes the fp32 model with `affineq.demo.CONFIGS[config]` and decode
   every MLP (gate_proj / up_proj ColwiseParallel, down_proj RowwiseParallel: half of each MLP's weights and bytes
   per rank, one all-reduce per layer). Attention stays replicated: SmolLM2 has 9 heads and 3 KV heads, which do
   not split over 2 ranks.
+At this size expect 2 processes to decode slower than 1: each sharded MLP adds a gloo all-reduce and DTensor's
+per-op dispatch, which cost more than the halved weight reads save; tensor parallelism is for models that do not
+fit one machine.
 Reported: decode tokens/s and ms per token of each, whether the 2-process tokens equal the 1-process tokens (and
 for how many leading tokens), the max |difference| of the prompt's last logits, and the bytes of quantized MLP
 weights each rank holds. Weight-only configs must decode identical tokens (the script fails otherwise). Configs
@@ -79,7 +82,8 @@ def _decode(lm, tok, tokens: int) -> tuple[list[int], float, list[float]]:
     """(new token ids, decode seconds, the prompt's last-position logits)."""
     ids = tok(PROMPT, return_tensors="pt").input_ids
     with torch.inference_mode():
-        logits = lm(ids).logits[0, -1].tolist()  # also the warm-up: first-call allocations, C++ kernel load
+        logits = lm(ids).logits[0, -1].tolist()
+        M.generate_greedy(lm, tok, ids, 2)  # warm-up: generate's first-call set-up, allocations
         t = time.perf_counter()
         out = M.generate_greedy(lm, tok, ids, tokens)
         seconds = time.perf_counter() - t
