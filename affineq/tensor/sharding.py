@@ -52,9 +52,8 @@ def _stored(t: AQT, name: str) -> torch.Tensor:
 def _check_same_layout(tensors: list[AQT], op: str) -> None:
     """ValueError unless all `tensors` share spec and stored layout (what a byte-wise collective needs)."""
     first = tensors[0]
-    lay = [(n, _stored(first, n).dtype, tuple(_stored(first, n).shape)) for n in first._names]
     for t in tensors[1:]:
-        if t.spec != first.spec or [(n, _stored(t, n).dtype, tuple(_stored(t, n).shape)) for n in t._names] != lay:
+        if t.spec != first.spec or ops._stored_layout(t) != ops._stored_layout(first):
             raise ValueError(f"{op}: the quantized tensors differ in spec or stored layout ({first!r} vs {t!r}); "
                              "shard along whole quantization blocks into equal parts (even sharding)")
 
