@@ -5,7 +5,9 @@ the workers and world 2 -> 1 back in this process."""
 from __future__ import annotations
 
 import copy
+import datetime
 import socket
+import time
 import traceback
 from pathlib import Path
 
@@ -76,7 +78,8 @@ def _worker(rank: int, port: int, tmp: str) -> None:
     import torch.distributed as dist
 
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+                                timeout=datetime.timedelta(seconds=60))  # a rank that died fails the other
         _checks(rank, Path(tmp))
         dist.destroy_process_group()
     except BaseException:
@@ -175,8 +178,9 @@ def test_two_ranks_shard_run_gather_and_checkpoint(tmp_path):
     procs = [ctx.Process(target=_worker, args=(rank, port, str(tmp_path))) for rank in range(WORLD)]
     for p in procs:
         p.start()
+    deadline = time.monotonic() + 150
     for p in procs:
-        p.join(timeout=150)
+        p.join(timeout=max(1.0, deadline - time.monotonic()))
     hung = [p for p in procs if p.is_alive()]
     for p in hung:
         p.kill()
