@@ -34,6 +34,7 @@ from affineq.configs_float import (
     MXDynamicActivationMXWeightConfig,
     MXWeightOnlyConfig,
 )
+from affineq.distributed import dcp_load, dcp_save, parallelize_quantized, quantized_state_dict
 from affineq.dtypes import QTYPES, FloatFormat, IntFormat, QType, qtype, register_qtype
 from affineq.fusion import ConvReLU, LinearReLU, fold_batch_norm, fuse_modules_
 from affineq.granularity import (
@@ -205,17 +206,21 @@ __all__ = [
     "ZeroPointDomain",
     "choose_qparams_affine",
     "config_from_dict",
+    "dcp_load",
+    "dcp_save",
     "convert_",
     "dequantize_affine",
     "fake_quantize_affine",
     "fold_batch_norm",
     "fuse_modules_",
     "get_block_size",
+    "parallelize_quantized",
     "parse_granularity",
     "prepare_",
     "quantize_",
     "quantize_dynamic",
     "quantize_affine",
+    "quantized_state_dict",
     "quantized_weights",
     "quantize_checkpoint",
     "load_quantized",

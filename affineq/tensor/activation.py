@@ -10,6 +10,10 @@ weight's `ActivationQuant` is static; kernels that take integer activations call
 
 from __future__ import annotations
 
+import contextvars
+import functools
+from collections.abc import Callable
+
 import torch
 
 from affineq import cpp as _cpp
@@ -31,6 +35,36 @@ def prepare_input(x: torch.Tensor, w) -> torch.Tensor:
     """`x` with the weight's activation tensors applied (x * act_pre_scale), or `x` itself."""
     pre = getattr(w, "_act_pre_scale", None) if "act_pre_scale" in w._names else None
     return x if pre is None else x * pre.to(x.dtype)
+
+
+#: Set by `affineq.distributed` while a linear whose input channels K are sharded across ranks runs (tensor-parallel
+#: rowwise): reduce(t, op) with op "min" or "max" returns t reduced elementwise over the ranks (an all-reduce).
+_range_reduce: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("affineq_range_reduce", default=None)
+
+
+def reduce_input_ranges(x: torch.Tensor, w):
+    """(x, w) for a kernel. Inside a K-sharded linear with dynamic per-token / per-tensor activation quantization,
+    each rank holds a slice of every token: x comes back fake-quantized with the qparams of the whole token
+    (min / max reduced across the ranks, then the primitives' formula, so each element is bit for bit what the
+    unsharded input gives), and w as a view without activation quantization, so the kernel does not quantize x
+    again. Otherwise (x, w) unchanged (MX blocks and static qparams need no reduction)."""
+    reduce, aq = _range_reduce.get(), w.spec.act_quant
+    if reduce is None or aq is None or aq.static or aq.granularity == "per_block":
+        return x, w
+    x2 = x.reshape(-1, x.shape[-1])
+    lo, hi = _row_range(x2.float(), aq.granularity == "per_token")  # exact in float32 for every float dtype
+    src = torch.cat([reduce(lo, "min"), reduce(hi, "max")], dim=1).to(x.dtype)
+    scale, zp = choose_qparams_affine(src, aq.mapping_type, (1, 2), aq.dtype, eps=aq.eps, scale_dtype=torch.float32,
+                                      zero_point_domain=_domain(aq))
+    q, scale, zp, block = quantize_activation(x2, aq, (scale, zp))
+    out = dequantize_affine(q, block, scale, zp, aq.dtype, zero_point_domain=_domain(aq), output_dtype=x.dtype)
+    return out.view(x.shape), w._replace(spec=_without_act_quant(w.spec))
+
+
+@functools.lru_cache(maxsize=512)
+def _without_act_quant(spec):
+    """One spec object per weight spec, so the kernel choice (cached by spec identity) is made once."""
+    return spec.replace(act_quant=None)
 
 
 def finish_output(y: torch.Tensor, w) -> torch.Tensor:

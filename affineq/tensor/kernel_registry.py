@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from affineq import cpp as _cpp
 from affineq.tensor import fallback
-from affineq.tensor.activation import fake_quantize_activation, finish_output, prepare_input
+from affineq.tensor.activation import fake_quantize_activation, finish_output, prepare_input, reduce_input_ranges
 from affineq.tensor.dispatch import check_frozen
 
 Check = Callable[[torch.Tensor, "torch.Tensor"], str | None]
@@ -90,7 +90,7 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
             f"{shape}: the input's last dim must be in_features={shape[-1]}; pass an input of shape "
             f"[..., {shape[-1]}]"
         )
-    x = prepare_input(x, w)
+    x, w = reduce_input_ranges(prepare_input(x, w), w)
     if w.spec.transposed:
         kernel, reasons = None, ["the weight is a transposed view; kernels read the stored [N, K] layout"]
     else:

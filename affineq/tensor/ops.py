@@ -33,7 +33,7 @@ def _dq(t):
 # -- linear and matmuls --------------------------------------------------------------------------------
 
 
-@implements(F.linear, torch._C._nn.linear)
+@implements(F.linear, torch._C._nn.linear, aten.linear.default)  # aten: what DTensor hands its local shards
 def _linear(func, args, kwargs):
     if kwargs:
         named = {**dict(zip(("input", "weight", "bias"), args, strict=False)), **kwargs}
@@ -54,6 +54,15 @@ def _as_linear_weight(b: AQT) -> AQT:
 def _mm(func, args, kwargs):
     a, b = args
     if isinstance(b, AQT) and not isinstance(a, AQT):
+        return kernel_registry.linear(a, _as_linear_weight(b))
+    return func(_dq(a), _dq(b))
+
+
+@implements(aten.matmul.default)
+def _matmul(func, args, kwargs):
+    """x @ W.t() with W quantized (DTensor runs a sharded linear as aten.matmul on its local shards)."""
+    a, b = args
+    if isinstance(b, AQT) and not isinstance(a, AQT) and b.dim() == 2 and a.dim() >= 2:
         return kernel_registry.linear(a, _as_linear_weight(b))
     return func(_dq(a), _dq(b))
 
@@ -156,7 +165,7 @@ def _check_indices(indices: torch.Tensor, rows: int) -> None:
 
 @implements(aten.detach.default, aten.alias.default)
 def _detach(func, args, kwargs):
-    return args[0]._apply_to_tensors(func)
+    return _sharding.keep_slice_link(args[0], args[0]._apply_to_tensors(func))
 
 
 @implements(aten.clone.default)
@@ -195,6 +204,7 @@ def _copy_(func, args, kwargs):
             )
         for name in dst._names:
             getattr(dst, "_" + name).copy_(getattr(src, "_" + name))
+        _sharding.write_back(dst)  # dst a slice (DCP's load narrows its target): into the tensor sliced
         return dst
     if isinstance(src, AQT):
         raise ValueError(
@@ -262,7 +272,14 @@ def _transpose2d(t: AQT) -> AQT:
     aten.unbind.int,
 )
 def _structural(func, args, kwargs):
-    return _blockwise(func, [args[0]], args[1:], kwargs)
+    t = args[0]
+    if func in _VIEWS and len(args) == 2 and tuple(args[1]) == tuple(t.shape):  # a view of the same tensor:
+        return _sharding.keep_slice_link(t, t._apply_to_tensors(aten.alias.default))  # writes go through
+    out = _blockwise(func, [t], args[1:], kwargs)
+    return _sharding.link_slice(out, args) if func is aten.slice.Tensor else out
+
+
+_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 
 @implements(aten.cat.default)
@@ -378,3 +395,6 @@ def _input_channel_vector(per_element: torch.Tensor, base: AQT, func) -> torch.T
             "channels; keep the weight 2-D [out, in] and slice rows or whole columns, or call .dequantize()"
         )
     return per_element[0].contiguous()
+
+
+from affineq.tensor import sharding as _sharding  # noqa: E402, F401  (collectives, empty_like: DTensor sharding)

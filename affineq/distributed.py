@@ -1,0 +1,292 @@
+"""Tensor parallelism for quantized models: shard with `parallelize_module`, save and reshard with DCP.
+
+torch's own `parallelize_module` / `distribute_tensor` / `DTensor.from_local` / `full_tensor()` work on quantized
+weights (the collectives run on the stored tensors: `affineq.tensor.sharding`); each rank then holds an
+`AffineQuantizedTensor` with 1/world of the rows (ColwiseParallel) or columns (RowwiseParallel) and of the bytes.
+`parallelize_quantized` is that call plus what only affineq knows:
+- a check, before anything moves, that no quantization group straddles two ranks (ValueError naming the layer);
+- on rowwise (K-sharded) layers with dynamic activation quantization, per-token ranges reduced across the ranks
+  (`activation.reduce_input_ranges`), so every output equals the unsharded quantized model's up to the order of
+  the K summation (plain `parallelize_module` quantizes each rank's slice of a token with its own range).
+
+Checkpoints: `dcp_save` / `dcp_load` write a quantized weight as its codes, scale, zero point and activation tensors
+in the logical [N, K] layout (plain tensors, or DTensors sharded as the weight is), which
+`torch.distributed.checkpoint` saves and reshards like any tensors, so a checkpoint saved at one world size loads
+at another (or in one process without a process group) into a model quantized with the same config.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from affineq.tensor.activation import _range_reduce
+from affineq.tensor.affine import AffineQuantizedTensor
+from affineq.tensor.ops import _expand
+from affineq.tensor.spec import QuantSpec
+
+__all__ = ["dcp_load", "dcp_save", "parallelize_quantized", "quantized_state_dict"]
+
+AQT = AffineQuantizedTensor
+_PARTS = ("codes", "scale", "zero_point")  # then the activation tensors, under their own names
+_SPEC = "aq_spec"  # the entry holding a weight's spec (JSON), beside its parts f"{fqn}.aq_{part}"
+
+
+def _sharded_dim(style, module: nn.Module) -> int | None:
+    """The weight dim a ColwiseParallel / RowwiseParallel style shards (an embedding's table is [V, D], so the two
+    swap there, as in torch), None for other styles."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if isinstance(style, ColwiseParallel):
+        return 1 if isinstance(module, nn.Embedding) else 0
+    if isinstance(style, RowwiseParallel):
+        return 0 if isinstance(module, nn.Embedding) else 1
+    return None
+
+
+def _matches(plan_key: str, name: str) -> bool:
+    """torch's rule: the plan key's dotted atoms match the module name's by fnmatch."""
+    atoms, parts = plan_key.split("."), name.split(".") if name else []
+    return len(atoms) == len(parts) and all(fnmatch.fnmatch(p, a) for p, a in zip(parts, atoms, strict=True))
+
+
+def check_plan(model: nn.Module, world: int, plan: dict) -> list[tuple[str, nn.Module, int]]:
+    """(name, module, sharded dim) of every quantized weight `plan` shards; ValueError naming the layer when its
+    dim does not split into `world` equal parts along whole quantization groups."""
+    out = []
+    for key, style in plan.items():
+        for name, module in model.named_modules():
+            w = getattr(module, "weight", None)
+            dim = _sharded_dim(style, module) if _matches(key, name) else None
+            if dim is None or not isinstance(w, AQT):
+                continue
+            size, block = w.spec.shape[dim], w.spec.block_size[dim]
+            style_name = type(style).__name__
+            if size % world:
+                raise ValueError(f"layer {name!r}: {style_name} splits weight dim {dim} of size {size} over {world} "
+                                 f"ranks, which needs a multiple of {world}; choose a world size that divides {size}")
+            local = size // world
+            if block != size and local % block:
+                raise ValueError(
+                    f"layer {name!r}: {style_name} gives each of {world} ranks {local} of the {size} "
+                    f"{'input' if dim else 'output'} channels, but its quantization groups are {block} wide, so a "
+                    f"group would straddle two ranks; quantize with a group_size that divides {local}, or use a "
+                    f"world size that divides {size // block}")
+            out.append((name, module, dim))
+    return out
+
+
+def parallelize_quantized(model: nn.Module, device_mesh, plan: dict) -> nn.Module:
+    """`torch.distributed.tensor.parallel.parallelize_module(model, device_mesh, plan)` for a quantized model.
+
+    Checks first that every quantized weight the plan shards splits along whole groups (ValueError naming the
+    layer, the model untouched), then shards (each rank's weights: DTensors whose local tensors are
+    AffineQuantizedTensors with 1/world of the rows or columns), freezes the quantized weights, and on layers
+    sharded along their input channels K with dynamic activation quantization reduces each token's range across
+    the ranks, so outputs equal the unsharded model's up to summation order. `device_mesh`: a 1-D DeviceMesh."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    if device_mesh.ndim != 1:
+        raise ValueError(f"device_mesh must be 1-D (tensor parallelism over one dim), got {device_mesh.ndim}-D")
+    sharded = check_plan(model, device_mesh.size(), plan)
+    parallelize_module(model, device_mesh, plan)
+    group = device_mesh.get_group()
+    for _, module, dim in sharded:
+        module.weight.requires_grad_(False)  # nn.Parameter(DTensor) turned it on; codes take no gradient
+        aq = module.weight.to_local().spec.act_quant
+        if dim == 1 and isinstance(module, nn.Linear) and aq is not None and not aq.static:
+            _reduce_ranges_in(module, group)
+    return model
+
+
+def _reduce_ranges_in(module: nn.Module, group) -> None:
+    """Forward hooks that make `activation.reduce_input_ranges` all-reduce over `group` while `module` runs."""
+    import torch.distributed as dist
+
+    ops = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+
+    def reduce(t: torch.Tensor, op: str) -> torch.Tensor:
+        t = t.clone()
+        dist.all_reduce(t, op=ops[op], group=group)
+        return t
+
+    tokens = []
+    module.register_forward_pre_hook(lambda m, args: tokens.append(_range_reduce.set(reduce)))
+    module.register_forward_hook(lambda m, args, out: _range_reduce.reset(tokens.pop()), always_call=True)
+
+
+# -- checkpoints -----------------------------------------------------------------------------------------------
+
+
+def _local(w):
+    from torch.distributed.tensor import DTensor
+
+    return (w.to_local(), w) if isinstance(w, DTensor) else (w, None)
+
+
+def _parts(w: AQT) -> dict[str, torch.Tensor]:
+    """A weight's codes and qparams in the logical layout (what `from_codes` takes) and its activation tensors."""
+    parts = {"codes": w.codes(), "scale": w.scale}
+    if w.zero_point is not None:
+        parts["zero_point"] = w.zero_point
+    return {**parts, **w.act_tensors}
+
+
+def _part_placements(name: str, dt) -> list:
+    """How a part of DTensor weight `dt` is laid out over the mesh: codes, scale and zero point are sharded along
+    the weight's sharded dim (their dims are the weight's), act_pre_scale [K] along its only dim when K is
+    sharded; per-tensor activation qparams are replicated."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    out = []
+    for p in dt.placements:
+        if not isinstance(p, Shard):
+            out.append(Replicate())
+        elif name in _PARTS:
+            out.append(Shard(p.dim))
+        else:
+            out.append(Shard(0) if name == "act_pre_scale" and p.dim == 1 else Replicate())
+    return out
+
+
+def _global(part: torch.Tensor, name: str, dt, placements: list | None = None):
+    """`part` (this rank's) as a DTensor laid out like DTensor weight `dt` (or as `placements`), or `part` itself
+    for a plain weight."""
+    if dt is None:
+        return part
+    from torch.distributed.tensor import DTensor, Shard
+
+    placements = placements or _part_placements(name, dt)
+    shape = list(part.shape)
+    for mesh_dim, p in enumerate(placements):
+        if isinstance(p, Shard):
+            shape[p.dim] *= dt.device_mesh.size(mesh_dim)
+    return DTensor.from_local(part, dt.device_mesh, placements, shape=torch.Size(shape),
+                              stride=torch.empty(shape, device="meta").stride())
+
+
+def _quantized_weights(model: nn.Module) -> dict[str, object]:
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, p in model.state_dict(keep_vars=True).items():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        if isinstance(local, AQT):
+            out[name] = p
+    return out
+
+
+def quantized_state_dict(model: nn.Module) -> dict[str, object]:
+    """`model.state_dict()` with each quantized weight `fqn` replaced by f"{fqn}.aq_codes", ".aq_scale",
+    ".aq_zero_point" (if any), ".aq_<act tensor>" (plain tensors, or DTensors sharded like the weight) and
+    ".aq_spec" (the spec as JSON, shape and block size those of the whole weight): what `dcp_save` writes."""
+    sd = dict(model.state_dict())
+    for fqn, w in _quantized_weights(model).items():
+        local, dt = _local(w)
+        del sd[fqn]
+        for name, part in _parts(local).items():
+            sd[f"{fqn}.aq_{name}"] = _global(part, name, dt)
+        codes = sd[f"{fqn}.aq_codes"]
+        scale_shape = tuple(sd[f"{fqn}.aq_scale"].shape)
+        block = tuple(c // s for c, s in zip(codes.shape, scale_shape, strict=True))
+        spec = local.spec.replace(shape=tuple(codes.shape), block_size=block, fmt="plain", transposed=False)
+        sd[f"{fqn}.{_SPEC}"] = json.dumps(spec.to_dict())
+    return sd
+
+
+def dcp_save(model: nn.Module, checkpoint_id: str | Path) -> None:
+    """Save `model` (quantized, sharded or not) with `torch.distributed.checkpoint.save` into `checkpoint_id`
+    (a directory). Every rank of the model's process group calls it."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(quantized_state_dict(model), checkpoint_id=str(checkpoint_id))
+
+
+def dcp_load(model: nn.Module, checkpoint_id: str | Path) -> nn.Module:
+    """Load a `dcp_save` checkpoint into `model`, quantized with the same config and sharded at any world size (or
+    not sharded, in one process). Quantized weights are rebuilt from the saved codes and qparams and copied into
+    the model's weights (in place, their own packing format); a weight saved with another target, range or
+    activation quantization is a ValueError naming it."""
+    import torch.distributed.checkpoint as dcp
+
+    metadata = dcp.FileSystemReader(str(checkpoint_id)).read_metadata().state_dict_metadata
+    weights = _quantized_weights(model)
+    sd = dict(model.state_dict())
+    for fqn, w in weights.items():
+        local, dt = _local(w)
+        del sd[fqn]
+        sd[f"{fqn}.{_SPEC}"] = ""
+        for name in _saved_part_names(metadata, fqn):
+            meta = metadata[f"{fqn}.aq_{name}"]
+            shape, placements = _load_layout(name, meta.size, dt, fqn)
+            sd[f"{fqn}.aq_{name}"] = _global(torch.empty(shape, dtype=meta.properties.dtype), name, dt, placements)
+    dcp.load(sd, checkpoint_id=str(checkpoint_id))
+    for fqn, w in weights.items():
+        local, _ = _local(w)
+        saved = QuantSpec.from_dict(json.loads(sd[f"{fqn}.{_SPEC}"]))
+        parts = {n: _local(sd[f"{fqn}.aq_{n}"])[0] for n in _saved_part_names(metadata, fqn)}
+        local.copy_(_rebuild(local, tuple(w.shape), saved, parts, fqn))
+    return model
+
+
+def _saved_part_names(metadata, fqn: str) -> list[str]:
+    prefix = f"{fqn}.aq_"
+    return [k[len(prefix):] for k in metadata if k.startswith(prefix) and k != f"{fqn}.{_SPEC}"]
+
+
+def _load_layout(name: str, size, dt, fqn: str) -> tuple[list[int], list | None]:
+    """This rank's shape of a saved part of global `size` and its placements. A qparam with one entry along the
+    sharded dim (a per-row scale saved unsharded, its block spanning the dim) is replicated: both column shards
+    of a per-row weight keep the row's scale."""
+    shape = list(size)
+    if dt is None:
+        return shape, None
+    from torch.distributed.tensor import Replicate, Shard
+
+    placements = _part_placements(name, dt)
+    for mesh_dim, p in enumerate(placements):
+        if isinstance(p, Shard):
+            n = dt.device_mesh.size(mesh_dim)
+            if shape[p.dim] == 1 and name in ("scale", "zero_point"):
+                placements[mesh_dim] = Replicate()
+            elif shape[p.dim] % n:
+                raise ValueError(f"{fqn}: the checkpoint's {name} has {shape[p.dim]} entries along dim {p.dim}, "
+                                 f"which do not split over {n} ranks; load it at a world size dividing "
+                                 f"{shape[p.dim]}")
+            else:
+                shape[p.dim] //= n
+    return shape, placements
+
+
+def _rebuild(local: AQT, shape: tuple[int, ...], saved: QuantSpec, parts: dict[str, torch.Tensor], fqn: str) -> AQT:
+    """The weight `local` (this rank's; `shape`: the whole weight's) with the loaded codes and qparams, in `local`'s
+    spec and format. The saved blocks may be finer than `local`'s (a per-row scale saved from a column-sharded
+    weight is one per shard): the qparams must then be equal within each of `local`'s blocks."""
+    spec = local.spec
+    same = ("dtype", "target", "quant_min", "quant_max", "zero_point_domain", "mapping_type", "act_quant",
+            "scale_type")
+    diff = [f for f in same if getattr(saved, f) != getattr(spec, f)]
+    if diff or saved.shape != shape:
+        raise ValueError(f"{fqn}: the checkpoint's weight ({saved}) differs from the model's ({spec}) in "
+                         f"{diff or 'shape'}; quantize the model with the config the checkpoint was saved with")
+    codes = parts["codes"]
+    saved_block = tuple(c // s for c, s in zip(codes.shape, parts["scale"].shape, strict=True))
+    qparams = []
+    for name in ("scale", "zero_point"):
+        q = parts.get(name)
+        if q is not None and saved_block != spec.block_size:
+            full = _expand(q, saved_block)
+            q = full[tuple(slice(None, None, b) for b in spec.block_size)]
+            if not torch.equal(_expand(q, spec.block_size), full):
+                raise ValueError(f"{fqn}: the checkpoint's {name} varies within the model's quantization blocks "
+                                 f"{spec.block_size} (saved with blocks {saved_block}); quantize the model with "
+                                 "the checkpoint's group size")
+        qparams.append(q)
+    out = type(local).from_codes(codes, qparams[0], qparams[1], spec.replace(transposed=False))
+    act = {n: t for n, t in parts.items() if n not in _PARTS}
+    return out.with_act_tensors(**act) if act else out
+
