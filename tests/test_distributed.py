@@ -138,6 +138,7 @@ def _checks(rank: int, tmp: Path) -> None:
             _scramble(loaded[0].weight.to_local(), loaded[2].weight.to_local())
             dcp.load(loaded.state_dict(), checkpoint_id=str(tmp / f"{config}-{source}"))
             assert torch.equal(loaded[0].weight.to_local(), l0) and torch.equal(loaded[2].weight.to_local(), l2)
+    _plain_parallelize_module_bound(mesh, x)
     for config, (make, tol) in OTHER_CONFIGS.items():
         torch.manual_seed(0)
         ref_model = affineq.quantize_(nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 128)), make())
@@ -151,6 +152,25 @@ def _checks(rank: int, tmp: Path) -> None:
             limit = 0.6 if config == "int4-cpu" else 0.53  # per-row qparams: whole in both column shards
             assert w.to_local().storage_bytes() <= limit * full.storage_bytes(), config
             assert torch.equal(w.full_tensor().dequantize(), full.dequantize()), config
+
+
+def _plain_parallelize_module_bound(mesh, x: torch.Tensor) -> None:
+    """torch's own parallelize_module (no range reduction) on 8da4w: the row-wise layer quantizes each rank's slice
+    of a token with that slice's range, a sub-range of the token's, so each element's error is at most one step s_t
+    of the unsharded per-token quantization, as the unsharded input's is: |out - ref| <= 2 s_t sum_k |W2[n, k]|
+    (+ fp32 summation order). The README states this bound."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    ref_model = _model("8da4w")
+    with torch.no_grad():
+        h = torch.relu(ref_model[0](x))
+        ref = ref_model[2](h)
+    model = parallelize_module(_model("8da4w"), mesh, _plan())
+    with torch.inference_mode():
+        out = model(x)
+    step = (h.amax(-1, keepdim=True).clamp(min=0) - h.amin(-1, keepdim=True).clamp(max=0)) / 255
+    bound = 2 * step * ref_model[2].weight.dequantize().abs().sum(1) + 1e-5 * ref.abs().max()
+    assert bool(((out - ref).abs() <= bound).all()), ((out - ref).abs() / bound).max().item()
 
 
 def _scramble(*weights) -> None:
