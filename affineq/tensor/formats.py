@@ -557,8 +557,12 @@ class Int4Tinygemm(PackingFormat):
         return source
 
     def qparams(self, t, spec):
+        # In the stored dtype (bf16 by default), so a slice re-packed from them (a tensor-parallel shard) keeps
+        # 16-bit qparams; exact: zero - 8 s + 8 s of bf16 values is exact in fp32.
         s, offset = self._scale_offset(t)
-        return s, _zero_point(s, offset, spec)
+        zp = _zero_point(s, offset, spec)
+        dtype = t["scale_and_zero"].dtype
+        return s.to(dtype), (zp if zp is None or not zp.is_floating_point() else zp.to(dtype))
 
 
 def _convert_cpu(u: torch.Tensor) -> torch.Tensor:
