@@ -408,6 +408,6 @@ def quantized_twin(module: nn.Module, config=None) -> nn.Module:
                     and len(p.spec.shape) == 2 and _act_mode(p) is not None):
                 continue
             dense = p.to_format("dense")
-            if name.startswith("weight_hh") or _int8_codes_check(torch.empty(1, p.shape[1]), dense) is None:
+            if name.startswith("weight_hh") or _int8_codes_check(torch.empty(1, p.spec.shape[1]), dense) is None:
                 module._parameters[name] = nn.Parameter(dense, requires_grad=False)
     return twin.from_float(module)

@@ -591,6 +591,9 @@ def test_int8_codes_kernel_refuses_what_it_cannot_read() -> None:
     _, packed, scale, offset = _problem(8, 32, 64, 64)
     with pytest.raises(RuntimeError, match="bfloat16 scales need an offset|not one the kernel reads"):
         torch.ops.affineq.int8_codes_linear(x, packed, scale.bfloat16(), offset.bfloat16(), 64, 32, 64, True, 0, 0.0)
+    e8m0 = torch.full((32, 1), 120, dtype=torch.uint8)  # exponent bytes: not fp32 qparams
+    with pytest.raises(RuntimeError, match="not one the kernel reads"):
+        torch.ops.affineq.int8_codes_linear(x, packed, e8m0, None, 64, 32, 64, True, 0, 1e-12)
     with pytest.raises(RuntimeError, match="mode"):
         torch.ops.affineq.int8_codes_linear(x, packed, scale, offset, 64, 32, 64, True, 3, 1e-12)
     with pytest.raises(RuntimeError, match="8-bit codes"):

@@ -273,7 +273,7 @@ at::Tensor int8_codes_linear_cpu(const at::Tensor& x, const at::Tensor& packed, 
               group_size, ", k=", k);
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.numel() == packed_nbytes(n, k, 8), op,
               ": packed must be uint8 with ", packed_nbytes(n, k, 8), " elements (8-bit codes)");
-  check_qparams(op, scale, offset, 8, kCodesUint, 0, n, k / group_size);
+  const bool e8m0 = check_qparams(op, scale, offset, 8, kCodesUint, 0, n, k / group_size);
   const bool has_offset = offset.has_value() && offset->defined();
   const at::Tensor pk = packed.contiguous(), sc = scale.contiguous(), xc = x.contiguous();
   const at::Tensor of = has_offset ? offset->contiguous() : at::Tensor();
@@ -282,6 +282,7 @@ at::Tensor int8_codes_linear_cpu(const at::Tensor& x, const at::Tensor& packed, 
   p.scale = sc.const_data_ptr();
   p.offset = has_offset ? of.const_data_ptr() : nullptr;
   p.qparams_bf16 = sc.scalar_type() == at::kBFloat16;
+  p.qparams_e8m0 = e8m0;  // refused by supported(): the kernel reads fp32 qparams only
   p.bits = 8;
   p.codes = kCodesUint;
   p.group_size = group_size;
