@@ -281,6 +281,9 @@ class QuantSpec:
             if not isinstance(d[key], (list, tuple)) or not all(
                     isinstance(x, int) and not isinstance(x, bool) for x in d[key]):
                 raise ValueError(f"QuantSpec dict: {key} must be a list of ints, got {d[key]!r}")
+        if not all(b >= 1 for b in d["block_size"]) or not all(n >= 0 for n in d["shape"]):
+            raise ValueError(f"QuantSpec dict: block_size {d['block_size']!r} must be positive and shape "
+                             f"{d['shape']!r} non-negative; the spec was edited or corrupted")
         try:
             return cls.create(
                 tuple(d["shape"]), dtype, d["target"], tuple(d["block_size"]),
