@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -290,6 +291,22 @@ def _quantize_with_calibration(model, config, filter_fn, steps, calibration_data
         calibration.unprepare_(model)
 
 
+#: Called as `hook(model, config)` after every successful `quantize_` (`affineq.hf` records a transformers
+#: model's config there, so that its save_pretrained writes it). A hook must not raise.
+AFTER_QUANTIZE: list[Callable[[nn.Module, QuantConfig], None]] = []
+
+
+def _then_after_quantize_hooks(fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+    @functools.wraps(fn)
+    def run(model, config, *args, **kwargs):
+        out = fn(model, config, *args, **kwargs)
+        for hook in AFTER_QUANTIZE:
+            hook(model, config)
+        return out
+    return run
+
+
+@_then_after_quantize_hooks
 def quantize_(
     model: nn.Module,
     config: QuantConfig,
