@@ -148,19 +148,22 @@ def test_hub_cache_snapshot_links_into_its_blobs_are_allowed(tmp_path):
     assert info.quantized == ("a.weight",)
 
 
-def test_from_pretrained_refuses_an_index_naming_a_shard_outside(tmp_path):
+@pytest.mark.parametrize("pre_quantized", [True, False])
+def test_from_pretrained_refuses_an_index_naming_a_shard_outside(tmp_path, pre_quantized):
     src = tmp_path / "q"
-    _load_float = _llama()
-    affineq.quantize_(_load_float, INT8)
-    _load_float.save_pretrained(src, max_shard_size="20KB")
+    model = _llama()
+    if pre_quantized:
+        affineq.quantize_(model, INT8)
+    model.save_pretrained(src, max_shard_size="20KB")
     index = json.loads((src / "model.safetensors.index.json").read_text())
     shard = sorted(set(index["weight_map"].values()))[-1]
     (tmp_path / shard).write_bytes((src / shard).read_bytes())
     (src / shard).unlink()
     index["weight_map"] = {k: (f"../{v}" if v == shard else v) for k, v in index["weight_map"].items()}
     (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    kw = {} if pre_quantized else {"quantization_config": AffineqConfig(INT8)}  # quantize on load
     with pytest.raises(ValueError, match=f"'{shard}'.* outside the checkpoint directory"):
-        _load(src)
+        _load(src, **kw)
 
 
 # -- 4. every stored tensor has a checksum ---------------------------------------------------------------------
