@@ -451,5 +451,5 @@ def _register() -> None:
 
 
 _register()
-if _record_quantization not in AFTER_QUANTIZE:
-    AFTER_QUANTIZE.append(_record_quantization)
+# one hook per process, this module's latest (re-importing it replaces the previous one, as _register does)
+AFTER_QUANTIZE[:] = [h for h in AFTER_QUANTIZE if getattr(h, "__module__", None) != __name__] + [_record_quantization]

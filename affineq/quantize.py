@@ -298,12 +298,12 @@ AFTER_QUANTIZE: list[Callable[[nn.Module, QuantConfig], None]] = []
 
 def _then_after_quantize_hooks(fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
     @functools.wraps(fn)
-    def run(model, config, *args, **kwargs):
+    def quantize_(model, config, *args, **kwargs):  # named as fn: a missing argument's TypeError names quantize_
         out = fn(model, config, *args, **kwargs)
         for hook in AFTER_QUANTIZE:
             hook(model, config)
         return out
-    return run
+    return quantize_
 
 
 @_then_after_quantize_hooks
