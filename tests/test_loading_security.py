@@ -349,6 +349,13 @@ def test_load_quantized_into_a_meta_llama_runs(dirs):
     affineq.quantize_(ref, INT8, filter_fn=lambda mod, fqn: isinstance(mod, nn.Linear) and fqn != "lm_head")
     assert torch.equal(model.model.rotary_emb.inv_freq, ref.model.rotary_emb.inv_freq)
     assert torch.equal(_logits(model), _logits(ref))
+    # a save_pretrained directory: its plain tensors carry no checksum, so the caller opts out explicitly
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**LLAMA)).eval()
+    with pytest.raises(ValueError, match="no checksum.*allow_unchecked=True"):
+        affineq.load_quantized(model, dirs / "hf")
+    affineq.load_quantized(model, dirs / "hf", allow_unchecked=True)
+    assert torch.equal(_logits(model), _logits(_load(dirs / "hf")))
 
 
 class _Rotary(nn.Module):
