@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import zlib
 from typing import Any
 
@@ -179,7 +180,7 @@ def save_file(state_dict: dict[str, torch.Tensor], path: str | os.PathLike,
     header = {"format": "pt", **(metadata or {}), METADATA_KEY: json.dumps(meta, separators=(",", ":"))}
     where = os.fspath(path)
     head, name = os.path.split(where)
-    tmp = os.path.join(head, f".{name}.{os.getpid()}.tmp")  # hidden: no loader picks it up
+    tmp = os.path.join(head, f".{name}.{os.getpid()}.{threading.get_ident()}.tmp")  # hidden: no loader takes it
     try:
         st.torch.save_file(tensors, tmp, metadata=header)
         os.replace(tmp, where)
