@@ -126,9 +126,10 @@ class FqnToConfig(QuantConfig):
 
     @classmethod
     def from_dict(cls, d: dict) -> FqnToConfig:
-        if not isinstance(d, dict) or not isinstance(d.get("fqn_to_config"), dict):
-            raise ValueError(f"FqnToConfig.from_dict expects {{'type': 'FqnToConfig', 'fqn_to_config': {{...}}}}, "
-                             f"got {d!r}")
+        if (not isinstance(d, dict) or not isinstance(d.get("fqn_to_config"), dict)
+                or set(d) - {"type", "fqn_to_config"}):
+            raise ValueError(f"FqnToConfig.from_dict expects {{'type': 'FqnToConfig', 'fqn_to_config': {{...}}}} "
+                             f"and no other keys, got {d!r}")
         configs = {}
         for k, v in d["fqn_to_config"].items():
             try:
