@@ -303,7 +303,8 @@ class QuantizationSpec:
         if set(d) - names:
             raise ValueError(f"QuantizationSpec has no fields {sorted(set(d) - names)}; use {sorted(names)}")
         if d.get("dtype") is None:
-            raise ValueError(f"QuantizationSpec.from_dict: the dict has no 'dtype'; use one of {list(Dtype.__members__)}")
+            raise ValueError("QuantizationSpec.from_dict: the dict has no 'dtype'; use one of "
+                             f"{list(Dtype.__members__)}")
         kw: dict[str, Any] = dict(d)
         for name, ecls in (("dtype", Dtype), ("qscheme", QSchemeType), ("round_method", RoundType),
                            ("scale_type", ScaleType), ("zero_point_type", ZeroPointType), ("mx_element_dtype", Dtype)):
