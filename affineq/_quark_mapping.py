@@ -142,17 +142,17 @@ class ObservedWeightConfig(QuantConfig):
             w = module._parameters[name]
             spec, opts = self.weight_spec(w, module), self.qparam_options()
             if spec.scale_type is not None or not opts.preserve_zero:
-                return (f"weight.observer_cls={self.observer_cls.__name__}: this weight's scales are power-of-two (or its "
-                        "zero point not a code), which an observer's qparams are not; use float scales or drop "
-                        "observer_cls")
+                return (f"weight.observer_cls={self.observer_cls.__name__}: this weight's scales are power-of-two "
+                        "(or its zero point not a code), which an observer's qparams are not; use float scales or "
+                        "drop observer_cls")
             try:
                 block = tuple(self._observer(spec, opts).block_size(spec.shape))
             except (TypeError, ValueError) as e:
                 return f"weight.observer_cls={self.observer_cls.__name__} cannot observe this weight: {e}"
             if block != spec.block_size:
-                return (f"weight.observer_cls={self.observer_cls.__name__} gives qparams per block {block}, but the weight "
-                        f"spec wants blocks {spec.block_size}: give the spec the observer's granularity (a per-tensor "
-                        "observer needs qscheme=per_tensor) or pick the observer of the spec's qscheme")
+                return (f"weight.observer_cls={self.observer_cls.__name__} gives qparams per block {block}, but the "
+                        f"weight spec wants blocks {spec.block_size}: give the spec the observer's granularity (a "
+                        "per-tensor observer needs qscheme=per_tensor) or pick the observer of the spec's qscheme")
         return None
 
     def parameter_names(self, module):
