@@ -333,3 +333,118 @@ def test_embedding_with_requires_grad_runs_and_refuses_its_gradient():
 
 def test_registered_observer_subclass_must_be_an_observer():
     assert issubclass(PerTensorMSEObserver, Observer) and issubclass(_SlowConfig, QuantConfig)
+
+
+# -- finding 11: tampered pickles fail at load; errors name the item / layer / fix ----------------------------
+
+
+def _saved(obj) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _load(data: bytes):
+    import io
+
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def _q8() -> affineq.AffineQuantizedTensor:
+    return quantize_(nn.Sequential(nn.Linear(64, 32)), Int8WeightOnlyConfig(packing_format="plain"))[0].weight
+
+
+def _tampered_spec(spec, **fields):
+    bad = object.__new__(type(spec))  # what an edited pickle rebuilds: no constructor runs
+    bad.__dict__.update({**spec.__dict__, **fields})
+    return bad
+
+
+@pytest.mark.parametrize(("tamper", "match"), [
+    (lambda w: w.__dict__.pop("_scale"), r"stored tensors \['scale'\] are missing"),
+    (lambda w: w.__dict__.update(_scale="junk"), r"stored tensors \['scale'\] are missing or not tensors"),
+    (lambda w: w.__dict__.update(_scale=torch.ones(3, 1)), r"scale.*shape \(3, 1\)"),
+    (lambda w: w.__dict__.update(_names=("qdata",)), r"stores tensors"),
+    (lambda w: w.__dict__.update(spec="int8"), r"its spec is str, not a QuantSpec"),
+    (lambda w: w.__dict__.update(dequantize=1), r"attributes \['dequantize'\] would replace the class's own"),
+    (lambda w: w.__dict__.update(spec=_tampered_spec(w.spec, block_size=(1, 0))), r"QuantSpec\.block_size"),
+    (lambda w: w.__dict__.update(spec=_tampered_spec(w.spec, quant_max=1000)), r"quant_max"),
+    (lambda w: w.__dict__.update(spec=_tampered_spec(w.spec, target="int8")), r"QuantSpec\.target='int8'"),
+    (lambda w: w.__dict__.update(spec=_tampered_spec(w.spec, shape=(64, 32))), r"spec describes"),
+])
+def test_a_tampered_weights_only_pickle_fails_at_load(tamper, match):
+    w = _q8()
+    good = _load(_saved({"w": w}))["w"]  # the untouched pickle loads and runs
+    assert torch.equal(good.dequantize(), w.dequantize())
+    tamper(w)
+    data = _saved({"w": w})
+    with pytest.raises(ValueError, match=match):  # before the fix: loaded, AttributeError at first use
+        _load(data)
+
+
+def test_quant_spec_refuses_junk_positional_arguments():
+    spec = _q8().spec
+    with pytest.raises(ValueError, match=r"QuantSpec\.dtype='junk'"):
+        type(spec)(spec.shape, "junk", spec.target, spec.block_size, spec.quant_min, spec.quant_max,
+                   spec.zero_point_domain, spec.mapping_type, spec.fmt)
+    with pytest.raises(ValueError, match=r"QuantSpec\.shape=5"):
+        type(spec)(5, torch.float32, 6, 7, 8, 9, 10, 11, 12)
+    with pytest.raises(ValueError, match=r"mapping_type"):
+        spec.replace(mapping_type="SYMMETRIC")
+    aq = affineq.ActivationQuant()
+    missing = object.__new__(type(aq))  # an edited pickle: fields missing, no constructor run
+    missing.__dict__.update({"dtype": aq.dtype})
+    with pytest.raises(ValueError, match=r"cannot unpickle ActivationQuant: expected the fields"):
+        _load(_saved(missing))
+    with pytest.raises(ValueError, match=r"ActivationQuant\.granularity=None"):
+        _load(_saved(_tampered_spec(aq, granularity=None)))
+
+
+def test_graph_calibration_with_another_batch_size_says_to_pass_dynamic_shapes():
+    from affineq.graph import prepare
+
+    model = nn.Sequential(nn.Linear(16, 8))
+    gm = prepare(model, affineq.Int8StaticActivationInt8WeightConfig(), (torch.randn(4, 16),))
+    gm(torch.randn(4, 16))
+    with pytest.raises(ValueError, match=r"traced with \(Guard failed.*pass dynamic_shapes to "
+                                         r"affineq\.graph\.prepare"):
+        gm(torch.randn(3, 16))  # before the fix: AssertionError: Guard failed
+    batch = torch.export.Dim("batch")
+    gm = prepare(model, affineq.Int8StaticActivationInt8WeightConfig(), (torch.randn(4, 16),),
+                 dynamic_shapes=({0: batch},))
+    gm(torch.randn(3, 16))  # the fix it names works
+
+
+def test_dcp_load_into_other_shapes_names_each_tensor_and_loads_nothing(tmp_path):
+    saved = quantize_(nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 8)), Int8WeightOnlyConfig())
+    affineq.dcp_save(saved, tmp_path)
+    other = quantize_(nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 16)), Int8WeightOnlyConfig())
+    snap = snapshot_model(other)
+    with pytest.raises(ValueError, match=r"1\.weight: the checkpoint holds \(8, 32\), the model \(16, 32\)\n"
+                                         r"  - 1\.bias: the checkpoint holds \(8,\), the model \(16,\)"):
+        affineq.dcp_load(other, tmp_path)  # before the fix: torch's CheckpointException
+    assert_unchanged(other, snap)
+    same = quantize_(nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 8)), Int8WeightOnlyConfig())
+    affineq.dcp_load(same, tmp_path)
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        assert torch.equal(same(x), saved(x))
+
+
+@pytest.mark.parametrize(("data", "match"), [
+    ([torch.randint(0, 64, (1, 2, 8))], r"calibration item 0 \(\[0\] \(1, 2, 8\)\): the integer tensor \(token ids\) "
+                                        r"at \[0\] has 3 dims"),
+    ([torch.randint(0, 64, (1, 8)), torch.randint(0, 64, (1, 0))], r"calibration item 1 .*is empty"),
+    ([torch.randint(0, 64, (1, 8)), torch.randint(0, 64, (8,))], r"calibration item 1 .*has 1 dims, item 0's has 2"),
+    ([torch.randint(0, 64, (1, 8)), [1, 2]], r"calibration item 1 is a list"),
+])
+def test_gptq_calibration_items_are_checked_up_front(data, match):
+    from affineq.models import build_tiny_lm
+
+    model = build_tiny_lm(layers=1, dim=32, ffn=64, vocab=64)
+    snap = snapshot_model(model)
+    with pytest.raises(QuantizationError, match=match):
+        quantize_(model, affineq.GPTQConfig(Int4WeightOnlyConfig(group_size=32)), calibration_data=data)
+    assert_unchanged(model, snap)
