@@ -39,8 +39,11 @@ formats and activations round half to even). Refused by `quantize_` with a `Quan
 missing: bias specs, dynamic output specs, Dtype.bfloat16/float16. `algo_config` (GPTQ, AWQ, HQQ) or
 `pre_quant_opt_config` (SmoothQuant): an algorithm template (`GPTQConfig(None, ...)`) that wraps every layer's
 resolved weight config.
-`observer_cls` is recorded (and round-trips) for calibration; weights and dynamic activations get min/max
-qparams, what Quark's MinMax observers compute.
+`observer_cls` (an affineq observer class) takes effect or is refused: on a weight-only layer's weight it is run
+over the weight and its range gives the qparams (its granularity must be the spec's); static inputs calibrate
+with it; dynamic inputs and the weights of layers with quantized inputs get min/max qparams, so only the min-max
+observers are accepted there. From JSON, `observer_cls` resolves only among affineq's observers and classes
+given to `register_observer`, and layer-type keys only among torch.nn module classes: nothing is imported.
 
 target_device: CPU adds no constraint; weights whose affineq config has a packed CPU kernel are the ones in
 the README table (Int8/Int4/Intx/Float8 weight-only, 8da8w, 8da4w); power-of-two scales, per-tensor

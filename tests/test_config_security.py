@@ -27,10 +27,10 @@ from affineq import (
     config_from_dict,
     quantize_,
     quantize_affine,
+    register_observer,
     register_quantize_module_handler,
 )
 from affineq.observers import Observer, PerTensorMinMaxObserver
-from affineq.quark_config import register_observer
 from tests.conftest import assert_unchanged, snapshot_model
 
 W8 = QuantizationSpec(Dtype.int8, qscheme=QSchemeType.per_channel, ch_axis=0, symmetric=True)

@@ -26,6 +26,9 @@ __all__ = ["ActivationQuant", "QParamOptions", "QuantSpec", "SPEC_VERSION"]
 SPEC_VERSION = 1
 
 _GRANULARITIES = ("per_token", "per_tensor", "per_block")
+#: The logical dtypes a stored spec may name: looked up here, never by getattr on torch.
+_FLOAT_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values()
+                 if isinstance(d, torch.dtype) and d.is_floating_point}
 
 _KEYS = {"version", "shape", "dtype", "target", "block_size", "quant_min", "quant_max", "zero_point_domain",
          "mapping_type", "format", "transposed", "act_quant", "scale_type"}
@@ -329,8 +332,8 @@ class QuantSpec:
         if missing or unknown:
             raise ValueError(f"QuantSpec dict: missing keys {sorted(missing)}, unknown keys {sorted(unknown)}; pass "
                              "the dict QuantSpec.to_dict() wrote (or upgrade affineq if a newer one wrote it)")
-        dtype = getattr(torch, d["dtype"], None) if isinstance(d["dtype"], str) else None
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        dtype = _FLOAT_DTYPES.get(d["dtype"]) if isinstance(d["dtype"], str) else None
+        if dtype is None:
             raise ValueError(f"QuantSpec dict: dtype {d['dtype']!r} is not a floating-point torch dtype; it must be "
                              "the logical float dtype, e.g. 'float32' or 'bfloat16'")
         for key in ("shape", "block_size"):
