@@ -336,7 +336,7 @@ def _load_class(ref, what: str, registry: dict[tuple[str, str], type], allowed: 
 
 
 _OBSERVERS_ALLOWED = ("observers of affineq.observers or a class registered with "
-                      "affineq.quark_config.register_observer (set observer_cls in code for other classes)")
+                      "affineq.register_observer (set observer_cls in code for other classes)")
 
 
 def _check_device(owner: str, qc: QuantizationConfig) -> None:

@@ -2,6 +2,7 @@
 walks), type-checked config fields, settings that take effect or are refused, one quantize_ per model at a
 time, frozen quantized weights that run inference, errors that name the calibration item / layer / field."""
 
+import copy
 import threading
 
 import pytest
@@ -30,7 +31,7 @@ from affineq import (
     register_observer,
     register_quantize_module_handler,
 )
-from affineq.observers import Observer, PerTensorMinMaxObserver
+from affineq.observers import Observer, PerChannelMinMaxObserver, PerGroupMinMaxObserver, PerTensorMinMaxObserver
 from tests.conftest import assert_unchanged, snapshot_model
 
 W8 = QuantizationSpec(Dtype.int8, qscheme=QSchemeType.per_channel, ch_axis=0, symmetric=True)
@@ -209,6 +210,20 @@ def test_min_max_observer_gives_min_max_codes():
     w = _outlier_weight()
     assert torch.equal(_quantize_int4_per_tensor(w, PerTensorMinMaxObserver).codes(),
                        _quantize_int4_per_tensor(w, None).codes())
+
+
+@pytest.mark.parametrize(("kw", "observer_cls"), [
+    (dict(dtype=Dtype.int8, qscheme=QSchemeType.per_channel, ch_axis=0, symmetric=True), PerChannelMinMaxObserver),
+    (dict(dtype=Dtype.uint4, qscheme=QSchemeType.per_group, ch_axis=1, group_size=32, symmetric=False),
+     PerGroupMinMaxObserver),
+])
+def test_per_channel_and_per_group_min_max_observers_run_on_packed_weights(kw, observer_cls):
+    model = nn.Sequential(nn.Linear(64, 16))
+    plain = quantize_(copy.deepcopy(model), Config(QuantizationConfig(weight=QuantizationSpec(**kw))))[0].weight
+    observed = quantize_(model, Config(QuantizationConfig(weight=QuantizationSpec(**kw, observer_cls=observer_cls))))
+    observed = observed[0].weight
+    assert observed.spec == plain.spec  # same packed format (the C++ kernel's), same blocks
+    assert torch.equal(observed.codes(), plain.codes()) and torch.equal(observed.scale, plain.scale)
 
 
 @pytest.mark.parametrize(("qc", "match"), [
