@@ -98,6 +98,7 @@ from affineq.quark_config import (
     RoundType,
     ScaleType,
     ZeroPointType,
+    register_observer,
 )
 from affineq.streaming import QuantizedCheckpoint, is_linear_weight, load_quantized, quantize_checkpoint
 from affineq.tensor import linear_kernels as _linear_kernels  # noqa: F401  (registers the kernels)
@@ -230,6 +231,7 @@ __all__ = [
     "record_kernels",
     "register_linear_kernel",
     "register_qtype",
+    "register_observer",
     "run_calibration",
     "register_quantize_module_handler",
     "select_linear_kernel",

@@ -216,6 +216,7 @@ def dcp_load(model: nn.Module, checkpoint_id: str | Path) -> nn.Module:
     metadata = dcp.FileSystemReader(str(checkpoint_id)).read_metadata().state_dict_metadata
     weights = _quantized_weights(model)
     sd = dict(model.state_dict())
+    _check_shapes(sd, weights, metadata)  # before anything is read into the model
     for fqn, w in weights.items():
         local, dt = _local(w)
         del sd[fqn]
@@ -231,6 +232,22 @@ def dcp_load(model: nn.Module, checkpoint_id: str | Path) -> nn.Module:
         parts = {n: _local(sd[f"{fqn}.aq_{n}"])[0] for n in _saved_part_names(metadata, fqn)}
         local.copy_(_rebuild(local, tuple(w.shape), saved, parts, fqn))
     return model
+
+
+def _check_shapes(sd: dict, weights: dict, metadata) -> None:
+    """ValueError naming every tensor whose (global) shape differs from the checkpoint's, before dcp.load reads
+    anything (its own error names neither the layer's fix nor all of them). A quantized weight is compared
+    through its saved codes (the weight's shape)."""
+    problems = []
+    for key, t in sd.items():
+        meta = metadata.get(f"{key}.aq_codes" if key in weights else key)
+        size = getattr(meta, "size", None)
+        if size is not None and isinstance(t, torch.Tensor) and tuple(size) != tuple(t.shape):
+            problems.append(f"  - {key}: the checkpoint holds {tuple(size)}, the model {tuple(t.shape)}")
+    if problems:
+        raise ValueError("dcp_load: {} tensor(s) of the model have other shapes than the checkpoint's:\n{}\nBuild the "
+                         "model with the sizes the checkpoint was saved from (nothing was loaded)".format(
+                             len(problems), "\n".join(problems)))
 
 
 def _saved_part_names(metadata, fqn: str) -> list[str]:

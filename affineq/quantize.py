@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import functools
 import re
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -127,9 +128,10 @@ class FqnToConfig(QuantConfig):
 
     @classmethod
     def from_dict(cls, d: dict) -> FqnToConfig:
-        if not isinstance(d, dict) or not isinstance(d.get("fqn_to_config"), dict):
-            raise ValueError(f"FqnToConfig.from_dict expects {{'type': 'FqnToConfig', 'fqn_to_config': {{...}}}}, "
-                             f"got {d!r}")
+        if (not isinstance(d, dict) or not isinstance(d.get("fqn_to_config"), dict)
+                or set(d) - {"type", "fqn_to_config"}):
+            raise ValueError(f"FqnToConfig.from_dict expects {{'type': 'FqnToConfig', 'fqn_to_config': {{...}}}} "
+                             f"and no other keys, got {d!r}")
         configs = {}
         for k, v in d["fqn_to_config"].items():
             try:
@@ -291,6 +293,37 @@ def _quantize_with_calibration(model, config, filter_fn, steps, calibration_data
         calibration.unprepare_(model)
 
 
+_BUSY: dict[int, int] = {}  # id(module) -> ident of the thread whose quantize_ is changing it
+_BUSY_LOCK = threading.Lock()
+
+
+def _one_call_per_model(fn):
+    """Refuse (QuantizationError, nothing changed) a call on a model whose modules another thread's call is
+    changing; the same thread may nest calls (calibration, transformers' per-layer quantize_)."""
+
+    @functools.wraps(fn)
+    def quantize_(model, *args, **kwargs):  # named as fn: a missing argument's TypeError names quantize_
+        if not isinstance(model, nn.Module):
+            return fn(model, *args, **kwargs)  # fn raises the explanation
+        me, ids = threading.get_ident(), [id(m) for m in model.modules()]
+        with _BUSY_LOCK:
+            if any(_BUSY.get(i, me) != me for i in ids):
+                raise QuantizationError(
+                    f"{fn.__name__}: another thread is quantizing this {type(model).__name__} (or a module inside "
+                    "it) right now; quantize_ does not wait for it: make the calls one after another (the model "
+                    "was left unchanged)")
+            mine = [i for i in ids if i not in _BUSY]
+            _BUSY.update(dict.fromkeys(mine, me))
+        try:
+            return fn(model, *args, **kwargs)
+        finally:
+            with _BUSY_LOCK:
+                for i in mine:
+                    del _BUSY[i]
+
+    return quantize_
+
+
 #: Called as `hook(model, config)` after every successful `quantize_` (`affineq.hf` records a transformers
 #: model's config there, so that its save_pretrained writes it). A hook must not raise.
 AFTER_QUANTIZE: list[Callable[[nn.Module, QuantConfig], None]] = []
@@ -306,6 +339,7 @@ def _then_after_quantize_hooks(fn: Callable[..., nn.Module]) -> Callable[..., nn
     return quantize_
 
 
+@_one_call_per_model
 @_then_after_quantize_hooks
 def quantize_(
     model: nn.Module,
@@ -326,6 +360,10 @@ def quantize_(
     (tensor: model(x), tuple: model(*x), dict: model(**x)), run once with a progress bar. Peak memory: the
     float model plus its quantized weights (the float weights are freed when the call returns). Global torch
     state is not touched.
+
+    Threads: a call on a model that another thread's `quantize_` is changing (the same model or a module inside
+    it) raises `QuantizationError` at once and changes nothing; it does not wait. Calls on different models run
+    concurrently.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize_(model, config): model must be an nn.Module, got {type(model).__name__}; pass "

@@ -157,7 +157,7 @@ def _int8_linear():
 def _frozen_weight_requiring_grad():
     m = _quantized_mlp()
     m[0].weight.requires_grad_(True)
-    return m(torch.randn(2, 64))
+    return m(torch.randn(2, 64)).sum().backward()  # the forward runs; the weight's gradient is refused
 
 
 def _embedding_lookup(index):

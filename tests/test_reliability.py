@@ -450,13 +450,16 @@ def test_record_kernels_with_compiled_and_eager_runs():
 # -- 9. smaller findings --------------------------------------------------------------------------------------
 
 
-def test_a_quantized_weight_that_requires_grad_raises_at_forward():
+def test_a_quantized_weight_that_requires_grad_runs_and_raises_at_backward():
     m = _int8_model()
-    m[0].weight.requires_grad_(True)
-    with pytest.raises(RuntimeError, match=r"requires_grad=True.*requires_grad_\(False\)"):
-        m(torch.randn(2, 64))
+    x = torch.randn(2, 64)
     with torch.no_grad():
-        m(torch.randn(2, 64))  # inference is fine
+        want = m(x)
+    m[0].weight.requires_grad_(True)
+    y = m(x)  # inference works as for a float model
+    assert torch.equal(y.detach(), want) and y.requires_grad
+    with pytest.raises(RuntimeError, match=r"requires_grad=True.*requires_grad_\(False\)"):
+        y.sum().backward()
 
 
 @pytest.mark.parametrize(("field", "value"), [("mapping_type", "ASYMMETRIC"), ("scale_dtype", "bf16"),

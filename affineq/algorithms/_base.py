@@ -17,6 +17,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from affineq.algorithms._capture import check_calibration_items
 from affineq.configs import QuantConfig
 from affineq.tensor.affine import AffineQuantizedTensor
 from affineq.tensor.formats import get_format
@@ -140,6 +141,11 @@ def quantize_with_algorithms(model: nn.Module, steps, calibration_data, device) 
     data = None if calibration_data is None else list(calibration_data)
     if data is not None and not data:
         raise QuantizationError("calibration_data is empty: pass at least one model input")
+    if data is not None:
+        try:
+            check_calibration_items(data)
+        except ValueError as e:
+            raise QuantizationError(f"{e}. Nothing was quantized.") from None
     final: dict[str, QuantConfig] = {}
     for s in steps:
         if not isinstance(s.config, AlgorithmConfig):

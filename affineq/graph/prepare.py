@@ -137,6 +137,8 @@ def prepare(model: nn.Module, config: QuantConfig, example_inputs, *, dynamic_sh
     resolver = _Resolver(model, config)
     warn = Warner()
     gm = export_graph(model, tuple(example_inputs), dynamic_shapes)
+    if isinstance(getattr(gm, "_guards_fn", None), nn.Module):
+        gm._guards_fn = _ExplainedGuards(gm._guards_fn)
     fold_batch_norms(gm, warn)
     uses = find_weight_uses(gm, model, warn)
     _check_names(config, model, uses)
@@ -159,6 +161,24 @@ def prepare(model: nn.Module, config: QuantConfig, example_inputs, *, dynamic_sh
     gm.recompile()
     setattr(gm, STATE_ATTR, plan)
     return gm
+
+
+class _ExplainedGuards(nn.Module):
+    """torch.export's input-shape guards of the traced graph, whose bare `AssertionError: Guard failed` becomes a
+    ValueError saying how to run inputs of other shapes."""
+
+    def __init__(self, guards: nn.Module) -> None:
+        super().__init__()
+        self.guards = guards
+
+    def forward(self, *args, **kwargs):
+        try:
+            return self.guards(*args, **kwargs)
+        except AssertionError as e:
+            raise ValueError(f"affineq.graph: an input does not have the shape the model was traced with ({e}); "
+                             "pass dynamic_shapes to affineq.graph.prepare for dims that vary, e.g. "
+                             "dynamic_shapes=({0: torch.export.Dim('batch')},) for the batch size, or give "
+                             "inputs of the example_inputs' shapes") from None
 
 
 def _check_names(config: QuantConfig, model: nn.Module, uses: list[WeightUse]) -> None:

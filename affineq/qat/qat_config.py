@@ -281,8 +281,14 @@ class QATConfig(ModelConfig):
 
     def to_fqn_config(self, model: nn.Module) -> FqnToConfig:
         if self.step == "convert":  # every fake-quantized module, by name (whatever filter_fn says)
-            return FqnToConfig({fqn: self._step(self._prepared_base(fqn, m)) for fqn, m in model.named_modules()
-                                if isinstance(m, _FakeQuantized)})
+            entries = {fqn: self._step(self._prepared_base(fqn, m)) for fqn, m in model.named_modules()
+                       if isinstance(m, _FakeQuantized)}
+            if not entries:
+                raise QuantizationError(
+                    f"QATConfig(step='convert'): {type(model).__name__} has no fake-quantized module, so there is "
+                    "nothing to convert; run the prepare step first (quantize_(model, QATConfig(base, "
+                    "step='prepare'))), train, then convert. Nothing was changed.")
+            return FqnToConfig(entries)
         if isinstance(self.base_config, FqnToConfig):
             return FqnToConfig({k: None if v is None else self._step(v)
                                 for k, v in self.base_config.fqn_to_config.items()})

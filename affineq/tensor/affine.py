@@ -443,6 +443,41 @@ class AffineQuantizedTensor(torch.Tensor):
             raise ValueError(f"format {spec.fmt!r} stores tensors {sorted(want)}, got {sorted(have)}")
         return cls(tensors, spec)
 
+    def __setstate__(self, state) -> None:
+        """Unpickling (torch.load, weights_only=True too): the pickled spec and stored tensors are checked as
+        `from_tensors` checks them (names, shapes, dtypes, activation tensors), and the tensor's own shape and
+        dtype against the spec, so a tampered checkpoint fails at load with a ValueError naming what is wrong,
+        not at first use."""
+        attrs = state[0] if isinstance(state, tuple) and len(state) == 2 and not state[1] else state
+        if not isinstance(attrs, dict):
+            raise ValueError(f"cannot unpickle an AffineQuantizedTensor from a {type(state).__name__} state; the "
+                             "checkpoint was not written by affineq (or was edited)")
+        spec, names = attrs.get("spec"), attrs.get("_names")
+        if not isinstance(spec, QuantSpec):
+            raise ValueError(f"cannot unpickle an AffineQuantizedTensor: its spec is {type(spec).__name__}, not a "
+                             "QuantSpec (the checkpoint was edited or not written by affineq)")
+        if not isinstance(names, tuple) or not all(isinstance(n, str) for n in names):
+            raise ValueError(f"cannot unpickle an AffineQuantizedTensor: _names={names!r} is not a tuple of stored "
+                             "tensor names")
+        tensors = {n: attrs.get("_" + n) for n in names}
+        bad = [n for n, t in tensors.items() if not isinstance(t, torch.Tensor)]
+        shadow = [k for k in attrs if not isinstance(k, str) or hasattr(type(self), k)]
+        if bad or shadow:
+            raise ValueError(f"cannot unpickle an AffineQuantizedTensor: stored tensors {bad} are missing or not "
+                             f"tensors, attributes {shadow} would replace the class's own")
+        with torch._C.DisableTorchFunctionSubclass():
+            shape, dtype = tuple(torch.Tensor.size(self)), torch.Tensor.dtype.__get__(self)
+        if shape != spec.logical_shape or dtype != spec.dtype:
+            raise ValueError(f"cannot unpickle an AffineQuantizedTensor: it is {dtype} {shape}, but its spec "
+                             f"describes {spec.dtype} {spec.logical_shape}")
+        try:
+            self._checked_format(spec).validate({k: v for k, v in tensors.items() if not k.startswith("act_")},
+                                                spec)
+            _check_act_tensors(tensors, spec)
+        except ValueError as e:
+            raise ValueError(f"cannot unpickle an AffineQuantizedTensor: {e}") from None
+        torch._utils._set_obj_state(self, state)
+
     def _stable_hash_for_caching(self) -> str:
         """Key for torch.compile's on-disk caches: spec, inner tensors' shapes/dtypes/devices, and a digest of
         affineq's own dispatch code, which those caches cannot see (an upgraded affineq must not reuse graphs

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from affineq import cpp as _cpp
 from affineq.tensor import fallback
 from affineq.tensor.activation import fake_quantize_activation, finish_output, prepare_input, reduce_input_ranges
-from affineq.tensor.dispatch import check_frozen
+from affineq.tensor.dispatch import check_frozen, guard_frozen_output
 
 Check = Callable[[torch.Tensor, "torch.Tensor"], str | None]
 Run = Callable[[torch.Tensor, "torch.Tensor", torch.Tensor | None], torch.Tensor]
@@ -81,7 +81,12 @@ def select_linear_kernel(x: torch.Tensor, w) -> tuple[LinearKernel | None, list[
 
 
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, w, bias) for an AffineQuantizedTensor weight w [N, K]: a packed kernel or the fallback."""
+    """F.linear(x, w, bias) for an AffineQuantizedTensor weight w [N, K]: a packed kernel or the fallback.
+    A weight with requires_grad=True runs too; a backward that needs its gradient raises (`check_frozen`)."""
+    return guard_frozen_output(_linear(x, w, bias), w)
+
+
+def _linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     check_frozen(w)
     shape = w.spec.logical_shape  # not w.shape: a property read on the subclass re-enters __torch_function__
     if x.dim() == 0 or x.shape[-1] != shape[-1]:

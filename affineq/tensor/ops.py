@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_map_only
 from affineq.tensor import kernel_registry
 from affineq.tensor.activation import fake_quantize_activation, finish_output
 from affineq.tensor.affine import AffineQuantizedTensor
-from affineq.tensor.dispatch import check_frozen
+from affineq.tensor.dispatch import check_frozen, guard_frozen_output
 from affineq.tensor.fallback import announce_fallback
 from affineq.tensor.formats import get_format
 
@@ -118,7 +118,6 @@ _EMBEDDING_BAG_ARGS = ("input", "weight", "offsets", "max_norm", "norm_type", "s
                        "sparse", "per_sample_weights", "include_last_offset", "padding_idx")
 
 
-@implements(F.embedding_bag)
 def _embedding_bag(func, args, kwargs):
     """F.embedding_bag on a quantized weight: dequantize only the distinct rows looked up (a [U, D] table),
     remap the indices into it and run the float op, so the result equals the op on the dequantized weight."""
@@ -147,6 +146,14 @@ def _embedding_bag(func, args, kwargs):
         hit = (unique == pad).nonzero()
         a["padding_idx"] = int(hit[0, 0]) if hit.numel() else None
     return F.embedding_bag(**a)
+
+
+@implements(F.embedding_bag)
+def _guarded_embedding_bag(func, args, kwargs):
+    """`_embedding_bag`, its output guarded for a weight with requires_grad=True (`check_frozen`)."""
+    out = _embedding_bag(func, args, kwargs)
+    weight = {**dict(zip(_EMBEDDING_BAG_ARGS, args, strict=False)), **kwargs}.get("weight")
+    return guard_frozen_output(out, weight) if isinstance(weight, AQT) else out
 
 
 def _check_indices(indices: torch.Tensor, rows: int) -> None:
