@@ -113,11 +113,11 @@ class AffineqConfig(QuantizationConfigMixin):
             raise ValueError(f"AffineqConfig.from_dict expects the dict AffineqConfig.to_dict writes, got "
                              f"{type(config_dict).__name__}")
         d = dict(config_dict)
-        unknown = set(d) - {"quant_method", "quant_config", "modules_to_not_convert"}
+        unknown = set(d) - {"quant_method", "quant_config", "modules_to_not_convert", "quantized_weights"}
         if unknown:
             raise ValueError(f"AffineqConfig.from_dict: unknown keys {sorted(map(repr, unknown))}; the "
-                             "quantization_config of an affineq checkpoint holds quant_method, quant_config and "
-                             "modules_to_not_convert")
+                             "quantization_config of an affineq checkpoint holds quant_method, quant_config, "
+                             "modules_to_not_convert and quantized_weights")
         if d.pop("quant_method", QUANT_METHOD) != QUANT_METHOD:
             raise ValueError(f"AffineqConfig.from_dict got quant_method={config_dict.get('quant_method')!r}")
         if "quant_config" not in d:
