@@ -32,7 +32,7 @@ from affineq.configs import _CONFIGS
 from affineq.quark_config import _layer_type_registry, _observer_registry
 from affineq.tensor.spec import QuantSpec
 
-FUZZ = settings(max_examples=60, deadline=None, derandomize=True,
+FUZZ = settings(max_examples=80, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 NAMES = ["int8", "int4", "uint4", "float32", "bfloat16", "Linear", "os", "system", "torch.nn", "torch",
@@ -177,3 +177,52 @@ def affineq_config():
 def test_transformers_quantization_config(affineq_config, d):
     out = _parse(affineq_config.from_dict, d)
     assert out is None or isinstance(out, affineq_config)
+
+
+# -- weights_only pickles of a quantized tensor with edited attributes ---------------------------------------
+
+_tensor_junk = st.builds(lambda shape, dt: torch.zeros(shape, dtype=dt),
+                         st.lists(st.integers(0, 3), max_size=3).map(tuple),
+                         st.sampled_from([torch.float32, torch.int8, torch.uint8, torch.bfloat16]))
+
+
+def _spec_edit(spec, field: str, value):
+    bad = object.__new__(QuantSpec)  # what an edited pickle rebuilds: no constructor runs
+    bad.__dict__.update({**spec.__dict__, field: value})
+    return bad
+
+
+@FUZZ
+@given(st.data())
+def test_edited_quantized_tensor_pickle_fails_at_load_or_works(data):
+    import dataclasses
+    import io
+    import pickle
+
+    from affineq import AffineQuantizedTensor, Int8WeightOnlyConfig, quantize_
+
+    w = quantize_(nn.Sequential(nn.Linear(64, 8)), Int8WeightOnlyConfig(packing_format="plain"))[0].weight
+    ref = w.dequantize()
+    attrs = w.__dict__
+    key = data.draw(st.sampled_from(sorted(attrs)))
+    action = data.draw(st.sampled_from(["drop", "junk", "tensor", "spec"]))
+    if action == "drop":
+        del attrs[key]
+    elif action == "junk":
+        attrs[key] = data.draw(junk)
+    elif action == "tensor":
+        attrs[key] = data.draw(_tensor_junk)
+    else:
+        field = data.draw(st.sampled_from([f.name for f in dataclasses.fields(QuantSpec)]))
+        attrs["spec"] = _spec_edit(w.spec, field, data.draw(junk | _tensor_junk))
+    buf = io.BytesIO()
+    try:
+        torch.save({"w": w}, buf)
+    except Exception:  # noqa: BLE001 - torch.save refusing the edit is not what is tested
+        return
+    try:
+        out = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)["w"]
+    except (ValueError, pickle.UnpicklingError):
+        return
+    assert isinstance(out, AffineQuantizedTensor)  # loaded: then it must be whole, not fail at first use
+    assert torch.equal(out.dequantize(), ref)
