@@ -14,6 +14,7 @@ from affineq import (
     safetensors,  # noqa: F401  (save_file / load_file; the safetensors package is imported lazily)
 )
 from affineq._hf_register import install as _install_hf
+from affineq._version import __version__  # noqa: F401
 from affineq.algorithms import AWQConfig, GPTQConfig, HQQConfig, SmoothQuantConfig
 from affineq.ao_compat import quantize_dynamic
 from affineq.calibration import Int8StaticActivationInt8WeightConfig, convert_, prepare_, run_calibration
@@ -100,8 +101,6 @@ from affineq.quark_config import (
     ZeroPointType,
 )
 from affineq.streaming import QuantizedCheckpoint, is_linear_weight, load_quantized, quantize_checkpoint
-from affineq.tensor import linear_kernels as _linear_kernels  # noqa: F401  (registers the kernels)
-from affineq.tensor import ops as _ops  # noqa: F401  (fills the op tables)
 from affineq.tensor.affine import ACT_TENSORS, AffineQuantizedTensor
 from affineq.tensor.fallback import (
     KernelFallbackError,
@@ -114,8 +113,6 @@ from affineq.tensor.kernel_registry import register_linear_kernel, select_linear
 from affineq.tensor.spec import ActivationQuant, QParamOptions, QuantSpec
 
 _install_hf()  # registers quant_method="affineq" with transformers when (and if) transformers is imported
-
-__version__ = "0.1.0"
 
 
 def __getattr__(name: str):

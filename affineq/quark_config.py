@@ -561,7 +561,7 @@ def _algorithm_from_dict(d):
 def _algorithm_template(name: str, value, pre_quant: bool):
     """`value` as one algorithm template (an AlgorithmConfig with base_config=None; a one-element list, as
     Quark writes them, is accepted), or None. ValueError names the field and the fix."""
-    from affineq.algorithms._base import AlgorithmConfig
+    from affineq.algorithms import AlgorithmConfig
 
     if isinstance(value, (list, tuple)):
         if len(value) > 1:

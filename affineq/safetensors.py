@@ -43,7 +43,7 @@ SEP = ":"
 
 
 def _affineq_version() -> str:
-    from affineq import __version__
+    from affineq._version import __version__
 
     return __version__
 

@@ -37,6 +37,7 @@ from affineq import (
     strict_kernels,
 )
 from affineq.tensor import fallback
+from affineq.tensor.spec import QParamOptions
 
 AQT = AffineQuantizedTensor
 JOIN_S = 30  # no thread test can hang longer than this
@@ -502,9 +503,9 @@ def test_set_strict_takes_a_bool_only():
 
 def _dense(target, mapping, domain, scale_dtype, group):
     torch.manual_seed(0)
-    return AQT.from_float(torch.randn(64, 256), mapping, (1, group), target, scale_dtype=scale_dtype,
-                          zero_point_domain=domain, preserve_zero=domain is not ZeroPointDomain.FLOAT,
-                          packing_format="dense")
+    return AQT.from_spec(torch.randn(64, 256), (1, group),
+                         QParamOptions(scale_dtype=scale_dtype, preserve_zero=domain is not ZeroPointDomain.FLOAT),
+                         target=target, mapping_type=mapping, zero_point_domain=domain, packing_format="dense")
 
 
 # Found: the C++ lowbit_dequantize fused scale * u + offset into one multiply-add for some elements (GCC contracts
@@ -548,10 +549,10 @@ def test_dense_int_zero_point_keeps_zero_exact_with_the_cpp_library():
     torch.manual_seed(0)
     w = torch.randn(64, 256)
     w[:, ::7] = 0
-    qw = AQT.from_float(w, MappingType.ASYMMETRIC, (1, 32), torch.uint4, scale_dtype=torch.float32,
-                        packing_format="dense")
-    assert torch.equal(AQT.from_float(w, MappingType.ASYMMETRIC, (1, 32), torch.uint4).dequantize()[w == 0],
-                       w[w == 0])
+    qw = AQT.from_spec(w, (1, 32), QParamOptions(scale_dtype=torch.float32), target=torch.uint4,
+                       mapping_type=MappingType.ASYMMETRIC, packing_format="dense")
+    plain = AQT.from_spec(w, (1, 32), target=torch.uint4, mapping_type=MappingType.ASYMMETRIC)
+    assert torch.equal(plain.dequantize()[w == 0], w[w == 0])
     assert (qw.dequantize()[w == 0] == 0).all()
 
 

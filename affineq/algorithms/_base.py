@@ -18,9 +18,18 @@ import torch
 from torch import nn
 
 from affineq.configs import QuantConfig
+from affineq.plan import FqnToConfig, QuantizationError, Workflow, all_or_nothing
 from affineq.tensor.affine import AffineQuantizedTensor
 from affineq.tensor.formats import get_format
 from affineq.tensor.spec import QuantSpec
+
+
+def _run_algorithms(model: nn.Module, config, filter_fn, steps, calibration_data, device) -> nn.Module:
+    return quantize_with_algorithms(model, steps, calibration_data, device)
+
+
+#: How `quantize_` runs an AlgorithmConfig's steps (its `workflow`): the algorithm, then one final quantize_.
+ALGORITHMS = Workflow("algorithms", 2, _run_algorithms)
 
 
 @dataclass(frozen=True)
@@ -32,6 +41,7 @@ class AlgorithmConfig(QuantConfig):
     needs_data: ClassVar[bool] = True
     base_types: ClassVar[tuple[type, ...]] = ()
     pre_quant: ClassVar[bool] = False  # Quark's pre_quant_opt_config (SmoothQuant) rather than its algo_config
+    workflow: ClassVar[Workflow] = ALGORITHMS
     base_config: QuantConfig = None
 
     def __post_init__(self):
@@ -124,7 +134,7 @@ def group_by_config(steps) -> dict[AlgorithmConfig, dict[str, nn.Module]]:
 def quantize_with_algorithms(model: nn.Module, steps, calibration_data, device) -> nn.Module:
     """Run every algorithm config of `steps`, then one `quantize_` with the configs they return (and the
     plain configs of the other steps). All or nothing."""
-    from affineq.quantize import FqnToConfig, QuantizationError, all_or_nothing, quantize_
+    from affineq.quantize import quantize_
 
     groups = group_by_config(steps)
     needing = [type(c).__name__ for c in groups if c.needs_data]
@@ -158,4 +168,4 @@ def quantize_with_algorithms(model: nn.Module, steps, calibration_data, device) 
     return model
 
 
-__all__ = ["AlgorithmConfig", "Precomputed", "quantize_with_algorithms", "represent_qparams"]
+__all__ = ["ALGORITHMS", "AlgorithmConfig", "Precomputed", "quantize_with_algorithms", "represent_qparams"]

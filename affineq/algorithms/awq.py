@@ -38,7 +38,7 @@ from affineq.configs import (
     IntxWeightOnlyConfig,
     QuantConfig,
 )
-from affineq.primitives import _fake_quantize_unchecked
+from affineq.primitives import fake_quantize_unchecked
 from affineq.tensor.affine import AffineQuantizedTensor
 
 __all__ = ["AWQConfig"]
@@ -70,7 +70,7 @@ def fake_quant(w: torch.Tensor, spec, opts, ratio: torch.Tensor | None = None) -
     wg = w.float().reshape(o, i // g, g)
     scale = scale.float().reshape(o, i // g, 1)
     zp = None if zp is None else zp.float().reshape(o, i // g, 1)
-    _, deq = _fake_quantize_unchecked(wg, scale, zp, spec.zero_point_domain, spec.quant_min, spec.quant_max)
+    _, deq = fake_quantize_unchecked(wg, scale, zp, spec.zero_point_domain, spec.quant_min, spec.quant_max)
     return deq.reshape(o, i)
 
 

@@ -61,7 +61,7 @@ from affineq.configs import (
     IntxWeightOnlyConfig,
     QuantConfig,
 )
-from affineq.primitives import MappingType, ZeroPointDomain, _default_eps, _fake_quantize_unchecked
+from affineq.primitives import MappingType, ZeroPointDomain, default_eps, fake_quantize_unchecked
 from affineq.tensor.affine import AffineQuantizedTensor
 from affineq.tensor.spec import QParamOptions, QuantSpec
 
@@ -158,7 +158,7 @@ class _Stored:
         self.qmin, self.qmax = float(spec.quant_min), float(spec.quant_max)
         self.mid = (self.qmax + self.qmin + 1) / 2
         self.scale_dtype = options.scale_dtype or torch.float32
-        self.eps = options.eps or _default_eps(self.scale_dtype)
+        self.eps = options.eps or default_eps(self.scale_dtype)
         zp_dtype = options.zero_point_dtype
         self.zp_dtype = zp_dtype or (torch.int32 if self.domain is ZeroPointDomain.INT else self.scale_dtype)
 
@@ -186,7 +186,7 @@ class _Stored:
         """(W_q, W_r) of groups w [R, g] exactly as quantize_affine / dequantize_affine compute them."""
         s = scale.float().reshape(-1, 1)
         z = None if zp is None else zp.float().reshape(-1, 1)
-        return _fake_quantize_unchecked(w, s, z, self.domain, self.qmin, self.qmax)
+        return fake_quantize_unchecked(w, s, z, self.domain, self.qmin, self.qmax)
 
 
 def _shrink_lp(e: torch.Tensor, beta: float, p: float) -> torch.Tensor:
