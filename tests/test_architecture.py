@@ -1,6 +1,7 @@
 """The package's structure (issue #29): where tables are filled, the module import graph, layer walls."""
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -132,6 +133,7 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+@functools.cache
 def _imports():
     """[(importer, imported module, imported name or None, line)] for every `affineq` import in the package,
     module-level and inside functions alike (a function-level import still ties the two modules at run time);
@@ -263,3 +265,36 @@ def test_no_private_name_from_another_package():
             found.add((me, full))
     assert sorted(found - set(ALLOWED_PRIVATE)) == []
     assert not set(ALLOWED_PRIVATE) - found, "an allowed private import is gone: remove it from ALLOWED_PRIVATE"
+
+
+# -- the public API in tiers -----------------------------------------------------------------------------
+
+
+def test_top_level_is_the_product_tier():
+    import affineq
+
+    assert len(affineq.__all__) <= 50 and len(set(affineq.__all__)) == len(affineq.__all__)
+    for name in affineq.__all__:
+        assert getattr(affineq, name) is not None, name
+    assert not set(affineq.__all__) & set(affineq.MOVED)
+
+
+def test_every_moved_name_still_imports_with_a_warning_naming_its_new_place():
+    import importlib
+    import warnings
+
+    import affineq
+
+    for name, where in affineq.MOVED.items():
+        assert name not in vars(affineq), f"{name} is still a module global: it would never warn"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            old = getattr(affineq, name)
+        assert [w.category for w in caught] == [DeprecationWarning], name
+        assert f"{where}.{name}" in str(caught[0].message), str(caught[0].message)
+        assert old is getattr(importlib.import_module(where), name)
+        assert name in dir(affineq)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        from affineq import PerTensor  # noqa: F401  (the `from` spelling goes through __getattr__ too)
+    assert "affineq.granularity.PerTensor" in str(caught[0].message)

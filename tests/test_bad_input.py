@@ -34,7 +34,6 @@ from affineq import (
     MappingType,
     PerAxis,
     PerGroup,
-    PerTensor,
     QuantizationError,
     QuantSpec,
     ZeroPointDomain,
@@ -43,6 +42,7 @@ from affineq import (
     set_strict,
     strict_kernels,
 )
+from affineq.granularity import PerTensor
 from affineq.tensor.spec import QParamOptions
 
 AQT = AffineQuantizedTensor

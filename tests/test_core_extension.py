@@ -22,11 +22,10 @@ from affineq import (
     QuantizationError,
     QuantSpec,
     ZeroPointDomain,
-    qtype,
     quantize_,
     record_kernels,
 )
-from affineq.dtypes import IntFormat, QType
+from affineq.dtypes import IntFormat, QType, qtype
 from affineq.tensor.formats import FORMATS
 from affineq.tensor.spec import QParamOptions
 
@@ -199,7 +198,7 @@ def test_float_target_without_torch_dtype_through_spec_pack_dequantize_save_load
 
 
 def test_a_registered_integer_target_without_torch_dtype():
-    int12 = affineq.register_qtype(QType("int12", IntFormat(12, True, torch.int16)))
+    int12 = affineq.dtypes.register_qtype(QType("int12", IntFormat(12, True, torch.int16)))
     assert qtype("int12") is int12 and int12.torch_dtype is None
     w = torch.randn(8, 32)
     qw = AQT.from_spec(w, (1, 32), target=int12, mapping_type=MappingType.SYMMETRIC,
@@ -209,7 +208,7 @@ def test_a_registered_integer_target_without_torch_dtype():
     back = _roundtrip({"w": qw})["w"]
     assert torch.equal(back.dequantize(), qw.dequantize()) and back.spec.target is int12
     with pytest.raises(ValueError, match="already registered"):
-        affineq.register_qtype(QType("int12", IntFormat(12, False, torch.int16)))
+        affineq.dtypes.register_qtype(QType("int12", IntFormat(12, False, torch.int16)))
 
 
 def test_power_of_two_scales_as_e8m0_bytes():
@@ -299,8 +298,8 @@ def test_static_activation_qparams_are_used_as_calibrated():
     scale, zp = torch.tensor([0.02]), torch.tensor([-3], dtype=torch.int32)
     qw = qw.with_act_tensors(act_scale=scale, act_zero_point=zp)
     x = torch.randn(6, 64)
-    xq = affineq.quantize_affine(x, (6, 64), scale, zp, torch.int8)
-    x_fq = affineq.dequantize_affine(xq, (6, 64), scale, zp, torch.int8)
+    xq = affineq.primitives.quantize_affine(x, (6, 64), scale, zp, torch.int8)
+    x_fq = affineq.primitives.dequantize_affine(xq, (6, 64), scale, zp, torch.int8)
     with record_kernels() as used:
         y = F.linear(x, qw)
     assert "aten._int_mm" not in used

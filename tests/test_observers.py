@@ -502,4 +502,4 @@ def test_observer_base_is_exported():
                  "MovingAveragePerTensorMinMaxObserver", "MovingAveragePerChannelMinMaxObserver",
                  "PerTensorHistogramObserver", "PerTensorPercentileObserver", "PerTensorMSEObserver"):
         assert getattr(affineq, name) is not None and name in affineq.__all__
-    assert issubclass(affineq.PerTensorMSEObserver, Observer)
+    assert issubclass(affineq.observers.PerTensorMSEObserver, Observer)

@@ -24,13 +24,13 @@ from affineq import (
     KernelFallbackWarning,
     PerAxis,
     PerGroup,
-    PerTensor,
     QuantizationError,
     config_from_dict,
     cpp,
     quantize_,
     record_kernels,
 )
+from affineq.granularity import PerTensor
 from affineq.tensor.kernel_registry import int_mm_is_fast as _int_mm_is_fast
 from affineq.tensor.spec import QParamOptions
 
@@ -454,7 +454,8 @@ def test_int8_fake_quant_shortcuts_are_the_primitives(dtype, domain):
 @pytest.mark.parametrize("granularity", ["per_token", "per_tensor"])
 def test_int8_dynamic_kernel_matches_the_primitives(mapping, granularity):
     # the opaque int8 x int8 op quantizes x with its own few ops: its codes must be those of the primitives
-    from affineq import ActivationQuant, choose_qparams_affine, quantize_affine
+    from affineq import ActivationQuant
+    from affineq.primitives import choose_qparams_affine, quantize_affine
 
     torch.manual_seed(0)
     w = torch.randn(48, 64)

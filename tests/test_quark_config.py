@@ -21,8 +21,6 @@ from affineq import (
     MappingType,
     PerAxis,
     PerGroup,
-    PerRow,
-    PerTensor,
     QuantizationError,
     ZeroPointDomain,
     config_from_dict,
@@ -35,6 +33,7 @@ from affineq.configs_float import (
     MXDynamicActivationMXWeightConfig,
     MXWeightOnlyConfig,
 )
+from affineq.granularity import PerRow, PerTensor
 from affineq.quark_config import (
     STATIC_ACTIVATION_MESSAGE,
     Config,

@@ -21,12 +21,10 @@ from affineq import (
     Int8DynamicActivationInt4WeightConfig,
     Int8WeightOnlyConfig,
     IntxWeightOnlyConfig,
-    KernelFallbackError,
     KernelFallbackWarning,
     MappingType,
     PerAxis,
     PerGroup,
-    PerTensor,
     QuantizationError,
     ZeroPointDomain,
     config_from_dict,
@@ -36,6 +34,8 @@ from affineq import (
     set_strict,
     strict_kernels,
 )
+from affineq.granularity import PerTensor
+from affineq.kernels import KernelFallbackError
 from affineq.tensor import fallback
 from affineq.tensor.spec import QParamOptions
 
@@ -582,7 +582,7 @@ def test_low_bit_storage_per_weight():
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("dtype", [torch.int2, torch.int3], ids=["int2", "int3"])
 def test_low_bit_qparams_are_exact_and_the_kernel_matches_dequantize(dtype, scale_dtype):
-    from affineq import choose_qparams_affine, dequantize_affine, quantize_affine
+    from affineq.primitives import choose_qparams_affine, dequantize_affine, quantize_affine
 
     m, w = _quantized_linear(IntxWeightOnlyConfig(dtype, PerGroup(32), scale_dtype=scale_dtype))
     qw = m[0].weight

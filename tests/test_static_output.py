@@ -9,15 +9,8 @@ import torch
 from torch import nn
 
 import affineq
-from affineq import (
-    Config,
-    Dtype,
-    Int8StaticActivationInt8WeightConfig,
-    QSchemeType,
-    QuantizationConfig,
-    QuantizationSpec,
-    record_kernels,
-)
+from affineq import Int8StaticActivationInt8WeightConfig, record_kernels
+from affineq.quark import Config, Dtype, QSchemeType, QuantizationConfig, QuantizationSpec
 
 
 def _model():

@@ -5,14 +5,8 @@ import torch
 from conftest import sqnr
 from expecttest import assert_expected_inline
 
-from affineq import (
-    AffineQuantizedTensor,
-    MappingType,
-    ZeroPointDomain,
-    choose_qparams_affine,
-    dequantize_affine,
-    quantize_affine,
-)
+from affineq import AffineQuantizedTensor, MappingType, ZeroPointDomain
+from affineq.primitives import choose_qparams_affine, dequantize_affine, quantize_affine
 from affineq.tensor.formats import FORMATS
 from affineq.tensor.spec import QParamOptions
 

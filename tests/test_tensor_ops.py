@@ -9,13 +9,13 @@ from conftest import sqnr
 
 from affineq import (
     AffineQuantizedTensor,
-    KernelFallbackError,
     KernelFallbackWarning,
     MappingType,
     ZeroPointDomain,
     record_kernels,
     strict_kernels,
 )
+from affineq.kernels import KernelFallbackError
 from affineq.tensor.spec import QParamOptions
 
 AQT = AffineQuantizedTensor
