@@ -495,11 +495,10 @@ class Config(ModelConfig):
                 problems.append(f"  - {fqn}: {e}")
                 continue
             if cfg is not None and algo is not None:
-                if not isinstance(cfg, algo.base_types):
+                why = algo.cannot_wrap(cfg)
+                if why is not None:
                     problems.append(f"  - {fqn}: {type(algo).__name__} cannot wrap {type(cfg).__name__} (what this "
-                                    f"layer's specs resolve to); it wraps "
-                                    f"{', '.join(t.__name__ for t in algo.base_types)}: change the layer's specs "
-                                    "or exclude it")
+                                    f"layer's specs resolve to): {why}; change the layer's specs or exclude it")
                     continue
                 cfg = algo.with_base(cfg)
             if cfg is not None:

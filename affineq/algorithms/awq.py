@@ -32,10 +32,6 @@ from affineq.algorithms._base import AlgorithmConfig, Precomputed
 from affineq.algorithms._capture import progress
 from affineq.algorithms._migrate import migrate_blocks, scaled_weight
 from affineq.configs import (
-    Int4WeightOnlyConfig,
-    Int8DynamicActivationInt4WeightConfig,
-    Int8WeightOnlyConfig,
-    IntxWeightOnlyConfig,
     QuantConfig,
 )
 from affineq.primitives import fake_quantize_unchecked
@@ -108,8 +104,9 @@ def _weight_mean(w: torch.Tensor, group: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class AWQConfig(AlgorithmConfig):
-    """AWQ around a weight config: Int4WeightOnlyConfig, IntxWeightOnlyConfig (int2-int8),
-    Int8WeightOnlyConfig or Int8DynamicActivationInt4WeightConfig. Needs calibration data.
+    """AWQ around a weight config with min/max integer qparams per row or group (`AlgorithmConfig.cannot_wrap`):
+    Int4WeightOnlyConfig, IntxWeightOnlyConfig (int2-int8), Int8WeightOnlyConfig,
+    Int8DynamicActivationInt4WeightConfig, or your own. Needs calibration data.
 
     n_grid: alpha grid size (search over i / n_grid). duo_scaling: divide by the normalised weight
     magnitude as well (s = mean|X|^a / mean|W~|^(1-a)). clip: search a per-group clipping ratio down to
@@ -122,8 +119,6 @@ class AWQConfig(AlgorithmConfig):
     """
 
     needs_data: ClassVar[bool] = True
-    base_types: ClassVar[tuple[type, ...]] = (Int4WeightOnlyConfig, IntxWeightOnlyConfig, Int8WeightOnlyConfig,
-                                              Int8DynamicActivationInt4WeightConfig)
     n_grid: int = 20
     duo_scaling: bool = True
     clip: bool = True

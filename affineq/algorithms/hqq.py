@@ -55,10 +55,6 @@ from torch import nn
 from affineq.algorithms._base import AlgorithmConfig, Precomputed, represent_qparams
 from affineq.algorithms._capture import progress as _progress
 from affineq.configs import (
-    Int4WeightOnlyConfig,
-    Int8DynamicActivationInt4WeightConfig,
-    Int8WeightOnlyConfig,
-    IntxWeightOnlyConfig,
     QuantConfig,
 )
 from affineq.primitives import MappingType, ZeroPointDomain, default_eps, fake_quantize_unchecked
@@ -72,7 +68,8 @@ __all__ = ["HQQConfig", "hqq_quantize", "hqq_qparams"]
 class HQQConfig(AlgorithmConfig):
     """Calibration-free HQQ around a weight config (see the module docstring for the formulation).
 
-    base_config: Int4WeightOnlyConfig (asymmetric, float zero point: the natural fit), IntxWeightOnlyConfig
+    base_config: a config with min/max integer qparams per row or group (`AlgorithmConfig.cannot_wrap`), e.g.
+        Int4WeightOnlyConfig (asymmetric, float zero point: the natural fit), IntxWeightOnlyConfig
         (int1..int8; asymmetric with an INT or FLOAT zero point, or symmetric: scale only),
         Int8WeightOnlyConfig or Int8DynamicActivationInt4WeightConfig (symmetric: scale only).
     iters: half-quadratic iterations per weight (20). lp_norm: p of the l_p loss, in (0, 1] (0.7).
@@ -87,8 +84,6 @@ class HQQConfig(AlgorithmConfig):
     """
 
     needs_data: ClassVar[bool] = False
-    base_types: ClassVar[tuple[type, ...]] = (Int4WeightOnlyConfig, IntxWeightOnlyConfig, Int8WeightOnlyConfig,
-                                              Int8DynamicActivationInt4WeightConfig)
     iters: int = 20
     lp_norm: float = 0.7
     beta: float = 1e1
