@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from affineq.tensor.activation import _range_reduce
+from affineq.tensor.activation import range_reduce
 from affineq.tensor.affine import AffineQuantizedTensor
-from affineq.tensor.ops import _expand
+from affineq.tensor.ops import expand_blocks
 from affineq.tensor.spec import QuantSpec
 
 __all__ = ["dcp_load", "dcp_save", "parallelize_quantized", "quantized_state_dict"]
@@ -115,8 +115,8 @@ def _reduce_ranges_in(module: nn.Module, group) -> None:
         return t
 
     tokens = []
-    module.register_forward_pre_hook(lambda m, args: tokens.append(_range_reduce.set(reduce)))
-    module.register_forward_hook(lambda m, args, out: _range_reduce.reset(tokens.pop()), always_call=True)
+    module.register_forward_pre_hook(lambda m, args: tokens.append(range_reduce.set(reduce)))
+    module.register_forward_hook(lambda m, args, out: range_reduce.reset(tokens.pop()), always_call=True)
 
 
 # -- checkpoints -----------------------------------------------------------------------------------------------
@@ -296,9 +296,9 @@ def _rebuild(local: AQT, shape: tuple[int, ...], saved: QuantSpec, parts: dict[s
     for name in ("scale", "zero_point"):
         q = parts.get(name)
         if q is not None and saved_block != spec.block_size:
-            full = _expand(q, saved_block)
+            full = expand_blocks(q, saved_block)
             q = full[tuple(slice(None, None, b) for b in spec.block_size)]
-            if not torch.equal(_expand(q, spec.block_size), full):
+            if not torch.equal(expand_blocks(q, spec.block_size), full):
                 raise ValueError(f"{fqn}: the checkpoint's {name} varies within the model's quantization blocks "
                                  f"{spec.block_size} (saved with blocks {saved_block}); quantize the model with "
                                  "the checkpoint's group size")

@@ -336,7 +336,7 @@ def _load_class(ref, what: str, registry: dict[tuple[str, str], type], allowed: 
 
 
 _OBSERVERS_ALLOWED = ("observers of affineq.observers or a class registered with "
-                      "affineq.register_observer (set observer_cls in code for other classes)")
+                      "affineq.quark.register_observer (set observer_cls in code for other classes)")
 
 
 def _check_device(owner: str, qc: QuantizationConfig) -> None:
@@ -556,11 +556,10 @@ class Config(ModelConfig):
                 problems.append(f"  - {fqn}: {e}")
                 continue
             if cfg is not None and algo is not None:
-                if not isinstance(cfg, algo.base_types):
+                why = algo.cannot_wrap(cfg)
+                if why is not None:
                     problems.append(f"  - {fqn}: {type(algo).__name__} cannot wrap {type(cfg).__name__} (what this "
-                                    f"layer's specs resolve to); it wraps "
-                                    f"{', '.join(t.__name__ for t in algo.base_types)}: change the layer's specs "
-                                    "or exclude it")
+                                    f"layer's specs resolve to): {why}; change the layer's specs or exclude it")
                     continue
                 cfg = algo.with_base(cfg)
             if cfg is not None:
@@ -665,7 +664,7 @@ def _algorithm_from_dict(name: str, d):
 def _algorithm_template(name: str, value, pre_quant: bool):
     """`value` as one algorithm template (an AlgorithmConfig with base_config=None; a one-element list, as
     Quark writes them, is accepted), or None. ValueError names the field and the fix."""
-    from affineq.algorithms._base import AlgorithmConfig
+    from affineq.algorithms import AlgorithmConfig
 
     if isinstance(value, (list, tuple)):
         if len(value) > 1:

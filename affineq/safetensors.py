@@ -52,7 +52,7 @@ OPEN_EVENT = "affineq.safetensors.open"
 
 
 def _affineq_version() -> str:
-    from affineq import __version__
+    from affineq._version import __version__
 
     return __version__
 

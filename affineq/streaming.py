@@ -36,21 +36,20 @@ from affineq import safetensors as _st
 from affineq._memory import release_float_copy, trim_heap
 from affineq._meta_buffers import meta_tensors, plan_meta_buffers
 from affineq._untrusted import inside, read_json
-from affineq.algorithms._base import AlgorithmConfig
+from affineq.algorithms import AlgorithmConfig
 from affineq.configs import QuantConfig
-from affineq.primitives import quantize_affine
-from affineq.quantize import (
+from affineq.plan import (
     FqnToConfig,
     ModelConfig,
     QuantizationError,
-    _handler_for,
-    _parameter_owners,
-    _plan,
-    _raise_problems,
-    _replace_parameters,
+    handler_for,
+    parameter_owners,
+    plan,
+    raise_problems,
 )
+from affineq.quantize import replace_parameters
 from affineq.recurrent import RECURRENT_TYPES
-from affineq.tensor.affine import AffineQuantizedTensor, _check_finite_qparams
+from affineq.tensor.affine import AffineQuantizedTensor
 
 __all__ = ["quantize_checkpoint", "load_quantized", "is_linear_weight", "QuantizedCheckpoint"]
 
@@ -199,7 +198,7 @@ def _check_streamable(config: QuantConfig, fqn: str, module: nn.Module) -> None:
         raise QuantizationError(f"{type(config).__name__} ({fqn or '<root>'}) needs calibration data or a whole-model "
                                 "pass, which a tensor-by-tensor quantizer cannot give: load the float model and run "
                                 "affineq.quantize_(model, config, calibration_data=...)")
-    if _handler_for(config) is not _replace_parameters or isinstance(module, RECURRENT_TYPES):
+    if handler_for(config) is not replace_parameters or isinstance(module, RECURRENT_TYPES):
         raise QuantizationError(f"{type(config).__name__} replaces the module {fqn or '<root>'} "
                                 f"({type(module).__name__}) rather than its weights; the streaming quantizer only "
                                 "replaces weights: quantize that module with affineq.quantize_, or leave it float "
@@ -215,8 +214,8 @@ def _targets_from_model(source: _Source, config: QuantConfig, model: nn.Module,
         def module_filter(module: nn.Module, fqn: str) -> bool:
             w = module._parameters.get("weight")
             return w is not None and bool(filter_fn(f"{fqn}.weight" if fqn else "weight", tuple(w.shape)))
-    steps, problems = _plan(model, config, module_filter)
-    _raise_problems(config, problems)
+    steps, problems = plan(model, config, module_filter)
+    raise_problems(config, problems)
     by_param: dict[int, _Target] = {}
     for step in steps:
         _check_streamable(step.config, step.fqn, step.module)
@@ -266,7 +265,7 @@ def _targets_by_name(source: _Source, config: QuantConfig, filter_fn: SelectFn |
             targets[key] = _Target(cfg, module)
         else:
             problems.append((key, why))
-    _raise_problems(config, problems)
+    raise_problems(config, problems)
     return targets
 
 
@@ -288,34 +287,14 @@ def quantize_weight(config: QuantConfig, weight: torch.Tensor, module: nn.Module
 
     `from_spec` holds several full-size fp32 temporaries (the scaled, rounded, clamped weight: ~4x an fp32
     weight). Where the qparams are row-local (block_size[0] == 1: per row, per group) the codes of a row
-    depend on that row only, so they are computed chunk by chunk (`stored_qparams` + `quantize_affine`, as
-    `from_qparams` computes them) and packed once: the temporaries shrink to one chunk plus the codes (one
-    byte per weight), and the pages of a memory-mapped weight are given back chunk by chunk. Other weights,
-    and configs with their own `quantize_weight`, are quantized whole."""
+    depend on that row only, so `from_spec(..., chunk_rows=)` computes them chunk by chunk and packs once: the
+    temporaries shrink to one chunk plus the codes (one byte per weight), and the pages of a memory-mapped
+    weight are given back chunk by chunk. Configs with their own `quantize_weight` are quantized whole."""
     if type(config).quantize_weight is not QuantConfig.quantize_weight or weight.dim() != 2:
         return config.quantize_weight(weight, module)
     spec = config.weight_spec(weight, module)
     rows = max(1, CHUNK_ELEMENTS // max(1, weight.shape[1]))
-    if spec.block_size[0] != 1 or spec.transposed or weight.shape[0] <= rows:
-        return config.quantize_weight(weight, module)
-    options = config.qparam_options()
-    codes: torch.Tensor | None = None  # filled in place: a list + torch.cat would hold the codes twice
-    scales, zero_points = [], []
-    for r in range(0, weight.shape[0], rows):
-        chunk = weight[r:r + rows]
-        scale, zero_point = AffineQuantizedTensor.stored_qparams(chunk, spec.replace(shape=tuple(chunk.shape)),
-                                                                 options)
-        _check_finite_qparams(scale, zero_point)
-        c = quantize_affine(chunk, spec.block_size, scale, zero_point, spec.target, spec.quant_min, spec.quant_max,
-                            spec.zero_point_domain, rounding=options.rounding)
-        if codes is None:
-            codes = torch.empty(weight.shape, dtype=c.dtype, device=c.device)
-        codes[r:r + rows] = c
-        release_float_copy(chunk)  # rows already quantized: their mmapped pages are not needed again
-        scales.append(scale)
-        zero_points.append(zero_point)
-    zero_point = None if zero_points[0] is None else torch.cat(zero_points)
-    return AffineQuantizedTensor.from_codes(codes, torch.cat(scales), zero_point, spec)
+    return AffineQuantizedTensor.from_spec(weight, spec, config.qparam_options(), chunk_rows=rows)
 
 
 # -- writing shards -------------------------------------------------------------------------------------------
@@ -597,7 +576,7 @@ def load_quantized(
         raise ValueError(f"load_quantized: non-persistent buffers {impossible} are on the meta device and neither the "
                          "checkpoint (which never holds them) nor their module's initialisation can fill them; build "
                          "those modules on the CPU")
-    owners = _parameter_owners(model)
+    owners = parameter_owners(model)
     partial: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in _read(source):
         name, _, inner = key.partition(_st.SEP)

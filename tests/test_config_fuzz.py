@@ -14,21 +14,17 @@ from hypothesis import strategies as st
 from torch import nn
 
 from affineq import (
-    Config,
-    Dtype,
     FqnToConfig,
     GPTQConfig,
     Int4WeightOnlyConfig,
     Int8DynamicActivationInt8WeightConfig,
     IntxWeightOnlyConfig,
     PerGroup,
-    PerTensorMSEObserver,
-    QSchemeType,
-    QuantizationConfig,
-    QuantizationSpec,
     config_from_dict,
 )
 from affineq.configs import _CONFIGS
+from affineq.observers import PerTensorMSEObserver
+from affineq.quark import Config, Dtype, QSchemeType, QuantizationConfig, QuantizationSpec
 from affineq.quark_config import _layer_type_registry, _observer_registry
 from affineq.tensor.spec import QuantSpec
 

@@ -11,26 +11,25 @@ from torch import nn
 
 import affineq
 from affineq import (
-    Config,
-    Dtype,
     Int4WeightOnlyConfig,
     Int8WeightOnlyConfig,
     MappingType,
-    PerTensorMSEObserver,
-    PerTensorPercentileObserver,
     QATConfig,
-    QSchemeType,
-    QuantizationConfig,
     QuantizationError,
-    QuantizationSpec,
     ZeroPointDomain,
     config_from_dict,
     quantize_,
-    quantize_affine,
-    register_observer,
     register_quantize_module_handler,
 )
-from affineq.observers import PerChannelMinMaxObserver, PerGroupMinMaxObserver, PerTensorMinMaxObserver
+from affineq.observers import (
+    PerChannelMinMaxObserver,
+    PerGroupMinMaxObserver,
+    PerTensorMinMaxObserver,
+    PerTensorMSEObserver,
+    PerTensorPercentileObserver,
+)
+from affineq.primitives import quantize_affine
+from affineq.quark import Config, Dtype, QSchemeType, QuantizationConfig, QuantizationSpec, register_observer
 from tests.conftest import assert_unchanged, snapshot_model
 
 W8 = QuantizationSpec(Dtype.int8, qscheme=QSchemeType.per_channel, ch_axis=0, symmetric=True)

@@ -284,7 +284,7 @@ def test_other_isa_build_matches(tmp_path: Path, march: str, isa: str, needs: se
         "        s, o = torch.randint(120, 134, (n, k // gs), dtype=torch.uint8), None\n"
         "    pk = K.pack_codes(u, bits)\n"
         # fp32 rounding bound: 1e-5 of sum |x| * (|s| * (|code| + bf16 bias) + |o|) over k (the terms summed)
-        "    f = K._code_values(u, kind)\n"
+        "    f = K.code_values(u, kind)\n"
         "    bias = 2 ** (bits - 1) if qd == torch.bfloat16 else -co\n"
         "    sv = K.e8m0_values(s) if qd == torch.uint8 else s\n"
         "    rep = lambda q: q.float().abs().repeat_interleave(gs, 1)\n"

@@ -41,14 +41,14 @@ from affineq import (
     MXWeightOnlyConfig,
     PerAxis,
     PerGroup,
-    PerTensor,
     SmoothQuantConfig,
     ZeroPointDomain,
-    choose_qparams_affine,
     cpp,
     quantize_,
     record_kernels,
 )
+from affineq.granularity import PerTensor
+from affineq.primitives import choose_qparams_affine
 from affineq.tensor.activation import quantize_activation
 from affineq.tensor.spec import ActivationQuant
 

@@ -21,9 +21,6 @@ from affineq import (
     MappingType,
     PerAxis,
     PerGroup,
-    PerGroupMinMaxObserver,
-    PerRow,
-    PerTensor,
     QuantizationError,
     ZeroPointDomain,
     config_from_dict,
@@ -36,6 +33,8 @@ from affineq.configs_float import (
     MXDynamicActivationMXWeightConfig,
     MXWeightOnlyConfig,
 )
+from affineq.granularity import PerRow, PerTensor
+from affineq.observers import PerGroupMinMaxObserver
 from affineq.quark_config import (
     STATIC_ACTIVATION_MESSAGE,
     Config,

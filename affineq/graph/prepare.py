@@ -24,11 +24,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 
-from affineq.algorithms._base import AlgorithmConfig
+from affineq.algorithms import AlgorithmConfig
 from affineq.configs import QuantConfig
 from affineq.graph.patterns import fold_batch_norms, layer_output, shared_groups
 from affineq.graph.trace import Warner, WeightUse, export_graph, find_weight_uses
-from affineq.quantize import FqnToConfig, ModelConfig, QuantizationError, _handler_for, _replace_parameters
+from affineq.plan import FqnToConfig, ModelConfig, QuantizationError, handler_for
+from affineq.quantize import replace_parameters
 from affineq.quark_config import Config as QuarkConfig
 from affineq.quark_config import QuantizationMode
 
@@ -111,7 +112,7 @@ def _check_config(cfg: QuantConfig, where: str) -> None:
     if isinstance(cfg, AlgorithmConfig):
         raise ValueError(f"{where}: {type(cfg).__name__} runs on captured layer inputs with affineq.quantize_ "
                          "(eager mode); graph mode takes weight configs: quantize eagerly, or pass its base config")
-    if _handler_for(cfg) is not _replace_parameters:
+    if handler_for(cfg) is not replace_parameters:
         raise ValueError(f"{where}: {type(cfg).__name__} swaps modules (its own quantize_ handler); graph mode "
                          "replaces weights only: use affineq.quantize_ for it")
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from affineq import cpp as _cpp
+from affineq.bitpack import PANEL_ROWS, pack_codes, unpack_codes
 from affineq.primitives import MappingType, ZeroPointDomain, dequantize_affine
 from affineq.tensor.spec import QuantSpec
 
@@ -274,7 +275,7 @@ def dense_code_offset(spec: QuantSpec) -> int:
 
 
 class Dense(PackingFormat):
-    """1-8 bit codes (or float8 / fp6 / fp4 bit patterns) bit-packed by `affineq.cpp.pack_codes`
+    """1-8 bit codes (or float8 / fp6 / fp4 bit patterns) bit-packed by `affineq.bitpack.pack_codes`
     (ceil(N*K*bits/8) bytes), with scale and offset [N, K/g]. This is the layout the `affineq::lowbit_linear` CPU
     kernel reads directly.
 
@@ -353,7 +354,7 @@ class Dense(PackingFormat):
                 raise ValueError("packing_format='dense' with e8m0 scales stores no zero point, got nonzero "
                                  "zero points: use mapping_type=SYMMETRIC, or packing_format='plain'")
             u = codes.view(torch.uint8) if spec.target.is_float else _unsigned_codes(codes, spec)
-            t = {"qdata": _cpp.pack_codes(u, spec.target.bits),
+            t = {"qdata": pack_codes(u, spec.target.bits),
                  "scale": _e8m0_bytes(scale).reshape(n, -1).contiguous()}
             self._check_representable(t, spec)
             return t
@@ -367,7 +368,7 @@ class Dense(PackingFormat):
                 offset = _offset(scale, zero_point, spec)
         qdtype = torch.bfloat16 if self._bf16(scale, spec) else torch.float32
         t = {
-            "qdata": _cpp.pack_codes(u, spec.target.bits),
+            "qdata": pack_codes(u, spec.target.bits),
             "scale": scale.to(qdtype).reshape(n, -1).contiguous(),
             "offset": offset.to(qdtype).reshape(n, -1).contiguous(),
         }
@@ -411,7 +412,7 @@ class Dense(PackingFormat):
 
     def codes(self, t, spec):
         n, k = spec.shape
-        u = _cpp.unpack_codes(t["qdata"], spec.target.bits, n, k)
+        u = unpack_codes(t["qdata"], spec.target.bits, n, k)
         if spec.target.is_float:
             return u.view(spec.target.container)
         return (u.to(torch.int32) + spec.quant_min).to(spec.target.container)
@@ -461,7 +462,7 @@ class Dense(PackingFormat):
 
     def dequantize_rows(self, t, spec, rows, output_dtype):
         n, k = spec.shape
-        panel = _cpp.PANEL_ROWS
+        panel = PANEL_ROWS
         if n % panel:
             return super().dequantize_rows(t, spec, rows, output_dtype)
         # Unpack only the 16-row panels that hold the requested rows (embedding lookups). Compiled: a panel per
@@ -471,11 +472,11 @@ class Dense(PackingFormat):
         else:
             panels, inverse = torch.unique(rows // panel, return_inverse=True)
         packed = t["qdata"].view(n // panel, -1)[panels]
-        u = _cpp.unpack_codes(packed.view(panels.numel() * panel, -1), spec.target.bits,
+        u = unpack_codes(packed.view(panels.numel() * panel, -1), spec.target.bits,
                               panels.numel() * panel, k)
         u = u.view(-1, panel, k)[inverse, rows % panel]
         g = spec.block_size[1]
-        u = _cpp._code_values(u, _cpp.codes_kind(spec.target)).view(-1, k // g, g)
+        u = _cpp.code_values(u, _cpp.codes_kind(spec.target)).view(-1, k // g, g)
         if self._canonical(t, spec):
             w = self._centered_times_scale(u, t["scale"][rows], t["offset"][rows])
         else:
@@ -580,5 +581,3 @@ register_format(Plain())
 register_format(Dense())
 register_format(Int4Tinygemm("int4_cpu", "cpu", _convert_cpu))
 register_format(Int4Tinygemm("int4_cuda", "cuda", _convert_cuda))
-
-from affineq.tensor import format_microexp as _format_microexp  # noqa: E402, F401  (registers "microexp")
