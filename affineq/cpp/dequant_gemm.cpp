@@ -32,6 +32,18 @@ AQ_INLINE uint16_t to_bf16(float f) {
   return static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
 }
 
+// a * b + c rounded once (as std::fma and the PyTorch route): the hardware FMA, or std::fma in the portable
+// build, whose plain a * b + c would round twice.
+AQ_INLINE F16 fma1(F16 a, F16 b, F16 c) {
+#if AQ_AVX512 || AQ_AVX2
+  return ffma(a, b, c);
+#else
+  F16 r;
+  for (int i = 0; i < 16; ++i) r.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
+  return r;
+#endif
+}
+
 #if defined(__AVX2__) && !defined(AFFINEQ_FORCE_SCALAR)
 #define AQ_DQ_AVX2 1
 // 8 floats -> 8 bf16 (round to nearest even, NaN -> 0x7FC0), the same bits as to_bf16.
@@ -118,7 +130,7 @@ void dequant_panels(const Ctx& c, bool canonical, int64_t p0, int64_t p1, void* 
         constexpr int t = AQ_CV(T);
         const int64_t g = kg[8 * u + t];
         const F16 s = fload(sT + g * 16), o = fload(oT + g * 16);
-        fstore(tile + t * 16, canonical ? ffma(fadd(w, o), s, neg0) : ffma(w, s, o));
+        fstore(tile + t * 16, canonical ? fma1(fadd(w, o), s, neg0) : fma1(w, s, o));
       });
       store_unit<kBf16>(tile, static_cast<int>(rows), static_cast<int>(std::min<int64_t>(8, K - 8 * u)), dst, ldo,
                         8 * u);

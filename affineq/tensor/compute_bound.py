@@ -1,15 +1,15 @@
 """Linear kernels for compute-bound calls (many input rows M), chosen by the CPU's kind at run time.
 
 At large M a linear's time is its arithmetic, and torch's float GEMM (oneDNN / MKL, which pick AMX tiles,
-AVX-512 or AVX2 by themselves) runs it faster than a fused dequantizing kernel can. Each kernel here
-precondition is "M >= the threshold for this CPU kind" (`MIN_ROWS`, one small table); below it the fused
-kernels of `linear_kernels` run.
+AVX-512 or AVX2 by themselves) can run it faster than a fused dequantizing kernel. Each kernel's precondition is "M >= the threshold for
+this CPU kind and input dtype" (`MIN_ROWS`, one small table); below it the fused kernels of `linear_kernels` run.
 
 | kernel                 | format | what runs                                                                   |
 |------------------------|--------|-----------------------------------------------------------------------------|
 | affineq.dequant_linear | dense  | W dequantized in cached row blocks (C++), each block times x by at::mm       |
-| onednn.qlinear         | plain  | W8A8 (dynamic or static int8 x, per-channel int8 W): oneDNN's int8 GEMM on a |
-|                        |        | weight prepacked once (AMX int8 tiles, VNNI); exact int32 sums               |
+| onednn.qlinear         | plain  | W8A8, dynamic int8 x, per-channel int8 W: oneDNN's int8 GEMM on a weight     |
+|                        |        | prepacked once (AMX int8 tiles, VNNI); exact int32 sums                      |
+| onednn.qlinear:static  | plain  | the same with calibrated per-tensor activation qparams (zero point too)      |
 
 Numerics of `affineq.dequant_linear` (cpp/dequant_gemm.cpp): the weight block holds exactly the values of
 `AffineQuantizedTensor.dequantize()`. fp32 input: fp32 weight, fp32 GEMM, the same values as dequantize-then-
@@ -240,16 +240,9 @@ def _(x2, w_codes, w_scale, x_scale, x_zero_point):
     return x2.new_empty(x2.shape[0], w_codes.shape[0])
 
 
-def qlinear_check(x: torch.Tensor, w) -> str | None:
-    """Dynamic symmetric or static per-tensor int8 activations, a per-channel symmetric int8 `plain` weight."""
+def _qlinear_common(x: torch.Tensor, w) -> str | None:
+    """A float CPU input, a per-channel symmetric int8 `plain` weight, an exact int8 GEMM, enough rows."""
     spec = w.spec
-    aq = spec.act_quant
-    if aq is None or aq.dtype.name != "int8":
-        return "needs int8 activation quantization"
-    if not aq.static and not is_symmetric_int8(aq):
-        return "needs symmetric dynamic activation codes (zero point 0)"
-    if aq.static and w._act_scale.numel() != 1:
-        return "needs one static activation scale (per tensor)"
     if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return f"needs a float CPU input, got {x.dtype} on {x.device.type}"
     n, k = spec.shape if len(spec.shape) == 2 else (0, 0)
@@ -264,14 +257,35 @@ def qlinear_check(x: torch.Tensor, w) -> str | None:
     return rows_check("onednn.qlinear", x)
 
 
-def qlinear_run(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
+def qlinear_check(x: torch.Tensor, w) -> str | None:
+    """Dynamic symmetric int8 activations (per token or per tensor)."""
+    if not is_symmetric_int8(w.spec.act_quant):
+        return "needs symmetric dynamic int8 activation quantization (zero point 0)"
+    return _qlinear_common(x, w)
+
+
+def qlinear_static_check(x: torch.Tensor, w) -> str | None:
+    """Calibrated (static) per-tensor int8 activation qparams."""
     aq = w.spec.act_quant
-    x2 = x.reshape(-1, x.shape[-1])
-    if aq.static:
-        x_scale, x_zp = static_qparams(w)
-        out = _int8_static_onednn_linear(x2, w._qdata, w._scale, x_scale, x_zp)
-    else:
-        out = _int8_dynamic_onednn_linear(x2, w._qdata, w._scale, aq.granularity == "per_token",
-                                          aq.mapping_type is MappingType.SYMMETRIC_NO_CLIPPING_ERR, act_eps(x, aq))
+    if aq is None or not aq.static or aq.dtype.name != "int8":
+        return "needs static int8 activation quantization (calibrated act_scale)"
+    if w._act_scale.numel() != 1:
+        return "needs one static activation scale (per tensor)"
+    return _qlinear_common(x, w)
+
+
+def _finish(out: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     out = out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
     return out if bias is None else out + bias
+
+
+def qlinear_run(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
+    aq = w.spec.act_quant
+    out = _int8_dynamic_onednn_linear(x.reshape(-1, x.shape[-1]), w._qdata, w._scale, aq.granularity == "per_token",
+                                      aq.mapping_type is MappingType.SYMMETRIC_NO_CLIPPING_ERR, act_eps(x, aq))
+    return _finish(out, x, bias)
+
+
+def qlinear_static_run(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
+    x_scale, x_zp = static_qparams(w)
+    return _finish(_int8_static_onednn_linear(x.reshape(-1, x.shape[-1]), w._qdata, w._scale, x_scale, x_zp), x, bias)

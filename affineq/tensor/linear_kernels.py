@@ -9,6 +9,7 @@
 | aten._weight_int4pack_mm          | int4_cuda | int4 tinygemm, weight-only                                   |
 | onednn.qlinear                    | plain     | W8A8 at M >= a per-CPU threshold, VNNI / AMX: prepacked int8 |
 | aten._int_mm                      | plain     | per-channel int8 weight x dynamic symmetric int8 activation  |
+| onednn.qlinear:static             | plain     | the same with calibrated (static) int8 activation qparams    |
 | aten._int_mm:static               | plain     | per-channel int8 weight x calibrated (static) int8 activation|
 | aten._weight_int8pack_mm          | plain     | per-channel int8 weight-only                                 |
 | aten._scaled_mm                   | plain     | float8 weight x dynamic float8 activation                    |
@@ -32,7 +33,14 @@ from affineq.tensor.activation import (
     quantize_activation,
     static_qparams,
 )
-from affineq.tensor.compute_bound import dequant_linear_check, dequant_linear_run, qlinear_check, qlinear_run
+from affineq.tensor.compute_bound import (
+    dequant_linear_check,
+    dequant_linear_run,
+    qlinear_check,
+    qlinear_run,
+    qlinear_static_check,
+    qlinear_static_run,
+)
 from affineq.tensor.formats import dense_code_offset
 from affineq.tensor.kernel_registry import Check, Run, register_linear_kernel
 from affineq.tensor.spec import QuantSpec
@@ -257,6 +265,7 @@ def _int_mm_static_run(x, w, bias):
     return _finish(_int8_static_linear(_flat(x), w._qdata, w._scale, x_scale, x_zp), x, bias)
 
 
+register_linear_kernel("onednn.qlinear:static", ("plain",), qlinear_static_check, qlinear_static_run)
 register_linear_kernel("aten._int_mm:static", ("plain",), _int_mm_static_check, _int_mm_static_run)
 
 
