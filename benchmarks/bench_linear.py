@@ -26,6 +26,7 @@ import argparse
 import copy
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -119,7 +120,9 @@ def _time_all(fn, xs: dict[str, torch.Tensor], weights: dict[str, list[torch.Ten
 
 def _ao_dynamic(base: nn.Module) -> list[nn.Module]:
     """torch.ao's int8 dynamic quantization of the fp32 linear (fbgemm / onednn engine), as cold copies."""
-    q = torch.ao.quantization.quantize_dynamic(copy.deepcopy(base).float(), {nn.Linear}, dtype=torch.qint8)
+    with warnings.catch_warnings():  # torch.ao.quantization's deprecation notice: it is the comparison here
+        warnings.simplefilter("ignore", DeprecationWarning)
+        q = torch.ao.quantization.quantize_dynamic(copy.deepcopy(base).float(), {nn.Linear}, dtype=torch.qint8)
     return [q] + [copy.deepcopy(q) for _ in range(len(_copies(base.weight.detach())) - 1)]
 
 
