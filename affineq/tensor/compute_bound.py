@@ -1,8 +1,9 @@
 """Linear kernels for compute-bound calls (many input rows M), chosen by the CPU's kind at run time.
 
 At large M a linear's time is its arithmetic, and torch's float GEMM (oneDNN / MKL, which pick AMX tiles,
-AVX-512 or AVX2 by themselves) can run it faster than a fused dequantizing kernel. Each kernel's precondition is "M >= the threshold for
-this CPU kind and input dtype" (`MIN_ROWS`, one small table); below it the fused kernels of `linear_kernels` run.
+AVX-512 or AVX2 by themselves) can run it faster than a fused dequantizing kernel. Each kernel's precondition
+is "M >= the threshold for this CPU kind and input dtype" (`MIN_ROWS`, one small table); below it the fused
+kernels of `linear_kernels` run.
 
 | kernel                 | format | what runs                                                                   |
 |------------------------|--------|-----------------------------------------------------------------------------|
