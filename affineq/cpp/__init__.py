@@ -390,4 +390,53 @@ def _lowbit_dequantize_fallback(packed, scale, offset, bits, group_size, n, k, c
 
 
 _lib.impl("lowbit_linear", _lowbit_linear_fallback, "CompositeExplicitAutograd")
+
+# The dense weight as float at memory speed (cpp/dequant_gemm.cpp): W [n, k] with the values of
+# `formats.Dense.dequantize` bit for bit (see dense_dequantize_reference), float32 or (bf16=True) bfloat16.
+_lib.define(
+    "dense_dequantize(Tensor packed, Tensor scale, Tensor? offset, int bits, int group_size, int n, int k,"
+    " int codes, int code_offset, bool canonical, bool bf16) -> Tensor"
+)
+# x @ W^T with W dequantized in cached row blocks and multiplied by torch's GEMM (cpp/dequant_gemm.cpp): fp32
+# products of x.float() and the fp32 W, or (bf16_weight=True, bf16 x) the bf16 GEMM of x and W.to(bf16).
+_lib.define(
+    "dequant_linear(Tensor x, Tensor packed, Tensor scale, Tensor? offset, int bits, int group_size, int n, int k,"
+    " int codes, int code_offset, bool canonical, bool bf16_weight) -> Tensor"
+)
+
+
+@torch.library.register_fake("affineq::dense_dequantize", lib=_lib)
+def _dense_dequantize_fake(packed, scale, offset, bits, group_size, n, k, codes, code_offset, canonical, bf16):
+    return scale.new_empty((n, k), dtype=torch.bfloat16 if bf16 else torch.float32)
+
+
+@torch.library.register_fake("affineq::dequant_linear", lib=_lib)
+def _dequant_linear_fake(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset, canonical, bf16_weight):
+    return x.new_empty((*x.shape[:-1], n))
+
+
+def dense_dequantize_reference(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, bits: int,
+                               group_size: int, n: int, k: int, codes: int = CODES_UINT, code_offset: int = 0,
+                               canonical: bool = False, bf16: bool = False) -> torch.Tensor:
+    """Pure-PyTorch ``dense_dequantize``: ``scale * c(u) + offset`` rounded once (as ``lowbit_dequantize``), or,
+    ``canonical`` (fp32 qparams of integer codes), ``(u + round(offset / scale)) * scale`` per group."""
+    if canonical:
+        u = _dequantize(packed, torch.ones_like(scale), torch.zeros_like(offset), bits, group_size, n, k, codes)
+        u = u.view(n, k // group_size, group_size)
+        w = ((u + torch.round(offset / scale).unsqueeze(-1)) * scale.unsqueeze(-1)).view(n, k)
+    else:
+        w = _dequantize(packed, scale, offset, bits, group_size, n, k, codes, code_offset)
+    return w.to(torch.bfloat16 if bf16 else torch.float32)
+
+
+def _dequant_linear_fallback(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset, canonical,
+                             bf16_weight):
+    # Runs only while no C++ CPU kernel is registered (e.g. a graph compiled while the kernels were available).
+    w = dense_dequantize_reference(packed, scale, offset, bits, group_size, n, k, codes, code_offset, canonical,
+                                   bf16_weight)
+    return F.linear(x.to(w.dtype), w).to(x.dtype)
+
+
 _lib.impl("lowbit_dequantize", _lowbit_dequantize_fallback, "CompositeExplicitAutograd")
+_lib.impl("dense_dequantize", dense_dequantize_reference, "CompositeExplicitAutograd")
+_lib.impl("dequant_linear", _dequant_linear_fallback, "CompositeExplicitAutograd")

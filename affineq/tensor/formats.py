@@ -274,6 +274,14 @@ def dense_code_offset(spec: QuantSpec) -> int:
     return 0 if spec.target.is_float else int(spec.quant_min)
 
 
+def dense_is_canonical(scale: torch.Tensor, spec: QuantSpec) -> bool:
+    """Whether a `dense` weight with this stored scale dequantizes as (u + round(offset / scale)) * scale
+    (fp32 qparams of integer codes with an INT or NONE zero point), the primitives' (q - zp) * scale, rather
+    than scale * c(u) + offset rounded once (see `Dense.dequantize`)."""
+    return (scale.dtype == torch.float32 and not spec.target.is_float
+            and spec.zero_point_domain is not ZeroPointDomain.FLOAT)
+
+
 class Dense(PackingFormat):
     """1-8 bit codes (or float8 / fp6 / fp4 bit patterns) bit-packed by `affineq.bitpack.pack_codes`
     (ceil(N*K*bits/8) bytes), with scale and offset [N, K/g]. This is the layout the `affineq::lowbit_linear` CPU
@@ -430,7 +438,16 @@ class Dense(PackingFormat):
 
     def dequantize(self, t, spec, output_dtype):
         n, k = spec.shape
-        if t["scale"].dtype == torch.uint8:  # e8m0: scale * (c(u) + code_offset) is exact as the C++ op computes it
+        e8m0 = t["scale"].dtype == torch.uint8
+        if t["qdata"].device.type == "cpu" and _cpp.is_available():
+            # C++ (cpp/dequant_gemm.cpp): the values of the PyTorch route below, bit for bit, at memory speed
+            w = torch.ops.affineq.dense_dequantize(
+                t["qdata"], t["scale"], t.get("offset"), spec.target.bits, spec.block_size[1], n, k,
+                _cpp.codes_kind(spec.target), dense_code_offset(spec) if e8m0 else 0, self._canonical(t, spec),
+                output_dtype == torch.bfloat16,
+            )
+            return w.to(output_dtype)
+        if e8m0:  # e8m0: scale * (c(u) + code_offset) is exact as the C++ op computes it
             w = torch.ops.affineq.lowbit_dequantize(
                 t["qdata"], t["scale"], None, spec.target.bits, spec.block_size[1], n, k,
                 _cpp.codes_kind(spec.target), dense_code_offset(spec),
@@ -452,8 +469,7 @@ class Dense(PackingFormat):
         differently from the primitives' `(q - zp) * scale` (by an ulp), so dequantize computes the latter,
         exactly: offset = scale * (qmin - zp) gives q - zp = u + round(offset / scale). bf16 qparams
         (`scale * (u - 2**(bits-1)) + zero`) and float8 codes (`scale * c`) already round as the primitives."""
-        return (t["scale"].dtype == torch.float32 and not spec.target.is_float
-                and spec.zero_point_domain is not ZeroPointDomain.FLOAT)
+        return dense_is_canonical(t["scale"], spec)
 
     @staticmethod
     def _centered_times_scale(u: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
