@@ -39,7 +39,7 @@ def _weights_key(model: nn.Module) -> tuple:
 
 
 def _decoder(model: nn.Module, batch: int, length: int, compile: bool, compile_prefill: bool, cpp_wrapper: bool,
-             fuse: bool, kv_cache_dtype, kv_group_size: int) -> StaticDecoder:
+             fuse: bool, kv_cache_dtype, kv_group_size: int | None) -> StaticDecoder:
     max_len = -(-length // _CACHE_BLOCK) * _CACHE_BLOCK
     per_model = _decoders.setdefault(model, {})
     key = (batch, max_len, compile, compile_prefill, cpp_wrapper, fuse, next(model.parameters()).dtype,
@@ -147,7 +147,7 @@ def generate(
     cpp_wrapper: bool = True,
     fuse_projections: bool = True,
     kv_cache_dtype: torch.dtype | str | None = None,
-    kv_group_size: int = 32,
+    kv_group_size: int | None = None,
     eos_token_id: int | list[int] | None = None,
     ignore_eos: bool = False,
     pad_token_id: int | None = None,
@@ -169,8 +169,9 @@ def generate(
     samples with ``temperature``, ``top_k``, ``top_p`` (``generator`` for reproducibility).
 
     ``kv_cache_dtype``: None keeps the KV cache in the model dtype; ``torch.int8`` (or ``"int8"``) stores int8
-    codes with one fp32 scale per head and token, ``"int4"`` 4-bit codes with a scale per ``kv_group_size``
-    elements of a head (see ``affineq.models.kv_cache``); attention then reads the codes directly (C++ kernel).
+    codes with one fp32 scale per head and token (or per ``kv_group_size`` elements of a head), ``"int4"`` 4-bit
+    codes with a scale per ``kv_group_size`` (default 32) elements of a head (see ``affineq.models.kv_cache``);
+    attention then reads the codes directly (C++ kernel), never a float copy of the cache.
 
     ``compile=True`` compiles the decode step once per (batch, cache length rounded up to 128, dtype, cache kind);
     the compiled code and the KV cache stay with the model for later calls (rebuilt when its weights change). The

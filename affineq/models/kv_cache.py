@@ -2,8 +2,9 @@
 attention directly (``affineq.cpp.kv_attention``), never expanded to a float copy of the cache.
 
 ``kv_cache_dtype`` options (``generate(..., kv_cache_dtype=...)``): None (the model dtype, no quantization),
-``torch.int8`` / ``"int8"`` (one scale per head and token, as llama.cpp ``-ctk q8_0`` with a whole head per
-block) and ``"int4"`` (groups of ``kv_group_size`` along the head dimension, default 32, as ``q4_0``). Keys are
+``torch.int8`` / ``"int8"`` (one scale per head and token by default, as llama.cpp ``-ctk q8_0`` with a whole
+head per block; ``kv_group_size=32`` gives q8_0's blocks) and ``"int4"`` (groups of ``kv_group_size`` along the
+head dimension, default 32, as ``q4_0``). Keys are
 quantized after the rotary embedding, both on write; every attention (prefill included) reads the quantized
 cache. Bytes per token and layer: int8 ``2 * KVH * (D + 4)``, int4 ``2 * KVH * (D / 2 + 4 * D / G)``.
 """
@@ -32,15 +33,16 @@ class QuantizedKVCache:
     """Per layer key and value codes [B, KVH, T, D] (int8) or [B, KVH, T, D / 2] (uint8 int4 nibbles) and fp32
     scales [B, KVH, T, D / G]; formats in ``affineq.cpp.kv_attention``."""
 
-    def __init__(self, kind: str, layers: int, shape: tuple[int, int, int, int], group_size: int,
+    def __init__(self, kind: str, layers: int, shape: tuple[int, int, int, int], group_size: int | None,
                  device: torch.device) -> None:
         from affineq import cpp
         from affineq.cpp import kv_attention as kva
 
         b, kvh, t, d = shape
         self.kind = kind
-        self.group_size = d if kind == "int8" else group_size
-        if d % self.group_size or (kind == "int4" and self.group_size % 2):
+        self.group_size = group_size or (d if kind == "int8" else 32)
+        if not isinstance(self.group_size, int) or self.group_size <= 0 or d % self.group_size or (
+                kind == "int4" and self.group_size % 2):
             raise ValueError(f"kv_group_size must divide the head dimension {d} and be even for an int4 KV cache, "
                              f"got {group_size}")
         code_shape = (b, kvh, t, d if kind == "int8" else d // 2)

@@ -201,7 +201,7 @@ class StaticDecoder:
 
     def __init__(self, model: nn.Module, batch: int, max_len: int, *, compile: bool = True,
                  compile_prefill: bool = False, cpp_wrapper: bool = True, fuse: bool = True,
-                 kv_cache_dtype: str | torch.dtype | None = None, kv_group_size: int = 32):
+                 kv_cache_dtype: str | torch.dtype | None = None, kv_group_size: int | None = None):
         from .kv_cache import QuantizedKVCache, kv_cache_kind
 
         kind = kv_cache_kind(kv_cache_dtype)
