@@ -182,11 +182,11 @@ class _Stored:
             return s, self.mid - zp.float().reshape(-1, 1) / s
         return s, torch.zeros_like(s)
 
-    def roundtrip(self, w: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None):
+    def roundtrip(self, w: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, rounding: str = "half_even"):
         """(W_q, W_r) of groups w [R, g] exactly as quantize_affine / dequantize_affine compute them."""
         s = scale.float().reshape(-1, 1)
         z = None if zp is None else zp.float().reshape(-1, 1)
-        return _fake_quantize_unchecked(w, s, z, self.domain, self.qmin, self.qmax)
+        return _fake_quantize_unchecked(w, s, z, self.domain, self.qmin, self.qmax, rounding)
 
 
 def _shrink_lp(e: torch.Tensor, beta: float, p: float) -> torch.Tensor:
