@@ -10,7 +10,8 @@ from affineq.algorithms._migrate import PreScaled
 from affineq.algorithms.awq import AWQConfig
 from affineq.algorithms.gptq import GPTQConfig
 from affineq.algorithms.hqq import HQQConfig
-from affineq.algorithms.importance import ImportanceMatrix, ImportanceWeightedConfig, collect_importance
+from affineq.algorithms.imatrix import ImportanceMatrix, collect_importance
+from affineq.algorithms.importance import ImportanceWeightedConfig
 from affineq.algorithms.smoothquant import SmoothQuantConfig
 
 __all__ = ["AWQConfig", "AlgorithmConfig", "GPTQConfig", "HQQConfig", "ImportanceMatrix", "ImportanceWeightedConfig",
