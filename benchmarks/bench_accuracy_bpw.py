@@ -58,12 +58,16 @@ CONFIGS: dict[str, Callable[[], QuantConfig]] = {
     "int2-g32": _intx(torch.int2, 32),
 }
 
-FULL = {"windows": 4, "window": 512, "calib_n": 32, "calib_len": 512}
-QUICK = {"windows": 2, "window": 64, "calib_n": 2, "calib_len": 64}
+# blocks: how many decoder blocks are quantized (None: all 30); --quick quantizes the first 2 only
+FULL = {"windows": 4, "window": 512, "calib_n": 32, "calib_len": 512, "blocks": None}
+QUICK = {"windows": 2, "window": 64, "calib_n": 2, "calib_len": 64, "blocks": 2}
 
 
-def decoder_linear(module: nn.Module, fqn: str) -> bool:
-    return isinstance(module, nn.Linear) and fqn != "lm_head"
+def decoder_linears(blocks: int | None) -> Callable[[nn.Module, str], bool]:
+    """filter_fn: the linears of the decoder blocks (of the first `blocks` of them); lm_head stays float."""
+    prefixes = None if blocks is None else tuple(f"model.layers.{i}." for i in range(blocks))
+    return lambda m, fqn: (isinstance(m, nn.Linear) and fqn != "lm_head"
+                           and (prefixes is None or fqn.startswith(prefixes)))
 
 
 class CachedLogits:
@@ -89,6 +93,7 @@ def bits_per_weight(model: nn.Module) -> tuple[float, int]:
 
 def run(config_names: list[str], imatrix: bool, quick: bool) -> list[dict]:
     sizes = QUICK if quick else FULL
+    selected = decoder_linears(sizes["blocks"])
     model, tok = M.load_smollm2()
     ids = torch.tensor(tok(M.eval_text(), add_special_tokens=False, verbose=False)["input_ids"], dtype=torch.int64)
     ids = ids[: sizes["windows"] * sizes["window"]]
@@ -100,7 +105,7 @@ def run(config_names: list[str], imatrix: bool, quick: bool) -> list[dict]:
     if imatrix:
         data = M.calibration_batches(tok, sizes["calib_n"], sizes["calib_len"])
         start = time.perf_counter()
-        importance = collect_importance(model, data, filter_fn=decoder_linear, progress_bar=False)
+        importance = collect_importance(model, data, filter_fn=selected, progress_bar=False)
         print(f"# importance matrix: {len(importance)} linears, {sizes['calib_n']} x {sizes['calib_len']} tokens, "
               f"{time.perf_counter() - start:.1f} s", flush=True)
     for name in config_names:
@@ -110,7 +115,7 @@ def run(config_names: list[str], imatrix: bool, quick: bool) -> list[dict]:
         for with_imatrix, config in variants:
             q = copy.deepcopy(model)
             start = time.perf_counter()
-            affineq.quantize_(q, config, filter_fn=decoder_linear)
+            affineq.quantize_(q, config, filter_fn=selected)
             seconds = time.perf_counter() - start
             bpw, n = bits_per_weight(q)
             row = {"config": name, "imatrix": with_imatrix, "bpw": bpw, "weights": n, "quantize_s": seconds,
@@ -166,7 +171,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--no-imatrix", action="store_true", help="round-to-nearest rows only")
-    p.add_argument("--quick", action="store_true", help="smoke run: 2 x 64 eval tokens, int4-g64 only")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: 2 x 64 eval tokens, int4-g64 only, the first 2 decoder blocks quantized")
     p.add_argument("--no-save", action="store_true", help="print only; write nothing under results/")
     args = p.parse_args(argv)
     if not M.available_models().get("smollm2"):
