@@ -10,12 +10,14 @@ Importing affineq registers its tensor class, enums, granularities and metadata 
 import torch
 
 from affineq import (
+    eval,  # noqa: F401  (eval.compare: perplexity / KL divergence against a reference model)
     graph,  # noqa: F401  (graph mode: affineq.graph.prepare / convert)
     safetensors,  # noqa: F401  (save_file / load_file; the safetensors package is imported lazily)
 )
 from affineq._hf_register import install as _install_hf
 from affineq.algorithms import AWQConfig, GPTQConfig, HQQConfig, SmoothQuantConfig
 from affineq.ao_compat import quantize_dynamic
+from affineq.autoquant import autoquant  # noqa: F401  (affineq.autoquant(model, bits, data) -> FqnToConfig)
 from affineq.calibration import Int8StaticActivationInt8WeightConfig, convert_, prepare_, run_calibration
 from affineq.configs import (
     Float8DynamicActivationFloat8WeightConfig,

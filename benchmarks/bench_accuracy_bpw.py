@@ -35,14 +35,14 @@ from affineq import models as M  # noqa: E402
 from affineq.algorithms import ImportanceWeightedConfig, collect_importance  # noqa: E402
 from affineq.configs import Int4WeightOnlyConfig, Int8WeightOnlyConfig, IntxWeightOnlyConfig, QuantConfig  # noqa: E402
 from affineq.granularity import PerGroup  # noqa: E402
-from affineq.primitives import MappingType  # noqa: E402
+from affineq.primitives import MappingType, ZeroPointDomain  # noqa: E402
 from affineq.quantize import quantized_weights  # noqa: E402
 
 ASYM = MappingType.ASYMMETRIC
 
 
 def _intx(dtype: torch.dtype, group: int) -> Callable[[], QuantConfig]:
-    return lambda: IntxWeightOnlyConfig(dtype, PerGroup(group), ASYM)
+    return lambda: IntxWeightOnlyConfig(dtype, PerGroup(group), ASYM, ZeroPointDomain.FLOAT)  # bf16 qparams
 
 
 # Uniform weight configs, roughly from most to fewest bits.
