@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from affineq.algorithms import AlgorithmConfig
 from affineq.configs import Int4WeightOnlyConfig, Int8WeightOnlyConfig, IntxWeightOnlyConfig, QuantConfig
 from affineq.granularity import PerGroup
 from affineq.primitives import MappingType, ZeroPointDomain
@@ -66,7 +67,8 @@ def autoquant(model: nn.Module, budget_bits: float, calibration_data, *,
     stored tensors. The model is not changed.
 
     calibration_data: model inputs (a tensor: model(x), tuple: model(*x), dict: model(**x)), as for quantize_.
-    candidates: weight configs (default DEFAULT_CANDIDATES); each must quantize every selected layer.
+    candidates: weight configs (default DEFAULT_CANDIDATES), or calibration-free algorithm configs around one
+        (HQQConfig, ImportanceWeightedConfig(importance=...)); each must quantize every selected layer.
     filter_fn(module, fqn): the layers to plan (default: every nn.Linear except one named lm_head).
     resolution: steps of the knapsack's bit budget (more: closer to the budget, slower).
     report: a list to which the measured `LayerChoice`s are appended (to inspect the trade-off).
@@ -76,7 +78,7 @@ def autoquant(model: nn.Module, budget_bits: float, calibration_data, *,
     _check_args(budget_bits, candidates, resolution)
     layers = _select(model, filter_fn, candidates)
     hessians = _input_covariances(model, layers, calibration_data, progress)
-    choices = [_measure(fqn, layers[fqn], hessians.pop(fqn), candidates) for fqn in layers]
+    choices = [_measure(model, fqn, layers[fqn], hessians.pop(fqn), candidates) for fqn in layers]
     if report is not None:
         report.extend(choices)
     picks = _knapsack(choices, budget_bits, resolution)
@@ -108,7 +110,9 @@ def _check_args(budget_bits, candidates, resolution) -> None:
     for c in candidates:
         if not isinstance(c, QuantConfig) or isinstance(c, FqnToConfig) or getattr(c, "needs_data", False):
             raise ValueError(f"autoquant: candidate {c!r} must be a weight config such as "
-                             "Int4WeightOnlyConfig(group_size=64) (not an algorithm needing data, nor FqnToConfig)")
+                             "Int4WeightOnlyConfig(group_size=64), or a calibration-free algorithm around one "
+                             "(HQQConfig, ImportanceWeightedConfig with its importance given); not an algorithm "
+                             "needing calibration data, nor FqnToConfig")
     if len(set(candidates)) != len(candidates):
         raise ValueError("autoquant: candidates holds the same config twice; give each once")
     if isinstance(resolution, bool) or not isinstance(resolution, int) or resolution < 16:
@@ -182,11 +186,14 @@ def _bar(items, enabled: bool):
     return tqdm(items, desc="autoquant", file=sys.stderr, leave=False)
 
 
-def _measure(fqn: str, layer: nn.Linear, h: torch.Tensor, candidates) -> LayerChoice:
+def _measure(model: nn.Module, fqn: str, layer: nn.Linear, h: torch.Tensor, candidates) -> LayerChoice:
     w = layer.weight.detach()
     bits, loss = [], []
     for c in candidates:
-        qw = c.quantize_weight(w, layer)
+        if isinstance(c, AlgorithmConfig):  # calibration-free (HQQ, importance given): its run on this layer alone
+            qw = c.run(model, {fqn: layer}, None)[fqn].quantize_weight(w, layer)
+        else:
+            qw = c.quantize_weight(w, layer)
         d = (w.double() - qw.dequantize(torch.float64))
         bits.append(int(qw.storage_bytes()) * 8)
         loss.append(float(((d @ h) * d).sum()))

@@ -1,11 +1,13 @@
 """Accuracy per bit on SmolLM2-135M: for uniform weight configs of the decoder linears, bits per weight counted
 from the stored tensors (codes + qparams) against perplexity, mean / 99th-percentile KL divergence and top-1
 agreement with the float model (`affineq.eval.compare`, llama.cpp's `perplexity --kl-divergence` definitions),
-each config plain round-to-nearest and with an importance matrix (`ImportanceWeightedConfig`).
+each config plain round-to-nearest and with an importance matrix (`ImportanceWeightedConfig`), and
+`affineq.autoquant` mixes at given budgets (its DEFAULT_CANDIDATES, plus their importance-weighted versions).
 
     python benchmarks/bench_accuracy_bpw.py             # the full table (run it alone: several minutes)
     python benchmarks/bench_accuracy_bpw.py --quick     # smoke run: a tiny slice, seconds after the model loads
     python benchmarks/bench_accuracy_bpw.py --configs int4-g64 int3-g64 --no-imatrix
+    python benchmarks/bench_accuracy_bpw.py --configs --budgets 3.5 4.5   # autoquant rows only
 
 Eval: the first 4 x 512 tokens of `eval_text()` (the pydoc topics the package pins by hash), windows of 512, the
 second half of each scored (255 predictions per window, as llama.cpp). The importance matrix comes from
@@ -33,6 +35,7 @@ import affineq  # noqa: E402
 from affineq import eval as aeval  # noqa: E402
 from affineq import models as M  # noqa: E402
 from affineq.algorithms import ImportanceWeightedConfig, collect_importance  # noqa: E402
+from affineq.autoquant import DEFAULT_CANDIDATES, autoquant  # noqa: E402
 from affineq.configs import Int4WeightOnlyConfig, Int8WeightOnlyConfig, IntxWeightOnlyConfig, QuantConfig  # noqa: E402
 from affineq.granularity import PerGroup  # noqa: E402
 from affineq.primitives import MappingType, ZeroPointDomain  # noqa: E402
@@ -91,7 +94,7 @@ def bits_per_weight(model: nn.Module) -> tuple[float, int]:
     return sum(w.storage_bytes() for w in qw.values()) * 8 / n, n
 
 
-def run(config_names: list[str], imatrix: bool, quick: bool) -> list[dict]:
+def run(config_names: list[str], budgets: list[float], imatrix: bool, quick: bool) -> list[dict]:
     sizes = QUICK if quick else FULL
     selected = decoder_linears(sizes["blocks"])
     model, tok = M.load_smollm2()
@@ -102,8 +105,8 @@ def run(config_names: list[str], imatrix: bool, quick: bool) -> list[dict]:
     rows = [{"config": "float", "imatrix": False, "bpw": 32.0, **compare(model)}]
     print(_line(rows[-1]), flush=True)
     importance = None
+    data = M.calibration_batches(tok, sizes["calib_n"], sizes["calib_len"])
     if imatrix:
-        data = M.calibration_batches(tok, sizes["calib_n"], sizes["calib_len"])
         start = time.perf_counter()
         importance = collect_importance(model, data, filter_fn=selected, progress_bar=False)
         print(f"# importance matrix: {len(importance)} linears, {sizes['calib_n']} x {sizes['calib_len']} tokens, "
@@ -123,12 +126,46 @@ def run(config_names: list[str], imatrix: bool, quick: bool) -> list[dict]:
             rows.append(row)
             print(_line(row), flush=True)
             del q
+    for budget in budgets:
+        rows.append(_autoquant_row(model, budget, data, importance, selected, compare))
+        print(_line(rows[-1]), flush=True)
     return rows
 
 
+def _autoquant_row(model, budget, data, importance, selected, compare) -> dict:
+    """autoquant's plan at `budget` bits per weight over DEFAULT_CANDIDATES (and, with an importance matrix,
+    the importance-weighted versions of the sub-8-bit ones), applied to a copy of the model and compared."""
+    cands = list(DEFAULT_CANDIDATES)
+    if importance is not None:
+        cands += [ImportanceWeightedConfig(c, importance=importance, progress=False) for c in DEFAULT_CANDIDATES
+                  if not isinstance(c, Int8WeightOnlyConfig)]
+    start = time.perf_counter()
+    plan = autoquant(model, budget, data, candidates=cands, filter_fn=selected, progress=False)
+    search_s = time.perf_counter() - start
+    q = copy.deepcopy(model)
+    affineq.quantize_(q, plan)
+    bpw, n = bits_per_weight(q)
+    mix: dict[str, int] = {}
+    for cfg in plan.fqn_to_config.values():
+        key = _short(getattr(cfg, "base_config", cfg)) + ("+imatrix" if isinstance(cfg, ImportanceWeightedConfig) else "")
+        mix[key] = mix.get(key, 0) + 1
+    return {"config": f"autoquant@{budget}", "imatrix": importance is not None, "bpw": bpw, "weights": n,
+            "quantize_s": search_s, "mix": mix, **compare(q)}
+
+
+def _short(cfg: QuantConfig) -> str:
+    """int4-g64 / int3-g32 / int8 for the configs autoquant picks among."""
+    if isinstance(cfg, Int4WeightOnlyConfig):
+        return f"int4-g{cfg.group_size}"
+    if isinstance(cfg, IntxWeightOnlyConfig):
+        return f"{str(cfg.weight_dtype).removeprefix('torch.')}-g{getattr(cfg.granularity, 'group_size', 'row')}"
+    return "int8" if isinstance(cfg, Int8WeightOnlyConfig) else type(cfg).__name__
+
+
 def _line(r: dict) -> str:
-    return (f"{r['config']:>10} {'imatrix' if r['imatrix'] else 'rtn':>7}  bpw {r['bpw']:6.3f}  ppl {r['ppl']:8.3f}  "
-            f"KLD {r['mean_kld']:.4f} (p99 {r['kld_p99']:.3f})  top1 {r['top1_agreement']:.3f}")
+    return (f"{r['config']:>14} {'imatrix' if r['imatrix'] else 'rtn':>7}  bpw {r['bpw']:6.3f}  ppl {r['ppl']:8.3f}  "
+            f"KLD {r['mean_kld']:.4f} (p99 {r['kld_p99']:.3f})  top1 {r['top1_agreement']:.3f}"
+            + (f"  mix {r['mix']}" if "mix" in r else ""))
 
 
 def markdown(rows: list[dict]) -> str:
@@ -152,9 +189,13 @@ def plot(rows: list[dict], name: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, key, label in ((axes[0], "ppl", "perplexity"), (axes[1], "mean_kld", "mean KLD vs float")):
         for flag, style in ((False, "o-"), (True, "s--")):
-            pts = sorted((r["bpw"], r[key]) for r in rows if r["config"] != "float" and r["imatrix"] == flag)
+            pts = sorted((r["bpw"], r[key]) for r in rows
+                         if r["config"] != "float" and "mix" not in r and r["imatrix"] == flag)
             if pts:
                 ax.plot(*zip(*pts, strict=True), style, label="importance-weighted" if flag else "round-to-nearest")
+        auto = [(r["bpw"], r[key]) for r in rows if "mix" in r]
+        if auto:
+            ax.plot(*zip(*auto, strict=True), "k*", markersize=10, label="autoquant")
         if key == "ppl":
             ax.axhline(rows[0]["ppl"], color="gray", lw=0.8, label="float")
         ax.set_xlabel("bits per weight (decoder linears, stored tensors)")
@@ -169,17 +210,20 @@ def plot(rows: list[dict], name: str) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--budgets", nargs="*", type=float, default=[3.5, 4.5],
+                   help="autoquant rows at these bits per weight (none: no autoquant rows)")
     p.add_argument("--no-imatrix", action="store_true", help="round-to-nearest rows only")
     p.add_argument("--quick", action="store_true",
-                   help="smoke run: 2 x 64 eval tokens, int4-g64 only, the first 2 decoder blocks quantized")
+                   help="smoke run: 2 x 64 eval tokens, int4-g64 and autoquant@4.5 only, the first 2 decoder blocks")
     p.add_argument("--no-save", action="store_true", help="print only; write nothing under results/")
     args = p.parse_args(argv)
     if not M.available_models().get("smollm2"):
         raise SystemExit(f"SmolLM2 is not installed: {M.INSTALL_HINT}")
     configs = ["int4-g64"] if args.quick and args.configs == list(CONFIGS) else args.configs
+    budgets = [4.5] if args.quick and args.budgets == [3.5, 4.5] else args.budgets
     print(machine_line())
-    rows = run(configs, not args.no_imatrix, args.quick)
+    rows = run(configs, budgets, not args.no_imatrix, args.quick)
     table = markdown(rows)
     print()
     print(table)

@@ -93,6 +93,22 @@ def test_json_round_trip_applies_the_same_plan():
     assert a.keys() == b.keys() and all(torch.equal(a[k].dequantize(), b[k].dequantize()) for k in a)
 
 
+def test_calibration_free_algorithms_are_candidates():
+    from affineq.algorithms import HQQConfig, ImportanceWeightedConfig, collect_importance
+
+    imp = collect_importance(tiny(), DATA, progress_bar=False)
+    base = Int4WeightOnlyConfig(group_size=32)
+    cands = (CANDIDATES[0], base, HQQConfig(base, progress=False),
+             ImportanceWeightedConfig(base, importance=imp, progress=False))
+    report = []
+    plan = autoquant(tiny(), 4.5, DATA, candidates=cands, progress=False, report=report)
+    for c in report:  # the algorithms store the base config's format: the same bits
+        assert c.bits[1] == c.bits[2] == c.bits[3]
+    bits, n = plan_bits(plan)
+    assert bits <= 4.5 * n
+    assert any(isinstance(v, (HQQConfig, ImportanceWeightedConfig)) for v in plan.fqn_to_config.values())
+
+
 def test_loss_is_the_layer_output_error():
     model, fqn = tiny(), "layers.1.mlp.down_proj"
     layer = model.get_submodule(fqn)
