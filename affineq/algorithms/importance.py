@@ -28,7 +28,7 @@ from torch import nn
 from affineq.algorithms._base import AlgorithmConfig, Precomputed
 from affineq.algorithms._capture import progress
 from affineq.algorithms.gptq import _one_thread
-from affineq.algorithms.hqq import _Stored
+from affineq.algorithms.hqq import HQQConfig, _Stored
 from affineq.algorithms.imatrix import (
     ImportanceMatrix,
     checked_importance,
@@ -37,13 +37,7 @@ from affineq.algorithms.imatrix import (
     json_safe_importance,
     resolve_importance,
 )
-from affineq.configs import (
-    Int4WeightOnlyConfig,
-    Int8DynamicActivationInt4WeightConfig,
-    Int8WeightOnlyConfig,
-    IntxWeightOnlyConfig,
-    QuantConfig,
-)
+from affineq.configs import QuantConfig
 from affineq.primitives import MappingType, ZeroPointDomain
 from affineq.tensor.affine import AffineQuantizedTensor
 from affineq.tensor.spec import QParamOptions, QuantSpec
@@ -176,8 +170,7 @@ class ImportanceWeightedConfig(AlgorithmConfig):
         quantize_(model, ImportanceWeightedConfig(Int4WeightOnlyConfig(group_size=64), importance=imatrix))
     """
 
-    base_types: ClassVar[tuple[type, ...]] = (Int4WeightOnlyConfig, IntxWeightOnlyConfig, Int8WeightOnlyConfig,
-                  Int8DynamicActivationInt4WeightConfig)
+    base_types: ClassVar[tuple[type, ...]] = HQQConfig.base_types  # the integer weight-only-style configs
     importance: ImportanceMatrix | str | None = None
     ratios: tuple[float, ...] = DEFAULT_RATIOS
     refit: bool = True
