@@ -50,12 +50,20 @@ DEFAULT_CANDIDATES: tuple[QuantConfig, ...] = _default_candidates()
 
 @dataclass(frozen=True)
 class LayerChoice:
-    """What autoquant measured for one layer: per candidate (in the order given) its bits and loss."""
+    """What autoquant measured for one layer: per candidate (in the order given) its bits and loss, None where the
+    candidate cannot quantize this layer (e.g. a group size that does not divide its width)."""
 
     fqn: str
     numel: int
-    bits: tuple[int, ...]
-    loss: tuple[float, ...]
+    bits: tuple[int | None, ...]
+    loss: tuple[float | None, ...]
+
+    def options(self) -> list[int]:
+        """Indices of the candidates that can quantize this layer."""
+        return [i for i, b in enumerate(self.bits) if b is not None]
+
+    def smallest(self) -> int:
+        return min(self.bits[i] for i in self.options())
 
 
 def autoquant(model: nn.Module, budget_bits: float, calibration_data, *,
@@ -68,7 +76,8 @@ def autoquant(model: nn.Module, budget_bits: float, calibration_data, *,
 
     calibration_data: model inputs (a tensor: model(x), tuple: model(*x), dict: model(**x)), as for quantize_.
     candidates: weight configs (default DEFAULT_CANDIDATES), or calibration-free algorithm configs around one
-        (HQQConfig, ImportanceWeightedConfig(importance=...)); each must quantize every selected layer.
+        (HQQConfig, ImportanceWeightedConfig(importance=...)). A candidate that cannot quantize a layer (its
+        `check` says why, e.g. a group size not dividing the width) is no choice there; every layer needs one.
     filter_fn(module, fqn): the layers to plan (default: every nn.Linear except one named lm_head).
     resolution: steps of the knapsack's bit budget (more: closer to the budget, slower).
     report: a list to which the measured `LayerChoice`s are appended (to inspect the trade-off).
@@ -126,11 +135,10 @@ def _select(model, filter_fn, candidates) -> dict[str, nn.Linear]:
     if not layers:
         raise ValueError("autoquant: no nn.Linear selected; check filter_fn")
     for fqn, m in layers.items():
-        for c in candidates:
-            why = c.check(m)
-            if why is not None:
-                raise ValueError(f"autoquant: candidate {c!r} cannot quantize {fqn}: {why}; drop it from "
-                                 "candidates or leave the layer out with filter_fn")
+        whys = [c.check(m) for c in candidates]
+        if all(w is not None for w in whys):
+            raise ValueError(f"autoquant: no candidate can quantize {fqn} ({whys[0]}); add a candidate that can, or "
+                             "leave the layer out with filter_fn")
     return layers
 
 
@@ -190,6 +198,10 @@ def _measure(model: nn.Module, fqn: str, layer: nn.Linear, h: torch.Tensor, cand
     w = layer.weight.detach()
     bits, loss = [], []
     for c in candidates:
+        if c.check(layer) is not None:
+            bits.append(None)
+            loss.append(None)
+            continue
         if isinstance(c, AlgorithmConfig):  # calibration-free (HQQ, importance given): its run on this layer alone
             qw = c.run(model, {fqn: layer}, None)[fqn].quantize_weight(w, layer)
         else:
@@ -204,12 +216,12 @@ def _knapsack(choices: Sequence[LayerChoice], budget_bits: float, resolution: in
     """Index of the chosen candidate per layer: min sum loss s.t. sum bits <= budget_bits * sum numel."""
     total = sum(c.numel for c in choices)
     capacity = budget_bits * total
-    smallest = sum(min(c.bits) for c in choices)
+    smallest = sum(c.smallest() for c in choices)
     if smallest > capacity:
         raise ValueError(f"autoquant: budget_bits={budget_bits} is below the smallest plan the candidates allow "
                          f"({smallest / total:.4f} bits per weight, every layer at its smallest candidate); raise "
                          "the budget or add a smaller candidate")
-    best = [min(range(len(c.loss)), key=lambda i, c=c: (c.loss[i], c.bits[i])) for c in choices]
+    best = [min(c.options(), key=lambda i, c=c: (c.loss[i], c.bits[i])) for c in choices]
     if sum(c.bits[i] for c, i in zip(choices, best, strict=True)) <= capacity:
         return best  # every layer's lowest-loss candidate fits
     # DP over the budget above the smallest plan, in `resolution` steps; extra bits rounded up to whole steps
@@ -220,11 +232,11 @@ def _knapsack(choices: Sequence[LayerChoice], budget_bits: float, resolution: in
     cost[0] = 0.0
     back = []
     for c in choices:
-        low = min(c.bits)
+        low = c.smallest()
         nxt = torch.full_like(cost, inf)
         arg = torch.zeros(resolution + 1, dtype=torch.int64)
-        for i, (b, loss) in enumerate(zip(c.bits, c.loss, strict=True)):
-            extra = b - low
+        for i in c.options():
+            loss, extra = c.loss[i], c.bits[i] - low
             units = 0 if extra == 0 else math.ceil(extra / step) if step > 0 else resolution + 1
             if units > resolution:
                 continue
@@ -240,6 +252,6 @@ def _knapsack(choices: Sequence[LayerChoice], budget_bits: float, resolution: in
     for c, arg in zip(reversed(choices), reversed(back), strict=True):
         i = int(arg[end])
         picks.append(i)
-        extra = c.bits[i] - min(c.bits)
+        extra = c.bits[i] - c.smallest()
         end -= 0 if extra == 0 else math.ceil(extra / step)
     return picks[::-1]

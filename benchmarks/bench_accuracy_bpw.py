@@ -55,7 +55,7 @@ CONFIGS: dict[str, Callable[[], QuantConfig]] = {
     "int5-g32": _intx(torch.int5, 32),
     "int4-g32": lambda: Int4WeightOnlyConfig(group_size=32),
     "int4-g64": lambda: Int4WeightOnlyConfig(group_size=64),
-    "int4-g128": lambda: Int4WeightOnlyConfig(group_size=128),
+    "int4-g192": lambda: Int4WeightOnlyConfig(group_size=192),  # 128 does not divide SmolLM2's width 576
     "int3-g32": _intx(torch.int3, 32),
     "int3-g64": _intx(torch.int3, 64),
     "int2-g32": _intx(torch.int2, 32),
@@ -147,7 +147,8 @@ def _autoquant_row(model, budget, data, importance, selected, compare) -> dict:
     bpw, n = bits_per_weight(q)
     mix: dict[str, int] = {}
     for cfg in plan.fqn_to_config.values():
-        key = _short(getattr(cfg, "base_config", cfg)) + ("+imatrix" if isinstance(cfg, ImportanceWeightedConfig) else "")
+        weighted = isinstance(cfg, ImportanceWeightedConfig)
+        key = _short(getattr(cfg, "base_config", cfg)) + ("+imatrix" if weighted else "")
         mix[key] = mix.get(key, 0) + 1
     return {"config": f"autoquant@{budget}", "imatrix": importance is not None, "bpw": bpw, "weights": n,
             "quantize_s": search_s, "mix": mix, **compare(q)}

@@ -76,7 +76,7 @@ def test_too_small_budget_and_bad_arguments():
     for bad, match in ((dict(budget_bits=0), "budget_bits=0"), (dict(candidates=()), "candidates is empty"),
                        (dict(candidates=(Int8WeightOnlyConfig(), Int8WeightOnlyConfig())), "same config twice"),
                        (dict(candidates=(GPTQConfig(Int4WeightOnlyConfig()),)), "must be a weight config"),
-                       (dict(candidates=(Int4WeightOnlyConfig(group_size=256),)), "cannot quantize"),
+                       (dict(candidates=(Int4WeightOnlyConfig(group_size=256),)), "no candidate can quantize"),
                        (dict(calibration_data=[]), "calibration_data is empty"),
                        (dict(filter_fn=lambda m, f: False), "no nn.Linear selected")):
         kw = dict(budget_bits=4.0, calibration_data=DATA, candidates=CANDIDATES, progress=False) | bad
@@ -107,6 +107,16 @@ def test_calibration_free_algorithms_are_candidates():
     bits, n = plan_bits(plan)
     assert bits <= 4.5 * n
     assert any(isinstance(v, (HQQConfig, ImportanceWeightedConfig)) for v in plan.fqn_to_config.values())
+
+
+def test_a_candidate_that_cannot_take_a_layer_is_no_choice_there():
+    # group 128 divides only down_proj's 128 columns (the others have 64)
+    cands = (CANDIDATES[0], Int4WeightOnlyConfig(group_size=128))
+    report = []
+    plan = autoquant(tiny(), 16.0, DATA, candidates=cands, progress=False, report=report)
+    for c in report:
+        assert (c.bits[1] is None) == (not c.fqn.endswith("down_proj")), c.fqn
+        assert plan.fqn_to_config[c.fqn] == cands[1 if c.fqn.endswith("down_proj") else 0]
 
 
 def test_loss_is_the_layer_output_error():
