@@ -61,9 +61,10 @@ CONFIGS: dict[str, Callable[[], QuantConfig]] = {
     "int2-g32": _intx(torch.int2, 32),
 }
 
-# blocks: how many decoder blocks are quantized (None: all 30); --quick quantizes the first 2 only
-FULL = {"windows": 4, "window": 512, "calib_n": 32, "calib_len": 512, "blocks": None}
-QUICK = {"windows": 2, "window": 64, "calib_n": 2, "calib_len": 64, "blocks": 2}
+# blocks: how many decoder blocks are quantized (None: all 30); --quick quantizes the first 2 only, and its
+# autoquant row chooses among 3 candidates (int3-g64, int4-g64, int8) with a 3-ratio importance grid
+FULL = {"windows": 4, "window": 512, "calib_n": 32, "calib_len": 512, "blocks": None, "quick_autoquant": False}
+QUICK = {"windows": 2, "window": 64, "calib_n": 2, "calib_len": 64, "blocks": 2, "quick_autoquant": True}
 
 
 def decoder_linears(blocks: int | None) -> Callable[[nn.Module, str], bool]:
@@ -127,17 +128,19 @@ def run(config_names: list[str], budgets: list[float], imatrix: bool, quick: boo
             print(_line(row), flush=True)
             del q
     for budget in budgets:
-        rows.append(_autoquant_row(model, budget, data, importance, selected, compare))
+        rows.append(_autoquant_row(model, budget, data, importance, selected, compare, sizes["quick_autoquant"]))
         print(_line(rows[-1]), flush=True)
     return rows
 
 
-def _autoquant_row(model, budget, data, importance, selected, compare) -> dict:
+def _autoquant_row(model, budget, data, importance, selected, compare, quick: bool) -> dict:
     """autoquant's plan at `budget` bits per weight over DEFAULT_CANDIDATES (and, with an importance matrix,
     the importance-weighted versions of the sub-8-bit ones), applied to a copy of the model and compared."""
-    cands = list(DEFAULT_CANDIDATES)
+    base = [CONFIGS[k]() for k in ("int3-g64", "int4-g64", "int8")] if quick else list(DEFAULT_CANDIDATES)
+    grid = {"ratios": (1.0, 0.9, 0.8)} if quick else {}
+    cands = list(base)
     if importance is not None:
-        cands += [ImportanceWeightedConfig(c, importance=importance, progress=False) for c in DEFAULT_CANDIDATES
+        cands += [ImportanceWeightedConfig(c, importance=importance, progress=False, **grid) for c in base
                   if not isinstance(c, Int8WeightOnlyConfig)]
     start = time.perf_counter()
     plan = autoquant(model, budget, data, candidates=cands, filter_fn=selected, progress=False)
