@@ -14,6 +14,7 @@ import torch
 
 from affineq import granularity as _granularity
 from affineq import (
+    eval,  # noqa: F401  (eval.compare: perplexity / KL divergence against a reference model)
     graph,  # noqa: F401  (graph mode: affineq.graph.prepare / convert)
     kernels,  # noqa: F401  (namespace: the linear-kernel registry)
     quark,  # noqa: F401  (namespace: AMD Quark's layered Config)
@@ -23,6 +24,7 @@ from affineq._hf_register import install as _install_hf
 from affineq._version import __version__  # noqa: F401
 from affineq.algorithms import AWQConfig, GPTQConfig, HQQConfig, SmoothQuantConfig
 from affineq.ao_compat import quantize_dynamic
+from affineq.autoquant import autoquant  # noqa: F401  (affineq.autoquant(model, bits, data) -> FqnToConfig)
 from affineq.calibration import Int8StaticActivationInt8WeightConfig, convert_, prepare_, run_calibration
 from affineq.configs import (
     Float8DynamicActivationFloat8WeightConfig,

@@ -460,11 +460,12 @@ def fake_quantize_unchecked(
     domain: ZeroPointDomain,
     qmin: float,
     qmax: float,
+    rounding: str = "half_even",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(clamped integer codes, their values) for x with broadcastable qparams, in x's dtype: the math of
     quantize_affine / dequantize_affine without their validation and overflow widening, for the search loops
     of the algorithms (thousands of calls on weights far from float32's range)."""
-    q = _unclamped_codes(x, scale, zero_point, domain, qmin, qmax, False).clamp(qmin, qmax)
+    q = _unclamped_codes(x, scale, zero_point, domain, qmin, qmax, False, rounding).clamp(qmin, qmax)
     return q, _dequant_math(q, scale, zero_point, domain, qmin, qmax, False)
 
 

@@ -54,6 +54,13 @@ from torch import nn
 
 from affineq.algorithms._base import AlgorithmConfig, Precomputed, represent_qparams
 from affineq.algorithms._capture import progress as _progress
+from affineq.algorithms.imatrix import (
+    ImportanceMatrix,
+    checked_importance,
+    importance_of,
+    json_safe_importance,
+    resolve_importance,
+)
 from affineq.configs import (
     QuantConfig,
 )
@@ -78,6 +85,9 @@ class HQQConfig(AlgorithmConfig):
         (False; not allowed for symmetric bases, whose only free parameter is the scale; with an INT
         zero point, which is rounded to a code, the zero point alone rarely moves off round-to-nearest).
     keep_best_by: "mse" (default) or "lp": the error by which each group keeps its best iterate.
+    importance: None (every weight counts alike), or an importance matrix (`collect_importance`, or the path of
+        a saved one): column k's errors are weighted by imp[k] / mean(imp) in the coupling, the fit and the
+        keep-best error (see `hqq_qparams`). HQQ stays calibration-free: the matrix is computed beforehand.
     progress: a tqdm bar over the layers when tqdm is installed.
 
         quantize_(model, HQQConfig(Int4WeightOnlyConfig(group_size=64)), filter_fn=...)  # no data
@@ -90,10 +100,12 @@ class HQQConfig(AlgorithmConfig):
     kappa: float = 1.01
     optimize_scale: bool = True
     keep_best_by: str = "mse"
+    importance: ImportanceMatrix | str | None = None
     progress: bool = True
 
     def __post_init__(self):
         super().__post_init__()
+        object.__setattr__(self, "importance", checked_importance(type(self).__name__, self.importance))
         if isinstance(self.iters, bool) or not isinstance(self.iters, int) or self.iters < 0:
             raise ValueError(f"HQQConfig(iters={self.iters!r}) must be an int >= 0 (20 is the paper's; 0 keeps "
                              "round-to-nearest)")
@@ -117,14 +129,20 @@ class HQQConfig(AlgorithmConfig):
                              "its zero point is fixed, so only the scale can be optimised; pass "
                              "optimize_scale=True or an asymmetric base config")
 
+    def to_dict(self) -> dict:
+        json_safe_importance(type(self).__name__, self.importance)
+        return super().to_dict()
+
     def run(self, model: nn.Module, layers: dict[str, nn.Module], data: list | None) -> dict[str, QuantConfig]:
         out: dict[str, QuantConfig] = {}
+        imp = None if self.importance is None else resolve_importance(self.importance)
         for fqn, layer in _progress(layers.items(), "HQQ", self.progress, total=len(layers)):
             w = layer.weight.detach()
             spec = self.base_config.weight_spec(w, layer)
+            col = None if imp is None else importance_of(type(self).__name__, imp, fqn, w.shape[1])
             qw = hqq_quantize(w, spec, self.base_config.qparam_options(), iters=self.iters, lp_norm=self.lp_norm,
                               beta=self.beta, kappa=self.kappa, optimize_scale=self.optimize_scale,
-                              keep_best_by=self.keep_best_by)
+                              keep_best_by=self.keep_best_by, importance=col)
             out[fqn] = Precomputed(base=self.base_config, weight=qw)
         return out
 
@@ -136,11 +154,12 @@ def _zero_point_is_fixed(cfg: QuantConfig) -> bool:
 
 def hqq_quantize(weight: torch.Tensor, spec: QuantSpec, options: QParamOptions | None = None, *,
                  iters: int = 20, lp_norm: float = 0.7, beta: float = 1e1, kappa: float = 1.01,
-                 optimize_scale: bool = True, keep_best_by: str = "mse") -> AffineQuantizedTensor:
+                 optimize_scale: bool = True, keep_best_by: str = "mse",
+                 importance: torch.Tensor | None = None) -> AffineQuantizedTensor:
     """`weight` [N, K] quantized as `spec` (block (1, g)) with HQQ-optimised qparams: an
     AffineQuantizedTensor whose dequantize() is the reconstruction HQQ kept."""
     scale, zero_point = hqq_qparams(weight, spec, options, iters=iters, lp_norm=lp_norm, beta=beta, kappa=kappa,
-                                    optimize_scale=optimize_scale, keep_best_by=keep_best_by)
+                                    optimize_scale=optimize_scale, keep_best_by=keep_best_by, importance=importance)
     return AffineQuantizedTensor.from_qparams(weight, scale, zero_point, spec)
 
 
@@ -177,26 +196,43 @@ class _Stored:
             return s, self.mid - zp.float().reshape(-1, 1) / s
         return s, torch.zeros_like(s)
 
-    def roundtrip(self, w: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None):
+    def roundtrip(self, w: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, rounding: str = "half_even"):
         """(W_q, W_r) of groups w [R, g] exactly as quantize_affine / dequantize_affine compute them."""
         s = scale.float().reshape(-1, 1)
         z = None if zp is None else zp.float().reshape(-1, 1)
-        return fake_quantize_unchecked(w, s, z, self.domain, self.qmin, self.qmax)
+        return fake_quantize_unchecked(w, s, z, self.domain, self.qmin, self.qmax, rounding)
 
 
-def _shrink_lp(e: torch.Tensor, beta: float, p: float) -> torch.Tensor:
-    """Proximal operator of |.|^p / beta: sign(e) * relu(|e| - |e|^(p-1) / beta) (0 stays 0)."""
+def _shrink_lp(e: torch.Tensor, beta: float | torch.Tensor, p: float) -> torch.Tensor:
+    """Proximal operator of |.|^p / beta: sign(e) * relu(|e| - |e|^(p-1) / beta) (0 stays 0; beta 0: all 0)."""
     a = e.abs()
     return torch.sign(e) * torch.relu(a - a.clamp_min(1e-30).pow(p - 1) / beta)
 
 
+def _column_weights(importance: torch.Tensor, shape: torch.Size, g: int) -> torch.Tensor:
+    """a = imp / mean(imp) per column, laid out as the weight's groups [R, g] float32."""
+    k = shape[1]
+    if not isinstance(importance, torch.Tensor) or tuple(importance.shape) != (k,):
+        got = tuple(importance.shape) if isinstance(importance, torch.Tensor) else type(importance).__name__
+        raise ValueError(f"hqq_qparams(importance=...) must be a tensor [in_features] = [{k}], got {got}")
+    imp = importance.detach().float()
+    if not bool(torch.isfinite(imp).all()) or bool((imp < 0).any()) or not bool((imp > 0).any()):
+        raise ValueError("hqq_qparams(importance=...) must be finite, >= 0 and not all 0 (means of x^2 from "
+                         "collect_importance)")
+    return (imp / imp.mean()).reshape(1, k).expand(shape).reshape(-1, g)
+
+
 def hqq_qparams(weight: torch.Tensor, spec: QuantSpec, options: QParamOptions | None = None, *,
                 iters: int = 20, lp_norm: float = 0.7, beta: float = 1e1, kappa: float = 1.01,
-                optimize_scale: bool = True, keep_best_by: str = "mse") -> tuple[torch.Tensor, torch.Tensor | None]:
+                optimize_scale: bool = True, keep_best_by: str = "mse",
+                importance: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """HQQ-optimised (scale, zero_point) [n_blocks] of `weight` for `spec`, as the format stores them.
 
     weight: [N, K] float, spec: an integer target with block (1, g) (per group or per row); options: the
-    base config's `qparam_options()` (scale dtype, eps, preserve_zero for the min-max start)."""
+    base config's `qparam_options()` (scale dtype, eps, preserve_zero for the min-max start).
+    importance: None, or [K] >= 0 (an importance matrix's entry): with a_k = imp[k] / mean(imp), the coupling of
+    column k is beta * a_k (shrinkage per element), the fit is the a-weighted least squares and the keep-best
+    error is sum a_k |W - W_r|^p; a group whose columns all have importance 0 keeps round-to-nearest."""
     options = options or QParamOptions()
     if keep_best_by not in ("mse", "lp"):
         raise ValueError(f"keep_best_by={keep_best_by!r}: use 'mse' or 'lp'")
@@ -213,27 +249,37 @@ def hqq_qparams(weight: torch.Tensor, spec: QuantSpec, options: QParamOptions | 
                          "(its zero point is fixed); pass optimize_scale=True")
 
     sel_p = 2.0 if keep_best_by == "mse" else lp_norm
+    a = None if importance is None else _column_weights(importance, weight.shape, g).to(w.device)
+    a_sum = None if a is None else a.sum(1, keepdim=True)
+    fits = torch.ones(w.shape[0], 1, dtype=torch.bool, device=w.device) if a is None else a_sum > 0  # any weight
 
     def loss_of(w_r: torch.Tensor) -> torch.Tensor:
-        return (w - w_r).abs().pow(sel_p).sum(dim=1)
+        e = (w - w_r).abs().pow(sel_p)
+        return (e if a is None else a * e).sum(dim=1)
+
+    def total(x: torch.Tensor) -> torch.Tensor:
+        return (x if a is None else a * x).sum(1, keepdim=True)
+
+    def mean(x: torch.Tensor) -> torch.Tensor:
+        return x.mean(1, keepdim=True) if a is None else total(x) / a_sum.clamp_min(1e-30)
 
     best_scale, best_zp = scale, zp
     q, w_r = st.roundtrip(w, scale, zp)
     best_loss = loss_of(w_r)
     for _ in range(iters):
         s, z = st.as_code_units(scale, zp)
-        target = w - _shrink_lp(w - w_r, beta, lp_norm)
-        if not free_zero:  # scale only: s = <T, W_q - z> / <W_q - z, W_q - z>
+        target = w - _shrink_lp(w - w_r, beta if a is None else beta * a, lp_norm)
+        if not free_zero:  # scale only: s = <T, W_q - z>_a / <W_q - z, W_q - z>_a
             c = q - z
-            num, den = (target * c).sum(1, keepdim=True), (c * c).sum(1, keepdim=True)
-            s = torch.where((den > 0) & (num > 0), num / den.clamp_min(1e-30), s)
-        elif optimize_scale:  # linear regression of T on W_q
-            qm, tm = q.mean(1, keepdim=True), target.mean(1, keepdim=True)
-            cov, var = ((q - qm) * (target - tm)).mean(1, keepdim=True), ((q - qm) ** 2).mean(1, keepdim=True)
-            s = torch.where((var > 0) & (cov > 0), cov / var.clamp_min(1e-30), s)
-            z = qm - tm / s
+            num, den = total(target * c), total(c * c)
+            s = torch.where(fits & (den > 0) & (num > 0), num / den.clamp_min(1e-30), s)
+        elif optimize_scale:  # (weighted) linear regression of T on W_q
+            qm, tm = mean(q), mean(target)
+            cov, var = mean((q - qm) * (target - tm)), mean((q - qm) ** 2)
+            s = torch.where(fits & (var > 0) & (cov > 0), cov / var.clamp_min(1e-30), s)
+            z = torch.where(fits, qm - tm / s, z)
         else:
-            z = (q - target / s).mean(1, keepdim=True)
+            z = torch.where(fits, mean(q - target / s), z)
         beta *= kappa
         scale, zp = st.store(s, z)
         q, w_r = st.roundtrip(w, scale, zp)

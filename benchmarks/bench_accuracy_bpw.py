@@ -1,0 +1,243 @@
+"""Accuracy per bit on SmolLM2-135M: for uniform weight configs of the decoder linears, bits per weight counted
+from the stored tensors (codes + qparams) against perplexity, mean / 99th-percentile KL divergence and top-1
+agreement with the float model (`affineq.eval.compare`, llama.cpp's `perplexity --kl-divergence` definitions),
+each config plain round-to-nearest and with an importance matrix (`ImportanceWeightedConfig`), and
+`affineq.autoquant` mixes at given budgets (its DEFAULT_CANDIDATES, plus their importance-weighted versions).
+
+    python benchmarks/bench_accuracy_bpw.py             # the full table (run it alone: several minutes)
+    python benchmarks/bench_accuracy_bpw.py --quick     # smoke run: a tiny slice, seconds after the model loads
+    python benchmarks/bench_accuracy_bpw.py --configs int4-g64 int3-g64 --no-imatrix
+    python benchmarks/bench_accuracy_bpw.py --configs --budgets 3.5 4.5   # autoquant rows only
+
+Eval: the first 4 x 512 tokens of `eval_text()` (the pydoc topics the package pins by hash), windows of 512, the
+second half of each scored (255 predictions per window, as llama.cpp). The importance matrix comes from
+`calibration_text()` (disjoint from the eval text), 32 x 512 tokens. lm_head (tied to the embedding) and the
+embedding stay float in every row, so bits per weight are those of the decoder blocks' linears. Writes
+results/bench_accuracy_bpw.json (and .png, ppl / KLD against bpw, when matplotlib is installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import RESULTS, machine_line, save_json  # noqa: E402
+
+import affineq  # noqa: E402
+from affineq import eval as aeval  # noqa: E402
+from affineq import models as M  # noqa: E402
+from affineq.algorithms import ImportanceWeightedConfig, collect_importance  # noqa: E402
+from affineq.autoquant import DEFAULT_CANDIDATES, autoquant  # noqa: E402
+from affineq.configs import Int4WeightOnlyConfig, Int8WeightOnlyConfig, IntxWeightOnlyConfig, QuantConfig  # noqa: E402
+from affineq.granularity import PerGroup  # noqa: E402
+from affineq.primitives import MappingType, ZeroPointDomain  # noqa: E402
+from affineq.quantize import quantized_weights  # noqa: E402
+
+ASYM = MappingType.ASYMMETRIC
+
+
+def _intx(dtype: torch.dtype, group: int) -> Callable[[], QuantConfig]:
+    return lambda: IntxWeightOnlyConfig(dtype, PerGroup(group), ASYM, ZeroPointDomain.FLOAT)  # bf16 qparams
+
+
+# Uniform weight configs, roughly from most to fewest bits.
+CONFIGS: dict[str, Callable[[], QuantConfig]] = {
+    "int8": lambda: Int8WeightOnlyConfig(),
+    "int6-g32": _intx(torch.int6, 32),
+    "int5-g32": _intx(torch.int5, 32),
+    "int4-g32": lambda: Int4WeightOnlyConfig(group_size=32),
+    "int4-g64": lambda: Int4WeightOnlyConfig(group_size=64),
+    "int4-g192": lambda: Int4WeightOnlyConfig(group_size=192),  # 128 does not divide SmolLM2's width 576
+    "int3-g32": _intx(torch.int3, 32),
+    "int3-g64": _intx(torch.int3, 64),
+    "int2-g32": _intx(torch.int2, 32),
+}
+
+# blocks: how many decoder blocks are quantized (None: all 30); --quick quantizes the first 2 only, and its
+# autoquant row chooses among 3 candidates (int3-g64, int4-g64, int8) with a 3-ratio importance grid
+FULL = {"windows": 4, "window": 512, "calib_n": 32, "calib_len": 512, "blocks": None, "quick_autoquant": False}
+QUICK = {"windows": 2, "window": 64, "calib_n": 2, "calib_len": 64, "blocks": 2, "quick_autoquant": True}
+
+
+def decoder_linears(blocks: int | None) -> Callable[[nn.Module, str], bool]:
+    """filter_fn: the linears of the decoder blocks (of the first `blocks` of them); lm_head stays float."""
+    prefixes = None if blocks is None else tuple(f"model.layers.{i}." for i in range(blocks))
+    return lambda m, fqn: (isinstance(m, nn.Linear) and fqn != "lm_head"
+                           and (prefixes is None or fqn.startswith(prefixes)))
+
+
+class CachedLogits:
+    """The float model's logits per window, computed once and reused by every row's compare()."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model, self.cache = model, {}
+
+    @torch.inference_mode()
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        key = ids.numpy().tobytes()
+        if key not in self.cache:
+            self.cache[key] = self.model(ids, use_cache=False).logits
+        return self.cache[key]
+
+
+def bits_per_weight(model: nn.Module) -> tuple[float, int]:
+    """(bits per weight over the quantized weights, from their stored tensors; how many weights)."""
+    qw = quantized_weights(model)
+    n = sum(w.numel() for w in qw.values())
+    return sum(w.storage_bytes() for w in qw.values()) * 8 / n, n
+
+
+def run(config_names: list[str], budgets: list[float], imatrix: bool, quick: bool) -> list[dict]:
+    sizes = QUICK if quick else FULL
+    selected = decoder_linears(sizes["blocks"])
+    model, tok = M.load_smollm2()
+    ids = torch.tensor(tok(M.eval_text(), add_special_tokens=False, verbose=False)["input_ids"], dtype=torch.int64)
+    ids = ids[: sizes["windows"] * sizes["window"]]
+    reference = CachedLogits(model)
+    compare = lambda m: aeval.compare(m, reference, ids, window=sizes["window"], progress=False)  # noqa: E731
+    rows = [{"config": "float", "imatrix": False, "bpw": 32.0, **compare(model)}]
+    print(_line(rows[-1]), flush=True)
+    importance = None
+    data = M.calibration_batches(tok, sizes["calib_n"], sizes["calib_len"])
+    if imatrix:
+        start = time.perf_counter()
+        importance = collect_importance(model, data, filter_fn=selected, progress_bar=False)
+        print(f"# importance matrix: {len(importance)} linears, {sizes['calib_n']} x {sizes['calib_len']} tokens, "
+              f"{time.perf_counter() - start:.1f} s", flush=True)
+    for name in config_names:
+        base = CONFIGS[name]()
+        variants = [(False, base)] + ([(True, ImportanceWeightedConfig(base, importance=importance, progress=False))]
+                                      if imatrix else [])
+        for with_imatrix, config in variants:
+            q = copy.deepcopy(model)
+            start = time.perf_counter()
+            affineq.quantize_(q, config, filter_fn=selected)
+            seconds = time.perf_counter() - start
+            bpw, n = bits_per_weight(q)
+            row = {"config": name, "imatrix": with_imatrix, "bpw": bpw, "weights": n, "quantize_s": seconds,
+                   **compare(q)}
+            rows.append(row)
+            print(_line(row), flush=True)
+            del q
+    for budget in budgets:
+        rows.append(_autoquant_row(model, budget, data, importance, selected, compare, sizes["quick_autoquant"]))
+        print(_line(rows[-1]), flush=True)
+    return rows
+
+
+def _autoquant_row(model, budget, data, importance, selected, compare, quick: bool) -> dict:
+    """autoquant's plan at `budget` bits per weight over DEFAULT_CANDIDATES (and, with an importance matrix,
+    the importance-weighted versions of the sub-8-bit ones), applied to a copy of the model and compared."""
+    base = [CONFIGS[k]() for k in ("int3-g64", "int4-g64", "int8")] if quick else list(DEFAULT_CANDIDATES)
+    grid = {"ratios": (1.0, 0.9, 0.8)} if quick else {}
+    cands = list(base)
+    if importance is not None:
+        cands += [ImportanceWeightedConfig(c, importance=importance, progress=False, **grid) for c in base
+                  if not isinstance(c, Int8WeightOnlyConfig)]
+    start = time.perf_counter()
+    plan = autoquant(model, budget, data, candidates=cands, filter_fn=selected, progress=False)
+    search_s = time.perf_counter() - start
+    q = copy.deepcopy(model)
+    affineq.quantize_(q, plan)
+    bpw, n = bits_per_weight(q)
+    mix: dict[str, int] = {}
+    for cfg in plan.fqn_to_config.values():
+        weighted = isinstance(cfg, ImportanceWeightedConfig)
+        key = _short(getattr(cfg, "base_config", cfg)) + ("+imatrix" if weighted else "")
+        mix[key] = mix.get(key, 0) + 1
+    return {"config": f"autoquant@{budget}", "imatrix": importance is not None, "bpw": bpw, "weights": n,
+            "quantize_s": search_s, "mix": mix, **compare(q)}
+
+
+def _short(cfg: QuantConfig) -> str:
+    """int4-g64 / int3-g32 / int8 for the configs autoquant picks among."""
+    if isinstance(cfg, Int4WeightOnlyConfig):
+        return f"int4-g{cfg.group_size}"
+    if isinstance(cfg, IntxWeightOnlyConfig):
+        return f"{str(cfg.weight_dtype).removeprefix('torch.')}-g{getattr(cfg.granularity, 'group_size', 'row')}"
+    return "int8" if isinstance(cfg, Int8WeightOnlyConfig) else type(cfg).__name__
+
+
+def _line(r: dict) -> str:
+    return (f"{r['config']:>14} {'imatrix' if r['imatrix'] else 'rtn':>7}  bpw {r['bpw']:6.3f}  ppl {r['ppl']:8.3f}  "
+            f"KLD {r['mean_kld']:.4f} (p99 {r['kld_p99']:.3f})  top1 {r['top1_agreement']:.3f}"
+            + (f"  mix {r['mix']}" if "mix" in r else ""))
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| config | imatrix | bits / weight | ppl | mean KLD | KLD p99 | same top-1 |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['config']} | {'yes' if r['imatrix'] else 'no'} | {r['bpw']:.3f} | {r['ppl']:.3f} | "
+                     f"{r['mean_kld']:.4f} | {r['kld_p99']:.3f} | {r['top1_agreement']:.3f} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], name: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"(pip install matplotlib for results/{name}.png)")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, label in ((axes[0], "ppl", "perplexity"), (axes[1], "mean_kld", "mean KLD vs float")):
+        for flag, style in ((False, "o-"), (True, "s--")):
+            pts = sorted((r["bpw"], r[key]) for r in rows
+                         if r["config"] != "float" and "mix" not in r and r["imatrix"] == flag)
+            if pts:
+                ax.plot(*zip(*pts, strict=True), style, label="importance-weighted" if flag else "round-to-nearest")
+        auto = [(r["bpw"], r[key]) for r in rows if "mix" in r]
+        if auto:
+            ax.plot(*zip(*auto, strict=True), "k*", markersize=10, label="autoquant")
+        if key == "ppl":
+            ax.axhline(rows[0]["ppl"], color="gray", lw=0.8, label="float")
+        ax.set_xlabel("bits per weight (decoder linears, stored tensors)")
+        ax.set_ylabel(label)
+        ax.set_yscale("log")
+        ax.legend()
+    fig.suptitle("SmolLM2-135M: accuracy per bit")
+    fig.tight_layout()
+    fig.savefig(RESULTS / f"{name}.png", dpi=110)
+    print(f"wrote {RESULTS / name}.png")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--budgets", nargs="*", type=float, default=[3.5, 4.5],
+                   help="autoquant rows at these bits per weight (none: no autoquant rows)")
+    p.add_argument("--no-imatrix", action="store_true", help="round-to-nearest rows only")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: 2 x 64 eval tokens, int4-g64 and autoquant@4.5 only, the first 2 decoder blocks")
+    p.add_argument("--no-save", action="store_true", help="print only; write nothing under results/")
+    args = p.parse_args(argv)
+    if not M.available_models().get("smollm2"):
+        raise SystemExit(f"SmolLM2 is not installed: {M.INSTALL_HINT}")
+    configs = ["int4-g64"] if args.quick and args.configs == list(CONFIGS) else args.configs
+    budgets = [4.5] if args.quick and args.budgets == [3.5, 4.5] else args.budgets
+    print(machine_line())
+    rows = run(configs, budgets, not args.no_imatrix, args.quick)
+    table = markdown(rows)
+    print()
+    print(table)
+    if not args.no_save:
+        name = "bench_accuracy_bpw_quick" if args.quick else "bench_accuracy_bpw"
+        sizes = QUICK if args.quick else FULL
+        path = save_json(name, {"quick": args.quick, "sizes": sizes, "rows": rows, "table": table})
+        print(f"\nwrote {path}")
+        plot(rows, name)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""affineq.autoquant: per-layer precision under a bits-per-weight budget (output-error sensitivity, a
+multiple-choice knapsack), returned as an FqnToConfig."""
+
+import copy
+import functools
+import itertools
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from affineq.algorithms import GPTQConfig
+from affineq.autoquant import LayerChoice, _knapsack, autoquant
+from affineq.configs import Int4WeightOnlyConfig, Int8WeightOnlyConfig, IntxWeightOnlyConfig
+from affineq.granularity import PerGroup
+from affineq.models import build_tiny_lm
+from affineq.primitives import MappingType, ZeroPointDomain
+from affineq.quantize import FqnToConfig, quantize_, quantized_weights
+
+ASYM = MappingType.ASYMMETRIC
+CANDIDATES = (IntxWeightOnlyConfig(torch.int2, PerGroup(32), ASYM, ZeroPointDomain.FLOAT),  # 3 bpw
+              Int4WeightOnlyConfig(group_size=32),  # 5 bpw
+              Int8WeightOnlyConfig())  # 8.25 - 8.5 bpw (fp32 scale per row)
+DATA = [torch.randint(0, 96, (1, 32), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+
+
+@functools.cache
+def tiny():
+    return build_tiny_lm(vocab=96, dim=64, layers=2, heads=2, ffn=128)
+
+
+@functools.cache
+def measured():
+    report: list[LayerChoice] = []
+    autoquant(tiny(), 16.0, DATA, candidates=CANDIDATES, progress=False, report=report)
+    return report
+
+
+def plan_bits(plan: FqnToConfig) -> tuple[int, int]:
+    """(stored bits, weights) of the tiny model quantized with `plan`."""
+    q = quantize_(copy.deepcopy(tiny()), plan)
+    qw = quantized_weights(q)
+    return sum(w.storage_bytes() * 8 for w in qw.values()), sum(w.numel() for w in qw.values())
+
+
+@pytest.mark.parametrize("budget", [3.2, 5.5])
+def test_budget_is_respected(budget):
+    report = []
+    model = tiny()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    plan = autoquant(model, budget, DATA, candidates=CANDIDATES, progress=False, report=report)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # model unchanged
+    bits, n = plan_bits(plan)
+    assert bits <= budget * n
+    assert bits > (budget - 0.6) * n  # and uses it: the step between candidates is ~2 bits on one layer of 14
+    assert set(plan.fqn_to_config) == {c.fqn for c in report} and "lm_head" not in plan.fqn_to_config
+    # the plan's bits are those autoquant counted
+    idx = {c.fqn: CANDIDATES.index(plan.fqn_to_config[c.fqn]) for c in report}
+    assert bits == sum(c.bits[idx[c.fqn]] for c in report)
+
+
+def test_a_budget_fitting_the_largest_picks_it_everywhere():
+    exact = sum(c.bits[2] for c in measured()) / sum(c.numel for c in measured())  # int8 everywhere: 8.5-9 bpw
+    plan = autoquant(tiny(), exact, DATA, candidates=CANDIDATES, progress=False)
+    assert set(plan.fqn_to_config.values()) == {Int8WeightOnlyConfig()}
+    # loss falls with bits on every layer of this model (what makes the largest the best)
+    for c in measured():
+        assert c.loss[0] > c.loss[1] > c.loss[2] >= 0
+
+
+def test_too_small_budget_and_bad_arguments():
+    with pytest.raises(ValueError, match="below the smallest plan the candidates allow"):
+        autoquant(tiny(), 2.9, DATA, candidates=CANDIDATES, progress=False)
+    for bad, match in ((dict(budget_bits=0), "budget_bits=0"), (dict(candidates=()), "candidates is empty"),
+                       (dict(candidates=(Int8WeightOnlyConfig(), Int8WeightOnlyConfig())), "same config twice"),
+                       (dict(candidates=(GPTQConfig(Int4WeightOnlyConfig()),)), "must be a weight config"),
+                       (dict(candidates=(Int4WeightOnlyConfig(group_size=256),)), "no candidate can quantize"),
+                       (dict(calibration_data=[]), "calibration_data is empty"),
+                       (dict(filter_fn=lambda m, f: False), "no nn.Linear selected")):
+        kw = dict(budget_bits=4.0, calibration_data=DATA, candidates=CANDIDATES, progress=False) | bad
+        with pytest.raises(ValueError, match=match):
+            autoquant(tiny(), **kw)
+
+
+def test_json_round_trip_applies_the_same_plan():
+    plan = autoquant(tiny(), 4.0, DATA, candidates=CANDIDATES, progress=False)
+    back = FqnToConfig.from_dict(json.loads(json.dumps(plan.to_dict())))
+    assert back == plan
+    a = quantized_weights(quantize_(copy.deepcopy(tiny()), plan))
+    b = quantized_weights(quantize_(copy.deepcopy(tiny()), back))
+    assert a.keys() == b.keys() and all(torch.equal(a[k].dequantize(), b[k].dequantize()) for k in a)
+
+
+def test_calibration_free_algorithms_are_candidates():
+    from affineq.algorithms import HQQConfig, ImportanceWeightedConfig, collect_importance
+
+    imp = collect_importance(tiny(), DATA, progress_bar=False)
+    base = Int4WeightOnlyConfig(group_size=32)
+    cands = (CANDIDATES[0], base, HQQConfig(base, progress=False),
+             ImportanceWeightedConfig(base, importance=imp, progress=False))
+    report = []
+    plan = autoquant(tiny(), 4.5, DATA, candidates=cands, progress=False, report=report)
+    for c in report:  # the algorithms store the base config's format: the same bits
+        assert c.bits[1] == c.bits[2] == c.bits[3]
+    bits, n = plan_bits(plan)
+    assert bits <= 4.5 * n
+    assert any(isinstance(v, (HQQConfig, ImportanceWeightedConfig)) for v in plan.fqn_to_config.values())
+
+
+def test_a_candidate_that_cannot_take_a_layer_is_no_choice_there():
+    # group 128 divides only down_proj's 128 columns (the others have 64)
+    cands = (CANDIDATES[0], Int4WeightOnlyConfig(group_size=128))
+    report = []
+    plan = autoquant(tiny(), 16.0, DATA, candidates=cands, progress=False, report=report)
+    for c in report:
+        assert (c.bits[1] is None) == (not c.fqn.endswith("down_proj")), c.fqn
+        assert plan.fqn_to_config[c.fqn] == cands[1 if c.fqn.endswith("down_proj") else 0]
+
+
+def test_loss_is_the_layer_output_error():
+    model, fqn = tiny(), "layers.1.mlp.down_proj"
+    layer = model.get_submodule(fqn)
+    xs = []
+    handle = layer.register_forward_pre_hook(lambda m, a: xs.append(a[0].reshape(-1, a[0].shape[-1])))
+    with torch.no_grad():
+        for item in DATA:
+            model(item)
+    handle.remove()
+    x = torch.cat(xs).double()
+    c = next(c for c in measured() if c.fqn == fqn)
+    for cand, loss in zip(CANDIDATES, c.loss, strict=True):
+        w = layer.weight.detach()
+        d = w.double() - cand.quantize_weight(w, layer).dequantize(torch.float64)
+        want = float((x @ d.T).pow(2).sum(1).mean())
+        assert loss == pytest.approx(want, rel=1e-9)
+
+
+@settings(max_examples=60, deadline=None)
+@given(layers=st.lists(st.lists(st.tuples(st.integers(1, 40), st.floats(0, 10)), min_size=1, max_size=3),
+                       min_size=1, max_size=4),
+       slack=st.floats(0, 1), resolution=st.sampled_from([16, 64, 1024]))
+def test_knapsack_against_brute_force(layers, slack, resolution):
+    choices = [LayerChoice(f"l{i}", 1, tuple(b for b, _ in opts), tuple(x for _, x in opts))
+               for i, opts in enumerate(layers)]
+    low = sum(min(c.bits) for c in choices)
+    high = sum(max(c.bits) for c in choices)
+    capacity = low + slack * (high - low)
+    picks = _knapsack(choices, capacity / len(choices), resolution)
+    bits = sum(c.bits[i] for c, i in zip(choices, picks, strict=True))
+    loss = sum(c.loss[i] for c, i in zip(choices, picks, strict=True))
+    assert bits <= capacity + 1e-9
+    # at least as good as the best plan under the budget less one step per layer (the round-up's cost)
+    step = (capacity - low) / resolution
+    best = min((sum(c.loss[i] for c, i in zip(choices, p, strict=True))
+                for p in itertools.product(*(range(len(c.bits)) for c in choices))
+                if sum(c.bits[i] for c, i in zip(choices, p, strict=True)) <= capacity - len(choices) * step),
+               default=None)
+    if best is not None:
+        assert loss <= best + 1e-9
+
+
+def test_layer_choice_bits_match_the_stored_tensors():
+    model = tiny()
+    for c in measured():
+        layer = model.get_submodule(c.fqn)
+        for cand, bits in zip(CANDIDATES, c.bits, strict=True):
+            assert bits == cand.quantize_weight(layer.weight.detach(), layer).storage_bytes() * 8
