@@ -12,7 +12,6 @@ import warnings
 
 import torch
 
-from affineq import granularity as _granularity
 from affineq import (
     eval,  # noqa: F401  (eval.compare: perplexity / KL divergence against a reference model)
     graph,  # noqa: F401  (graph mode: affineq.graph.prepare / convert)
@@ -20,6 +19,7 @@ from affineq import (
     quark,  # noqa: F401  (namespace: AMD Quark's layered Config)
     safetensors,  # noqa: F401  (save_file / load_file; the safetensors package is imported lazily)
 )
+from affineq import granularity as _granularity
 from affineq._hf_register import install as _install_hf
 from affineq._version import __version__  # noqa: F401
 from affineq.algorithms import AWQConfig, GPTQConfig, HQQConfig, SmoothQuantConfig
@@ -68,7 +68,7 @@ _install_hf()  # registers quant_method="affineq" with transformers when (and if
 #: affineq.qat, affineq.fusion, affineq.kernels, affineq.plan, affineq.streaming, affineq.distributed.
 __all__ = [
     # quantize a model
-    "quantize_", "FqnToConfig", "QuantConfig", "config_from_dict", "QuantizationError",
+    "quantize_", "autoquant", "FqnToConfig", "QuantConfig", "config_from_dict", "QuantizationError",
     "register_quantize_module_handler", "quantized_weights",
     # weight (and activation) configs
     "Int4WeightOnlyConfig", "Int8WeightOnlyConfig", "IntxWeightOnlyConfig", "Int8DynamicActivationInt4WeightConfig",
