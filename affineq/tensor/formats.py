@@ -442,7 +442,8 @@ class Dense(PackingFormat):
             t["qdata"], scale, offset, spec.target.bits, spec.block_size[1], n, k, _cpp.codes_kind(spec.target),
         )
         if canonical:  # w holds the codes u as floats
-            w = self._centered_times_scale(w.view(n, -1, spec.block_size[1]), t["scale"], t["offset"]).view(n, k)
+            w = self._centered_times_scale(w.view(n, -1, spec.block_size[1]), t["scale"], t["offset"],
+                                           spec).view(n, k)
         return w.to(output_dtype)
 
     @staticmethod
@@ -455,9 +456,12 @@ class Dense(PackingFormat):
                 and spec.zero_point_domain is not ZeroPointDomain.FLOAT)
 
     @staticmethod
-    def _centered_times_scale(u: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-        """(u + round(offset / scale)) * scale per group: u [R, G, g] float codes, scale/offset [R, G]."""
-        return (u + torch.round(offset / scale).unsqueeze(-1)) * scale.unsqueeze(-1)
+    def _centered_times_scale(u: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+                              spec: QuantSpec) -> torch.Tensor:
+        """(u + round(offset / scale)) * scale per group: u [R, G, g] float codes, scale/offset [R, G]. A zero
+        scale (a GGUF block of zeros) takes quant_min as its step, not 0 / 0, so its zeros keep ggml's signs."""
+        step = torch.where(scale == 0, float(spec.quant_min), torch.round(offset / scale))
+        return (u + step.unsqueeze(-1)) * scale.unsqueeze(-1)
 
     def dequantize_rows(self, t, spec, rows, output_dtype):
         n, k = spec.shape
@@ -477,7 +481,7 @@ class Dense(PackingFormat):
         g = spec.block_size[1]
         u = _cpp._code_values(u, _cpp.codes_kind(spec.target)).view(-1, k // g, g)
         if self._canonical(t, spec):
-            w = self._centered_times_scale(u, t["scale"][rows], t["offset"][rows])
+            w = self._centered_times_scale(u, t["scale"][rows], t["offset"][rows], spec)
         else:
             scale, offset = self._fp32_scale_offset(t, spec)
             w = u * scale[rows].float().unsqueeze(-1) + offset[rows].unsqueeze(-1)
@@ -582,3 +586,4 @@ register_format(Int4Tinygemm("int4_cpu", "cpu", _convert_cpu))
 register_format(Int4Tinygemm("int4_cuda", "cuda", _convert_cuda))
 
 from affineq.tensor import format_microexp as _format_microexp  # noqa: E402, F401  (registers "microexp")
+from affineq.tensor import format_kquant as _format_kquant  # noqa: E402, F401  (registers "q2_k" .. "q6_k")
