@@ -16,8 +16,9 @@ the file's bits per weight:
 Every product above is exact in fp32 (an fp16 significand of 11 bits times at most 8 + 6 bits), so the one
 rounding is the subtraction of dmin * m_j: `dequantize` computes scale * u + offset per sub-block (scale = d * sc_j,
 offset = -dmin * m_j), and q * scale for the signed types (q = u - 2**(bits-1): a zero keeps the scale's sign),
-bit-identical to ggml and `gguf.quants.dequantize`. The same (scale, offset) in fp32 per sub-block are the exact `dense` widening
-(`dense_tensors`: 2 fp32 per sub-block instead of the packed sub-scales, but the `dense` kernels read it).
+bit-identical to ggml and `gguf.quants.dequantize`. The same (scale, offset) in fp32 per sub-block are the exact
+`dense` widening (`dense_tensors`: 2 fp32 per sub-block instead of the packed sub-scales, but the `dense` kernels
+read it).
 
 The spec's qparams (`scale`, `zero_point`) are the sub-block scales and the FLOAT-domain zero point
 offset + mid * scale (rounded in fp32: informative only; `dequantize` uses the stored bytes). A k-quant tensor is

@@ -585,5 +585,5 @@ register_format(Dense())
 register_format(Int4Tinygemm("int4_cpu", "cpu", _convert_cpu))
 register_format(Int4Tinygemm("int4_cuda", "cuda", _convert_cuda))
 
-from affineq.tensor import format_microexp as _format_microexp  # noqa: E402, F401  (registers "microexp")
 from affineq.tensor import format_kquant as _format_kquant  # noqa: E402, F401  (registers "q2_k" .. "q6_k")
+from affineq.tensor import format_microexp as _format_microexp  # noqa: E402, F401  (registers "microexp")
