@@ -73,8 +73,7 @@ def save_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike, *, a
     fd, tmp = tempfile.mkstemp(suffix=".gguf.tmp", dir=os.path.dirname(os.path.abspath(path)))
     os.close(fd)
     try:
-        w = gguf.GGUFWriter(tmp, arch)
-        w.add_architecture()
+        w = gguf.GGUFWriter(tmp, arch)  # writes general.architecture itself
         for k, v, vtype, sub in kv:
             w.add_key_value(k, v, vtype, sub)
         for name, kind, data, _shape in encoded:

@@ -58,13 +58,17 @@ _GEMMA3_SWA_PATTERN = 6  # llama.cpp: every 6th Gemma 3 layer attends globally, 
 _GEMMA3_LOCAL_THETA = 10000.0  # llama.cpp's fixed rope base of the sliding-window layers
 
 
+def _gemma3_layer_types(layers: int) -> list[str]:
+    return ["full_attention" if (i + 1) % _GEMMA3_SWA_PATTERN == 0 else "sliding_attention" for i in range(layers)]
+
+
 def _gemma3(meta, vocab, tied):
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
     c = _common(meta, "gemma3", vocab, tied)
     layers = c["num_hidden_layers"]
     # llama.cpp scales queries by 1/sqrt(head_dim), except the 62-layer 27B model: 1/sqrt(hidden / heads)
     scalar = c["hidden_size"] // c["num_attention_heads"] if layers == 62 else c["head_dim"]
-    kinds = ["full_attention" if (i + 1) % _GEMMA3_SWA_PATTERN == 0 else "sliding_attention" for i in range(layers)]
+    kinds = _gemma3_layer_types(layers)
     cfg = Gemma3TextConfig(**c, rope_local_base_freq=_GEMMA3_LOCAL_THETA, query_pre_attn_scalar=scalar,
                            sliding_window=int(meta.get("gemma3.attention.sliding_window", 4096)), layer_types=kinds,
                            hidden_activation="gelu_pytorch_tanh")
@@ -131,11 +135,6 @@ def _is_norm(gguf_name: str) -> bool:
     return gguf_name.endswith("norm.weight")
 
 
-def _read_metadata(contents: reader.GGUFContents) -> dict[str, Any]:
-    big = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
-    return contents.metadata(*(k for k in contents.fields if not k.startswith("GGUF.") and k not in big))
-
-
 def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
                widen_kquants: bool = False) -> nn.Module:
     """The transformers model (eval mode, CPU) of GGUF file `path`: Llama family (Llama, SmolLM2, Mistral),
@@ -147,14 +146,14 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
     (Llama / Mistral / Qwen2) and for `save_pretrained`.
     """
     contents = reader.read(path)
-    meta = _read_metadata(contents)
+    meta = contents.metadata
     arch_name = meta.get("general.architecture")
     if arch_name not in _ARCHS:
         raise _unsupported_arch(arch_name, os.fspath(path))
     arch = _ARCHS[arch_name]
     entries = {e.name: e for e in contents.tensors}
-    tokens = contents.fields.get("tokenizer.ggml.tokens")
-    vocab = len(tokens.data) if tokens is not None else int(meta[f"{arch_name}.vocab_size"])
+    tokens = meta.get("tokenizer.ggml.tokens")
+    vocab = len(tokens) if tokens is not None else int(meta[f"{arch_name}.vocab_size"])
     cls, config = arch.build(meta, vocab, "output.weight" not in entries)
     with torch.device("meta"):
         model = cls(config)
@@ -228,12 +227,12 @@ def load_tokenizer(path: str | os.PathLike):
     tokenizer keeps the file's `tokenizer.*` metadata as `gguf_metadata`, which `save_model` writes back as is.
     """
     contents = reader.read(path)
-    meta = contents.metadata(*(k for k in contents.fields if k.startswith("tokenizer.")))
-    arch = contents.metadata("general.architecture").get("general.architecture")
+    meta = {k: v for k, v in contents.metadata.items() if k.startswith("tokenizer.")}
+    arch = contents.metadata.get("general.architecture")
     if meta.get("tokenizer.ggml.model") == "gpt2" and meta.get("tokenizer.ggml.pre") == "smollm":
         from affineq.models.loaders import smollm_tokenizer
-        ctx = contents.metadata(f"{arch}.context_length")
-        tok = smollm_tokenizer({**meta, "llama.context_length": ctx.get(f"{arch}.context_length", 2048)})
+        ctx = contents.metadata.get(f"{arch}.context_length", 2048)
+        tok = smollm_tokenizer({**meta, "llama.context_length": ctx})
     else:
         from transformers import AutoTokenizer
         p = Path(path)
@@ -295,6 +294,10 @@ def _arch_metadata(arch: str, config) -> dict[str, Any]:
     if rope.get("rope_type", "default") != "default":
         raise ValueError(f"save_model: rope_type {rope.get('rope_type')!r} is not written yet (default rotary only)")
     if arch == "gemma3":
+        kinds = list(getattr(config, "layer_types", None) or [])
+        if kinds != _gemma3_layer_types(config.num_hidden_layers):
+            raise ValueError(f"save_model: this Gemma 3 model's layer_types {kinds} differ from llama.cpp's fixed "
+                             f"pattern (every {_GEMMA3_SWA_PATTERN}th layer global), which GGUF cannot describe")
         meta["gemma3.attention.sliding_window"] = int(config.sliding_window)
     for key, attr in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("padding", "pad_token_id")):
         v = getattr(config, attr, None)

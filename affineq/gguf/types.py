@@ -131,11 +131,10 @@ def from_tensor(name: str, t: torch.Tensor) -> tuple[str, np.ndarray, tuple[int,
     for ggml_type in _CANDIDATES[s.target.bits]:
         bt = blocks.BLOCK_TYPES[ggml_type]
         m = offset if bt.has_min else None
-        data = blocks.encode(ggml_type, u, scale, m)
-        u2, d2, m2 = blocks.decode(ggml_type, data, shape[1])
-        back = _block_values(bt, u2, d2, m2)
-        if torch.equal(back, w):
-            return ggml_type, data.numpy(), shape
+        d16, m16 = scale.to(torch.float16), None if m is None else m.to(torch.float16)
+        back = _block_values(bt, u, d16.float(), -bt.center * d16.float() if m16 is None else m16.float())
+        if torch.equal(back, w):  # the values the file's blocks decode to (tests: decode(encode) is the identity)
+            return ggml_type, blocks.encode(ggml_type, u, d16, m16).numpy(), shape
         bad = int((back != w).sum())
         need = "fp16 scale d and min m (w = d * u + m)" if bt.has_min else f"fp16 scale d, w = d * (u - {bt.center})"
         reasons.append(f"{ggml_type} ({need}) differs in {bad} of {w.numel()} values")
