@@ -419,3 +419,24 @@ def test_load_model_of_a_copy_is_independent(smollm2_model):
     """Loaded quantized parameters behave as other affineq weights: deepcopy and save_pretrained-style state."""
     clone = copy.deepcopy(smollm2_model.model.layers[0].self_attn.q_proj)
     assert torch.equal(clone.weight.dequantize(), smollm2_model.model.layers[0].self_attn.q_proj.weight.dequantize())
+
+
+def test_demo_runs_a_gguf_file(tmp_path, smollm2_file, capsys):
+    """`python -m affineq.demo --gguf FILE`: a small Llama with SmolLM2's vocabulary and tokenizer, written by
+    save_model, runs from the file as it is."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from affineq import demo
+
+    tok = ag.load_tokenizer(smollm2_file)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=256, tie_word_embeddings=True)).eval()
+    affineq.quantize_(model, _CONFIGS["Q4_0"]())
+    path = tmp_path / "small.gguf"
+    ag.save_model(model, path, tokenizer=tok)
+    (row,) = demo.main(["--gguf", str(path), "--tokens", "3", "--eval-tokens", "64", "--no-progress"])
+    assert row["quantized_weights"] == {"dense": 15}  # 14 linears + the tied embedding
+    assert row["perplexity"] > 1 and len(row["text"]) > len("The key idea of quantization is")
+    assert "quantized weights by format" in capsys.readouterr().out

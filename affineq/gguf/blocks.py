@@ -58,7 +58,10 @@ def _f16(b: torch.Tensor, at: int) -> torch.Tensor:
 
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
     """uint8 [B, 16] -> [B, 32]: low nibbles are elements 0..15, high nibbles 16..31."""
-    return torch.cat([qs & 0x0F, qs >> 4], 1)
+    out = torch.empty(qs.shape[0], 32, dtype=torch.uint8)
+    torch.bitwise_and(qs, 0x0F, out=out[:, :16])
+    torch.bitwise_right_shift(qs, 4, out=out[:, 16:])
+    return out
 
 
 def _high_bits(qh: torch.Tensor) -> torch.Tensor:
