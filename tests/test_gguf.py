@@ -440,3 +440,37 @@ def test_demo_runs_a_gguf_file(tmp_path, smollm2_file, capsys):
     assert row["quantized_weights"] == {"dense": 15}  # 14 linears + the tied embedding
     assert row["perplexity"] > 1 and len(row["text"]) > len("The key idea of quantization is")
     assert "quantized weights by format" in capsys.readouterr().out
+
+
+def test_load_model_with_kquant_weights(tmp_path):
+    """A Llama whose linears are k-quant blocks (random valid Q4_K / Q6_K bytes): load_model keeps the super-blocks
+    (the dequantize fallback runs them), widen_kquants=True the exact dense widening (the C++ kernels); the two
+    hold bit-identical weights, so their logits agree to fp32 rounding, and generate runs on both."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from affineq.models import generate
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    float_file = tmp_path / "float.gguf"
+    ag.save_model(model, float_file)
+    contents = ag.reader.read(float_file)
+    tensors = ag.load_file(float_file)
+    for i, (name, t) in enumerate(tensors.items()):
+        if name.startswith("blk.") and t.dim() == 2:
+            kind = ("Q4_K", "Q6_K")[i % 2]
+            raw = _random_blocks(kind, *t.shape, seed=i)
+            tensors[name] = ag.types.to_tensor(ag.reader.GGUFEntry(name, kind, tuple(t.shape), raw))
+    path = tmp_path / "kquant.gguf"
+    meta = {k: v for k, v in contents.metadata.items() if k != "general.architecture"}
+    ag.save_file(tensors, path, arch="llama", metadata=meta)
+    packed, widened = ag.load_model(path), ag.load_model(path, widen_kquants=True)
+    q = packed.model.layers[0].self_attn.q_proj.weight
+    assert q.spec.fmt in ("q4_k", "q6_k") and widened.model.layers[0].self_attn.q_proj.weight.spec.fmt == "dense"
+    for (name, a), (_, b) in zip(packed.named_parameters(), widened.named_parameters(), strict=True):
+        assert np.array_equal(_bits(_values(a)), _bits(_values(b))), name
+    ids = torch.tensor([[1, 5, 7, 9]])
+    with torch.no_grad():
+        torch.testing.assert_close(packed(ids).logits, widened(ids).logits, rtol=1e-4, atol=1e-4)
+    assert generate(packed, ids, 3, compile=False, ignore_eos=True).shape == (1, 7)

@@ -173,6 +173,10 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
         param = nn.Parameter(value, requires_grad=False)
         for hf in by_gguf[g]:
             module, attr = slots[hf]
+            want = tuple(module._parameters[attr].shape)
+            if tuple(param.shape) != want:
+                raise ValueError(f"{os.fspath(path)}: tensor {g!r} has shape {tuple(param.shape)}, but the model its "
+                                 f"metadata describes needs {want} for {hf}; the file's metadata is inconsistent")
             module._parameters[attr] = param
     if config.tie_word_embeddings:
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
