@@ -111,9 +111,17 @@ def test_every_type_dequantizes_bit_identical_to_gguf(typed_file, widen):
                        **{n: kquant_fmt(n) for n in RANDOM_BYTES[1:]}}
 
 
-def test_kquant_keeps_the_file_bytes(typed_file):
-    """A k-quant tensor stores the file's super-blocks as they are: bits per weight of the file."""
+def test_kquant_keeps_the_file_bytes(typed_file, tmp_path):
+    """A k-quant tensor stores the file's super-blocks as they are (bits per weight of the file), and they survive
+    affineq's safetensors checkpoints."""
+    import affineq.safetensors
+
     loaded = ag.load_file(typed_file)
+    kquants = {n: t for n, t in loaded.items() if isinstance(t, AffineQuantizedTensor) and n.endswith("_K")}
+    affineq.safetensors.save_file(kquants, tmp_path / "k.safetensors")
+    back = affineq.safetensors.load_file(tmp_path / "k.safetensors")
+    for name, t in kquants.items():
+        assert back[name].spec == t.spec and torch.equal(back[name].tensors["qdata"], t.tensors["qdata"]), name
     reader = {t.name: t for t in gguf.GGUFReader(str(typed_file)).tensors}
     bpw = {"Q2_K": 2.625, "Q3_K": 3.4375, "Q4_K": 4.5, "Q5_K": 5.5, "Q6_K": 6.5625}
     for name, want in bpw.items():
