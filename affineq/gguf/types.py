@@ -125,7 +125,7 @@ def from_tensor(name: str, t: torch.Tensor) -> tuple[str, np.ndarray, tuple[int,
         raise _no_type(name, t, [f"GGUF's block types hold 4, 5 or 8-bit integer codes with float scales, or "
                                  f"fp4 with e8m0 scales (MXFP4); this weight has {s.target} codes"
                                  + (f" with {s.scale_type} scales" if s.scale_type is not None else "")])
-    u = (t.codes().to(torch.int32) - int(s.quant_min)).to(torch.uint8)
+    u = _unsigned_codes(t)
     scale, offset = _affine_map(t)
     reasons = []
     for ggml_type in _CANDIDATES[s.target.bits]:
@@ -139,6 +139,14 @@ def from_tensor(name: str, t: torch.Tensor) -> tuple[str, np.ndarray, tuple[int,
         need = "fp16 scale d and min m (w = d * u + m)" if bt.has_min else f"fp16 scale d, w = d * (u - {bt.center})"
         reasons.append(f"{ggml_type} ({need}) differs in {bad} of {w.numel()} values")
     raise _no_type(name, t, reasons)
+
+
+def _unsigned_codes(t: AffineQuantizedTensor) -> torch.Tensor:
+    """u = code - quant_min, uint8 [N, K] (read straight from `dense`'s packed bits, which hold exactly u)."""
+    s = t.spec
+    if s.fmt == "dense":
+        return _cpp.unpack_codes(t.tensors["qdata"], s.target.bits, *s.shape)
+    return (t.codes().to(torch.int32) - int(s.quant_min)).to(torch.uint8)
 
 
 def _block_values(bt: blocks.BlockType, u: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
