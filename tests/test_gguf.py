@@ -497,3 +497,23 @@ def test_load_model_with_kquant_weights(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(packed(ids).logits, widened(ids).logits, rtol=1e-4, atol=1e-4)
     assert generate(packed, ids, 3, compile=False, ignore_eos=True).shape == (1, 7)
+
+
+def test_save_file_metadata_types_and_refusals(tmp_path):
+    """Metadata as llama.cpp's files type it (counts uint32, integer arrays int32, floats float32), read back by
+    gguf.GGUFReader; a value GGUF cannot hold is a ValueError naming the key, and no file is left behind."""
+    path = tmp_path / "m.gguf"
+    meta = {"llama.block_count": 2, "tokenizer.ggml.token_type": [1, 3, 1], "llama.rope.freq_base": 1e4,
+            "tokenizer.ggml.add_bos_token": False, "x.neg": -3, "x.names": ["a", "b"]}
+    ag.save_file({"output_norm.weight": torch.ones(4)}, path, arch="llama", metadata=meta)
+    fields = gguf.GGUFReader(str(path)).fields
+    kinds = {k: [t.name for t in fields[k].types] for k in meta}
+    assert kinds == {"llama.block_count": ["UINT32"], "tokenizer.ggml.token_type": ["ARRAY", "INT32"],
+                     "llama.rope.freq_base": ["FLOAT32"], "tokenizer.ggml.add_bos_token": ["BOOL"],
+                     "x.neg": ["INT32"], "x.names": ["ARRAY", "STRING"]}
+    assert {k: fields[k].contents() for k in meta} == meta
+    with pytest.raises(ValueError, match=r"metadata 'x.bad': cannot store dict"):
+        ag.save_file({"a": torch.ones(2)}, tmp_path / "bad.gguf", arch="llama", metadata={"x.bad": {"a": 1}})
+    with pytest.raises(ValueError, match=r"a: GGUF stores float tensors as float32, float16 or bfloat16"):
+        ag.save_file({"a": torch.ones(2, dtype=torch.float64)}, tmp_path / "bad.gguf", arch="llama")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]

@@ -43,8 +43,8 @@ def _value_type(gguf, key: str, value: Any):
         return vt.STRING, None
     if isinstance(value, (list, tuple)) and value:
         sub = {_value_type(gguf, key, v)[0] for v in value}
-        if vt.INT32 in sub and vt.UINT32 in sub:
-            sub = {vt.INT32}
+        if sub <= {vt.INT32, vt.UINT32}:  # integer arrays are int32 in llama.cpp's files (token types)
+            sub = {vt.INT32} if all(v < 2**31 for v in value) else sub
         if vt.FLOAT32 in sub and sub <= {vt.FLOAT32, vt.UINT32, vt.INT32}:
             sub = {vt.FLOAT32}
         if len(sub) == 1 and vt.ARRAY not in sub:
