@@ -314,8 +314,9 @@ def test_load_model_smollm2_matches_the_float_path(smollm2_file, smollm2_model, 
         got, want = model(ids).logits, ref(ids).logits
     assert (got - want).abs().max() < 1e-3 * want.abs().max()
     assert torch.equal(got.argmax(-1), want.argmax(-1))  # the greedy next token after every prompt prefix
-    out = generate(model, ids, 4, compile=False, ignore_eos=True)
-    assert torch.equal(out, generate(ref, ids, 4, compile=False, ignore_eos=True))
+    # unfused q/k/v and gate/up: fusing concatenates (re-packs) the quantized weights on every call, in eager mode
+    out = generate(model, ids, 4, compile=False, ignore_eos=True, fuse_projections=False)
+    assert torch.equal(out, generate(ref, ids, 4, compile=False, ignore_eos=True, fuse_projections=False))
 
 
 def test_load_tokenizer_smollm2(smollm2_tokenizer, smollm2_float):
