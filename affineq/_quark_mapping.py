@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from affineq import observers as obs
 from affineq.configs import (
     Float8DynamicActivationFloat8WeightConfig,
     Float8WeightOnlyConfig,
@@ -40,6 +41,7 @@ from affineq.quark_config import (
     ScaleType,
     ZeroPointType,
 )
+from affineq.tensor.affine import AffineQuantizedTensor
 from affineq.tensor.spec import QParamOptions
 
 # -- a weight config for what the packed configs cannot express -------------------------------------------
@@ -84,9 +86,123 @@ class PlainWeightOnlyConfig(QuantConfig):
 
 # -- spec -> affineq config ------------------------------------------------------------------------------
 
-_STATIC_OBSERVERS = {"PerTensorMinMaxObserver": "minmax", "MovingAveragePerTensorMinMaxObserver": "moving_average",
-                     "PerTensorHistogramObserver": "histogram", "PerTensorPercentileObserver": "percentile",
-                     "PerTensorMSEObserver": "mse"}
+_STATIC_OBSERVERS = {obs.PerTensorMinMaxObserver: "minmax", obs.MovingAveragePerTensorMinMaxObserver: "moving_average",
+                     obs.PerTensorHistogramObserver: "histogram", obs.PerTensorPercentileObserver: "percentile",
+                     obs.PerTensorMSEObserver: "mse"}
+#: Observers whose range of one tensor is its min / max: what dynamic activations and the weights of layers with
+#: quantized inputs compute anyway, so these are honoured there as they are.
+_MIN_MAX_OBSERVERS = (obs.PerTensorMinMaxObserver, obs.PerChannelMinMaxObserver, obs.PerGroupMinMaxObserver,
+                      obs.MovingAveragePerTensorMinMaxObserver, obs.MovingAveragePerChannelMinMaxObserver)
+
+
+def _check_observer(name: str, s: QuantizationSpec, min_max_only: bool, why: str = "") -> None:
+    """QuantizationError unless `s.observer_cls` is None or an observer this layer kind runs (an accepted
+    setting takes effect: none is recorded and ignored)."""
+    cls = s.observer_cls
+    if cls is None:
+        return
+    if not issubclass(cls, obs.Observer):
+        raise QuantizationError(f"{name}.observer_cls={cls.__name__} is not an affineq observer; use one of "
+                                "affineq.observers (PerTensorMinMaxObserver, PerTensorMSEObserver, ...), a subclass "
+                                "of affineq.observers.Observer, or None")
+    if min_max_only and cls not in _MIN_MAX_OBSERVERS:
+        raise QuantizationError(f"{name}.observer_cls={cls.__name__}: {why} get min / max qparams; use None or a "
+                                f"min-max observer ({', '.join(c.__name__ for c in _MIN_MAX_OBSERVERS)})")
+
+
+@dataclass(frozen=True)
+class ObservedWeightConfig(QuantConfig):
+    """Quark's `observer_cls` on a weight-only layer's weight: `base_config` gives the QuantSpec (target, blocks,
+    format) and rounding, the observer (run once over the weight) the range of each block, so the codes are
+    `quantize_affine(w, scale, zero_point)` with the observer's qparams. The observer's granularity must be the
+    spec's (a per-tensor observer on a per-tensor spec, PerChannelMinMaxObserver per channel, ...)."""
+
+    base_config: QuantConfig = None
+    observer_cls: type = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.base_config, QuantConfig):
+            raise ValueError(f"ObservedWeightConfig.base_config={self.base_config!r}: use a weight config")
+        if not (isinstance(self.observer_cls, type) and issubclass(self.observer_cls, obs.Observer)):
+            raise ValueError(f"ObservedWeightConfig.observer_cls={self.observer_cls!r}: use an affineq observer class")
+        if type(self.base_config).quantize_weight is not QuantConfig.quantize_weight:
+            raise QuantizationError(f"observer_cls={self.observer_cls.__name__} with {type(self.base_config).__name__}"
+                                    ": that format chooses its own scales (shared exponents); drop observer_cls")
+
+    @property
+    def modules(self):
+        return self.base_config.modules
+
+    def check(self, module):
+        return self.base_config.check(module) or self._observer_problem(module)
+
+    def _observer_problem(self, module) -> str | None:
+        for name in self.parameter_names(module):
+            w = module._parameters[name]
+            spec, opts = self.weight_spec(w, module), self.qparam_options()
+            if spec.scale_type is not None or not opts.preserve_zero:
+                return (f"weight.observer_cls={self.observer_cls.__name__}: this weight's scales are power-of-two "
+                        "(or its zero point not a code), which an observer's qparams are not; use float scales or "
+                        "drop observer_cls")
+            try:
+                block = tuple(self._observer(spec, opts).block_size(spec.shape))
+            except (TypeError, ValueError) as e:
+                return f"weight.observer_cls={self.observer_cls.__name__} cannot observe this weight: {e}"
+            if block != spec.block_size:
+                return (f"weight.observer_cls={self.observer_cls.__name__} gives qparams per block {block}, but the "
+                        f"weight spec wants blocks {spec.block_size}: give the spec the observer's granularity (a "
+                        "per-tensor observer needs qscheme=per_tensor) or pick the observer of the spec's qscheme")
+        return None
+
+    def parameter_names(self, module):
+        return self.base_config.parameter_names(module)
+
+    def _block_size(self, shape, module):
+        return self.base_config._block_size(shape, module)
+
+    def weight_spec(self, weight, module):
+        return self.base_config.weight_spec(weight, module)
+
+    def qparam_options(self):
+        return self.base_config.qparam_options()
+
+    def _observer(self, spec, opts) -> obs.Observer:
+        kw: dict = {}
+        if issubclass(self.observer_cls, obs.PerGroupMinMaxObserver):
+            kw = {"group_size": spec.block_size[-1], "ch_axis": -1}
+        elif issubclass(self.observer_cls, (obs.PerChannelMinMaxObserver, obs.MovingAveragePerChannelMinMaxObserver)):
+            kw = {"ch_axis": 0}
+        return self.observer_cls(dtype=spec.target, mapping_type=spec.mapping_type,
+                                 zero_point_domain=spec.zero_point_domain, eps=opts.eps,
+                                 scale_dtype=opts.scale_dtype or torch.float32, quant_min=spec.quant_min,
+                                 quant_max=spec.quant_max, **kw)
+
+    def quantize_weight(self, weight, module):
+        spec, opts = self.weight_spec(weight, module), self.qparam_options()
+        observer = self._observer(spec, opts)
+        observer(weight.detach())
+        scale, zero_point = observer.calculate_qparams()
+        return AffineQuantizedTensor.from_qparams(weight, scale, zero_point, spec, rounding=opts.rounding)
+
+    def to_dict(self) -> dict:
+        c = self.observer_cls
+        return {"type": type(self).__name__, "base_config": self.base_config.to_dict(),
+                "observer_cls": {"module": c.__module__, "qualname": c.__qualname__}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ObservedWeightConfig:
+        from affineq.configs import config_from_dict
+        from affineq.quark_config import QuantizationSpec as _Spec
+
+        if not isinstance(d, dict) or set(d) != {"type", "base_config", "observer_cls"}:
+            raise ValueError(f"ObservedWeightConfig.from_dict expects the keys type, base_config, observer_cls; got "
+                             f"{d!r}")
+        observer = _Spec.from_dict({"dtype": "int8", "observer_cls": d["observer_cls"]}).observer_cls
+        return cls(config_from_dict(d["base_config"]), observer)
+
+    def __hash__(self):
+        return hash((self.base_config, self.observer_cls))
 
 
 def _check_static_tensor(name: str, a: QuantizationSpec) -> None:
@@ -115,10 +231,12 @@ def static_config(a: QuantizationSpec, w: QuantizationSpec, o: QuantizationSpec 
             QSchemeType.per_channel:
         raise QuantizationError("static input_tensors need an int8 symmetric per_channel weight spec (the int8 x "
                                 "int8 GEMM); change the weight spec or make the input dynamic")
-    observer = "minmax" if a.observer_cls is None else _STATIC_OBSERVERS.get(a.observer_cls.__name__)
+    _check_observer("weight", w, True, "weights of layers with quantized inputs")
+    observer = "minmax" if a.observer_cls is None else _STATIC_OBSERVERS.get(a.observer_cls)
     if observer is None:
         raise QuantizationError(f"static input_tensors: observer_cls={a.observer_cls.__name__} is not a per-tensor "
-                                f"observer; use one of {sorted(_STATIC_OBSERVERS)} (affineq.observers)")
+                                f"observer; use one of {sorted(c.__name__ for c in _STATIC_OBSERVERS)} "
+                                "(affineq.observers)")
     return Int8StaticActivationInt8WeightConfig(
         activation_symmetric=bool(a.symmetric), observer=observer, quantize_output=o is not None,
         output_symmetric=None if o is None else bool(o.symmetric))
@@ -188,6 +306,13 @@ def _row_group(gran: Granularity) -> int | None:
 
 
 def weight_only_config(w: QuantizationSpec) -> QuantConfig:
+    """The weight-only config of `w`; with `w.observer_cls` its qparams come from that observer."""
+    _check_observer("weight", w, False)
+    base = _weight_only_config(w)
+    return base if w.observer_cls is None else ObservedWeightConfig(base, w.observer_cls)
+
+
+def _weight_only_config(w: QuantizationSpec) -> QuantConfig:
     rounding = _ROUNDING[w.round_method]
     block = _block_format(w)
     if block is not None and not (isinstance(block, FPxWeightOnlyConfig) and block.ebits >= 4
@@ -223,6 +348,9 @@ def weight_only_config(w: QuantizationSpec) -> QuantConfig:
 
 
 def dynamic_config(a: QuantizationSpec, w: QuantizationSpec) -> QuantConfig:
+    _check_observer("input_tensors", a, True, "dynamic activations are quantized at run time from each input's "
+                    "min / max and")
+    _check_observer("weight", w, True, "weights of layers with quantized inputs")
     combo = (f"dynamic input {a.dtype.name} {a.qscheme and a.qscheme.name} symmetric={a.symmetric} with weight "
              f"{w.dtype.name} {w.qscheme and w.qscheme.name} symmetric={w.symmetric}")
     if a.dtype is Dtype.mx and w.dtype is Dtype.mx:

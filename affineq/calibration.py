@@ -22,12 +22,14 @@ from torch import nn
 
 from affineq import observers as _obs
 from affineq.configs import QuantConfig, _check_choice, _row_block
+from affineq.plan import QuantizationError, Workflow, plan, raise_problems
 from affineq.primitives import MappingType, ZeroPointDomain
 from affineq.tensor.affine import AffineQuantizedTensor
 from affineq.tensor.kernel_registry import auto_format, int_mm_is_fast
 from affineq.tensor.spec import ActivationQuant
 
-__all__ = ["Int8StaticActivationInt8WeightConfig", "convert_", "prepare_", "run_calibration", "unprepare_"]
+__all__ = ["CALIBRATION", "Int8StaticActivationInt8WeightConfig", "convert_", "prepare_", "quantize_with_calibration",
+           "run_calibration", "unprepare_"]
 
 #: Observer names a config may use -> the per-tensor observer classes of `affineq.observers`.
 OBSERVERS: dict[str, type] = {
@@ -41,6 +43,30 @@ OBSERVERS: dict[str, type] = {
 _OBSERVER_ATTR = "affineq_input_observer"  # the submodule prepare_ adds (saved in the state_dict)
 _OUTPUT_OBSERVER_ATTR = "affineq_output_observer"  # with quantize_output
 _STATE_ATTR = "_affineq_calibration"  # ([hook handles], config) on a prepared module; gone after convert_
+
+
+def quantize_with_calibration(model: nn.Module, config: QuantConfig, filter_fn, steps, calibration_data,
+                              device=None) -> nn.Module:
+    """The calibration workflow of `quantize_`: prepare_, run the calibration data, then one all-or-nothing
+    quantize_ of every selected layer (static layers with their calibrated qparams). Observers never outlive
+    the call."""
+    if calibration_data is None:
+        raise QuantizationError(
+            f"{type(config).__name__} quantizes activations statically and needs calibration: pass "
+            "calibration_data=<an iterable of model inputs>, or call affineq.prepare_(model, config), run "
+            "batches, then affineq.convert_(model)"
+        )
+    prepare_(model, config, filter_fn)
+    try:
+        run_calibration(model, calibration_data)
+        others = {s.fqn: s.config for s in steps if not _needs_calibration(s.config)}
+        return convert_(model, others=others)
+    finally:
+        unprepare_(model)
+
+
+#: How `quantize_` runs a config that `needs_calibration` (its `workflow`).
+CALIBRATION = Workflow("calibration", 1, quantize_with_calibration)
 
 
 @dataclass(frozen=True)
@@ -59,6 +85,7 @@ class Int8StaticActivationInt8WeightConfig(QuantConfig):
 
     modules: ClassVar = (nn.Linear, nn.Conv1d, nn.Conv2d)
     needs_calibration: ClassVar[bool] = True
+    workflow: ClassVar[Workflow] = CALIBRATION
     recurrent_unsupported: ClassVar = ("static activation scales are calibrated on module inputs, and a recurrent "
                                        "module's hidden state changes every step; use "
                                        "Int8DynamicActivationInt8WeightConfig (per-step dynamic scales) instead")
@@ -110,7 +137,7 @@ class Int8StaticActivationInt8WeightConfig(QuantConfig):
 
 
 @dataclass(frozen=True)
-class _Calibrated(QuantConfig):
+class Calibrated(QuantConfig):
     """A static config with the qparams calibration found (plain floats: hashable, comparable)."""
 
     modules: ClassVar = (nn.Linear, nn.Conv1d, nn.Conv2d)
@@ -147,10 +174,8 @@ def prepare_(model: nn.Module, config: QuantConfig, filter_fn=None) -> nn.Module
     """Attach an input observer (submodule `affineq_input_observer`, forward pre-hook) to every layer that
     `config` (or, in an FqnToConfig, its per-layer config) quantizes statically; returns `model`. Raises
     QuantizationError, changing nothing, when a selected layer cannot be quantized."""
-    from affineq.quantize import QuantizationError, _plan, _raise_problems
-
-    steps, problems = _plan(model, config, filter_fn)
-    _raise_problems(config, problems)
+    steps, problems = plan(model, config, filter_fn)
+    raise_problems(config, problems)
     static = [s for s in steps if _needs_calibration(s.config)]
     if not static:
         raise QuantizationError(f"{type(config).__name__} quantizes no layer statically: nothing to calibrate; "
@@ -178,7 +203,7 @@ def _observe_output(module: nn.Module, args, out) -> None:
         getattr(module, _OUTPUT_OBSERVER_ATTR)(out)
 
 
-def _first(t: torch.Tensor | None):
+def first_value(t: torch.Tensor | None):
     return None if t is None else t.reshape(-1)[0].item()
 
 
@@ -200,7 +225,7 @@ def convert_(model: nn.Module, *, others: dict[str, QuantConfig] | None = None) 
     """Quantize every prepared layer with its observer's calibrated qparams and remove the observers; returns
     `model`. All or nothing (one `quantize_`, with `others`: more layers by name and their configs); a
     layer whose observer saw no data raises QuantizationError naming it, and the model stays prepared."""
-    from affineq.quantize import FqnToConfig, QuantizationError, quantize_
+    from affineq.quantize import FqnToConfig, quantize_
 
     prepared = {fqn: m for fqn, m in model.named_modules() if hasattr(m, _STATE_ATTR)}
     if not prepared:
@@ -215,9 +240,9 @@ def convert_(model: nn.Module, *, others: dict[str, QuantConfig] | None = None) 
         out_scale = out_zp = None
         if _OUTPUT_OBSERVER_ATTR in m._modules:
             out_scale, out_zp = getattr(m, _OUTPUT_OBSERVER_ATTR).calculate_qparams()
-        configs[fqn] = _Calibrated(base=getattr(m, _STATE_ATTR)[1], act_scale=_first(scale),
-                                   act_zero_point=_first(zp), out_scale=_first(out_scale),
-                                   out_zero_point=_first(out_zp))
+        configs[fqn] = Calibrated(base=getattr(m, _STATE_ATTR)[1], act_scale=first_value(scale),
+                                   act_zero_point=first_value(zp), out_scale=first_value(out_scale),
+                                   out_zero_point=first_value(out_zp))
     quantize_(model, FqnToConfig(configs), filter_fn=lambda module, fqn: fqn in configs)
     unprepare_(model)
     return model

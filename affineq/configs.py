@@ -64,6 +64,23 @@ def _encode(v: Any) -> Any:
     return v
 
 
+def _only_keys(v: dict, keys: tuple[str, ...]) -> None:
+    extra = [k for k in v if k not in keys]
+    if extra:
+        raise ValueError(f"config field {v!r} has unknown keys {sorted(map(repr, extra))}; a {keys[0]!r} entry holds "
+                         f"only {list(keys)} (as QuantConfig.to_dict writes it)")
+
+
+def _granularities() -> dict[str, type[Granularity]]:
+    return {c.__name__: c for c in vars(_gran).values()
+            if isinstance(c, type) and issubclass(c, Granularity) and c is not Granularity}
+
+
+#: The torch dtypes a config dict may name: looked up here, never by getattr on torch.
+_TORCH_DTYPES: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in vars(torch).values()
+                                         if isinstance(d, torch.dtype)}
+
+
 def _decode(v: Any) -> Any:
     if isinstance(v, list):
         return tuple(_decode(x) for x in v)
@@ -72,25 +89,26 @@ def _decode(v: Any) -> Any:
     if "type" in v:  # a config first: its fields may be named "granularity" or "dtype" too
         return config_from_dict(v)
     if "dtype" in v:
-        dtype = getattr(torch, str(v["dtype"]), None)
-        if not isinstance(dtype, torch.dtype):
+        _only_keys(v, ("dtype",))
+        dtype = _TORCH_DTYPES.get(v["dtype"]) if isinstance(v["dtype"], str) else None
+        if dtype is None:
             raise ValueError(f"unknown torch dtype {v['dtype']!r}; use a torch dtype name such as 'bfloat16', "
                              "'float32' or 'int4' (as QuantConfig.to_dict writes it)")
         return dtype
     if "enum" in v:
+        _only_keys(v, ("enum", "name"))
         enum_cls = _ENUMS.get(v["enum"]) if isinstance(v["enum"], str) else None
         if enum_cls is None:
             raise ValueError(f"unknown enum {v['enum']!r}; use one of {sorted(_ENUMS)}")
         members = list(enum_cls.__members__)
-        if v.get("name") not in members:
+        if not isinstance(v.get("name"), str) or v["name"] not in members:
             raise ValueError(f"{v['enum']} has no member {v.get('name')!r}; use one of {members}")
         return enum_cls[v["name"]]
     if "granularity" in v:
-        names = sorted(c.__name__ for c in vars(_gran).values()
-                       if isinstance(c, type) and issubclass(c, Granularity) and c is not Granularity)
-        cls = getattr(_gran, str(v["granularity"]), None)
-        if not (isinstance(cls, type) and issubclass(cls, Granularity)) or cls is Granularity:
-            raise ValueError(f"unknown granularity {v['granularity']!r}; use one of {names}")
+        known = _granularities()
+        cls = known.get(v["granularity"]) if isinstance(v["granularity"], str) else None
+        if cls is None:
+            raise ValueError(f"unknown granularity {v['granularity']!r}; use one of {sorted(known)}")
         kwargs = {k: _decode(x) for k, x in v.items() if k != "granularity"}
         try:
             return cls(**kwargs)
@@ -98,8 +116,9 @@ def _decode(v: Any) -> Any:
             raise ValueError(f"{cls.__name__} cannot take fields {sorted(kwargs)} ({e}); pass the fields "
                              f"{cls.__name__} has, as QuantConfig.to_dict writes them") from None
     if "map" in v:
-        if not isinstance(v["map"], dict):
-            raise ValueError(f"cannot decode config field {v!r}: 'map' must hold a dict")
+        _only_keys(v, ("map",))
+        if not isinstance(v["map"], dict) or not all(isinstance(k, str) for k in v["map"]):
+            raise ValueError(f"cannot decode config field {v!r}: 'map' must hold a dict with str keys")
         return {k: _decode(x) for k, x in v["map"].items()}
     raise ValueError(f"cannot decode config field {v!r}; pass values as QuantConfig.to_dict writes them "
                      "(plain JSON values, or a dict with one of the keys 'type', 'dtype', 'enum', 'granularity', "
@@ -130,7 +149,11 @@ def config_from_dict(d: dict) -> QuantConfig:
             fields[k] = _decode(v)
         except ValueError as e:
             raise ValueError(f"{name}.{k}: {e}") from None
-    return cls(**fields)
+    try:
+        return cls(**fields)
+    except TypeError as e:  # a field of a type its checks never expected (a list where a number goes, ...)
+        raise ValueError(f"{name}: the dict's fields {sorted(fields)} do not build a {name} ({e}); pass values of "
+                         "the types QuantConfig.to_dict writes") from None
 
 
 # -- base -----------------------------------------------------------------------------------------------

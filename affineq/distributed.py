@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from affineq.tensor.activation import _range_reduce
+from affineq.tensor.activation import range_reduce
 from affineq.tensor.affine import AffineQuantizedTensor
-from affineq.tensor.ops import _expand
+from affineq.tensor.ops import expand_blocks
 from affineq.tensor.spec import QuantSpec
 
 __all__ = ["dcp_load", "dcp_save", "parallelize_quantized", "quantized_state_dict"]
@@ -115,8 +115,8 @@ def _reduce_ranges_in(module: nn.Module, group) -> None:
         return t
 
     tokens = []
-    module.register_forward_pre_hook(lambda m, args: tokens.append(_range_reduce.set(reduce)))
-    module.register_forward_hook(lambda m, args, out: _range_reduce.reset(tokens.pop()), always_call=True)
+    module.register_forward_pre_hook(lambda m, args: tokens.append(range_reduce.set(reduce)))
+    module.register_forward_hook(lambda m, args, out: range_reduce.reset(tokens.pop()), always_call=True)
 
 
 # -- checkpoints -----------------------------------------------------------------------------------------------
@@ -216,6 +216,7 @@ def dcp_load(model: nn.Module, checkpoint_id: str | Path) -> nn.Module:
     metadata = dcp.FileSystemReader(str(checkpoint_id)).read_metadata().state_dict_metadata
     weights = _quantized_weights(model)
     sd = dict(model.state_dict())
+    _check_shapes(sd, weights, metadata)  # before anything is read into the model
     for fqn, w in weights.items():
         local, dt = _local(w)
         del sd[fqn]
@@ -231,6 +232,22 @@ def dcp_load(model: nn.Module, checkpoint_id: str | Path) -> nn.Module:
         parts = {n: _local(sd[f"{fqn}.aq_{n}"])[0] for n in _saved_part_names(metadata, fqn)}
         local.copy_(_rebuild(local, tuple(w.shape), saved, parts, fqn))
     return model
+
+
+def _check_shapes(sd: dict, weights: dict, metadata) -> None:
+    """ValueError naming every tensor whose (global) shape differs from the checkpoint's, before dcp.load reads
+    anything (its own error names neither the layer's fix nor all of them). A quantized weight is compared
+    through its saved codes (the weight's shape)."""
+    problems = []
+    for key, t in sd.items():
+        meta = metadata.get(f"{key}.aq_codes" if key in weights else key)
+        size = getattr(meta, "size", None)
+        if size is not None and isinstance(t, torch.Tensor) and tuple(size) != tuple(t.shape):
+            problems.append(f"  - {key}: the checkpoint holds {tuple(size)}, the model {tuple(t.shape)}")
+    if problems:
+        raise ValueError("dcp_load: {} tensor(s) of the model have other shapes than the checkpoint's:\n{}\nBuild the "
+                         "model with the sizes the checkpoint was saved from (nothing was loaded)".format(
+                             len(problems), "\n".join(problems)))
 
 
 def _saved_part_names(metadata, fqn: str) -> list[str]:
@@ -279,9 +296,9 @@ def _rebuild(local: AQT, shape: tuple[int, ...], saved: QuantSpec, parts: dict[s
     for name in ("scale", "zero_point"):
         q = parts.get(name)
         if q is not None and saved_block != spec.block_size:
-            full = _expand(q, saved_block)
+            full = expand_blocks(q, saved_block)
             q = full[tuple(slice(None, None, b) for b in spec.block_size)]
-            if not torch.equal(_expand(q, spec.block_size), full):
+            if not torch.equal(expand_blocks(q, spec.block_size), full):
                 raise ValueError(f"{fqn}: the checkpoint's {name} varies within the model's quantization blocks "
                                  f"{spec.block_size} (saved with blocks {saved_block}); quantize the model with "
                                  "the checkpoint's group size")

@@ -22,14 +22,20 @@ to quantize it after loading). Configs that need calibration data (static activa
 on load: quantize the float model with `affineq.quantize_`, then `set_quantization_config` and save.
 
 Saving: every quantized weight is stored as its inner tensors (``name:qdata``, ...) with its `QuantSpec` in
-the safetensors header (`affineq.safetensors`), so reloading rebuilds exactly those tensors. A model
-quantized by `affineq.quantize_` outside `from_pretrained` (calibrated static activations, GPTQ, ...) is
-saved the same way after `set_quantization_config(model, config)`.
+the safetensors header (`affineq.safetensors`), so reloading rebuilds exactly those tensors, and config.json's
+`quantization_config` lists the quantized weights (`quantized_weights`): a reload fails naming any the files
+lack. A transformers model quantized by `affineq.quantize_` outside `from_pretrained` (calibrated static
+activations, GPTQ, ...) records its config as `set_quantization_config(model, config)` does, so
+`save_pretrained` just works.
+
+Loading checks every file transformers resolved lies inside the checkpoint directory after resolving
+symlinks, and each quantized weight's inner tensors against their checksums (every one must have one).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 import torch
@@ -38,6 +44,7 @@ from torch import nn
 try:
     import transformers  # noqa: F401
     from transformers.core_model_loading import ConversionOps
+    from transformers.modeling_utils import PreTrainedModel
     from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
     from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
     from transformers.quantizers.base import get_keys_to_not_convert
@@ -50,8 +57,9 @@ except ImportError as _e:  # pragma: no cover - depends on the environment
 from affineq import safetensors as _st
 from affineq._memory import release_float_copy as _release_float_copy
 from affineq._memory import trim_heap as _trim_heap
+from affineq._untrusted import inside
 from affineq.configs import QuantConfig, config_from_dict
-from affineq.quantize import FqnToConfig, ModelConfig, QuantizationError, quantize_
+from affineq.quantize import AFTER_QUANTIZE, FqnToConfig, ModelConfig, QuantizationError, quantize_
 from affineq.tensor.affine import AffineQuantizedTensor
 
 __all__ = ["AffineqConfig", "AffineqHfQuantizer", "QUANT_METHOD", "set_quantization_config"]
@@ -66,10 +74,12 @@ class AffineqConfig(QuantizationConfigMixin):
     stored in config.json with the configs' own `to_dict()` / `config_from_dict`.
     modules_to_not_convert: module names (prefixes, regexes or suffixes, as transformers matches them) kept
     float on load; None = transformers' defaults (tied weights, output embeddings, the last module).
+    quantized_weights: the manifest save_pretrained writes (names of the quantized weights); loading a
+    pre-quantized checkpoint fails naming any its files lack. None: not recorded (older saves).
     """
 
     def __init__(self, quant_config: QuantConfig | dict, modules_to_not_convert: list[str] | None = None,
-                 **kwargs: Any) -> None:
+                 quantized_weights: list[str] | None = None, **kwargs: Any) -> None:
         self.quant_method = QUANT_METHOD
         if isinstance(quant_config, dict):
             try:
@@ -83,25 +93,37 @@ class AffineqConfig(QuantizationConfigMixin):
                 not isinstance(modules_to_not_convert, (list, tuple))
                 or not all(isinstance(m, str) for m in modules_to_not_convert)):
             raise ValueError(f"modules_to_not_convert must be a list of module names, got {modules_to_not_convert!r}")
+        if quantized_weights is not None and (not isinstance(quantized_weights, (list, tuple))
+                                              or not all(isinstance(m, str) for m in quantized_weights)):
+            raise ValueError(f"quantized_weights must be a list of weight names, got {quantized_weights!r}")
         self.quant_config = quant_config
         self.modules_to_not_convert = None if modules_to_not_convert is None else list(modules_to_not_convert)
+        self.quantized_weights = None if quantized_weights is None else sorted(quantized_weights)
 
     def to_dict(self) -> dict[str, Any]:
         return {"quant_method": QUANT_METHOD, "quant_config": self.quant_config.to_dict(),
-                "modules_to_not_convert": self.modules_to_not_convert}
+                "modules_to_not_convert": self.modules_to_not_convert, "quantized_weights": self.quantized_weights}
 
     def __iter__(self):
         yield from self.to_dict().items()
 
     @classmethod
     def from_dict(cls, config_dict: dict, return_unused_kwargs: bool = False, **kwargs):
+        if not isinstance(config_dict, dict):
+            raise ValueError(f"AffineqConfig.from_dict expects the dict AffineqConfig.to_dict writes, got "
+                             f"{type(config_dict).__name__}")
         d = dict(config_dict)
+        unknown = set(d) - {"quant_method", "quant_config", "modules_to_not_convert", "quantized_weights"}
+        if unknown:
+            raise ValueError(f"AffineqConfig.from_dict: unknown keys {sorted(map(repr, unknown))}; the "
+                             "quantization_config of an affineq checkpoint holds quant_method, quant_config, "
+                             "modules_to_not_convert and quantized_weights")
         if d.pop("quant_method", QUANT_METHOD) != QUANT_METHOD:
             raise ValueError(f"AffineqConfig.from_dict got quant_method={config_dict.get('quant_method')!r}")
         if "quant_config" not in d:
             raise ValueError("AffineqConfig.from_dict: the dict has no 'quant_config' (AffineqConfig.to_dict writes "
                              "one)")
-        config = cls(d.pop("quant_config"), d.pop("modules_to_not_convert", None))
+        config = cls(d.pop("quant_config"), d.pop("modules_to_not_convert", None), d.pop("quantized_weights", None))
         unused = {k: v for k, v in kwargs.items() if not hasattr(config, k)}
         for k in set(kwargs) - set(unused):
             setattr(config, k, kwargs[k])
@@ -225,8 +247,11 @@ class AffineqHfQuantizer(HfQuantizer):
     # -- loading ----------------------------------------------------------------------------------------
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
+        _check_paths(model, checkpoint_files)
         if self.pre_quantized:
             self.metadata = _read_checkpoint(checkpoint_files)
+            _st.check_manifest(self.quantization_config.quantized_weights, self.metadata["quantized"],
+                               os.path.dirname(checkpoint_files[0]))
             _trim_heap()  # the validation read's copies are freed: give their pages back before loading
             return model
         cfg = self.quantization_config.quant_config
@@ -312,6 +337,8 @@ class AffineqHfQuantizer(HfQuantizer):
         skip = frozenset(k for k in tied if isinstance(sd.get(k), AffineQuantizedTensor))
         # checksum_plain=False: transformers may rename or convert plain tensors on save.
         tensors, meta = _st.flatten_state_dict(sd, checksum_plain=False, skip=skip)
+        # the manifest: config.json (written after this) lists the quantized weights a load must find
+        self.quantization_config.quantized_weights = sorted(meta["quantized"])
         return tensors, {_st.METADATA_KEY: json.dumps(meta, separators=(",", ":"))}
 
     def is_serializable(self) -> bool:
@@ -332,6 +359,18 @@ def _with_param(cfg: QuantConfig, pname: str) -> QuantConfig:
     return dataclasses.replace(cfg, param_names=(pname,))
 
 
+def _check_paths(model: nn.Module, files: list[str] | None) -> None:
+    """ValueError unless every checkpoint file transformers resolved lies, after resolving symlinks, inside
+    the model's directory (a local `from_pretrained(path)`), else inside the first file's directory."""
+    if not files:
+        return
+    name = getattr(getattr(model, "config", None), "_name_or_path", None)
+    root = name if isinstance(name, str) and name and os.path.isdir(name) else os.path.dirname(
+        os.path.normpath(os.path.abspath(files[0])))
+    for f in files:
+        inside(root, os.path.abspath(f), f"checkpoint file {os.path.basename(f)!r} (from the index)")
+
+
 def _read_checkpoint(files: list[str] | None) -> dict:
     """The merged, validated "affineq" metadata of a pre-quantized checkpoint's safetensors files: every
     quantized entry complete across the files, its spec, inner tensors and checksums checked (ValueError)."""
@@ -344,7 +383,7 @@ def _read_checkpoint(files: list[str] | None) -> dict:
         if not str(path).endswith(".safetensors"):
             raise ValueError(f"{path}: affineq checkpoints are .safetensors only (no pickled .bin/.pt files)")
         try:
-            with st.safe_open(path, framework="pt") as f:
+            with _st.open_file(path) as f:
                 meta = _st.parse_metadata(f.metadata(), str(path))
                 keys = list(f.keys())
         except st.SafetensorError as e:
@@ -354,6 +393,8 @@ def _read_checkpoint(files: list[str] | None) -> dict:
                              "file was replaced or edited: save the model again with save_pretrained")
         merged = _st.merge_metadata(merged, meta, str(path))
         found.update({k: path for k in keys})
+    inner_keys = [f"{n}{_st.SEP}{i}" for n, e in merged["quantized"].items() for i in e["tensors"]]
+    _st.check_coverage(inner_keys, merged["checksums"], os.path.dirname(str(files[0])))
     missing = sorted(k for k in merged["checksums"] if k not in found)
     if missing:
         raise ValueError(f"the checkpoint lacks tensors its metadata lists ({missing[:5]}): a shard is missing or "
@@ -367,7 +408,7 @@ def _read_checkpoint(files: list[str] | None) -> dict:
                 key = f"{name}{_st.SEP}{i}"
                 path = found[key]
                 if path not in handles:
-                    handles[path] = st.safe_open(path, framework="pt").__enter__()
+                    handles[path] = _st.open_file(path).__enter__()
                 inner[i] = handles[path].get_tensor(key)
             _st.verify_checksums({f"{name}{_st.SEP}{i}": t for i, t in inner.items()}, merged["checksums"],
                                  str(found[key]))
@@ -392,6 +433,21 @@ def set_quantization_config(model: nn.Module, quant_config: QuantConfig | Affine
     return model
 
 
+def _record_quantization(model: nn.Module, config: QuantConfig) -> None:
+    """`quantize_`'s hook: a transformers model quantized outside from_pretrained records `config` as
+    `set_quantization_config` does (once; a quantizer already set, affineq's or another, is kept), so
+    `save_pretrained` writes what quantize-on-load writes. Never raises: quantize_ has already succeeded."""
+    if not isinstance(model, PreTrainedModel) or getattr(model, "hf_quantizer", None) is not None:
+        return
+    if not any(isinstance(p, AffineQuantizedTensor) for p in model.parameters()):
+        return
+    try:
+        json.dumps(config.to_dict())  # config.json must be able to hold it
+    except (TypeError, ValueError, NotImplementedError):
+        return
+    set_quantization_config(model, config)
+
+
 def _register() -> None:
     """Register with transformers once (re-importing this module replaces the previous registration)."""
     if QUANT_METHOD in AUTO_QUANTIZATION_CONFIG_MAPPING:
@@ -403,3 +459,5 @@ def _register() -> None:
 
 
 _register()
+# one hook per process, this module's latest (re-importing it replaces the previous one, as _register does)
+AFTER_QUANTIZE[:] = [h for h in AFTER_QUANTIZE if getattr(h, "__module__", None) != __name__] + [_record_quantization]

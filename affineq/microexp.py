@@ -98,7 +98,7 @@ class MicroexpCodes(NamedTuple):
     micro_exp: torch.Tensor
 
 
-def _floor_log2(a: torch.Tensor) -> torch.Tensor:
+def floor_log2(a: torch.Tensor) -> torch.Tensor:
     """floor(log2 a) as int32 for a > 0 (exact, through frexp: a = f * 2**e, f in [0.5, 1)); -2**30 for 0."""
     _, e = torch.frexp(a)
     return torch.where(a > 0, e.to(torch.int32) - 1, torch.full_like(e, -(1 << 30), dtype=torch.int32))
@@ -108,7 +108,7 @@ def pair_exponents(x: torch.Tensor, fmt: str | MicroexpFormat) -> tuple[torch.Te
     """(E int32 [..., K/16], t int32 [..., K/2]) of `x` [..., K] (blocks along the last dim)."""
     f = microexp_format(fmt)
     k = x.shape[-1]
-    e = _floor_log2(x.float().abs())
+    e = floor_log2(x.float().abs())
     e_pair = e.view(*x.shape[:-1], k // f.k2, f.k2).amax(-1)
     e_block = e_pair.view(*x.shape[:-1], k // f.k1, f.k1 // f.k2).amax(-1)
     big_e = e_block.clamp(f.min_exponent, _BIAS)

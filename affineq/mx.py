@@ -90,7 +90,7 @@ def _check_mode(scale_mode) -> None:
         raise ValueError(f"scale_mode={scale_mode!r}: use one of {list(SCALE_MODES)} ('floor' is the OCP rule)")
 
 
-def _floor_log2(v: torch.Tensor) -> torch.Tensor:
+def floor_log2(v: torch.Tensor) -> torch.Tensor:
     """floor(log2(v)) exactly for positive finite float64 v (frexp: v = m * 2**k, m in [0.5, 1))."""
     _, k = torch.frexp(v)
     return k - 1
@@ -124,12 +124,12 @@ def pow2_scale_exponent(amax: torch.Tensor, element, scale_mode: str = "floor",
     a = amax.double()
     safe = torch.where(a > 0, a, torch.ones_like(a))
     if scale_mode == "floor":
-        e = _floor_log2(safe) - emax
+        e = floor_log2(safe) - emax
     elif scale_mode == "ceil":
         e = _ceil_log2(safe) - emax
     elif scale_mode == "even":
-        step = torch.ldexp(torch.ones_like(safe), _floor_log2(safe) - mbits)
-        e = _floor_log2(torch.round(safe / step) * step) - emax  # exact: step is a power of two
+        step = torch.ldexp(torch.ones_like(safe), floor_log2(safe) - mbits)
+        e = floor_log2(torch.round(safe / step) * step) - emax  # exact: step is a power of two
     else:
         e = _ceil_log2(safe / qmax)
         e = torch.where(safe > torch.ldexp(torch.full_like(safe, qmax), e), e + 1, e)  # a rounded-down quotient

@@ -92,7 +92,7 @@ class ZeroPointDomain(enum.Enum):
 # choose_qparams_affine
 
 
-def _default_eps(scale_dtype: torch.dtype) -> float:
+def default_eps(scale_dtype: torch.dtype) -> float:
     # The smallest normal of the dtype the scale is stored in (the input dtype plays no part: an fp16 input
     # with float32 scales keeps float32's floor), never below float32's: the range math runs in float32,
     # where a float64 floor would round to a zero scale.
@@ -312,7 +312,7 @@ def choose_qparams_affine(
         zero_point_dtype = torch.int32 if domain is ZeroPointDomain.INT else scale_dtype
     elif domain is not ZeroPointDomain.NONE:
         _check_zero_point_dtype(fn, zero_point_dtype, domain, qmin, qmax)
-    eps = _default_eps(scale_dtype) if eps is None else _check_eps(fn, eps, scale_dtype)
+    eps = default_eps(scale_dtype) if eps is None else _check_eps(fn, eps, scale_dtype)
 
     # Block extremes in the input's own dtype: exact, and rounding them to float32 afterwards gives the
     # extremes of the float32-rounded input (rounding is monotonic).
@@ -453,7 +453,7 @@ def _unclamped_codes(
     return rnd(x * inv_scale)
 
 
-def _fake_quantize_unchecked(
+def fake_quantize_unchecked(
     x: torch.Tensor,
     scale: torch.Tensor,
     zero_point: torch.Tensor | None,

@@ -39,8 +39,11 @@ formats and activations round half to even). Refused by `quantize_` with a `Quan
 missing: bias specs, dynamic output specs, Dtype.bfloat16/float16. `algo_config` (GPTQ, AWQ, HQQ) or
 `pre_quant_opt_config` (SmoothQuant): an algorithm template (`GPTQConfig(None, ...)`) that wraps every layer's
 resolved weight config.
-`observer_cls` is recorded (and round-trips) for calibration; weights and dynamic activations get min/max
-qparams, what Quark's MinMax observers compute.
+`observer_cls` (an affineq observer class) takes effect or is refused: on a weight-only layer's weight it is run
+over the weight and its range gives the qparams (its granularity must be the spec's); static inputs calibrate
+with it; dynamic inputs and the weights of layers with quantized inputs get min/max qparams, so only the min-max
+observers are accepted there. From JSON, `observer_cls` resolves only among affineq's observers and classes
+given to `register_observer`, and layer-type keys only among torch.nn module classes: nothing is imported.
 
 target_device: CPU adds no constraint; weights whose affineq config has a packed CPU kernel are the ones in
 the README table (Int8/Int4/Intx/Float8 weight-only, 8da8w, 8da4w); power-of-two scales, per-tensor
@@ -54,8 +57,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import fnmatch
-import importlib
 import json
+import threading
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -79,6 +82,7 @@ __all__ = [
     "ScaleType",
     "ZeroPointType",
     "STATIC_ACTIVATION_MESSAGE",
+    "register_observer",
 ]
 
 STATIC_ACTIVATION_MESSAGE = ("output quantization is static and calibrated with a static int8 input: give "
@@ -178,8 +182,55 @@ def _need_enum(owner: str, name: str, value, cls: type[enum.Enum], optional: boo
 # -- specs ------------------------------------------------------------------------------------------------
 
 
-def _allowed_observer_module(module: str) -> bool:
-    return any(module == m or module.startswith(m + ".") for m in ("affineq.observers", "torch.nn"))
+# -- the classes a dict may name (JSON never imports or walks attributes: it looks names up here) ------------
+
+_REGISTRY_LOCK = threading.Lock()
+_OBSERVERS: dict[tuple[str, str], type] = {}  # (module, qualname) -> observer class; filled lazily
+_LAYER_TYPES: dict[tuple[str, str], type] = {}  # (module, qualname) -> torch.nn module class; filled lazily
+
+
+def _class_key(cls: type) -> tuple[str, str]:
+    return cls.__module__, cls.__qualname__
+
+
+def _observer_registry() -> dict[tuple[str, str], type]:
+    if not _OBSERVERS:
+        from affineq import observers
+
+        with _REGISTRY_LOCK:
+            for name in observers.__all__:
+                cls = getattr(observers, name)  # a fixed module's own public names, not a name from a dict
+                if isinstance(cls, type) and issubclass(cls, observers.Observer) and cls is not observers.Observer:
+                    _OBSERVERS.setdefault(_class_key(cls), cls)
+    return _OBSERVERS
+
+
+def _layer_type_registry() -> dict[tuple[str, str], type]:
+    if not _LAYER_TYPES:
+        with _REGISTRY_LOCK:
+            for cls in vars(nn).values():
+                if isinstance(cls, type) and issubclass(cls, nn.Module):
+                    _LAYER_TYPES.setdefault(_class_key(cls), cls)
+    return _LAYER_TYPES
+
+
+def register_observer(cls: type) -> type:
+    """Allow `cls` (a subclass of `affineq.observers.Observer`) as a `QuantizationSpec.observer_cls` read back by
+    `from_dict`. JSON names a class by {"module", "qualname"}; only affineq's observers and registered classes
+    are found, nothing is imported. Returns `cls` (usable as a class decorator)."""
+    from affineq.observers import Observer
+
+    if not (isinstance(cls, type) and issubclass(cls, Observer)):
+        raise ValueError(f"register_observer({cls!r}): pass a subclass of affineq.observers.Observer (it turns "
+                         "what it saw into qparams through the primitives)")
+    registry = _observer_registry()
+    with _REGISTRY_LOCK:
+        other = registry.get(_class_key(cls))
+        if other is not None and other is not cls:
+            raise ValueError(f"register_observer: another class is registered as {cls.__module__}."
+                             f"{cls.__qualname__}; give the observer a distinct module or name")
+        registry[_class_key(cls)] = cls
+    return cls
 
 
 @dataclass(frozen=True)
@@ -254,35 +305,38 @@ class QuantizationSpec:
         names = {f.name for f in dataclasses.fields(cls)}
         if set(d) - names:
             raise ValueError(f"QuantizationSpec has no fields {sorted(set(d) - names)}; use {sorted(names)}")
+        if d.get("dtype") is None:
+            raise ValueError("QuantizationSpec.from_dict: the dict has no 'dtype'; use one of "
+                             f"{list(Dtype.__members__)}")
         kw: dict[str, Any] = dict(d)
         for name, ecls in (("dtype", Dtype), ("qscheme", QSchemeType), ("round_method", RoundType),
                            ("scale_type", ScaleType), ("zero_point_type", ZeroPointType), ("mx_element_dtype", Dtype)):
             v = kw.get(name)
             if v is not None:
-                if v not in ecls.__members__:
+                if not isinstance(v, str) or v not in ecls.__members__:
                     raise ValueError(f"QuantizationSpec.{name}={v!r}: use one of {list(ecls.__members__)}")
                 kw[name] = ecls[v]
         if kw.get("observer_cls") is not None:
-            kw["observer_cls"] = _load_class(kw["observer_cls"], "QuantizationSpec.observer_cls")
+            kw["observer_cls"] = _load_class(kw["observer_cls"], "QuantizationSpec.observer_cls",
+                                             _observer_registry(), _OBSERVERS_ALLOWED)
         return cls(**kw)
 
 
-def _load_class(ref, what: str) -> type:
-    if not (isinstance(ref, dict) and isinstance(ref.get("module"), str) and isinstance(ref.get("qualname"), str)):
+def _load_class(ref, what: str, registry: dict[tuple[str, str], type], allowed: str) -> type:
+    """The class `ref` ({"module": ..., "qualname": ...}, as to_dict writes it) names in `registry`; ValueError
+    for anything else. Nothing is imported and no attribute is looked up: only registered names resolve."""
+    if not (isinstance(ref, dict) and set(ref) == {"module", "qualname"} and isinstance(ref["module"], str)
+            and isinstance(ref["qualname"], str)):
         raise ValueError(f"{what}={ref!r}: expected {{'module': ..., 'qualname': ...}} as to_dict writes it")
-    module, qualname = ref["module"], ref["qualname"]
-    if not _allowed_observer_module(module):
-        raise ValueError(f"{what}: refusing to load {module}.{qualname}; only classes from affineq.observers or "
-                         "torch.nn are loaded from JSON (set observer_cls in code for other classes)")
-    try:
-        obj: Any = importlib.import_module(module)
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"{what}: cannot load {module}.{qualname} ({e}); is that affineq version installed?") from None
-    if not isinstance(obj, type):
-        raise ValueError(f"{what}: {module}.{qualname} is not a class")
-    return obj
+    cls = registry.get((ref["module"], ref["qualname"]))
+    if cls is None:
+        raise ValueError(f"{what}: refusing to load {ref['module']}.{ref['qualname']}: it is not one of the "
+                         f"{allowed}")
+    return cls
+
+
+_OBSERVERS_ALLOWED = ("observers of affineq.observers or a class registered with "
+                      "affineq.quark.register_observer (set observer_cls in code for other classes)")
 
 
 def _check_device(owner: str, qc: QuantizationConfig) -> None:
@@ -331,11 +385,18 @@ class QuantizationConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> QuantizationConfig:
-        if not isinstance(d, dict) or set(d) - set(_FIELDS):
-            raise ValueError(f"QuantizationConfig.from_dict expects a dict with keys {list(_FIELDS)}, got {d!r}")
-        kw: dict[str, Any] = {n: None if d.get(n) is None else QuantizationSpec.from_dict(d[n]) for n in _TENSORS}
+        if not isinstance(d, dict):
+            raise ValueError(f"QuantizationConfig.from_dict expects a dict with keys {list(_FIELDS)}, got "
+                             f"{type(d).__name__}")
+        _no_unknown_keys("QuantizationConfig", d, _FIELDS)
+        kw: dict[str, Any] = {}
+        for n in _TENSORS:
+            try:
+                kw[n] = None if d.get(n) is None else QuantizationSpec.from_dict(d[n])
+            except ValueError as e:
+                raise ValueError(f"QuantizationConfig.{n}: {e}") from None
         dev = d.get("target_device")
-        if dev is not None and dev not in DeviceType.__members__:
+        if dev is not None and (not isinstance(dev, str) or dev not in DeviceType.__members__):
             raise ValueError(f"QuantizationConfig.target_device={dev!r}: use one of {list(DeviceType.__members__)}")
         kw["target_device"] = None if dev is None else DeviceType[dev]
         return cls(**kw)
@@ -495,11 +556,10 @@ class Config(ModelConfig):
                 problems.append(f"  - {fqn}: {e}")
                 continue
             if cfg is not None and algo is not None:
-                if not isinstance(cfg, algo.base_types):
+                why = algo.cannot_wrap(cfg)
+                if why is not None:
                     problems.append(f"  - {fqn}: {type(algo).__name__} cannot wrap {type(cfg).__name__} (what this "
-                                    f"layer's specs resolve to); it wraps "
-                                    f"{', '.join(t.__name__ for t in algo.base_types)}: change the layer's specs "
-                                    "or exclude it")
+                                    f"layer's specs resolve to): {why}; change the layer's specs or exclude it")
                     continue
                 cfg = algo.with_base(cfg)
             if cfg is not None:
@@ -533,35 +593,78 @@ class Config(ModelConfig):
 
     @classmethod
     def from_dict(cls, d: dict) -> Config:
-        keys = {"type", "global_quant_config", "layer_type_quant_config", "layer_quant_config", "exclude",
-                "algo_config", "pre_quant_opt_config", "quant_mode"}
-        if not isinstance(d, dict) or d.get("type") != "Config" or set(d) - keys:
-            raise ValueError(f"Config.from_dict expects the dict Config.to_dict() writes (keys {sorted(keys)})")
+        """Inverse of `to_dict`. ValueError names a missing, unknown or wrong-typed field; classes are looked up
+        in allow-lists (torch.nn layer types; observers: `register_observer`), never imported."""
+        if not isinstance(d, dict) or d.get("type") != "Config":
+            raise ValueError(f"Config.from_dict expects the dict Config.to_dict() writes (with 'type': 'Config'), "
+                             f"got {d if not isinstance(d, dict) else {'type': d.get('type')}!r}")
+        _no_unknown_keys("Config", d, _CONFIG_KEYS)
+        if d.get("global_quant_config") is None:
+            raise ValueError("Config.from_dict: the dict has no 'global_quant_config'; every Config has one (a "
+                             "QuantizationConfig dict; {} quantizes nothing unless a layer level sets specs)")
         types = {}
-        for k, v in (d.get("layer_type_quant_config") or {}).items():
+        for k, v in _dict_field(d, "layer_type_quant_config").items():
             if k.startswith("class:"):
-                _, module, qualname = k.split(":", 2)
-                if not module.startswith("torch.nn"):
-                    raise ValueError(f"Config.layer_type_quant_config key {k!r}: only torch.nn classes are loaded")
-                k = _load_class({"module": module, "qualname": qualname}, "Config.layer_type_quant_config key")
-            types[k] = QuantizationConfig.from_dict(v)
-        return cls(QuantizationConfig.from_dict(d["global_quant_config"]), types,
-                   {k: QuantizationConfig.from_dict(v) for k, v in (d.get("layer_quant_config") or {}).items()},
-                   list(d.get("exclude") or ()), _algorithm_from_dict(d.get("algo_config")),
-                   _algorithm_from_dict(d.get("pre_quant_opt_config")),
-                   d.get("quant_mode", QuantizationMode.eager_mode.value))
+                module, _, qualname = k.removeprefix("class:").partition(":")
+                k = _load_class({"module": module, "qualname": qualname}, f"Config.layer_type_quant_config key {k!r}",
+                                _layer_type_registry(), "torch.nn module classes (key other classes by name)")
+            types[k] = _sub_config(f"layer_type_quant_config[{k!r}]", v)
+        exclude = d.get("exclude")
+        if exclude is not None and (not isinstance(exclude, list) or not all(isinstance(p, str) for p in exclude)):
+            raise ValueError(f"Config.exclude={exclude!r}: use a list of layer names / fnmatch patterns, e.g. "
+                             "['lm_head'] (a single name too goes in a list)")
+        mode = d.get("quant_mode", QuantizationMode.eager_mode.value)
+        if not isinstance(mode, str):
+            raise ValueError(f"Config.quant_mode={mode!r}: use one of {[m.value for m in QuantizationMode]}")
+        return cls(_sub_config("global_quant_config", d["global_quant_config"]), types,
+                   {k: _sub_config(f"layer_quant_config[{k!r}]", v)
+                    for k, v in _dict_field(d, "layer_quant_config").items()},
+                   list(exclude or ()), _algorithm_from_dict("algo_config", d.get("algo_config")),
+                   _algorithm_from_dict("pre_quant_opt_config", d.get("pre_quant_opt_config")), mode)
 
 
-def _algorithm_from_dict(d):
+_CONFIG_KEYS = ("type", "global_quant_config", "layer_type_quant_config", "layer_quant_config", "exclude",
+                "algo_config", "pre_quant_opt_config", "quant_mode")
+
+
+def _no_unknown_keys(owner: str, d: dict, known) -> None:
+    unknown = [k for k in d if k not in known]
+    if unknown:
+        raise ValueError(f"{owner}.from_dict: unknown keys {sorted(map(repr, unknown))}; use {list(known)}")
+
+
+def _dict_field(d: dict, name: str) -> dict:
+    """d[name] as a dict with str keys ({} when absent or None); ValueError naming the field otherwise."""
+    v = d.get(name)
+    if v is None:
+        return {}
+    if not isinstance(v, dict) or not all(isinstance(k, str) and k for k in v):
+        raise ValueError(f"Config.{name}={v!r}: use a dict of non-empty str keys -> QuantizationConfig dicts")
+    return v
+
+
+def _sub_config(field_name: str, v) -> QuantizationConfig:
+    try:
+        return QuantizationConfig.from_dict(v)
+    except ValueError as e:
+        raise ValueError(f"Config.{field_name}: {e}") from None
+
+
+def _algorithm_from_dict(name: str, d):
     from affineq.configs import config_from_dict
 
-    return None if d is None else config_from_dict(d)
+    if isinstance(d, list):  # Quark writes a list of one
+        return [_algorithm_from_dict(name, x) for x in d]
+    try:
+        return None if d is None else config_from_dict(d)
+    except ValueError as e:
+        raise ValueError(f"Config.{name}: {e}") from None
 
 
 def _algorithm_template(name: str, value, pre_quant: bool):
     """`value` as one algorithm template (an AlgorithmConfig with base_config=None; a one-element list, as
     Quark writes them, is accepted), or None. ValueError names the field and the fix."""
-    from affineq.algorithms._base import AlgorithmConfig
+    from affineq.algorithms import AlgorithmConfig
 
     if isinstance(value, (list, tuple)):
         if len(value) > 1:

@@ -15,35 +15,44 @@ their portable format (`plain`) and repacked on load ("layout" names the layout 
 that the repack reproduces every stored tensor bit for bit, else the layout is stored as it is and its spec
 names it). Loading checks everything it reads: the file itself (a truncated file is a `ValueError`), the
 metadata version, each spec, the names, shapes and dtypes of the inner tensors (`from_tensors`), the CRC32 of
-every checksummed tensor (an edited byte fails), integer codes inside [quant_min, quant_max] and finite float
-qparams.
+every tensor (an edited byte fails; a tensor without a checksum is refused unless the caller passes
+`allow_unchecked=True`, so deleting checksums does not switch the check off), integer codes inside
+[quant_min, quant_max] and finite float qparams. `save_file` writes a hidden temporary file and renames it
+into place, so a failed write (disk full) leaves no file, or the previous one, at `path`.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
+import threading
 import zlib
 from typing import Any
 
 import torch
 
+from affineq._untrusted import parse_json
 from affineq.tensor.affine import AffineQuantizedTensor
 from affineq.tensor.formats import get_format
 from affineq.tensor.spec import QuantSpec
 
-__all__ = ["FILE_VERSION", "METADATA_KEY", "SEP", "save_file", "load_file", "flatten_state_dict",
-           "unflatten_state_dict", "parse_metadata", "merge_metadata", "verify_checksums"]
+__all__ = ["FILE_VERSION", "METADATA_KEY", "SEP", "OPEN_EVENT", "save_file", "load_file", "open_file",
+           "flatten_state_dict", "unflatten_state_dict", "parse_metadata", "merge_metadata", "verify_checksums",
+           "check_coverage", "check_manifest"]
 
 #: Version of the "affineq" metadata encoding; files with a newer one are refused with both versions named.
 FILE_VERSION = 1
 METADATA_KEY = "affineq"
 #: Separates a quantized entry's name from its inner tensor's name in the file's keys ("w:qdata").
 SEP = ":"
+#: `sys.audit` event raised with the path of every safetensors file affineq opens (safetensors opens files in
+#: Rust, which Python's own "open" audit event does not see).
+OPEN_EVENT = "affineq.safetensors.open"
 
 
 def _affineq_version() -> str:
-    from affineq import __version__
+    from affineq._version import __version__
 
     return __version__
 
@@ -56,6 +65,13 @@ def _import_safetensors():
         raise ImportError("affineq.safetensors needs the safetensors package: pip install safetensors "
                           "(or pip install affineq[models])") from None
     return safetensors
+
+
+def open_file(path: str | os.PathLike, device: str = "cpu"):
+    """`safetensors.safe_open(path)` (framework "pt"), announced to audit hooks as `OPEN_EVENT`."""
+    st = _import_safetensors()
+    sys.audit(OPEN_EVENT, os.fspath(path))
+    return st.safe_open(os.fspath(path), framework="pt", device=device)
 
 
 def _crc(t: torch.Tensor) -> str:
@@ -162,10 +178,20 @@ def save_file(state_dict: dict[str, torch.Tensor], path: str | os.PathLike,
         raise ValueError(f"metadata key {METADATA_KEY!r} is reserved for affineq's own entry; rename yours")
     tensors, meta = flatten_state_dict(state_dict)
     header = {"format": "pt", **(metadata or {}), METADATA_KEY: json.dumps(meta, separators=(",", ":"))}
+    where = os.fspath(path)
+    head, name = os.path.split(where)
+    tmp = os.path.join(head, f".{name}.{os.getpid()}.{threading.get_ident()}.tmp")  # hidden: no loader takes it
     try:
-        st.torch.save_file(tensors, os.fspath(path), metadata=header)
+        st.torch.save_file(tensors, tmp, metadata=header)
+        os.replace(tmp, where)
     except RuntimeError as e:  # shared storage (tied weights), non-contiguous views
-        raise ValueError(f"save_file({os.fspath(path)!r}): safetensors refused the state_dict: {e}") from None
+        raise ValueError(f"save_file({where!r}): safetensors refused the state_dict: {e}") from None
+    except (OSError, st.SafetensorError) as e:  # disk full, file size limit, no permission
+        raise OSError(f"save_file({where!r}): writing failed ({e}); nothing was written at {where!r} (is the disk "
+                      "full or the directory read-only?)") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 # -- loading ------------------------------------------------------------------------------------------
@@ -175,11 +201,7 @@ def parse_metadata(header: dict[str, str] | None, where: str) -> dict | None:
     """The validated "affineq" metadata dict of a file's header, or None for a file affineq did not write."""
     if not header or METADATA_KEY not in header:
         return None
-    try:
-        meta = json.loads(header[METADATA_KEY])
-    except (json.JSONDecodeError, TypeError) as e:
-        raise ValueError(f"{where}: the {METADATA_KEY!r} metadata is not valid JSON ({e}); the file was edited or "
-                         "corrupted; write it again with affineq") from None
+    meta = parse_json(header[METADATA_KEY], f"{where}: the {METADATA_KEY!r} metadata")
     if not isinstance(meta, dict):
         raise ValueError(f"{where}: the {METADATA_KEY!r} metadata must be a JSON object, got {type(meta).__name__}")
     version, writer = meta.get("version"), meta.get("writer", "an unknown writer")
@@ -225,6 +247,26 @@ def verify_checksums(tensors: dict[str, torch.Tensor], sums: dict[str, str], whe
                              "edited or corrupted; write the file again")
 
 
+def check_coverage(keys, sums: dict[str, str], where: str, *, allow_unchecked: bool = False) -> None:
+    """ValueError unless every key of `keys` has a checksum in `sums` (or the caller opted out)."""
+    if allow_unchecked:
+        return
+    unchecked = sorted(k for k in keys if k not in sums)
+    if unchecked:
+        raise ValueError(f"{where}: tensors {unchecked[:5]} have no checksum ({len(unchecked)} in all), so edited "
+                         "bytes in them would load unnoticed: the metadata was edited, or another program wrote the "
+                         "file (transformers' save_pretrained checksums quantized weights only: load its directory "
+                         "with from_pretrained); pass allow_unchecked=True to load it anyway")
+
+
+def check_manifest(manifest: list[str] | None, entries, where: str) -> None:
+    """ValueError naming every weight the manifest lists as quantized that the files do not hold quantized."""
+    lost = sorted(set(manifest or ()) - set(entries))
+    if lost:
+        raise ValueError(f"{where}: config.json lists quantized weights that the checkpoint's files lack: {lost[:5]} "
+                         f"({len(lost)} in all); a shard was replaced or edited: download or save it again")
+
+
 def _check_values(w: AffineQuantizedTensor, name: str) -> None:
     """Cheap checks on values: integer codes of `plain` inside [quant_min, quant_max]; finite float qparams."""
     s = w.spec
@@ -259,16 +301,22 @@ def build_entry(name: str, entry: dict, tensors: dict[str, torch.Tensor], where:
     return w
 
 
-def unflatten_state_dict(tensors: dict[str, torch.Tensor], meta: dict | None, where: str = "state_dict",
-                         ) -> dict[str, torch.Tensor]:
-    """Inverse of `flatten_state_dict` on a whole file's tensors (`meta` from `parse_metadata`)."""
+def unflatten_state_dict(tensors: dict[str, torch.Tensor], meta: dict | None, where: str = "state_dict", *,
+                         allow_unchecked: bool = False) -> dict[str, torch.Tensor]:
+    """Inverse of `flatten_state_dict` on a whole file's tensors (`meta` from `parse_metadata`). Every tensor
+    must have a checksum unless `allow_unchecked` (then a file without affineq metadata is read as it is)."""
     if meta is None:
         odd = [k for k in tensors if SEP in k]
         if odd:
             raise ValueError(f"{where} has keys like affineq's quantized tensors ({odd[:3]}) but no {METADATA_KEY!r} "
                              "metadata: the header was edited; write the file again with affineq.safetensors")
+        if not allow_unchecked and tensors:
+            raise ValueError(f"{where} has no {METADATA_KEY!r} metadata, so none of its tensors can be checked: it "
+                             "was not written by affineq.safetensors.save_file, or its header was edited; pass "
+                             "allow_unchecked=True to read a safetensors file another program wrote")
         return dict(tensors)
     verify_checksums(tensors, meta["checksums"], where)
+    check_coverage(tensors, meta["checksums"], where, allow_unchecked=allow_unchecked)
     absent = sorted(k for k in meta["checksums"] if k not in tensors)
     if absent:
         raise ValueError(f"{where} lacks tensors its metadata lists ({absent[:5]}); the file is truncated or edited")
@@ -287,16 +335,20 @@ def unflatten_state_dict(tensors: dict[str, torch.Tensor], meta: dict | None, wh
     return out
 
 
-def load_file(path: str | os.PathLike, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """Read a safetensors file written by `save_file` (or any safetensors file) -> state_dict with
-    AffineQuantizedTensors rebuilt on `device`. ValueError for a truncated, edited or newer-version file."""
+def load_file(path: str | os.PathLike, device: str | torch.device = "cpu", *,
+              allow_unchecked: bool = False) -> dict[str, torch.Tensor]:
+    """Read a safetensors file written by `save_file` -> state_dict with AffineQuantizedTensors rebuilt on
+    `device`. ValueError for a truncated, edited or newer-version file, and for a tensor without a checksum
+    (deleted from the metadata, or a file another program wrote) unless `allow_unchecked=True`: then tensors
+    without one are read unchecked (those with one are still checked) and any safetensors file is read."""
     st = _import_safetensors()
     where = os.fspath(path)
     try:
-        with st.safe_open(where, framework="pt", device=str(torch.device(device))) as f:
+        with open_file(where, device=str(torch.device(device))) as f:
             header = f.metadata()
+            meta = parse_metadata(header, where)  # before any tensor is read
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except st.SafetensorError as e:
         raise ValueError(f"{where} is not a readable safetensors file ({e}): it is truncated or corrupted; write it "
                          "again") from None
-    return unflatten_state_dict(tensors, parse_metadata(header, where), where)
+    return unflatten_state_dict(tensors, meta, where, allow_unchecked=allow_unchecked)

@@ -34,21 +34,22 @@ from torch import nn
 
 from affineq import safetensors as _st
 from affineq._memory import release_float_copy, trim_heap
-from affineq.algorithms._base import AlgorithmConfig
+from affineq._meta_buffers import meta_tensors, plan_meta_buffers
+from affineq._untrusted import inside, read_json
+from affineq.algorithms import AlgorithmConfig
 from affineq.configs import QuantConfig
-from affineq.primitives import quantize_affine
-from affineq.quantize import (
+from affineq.plan import (
     FqnToConfig,
     ModelConfig,
     QuantizationError,
-    _handler_for,
-    _parameter_owners,
-    _plan,
-    _raise_problems,
-    _replace_parameters,
+    handler_for,
+    parameter_owners,
+    plan,
+    raise_problems,
 )
+from affineq.quantize import replace_parameters
 from affineq.recurrent import RECURRENT_TYPES
-from affineq.tensor.affine import AffineQuantizedTensor, _check_finite_qparams
+from affineq.tensor.affine import AffineQuantizedTensor
 
 __all__ = ["quantize_checkpoint", "load_quantized", "is_linear_weight", "QuantizedCheckpoint"]
 
@@ -97,45 +98,52 @@ class _Source:
     files: list[Path]
     keys: dict[str, tuple[Path, tuple[int, ...], torch.dtype]]  # key -> (file, shape, dtype)
     meta: dict | None  # merged "affineq" metadata of a quantized checkpoint
+    weight_map: dict[str, Path] | None = None  # the index's tensor -> file, if there is one
 
 
 def _safetensors():
     return _st._import_safetensors()
 
 
-def _files(src: str | os.PathLike) -> list[Path]:
+def _files(src: str | os.PathLike) -> tuple[list[Path], dict[str, Path] | None]:
+    """(the checkpoint's safetensors files, the index's tensor -> file map or None). Every file named by the
+    index, and model.safetensors, must lie inside the directory after resolving symlinks (ValueError)."""
     path = Path(src)
     if path.is_file():
         if path.suffix != ".safetensors":
             raise ValueError(f"src={os.fspath(src)!r} is not a .safetensors file; pass a checkpoint directory or "
                              "a .safetensors file")
-        return [path]
+        return [path], None
     if not path.is_dir():
         raise ValueError(f"src={os.fspath(src)!r} does not exist; pass a checkpoint directory holding "
                          f"{SINGLE_FILE} or {INDEX_FILE}")
-    if (path / INDEX_FILE).is_file():
-        try:
-            weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
-            names = sorted(set(weight_map.values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"{path / INDEX_FILE} is not a safetensors index (a 'weight_map' of tensor name -> "
-                             f"file): {e}") from None
-        missing = [n for n in names if not (path / n).is_file()]
+    index = path / INDEX_FILE
+    if index.is_file():
+        raw = read_json(inside(path, INDEX_FILE, f"{index}"))
+        weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+            raise ValueError(f"{index} is not a safetensors index (a 'weight_map' object of tensor name -> file "
+                             "name)")
+        names = sorted(set(weight_map.values()))
+        files = {n: inside(path, n, f"{index}: weight_map file") for n in names}
+        missing = [n for n in names if not files[n].is_file()]
         if missing:
-            raise ValueError(f"{path / INDEX_FILE} lists shards that are missing: {missing[:5]}")
-        return [path / n for n in names]
+            raise ValueError(f"{index} lists shards that are missing: {missing[:5]}")
+        return [files[n] for n in names], {k: files[v] for k, v in weight_map.items()}
     if (path / SINGLE_FILE).is_file():
-        return [path / SINGLE_FILE]
+        return [inside(path, SINGLE_FILE, os.fspath(path / SINGLE_FILE))], None
     raise ValueError(f"src={os.fspath(src)!r} holds neither {SINGLE_FILE} nor {INDEX_FILE}; pass a safetensors "
                      "checkpoint directory (save_pretrained writes one) or a .safetensors file")
 
 
 def _open_source(src: str | os.PathLike) -> _Source:
     st = _safetensors()
-    source = _Source(_files(src), {}, None)
+    files, weight_map = _files(src)
+    source = _Source(files, {}, None, weight_map)
     for path in source.files:
         try:
-            with st.safe_open(str(path), framework="pt") as f:
+            with _st.open_file(path) as f:
                 meta = _st.parse_metadata(f.metadata(), str(path))
                 for key in f.keys():
                     sl = f.get_slice(key)
@@ -146,15 +154,19 @@ def _open_source(src: str | os.PathLike) -> _Source:
             raise ValueError(f"{path} is not a readable safetensors file ({e}): it is truncated or corrupted") from None
         if meta is not None:
             source.meta = _st.merge_metadata(source.meta, meta, str(path))
+    for key, path in (weight_map or {}).items():
+        if key not in source.keys or source.keys[key][0] != path:
+            raise ValueError(f"{os.fspath(src)}/{INDEX_FILE} maps tensor {key!r} to {path.name}, which lacks it; a "
+                             "shard is truncated or was replaced, or the index was edited: download the checkpoint "
+                             "again")
     return source
 
 
 def _read(source: _Source) -> Iterator[tuple[str, torch.Tensor]]:
     """(key, tensor) for every tensor of the checkpoint, file by file. Each tensor is a view of the file's
     mapping: its pages become resident as they are read."""
-    st = _safetensors()
     for path in source.files:
-        with st.safe_open(str(path), framework="pt") as f:
+        with _st.open_file(path) as f:
             for key in f.keys():
                 yield key, f.get_tensor(key)
 
@@ -186,7 +198,7 @@ def _check_streamable(config: QuantConfig, fqn: str, module: nn.Module) -> None:
         raise QuantizationError(f"{type(config).__name__} ({fqn or '<root>'}) needs calibration data or a whole-model "
                                 "pass, which a tensor-by-tensor quantizer cannot give: load the float model and run "
                                 "affineq.quantize_(model, config, calibration_data=...)")
-    if _handler_for(config) is not _replace_parameters or isinstance(module, RECURRENT_TYPES):
+    if handler_for(config) is not replace_parameters or isinstance(module, RECURRENT_TYPES):
         raise QuantizationError(f"{type(config).__name__} replaces the module {fqn or '<root>'} "
                                 f"({type(module).__name__}) rather than its weights; the streaming quantizer only "
                                 "replaces weights: quantize that module with affineq.quantize_, or leave it float "
@@ -202,8 +214,8 @@ def _targets_from_model(source: _Source, config: QuantConfig, model: nn.Module,
         def module_filter(module: nn.Module, fqn: str) -> bool:
             w = module._parameters.get("weight")
             return w is not None and bool(filter_fn(f"{fqn}.weight" if fqn else "weight", tuple(w.shape)))
-    steps, problems = _plan(model, config, module_filter)
-    _raise_problems(config, problems)
+    steps, problems = plan(model, config, module_filter)
+    raise_problems(config, problems)
     by_param: dict[int, _Target] = {}
     for step in steps:
         _check_streamable(step.config, step.fqn, step.module)
@@ -253,7 +265,7 @@ def _targets_by_name(source: _Source, config: QuantConfig, filter_fn: SelectFn |
             targets[key] = _Target(cfg, module)
         else:
             problems.append((key, why))
-    _raise_problems(config, problems)
+    raise_problems(config, problems)
     return targets
 
 
@@ -275,34 +287,14 @@ def quantize_weight(config: QuantConfig, weight: torch.Tensor, module: nn.Module
 
     `from_spec` holds several full-size fp32 temporaries (the scaled, rounded, clamped weight: ~4x an fp32
     weight). Where the qparams are row-local (block_size[0] == 1: per row, per group) the codes of a row
-    depend on that row only, so they are computed chunk by chunk (`stored_qparams` + `quantize_affine`, as
-    `from_qparams` computes them) and packed once: the temporaries shrink to one chunk plus the codes (one
-    byte per weight), and the pages of a memory-mapped weight are given back chunk by chunk. Other weights,
-    and configs with their own `quantize_weight`, are quantized whole."""
+    depend on that row only, so `from_spec(..., chunk_rows=)` computes them chunk by chunk and packs once: the
+    temporaries shrink to one chunk plus the codes (one byte per weight), and the pages of a memory-mapped
+    weight are given back chunk by chunk. Configs with their own `quantize_weight` are quantized whole."""
     if type(config).quantize_weight is not QuantConfig.quantize_weight or weight.dim() != 2:
         return config.quantize_weight(weight, module)
     spec = config.weight_spec(weight, module)
     rows = max(1, CHUNK_ELEMENTS // max(1, weight.shape[1]))
-    if spec.block_size[0] != 1 or spec.transposed or weight.shape[0] <= rows:
-        return config.quantize_weight(weight, module)
-    options = config.qparam_options()
-    codes: torch.Tensor | None = None  # filled in place: a list + torch.cat would hold the codes twice
-    scales, zero_points = [], []
-    for r in range(0, weight.shape[0], rows):
-        chunk = weight[r:r + rows]
-        scale, zero_point = AffineQuantizedTensor.stored_qparams(chunk, spec.replace(shape=tuple(chunk.shape)),
-                                                                 options)
-        _check_finite_qparams(scale, zero_point)
-        c = quantize_affine(chunk, spec.block_size, scale, zero_point, spec.target, spec.quant_min, spec.quant_max,
-                            spec.zero_point_domain, rounding=options.rounding)
-        if codes is None:
-            codes = torch.empty(weight.shape, dtype=c.dtype, device=c.device)
-        codes[r:r + rows] = c
-        release_float_copy(chunk)  # rows already quantized: their mmapped pages are not needed again
-        scales.append(scale)
-        zero_points.append(zero_point)
-    zero_point = None if zero_points[0] is None else torch.cat(zero_points)
-    return AffineQuantizedTensor.from_codes(codes, torch.cat(scales), zero_point, spec)
+    return AffineQuantizedTensor.from_spec(weight, spec, config.qparam_options(), chunk_rows=rows)
 
 
 # -- writing shards -------------------------------------------------------------------------------------------
@@ -341,7 +333,9 @@ class _ShardWriter:
         self.pending, self.size = {}, 0
         trim_heap()
 
-    def close(self) -> list[Path]:
+    def close(self) -> list[tuple[Path, Path]]:
+        """Write the last shard and the index, all under hidden names; returns (written, final name) pairs
+        that `_commit` renames into place (shards named as transformers names them)."""
         if self.pending or not self.written:
             self.flush()
         n = len(self.written)
@@ -349,17 +343,30 @@ class _ShardWriter:
             final = [self.dst / SINGLE_FILE]
         else:
             final = [self.dst / f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
-        for part, path in zip(self.written, final, strict=True):
-            os.replace(part, path)
+        moves = list(zip(self.written, final, strict=True))
         if n > 1:
-            st = _safetensors()
             weight_map = {}
-            for path in final:
-                with st.safe_open(str(path), framework="pt") as f:
+            for part, path in moves:
+                with _st.open_file(part) as f:
                     weight_map.update({k: path.name for k in f.keys()})
             index = {"metadata": {"total_size": self.dst_bytes, "format": "affineq"}, "weight_map": weight_map}
-            (self.dst / INDEX_FILE).write_text(json.dumps(index, indent=2))
-        return final
+            moves.append((self.hidden(INDEX_FILE, json.dumps(index, indent=2)), self.dst / INDEX_FILE))
+        return moves
+
+    def hidden(self, name: str, text: str) -> Path:
+        """Write `text` to a hidden part file for `name` (removed again if quantize_checkpoint fails)."""
+        part = self.dst / f".{name}.part"
+        self.written.append(part)
+        part.write_text(text)
+        return part
+
+
+def _commit(moves: list[tuple[Path, Path]], done: list[Path]) -> None:
+    """Rename every written part into place (appending each to `done`), the shards last: a checkpoint is only
+    loadable once complete."""
+    for part, final in sorted(moves, key=lambda m: m[1].suffix == ".safetensors"):
+        os.replace(part, final)
+        done.append(final)
 
 
 def _check_dst(src_files: list[Path], dst: Path) -> None:
@@ -377,10 +384,7 @@ def _hf_config(src: Path) -> dict | None:
     path = src / "config.json"
     if not path.is_file():
         return None
-    try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON ({e}); fix or remove it") from None
+    cfg = read_json(inside(src, "config.json", os.fspath(path)))
     if not isinstance(cfg, dict):
         return None
     if cfg.get("quantization_config"):
@@ -390,16 +394,49 @@ def _hf_config(src: Path) -> dict | None:
     return cfg
 
 
-def _copy_side_files(src: Path, dst: Path, hf_config: dict | None, config: QuantConfig) -> None:
-    """Every other file of the source directory (tokenizer, generation config...), and config.json marked
-    quantized as `affineq.hf.AffineqConfig` writes it, so that transformers' `from_pretrained(dst)` loads the
-    quantized checkpoint (its weights are named by the files' metadata, not by the config)."""
-    for f in sorted(src.iterdir()):
-        if f.is_file() and f.suffix != ".safetensors" and f.name not in (INDEX_FILE, "config.json"):
-            shutil.copy2(f, dst / f.name)
+def _side_files(src: Path) -> list[Path]:
+    """Every other file of the source directory (tokenizer, generation config...), each inside it."""
+    return [inside(src, f.name, f"{src}: {f.name}") for f in sorted(src.iterdir())
+            if f.is_file() and f.suffix != ".safetensors" and f.name not in (INDEX_FILE, "config.json")]
+
+
+def _write_side_files(src: Path, writer: _ShardWriter, hf_config: dict | None, config: QuantConfig,
+                      quantized: list[str]) -> list[tuple[Path, Path]]:
+    """The source's other files, and config.json marked quantized as `affineq.hf.AffineqConfig` writes it
+    (with `quantized`, the manifest of the quantized weights a load checks), so that transformers'
+    `from_pretrained(dst)` loads the quantized checkpoint; as hidden parts, (part, final name) pairs."""
+    moves = []
+    for f in _side_files(src):
+        part = writer.dst / f".{f.name}.part"
+        writer.written.append(part)
+        shutil.copy2(f, part)
+        moves.append((part, writer.dst / f.name))
     if hf_config is not None:
-        quant = {"quant_method": "affineq", "quant_config": config.to_dict(), "modules_to_not_convert": None}
-        (dst / "config.json").write_text(json.dumps({**hf_config, "quantization_config": quant}, indent=2) + "\n")
+        quant = {"quant_method": "affineq", "quant_config": config.to_dict(), "modules_to_not_convert": None,
+                 "quantized_weights": sorted(quantized)}
+        text = json.dumps({**hf_config, "quantization_config": quant}, indent=2) + "\n"
+        moves.append((writer.hidden("config.json", text), writer.dst / "config.json"))
+    return moves
+
+
+def _named(key: str, source: _Source, e: ValueError) -> ValueError:
+    """`e` again, naming the checkpoint tensor it came from."""
+    msg = f"tensor {key!r} of {source.keys[key][0]}: {e}"
+    return QuantizationError(msg) if isinstance(e, QuantizationError) else ValueError(msg)
+
+
+def _manifest(src: str | os.PathLike) -> list[str] | None:
+    """The quantized weights config.json's affineq `quantization_config` lists (None: no such list)."""
+    path = Path(src)
+    if not (path.is_dir() and (path / "config.json").is_file()):
+        return None
+    cfg = read_json(inside(path, "config.json", os.fspath(path / "config.json")))
+    qc = cfg.get("quantization_config") if isinstance(cfg, dict) else None
+    names = qc.get("quantized_weights") if isinstance(qc, dict) and qc.get("quant_method") == "affineq" else None
+    if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+        raise ValueError(f"{path / 'config.json'}: quantization_config.quantized_weights must be a list of weight "
+                         f"names, got {type(names).__name__}; the file was edited")
+    return names
 
 
 # -- the public entry points ----------------------------------------------------------------------------------
@@ -444,11 +481,16 @@ def quantize_checkpoint(
                                 "outside embeddings, or filter_fn / model= chose none); the output would be the input")
     src = Path(src_dir)
     hf_config = _hf_config(src) if src.is_dir() else None
+    if src.is_dir():
+        _side_files(src)  # refuse links leading outside before anything is written
     dst = Path(dst_dir)
     _check_dst(source.files, dst)
+    made_dst = not dst.exists()
     dst.mkdir(parents=True, exist_ok=True)
     writer = _ShardWriter(dst, max_shard_bytes)
+    quantized = [k for k in source.keys if k in targets]
     float_bytes = quantized_bytes = src_bytes = 0
+    done: list[Path] = []
     try:
         for key, t in _read(source):
             src_bytes += _nbytes(t)
@@ -456,21 +498,34 @@ def quantize_checkpoint(
             if target is None:
                 writer.add(key, t)
                 continue
-            q = quantize_weight(target.config, t, target.module)
+            try:
+                q = quantize_weight(target.config, t, target.module)
+            except ValueError as e:  # NaN / inf weights
+                raise _named(key, source, e) from None
             float_bytes += _nbytes(t)
             quantized_bytes += _nbytes(q)
             release_float_copy(t)
             del t
             writer.add(key, q)
-        files = writer.close()
+        moves = writer.close()
+        shards = [final for _, final in moves]
         if src.is_dir():
-            _copy_side_files(src, dst, hf_config, config)
-    except BaseException:
+            moves += _write_side_files(src, writer, hf_config, config, quantized)
+        _commit(moves, done)
+    except BaseException as e:  # leave nothing a later load could take for a checkpoint
         for part in writer.written:
             part.unlink(missing_ok=True)
+        for final in done:
+            final.unlink(missing_ok=True)
+        if made_dst:
+            shutil.rmtree(dst, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise OSError(f"quantize_checkpoint: writing {os.fspath(dst)!r} failed ({e}); nothing was left there (is "
+                          "the disk full?)") from None
         raise
-    return QuantizedCheckpoint(tuple(str(f) for f in files), tuple(k for k in source.keys if k in targets),
-                               float_bytes, quantized_bytes, src_bytes, writer.dst_bytes)
+    files = [f for f in shards if f.suffix == ".safetensors"]
+    return QuantizedCheckpoint(tuple(str(f) for f in files), tuple(quantized), float_bytes, quantized_bytes,
+                               src_bytes, writer.dst_bytes)
 
 
 def load_quantized(
@@ -479,6 +534,7 @@ def load_quantized(
     config: QuantConfig | None = None,
     *,
     filter_fn: SelectFn | None = None,
+    allow_unchecked: bool = False,
 ) -> nn.Module:
     """Fill `model` (usually built on the meta device) from the safetensors checkpoint `src`, one tensor at a
     time, and return it.
@@ -489,12 +545,22 @@ def load_quantized(
     so the model never holds its float weights: peak memory is one float tensor plus the quantized model.
     Every parameter and persistent buffer must come from the file and every tensor of the file must have a
     place in the model (ValueError lists what does not, before anything changes); tied parameters are filled
-    once for all their names. Non-persistent buffers (e.g. rotary tables) are left as they are.
+    once for all their names. Non-persistent buffers left on the meta device (rotary tables, position ids)
+    are computed on the CPU by the module's own initialisation (a transformers model's `_init_weights`, else
+    `reset_parameters`); ValueError names any that nothing can compute, before anything changes.
+
+    An affineq checkpoint is checked as it is read: every tensor against its checksum (a tensor without one
+    is refused unless `allow_unchecked=True`: transformers' save_pretrained checksums quantized weights only),
+    and every weight config.json's `quantized_weights` lists must be stored quantized. Every file must lie
+    inside `src` after resolving symlinks.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"load_quantized(model, ...): model must be an nn.Module, got {type(model).__name__}")
     source = _open_source(src)
+    if source.meta is not None:
+        _st.check_coverage(source.keys, source.meta["checksums"], os.fspath(src), allow_unchecked=allow_unchecked)
     entries = (source.meta or {}).get("quantized", {})
+    _st.check_manifest(_manifest(src), entries, os.fspath(src))
     targets = {} if config is None else _targets(source, config, model, filter_fn)
     slots = _slots(model)
     names = {k.partition(_st.SEP)[0] if k.partition(_st.SEP)[0] in entries else k for k in source.keys}
@@ -505,7 +571,12 @@ def load_quantized(
         raise ValueError(f"load_quantized: the checkpoint {os.fspath(src)!r} does not match the model: tensors with no "
                          f"place in the model {unexpected[:5]}, model tensors not in the checkpoint {missing[:5]} "
                          "(build the model the checkpoint was saved from; its state_dict names must be the file's)")
-    owners = _parameter_owners(model)
+    buffers, impossible = plan_meta_buffers(model)
+    if impossible:
+        raise ValueError(f"load_quantized: non-persistent buffers {impossible} are on the meta device and neither the "
+                         "checkpoint (which never holds them) nor their module's initialisation can fill them; build "
+                         "those modules on the CPU")
+    owners = parameter_owners(model)
     partial: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in _read(source):
         name, _, inner = key.partition(_st.SEP)
@@ -520,7 +591,10 @@ def load_quantized(
             _place(slots[name], owners, _st.build_entry(name, entries[name], got, where), quantized=True)
             continue
         if key in targets:
-            q = quantize_weight(targets[key].config, t, targets[key].module)
+            try:
+                q = quantize_weight(targets[key].config, t, targets[key].module)
+            except ValueError as e:  # NaN / inf weights
+                raise _named(key, source, e) from None
             release_float_copy(t)
             _place(slots[key], owners, q, quantized=True)
         else:
@@ -529,6 +603,11 @@ def load_quantized(
     if partial:
         raise ValueError(f"{os.fspath(src)!r}: quantized entries {sorted(partial)[:5]} lack some of their tensors; the "
                          "checkpoint is truncated or was edited")
+    buffers.run()
+    left = meta_tensors(model)
+    if left:
+        raise ValueError(f"load_quantized: {left} are still on the meta device after loading; fill them (or build "
+                         "their modules on the CPU) before running the model")
     trim_heap()
     return model
 

@@ -4,6 +4,8 @@
     python benchmarks/bench_linear.py --compile --m 1 32    # add torch.compile rows
     python benchmarks/bench_linear.py --quick               # one shape, M = 1 and 32
     python benchmarks/bench_linear.py --quick --dtypes fp32 bf16 --configs mxfp4 mxfp6-e2m3 fp6-e3m2 mxfp8-e4m3
+    python benchmarks/bench_linear.py --compute-bound       # M = 32, 128, 512: float = min(fp32, bf16), + torch.ao
+    python benchmarks/bench_linear.py --compute-bound --quick   # the same on a tiny shape: a smoke run of seconds
 
 For every (shape N x K, M, dtype) it prints the time of F.linear in fp32 and in the input dtype, the
 best of them ("float"), each config's time and speedup over "float", and at M = 1 the effective weight
@@ -11,6 +13,11 @@ bandwidth (bytes of stored weights / time) as a fraction of the measured memory 
 physical limit of a batch-1 linear. The float paths and every config of one (shape, M, dtype) are timed
 round-robin, so that a noisy spell on the machine cannot tilt their ratios. Writes results/bench_linear.json
 and results/bench_linear.png.
+
+`--compute-bound` (issue 30) times M = 32, 128, 512 on 4096x4096 and 11008x4096 for fp32 and bf16 input, with
+"float" = the best of fp32 and bf16 F.linear (whatever the input dtype) and torch.ao's `quantize_dynamic` (int8
+dynamic, fp32 input) as a column; the kernel each config ran at that M and the CPU kind (amx / avx512 / avx2,
+which picks the row thresholds of `affineq.tensor.compute_bound`) are printed and saved.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import argparse
 import copy
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -41,6 +49,7 @@ from affineq import (  # noqa: E402
     PerGroup,
     quantize_,
 )
+from affineq.tensor.compute_bound import cpu_kind  # noqa: E402
 
 CONFIGS = {
     "int4-g128": Int4WeightOnlyConfig(group_size=128),
@@ -62,6 +71,10 @@ CONFIGS = {
 }
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]  # (N = out_features, K = in_features)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# --compute-bound (issue 30): the shapes and configs of the compute-bound comparison
+COMPUTE_BOUND_SHAPES = [(4096, 4096), (11008, 4096)]
+COMPUTE_BOUND_CONFIGS = ["int4-g128", "int8", "int3-g32", "fp8-e4m3", "mxfp4", "fp6-e3m2", "int8-dyn",
+                         "int8-dyn-dense", "8da4w-g32"]
 
 
 def _linear(n: int, k: int, dtype: torch.dtype) -> nn.Module:
@@ -95,16 +108,32 @@ def _cycling(fn, x, weights: list[torch.Tensor]):
     return step
 
 
-def _time_all(fn, xs: dict[str, torch.Tensor], weights: dict[str, list[torch.Tensor]]) -> dict[str, float]:
-    """Median ms of fn(xs[name], copy of weights[name]) per name, all timed round-robin."""
+def _time_all(fn, xs: dict[str, torch.Tensor], weights: dict[str, list[torch.Tensor]], extra=None,
+              budget_s: float = 0.4) -> dict[str, float]:
+    """Median ms of fn(xs[name], copy of weights[name]) per name (and of each callable in `extra`), all timed
+    round-robin."""
     cands = {name: _cycling(fn, xs[name], ws) for name, ws in weights.items()}
+    cands.update(extra or {})
     with torch.inference_mode():
-        return round_robin_ms(cands, budget_s=0.4, min_runs=max(5, max(len(w) for w in weights.values())))
+        return round_robin_ms(cands, budget_s=budget_s, min_runs=max(5, max(len(w) for w in weights.values())))
+
+
+def _ao_dynamic(base: nn.Module) -> list[nn.Module]:
+    """torch.ao's int8 dynamic quantization of the fp32 linear (fbgemm / onednn engine), as cold copies."""
+    with warnings.catch_warnings():  # torch.ao.quantization's deprecation notice: it is the comparison here
+        warnings.simplefilter("ignore", DeprecationWarning)
+        q = torch.ao.quantization.quantize_dynamic(copy.deepcopy(base).float(), {nn.Linear}, dtype=torch.qint8)
+    return [q] + [copy.deepcopy(q) for _ in range(len(_copies(base.weight.detach())) - 1)]
+
+
+def _calling(mods: list[nn.Module], x: torch.Tensor):
+    """mods[i](x) over the copies in turn (as `_cycling` for whole modules)."""
+    return _cycling(lambda xx, m: m(xx), x, mods)
 
 
 def run(args) -> list[dict]:
-    bw = memory_bandwidth_gbs()
-    print(machine_line())
+    bw = memory_bandwidth_gbs(64 if args.quick else 512)
+    print(machine_line() + f", CPU kind {cpu_kind()} (affineq.tensor.compute_bound row thresholds)")
     print(f"# measured read bandwidth: {bw:.1f} GB/s (the M = 1 limit: weight bytes / bandwidth)")
     print("# each call reads a different copy of the weights (cold cache), as in a real model's forward\n")
     rows = []
@@ -115,6 +144,10 @@ def run(args) -> list[dict]:
             dtype = DTYPES[dname]
             w_fp32 = _copies(base.weight.detach())
             w_same = _copies(base.weight.detach().to(dtype)) if dtype != torch.float32 else w_fp32
+            # --compute-bound: the best float path is min(fp32, bf16) whatever the input dtype; torch.ao's column
+            w_bf16 = (w_same if dtype == torch.bfloat16 else _copies(base.weight.detach().bfloat16())) \
+                if args.compute_bound else None
+            ao = _ao_dynamic(base) if args.compute_bound else None
             quantized = {}
             for cname in args.configs:
                 t0 = time.perf_counter()
@@ -134,19 +167,28 @@ def run(args) -> list[dict]:
                     x = torch.randn(mm, k, dtype=dtype)
                     for cname, (ws, _) in quantized.items():
                         with torch.inference_mode(), affineq.record_kernels() as used:
-                            F.linear(x[:1], ws[0])
+                            F.linear(x, ws[0])  # the kernel this M runs (some start at a row threshold)
                         kernels[cname] = used[0] if used else "?"
-                    xs = {"fp32": x.float(), "same": x, **{c: x for c in quantized}}
+                    xs = {"fp32": x.float(), "same": x, "bf16": x.bfloat16(), **{c: x for c in quantized}}
                     ws_all = {"fp32": w_fp32, **({"same": w_same} if dtype != torch.float32 else {}),
+                              **({"bf16": w_bf16} if w_bf16 is not None and dtype != torch.bfloat16 else {}),
                               **{c: ws for c, (ws, _) in quantized.items()}}
-                    times = _time_all(fn, xs, ws_all)
+                    extra = {"ao-dynamic": _calling(ao, x.float())} if ao is not None and mode == "eager" else {}
+                    times = _time_all(fn, xs, ws_all, extra, budget_s=args.budget)
                     t_fp32 = times["fp32"]
                     t_same = times.get("same", t_fp32)
-                    t_float = min(t_fp32, t_same)
+                    t_float = min(t_fp32, t_same, times.get("bf16", t_same))
                     row = {"N x K": f"{n}x{k}", "M": mm, "dtype": dname, "mode": mode,
                            "fp32 ms": f"{t_fp32:.3f}", "float ms": f"{t_float:.3f}"}
                     record = dict(shape=(n, k), m=mm, dtype=dname, mode=mode, fp32_ms=t_fp32,
-                                  same_dtype_ms=t_same, float_ms=t_float, configs={})
+                                  same_dtype_ms=t_same, float_ms=t_float, configs={},
+                                  cpu_kind=cpu_kind(), threads=torch.get_num_threads())
+                    if "bf16" in times or dtype == torch.bfloat16:
+                        record["bf16_ms"] = times.get("bf16", t_same)
+                    if "ao-dynamic" in times:
+                        t_ao = times["ao-dynamic"]
+                        row["ao-dynamic"] = f"{t_ao:.3f} ({t_float / t_ao:.2f}x)"
+                        record["ao_dynamic_ms"] = t_ao
                     for cname, (ws, quantize_s) in quantized.items():
                         t = times[cname]
                         gbs = _weight_bytes(ws[0]) / (t * 1e-3) / 1e9
@@ -159,8 +201,12 @@ def run(args) -> list[dict]:
                     print(f"  {n}x{k} M={mm} {dname} {mode}: float {t_float:.3f} ms  " + "  ".join(
                         f"{c} {record['configs'][c]['ms']:.3f}" for c in quantized), flush=True)
     print()
-    columns = ["N x K", "M", "dtype", "mode", "fp32 ms", "float ms", *args.configs]
+    columns = ["N x K", "M", "dtype", "mode", "fp32 ms", "float ms",
+               *(["ao-dynamic"] if args.compute_bound else []), *args.configs]
     print(table(rows, columns))
+    print("\nkernel per config and M (record_kernels): " + "; ".join(
+        f"{r['shape'][0]}x{r['shape'][1]} M={r['m']} {r['dtype']}: "
+        + ", ".join(f"{c} {v['kernel']}" for c, v in r["configs"].items()) for r in records if r["mode"] == "eager"))
     print("\nM = 1 effective weight bandwidth (GB/s, fraction of measured) and kernel:")
     for r in records:
         if r["m"] == 1:
@@ -186,6 +232,8 @@ def _plot(records: list[dict], bw: float, name: str) -> None:
         return
     mode = "eager" if any(r["mode"] == "eager" for r in records) else "compiled"
     eager = [r for r in records if r["mode"] == mode and tuple(r["shape"]) == (4096, 4096)]
+    if not eager:
+        return
     dtypes = sorted({r["dtype"] for r in eager})
     fig, axes = plt.subplots(1, len(dtypes), figsize=(5 * len(dtypes), 4), squeeze=False)
     for ax, dname in zip(axes[0], dtypes, strict=False):
@@ -214,11 +262,25 @@ def main(argv=None) -> None:
     p.add_argument("--shapes", type=lambda s: tuple(int(v) for v in s.split("x")), nargs="+", default=SHAPES,
                    help="N x K pairs, e.g. 4096x4096")
     p.add_argument("--compile", action="store_true", help="also time torch.compile(fullgraph=True)")
-    p.add_argument("--quick", action="store_true", help="4096x4096 only, M = 1 and 32")
+    p.add_argument("--quick", action="store_true",
+                   help="4096x4096 only, M = 1 and 32; with --compute-bound: 512x512, M = 32, a few configs")
+    p.add_argument("--compute-bound", action="store_true",
+                   help="M = 32, 128, 512 on 4096x4096 and 11008x4096, fp32 and bf16, with min(fp32, bf16) as "
+                        "the float path and torch.ao quantize_dynamic as a column")
+    p.add_argument("--budget", type=float, default=0.4, help="seconds of timing per (shape, M, dtype)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default="bench_linear", help="results/<out>.json and .png")
     args = p.parse_args(argv)
-    if args.quick:
+    if args.compute_bound:
+        args.shapes, args.m, args.dtypes = COMPUTE_BOUND_SHAPES, [32, 128, 512], ["fp32", "bf16"]
+        if args.configs == list(CONFIGS):
+            args.configs = COMPUTE_BOUND_CONFIGS
+        if args.out == "bench_linear":
+            args.out = "bench_linear_compute_bound"
+        if args.quick:  # a smoke run: every code path once, in seconds (no meaningful timing)
+            args.shapes, args.m, args.budget = [(512, 512)], [32], 0.02
+            args.configs, args.out = ["int4-g128", "int8", "int8-dyn"], args.out + "_quick"
+    elif args.quick:
         args.shapes, args.m = [(4096, 4096)], [1, 32]
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -101,7 +101,7 @@ def test_set_of_types_maps_to_int8_dynamic_per_tensor_activations(net):
     assert quantized(q) == {"block.0.weight", "block.2.weight", "head.weight"}
     spec = q.head.weight.spec
     assert spec.act_quant is not None and spec.act_quant.granularity == "per_tensor"
-    assert spec.act_quant.dtype == affineq.qtype(torch.int8) and spec.block_size == (1, 32)  # per output channel
+    assert spec.act_quant.dtype == affineq.dtypes.qtype(torch.int8) and spec.block_size == (1, 32)  # per output channel
     assert not q.training
 
 

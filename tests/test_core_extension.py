@@ -22,12 +22,12 @@ from affineq import (
     QuantizationError,
     QuantSpec,
     ZeroPointDomain,
-    qtype,
     quantize_,
     record_kernels,
 )
-from affineq.dtypes import IntFormat, QType
+from affineq.dtypes import IntFormat, QType, qtype
 from affineq.tensor.formats import FORMATS
+from affineq.tensor.spec import QParamOptions
 
 AQT = AffineQuantizedTensor
 
@@ -178,7 +178,7 @@ def test_float_target_without_torch_dtype_through_spec_pack_dequantize_save_load
     t = qtype(target)
     assert t.torch_dtype is None and t.container == torch.uint8
     w = torch.randn(16, 64)
-    qw = AQT.from_float(w, MappingType.SYMMETRIC, (1, 32), t, zero_point_domain=ZeroPointDomain.NONE)
+    qw = AQT.from_spec(w, (1, 32), target=t, mapping_type=MappingType.SYMMETRIC, zero_point_domain=ZeroPointDomain.NONE)
     assert qw.target is t and qw.target_dtype is t and qw.codes().dtype == torch.uint8
     assert int(qw.codes().max()) < 2 ** t.bits
     # dequantized = scale * the value of the code, and that value is the format's nearest to w / scale
@@ -192,22 +192,23 @@ def test_float_target_without_torch_dtype_through_spec_pack_dequantize_save_load
     assert torch.equal(back, qw) and back.spec == qw.spec and back.spec.target is t
     assert QuantSpec.from_dict(json.loads(json.dumps(qw.spec.to_dict()))) == qw.spec
     # `dense` bit-packs the codes (the C++ kernel's layout, tests/test_cpp_float_codes.py) and dequantizes alike
-    dense = AQT.from_float(w, MappingType.SYMMETRIC, (1, 32), t, zero_point_domain=ZeroPointDomain.NONE,
-                           packing_format="dense")
+    dense = AQT.from_spec(w, (1, 32), target=t, mapping_type=MappingType.SYMMETRIC,
+                          zero_point_domain=ZeroPointDomain.NONE, packing_format="dense")
     assert torch.equal(dense.dequantize(), qw.dequantize())
 
 
 def test_a_registered_integer_target_without_torch_dtype():
-    int12 = affineq.register_qtype(QType("int12", IntFormat(12, True, torch.int16)))
+    int12 = affineq.dtypes.register_qtype(QType("int12", IntFormat(12, True, torch.int16)))
     assert qtype("int12") is int12 and int12.torch_dtype is None
     w = torch.randn(8, 32)
-    qw = AQT.from_float(w, MappingType.SYMMETRIC, (1, 32), int12, zero_point_domain=ZeroPointDomain.NONE)
+    qw = AQT.from_spec(w, (1, 32), target=int12, mapping_type=MappingType.SYMMETRIC,
+                       zero_point_domain=ZeroPointDomain.NONE)
     assert qw.codes().dtype == torch.int16 and int(qw.codes().abs().max()) <= 2047
     assert sqnr(w, qw.dequantize()) > 65
     back = _roundtrip({"w": qw})["w"]
     assert torch.equal(back.dequantize(), qw.dequantize()) and back.spec.target is int12
     with pytest.raises(ValueError, match="already registered"):
-        affineq.register_qtype(QType("int12", IntFormat(12, False, torch.int16)))
+        affineq.dtypes.register_qtype(QType("int12", IntFormat(12, False, torch.int16)))
 
 
 def test_power_of_two_scales_as_e8m0_bytes():
@@ -218,7 +219,7 @@ def test_power_of_two_scales_as_e8m0_bytes():
     assert qw.tensors["scale"].dtype == torch.uint8 and qw.spec.scale_type.name == "e8m0"
     s = qw.scale
     assert torch.equal(s, torch.exp2(torch.log2(s).round()))  # powers of two
-    plain = AQT.from_float(w, MappingType.SYMMETRIC, (1, 32), torch.float8_e4m3fn)
+    plain = AQT.from_spec(w, (1, 32), target=torch.float8_e4m3fn, mapping_type=MappingType.SYMMETRIC)
     assert (s >= plain.scale.float()).all() and (s < 2 * plain.scale.float()).all()  # rounded up: no clipping
     assert sqnr(w, qw.dequantize()) > 25
     assert torch.equal(_roundtrip({"w": qw})["w"].dequantize(), qw.dequantize())
@@ -238,8 +239,8 @@ def _with_pre_scale(fmt: str):
     torch.manual_seed(1)
     w = torch.randn(64, 128)
     pre = torch.rand(128) + 0.5
-    qw = AQT.from_float(w, MappingType.SYMMETRIC, (1, 128), torch.int8, zero_point_domain=ZeroPointDomain.NONE,
-                        packing_format=fmt)
+    qw = AQT.from_spec(w, (1, 128), target=torch.int8, mapping_type=MappingType.SYMMETRIC,
+                       zero_point_domain=ZeroPointDomain.NONE, packing_format=fmt)
     return qw, qw.with_act_tensors(act_pre_scale=pre), pre
 
 
@@ -266,8 +267,8 @@ def test_act_tensors_survive_flatten_compile_slicing_and_weights_only_load():
     assert torch.equal(back.act_tensors["act_pre_scale"], pre) and torch.equal(back, qwp)
     rows = qwp[16:48]
     assert torch.equal(rows.act_tensors["act_pre_scale"], pre)
-    grouped = AQT.from_float(torch.randn(64, 128), MappingType.SYMMETRIC, (1, 32), torch.int8,
-                             zero_point_domain=ZeroPointDomain.NONE).with_act_tensors(act_pre_scale=pre)
+    grouped = AQT.from_spec(torch.randn(64, 128), (1, 32), target=torch.int8, mapping_type=MappingType.SYMMETRIC,
+                            zero_point_domain=ZeroPointDomain.NONE).with_act_tensors(act_pre_scale=pre)
     cols = grouped[:, 32:96]
     assert torch.equal(cols.act_tensors["act_pre_scale"], pre[32:96])
     x = torch.randn(3, 128)
@@ -297,8 +298,8 @@ def test_static_activation_qparams_are_used_as_calibrated():
     scale, zp = torch.tensor([0.02]), torch.tensor([-3], dtype=torch.int32)
     qw = qw.with_act_tensors(act_scale=scale, act_zero_point=zp)
     x = torch.randn(6, 64)
-    xq = affineq.quantize_affine(x, (6, 64), scale, zp, torch.int8)
-    x_fq = affineq.dequantize_affine(xq, (6, 64), scale, zp, torch.int8)
+    xq = affineq.primitives.quantize_affine(x, (6, 64), scale, zp, torch.int8)
+    x_fq = affineq.primitives.dequantize_affine(xq, (6, 64), scale, zp, torch.int8)
     with record_kernels() as used:
         y = F.linear(x, qw)
     assert "aten._int_mm" not in used
@@ -315,15 +316,18 @@ def test_static_activation_qparams_are_used_as_calibrated():
 
 def _examples():
     w = torch.randn(32, 128)
-    yield AQT.from_float(w, MappingType.ASYMMETRIC, (1, 32), torch.uint4, preserve_zero=False,
-                         zero_point_domain=ZeroPointDomain.FLOAT, packing_format="int4_cpu", scale_dtype=torch.bfloat16)
-    yield AQT.from_float(w, MappingType.ASYMMETRIC, (1, 32), torch.uint4, preserve_zero=False,
-                         zero_point_domain=ZeroPointDomain.FLOAT, packing_format="dense", scale_dtype=torch.bfloat16)
-    yield AQT.from_float(w, MappingType.SYMMETRIC, (1, 32), torch.int3, zero_point_domain=ZeroPointDomain.NONE,
-                         packing_format="dense")
-    yield AQT.from_float(w, MappingType.ASYMMETRIC, (1, 128), torch.int8, packing_format="plain",
-                         act_quant=ActivationQuant(torch.int8, MappingType.ASYMMETRIC))
-    yield AQT.from_float(w, MappingType.SYMMETRIC, (32, 128), torch.float8_e5m2, packing_format="plain")
+    yield AQT.from_spec(w, (1, 32), QParamOptions(scale_dtype=torch.bfloat16, preserve_zero=False), target=torch.uint4,
+                        mapping_type=MappingType.ASYMMETRIC, zero_point_domain=ZeroPointDomain.FLOAT,
+                        packing_format="int4_cpu")
+    yield AQT.from_spec(w, (1, 32), QParamOptions(scale_dtype=torch.bfloat16, preserve_zero=False), target=torch.uint4,
+                        mapping_type=MappingType.ASYMMETRIC, zero_point_domain=ZeroPointDomain.FLOAT,
+                        packing_format="dense")
+    yield AQT.from_spec(w, (1, 32), target=torch.int3, mapping_type=MappingType.SYMMETRIC,
+                        zero_point_domain=ZeroPointDomain.NONE, packing_format="dense")
+    yield AQT.from_spec(w, (1, 128), target=torch.int8, mapping_type=MappingType.ASYMMETRIC, packing_format="plain",
+                        act_quant=ActivationQuant(torch.int8, MappingType.ASYMMETRIC))
+    yield AQT.from_spec(w, (32, 128), target=torch.float8_e5m2, mapping_type=MappingType.SYMMETRIC,
+                        packing_format="plain")
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
@@ -405,7 +409,7 @@ def test_a_subclass_inherits_the_op_tables_and_overrides_one_entry():
         return args[0]
 
     w = torch.randn(16, 32)
-    plain = AQT.from_float(w, MappingType.SYMMETRIC, (1, 32), torch.int8)
+    plain = AQT.from_spec(w, (1, 32), target=torch.int8, mapping_type=MappingType.SYMMETRIC)
     marked = Marked(plain.tensors, plain.spec)
     assert marked.clone() is marked and calls == [torch.ops.aten.clone.default]
     assert plain.clone() is not plain and len(calls) == 1  # the parent's table is untouched
@@ -419,8 +423,9 @@ def test_spec_factory_is_the_one_way_in():
     spec = QuantSpec.create(w.shape, w.dtype, torch.uint4, (1, 32), mapping_type=MappingType.ASYMMETRIC,
                             zero_point_domain=ZeroPointDomain.FLOAT, packing_format="dense")
     a = AQT.from_spec(w, spec, affineq.QParamOptions(scale_dtype=torch.float32, preserve_zero=False))
-    b = AQT.from_float(w, MappingType.ASYMMETRIC, (1, 32), torch.uint4, scale_dtype=torch.float32,
-                       preserve_zero=False, zero_point_domain=ZeroPointDomain.FLOAT, packing_format="dense")
+    b = AQT.from_spec(w, (1, 32), QParamOptions(scale_dtype=torch.float32, preserve_zero=False), target=torch.uint4,
+                      mapping_type=MappingType.ASYMMETRIC, zero_point_domain=ZeroPointDomain.FLOAT,
+                      packing_format="dense")
     assert torch.equal(a, b)
     c = AQT.from_qparams(w, a.scale, a.zero_point, spec)
     assert torch.equal(c, a)

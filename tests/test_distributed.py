@@ -233,16 +233,16 @@ def test_reduced_ranges_reproduce_unsharded_activation_quantization():
     aq_8da4w = ActivationQuant(torch.int8, MappingType.ASYMMETRIC, "per_token", ZeroPointDomain.INT)
     for aq in (aq_8da4w, ActivationQuant(torch.int8, MappingType.SYMMETRIC, "per_token"),
                ActivationQuant(torch.int8, MappingType.SYMMETRIC, "per_tensor")):
-        w = affineq.AffineQuantizedTensor.from_float(torch.randn(8, 32), MappingType.SYMMETRIC, (1, 32),
-                                                     torch.int4, act_quant=aq)
+        w = affineq.AffineQuantizedTensor.from_spec(torch.randn(8, 32), (1, 32), target=torch.int4,
+                                                    mapping_type=MappingType.SYMMETRIC, act_quant=aq)
         per_token = aq.granularity == "per_token"
         lo = x.amin(1, keepdim=True) if per_token else x.amin().view(1, 1)
         hi = x.amax(1, keepdim=True) if per_token else x.amax().view(1, 1)
-        token = activation._range_reduce.set(lambda t, op, lo=lo, hi=hi: lo if op == "min" else hi)  # whole token
+        token = activation.range_reduce.set(lambda t, op, lo=lo, hi=hi: lo if op == "min" else hi)  # whole token
         try:
             halves = [activation.reduce_input_ranges(x[:, k:k + 32], w) for k in (0, 32)]
         finally:
-            activation._range_reduce.reset(token)
+            activation.range_reduce.reset(token)
         assert all(h[1].spec.act_quant is None for h in halves)  # the kernel must not quantize again
         assert torch.equal(torch.cat([h[0] for h in halves], 1), fake_quantize_activation(x, aq))
         assert activation.reduce_input_ranges(x, w)[1] is w  # no reduction outside a sharded linear
@@ -265,10 +265,10 @@ def test_group_straddling_two_ranks_is_a_clear_error():
 
 def test_copy_into_a_slice_writes_through():
     """What DCP's load does to its target: narrow, detach, copy_; the copied region lands in the sliced tensor."""
-    a = affineq.AffineQuantizedTensor.from_float(torch.randn(32, 128), MappingType.ASYMMETRIC, (1, 32), torch.uint4,
-                                                 packing_format="dense")
-    b = affineq.AffineQuantizedTensor.from_float(torch.randn(32, 128), MappingType.ASYMMETRIC, (1, 32), torch.uint4,
-                                                 packing_format="dense")
+    a = affineq.AffineQuantizedTensor.from_spec(torch.randn(32, 128), (1, 32), target=torch.uint4,
+                                                mapping_type=MappingType.ASYMMETRIC, packing_format="dense")
+    b = affineq.AffineQuantizedTensor.from_spec(torch.randn(32, 128), (1, 32), target=torch.uint4,
+                                                mapping_type=MappingType.ASYMMETRIC, packing_format="dense")
     expected = torch.cat([b.dequantize()[:, :64], a.dequantize()[:, 64:]], 1)
     a.view(32, 128).narrow(1, 0, 64).detach().copy_(b[:, :64])
     assert torch.equal(a.dequantize(), expected) and a.spec.fmt == "dense"

@@ -41,14 +41,14 @@ from affineq import (
     MXWeightOnlyConfig,
     PerAxis,
     PerGroup,
-    PerTensor,
     SmoothQuantConfig,
     ZeroPointDomain,
-    choose_qparams_affine,
     cpp,
     quantize_,
     record_kernels,
 )
+from affineq.granularity import PerTensor
+from affineq.primitives import choose_qparams_affine
 from affineq.tensor.activation import quantize_activation
 from affineq.tensor.spec import ActivationQuant
 
@@ -62,13 +62,16 @@ KERNEL_OPS = {
     "affineq.int8_codes_linear": torch.ops.affineq.int8_codes_linear.default,
     "aten._weight_int4pack_mm_for_cpu": aten._weight_int4pack_mm_for_cpu.default,
     "aten._weight_int8pack_mm": torch.ops.affineq.weight_int8pack_mm.default,
+    "affineq.dequant_linear": torch.ops.affineq.dequant_linear.default,
+    "onednn.qlinear": torch.ops.affineq.int8_dynamic_onednn_linear.default,
+    "onednn.qlinear:static": torch.ops.affineq.int8_static_onednn_linear.default,
     "aten._int_mm": torch.ops.affineq.int8_dynamic_linear.default,
     "aten._int_mm:static": torch.ops.affineq.int8_static_linear.default,
     "aten._scaled_mm": aten._scaled_mm.default,
 }
 # A float matmul in the graph means a dequantized weight (the MLP has no float linear).
 FLOAT_MATMULS = {aten.linear.default, aten.mm.default, aten.addmm.default, aten.matmul.default, aten.bmm.default,
-                 torch.ops.affineq.lowbit_dequantize.default}
+                 torch.ops.affineq.lowbit_dequantize.default, torch.ops.affineq.dense_dequantize.default}
 
 CALIBRATION = [torch.randn(8, D_IN, generator=torch.Generator().manual_seed(i)) for i in range(4)]
 

@@ -13,9 +13,7 @@ import affineq
 from affineq import (
     ActivationQuant,
     AffineQuantizedTensor,
-    ConvReLU,
     Int8WeightOnlyConfig,
-    LinearReLU,
     MappingType,
     QuantSpec,
     ZeroPointDomain,
@@ -23,6 +21,7 @@ from affineq import (
     quantize_,
     record_kernels,
 )
+from affineq.fusion import ConvReLU, LinearReLU
 
 
 def _cnn() -> nn.Module:
@@ -107,7 +106,7 @@ def test_static_activation_quantization_on_a_conv():
     qw = AffineQuantizedTensor.from_spec(w, spec, affineq.QParamOptions(scale_dtype=torch.float32))
     qw = qw.with_act_tensors(act_scale=scale, act_zero_point=zp)
     x = torch.randn(2, 3, 10, 10)
-    x_fq = affineq.fake_quantize_affine(x, x.shape, scale, zp, torch.int8)
+    x_fq = affineq.primitives.fake_quantize_affine(x, x.shape, scale, zp, torch.int8)
     with pytest.warns(affineq.KernelFallbackWarning):
         out = F.conv2d(x, qw, padding=1)
     torch.testing.assert_close(out, F.conv2d(x_fq, qw.dequantize(), padding=1), rtol=0, atol=0)

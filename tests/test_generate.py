@@ -8,7 +8,12 @@ transformers = pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 import affineq  # noqa: E402
-from affineq.models import build_tiny_lm, generate, generate_greedy  # noqa: E402
+from affineq.models import (  # noqa: E402
+    build_tiny_lm,
+    generate,
+    generate_greedy,
+    static_decoder,  # noqa: E402
+)
 from affineq.models import decoding as generate_module  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::affineq.KernelFallbackWarning")
@@ -81,17 +86,17 @@ def test_fused_projections_match_separate_ones():
     _int4(model)
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     x = torch.randn(3, 64)
-    q, k, v = generate_module._fused([attn.q_proj, attn.k_proj, attn.v_proj])(x)
+    q, k, v = static_decoder._fused([attn.q_proj, attn.k_proj, attn.v_proj])(x)
     torch.testing.assert_close(q, attn.q_proj(x), rtol=0, atol=0)
     torch.testing.assert_close(v, attn.v_proj(x), rtol=0, atol=0)
-    gate, up = generate_module._fused([mlp.gate_proj, mlp.up_proj])(x)
+    gate, up = static_decoder._fused([mlp.gate_proj, mlp.up_proj])(x)
     torch.testing.assert_close(up, mlp.up_proj(x), rtol=0, atol=0)
     # Different configs (int8 gate, int4 up) do not concatenate: run separately, no error.
     mixed = _llama(1)
     affineq.quantize_(mixed, affineq.Int8WeightOnlyConfig(), filter_fn=lambda m, n: n.endswith("gate_proj"))
     affineq.quantize_(mixed, affineq.Int4WeightOnlyConfig(group_size=32), filter_fn=lambda m, n: n.endswith("up_proj"))
     mlp = mixed.model.layers[0].mlp
-    assert generate_module._fused([mlp.gate_proj, mlp.up_proj]) is None
+    assert static_decoder._fused([mlp.gate_proj, mlp.up_proj]) is None
     ids = _prompt(1, 5)
     assert torch.equal(generate(mixed, ids, 8, compile=False, ignore_eos=True), _hf(mixed, ids, 8, min_new_tokens=8))
 
@@ -123,7 +128,7 @@ def test_compiled_prefill_pads_prompts_to_one_graph_per_block():
         out = generate(model, ids, 10, ignore_eos=True, compile_prefill=True, cpp_wrapper=False)
         assert torch.equal(out, _hf(model, ids, 10, min_new_tokens=10))
     assert stats["unique_graphs"] - before == 2
-    assert generate_module.padded_prompt_length(65) == 128
+    assert static_decoder.padded_prompt_length(65) == 128
 
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
@@ -200,3 +205,31 @@ def test_the_cached_decoder_does_not_keep_the_model_alive():
     del model
     gc.collect()
     assert ref() is None  # the decoder cache is keyed weakly and its closures hold modules, not the model
+
+
+def test_past_max_position_embeddings_is_refused_before_any_work():
+    """Issue #28 (10): generate past the model's positions used to run on silently; now a ValueError naming the
+    prompt length, max_new_tokens and the limit, raised before a decoder is built."""
+    model = _llama(1, max_position_embeddings=32)
+    ids = _prompt(1, 7)
+    with pytest.raises(ValueError, match=r"prompt length 7 \+ max_new_tokens 26 = 33 exceeds the model's "
+                                         r"max_position_embeddings 32; pass max_new_tokens <= 25"):
+        generate(model, ids, 26, compile=False)
+    assert model not in generate_module._decoders  # no work done
+    assert generate(model, ids, 25, compile=False, ignore_eos=True).shape == (1, 32)
+
+
+def test_out_of_vocabulary_ids_are_named():
+    """Issue #28 (11): an id outside the vocabulary used to raise a raw IndexError from the embedding."""
+    model = _llama(1)
+    ids = _prompt(2, 5)
+    ids[1, 3] = 128
+    with pytest.raises(ValueError, match=r"token id 128 at \(1, 3\), outside the model's vocabulary of 128 ids"):
+        generate(model, ids, 4, compile=False)
+    ids[1, 3] = -1
+    with pytest.raises(ValueError, match=r"token id -1 at \(1, 3\)"):
+        generate(model, ids, 4, compile=False)
+    tiny = build_tiny_lm(seed=0, layers=1)
+    with pytest.raises(ValueError, match="vocabulary of 512 ids"):
+        generate(tiny, torch.tensor([[3, 512]]), 4, compile=False)
+    assert model not in generate_module._decoders and tiny not in generate_module._decoders

@@ -496,10 +496,11 @@ def test_heavy_tails_clipping_observers_beat_min_max(mapping, bounds):
 
 
 def test_observer_base_is_exported():
+    """The observers are the `affineq.observers` namespace (second tier of the API, issue #29)."""
     import affineq
 
     for name in ("Observer", "PerTensorMinMaxObserver", "PerChannelMinMaxObserver", "PerGroupMinMaxObserver",
                  "MovingAveragePerTensorMinMaxObserver", "MovingAveragePerChannelMinMaxObserver",
                  "PerTensorHistogramObserver", "PerTensorPercentileObserver", "PerTensorMSEObserver"):
-        assert getattr(affineq, name) is not None and name in affineq.__all__
-    assert issubclass(affineq.PerTensorMSEObserver, Observer)
+        assert getattr(affineq.observers, name) is not None and name in affineq.observers.__all__
+    assert issubclass(affineq.observers.PerTensorMSEObserver, Observer)

@@ -11,10 +11,9 @@ from affineq import (
     MappingType,
     PerAxis,
     PerGroup,
-    PerTensor,
-    PerToken,
     ZeroPointDomain,
 )
+from affineq.granularity import PerTensor, PerToken
 from affineq.qat import FakeQuantizeConfig, QATConfig
 
 GROUPS = [

@@ -14,10 +14,10 @@ from affineq import (
     IntxWeightOnlyConfig,
     MappingType,
     PerGroup,
-    PerTensor,
     QuantizationError,
     quantize_,
 )
+from affineq.granularity import PerTensor
 from affineq.primitives import quantize_affine
 from affineq.qat import (
     FakeQuantizeConfig,

@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from affineq import Int4WeightOnlyConfig, Int8DynamicActivationInt4WeightConfig, PerTensor, quantize_
+from affineq import Int4WeightOnlyConfig, Int8DynamicActivationInt4WeightConfig, quantize_
+from affineq.granularity import PerTensor
 from affineq.qat import (
     FakeQuantizeConfig,
     FakeQuantizer,

@@ -24,14 +24,15 @@ from affineq import (
     KernelFallbackWarning,
     PerAxis,
     PerGroup,
-    PerTensor,
     QuantizationError,
     config_from_dict,
     cpp,
     quantize_,
     record_kernels,
 )
+from affineq.granularity import PerTensor
 from affineq.tensor.kernel_registry import int_mm_is_fast as _int_mm_is_fast
+from affineq.tensor.spec import QParamOptions
 
 # (config, min weight SQNR dB, min output SQNR dB, kernel on CPU)
 LOWBIT = "affineq.lowbit_linear"
@@ -453,14 +454,15 @@ def test_int8_fake_quant_shortcuts_are_the_primitives(dtype, domain):
 @pytest.mark.parametrize("granularity", ["per_token", "per_tensor"])
 def test_int8_dynamic_kernel_matches_the_primitives(mapping, granularity):
     # the opaque int8 x int8 op quantizes x with its own few ops: its codes must be those of the primitives
-    from affineq import ActivationQuant, choose_qparams_affine, quantize_affine
+    from affineq import ActivationQuant
+    from affineq.primitives import choose_qparams_affine, quantize_affine
 
     torch.manual_seed(0)
     w = torch.randn(48, 64)
     aq = ActivationQuant(torch.int8, mapping, granularity, affineq.ZeroPointDomain.NONE)
-    qw = AffineQuantizedTensor.from_float(w, affineq.MappingType.SYMMETRIC, (1, 64), torch.int8,
-                                          scale_dtype=torch.float32, zero_point_domain=affineq.ZeroPointDomain.NONE,
-                                          act_quant=aq)
+    qw = AffineQuantizedTensor.from_spec(w, (1, 64), QParamOptions(scale_dtype=torch.float32), target=torch.int8,
+                                         mapping_type=affineq.MappingType.SYMMETRIC,
+                                         zero_point_domain=affineq.ZeroPointDomain.NONE, act_quant=aq)
     for x in (torch.randn(5, 64) * 3, torch.randn(1, 64), torch.zeros(2, 64)):
         block = (1, 64) if granularity == "per_token" else tuple(x.shape)
         sx, _ = choose_qparams_affine(x, mapping, block, torch.int8, scale_dtype=torch.float32,

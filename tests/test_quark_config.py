@@ -21,8 +21,6 @@ from affineq import (
     MappingType,
     PerAxis,
     PerGroup,
-    PerRow,
-    PerTensor,
     QuantizationError,
     ZeroPointDomain,
     config_from_dict,
@@ -35,6 +33,8 @@ from affineq.configs_float import (
     MXDynamicActivationMXWeightConfig,
     MXWeightOnlyConfig,
 )
+from affineq.granularity import PerRow, PerTensor
+from affineq.observers import PerGroupMinMaxObserver
 from affineq.quark_config import (
     STATIC_ACTIVATION_MESSAGE,
     Config,
@@ -356,7 +356,8 @@ def test_refusals(q, words):
 
 
 def test_json_round_trip():
-    spec = QuantizationSpec(Dtype.uint4, is_dynamic=False, observer_cls=nn.Identity, qscheme=QSchemeType.per_group,
+    spec = QuantizationSpec(Dtype.uint4, is_dynamic=False, observer_cls=PerGroupMinMaxObserver,
+                            qscheme=QSchemeType.per_group,
                             ch_axis=1, group_size=32, symmetric=False, round_method=RoundType.half_even,
                             scale_type=ScaleType.bfloat16, zero_point_type=ZeroPointType.float32)
     cfg = Config(qc(weight=W8, input_tensors=A8_DYN, target_device=DeviceType.CPU),
@@ -368,19 +369,20 @@ def test_json_round_trip():
     back = Config.from_dict(d)
     assert back == cfg and hash(back) == hash(cfg)
     assert config_from_dict(d) == cfg
-    assert back.layer_type_quant_config[nn.Linear].weight.observer_cls is nn.Identity
+    assert back.layer_type_quant_config[nn.Linear].weight.observer_cls is PerGroupMinMaxObserver
 
 
 def test_json_refuses_unsafe_classes():
     d = Config(qc(weight=QuantizationSpec(Dtype.int8, observer_cls=nn.Identity))).to_dict()
     d["global_quant_config"]["weight"]["observer_cls"] = {"module": "os", "qualname": "system"}
-    with pytest.raises(ValueError, match="only classes from affineq.observers or torch.nn"):
+    with pytest.raises(ValueError, match="refusing to load os.system: it is not one of the observers of "
+                                         "affineq.observers or a class registered with"):
         Config.from_dict(d)
     with pytest.raises(ValueError, match="key it by its name 'MyLinear'"):
         Config(qc(), layer_type_quant_config={MyLinear: qc(weight=W8)}).to_dict()
     d = Config(qc(), layer_type_quant_config={nn.Linear: qc(weight=W8)}).to_dict()
     d["layer_type_quant_config"] = {"class:subprocess:Popen": d["layer_type_quant_config"].popitem()[1]}
-    with pytest.raises(ValueError, match="only torch.nn classes"):
+    with pytest.raises(ValueError, match="refusing to load subprocess.Popen: it is not one of the torch.nn module"):
         Config.from_dict(d)
     bad = Config(qc(weight=W8)).to_dict()
     bad["global_quant_config"]["weight"]["dtype"] = "int9"

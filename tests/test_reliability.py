@@ -21,12 +21,10 @@ from affineq import (
     Int8DynamicActivationInt4WeightConfig,
     Int8WeightOnlyConfig,
     IntxWeightOnlyConfig,
-    KernelFallbackError,
     KernelFallbackWarning,
     MappingType,
     PerAxis,
     PerGroup,
-    PerTensor,
     QuantizationError,
     ZeroPointDomain,
     config_from_dict,
@@ -36,7 +34,10 @@ from affineq import (
     set_strict,
     strict_kernels,
 )
+from affineq.granularity import PerTensor
+from affineq.kernels import KernelFallbackError
 from affineq.tensor import fallback
+from affineq.tensor.spec import QParamOptions
 
 AQT = AffineQuantizedTensor
 JOIN_S = 30  # no thread test can hang longer than this
@@ -450,13 +451,16 @@ def test_record_kernels_with_compiled_and_eager_runs():
 # -- 9. smaller findings --------------------------------------------------------------------------------------
 
 
-def test_a_quantized_weight_that_requires_grad_raises_at_forward():
+def test_a_quantized_weight_that_requires_grad_runs_and_raises_at_backward():
     m = _int8_model()
-    m[0].weight.requires_grad_(True)
-    with pytest.raises(RuntimeError, match=r"requires_grad=True.*requires_grad_\(False\)"):
-        m(torch.randn(2, 64))
+    x = torch.randn(2, 64)
     with torch.no_grad():
-        m(torch.randn(2, 64))  # inference is fine
+        want = m(x)
+    m[0].weight.requires_grad_(True)
+    y = m(x)  # inference works as for a float model
+    assert torch.equal(y.detach(), want) and y.requires_grad
+    with pytest.raises(RuntimeError, match=r"requires_grad=True.*requires_grad_\(False\)"):
+        y.sum().backward()
 
 
 @pytest.mark.parametrize(("field", "value"), [("mapping_type", "ASYMMETRIC"), ("scale_dtype", "bf16"),
@@ -502,9 +506,9 @@ def test_set_strict_takes_a_bool_only():
 
 def _dense(target, mapping, domain, scale_dtype, group):
     torch.manual_seed(0)
-    return AQT.from_float(torch.randn(64, 256), mapping, (1, group), target, scale_dtype=scale_dtype,
-                          zero_point_domain=domain, preserve_zero=domain is not ZeroPointDomain.FLOAT,
-                          packing_format="dense")
+    return AQT.from_spec(torch.randn(64, 256), (1, group),
+                         QParamOptions(scale_dtype=scale_dtype, preserve_zero=domain is not ZeroPointDomain.FLOAT),
+                         target=target, mapping_type=mapping, zero_point_domain=domain, packing_format="dense")
 
 
 # Found: the C++ lowbit_dequantize fused scale * u + offset into one multiply-add for some elements (GCC contracts
@@ -548,10 +552,10 @@ def test_dense_int_zero_point_keeps_zero_exact_with_the_cpp_library():
     torch.manual_seed(0)
     w = torch.randn(64, 256)
     w[:, ::7] = 0
-    qw = AQT.from_float(w, MappingType.ASYMMETRIC, (1, 32), torch.uint4, scale_dtype=torch.float32,
-                        packing_format="dense")
-    assert torch.equal(AQT.from_float(w, MappingType.ASYMMETRIC, (1, 32), torch.uint4).dequantize()[w == 0],
-                       w[w == 0])
+    qw = AQT.from_spec(w, (1, 32), QParamOptions(scale_dtype=torch.float32), target=torch.uint4,
+                       mapping_type=MappingType.ASYMMETRIC, packing_format="dense")
+    plain = AQT.from_spec(w, (1, 32), target=torch.uint4, mapping_type=MappingType.ASYMMETRIC)
+    assert torch.equal(plain.dequantize()[w == 0], w[w == 0])
     assert (qw.dequantize()[w == 0] == 0).all()
 
 
@@ -581,7 +585,7 @@ def test_low_bit_storage_per_weight():
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("dtype", [torch.int2, torch.int3], ids=["int2", "int3"])
 def test_low_bit_qparams_are_exact_and_the_kernel_matches_dequantize(dtype, scale_dtype):
-    from affineq import choose_qparams_affine, dequantize_affine, quantize_affine
+    from affineq.primitives import choose_qparams_affine, dequantize_affine, quantize_affine
 
     m, w = _quantized_linear(IntxWeightOnlyConfig(dtype, PerGroup(32), scale_dtype=scale_dtype))
     qw = m[0].weight

@@ -7,19 +7,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 import affineq
-from affineq import (
-    Config,
-    Dtype,
-    IntxWeightOnlyConfig,
-    PerGroup,
-    QSchemeType,
-    QuantizationConfig,
-    QuantizationSpec,
-    RoundType,
-    ZeroPointDomain,
-    fake_quantize_affine,
-    quantize_affine,
-)
+from affineq import IntxWeightOnlyConfig, PerGroup, ZeroPointDomain
+from affineq.primitives import fake_quantize_affine, quantize_affine
+from affineq.quark import Config, Dtype, QSchemeType, QuantizationConfig, QuantizationSpec, RoundType
 
 TIES = torch.tensor([[-2.5, -1.5, -0.5, 0.5, 1.5, 2.5, 2.7, -2.7, -0.2, 0.2]])
 

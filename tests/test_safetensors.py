@@ -150,8 +150,9 @@ def _saved(tmp_path, name="int4-plain"):
     return path
 
 
-def _rewrite(path, edit_tensors=None, edit_meta=None):
-    """Rewrite `path` through safetensors itself with its tensors and/or affineq metadata edited."""
+def _rewrite(path, edit_tensors=None, edit_meta=None, recrc=None):
+    """Rewrite `path` through safetensors itself with its tensors and/or affineq metadata edited; `recrc`: a key
+    whose checksum is recomputed after the edit, so that the check under test is the one that fails."""
     with safetensors.safe_open(str(path), "pt") as f:
         header = dict(f.metadata())
         tensors = {k: f.get_tensor(k) for k in f.keys()}
@@ -160,6 +161,8 @@ def _rewrite(path, edit_tensors=None, edit_meta=None):
         edit_tensors(tensors)
     if edit_meta:
         edit_meta(meta)
+    if recrc:
+        meta["checksums"][recrc] = ast._crc(tensors[recrc])
     header["affineq"] = json.dumps(meta)
     safetensors.torch.save_file(tensors, str(path), metadata=header)
 
@@ -180,12 +183,6 @@ def test_flipped_byte_fails_checksum(tmp_path):
     path.write_bytes(bytes(raw))
     with pytest.raises(ValueError, match="checksum"):
         ast.load_file(path)
-
-
-def _recrc(key):
-    def edit(meta):
-        meta["checksums"].pop(key, None)
-    return edit
 
 
 @pytest.mark.parametrize("case, match", [
@@ -219,16 +216,16 @@ def test_edited_files_fail_cleanly(tmp_path, case, match):
     elif case == "dtype":
         def to_int(t):
             t[f"{key}:scale"] = t[f"{key}:scale"].to(torch.int32)
-        _rewrite(path, to_int, _recrc(f"{key}:scale"))
+        _rewrite(path, to_int, recrc=f"{key}:scale")
     elif case == "missing tensor":
         _rewrite(path, lambda t: t.pop(f"{key}:scale"))
     elif case == "codes out of range":
         def bad_codes(t):
             t[f"{key}:qdata"][0, 0] = 99
-        _rewrite(path, bad_codes, _recrc(f"{key}:qdata"))
+        _rewrite(path, bad_codes, recrc=f"{key}:qdata")
     elif case == "nan scale":
         def nan(t):
             t[f"{key}:scale"][0, 0] = float("nan")
-        _rewrite(path, nan, _recrc(f"{key}:scale"))
+        _rewrite(path, nan, recrc=f"{key}:scale")
     with pytest.raises(ValueError, match=match):
         ast.load_file(path)

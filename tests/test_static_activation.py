@@ -16,10 +16,9 @@ from affineq import (
     QParamOptions,
     QuantSpec,
     ZeroPointDomain,
-    dequantize_affine,
-    quantize_affine,
     record_kernels,
 )
+from affineq.primitives import dequantize_affine, quantize_affine
 
 
 def _static_weight(domain: ZeroPointDomain, fmt: str = "plain", zp: int | None = -7):

@@ -9,15 +9,8 @@ import torch
 from torch import nn
 
 import affineq
-from affineq import (
-    Config,
-    Dtype,
-    Int8StaticActivationInt8WeightConfig,
-    QSchemeType,
-    QuantizationConfig,
-    QuantizationSpec,
-    record_kernels,
-)
+from affineq import Int8StaticActivationInt8WeightConfig, record_kernels
+from affineq.quark import Config, Dtype, QSchemeType, QuantizationConfig, QuantizationSpec
 
 
 def _model():
@@ -135,8 +128,8 @@ def test_bad_output_options():
         Int8StaticActivationInt8WeightConfig(output_symmetric=True)
     with pytest.raises(ValueError, match="quantize_output"):
         Int8StaticActivationInt8WeightConfig(quantize_output=1)
-    qw = affineq.AffineQuantizedTensor.from_float(torch.randn(4, 8), affineq.MappingType.SYMMETRIC, (1, 8),
-                                                  torch.int8)
+    qw = affineq.AffineQuantizedTensor.from_spec(torch.randn(4, 8), (1, 8), target=torch.int8,
+                                                 mapping_type=affineq.MappingType.SYMMETRIC)
     with pytest.raises(ValueError, match="act_out_zero_point needs act_out_scale"):
         qw.with_act_tensors(act_out_zero_point=torch.tensor([3], dtype=torch.int32))
     with pytest.raises(ValueError, match="act_out_scale must be one float32"):

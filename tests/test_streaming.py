@@ -29,7 +29,7 @@ CONFIGS = {
     "int4-cpu": affineq.Int4WeightOnlyConfig(group_size=32, packing_format="int4_cpu"),
     "int8": affineq.Int8WeightOnlyConfig(),
     "int3-e8m0": affineq.IntxWeightOnlyConfig(torch.int3, affineq.PerGroup(16), scale_type="e8m0"),
-    "fp8-per-tensor": affineq.Float8DynamicActivationFloat8WeightConfig(granularity=affineq.PerTensor()),
+    "fp8-per-tensor": affineq.Float8DynamicActivationFloat8WeightConfig(granularity=affineq.granularity.PerTensor()),
     "8da4w": affineq.Int8DynamicActivationInt4WeightConfig(group_size=16),
     "fqn-mix": affineq.FqnToConfig({"embed_tokens": affineq.IntxWeightOnlyConfig(torch.int4),
                                     r"re:layers\.0\..*": affineq.Int8WeightOnlyConfig(),
@@ -229,7 +229,7 @@ def test_bad_input(tmp_path):
     assert all(p.is_meta for p in other.parameters())  # checked before anything was placed
 
 
-class _Plan(affineq.ModelConfig):
+class _Plan(affineq.plan.ModelConfig):
     """A whole-model config: it needs the model's modules."""
 
     def to_fqn_config(self, model):

@@ -5,29 +5,24 @@ import torch
 from conftest import sqnr
 from expecttest import assert_expected_inline
 
-from affineq import (
-    AffineQuantizedTensor,
-    MappingType,
-    ZeroPointDomain,
-    choose_qparams_affine,
-    dequantize_affine,
-    quantize_affine,
-)
+from affineq import AffineQuantizedTensor, MappingType, ZeroPointDomain
+from affineq.primitives import choose_qparams_affine, dequantize_affine, quantize_affine
 from affineq.tensor.formats import FORMATS
+from affineq.tensor.spec import QParamOptions
 
 AQT = AffineQuantizedTensor
 
 
 def _int4_asym(w, fmt, g=32):
     """The tinygemm scheme; bf16 scales so that every format (int4_cpu stores bf16) holds equal codes."""
-    return AQT.from_float(w, MappingType.ASYMMETRIC, (1, g), torch.uint4, preserve_zero=False,
-                          zero_point_domain=ZeroPointDomain.FLOAT, packing_format=fmt,
-                          scale_dtype=torch.bfloat16)
+    return AQT.from_spec(w, (1, g), QParamOptions(scale_dtype=torch.bfloat16, preserve_zero=False), target=torch.uint4,
+                         mapping_type=MappingType.ASYMMETRIC, zero_point_domain=ZeroPointDomain.FLOAT,
+                         packing_format=fmt)
 
 
 def test_wrapper_has_float_shape_dtype_and_fields():
     w = torch.randn(64, 128)
-    q = AQT.from_float(w, MappingType.SYMMETRIC, (1, 128), torch.int8)
+    q = AQT.from_spec(w, (1, 128), target=torch.int8, mapping_type=MappingType.SYMMETRIC)
     assert isinstance(q, torch.Tensor) and q.shape == (64, 128) and q.dtype == torch.float32
     assert q.qdata.dtype == torch.int8 and q.scale.shape == (64, 1) and q.block_size == (1, 128)
     assert (q.quant_min, q.quant_max, q.packing_format, q.target_dtype) == (-128, 127, "plain", torch.int8)
@@ -61,18 +56,19 @@ def test_every_cpu_format_holds_the_same_codes_and_qparams(fmt):
 def test_dense_storage_is_bit_packed(bits):
     dtype = getattr(torch, f"int{bits}")
     w = torch.randn(128, 512)
-    q = AQT.from_float(w, MappingType.SYMMETRIC, (1, 128), dtype, packing_format="dense",
-                       zero_point_domain=ZeroPointDomain.NONE)
+    q = AQT.from_spec(w, (1, 128), target=dtype, mapping_type=MappingType.SYMMETRIC, packing_format="dense",
+                      zero_point_domain=ZeroPointDomain.NONE)
     assert q.qdata.numel() * q.qdata.element_size() == 128 * 512 * bits // 8
-    ref = AQT.from_float(w, MappingType.SYMMETRIC, (1, 128), dtype, zero_point_domain=ZeroPointDomain.NONE)
+    ref = AQT.from_spec(w, (1, 128), target=dtype, mapping_type=MappingType.SYMMETRIC,
+                        zero_point_domain=ZeroPointDomain.NONE)
     assert torch.equal(q.codes(), ref.codes())
 
 
 def test_storage_bytes_per_parameter():
     w = torch.randn(1024, 1024)
     q4 = _int4_asym(w, "dense", g=128)
-    q8 = AQT.from_float(w, MappingType.SYMMETRIC, (1, 1024), torch.int8, packing_format="dense",
-                        zero_point_domain=ZeroPointDomain.NONE)
+    q8 = AQT.from_spec(w, (1, 1024), target=torch.int8, mapping_type=MappingType.SYMMETRIC, packing_format="dense",
+                       zero_point_domain=ZeroPointDomain.NONE)
     assert q4.storage_bytes() / w.numel() <= 0.57
     assert q8.storage_bytes() / w.numel() <= 1.02
     assert _int4_asym(w, "int4_cpu", g=128).storage_bytes() / w.numel() <= 0.54
@@ -81,7 +77,7 @@ def test_storage_bytes_per_parameter():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_dequantize_output_dtype_and_no_alias(dtype):
     w = torch.randn(32, 64, dtype=dtype)
-    q = AQT.from_float(w, MappingType.ASYMMETRIC, (1, 32), torch.uint8)
+    q = AQT.from_spec(w, (1, 32), target=torch.uint8, mapping_type=MappingType.ASYMMETRIC)
     d = q.dequantize()
     assert d.dtype == dtype and q.dequantize(torch.float32).dtype == torch.float32
     assert d.data_ptr() != q.qdata.data_ptr()
@@ -108,12 +104,13 @@ def test_format_rejects_what_it_cannot_hold(fmt, shape, words):
     if shape == (32, 63):
         block = (1, 63)
     with pytest.raises(ValueError, match=f"packing_format='{fmt}'.*{words}"):
-        AQT.from_float(w, MappingType.ASYMMETRIC, block, torch.uint4, packing_format=fmt)
+        AQT.from_spec(w, block, target=torch.uint4, mapping_type=MappingType.ASYMMETRIC, packing_format=fmt)
 
 
 def test_unknown_format_lists_the_known_ones():
     with pytest.raises(ValueError, match="unknown packing_format 'fancy'.*dense"):
-        AQT.from_float(torch.randn(4, 8), MappingType.SYMMETRIC, (1, 8), torch.int8, packing_format="fancy")
+        AQT.from_spec(torch.randn(4, 8), (1, 8), target=torch.int8, mapping_type=MappingType.SYMMETRIC,
+                      packing_format="fancy")
     assert {"plain", "dense", "int4_cpu", "int4_cuda"} <= set(FORMATS)
 
 
@@ -138,11 +135,43 @@ def test_dense_dequantizes_with_the_primitives_rounding(target, mapping, domain,
     # so dense rounds as the primitives do ((q - zp) * scale), bit for bit, in dequantize and embedding rows
     torch.manual_seed(3)
     w = torch.randn(48, 96)
-    q = AffineQuantizedTensor.from_float(w, mapping, (1, 32), target, scale_dtype=scale_dtype,
-                                         zero_point_domain=domain, packing_format="dense")
+    q = AffineQuantizedTensor.from_spec(w, (1, 32), QParamOptions(scale_dtype=scale_dtype), target=target,
+                                        mapping_type=mapping, zero_point_domain=domain, packing_format="dense")
     plain = q.to_format("plain")
     ref = dequantize_affine(plain.codes(), (1, 32), plain.scale, plain.zero_point, target,
                             zero_point_domain=domain)
     assert torch.equal(q.dequantize(), ref) and torch.equal(plain.dequantize(), ref)
     rows = torch.tensor([0, 47, 16, 5])
     assert torch.equal(torch.nn.functional.embedding(rows, q), ref[rows])
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+@pytest.mark.parametrize("spec_args", [
+    dict(target=torch.uint4, mapping_type=MappingType.ASYMMETRIC, packing_format="dense"),
+    dict(target=torch.int8, mapping_type=MappingType.SYMMETRIC, zero_point_domain=ZeroPointDomain.NONE),
+    dict(target="fp4_e2m1", mapping_type=MappingType.SYMMETRIC, zero_point_domain=ZeroPointDomain.NONE,
+         packing_format="dense"),
+], ids=["uint4-g32-dense", "int8-g32-plain", "fp4-g32-dense"])
+def test_from_spec_by_row_chunks_is_bit_identical(rows, spec_args):
+    """The one quantizing constructor: `chunk_rows` (the streaming quantizer's bounded temporaries) stores the
+    same tensors as quantizing the whole weight; a weight whose blocks span rows is quantized whole."""
+    w = torch.randn(100, 64)
+    opts = QParamOptions(scale_dtype=torch.bfloat16) if spec_args["target"] == torch.uint4 else None
+    whole = AQT.from_spec(w, (1, 32), opts, **spec_args)
+    chunked = AQT.from_spec(w, (1, 32), opts, chunk_rows=rows, **spec_args)
+    assert whole.spec == chunked.spec and whole.tensors.keys() == chunked.tensors.keys()
+    assert all(torch.equal(whole.tensors[k], chunked.tensors[k]) for k in whole.tensors)
+    per_tensor = AQT.from_spec(w, (100, 64), chunk_rows=rows, target=torch.int8)
+    assert torch.equal(per_tensor.qdata, AQT.from_spec(w, (100, 64), target=torch.int8).qdata)
+    with pytest.raises(ValueError, match="chunk_rows must be a positive int"):
+        AQT.from_spec(w, (1, 32), chunk_rows=0, **spec_args)
+
+
+def test_from_float_is_a_deprecated_spelling_of_from_spec():
+    w = torch.randn(16, 64)
+    with pytest.warns(DeprecationWarning, match=r"from_spec\(input, block_size, QParamOptions"):
+        old = AQT.from_float(w, MappingType.ASYMMETRIC, (1, 32), torch.uint4, scale_dtype=torch.float32,
+                             packing_format="dense")
+    new = AQT.from_spec(w, (1, 32), QParamOptions(scale_dtype=torch.float32), target=torch.uint4,
+                        mapping_type=MappingType.ASYMMETRIC, packing_format="dense")
+    assert old.spec == new.spec and all(torch.equal(old.tensors[k], new.tensors[k]) for k in new.tensors)

@@ -9,13 +9,14 @@ from conftest import sqnr
 
 from affineq import (
     AffineQuantizedTensor,
-    KernelFallbackError,
     KernelFallbackWarning,
     MappingType,
     ZeroPointDomain,
     record_kernels,
     strict_kernels,
 )
+from affineq.kernels import KernelFallbackError
+from affineq.tensor.spec import QParamOptions
 
 AQT = AffineQuantizedTensor
 aten = torch.ops.aten
@@ -24,9 +25,9 @@ aten = torch.ops.aten
 @pytest.fixture(params=["plain", "dense", "int4_cpu"])
 def qw(request):
     w = torch.randn(64, 128)
-    return AQT.from_float(w, MappingType.ASYMMETRIC, (1, 32), torch.uint4, preserve_zero=False,
-                          zero_point_domain=ZeroPointDomain.FLOAT, packing_format=request.param,
-                          scale_dtype=torch.bfloat16)
+    return AQT.from_spec(w, (1, 32), QParamOptions(scale_dtype=torch.bfloat16, preserve_zero=False), target=torch.uint4,
+                         mapping_type=MappingType.ASYMMETRIC, zero_point_domain=ZeroPointDomain.FLOAT,
+                         packing_format=request.param)
 
 
 def _same(a, b):
@@ -95,9 +96,9 @@ def test_linear_and_matmul_routes_agree(qw):
 
 
 def test_slice_then_linear_still_runs_a_packed_kernel():
-    w = AQT.from_float(torch.randn(64, 128), MappingType.ASYMMETRIC, (1, 32), torch.uint4,
-                       preserve_zero=False, zero_point_domain=ZeroPointDomain.FLOAT, packing_format="int4_cpu",
-                       scale_dtype=torch.bfloat16)
+    w = AQT.from_spec(torch.randn(64, 128), (1, 32), QParamOptions(scale_dtype=torch.bfloat16, preserve_zero=False),
+                      target=torch.uint4, mapping_type=MappingType.ASYMMETRIC, zero_point_domain=ZeroPointDomain.FLOAT,
+                      packing_format="int4_cpu")
     with record_kernels() as used:
         F.linear(torch.randn(2, 128), w[16:48])
         F.linear(torch.randn(2, 128), w.t().t())
@@ -120,19 +121,20 @@ def test_bookkeeping_ops(qw):
 
 
 def test_copy_between_matching_and_mismatched_tensors(qw):
-    other = AQT.from_float(torch.randn(64, 128), MappingType.ASYMMETRIC, (1, 32), torch.uint4,
-                           preserve_zero=False, zero_point_domain=ZeroPointDomain.FLOAT,
-                           packing_format=qw.packing_format, scale_dtype=torch.bfloat16)
+    other = AQT.from_spec(torch.randn(64, 128), (1, 32), QParamOptions(scale_dtype=torch.bfloat16, preserve_zero=False),
+                          target=torch.uint4, mapping_type=MappingType.ASYMMETRIC,
+                          zero_point_domain=ZeroPointDomain.FLOAT, packing_format=qw.packing_format)
     dst = qw.clone()
     dst.copy_(other)
     assert torch.equal(dst, other) and not torch.equal(dst, qw)
-    int8 = AQT.from_float(torch.randn(64, 128), MappingType.SYMMETRIC, (1, 128), torch.int8)
+    int8 = AQT.from_spec(torch.randn(64, 128), (1, 128), target=torch.int8, mapping_type=MappingType.SYMMETRIC)
     with pytest.raises(ValueError, match="different config"):
         dst.copy_(int8)
     if qw.packing_format == "dense":  # same spec, qparams stored in fp32 instead of bf16
-        fp32_qparams = AQT.from_float(torch.randn(64, 128), MappingType.ASYMMETRIC, (1, 32), torch.uint4,
-                                      preserve_zero=False, zero_point_domain=ZeroPointDomain.FLOAT,
-                                      packing_format="dense", scale_dtype=torch.float32)
+        fp32_qparams = AQT.from_spec(torch.randn(64, 128), (1, 32),
+                                     QParamOptions(scale_dtype=torch.float32, preserve_zero=False), target=torch.uint4,
+                                     mapping_type=MappingType.ASYMMETRIC, zero_point_domain=ZeroPointDomain.FLOAT,
+                                     packing_format="dense")
         assert fp32_qparams.spec == dst.spec
         with pytest.raises(ValueError, match="different config"):
             dst.copy_(fp32_qparams)
@@ -144,21 +146,21 @@ def test_copy_between_matching_and_mismatched_tensors(qw):
 
 def test_embedding_gathers_rows_only():
     w = torch.randn(1000, 64)
-    q = AQT.from_float(w, MappingType.SYMMETRIC, (1, 64), torch.int8)
+    q = AQT.from_spec(w, (1, 64), target=torch.int8, mapping_type=MappingType.SYMMETRIC)
     ids = torch.tensor([[0, 999], [5, 5]])
     torch.testing.assert_close(F.embedding(ids, q), F.embedding(ids, q.dequantize()), rtol=0, atol=0)
 
 
 def test_conv_and_bmm_run_on_dequantized_weights():
     w = torch.randn(8, 3, 3, 3)
-    q = AQT.from_float(w, MappingType.SYMMETRIC, (1, 3, 3, 3), torch.int8)
+    q = AQT.from_spec(w, (1, 3, 3, 3), target=torch.int8, mapping_type=MappingType.SYMMETRIC)
     x = torch.randn(1, 3, 10, 10)
     with pytest.warns(KernelFallbackWarning, match="no packed convolution kernel"), record_kernels() as used:
         torch.testing.assert_close(F.conv2d(x, q), F.conv2d(x, q.dequantize()))
     assert used == ["dequantize:conv"]
-    w1 = AQT.from_float(torch.randn(8, 3, 5), MappingType.SYMMETRIC, (1, 3, 5), torch.int8)
+    w1 = AQT.from_spec(torch.randn(8, 3, 5), (1, 3, 5), target=torch.int8, mapping_type=MappingType.SYMMETRIC)
     torch.testing.assert_close(F.conv1d(torch.randn(2, 3, 20), w1).shape, torch.Size([2, 8, 16]))
-    b = AQT.from_float(torch.randn(2, 16, 8), MappingType.SYMMETRIC, (1, 1, 8), torch.int8)
+    b = AQT.from_spec(torch.randn(2, 16, 8), (1, 1, 8), target=torch.int8, mapping_type=MappingType.SYMMETRIC)
     a = torch.randn(2, 4, 16)
     torch.testing.assert_close(torch.bmm(a, b), torch.bmm(a, b.dequantize()))
 
@@ -185,8 +187,8 @@ def test_lstm_with_quantized_weights_runs_and_warns_once():
     ref = lstm(x)[0].detach()
     for name, p in list(lstm.named_parameters()):
         if name.startswith("weight"):
-            q = AQT.from_float(p.detach(), MappingType.SYMMETRIC, (1, p.shape[1]), torch.int8,
-                               zero_point_domain=ZeroPointDomain.NONE)
+            q = AQT.from_spec(p.detach(), (1, p.shape[1]), target=torch.int8, mapping_type=MappingType.SYMMETRIC,
+                              zero_point_domain=ZeroPointDomain.NONE)
             setattr(lstm, name, torch.nn.Parameter(q, requires_grad=False))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

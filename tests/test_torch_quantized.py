@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from affineq import AffineQuantizedTensor, MappingType, ZeroPointDomain
 from affineq.microexp import microexp_tensor
+from affineq.tensor.spec import QParamOptions
 
 AQT = AffineQuantizedTensor
 warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*deprecated")
@@ -79,7 +80,7 @@ def test_cross_check_with_torch_quantize_per_channel():
     assert _bits_equal(a.dequantize(), qt.dequantize())
     assert a.block_size == (1, 40) and a.scale.dtype == torch.float64 and a.scale.shape == (24, 1)
     # the other direction: affineq quantizes (int8 per-row symmetric), torch reads the codes through int_repr
-    aq = AQT.from_float(w, MappingType.SYMMETRIC, (1, 40), torch.int8)
+    aq = AQT.from_spec(w, (1, 40), target=torch.int8, mapping_type=MappingType.SYMMETRIC)
     t = aq.to_torch_quantized()
     assert t.qscheme() == torch.per_channel_affine and t.q_per_channel_axis() == 0
     assert torch.equal(t.int_repr(), aq.codes()) and _bits_equal(t.dequantize(), aq.dequantize())
@@ -93,19 +94,20 @@ def test_affine_tensors_to_torch(target, qdtype):
     w = torch.randn(16, 32) * 3
     # int32: codes within +-2**23, where torch's per-tensor float32 math (float32(q - zp) * scale) is exact
     rng = dict(quant_min=-(2**23), quant_max=2**23 - 1) if target == torch.int32 else {}
-    per_tensor = AQT.from_float(w, MappingType.ASYMMETRIC, (16, 32), target, **rng)
+    per_tensor = AQT.from_spec(w, (16, 32), target=target, mapping_type=MappingType.ASYMMETRIC, **rng)
     t = per_tensor.to_torch_quantized()
     assert t.dtype == qdtype and t.qscheme() == torch.per_tensor_affine
     assert torch.equal(t.int_repr(), per_tensor.codes()) and _bits_equal(t.dequantize(), per_tensor.dequantize())
     for block, axis in (((16, 1), 1), ((1, 32), 0)):
-        a = AQT.from_float(w, MappingType.ASYMMETRIC, block, target, **rng)
+        a = AQT.from_spec(w, block, target=target, mapping_type=MappingType.ASYMMETRIC, **rng)
         t = a.to_torch_quantized()
         assert t.qscheme() == torch.per_channel_affine and t.q_per_channel_axis() == axis
         assert torch.equal(t.int_repr(), a.codes()) and _bits_equal(t.dequantize(), a.dequantize())
         back = AQT.from_torch_quantized(t)
         assert _bits_equal(back.dequantize(), a.dequantize())
     # a NONE zero point becomes 0; a transposed view converts its logical layout
-    sym = AQT.from_float(w, MappingType.SYMMETRIC, (1, 32), torch.int8, zero_point_domain=ZeroPointDomain.NONE)
+    sym = AQT.from_spec(w, (1, 32), target=torch.int8, mapping_type=MappingType.SYMMETRIC,
+                        zero_point_domain=ZeroPointDomain.NONE)
     t = sym.t().to_torch_quantized()
     assert t.shape == (32, 16) and t.q_per_channel_axis() == 1 and not t.q_per_channel_zero_points().any()
     assert _bits_equal(t.dequantize(), sym.t().dequantize())
@@ -134,12 +136,15 @@ def test_unsupported_inputs_name_the_problem():
     with pytest.raises(ValueError, match="torch quantized tensor"):
         AQT.from_torch_quantized(x)
     cases = [
-        (AQT.from_float(x, MappingType.ASYMMETRIC, (1, 8), torch.int8), "group-wise"),
-        (AQT.from_float(x, MappingType.ASYMMETRIC, (1, 16), torch.uint4), "uint4 has no torch quantized dtype"),
-        (AQT.from_float(x, MappingType.ASYMMETRIC, (1, 16), torch.uint8, preserve_zero=False,
-                        zero_point_domain=ZeroPointDomain.FLOAT), "zero_point_domain=FLOAT"),
-        (AQT.from_float(x, MappingType.SYMMETRIC, (1, 16), torch.float8_e4m3fn), "float8_e4m3fn has no torch"),
-        (AQT.from_float(x, MappingType.SYMMETRIC, (1, 16), torch.int8).with_act_tensors(
+        (AQT.from_spec(x, (1, 8), target=torch.int8, mapping_type=MappingType.ASYMMETRIC), "group-wise"),
+        (AQT.from_spec(x, (1, 16), target=torch.uint4, mapping_type=MappingType.ASYMMETRIC),
+         "uint4 has no torch quantized dtype"),
+        (AQT.from_spec(x, (1, 16), QParamOptions(preserve_zero=False), target=torch.uint8,
+                       mapping_type=MappingType.ASYMMETRIC, zero_point_domain=ZeroPointDomain.FLOAT),
+         "zero_point_domain=FLOAT"),
+        (AQT.from_spec(x, (1, 16), target=torch.float8_e4m3fn, mapping_type=MappingType.SYMMETRIC),
+         "float8_e4m3fn has no torch"),
+        (AQT.from_spec(x, (1, 16), target=torch.int8, mapping_type=MappingType.SYMMETRIC).with_act_tensors(
             act_pre_scale=torch.ones(16)), "activation quantization"),
         (microexp_tensor(x, "mx9"), "group-wise"),
     ]

@@ -11,17 +11,9 @@ the global config); the pooler stays float (excluded).
 import torch
 
 import affineq
-from affineq import (
-    Config,
-    Dtype,
-    PerTensorMSEObserver,
-    QSchemeType,
-    QuantizationConfig,
-    QuantizationSpec,
-    models,
-    quantize_,
-    record_kernels,
-)
+from affineq import models, quantize_, record_kernels
+from affineq.observers import PerTensorMSEObserver
+from affineq.quark import Config, Dtype, QSchemeType, QuantizationConfig, QuantizationSpec
 
 weight = QuantizationSpec(Dtype.int8, qscheme=QSchemeType.per_channel, ch_axis=0, symmetric=True)
 static_input = QuantizationSpec(Dtype.int8, is_dynamic=False, qscheme=QSchemeType.per_tensor, symmetric=False,

@@ -24,16 +24,12 @@ from torch import nn
 import affineq
 from affineq import (
     AffineQuantizedTensor,
-    Config,
-    Dtype,
     FqnToConfig,
     Int8DynamicActivationInt8WeightConfig,
     Int8StaticActivationInt8WeightConfig,
     MappingType,
-    QSchemeType,
-    QuantizationConfig,
-    QuantizationSpec,
 )
+from affineq.quark import Config, Dtype, QSchemeType, QuantizationConfig, QuantizationSpec
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)  # torch.ao says it is deprecated at every call
 warnings.filterwarnings("ignore", category=UserWarning, module="torch.ao")
@@ -210,7 +206,7 @@ img = torch.randn(2, 3, 8, 8)
 ao_fused = tq.fuse_modules(copy.deepcopy(cnn), [["0", "1", "2"]])
 aq_fused = copy.deepcopy(cnn)
 assert affineq.fuse_modules_(aq_fused, [["0", "1", "2"]]) == [["0", "1", "2"]]
-assert isinstance(aq_fused[0], affineq.ConvReLU) and isinstance(aq_fused[1], nn.Identity)
+assert isinstance(aq_fused[0], affineq.fusion.ConvReLU) and isinstance(aq_fused[1], nn.Identity)
 torch.testing.assert_close(aq_fused(img), cnn(img), atol=1e-5, rtol=1e-5)
 torch.testing.assert_close(aq_fused(img), ao_fused(img), atol=1e-5, rtol=1e-5)
 print("4. fuse_modules       folded conv+bn+relu equals the float model and torch.ao's fusion")
@@ -228,11 +224,12 @@ SECTIONS_DONE.append("fusion")
 eps = torch.finfo(torch.float32).eps
 pairs = [
     (tq.MinMaxObserver(dtype=torch.quint8, qscheme=torch.per_tensor_affine),
-     affineq.PerTensorMinMaxObserver(dtype=torch.uint8, eps=eps)),
+     affineq.observers.PerTensorMinMaxObserver(dtype=torch.uint8, eps=eps)),
     (tq.PerChannelMinMaxObserver(ch_axis=0, dtype=torch.qint8, qscheme=torch.per_channel_symmetric),
-     affineq.PerChannelMinMaxObserver(ch_axis=0, dtype=torch.int8, mapping_type=MappingType.SYMMETRIC, eps=eps)),
+     affineq.observers.PerChannelMinMaxObserver(ch_axis=0, dtype=torch.int8, mapping_type=MappingType.SYMMETRIC,
+                                                eps=eps)),
     (tq.MovingAverageMinMaxObserver(dtype=torch.quint8, averaging_constant=0.1),
-     affineq.MovingAveragePerTensorMinMaxObserver(dtype=torch.uint8, averaging_constant=0.1, eps=eps)),
+     affineq.observers.MovingAveragePerTensorMinMaxObserver(dtype=torch.uint8, averaging_constant=0.1, eps=eps)),
 ]
 for ao_obs, aq_obs in pairs:
     for b in batches:
@@ -259,7 +256,7 @@ for qt in (torch.quantize_per_tensor(w, 0.02, 3, torch.qint8),
     assert torch.equal(aqt.codes(), qt.int_repr()) and torch.equal(aqt.dequantize(), qt.dequantize())
     back = aqt.to_torch_quantized()
     assert back.qscheme() == qt.qscheme() and torch.equal(back.int_repr(), qt.int_repr())
-codes = affineq.quantize_affine(w, (16, 32), torch.tensor([0.02]), torch.tensor([3]), torch.int8)
+codes = affineq.primitives.quantize_affine(w, (16, 32), torch.tensor([0.02]), torch.tensor([3]), torch.int8)
 assert torch.equal(codes, torch.quantize_per_tensor(w, 0.02, 3, torch.qint8).int_repr())
 print("6. quantized tensors  from_torch_quantized / to_torch_quantized: the same codes and dequantize()")
 SECTIONS_DONE.append("quantized_tensors")

@@ -17,38 +17,50 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from affineq.algorithms._capture import check_calibration_items
+from affineq.capability import min_max_integer_rows, probe_spec
 from affineq.configs import QuantConfig
+from affineq.plan import FqnToConfig, QuantizationError, Workflow, all_or_nothing
 from affineq.tensor.affine import AffineQuantizedTensor
 from affineq.tensor.formats import get_format
 from affineq.tensor.spec import QuantSpec
+
+
+def _run_algorithms(model: nn.Module, config, filter_fn, steps, calibration_data, device) -> nn.Module:
+    return quantize_with_algorithms(model, steps, calibration_data, device)
+
+
+#: How `quantize_` runs an AlgorithmConfig's steps (its `workflow`): the algorithm, then one final quantize_.
+ALGORITHMS = Workflow("algorithms", 2, _run_algorithms)
 
 
 @dataclass(frozen=True)
 class AlgorithmConfig(QuantConfig):
     """Base of the algorithm wrappers. `base_config`: the weight config whose layers, spec and kernels the
     result uses; None makes a template for the layered `Config(algo_config=...)`, which fills in each layer's
-    resolved weight config (`with_base`). Subclasses set `needs_data` and `base_types` and implement `run`."""
+    resolved weight config (`with_base`). Subclasses set `needs_data` (and `base_types` to accept a list of
+    classes instead of every config `cannot_wrap` accepts) and implement `run`."""
 
     needs_data: ClassVar[bool] = True
     base_types: ClassVar[tuple[type, ...]] = ()
     pre_quant: ClassVar[bool] = False  # Quark's pre_quant_opt_config (SmoothQuant) rather than its algo_config
+    workflow: ClassVar[Workflow] = ALGORITHMS
     base_config: QuantConfig = None
 
     def __post_init__(self):
         super().__post_init__()
         name = type(self).__name__
-        allowed = ", ".join(t.__name__ for t in self.base_types)
         if isinstance(self.base_config, type):
             raise ValueError(f"{name}(base_config=...) must be a config instance, got the class "
                              f"{self.base_config.__name__}; call it, e.g. {self.base_config.__name__}()")
         if self.base_config is None:
             return  # a template: Config(algo_config=...) supplies the base of each layer
         if not isinstance(self.base_config, QuantConfig) or isinstance(self.base_config, AlgorithmConfig):
-            raise ValueError(f"{name}(base_config=...) must be a weight config ({allowed}), got "
+            raise ValueError(f"{name}(base_config=...) must be a weight config (e.g. Int4WeightOnlyConfig()), got "
                              f"{self.base_config!r}")
-        if self.base_types and not isinstance(self.base_config, self.base_types):
-            raise ValueError(f"{name} cannot wrap {type(self.base_config).__name__}; base_config must be one of "
-                             f"{allowed}")
+        why = self.cannot_wrap(self.base_config)
+        if why is not None:
+            raise ValueError(f"{name} cannot wrap {type(self.base_config).__name__}: {why}")
         if self.param_names is not None:
             raise ValueError(f"{name} quantizes each layer's `weight`; param_names is not supported")
 
@@ -59,6 +71,24 @@ class AlgorithmConfig(QuantConfig):
 
     def parameter_names(self, module: nn.Module) -> tuple[str, ...]:
         return ("weight",)
+
+    def cannot_wrap(self, base: QuantConfig) -> str | None:
+        """None when this algorithm can run on `base`, else why not. With `base_types` set: those classes
+        (SmoothQuant). Otherwise by capability (GPTQ, AWQ, HQQ): min/max qparams onto an integer target in
+        row-local blocks (`affineq.capability`), and not 8-bit weights with quantized activations (the
+        activation error dominates there: SmoothQuantConfig is the algorithm for W8A8)."""
+        if self.base_types:
+            if isinstance(base, self.base_types):
+                return None
+            return f"base_config must be one of {', '.join(t.__name__ for t in self.base_types)}"
+        why = min_max_integer_rows(base)
+        if why is not None:
+            return why
+        spec = probe_spec(base)
+        if spec is not None and spec.act_quant is not None and spec.target.bits >= 8:
+            return (f"{type(base).__name__} quantizes activations and 8-bit weights (W8A8), where the activation "
+                    "error dominates: use SmoothQuantConfig")
+        return None
 
     def with_base(self, base_config: QuantConfig) -> AlgorithmConfig:
         """This algorithm around `base_config` (ValueError when it cannot wrap it)."""
@@ -124,7 +154,7 @@ def group_by_config(steps) -> dict[AlgorithmConfig, dict[str, nn.Module]]:
 def quantize_with_algorithms(model: nn.Module, steps, calibration_data, device) -> nn.Module:
     """Run every algorithm config of `steps`, then one `quantize_` with the configs they return (and the
     plain configs of the other steps). All or nothing."""
-    from affineq.quantize import FqnToConfig, QuantizationError, all_or_nothing, quantize_
+    from affineq.quantize import quantize_
 
     groups = group_by_config(steps)
     needing = [type(c).__name__ for c in groups if c.needs_data]
@@ -140,6 +170,11 @@ def quantize_with_algorithms(model: nn.Module, steps, calibration_data, device) 
     data = None if calibration_data is None else list(calibration_data)
     if data is not None and not data:
         raise QuantizationError("calibration_data is empty: pass at least one model input")
+    if data is not None:
+        try:
+            check_calibration_items(data)
+        except ValueError as e:
+            raise QuantizationError(f"{e}. Nothing was quantized.") from None
     final: dict[str, QuantConfig] = {}
     for s in steps:
         if not isinstance(s.config, AlgorithmConfig):
@@ -158,4 +193,4 @@ def quantize_with_algorithms(model: nn.Module, steps, calibration_data, device) 
     return model
 
 
-__all__ = ["AlgorithmConfig", "Precomputed", "quantize_with_algorithms", "represent_qparams"]
+__all__ = ["ALGORITHMS", "AlgorithmConfig", "Precomputed", "quantize_with_algorithms", "represent_qparams"]

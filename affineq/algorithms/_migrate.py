@@ -203,6 +203,11 @@ class PreScaled(QuantConfig):
     def needs_calibration(self) -> bool:
         return bool(getattr(self.base, "needs_calibration", False))
 
+    @property
+    def workflow(self):
+        """The base's workflow (a static base calibrates)."""
+        return getattr(self.base, "workflow", None)
+
     def check(self, module: nn.Module) -> str | None:
         return self.base.check(module)
 
@@ -217,7 +222,7 @@ class PreScaled(QuantConfig):
         act = {"act_pre_scale": (1.0 / self.scale.float()).to(weight.dtype)}
         aq = qw.act_quant
         if aq is not None and aq.static:
-            # a static base is only reached through convert_, whose `_Calibrated` wraps this config and
+            # a static base is only reached through convert_, whose `Calibrated` wraps this config and
             # replaces these placeholders with the calibrated qparams (a static spec must carry some)
             act["act_scale"] = torch.ones(1, dtype=torch.float32)
             if "act_zero_point" in qw.act_tensors or aq.zero_point_domain.name != "NONE":

@@ -32,13 +32,9 @@ from affineq.algorithms._base import AlgorithmConfig, Precomputed
 from affineq.algorithms._capture import progress
 from affineq.algorithms._migrate import migrate_blocks, scaled_weight
 from affineq.configs import (
-    Int4WeightOnlyConfig,
-    Int8DynamicActivationInt4WeightConfig,
-    Int8WeightOnlyConfig,
-    IntxWeightOnlyConfig,
     QuantConfig,
 )
-from affineq.primitives import _fake_quantize_unchecked
+from affineq.primitives import fake_quantize_unchecked
 from affineq.tensor.affine import AffineQuantizedTensor
 
 __all__ = ["AWQConfig"]
@@ -70,7 +66,7 @@ def fake_quant(w: torch.Tensor, spec, opts, ratio: torch.Tensor | None = None) -
     wg = w.float().reshape(o, i // g, g)
     scale = scale.float().reshape(o, i // g, 1)
     zp = None if zp is None else zp.float().reshape(o, i // g, 1)
-    _, deq = _fake_quantize_unchecked(wg, scale, zp, spec.zero_point_domain, spec.quant_min, spec.quant_max)
+    _, deq = fake_quantize_unchecked(wg, scale, zp, spec.zero_point_domain, spec.quant_min, spec.quant_max)
     return deq.reshape(o, i)
 
 
@@ -108,8 +104,9 @@ def _weight_mean(w: torch.Tensor, group: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class AWQConfig(AlgorithmConfig):
-    """AWQ around a weight config: Int4WeightOnlyConfig, IntxWeightOnlyConfig (int2-int8),
-    Int8WeightOnlyConfig or Int8DynamicActivationInt4WeightConfig. Needs calibration data.
+    """AWQ around a weight config with min/max integer qparams per row or group (`AlgorithmConfig.cannot_wrap`):
+    Int4WeightOnlyConfig, IntxWeightOnlyConfig (int2-int8), Int8WeightOnlyConfig,
+    Int8DynamicActivationInt4WeightConfig, or your own. Needs calibration data.
 
     n_grid: alpha grid size (search over i / n_grid). duo_scaling: divide by the normalised weight
     magnitude as well (s = mean|X|^a / mean|W~|^(1-a)). clip: search a per-group clipping ratio down to
@@ -122,8 +119,6 @@ class AWQConfig(AlgorithmConfig):
     """
 
     needs_data: ClassVar[bool] = True
-    base_types: ClassVar[tuple[type, ...]] = (Int4WeightOnlyConfig, IntxWeightOnlyConfig, Int8WeightOnlyConfig,
-                                              Int8DynamicActivationInt4WeightConfig)
     n_grid: int = 20
     duo_scaling: bool = True
     clip: bool = True

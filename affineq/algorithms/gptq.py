@@ -41,10 +41,6 @@ from affineq.algorithms._capture import (
     run_block,
 )
 from affineq.configs import (
-    Int4WeightOnlyConfig,
-    Int8DynamicActivationInt4WeightConfig,
-    Int8WeightOnlyConfig,
-    IntxWeightOnlyConfig,
     QuantConfig,
 )
 from affineq.tensor.affine import AffineQuantizedTensor
@@ -272,7 +268,8 @@ class GPTQConfig(AlgorithmConfig):
     """GPTQ around a weight config: `quantize_(model, GPTQConfig(Int4WeightOnlyConfig(group_size=64)),
     calibration_data=batches)`.
 
-    base_config: Int4WeightOnlyConfig, IntxWeightOnlyConfig (int2-int8, PerGroup or PerAxis(0), symmetric or
+    base_config: a config with min/max integer qparams per row or group (`AlgorithmConfig.cannot_wrap`), e.g.
+        Int4WeightOnlyConfig, IntxWeightOnlyConfig (int2-int8, PerGroup or PerAxis(0), symmetric or
         asymmetric), Int8WeightOnlyConfig or Int8DynamicActivationInt4WeightConfig (8da4w; H from the float
         inputs, later blocks see the int8 activations).
     blocksize: columns per lazy update (128 as in the paper; rounded up to a multiple of the group size when
@@ -295,8 +292,6 @@ class GPTQConfig(AlgorithmConfig):
     """
 
     needs_data: ClassVar[bool] = True
-    base_types: ClassVar[tuple[type, ...]] = (Int4WeightOnlyConfig, IntxWeightOnlyConfig, Int8WeightOnlyConfig,
-                                               Int8DynamicActivationInt4WeightConfig)
     blocksize: int = 128
     percdamp: float = 0.01
     act_order: bool = True

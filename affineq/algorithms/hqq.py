@@ -55,13 +55,9 @@ from torch import nn
 from affineq.algorithms._base import AlgorithmConfig, Precomputed, represent_qparams
 from affineq.algorithms._capture import progress as _progress
 from affineq.configs import (
-    Int4WeightOnlyConfig,
-    Int8DynamicActivationInt4WeightConfig,
-    Int8WeightOnlyConfig,
-    IntxWeightOnlyConfig,
     QuantConfig,
 )
-from affineq.primitives import MappingType, ZeroPointDomain, _default_eps, _fake_quantize_unchecked
+from affineq.primitives import MappingType, ZeroPointDomain, default_eps, fake_quantize_unchecked
 from affineq.tensor.affine import AffineQuantizedTensor
 from affineq.tensor.spec import QParamOptions, QuantSpec
 
@@ -72,7 +68,8 @@ __all__ = ["HQQConfig", "hqq_quantize", "hqq_qparams"]
 class HQQConfig(AlgorithmConfig):
     """Calibration-free HQQ around a weight config (see the module docstring for the formulation).
 
-    base_config: Int4WeightOnlyConfig (asymmetric, float zero point: the natural fit), IntxWeightOnlyConfig
+    base_config: a config with min/max integer qparams per row or group (`AlgorithmConfig.cannot_wrap`), e.g.
+        Int4WeightOnlyConfig (asymmetric, float zero point: the natural fit), IntxWeightOnlyConfig
         (int1..int8; asymmetric with an INT or FLOAT zero point, or symmetric: scale only),
         Int8WeightOnlyConfig or Int8DynamicActivationInt4WeightConfig (symmetric: scale only).
     iters: half-quadratic iterations per weight (20). lp_norm: p of the l_p loss, in (0, 1] (0.7).
@@ -87,8 +84,6 @@ class HQQConfig(AlgorithmConfig):
     """
 
     needs_data: ClassVar[bool] = False
-    base_types: ClassVar[tuple[type, ...]] = (Int4WeightOnlyConfig, IntxWeightOnlyConfig, Int8WeightOnlyConfig,
-                                              Int8DynamicActivationInt4WeightConfig)
     iters: int = 20
     lp_norm: float = 0.7
     beta: float = 1e1
@@ -158,7 +153,7 @@ class _Stored:
         self.qmin, self.qmax = float(spec.quant_min), float(spec.quant_max)
         self.mid = (self.qmax + self.qmin + 1) / 2
         self.scale_dtype = options.scale_dtype or torch.float32
-        self.eps = options.eps or _default_eps(self.scale_dtype)
+        self.eps = options.eps or default_eps(self.scale_dtype)
         zp_dtype = options.zero_point_dtype
         self.zp_dtype = zp_dtype or (torch.int32 if self.domain is ZeroPointDomain.INT else self.scale_dtype)
 
@@ -186,7 +181,7 @@ class _Stored:
         """(W_q, W_r) of groups w [R, g] exactly as quantize_affine / dequantize_affine compute them."""
         s = scale.float().reshape(-1, 1)
         z = None if zp is None else zp.float().reshape(-1, 1)
-        return _fake_quantize_unchecked(w, s, z, self.domain, self.qmin, self.qmax)
+        return fake_quantize_unchecked(w, s, z, self.domain, self.qmin, self.qmax)
 
 
 def _shrink_lp(e: torch.Tensor, beta: float, p: float) -> torch.Tensor:

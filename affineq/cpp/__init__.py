@@ -18,22 +18,7 @@ stored exactly. e8m0 qparams (OCP MX shared scales): ``scale`` is uint8 exponent
 is ``quant_min`` for integer codes stored as ``q - quant_min``, 0 for float codes). An fp32 ``scale`` may also
 come without ``offset`` (None: offset 0, all that float codes need).
 
-Packed layout (``pack_codes``; a uint8 tensor of shape ``[n, ceil(k / 8) * bits]``):
-
-* ``k`` is zero-padded to ``k8 = ceil(k / 8) * 8``, so ``packed_nbytes = n * k8 * bits / 8``; that is exactly
-  ``n * k * bits / 8`` when ``k % 8 == 0`` and at most ``7 * bits / 8`` extra bytes per row otherwise.
-* Rows form panels of 16 (the last one has ``n % 16`` rows when ``n`` is not a multiple of 16). Panel ``p``
-  is the byte range of rows ``[16p, 16p + 16)`` of the 2-D view, so slicing rows at multiples of 16 slices
-  the packed tensor.
-* A panel of ``w`` rows is a sequence of units, one per 8 consecutive ``k``; a unit is ``bits * w`` bytes.
-* A unit holds bit planes: one 8-bit plane when ``bits == 8``, otherwise a 4-, 2- and 1-bit plane for each
-  set bit of ``bits`` in that order, the widest plane holding the lowest code bits (7 = 4 + 2 + 1 with
-  shifts 0, 4, 6; 3 = 2 + 1 with shifts 0, 2).
-* A plane of width ``q`` has ``q`` slots of ``w`` bytes, byte ``j`` of a slot belonging to row ``j``; slot
-  ``s`` packs the codes of ``k = 8 * unit + s * (8 // q) + t`` at bit ``t * q`` for ``t < 8 // q``.
-
-Loading a slot gives one byte per row, which the kernels zero-extend to 16 int32 lanes (16 output rows) and
-split with shifts/masks: no cross-lane shuffles, and the same layout serves AVX-512, AVX2 and scalar code.
+Packed layout: ``affineq.bitpack`` (``pack_codes``; panels of 16 rows of bit planes), re-exported here.
 
 Kernels (chosen per call; x of any float dtype is converted to fp32 first, the output is cast back):
 
@@ -69,6 +54,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from affineq.bitpack import PANEL_ROWS, check_bits, pack_codes, packed_nbytes, unpack_codes
 from affineq.dtypes import qtype
 
 from . import _build
@@ -88,11 +74,9 @@ __all__ = [
     "CODES_FP6_E2M3",
     "CODES_FP6_E3M2",
     "codes_kind",
+    "code_values",
     "e8m0_values",
 ]
-
-#: Rows per packed panel: rows [16p, 16p + 16) of ``pack_codes`` output are exactly panel p's bytes.
-PANEL_ROWS = 16
 
 #: The ``codes`` argument of the ops: what a stored code means (integers, float8 bytes with bits=8, or the
 #: bit patterns of fp4 E2M1 (bits=4) / fp6 E2M3, E3M2 (bits=6)).
@@ -117,14 +101,13 @@ def codes_kind(dtype) -> int:
     return CODES_UINT
 
 
-def _code_values(u: torch.Tensor, codes: int) -> torch.Tensor:
+def code_values(u: torch.Tensor, codes: int) -> torch.Tensor:
     """fp32 value c(u) of uint8 codes u for a codes kind (see the module docstring)."""
     if codes in _FP8_CODES:
         return u.view(_FP8_CODES[codes]).float()
     if codes in _FPX_CODES:
         return qtype(_FPX_CODES[codes][0]).decode(u, torch.float32)
     return u.float()
-_PANEL = PANEL_ROWS  # older private alias
 
 _ENV_DISABLE = "AFFINEQ_DISABLE_CPP_KERNELS"
 _OP = "affineq::lowbit_linear"
@@ -139,124 +122,12 @@ _cpp_disabled_flag: bool | None = None  # last value pushed to the C++ kill swit
 
 
 # --------------------------------------------------------------------------------------------------------
-# Packing (pure PyTorch: works without a compiler)
-# --------------------------------------------------------------------------------------------------------
-def _check_bits(bits: int) -> None:
-    if not isinstance(bits, int) or not 1 <= bits <= 8:
-        raise ValueError(f"bits must be an int in [1, 8], got {bits!r}")
-
-
-def _planes(bits: int) -> list[tuple[int, int]]:
-    """(plane width q, code bit shift) for each bit plane, in storage order."""
-    if bits == 8:
-        return [(8, 0)]
-    planes, shift = [], 0
-    for q in (4, 2, 1):
-        if bits & q:
-            planes.append((q, shift))
-            shift += q
-    return planes
-
-
-def packed_nbytes(n: int, k: int, bits: int) -> int:
-    """Bytes of ``pack_codes`` output for an ``[n, k]`` code matrix: ``n * ceil(k / 8) * bits``."""
-    _check_bits(bits)
-    if n < 0 or k < 0:
-        raise ValueError(f"n and k must be >= 0, got n={n}, k={k}")
-    return n * ((k + 7) // 8) * bits
-
-
-def _pack_panels(c: torch.Tensor, bits: int, w: int) -> torch.Tensor:
-    """c: uint8 [P * w, k8] -> flat bytes of P panels of w rows."""
-    rows, k8 = c.shape
-    p, u = rows // w, k8 // 8
-    c = c.reshape(p, w, u, 8)
-    planes = []
-    for q, shift in _planes(bits):
-        v = c >> shift if shift else c
-        if q < 8:
-            v = v & ((1 << q) - 1)
-        v = v.reshape(p, w, u, q, 8 // q)  # k = s * (8 // q) + t
-        byte = v[..., 0].clone()
-        for t in range(1, 8 // q):
-            byte |= v[..., t] << (t * q)
-        planes.append(byte.permute(0, 2, 3, 1))  # [P, U, q slots, w rows]
-    return torch.cat(planes, dim=2).reshape(-1)
-
-
-def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack uint8 codes ``[n, k]`` (values in ``[0, 2**bits)``) into the kernel layout.
-
-    Returns a contiguous uint8 tensor of shape ``[n, ceil(k / 8) * bits]`` (see the module docstring).
-    """
-    _check_bits(bits)
-    if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8 or codes.dim() != 2:
-        desc = f"{codes.dtype} tensor of shape {tuple(codes.shape)}" if isinstance(codes, torch.Tensor) else type(codes)
-        raise ValueError(f"pack_codes: codes must be a 2-D uint8 tensor [n, k], got {desc}")
-    n, k = codes.shape
-    if bits < 8 and codes.numel() > 0 and int(codes.max()) >= 1 << bits:
-        raise ValueError(f"pack_codes: codes must be < 2**bits = {1 << bits}, got max {int(codes.max())}")
-    codes = codes.detach().cpu()
-    k8 = (k + 7) // 8 * 8
-    if k8 != k:
-        codes = F.pad(codes, (0, k8 - k))
-    nfull = n // _PANEL * _PANEL
-    parts = []
-    if nfull:
-        parts.append(_pack_panels(codes[:nfull], bits, _PANEL))
-    if n > nfull:
-        parts.append(_pack_panels(codes[nfull:], bits, n - nfull))
-    flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
-    return flat.view(n, (k8 // 8) * bits)
-
-
-def _unpack_panels(data: torch.Tensor, bits: int, p: int, w: int, u: int) -> torch.Tensor:
-    """Flat bytes of p panels of w rows -> uint8 codes [p * w, 8 * u]."""
-    d = data.view(p, u, bits, w)
-    out = None
-    s0 = 0
-    for q, shift in _planes(bits):
-        b = d[:, :, s0 : s0 + q, :]
-        s0 += q
-        mask = (1 << q) - 1
-        fields = [b >> (t * q) & mask if q < 8 else b for t in range(8 // q)]
-        v = torch.stack(fields, dim=-1)  # [P, U, q, w, 8 // q]
-        v = v.permute(0, 3, 1, 2, 4).reshape(p * w, u * 8)
-        v = v << shift if shift else v
-        out = v if out is None else out | v
-    assert out is not None
-    return out
-
-
-def unpack_codes(packed: torch.Tensor, bits: int, n: int, k: int) -> torch.Tensor:
-    """Inverse of ``pack_codes``: uint8 codes ``[n, k]`` (exact)."""
-    _check_bits(bits)
-    expected = packed_nbytes(n, k, bits)
-    if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8 or packed.numel() != expected:
-        got = f"{packed.dtype} with {packed.numel()} elements" if isinstance(packed, torch.Tensor) else type(packed)
-        raise ValueError(f"unpack_codes: packed must be uint8 with {expected} elements for n={n}, k={k}, "
-                         f"bits={bits}, got {got}")
-    flat = packed.detach().cpu().reshape(-1)
-    u = (k + 7) // 8
-    nfull = n // _PANEL * _PANEL
-    split = nfull * u * bits
-    parts = []
-    if nfull:
-        parts.append(_unpack_panels(flat[:split], bits, nfull // _PANEL, _PANEL, u))
-    if n > nfull:
-        parts.append(_unpack_panels(flat[split:], bits, 1, n - nfull, u))
-    if not parts:
-        return torch.empty(0, k, dtype=torch.uint8)
-    return torch.cat(parts)[:, :k].contiguous()
-
-
-# --------------------------------------------------------------------------------------------------------
 # Reference implementation and argument checks
 # --------------------------------------------------------------------------------------------------------
 def _check_args(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, bits: int,
                 group_size: int, n: int, k: int, codes: int = CODES_UINT, code_offset: int = 0) -> None:
     """Same rules as the C++ binding (ValueError naming the offending argument)."""
-    _check_bits(bits)
+    check_bits(bits)
     if codes != CODES_UINT and _CODE_BITS.get(codes) != bits:
         raise ValueError(f"lowbit_linear: codes must be 0 (unsigned integers), 1 (float8_e4m3fn) or 2 (float8_e5m2, "
                          f"both with bits=8), 3 (fp4_e2m1, bits=4), 4 (fp6_e2m3) or 5 (fp6_e3m2, both bits=6), got "
@@ -307,7 +178,7 @@ def _dequantize(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor 
     """fp32 W [n, k] = scale * c(u) + offset (per group); bf16 qparams: scale * (u - 2**(bits-1)) + offset;
     e8m0 qparams: 2**(b - 127) * (c(u) + code_offset)."""
     u = unpack_codes(packed, bits, n, k).to(scale.device)
-    u = _code_values(u, codes).view(n, k // group_size, group_size)
+    u = code_values(u, codes).view(n, k // group_size, group_size)
     if scale.dtype == torch.uint8:
         s = e8m0_values(scale)
         o = s * code_offset
@@ -519,4 +390,53 @@ def _lowbit_dequantize_fallback(packed, scale, offset, bits, group_size, n, k, c
 
 
 _lib.impl("lowbit_linear", _lowbit_linear_fallback, "CompositeExplicitAutograd")
+
+# The dense weight as float at memory speed (cpp/dequant_gemm.cpp): W [n, k] with the values of
+# `formats.Dense.dequantize` bit for bit (see dense_dequantize_reference), float32 or (bf16=True) bfloat16.
+_lib.define(
+    "dense_dequantize(Tensor packed, Tensor scale, Tensor? offset, int bits, int group_size, int n, int k,"
+    " int codes, int code_offset, bool canonical, bool bf16) -> Tensor"
+)
+# x @ W^T with W dequantized in cached row blocks and multiplied by torch's GEMM (cpp/dequant_gemm.cpp): fp32
+# products of x.float() and the fp32 W, or (bf16_weight=True, bf16 x) the bf16 GEMM of x and W.to(bf16).
+_lib.define(
+    "dequant_linear(Tensor x, Tensor packed, Tensor scale, Tensor? offset, int bits, int group_size, int n, int k,"
+    " int codes, int code_offset, bool canonical, bool bf16_weight) -> Tensor"
+)
+
+
+@torch.library.register_fake("affineq::dense_dequantize", lib=_lib)
+def _dense_dequantize_fake(packed, scale, offset, bits, group_size, n, k, codes, code_offset, canonical, bf16):
+    return scale.new_empty((n, k), dtype=torch.bfloat16 if bf16 else torch.float32)
+
+
+@torch.library.register_fake("affineq::dequant_linear", lib=_lib)
+def _dequant_linear_fake(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset, canonical, bf16_weight):
+    return x.new_empty((*x.shape[:-1], n))
+
+
+def dense_dequantize_reference(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, bits: int,
+                               group_size: int, n: int, k: int, codes: int = CODES_UINT, code_offset: int = 0,
+                               canonical: bool = False, bf16: bool = False) -> torch.Tensor:
+    """Pure-PyTorch ``dense_dequantize``: ``scale * c(u) + offset`` rounded once (as ``lowbit_dequantize``), or,
+    ``canonical`` (fp32 qparams of integer codes), ``(u + round(offset / scale)) * scale`` per group."""
+    if canonical:
+        u = _dequantize(packed, torch.ones_like(scale), torch.zeros_like(offset), bits, group_size, n, k, codes)
+        u = u.view(n, k // group_size, group_size)
+        w = ((u + torch.round(offset / scale).unsqueeze(-1)) * scale.unsqueeze(-1)).view(n, k)
+    else:
+        w = _dequantize(packed, scale, offset, bits, group_size, n, k, codes, code_offset)
+    return w.to(torch.bfloat16 if bf16 else torch.float32)
+
+
+def _dequant_linear_fallback(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset, canonical,
+                             bf16_weight):
+    # Runs only while no C++ CPU kernel is registered (e.g. a graph compiled while the kernels were available).
+    w = dense_dequantize_reference(packed, scale, offset, bits, group_size, n, k, codes, code_offset, canonical,
+                                   bf16_weight)
+    return F.linear(x.to(w.dtype), w).to(x.dtype)
+
+
 _lib.impl("lowbit_dequantize", _lowbit_dequantize_fallback, "CompositeExplicitAutograd")
+_lib.impl("dense_dequantize", dense_dequantize_reference, "CompositeExplicitAutograd")
+_lib.impl("dequant_linear", _dequant_linear_fallback, "CompositeExplicitAutograd")

@@ -145,6 +145,22 @@ std::vector<int32_t> group_of_k(const LowbitProblem& p, int64_t K8, int64_t G) {
   return kg;
 }
 
+Ctx make_ctx(const LowbitProblem& p) {
+  Ctx c;
+  c.p = &p;
+  c.B = p.bits;
+  c.K8 = (p.k + 7) / 8 * 8;
+  c.U = c.K8 / 8;
+  c.G = p.k / p.group_size;
+  c.N = p.n;
+  c.M = p.m;
+  c.nfull = p.n / 16;
+  c.tail_w = p.n % 16;
+  c.npan = c.nfull + (c.tail_w > 0 ? 1 : 0);
+  c.panel_bytes = 16 * c.U * p.bits;
+  return c;
+}
+
 const uint8_t* panel_ptr(const Ctx& c, int64_t pi) {
   if (pi >= c.npan) return nullptr;
   const uint8_t* base = c.p->packed + pi * c.panel_bytes;

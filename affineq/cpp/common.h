@@ -94,6 +94,9 @@ struct Ctx {
   int64_t panel_bytes;          // bytes of one full panel = 16 * U * B
 };
 
+// The problem context of p (widths, panel counts; common.cpp).
+Ctx make_ctx(const LowbitProblem& p);
+
 // Pointer to panel `pi` in the 16-wide layout; the narrower tail panel is re-spread into 16-byte slots (in a
 // thread-local buffer).
 const uint8_t* panel_ptr(const Ctx& c, int64_t pi);

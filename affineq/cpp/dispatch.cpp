@@ -104,22 +104,6 @@ void run(const Ctx& c, int force_path) {
   else gemm_path<B>(c);
 }
 
-Ctx make_ctx(const LowbitProblem& p) {
-  Ctx c;
-  c.p = &p;
-  c.B = p.bits;
-  c.K8 = (p.k + 7) / 8 * 8;
-  c.U = c.K8 / 8;
-  c.G = p.k / p.group_size;
-  c.N = p.n;
-  c.M = p.m;
-  c.nfull = p.n / 16;
-  c.tail_w = p.n % 16;
-  c.npan = c.nfull + (c.tail_w > 0 ? 1 : 0);
-  c.panel_bytes = 16 * c.U * p.bits;
-  return c;
-}
-
 }  // namespace
 }  // namespace detail
 

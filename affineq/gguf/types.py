@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from affineq import cpp as _cpp
+from affineq.bitpack import pack_codes, unpack_codes
 from affineq.gguf import blocks
 from affineq.gguf.reader import GGUFEntry
 from affineq.primitives import MappingType, ZeroPointDomain
@@ -79,7 +79,7 @@ def to_tensor(entry: GGUFEntry, *, widen_kquants: bool = False) -> torch.Tensor:
         mapping_type=MappingType.SYMMETRIC if symmetric else MappingType.ASYMMETRIC,
         zero_point_domain=ZeroPointDomain.NONE if symmetric else ZeroPointDomain.FLOAT,
     )
-    tensors = {"qdata": _cpp.pack_codes(u.contiguous(), spec.target.bits), "scale": d.contiguous(),
+    tensors = {"qdata": pack_codes(u.contiguous(), spec.target.bits), "scale": d.contiguous(),
                "offset": m.contiguous()}
     return AffineQuantizedTensor.from_tensors(tensors, spec)
 
@@ -93,7 +93,7 @@ def _mxfp4(entry: GGUFEntry, data: torch.Tensor) -> AffineQuantizedTensor:
     spec = QuantSpec.create(entry.shape, torch.float32, "fp4_e2m1", (1, blocks.BLOCK), packing_format="dense",
                             mapping_type=MappingType.SYMMETRIC, zero_point_domain=ZeroPointDomain.NONE,
                             scale_type="e8m0")
-    tensors = {"qdata": _cpp.pack_codes(u.contiguous(), 4), "scale": b[:, 0].reshape(n, -1).contiguous()}
+    tensors = {"qdata": pack_codes(u.contiguous(), 4), "scale": b[:, 0].reshape(n, -1).contiguous()}
     return AffineQuantizedTensor.from_tensors(tensors, spec)
 
 
@@ -145,7 +145,7 @@ def _unsigned_codes(t: AffineQuantizedTensor) -> torch.Tensor:
     """u = code - quant_min, uint8 [N, K] (read straight from `dense`'s packed bits, which hold exactly u)."""
     s = t.spec
     if s.fmt == "dense":
-        return _cpp.unpack_codes(t.tensors["qdata"], s.target.bits, *s.shape)
+        return unpack_codes(t.tensors["qdata"], s.target.bits, *s.shape)
     return (t.codes().to(torch.int32) - int(s.quant_min)).to(torch.uint8)
 
 

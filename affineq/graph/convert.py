@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import fx, nn
 
-from affineq.calibration import _Calibrated, _first
+from affineq.calibration import Calibrated, first_value
 from affineq.graph.prepare import STATE_ATTR, GraphPlan, Planned, _static
 from affineq.graph.trace import Warner, drop_unread, get_attr_tensor
 from affineq.quantize import QuantizationError
@@ -56,7 +56,7 @@ def _qparams(gm: fx.GraphModule, plan: GraphPlan) -> dict[str, tuple[float, int 
                                     f"{_observed_value(gm, name)!r}) saw no data; run calibration batches through "
                                     "the prepared module (prepared(batch)) before convert")
         scale, zp = obs.calculate_qparams()
-        out[name] = (_first(scale), _first(zp), obs)
+        out[name] = (first_value(scale), first_value(zp), obs)
     return out
 
 
@@ -118,7 +118,7 @@ def _quantized_attr(gm, p: Planned, weights: dict, qparams: dict) -> str:
         return name
     scale, zp, _ = qparams[p.act_observer]
     out_scale, out_zp = qparams[p.out_observer][:2] if p.out_on_node else (None, None)
-    calibrated = _Calibrated(base=p.config, act_scale=scale, act_zero_point=zp, out_scale=out_scale,
+    calibrated = Calibrated(base=p.config, act_scale=scale, act_zero_point=zp, out_scale=out_scale,
                              out_zero_point=out_zp)
     return _register(gm, f"{name}_{use.node}", calibrated.attach(weights[key]))
 

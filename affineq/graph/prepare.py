@@ -24,11 +24,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 
-from affineq.algorithms._base import AlgorithmConfig
+from affineq.algorithms import AlgorithmConfig
 from affineq.configs import QuantConfig
 from affineq.graph.patterns import fold_batch_norms, layer_output, shared_groups
 from affineq.graph.trace import Warner, WeightUse, export_graph, find_weight_uses
-from affineq.quantize import FqnToConfig, ModelConfig, QuantizationError, _handler_for, _replace_parameters
+from affineq.plan import FqnToConfig, ModelConfig, QuantizationError, handler_for
+from affineq.quantize import replace_parameters
 from affineq.quark_config import Config as QuarkConfig
 from affineq.quark_config import QuantizationMode
 
@@ -111,7 +112,7 @@ def _check_config(cfg: QuantConfig, where: str) -> None:
     if isinstance(cfg, AlgorithmConfig):
         raise ValueError(f"{where}: {type(cfg).__name__} runs on captured layer inputs with affineq.quantize_ "
                          "(eager mode); graph mode takes weight configs: quantize eagerly, or pass its base config")
-    if _handler_for(cfg) is not _replace_parameters:
+    if handler_for(cfg) is not replace_parameters:
         raise ValueError(f"{where}: {type(cfg).__name__} swaps modules (its own quantize_ handler); graph mode "
                          "replaces weights only: use affineq.quantize_ for it")
 
@@ -137,6 +138,8 @@ def prepare(model: nn.Module, config: QuantConfig, example_inputs, *, dynamic_sh
     resolver = _Resolver(model, config)
     warn = Warner()
     gm = export_graph(model, tuple(example_inputs), dynamic_shapes)
+    if isinstance(getattr(gm, "_guards_fn", None), nn.Module):
+        gm._guards_fn = _ExplainedGuards(gm._guards_fn)
     fold_batch_norms(gm, warn)
     uses = find_weight_uses(gm, model, warn)
     _check_names(config, model, uses)
@@ -159,6 +162,24 @@ def prepare(model: nn.Module, config: QuantConfig, example_inputs, *, dynamic_sh
     gm.recompile()
     setattr(gm, STATE_ATTR, plan)
     return gm
+
+
+class _ExplainedGuards(nn.Module):
+    """torch.export's input-shape guards of the traced graph, whose bare `AssertionError: Guard failed` becomes a
+    ValueError saying how to run inputs of other shapes."""
+
+    def __init__(self, guards: nn.Module) -> None:
+        super().__init__()
+        self.guards = guards
+
+    def forward(self, *args, **kwargs):
+        try:
+            return self.guards(*args, **kwargs)
+        except AssertionError as e:
+            raise ValueError(f"affineq.graph: an input does not have the shape the model was traced with ({e}); "
+                             "pass dynamic_shapes to affineq.graph.prepare for dims that vary, e.g. "
+                             "dynamic_shapes=({0: torch.export.Dim('batch')},) for the batch size, or give "
+                             "inputs of the example_inputs' shapes") from None
 
 
 def _check_names(config: QuantConfig, model: nn.Module, uses: list[WeightUse]) -> None:

@@ -19,6 +19,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from affineq.capability import min_max_integer_rows
 from affineq.configs import (
     Int4WeightOnlyConfig,
     Int8DynamicActivationInt4WeightConfig,
@@ -37,7 +38,8 @@ from affineq.tensor.spec import ActivationQuant, QuantSpec
 
 __all__ = ["QATConfig", "QAT_BASE_CONFIGS", "fake_quantize_configs"]
 
-#: Base configs with a QAT counterpart (their fake quantization reproduces their convert exactly).
+#: The built-in base configs with a QAT counterpart (their fake quantization reproduces their convert exactly);
+#: any config with min/max integer qparams per row or group qualifies (`affineq.capability`), these are examples.
 QAT_BASE_CONFIGS = (Int4WeightOnlyConfig, IntxWeightOnlyConfig, Int8WeightOnlyConfig,
                     Int8DynamicActivationInt4WeightConfig, Int8DynamicActivationInt8WeightConfig)
 _STEPS = ("prepare", "convert")
@@ -70,12 +72,16 @@ def fake_quantize_configs(base: QuantConfig, weight: torch.Tensor, module: nn.Mo
     """(activation config or None, weight config, packing format) reproducing `base` on `weight` of `module`.
 
     ValueError when `base` has no QAT counterpart or its spec is not expressible (a partial code range)."""
-    if not isinstance(base, QAT_BASE_CONFIGS):
-        names = ", ".join(c.__name__ for c in QAT_BASE_CONFIGS)
-        raise ValueError(f"{type(base).__name__} has no QAT counterpart; QATConfig derives fake quantization from "
-                         f"{names}. Quantize such layers after training (without QATConfig), or pass explicit "
-                         "activation_config / weight_config (FakeQuantizeConfig)")
-    spec = base.weight_spec(weight, module)
+    why = min_max_integer_rows(base)
+    spec = base.weight_spec(weight, module) if why is None else None
+    if spec is not None and spec.target.is_float:
+        why = f"{type(base).__name__} stores {spec.target.name} codes, not integers"
+    if why is not None:
+        raise ValueError(f"{type(base).__name__} has no QAT counterpart: {why}. QATConfig derives fake "
+                         "quantization from configs with min/max integer qparams per row or group (e.g. "
+                         f"{', '.join(c.__name__ for c in QAT_BASE_CONFIGS)}, or your own). Quantize such layers "
+                         "after training (without QATConfig), or pass explicit activation_config / weight_config "
+                         "(FakeQuantizeConfig)")
     opts = base.qparam_options()
     if spec.scale_type is not None:
         raise ValueError(f"{type(base).__name__} with power-of-two ({spec.scale_type}) scales has no QAT counterpart "
@@ -251,7 +257,7 @@ class QATConfig(ModelConfig):
         bases = (self.base_config.fqn_to_config.values() if isinstance(self.base_config, FqnToConfig)
                  else [self.base_config] if self.base_config is not None else [])
         for b in bases:
-            if b is not None and not isinstance(b, QAT_BASE_CONFIGS):
+            if b is not None and min_max_integer_rows(b) is not None:
                 fake_quantize_configs(b, torch.zeros(1, 1), nn.Linear(1, 1))  # raises the explanation
         for name in ("activation_config", "weight_config"):
             v = getattr(self, name)
@@ -281,8 +287,14 @@ class QATConfig(ModelConfig):
 
     def to_fqn_config(self, model: nn.Module) -> FqnToConfig:
         if self.step == "convert":  # every fake-quantized module, by name (whatever filter_fn says)
-            return FqnToConfig({fqn: self._step(self._prepared_base(fqn, m)) for fqn, m in model.named_modules()
-                                if isinstance(m, _FakeQuantized)})
+            entries = {fqn: self._step(self._prepared_base(fqn, m)) for fqn, m in model.named_modules()
+                       if isinstance(m, _FakeQuantized)}
+            if not entries:
+                raise QuantizationError(
+                    f"QATConfig(step='convert'): {type(model).__name__} has no fake-quantized module, so there is "
+                    "nothing to convert; run the prepare step first (quantize_(model, QATConfig(base, "
+                    "step='prepare'))), train, then convert. Nothing was changed.")
+            return FqnToConfig(entries)
         if isinstance(self.base_config, FqnToConfig):
             return FqnToConfig({k: None if v is None else self._step(v)
                                 for k, v in self.base_config.fqn_to_config.items()})

@@ -39,7 +39,7 @@ def prepare_input(x: torch.Tensor, w) -> torch.Tensor:
 
 #: Set by `affineq.distributed` while a linear whose input channels K are sharded across ranks runs (tensor-parallel
 #: rowwise): reduce(t, op) with op "min" or "max" returns t reduced elementwise over the ranks (an all-reduce).
-_range_reduce: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("affineq_range_reduce", default=None)
+range_reduce: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("affineq_range_reduce", default=None)
 
 
 def reduce_input_ranges(x: torch.Tensor, w):
@@ -48,7 +48,7 @@ def reduce_input_ranges(x: torch.Tensor, w):
     (min / max reduced across the ranks, then the primitives' formula, so each element is bit for bit what the
     unsharded input gives), and w as a view without activation quantization, so the kernel does not quantize x
     again. Otherwise (x, w) unchanged (MX blocks and static qparams need no reduction)."""
-    reduce, aq = _range_reduce.get(), w.spec.act_quant
+    reduce, aq = range_reduce.get(), w.spec.act_quant
     if reduce is None or aq is None or aq.static or aq.granularity == "per_block":
         return x, w
     x2 = x.reshape(-1, x.shape[-1])

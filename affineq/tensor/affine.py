@@ -15,11 +15,13 @@ import contextlib
 import functools
 import hashlib
 import pickle
+import warnings
 from pathlib import Path
 from typing import ClassVar
 
 import torch
 
+from affineq._memory import release_float_copy
 from affineq._primitive_checks import _Blocks
 from affineq.dtypes import QType
 from affineq.mx import pow2_scale_exponent
@@ -97,6 +99,14 @@ def _check_finite_qparams(scale: torch.Tensor, zero_point: torch.Tensor | None) 
             "(|values| near the float limit, or inf/NaN qparams passed in), so it would dequantize to NaN; "
             "scale the tensor down before quantizing, or pass finite qparams"
         )
+
+
+def _row_chunks(input: torch.Tensor, spec: QuantSpec, rows: int) -> bool:
+    """Whether `from_spec(..., chunk_rows=rows)` quantizes `input` by row chunks: 2-D, row-local qparams, and
+    more than one chunk."""
+    if not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"chunk_rows must be a positive int (rows per chunk), got {rows!r}")
+    return input.dim() == 2 and spec.block_size[0] == 1 and not spec.transposed and input.shape[0] > rows
 
 
 def _min_max_qparams(input: torch.Tensor, spec: QuantSpec, o: QParamOptions):
@@ -199,12 +209,45 @@ class AffineQuantizedTensor(torch.Tensor):
     # -- construction ---------------------------------------------------------------------------------
 
     @classmethod
-    def from_spec(cls, input: torch.Tensor, spec: QuantSpec, options: QParamOptions | None = None,
-                  ) -> AffineQuantizedTensor:
-        """Quantize float `input` as `spec` describes: choose_qparams_affine (with `options`), quantize, pack."""
+    def from_spec(cls, input: torch.Tensor, spec: QuantSpec | tuple[int, ...], options: QParamOptions | None = None,
+                  *, target: torch.dtype | QType | str | None = None, chunk_rows: int | None = None,
+                  **spec_args) -> AffineQuantizedTensor:
+        """Quantize float `input` as `spec` describes: choose_qparams_affine (with `options`), quantize, pack.
+
+        `spec`: a `QuantSpec`, or a block size with `target=` and `QuantSpec.create` keywords (mapping_type,
+        zero_point_domain, quant_min, quant_max, packing_format, act_quant), as `from_qparams` takes them.
+        `chunk_rows`: quantize a 2-D input whose qparams are row-local (block_size[0] == 1: per row, per group)
+        `chunk_rows` rows at a time, bit-identical to the whole. The fp32 temporaries (~4x the input) shrink to
+        one chunk plus the codes (one byte per weight), and each chunk's pages are given back once quantized
+        (a memory-mapped weight read from safetensors: `affineq.streaming`). Other inputs are quantized whole."""
+        spec = cls._as_spec(input.shape, input.dtype, spec, target, spec_args)
         o = options or QParamOptions()
+        if chunk_rows is not None and _row_chunks(input, spec, chunk_rows):
+            return cls._from_spec_by_rows(input, spec, o, chunk_rows)
         scale, zero_point = _min_max_qparams(input, spec, o)
         return cls.from_qparams(input, scale, zero_point, spec, rounding=o.rounding)
+
+    @classmethod
+    def _from_spec_by_rows(cls, input: torch.Tensor, spec: QuantSpec, o: QParamOptions, rows: int,
+                           ) -> AffineQuantizedTensor:
+        """`from_spec` chunk by chunk: `stored_qparams` + `quantize_affine` per chunk, as `from_qparams` computes
+        them on the whole, then one pack."""
+        codes: torch.Tensor | None = None  # filled in place: a list + torch.cat would hold the codes twice
+        scales, zero_points = [], []
+        for r in range(0, input.shape[0], rows):
+            chunk = input[r:r + rows]
+            scale, zero_point = cls.stored_qparams(chunk, spec.replace(shape=tuple(chunk.shape)), o)
+            _check_finite_qparams(scale, zero_point)
+            c = quantize_affine(chunk, spec.block_size, scale, zero_point, spec.target, spec.quant_min,
+                                spec.quant_max, spec.zero_point_domain, rounding=o.rounding)
+            if codes is None:
+                codes = torch.empty(input.shape, dtype=c.dtype, device=c.device)
+            codes[r:r + rows] = c
+            release_float_copy(chunk)  # rows already quantized: their mmapped pages are not needed again
+            scales.append(scale)
+            zero_points.append(zero_point)
+        zero_point = None if zero_points[0] is None else torch.cat(zero_points)
+        return cls.from_codes(codes, torch.cat(scales), zero_point, spec)
 
     @staticmethod
     def stored_qparams(input: torch.Tensor, spec: QuantSpec, options: QParamOptions | None = None,
@@ -234,11 +277,15 @@ class AffineQuantizedTensor(torch.Tensor):
         packing_format: str = "plain",
         act_quant: ActivationQuant | None = None,
     ) -> AffineQuantizedTensor:
-        """Quantize a float tensor: `from_spec` with a spec built from these arguments."""
-        spec = QuantSpec.create(tuple(input.shape), input.dtype, target_dtype, block_size, mapping_type=mapping_type,
-                                zero_point_domain=zero_point_domain, quant_min=quant_min, quant_max=quant_max,
-                                packing_format=packing_format, act_quant=act_quant)
-        return cls.from_spec(input, spec, QParamOptions(eps, scale_dtype, zero_point_dtype, preserve_zero))
+        """Deprecated: `from_spec(input, block_size, QParamOptions(eps, scale_dtype, zero_point_dtype,
+        preserve_zero), target=target_dtype, mapping_type=..., ...)` (one quantizing constructor)."""
+        warnings.warn("AffineQuantizedTensor.from_float is deprecated: use AffineQuantizedTensor.from_spec(input, "
+                      "block_size, QParamOptions(...), target=target_dtype, mapping_type=..., ...)",
+                      DeprecationWarning, stacklevel=2)
+        return cls.from_spec(input, block_size, QParamOptions(eps, scale_dtype, zero_point_dtype, preserve_zero),
+                             target=target_dtype, mapping_type=mapping_type, zero_point_domain=zero_point_domain,
+                             quant_min=quant_min, quant_max=quant_max, packing_format=packing_format,
+                             act_quant=act_quant)
 
     @classmethod
     def from_qparams(cls, input: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
@@ -442,6 +489,41 @@ class AffineQuantizedTensor(torch.Tensor):
         if have != want:
             raise ValueError(f"format {spec.fmt!r} stores tensors {sorted(want)}, got {sorted(have)}")
         return cls(tensors, spec)
+
+    def __setstate__(self, state) -> None:
+        """Unpickling (torch.load, weights_only=True too): the pickled spec and stored tensors are checked as
+        `from_tensors` checks them (names, shapes, dtypes, activation tensors), and the tensor's own shape and
+        dtype against the spec, so a tampered checkpoint fails at load with a ValueError naming what is wrong,
+        not at first use."""
+        attrs = state[0] if isinstance(state, tuple) and len(state) == 2 and not state[1] else state
+        if not isinstance(attrs, dict):
+            raise ValueError(f"cannot unpickle an AffineQuantizedTensor from a {type(state).__name__} state; the "
+                             "checkpoint was not written by affineq (or was edited)")
+        spec, names = attrs.get("spec"), attrs.get("_names")
+        if not isinstance(spec, QuantSpec):
+            raise ValueError(f"cannot unpickle an AffineQuantizedTensor: its spec is {type(spec).__name__}, not a "
+                             "QuantSpec (the checkpoint was edited or not written by affineq)")
+        if not isinstance(names, tuple) or not all(isinstance(n, str) for n in names):
+            raise ValueError(f"cannot unpickle an AffineQuantizedTensor: _names={names!r} is not a tuple of stored "
+                             "tensor names")
+        tensors = {n: attrs.get("_" + n) for n in names}
+        bad = [n for n, t in tensors.items() if not isinstance(t, torch.Tensor)]
+        shadow = [k for k in attrs if not isinstance(k, str) or hasattr(type(self), k)]
+        if bad or shadow:
+            raise ValueError(f"cannot unpickle an AffineQuantizedTensor: stored tensors {bad} are missing or not "
+                             f"tensors, attributes {shadow} would replace the class's own")
+        with torch._C.DisableTorchFunctionSubclass():
+            shape, dtype = tuple(torch.Tensor.size(self)), torch.Tensor.dtype.__get__(self)
+        if shape != spec.logical_shape or dtype != spec.dtype:
+            raise ValueError(f"cannot unpickle an AffineQuantizedTensor: it is {dtype} {shape}, but its spec "
+                             f"describes {spec.dtype} {spec.logical_shape}")
+        try:
+            self._checked_format(spec).validate({k: v for k, v in tensors.items() if not k.startswith("act_")},
+                                                spec)
+            _check_act_tensors(tensors, spec)
+        except ValueError as e:
+            raise ValueError(f"cannot unpickle an AffineQuantizedTensor: {e}") from None
+        torch._utils._set_obj_state(self, state)
 
     def _stable_hash_for_caching(self) -> str:
         """Key for torch.compile's on-disk caches: spec, inner tensors' shapes/dtypes/devices, and a digest of

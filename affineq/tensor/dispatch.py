@@ -10,23 +10,64 @@ announced once per format and op (`affineq.tensor.fallback`).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.utils._pytree import tree_map_only
 
 from affineq.tensor import fallback
 
 
-def check_frozen(t) -> None:
-    """RuntimeError for a quantized tensor with requires_grad=True used while grad is enabled: its codes
-    cannot receive gradients, so an optimizer would silently never update it."""
-    if torch.is_grad_enabled() and t.requires_grad:  # grad mode first: requires_grad re-enters dispatch
-        raise RuntimeError(
-            f"{t!r} has requires_grad=True, but quantized codes cannot receive gradients, so it would never "
+def _frozen_message(t) -> str:
+    return (f"{t!r} has requires_grad=True, but quantized codes cannot receive gradients, so it would never "
             "train. Call weight.requires_grad_(False) (quantize_ leaves weights frozen; a float model's "
             "load_state_dict(sd, assign=True) keeps its parameters' requires_grad=True, so call "
             "model.requires_grad_(False) after loading, or run under torch.inference_mode()), or train the float "
-            "model (quantization-aware training: affineq.QATConfig) and quantize afterwards"
-        )
+            "model (quantization-aware training: affineq.QATConfig) and quantize afterwards")
+
+
+def _refuse_gradient(message: str, grad):
+    raise RuntimeError(message)
+
+
+def check_frozen(t) -> None:
+    """Arm the frozen-weight check of a quantized tensor with requires_grad=True used while grad is enabled: the
+    forward runs (inference needs no gradient), and a backward that reaches `t` raises RuntimeError (its codes
+    cannot receive gradients, so an optimizer would silently never update it). For aten ops, whose autograd
+    formulas send a gradient to `t`: a hook on `t`. Ops computed from the stored tensors (F.linear, ...) also
+    wrap their output with `guard_frozen_output`."""
+    if not (torch.is_grad_enabled() and t.requires_grad):  # grad mode first: requires_grad re-enters dispatch
+        return
+    hooks = t._backward_hooks if t.grad_fn is None else None  # a leaf keeps its hooks here
+    if hooks is not None and any(getattr(h, "func", None) is _refuse_gradient for h in hooks.values()):
+        return
+    t.register_hook(functools.partial(_refuse_gradient, _frozen_message(t)))
+
+
+class _FrozenGuard(torch.autograd.Function):
+    """Identity on `out`, with an edge to the frozen weight `w`: backward raises if that weight's gradient is
+    asked for (loss.backward()), and passes the output's gradient on otherwise (autograd.grad(y, x))."""
+
+    @staticmethod
+    def forward(ctx, out, w):
+        ctx.message = _frozen_message(w)
+        return out.clone()  # not a view: an in-place op on the output (ReLU(inplace=True)) stays legal
+
+    @staticmethod
+    def backward(ctx, grad):
+        node = ctx.next_functions[1][0]
+        if node is not None and torch._C._will_engine_execute_node(node):
+            raise RuntimeError(ctx.message)
+        return grad, None
+
+
+def guard_frozen_output(out: torch.Tensor, w) -> torch.Tensor:
+    """`out` itself, or (a quantized weight `w` with requires_grad=True under grad mode) `out` through a node
+    whose backward raises when `w`'s gradient is needed. For ops that compute `out` from `w`'s stored tensors,
+    which autograd cannot connect to `w`."""
+    if torch.is_grad_enabled() and w.requires_grad:
+        return _FrozenGuard.apply(out, w)
+    return out
 
 
 _resolved: dict[tuple[type, object], object] = {}

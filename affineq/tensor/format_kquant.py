@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from affineq import cpp as _cpp
+from affineq.bitpack import pack_codes
 from affineq.primitives import MappingType, ZeroPointDomain
 from affineq.tensor.formats import PackingFormat, TensorLayout, register_format
 from affineq.tensor.spec import QuantSpec
@@ -209,7 +209,7 @@ def dense_tensors(t: dict[str, torch.Tensor], spec: QuantSpec) -> tuple[dict[str
     sub-block (w = scale * u + offset, the same fp32 values bit for bit), which the dense kernels read."""
     fmt = KQUANT_FORMATS[spec.fmt]
     u, scale, offset = fmt._rows_decoded(t["qdata"], spec.shape[0])
-    tensors = {"qdata": _cpp.pack_codes(u.contiguous(), spec.target.bits), "scale": scale.contiguous(),
+    tensors = {"qdata": pack_codes(u.contiguous(), spec.target.bits), "scale": scale.contiguous(),
                "offset": offset.contiguous()}
     return tensors, spec.replace(fmt="dense")
 

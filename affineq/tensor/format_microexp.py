@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from affineq import cpp as _cpp
-from affineq.microexp import MICROEXP_FORMATS, MicroexpFormat, _floor_log2, pair_scales
+from affineq.bitpack import pack_codes, unpack_codes
+from affineq.microexp import MICROEXP_FORMATS, MicroexpFormat, floor_log2, pair_scales
 from affineq.primitives import ZeroPointDomain
 from affineq.tensor.formats import PackingFormat, TensorLayout, register_format
 from affineq.tensor.spec import QuantSpec
@@ -69,7 +69,7 @@ class Microexp(PackingFormat):
         `quantize_microexp`'s except where amax / qmax * qmax rounds across a power of two)."""
         f = _fmt(spec)
         n = scale.shape[0]
-        e_pair = _floor_log2((scale.double() * f.qmax).float())
+        e_pair = floor_log2((scale.double() * f.qmax).float())
         big_e = e_pair.view(n, -1, _pairs_per_block(f)).amax(-1).clamp(f.min_exponent, _BIAS)
         t = (big_e.repeat_interleave(_pairs_per_block(f), dim=-1) - e_pair).clamp(max=1)
         return pair_scales(big_e, t, f), zero_point
@@ -94,20 +94,20 @@ class Microexp(PackingFormat):
         f = _fmt(spec)
         big_e, t = self._exponents(scale, f)
         u = (codes.to(torch.int16) + f.qmax).to(torch.uint8)
-        return {"qdata": _cpp.pack_codes(u, f.element_bits),
+        return {"qdata": pack_codes(u, f.element_bits),
                 "shared_exp": (big_e + _BIAS).to(torch.uint8),
-                "micro_exp": _cpp.pack_codes(t.to(torch.uint8), 1)}
+                "micro_exp": pack_codes(t.to(torch.uint8), 1)}
 
     def codes(self, t, spec):
         n, k = spec.shape
         f = _fmt(spec)
-        u = _cpp.unpack_codes(t["qdata"], f.element_bits, n, k)
+        u = unpack_codes(t["qdata"], f.element_bits, n, k)
         return (u.to(torch.int16) - f.qmax).to(spec.target.container)
 
     def qparams(self, t, spec):
         n, k = spec.shape
         f = _fmt(spec)
-        micro = _cpp.unpack_codes(t["micro_exp"], 1, n, k // f.k2).to(torch.int32)
+        micro = unpack_codes(t["micro_exp"], 1, n, k // f.k2).to(torch.int32)
         return pair_scales(t["shared_exp"].to(torch.int32) - _BIAS, micro, f), None
 
 

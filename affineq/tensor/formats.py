@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from affineq import cpp as _cpp
+from affineq.bitpack import PANEL_ROWS, pack_codes, unpack_codes
 from affineq.primitives import MappingType, ZeroPointDomain, dequantize_affine
 from affineq.tensor.spec import QuantSpec
 
@@ -273,8 +274,23 @@ def dense_code_offset(spec: QuantSpec) -> int:
     return 0 if spec.target.is_float else int(spec.quant_min)
 
 
+def dense_is_canonical(scale: torch.Tensor, spec: QuantSpec) -> bool:
+    """Whether a `dense` weight with this stored scale dequantizes as (u + round(offset / scale)) * scale
+    (fp32 qparams of integer codes with an INT or NONE zero point), the primitives' (q - zp) * scale, rather
+    than scale * c(u) + offset rounded once (see `Dense.dequantize`)."""
+    return (scale.dtype == torch.float32 and not spec.target.is_float
+            and spec.zero_point_domain is not ZeroPointDomain.FLOAT and not _has_zero_scale(scale))
+
+
+def _has_zero_scale(scale: torch.Tensor) -> bool:
+    """A zero scale (an all-zero GGUF block) has no zero point round(offset / scale) (0 / 0): such a tensor takes
+    the scale * u + offset route, the same values. Eager only (a host sync)."""
+    return (not torch.compiler.is_compiling() and scale.device.type != "meta" and scale.numel() > 0
+            and bool((scale == 0).any()))
+
+
 class Dense(PackingFormat):
-    """1-8 bit codes (or float8 / fp6 / fp4 bit patterns) bit-packed by `affineq.cpp.pack_codes`
+    """1-8 bit codes (or float8 / fp6 / fp4 bit patterns) bit-packed by `affineq.bitpack.pack_codes`
     (ceil(N*K*bits/8) bytes), with scale and offset [N, K/g]. This is the layout the `affineq::lowbit_linear` CPU
     kernel reads directly.
 
@@ -353,7 +369,7 @@ class Dense(PackingFormat):
                 raise ValueError("packing_format='dense' with e8m0 scales stores no zero point, got nonzero "
                                  "zero points: use mapping_type=SYMMETRIC, or packing_format='plain'")
             u = codes.view(torch.uint8) if spec.target.is_float else _unsigned_codes(codes, spec)
-            t = {"qdata": _cpp.pack_codes(u, spec.target.bits),
+            t = {"qdata": pack_codes(u, spec.target.bits),
                  "scale": _e8m0_bytes(scale).reshape(n, -1).contiguous()}
             self._check_representable(t, spec)
             return t
@@ -367,7 +383,7 @@ class Dense(PackingFormat):
                 offset = _offset(scale, zero_point, spec)
         qdtype = torch.bfloat16 if self._bf16(scale, spec) else torch.float32
         t = {
-            "qdata": _cpp.pack_codes(u, spec.target.bits),
+            "qdata": pack_codes(u, spec.target.bits),
             "scale": scale.to(qdtype).reshape(n, -1).contiguous(),
             "offset": offset.to(qdtype).reshape(n, -1).contiguous(),
         }
@@ -411,7 +427,7 @@ class Dense(PackingFormat):
 
     def codes(self, t, spec):
         n, k = spec.shape
-        u = _cpp.unpack_codes(t["qdata"], spec.target.bits, n, k)
+        u = unpack_codes(t["qdata"], spec.target.bits, n, k)
         if spec.target.is_float:
             return u.view(spec.target.container)
         return (u.to(torch.int32) + spec.quant_min).to(spec.target.container)
@@ -429,13 +445,23 @@ class Dense(PackingFormat):
 
     def dequantize(self, t, spec, output_dtype):
         n, k = spec.shape
-        if t["scale"].dtype == torch.uint8:  # e8m0: scale * (c(u) + code_offset) is exact as the C++ op computes it
+        e8m0 = t["scale"].dtype == torch.uint8
+        canonical = self._canonical(t, spec)
+        if t["qdata"].device.type == "cpu" and _cpp.is_available() and canonical == dense_is_canonical(
+                t["scale"], spec):  # (a canonical tensor with a zero scale: the PyTorch route keeps ggml's signs)
+            # C++ (cpp/dequant_gemm.cpp): the values of the PyTorch route below, bit for bit, at memory speed
+            w = torch.ops.affineq.dense_dequantize(
+                t["qdata"], t["scale"], t.get("offset"), spec.target.bits, spec.block_size[1], n, k,
+                _cpp.codes_kind(spec.target), dense_code_offset(spec) if e8m0 else 0, canonical,
+                output_dtype == torch.bfloat16,
+            )
+            return w.to(output_dtype)
+        if e8m0:  # e8m0: scale * (c(u) + code_offset) is exact as the C++ op computes it
             w = torch.ops.affineq.lowbit_dequantize(
                 t["qdata"], t["scale"], None, spec.target.bits, spec.block_size[1], n, k,
                 _cpp.codes_kind(spec.target), dense_code_offset(spec),
             )
             return w.to(output_dtype)
-        canonical = self._canonical(t, spec)
         scale, offset = (torch.ones_like(t["scale"]), torch.zeros_like(t["offset"])) if canonical else (
             t["scale"], t.get("offset"))
         w = torch.ops.affineq.lowbit_dequantize(  # C++ when built, the same math in PyTorch otherwise
@@ -465,7 +491,7 @@ class Dense(PackingFormat):
 
     def dequantize_rows(self, t, spec, rows, output_dtype):
         n, k = spec.shape
-        panel = _cpp.PANEL_ROWS
+        panel = PANEL_ROWS
         if n % panel:
             return super().dequantize_rows(t, spec, rows, output_dtype)
         # Unpack only the 16-row panels that hold the requested rows (embedding lookups). Compiled: a panel per
@@ -475,11 +501,11 @@ class Dense(PackingFormat):
         else:
             panels, inverse = torch.unique(rows // panel, return_inverse=True)
         packed = t["qdata"].view(n // panel, -1)[panels]
-        u = _cpp.unpack_codes(packed.view(panels.numel() * panel, -1), spec.target.bits,
+        u = unpack_codes(packed.view(panels.numel() * panel, -1), spec.target.bits,
                               panels.numel() * panel, k)
         u = u.view(-1, panel, k)[inverse, rows % panel]
         g = spec.block_size[1]
-        u = _cpp._code_values(u, _cpp.codes_kind(spec.target)).view(-1, k // g, g)
+        u = _cpp.code_values(u, _cpp.codes_kind(spec.target)).view(-1, k // g, g)
         if self._canonical(t, spec):
             w = self._centered_times_scale(u, t["scale"][rows], t["offset"][rows], spec)
         else:
@@ -584,6 +610,4 @@ register_format(Plain())
 register_format(Dense())
 register_format(Int4Tinygemm("int4_cpu", "cpu", _convert_cpu))
 register_format(Int4Tinygemm("int4_cuda", "cuda", _convert_cuda))
-
 from affineq.tensor import format_kquant as _format_kquant  # noqa: E402, F401  (registers "q2_k" .. "q6_k")
-from affineq.tensor import format_microexp as _format_microexp  # noqa: E402, F401  (registers "microexp")

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from affineq import cpp as _cpp
 from affineq.tensor import fallback
 from affineq.tensor.activation import fake_quantize_activation, finish_output, prepare_input, reduce_input_ranges
-from affineq.tensor.dispatch import check_frozen
+from affineq.tensor.dispatch import check_frozen, guard_frozen_output
 
 Check = Callable[[torch.Tensor, "torch.Tensor"], str | None]
 Run = Callable[[torch.Tensor, "torch.Tensor", torch.Tensor | None], torch.Tensor]
@@ -46,8 +46,9 @@ def register_linear_kernel(name: str, formats: tuple[str, ...], check: Check, ru
     _selected.clear()
 
 
-# (id(spec), device type, input dtype, C++ kernels available) -> (spec, kernel, reasons). The preconditions read
-# only these, so eager F.linear pays the selection once per weight, not per call.
+# (id(spec), device type, input dtype, C++ kernels available, rows bucket) -> (spec, kernel, reasons). The
+# preconditions read only these (M only against power-of-two thresholds, `compute_bound.MIN_ROWS`), so eager
+# F.linear pays the selection once per weight and bucket of M, not per call.
 # Keyed by identity (hashing a spec costs as much as selecting); the entry holds the spec, so its id stays unique.
 _selected: dict[tuple, tuple] = {}
 
@@ -56,13 +57,25 @@ def _select_cached(x: torch.Tensor, w) -> tuple[LinearKernel | None, list[str]]:
     if torch.compiler.is_compiling():  # traced once anyway; keep dynamo away from the dict
         return select_linear_kernel(x, w)
     spec = w.spec
-    key = (id(spec), x.device.type, x.dtype, _cpp.is_available())
+    key = (id(spec), x.device.type, x.dtype, _cpp.is_available(), rows_bucket(x))
     hit = _selected.get(key)
     if hit is None or hit[0] is not spec:
         if len(_selected) > 4096:
             _selected.clear()
         hit = _selected[key] = (spec, *select_linear_kernel(x, w))
     return hit[1], hit[2]
+
+
+def clear_selection_cache() -> None:
+    """Forget the cached kernel choices (after a precondition's inputs changed, e.g. a row threshold)."""
+    _selected.clear()
+
+
+def rows_bucket(x: torch.Tensor) -> int:
+    """The power-of-two bucket of x's row count M (floor(log2(M)) + 1, 0 for M = 0): every M of one bucket
+    passes or fails the same power-of-two row threshold."""
+    cols = x.shape[-1] if x.dim() else 1
+    return (x.numel() // cols if cols else 0).bit_length()
 
 
 def select_linear_kernel(x: torch.Tensor, w) -> tuple[LinearKernel | None, list[str]]:
@@ -81,7 +94,12 @@ def select_linear_kernel(x: torch.Tensor, w) -> tuple[LinearKernel | None, list[
 
 
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, w, bias) for an AffineQuantizedTensor weight w [N, K]: a packed kernel or the fallback."""
+    """F.linear(x, w, bias) for an AffineQuantizedTensor weight w [N, K]: a packed kernel or the fallback.
+    A weight with requires_grad=True runs too; a backward that needs its gradient raises (`check_frozen`)."""
+    return guard_frozen_output(_linear(x, w, bias), w)
+
+
+def _linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     check_frozen(w)
     shape = w.spec.logical_shape  # not w.shape: a property read on the subclass re-enters __torch_function__
     if x.dim() == 0 or x.shape[-1] != shape[-1]:

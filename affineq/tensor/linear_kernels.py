@@ -3,10 +3,13 @@
 | kernel                            | format    | weight / activation                                          |
 |-----------------------------------|-----------|--------------------------------------------------------------|
 | affineq.int8_codes_linear (C++)   | dense     | 8-bit integer weight x dynamic int8 activation (VNNI, int32) |
+| affineq.dequant_linear (C++)      | dense     | M >= a per-CPU threshold: cached W blocks x torch's GEMM     |
 | affineq.lowbit_linear (our C++)   | dense     | 1-8 bit, fp8/fp6/fp4 (e8m0 too); int8 activations fake-quant |
 | aten._weight_int4pack_mm_for_cpu  | int4_cpu  | int4 tinygemm, weight-only                                   |
 | aten._weight_int4pack_mm          | int4_cuda | int4 tinygemm, weight-only                                   |
+| onednn.qlinear                    | plain     | W8A8 at M >= a per-CPU threshold, VNNI / AMX: prepacked int8 |
 | aten._int_mm                      | plain     | per-channel int8 weight x dynamic symmetric int8 activation  |
+| onednn.qlinear:static             | plain     | the same with calibrated (static) int8 activation qparams    |
 | aten._int_mm:static               | plain     | per-channel int8 weight x calibrated (static) int8 activation|
 | aten._weight_int8pack_mm          | plain     | per-channel int8 weight-only                                 |
 | aten._scaled_mm                   | plain     | float8 weight x dynamic float8 activation                    |
@@ -29,6 +32,14 @@ from affineq.tensor.activation import (
     is_symmetric_int8,
     quantize_activation,
     static_qparams,
+)
+from affineq.tensor.compute_bound import (
+    dequant_linear_check,
+    dequant_linear_run,
+    qlinear_check,
+    qlinear_run,
+    qlinear_static_check,
+    qlinear_static_run,
 )
 from affineq.tensor.formats import dense_code_offset
 from affineq.tensor.kernel_registry import Check, Run, register_linear_kernel
@@ -130,6 +141,7 @@ def _int8_codes_run(x, w, bias):
 
 
 register_linear_kernel("affineq.int8_codes_linear", ("dense",), _int8_codes_check, _int8_codes_run)
+register_linear_kernel("affineq.dequant_linear", ("dense",), dequant_linear_check, dequant_linear_run)
 
 
 def _lowbit_run(x, w, bias):
@@ -213,6 +225,7 @@ def _int_mm_run(x, w, bias):
     return _finish(out, x, bias)
 
 
+register_linear_kernel("onednn.qlinear", ("plain",), qlinear_check, qlinear_run)
 register_linear_kernel("aten._int_mm", ("plain",), _int_mm_check, _int_mm_run)
 
 
@@ -252,6 +265,7 @@ def _int_mm_static_run(x, w, bias):
     return _finish(_int8_static_linear(_flat(x), w._qdata, w._scale, x_scale, x_zp), x, bias)
 
 
+register_linear_kernel("onednn.qlinear:static", ("plain",), qlinear_static_check, qlinear_static_run)
 register_linear_kernel("aten._int_mm:static", ("plain",), _int_mm_static_check, _int_mm_static_run)
 
 

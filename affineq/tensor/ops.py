@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_map_only
 from affineq.tensor import kernel_registry
 from affineq.tensor.activation import fake_quantize_activation, finish_output
 from affineq.tensor.affine import AffineQuantizedTensor
-from affineq.tensor.dispatch import check_frozen
+from affineq.tensor.dispatch import check_frozen, guard_frozen_output
 from affineq.tensor.fallback import announce_fallback
 from affineq.tensor.formats import get_format
 
@@ -118,7 +118,6 @@ _EMBEDDING_BAG_ARGS = ("input", "weight", "offsets", "max_norm", "norm_type", "s
                        "sparse", "per_sample_weights", "include_last_offset", "padding_idx")
 
 
-@implements(F.embedding_bag)
 def _embedding_bag(func, args, kwargs):
     """F.embedding_bag on a quantized weight: dequantize only the distinct rows looked up (a [U, D] table),
     remap the indices into it and run the float op, so the result equals the op on the dequantized weight."""
@@ -149,6 +148,14 @@ def _embedding_bag(func, args, kwargs):
     return F.embedding_bag(**a)
 
 
+@implements(F.embedding_bag)
+def _guarded_embedding_bag(func, args, kwargs):
+    """`_embedding_bag`, its output guarded for a weight with requires_grad=True (`check_frozen`)."""
+    out = _embedding_bag(func, args, kwargs)
+    weight = {**dict(zip(_EMBEDDING_BAG_ARGS, args, strict=False)), **kwargs}.get("weight")
+    return guard_frozen_output(out, weight) if isinstance(weight, AQT) else out
+
+
 def _check_indices(indices: torch.Tensor, rows: int) -> None:
     """IndexError for indices outside [0, rows), as the float embedding raises (eager only: no .item() under
     torch.compile, where the float op's own bounds check is also off)."""
@@ -165,7 +172,7 @@ def _check_indices(indices: torch.Tensor, rows: int) -> None:
 
 @implements(aten.detach.default, aten.alias.default)
 def _detach(func, args, kwargs):
-    return _sharding.keep_slice_link(args[0], args[0]._apply_to_tensors(func))
+    return keep_slice_link(args[0], args[0]._apply_to_tensors(func))
 
 
 @implements(aten.clone.default)
@@ -204,7 +211,7 @@ def _copy_(func, args, kwargs):
             )
         for name in dst._names:
             getattr(dst, "_" + name).copy_(getattr(src, "_" + name))
-        _sharding.write_back(dst)  # dst a slice (DCP's load narrows its target): into the tensor sliced
+        write_back(dst)  # dst a slice (DCP's load narrows its target): into the tensor sliced
         return dst
     if isinstance(src, AQT):
         raise ValueError(
@@ -274,9 +281,9 @@ def _transpose2d(t: AQT) -> AQT:
 def _structural(func, args, kwargs):
     t = args[0]
     if func in _VIEWS and len(args) == 2 and tuple(args[1]) == tuple(t.shape):  # a view of the same tensor:
-        return _sharding.keep_slice_link(t, t._apply_to_tensors(aten.alias.default))  # writes go through
+        return keep_slice_link(t, t._apply_to_tensors(aten.alias.default))  # writes go through
     out = _blockwise(func, [t], args[1:], kwargs)
-    return _sharding.link_slice(out, args) if func is aten.slice.Tensor else out
+    return link_slice(out, args) if func is aten.slice.Tensor else out
 
 
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
@@ -303,7 +310,7 @@ def _family(t: AQT):
             spec.act_quant, spec.scale_type, tuple((n, tuple(v.tolist())) for n, v in sorted(static.items())))
 
 
-def _expand(q: torch.Tensor, block: tuple[int, ...]) -> torch.Tensor:
+def expand_blocks(q: torch.Tensor, block: tuple[int, ...]) -> torch.Tensor:
     """Per-element copy of a per-block tensor: q[i // b0, j // b1, ...]."""
     for d, b in enumerate(block):
         if b > 1:
@@ -321,7 +328,7 @@ def _logical_parts(t: AQT) -> dict[str, torch.Tensor]:
         parts["zero_point"] = zp
     for name in ("scale", "zero_point", "ids"):
         if name in parts:
-            parts[name] = _expand(parts[name].reshape(spec.num_blocks), spec.block_size)
+            parts[name] = expand_blocks(parts[name].reshape(spec.num_blocks), spec.block_size)
     if "act_pre_scale" in t._names:  # per input channel: the last dim of the untransposed layout
         parts["act_pre_scale"] = t._act_pre_scale.expand(spec.shape).contiguous()
     if spec.transposed:
@@ -340,7 +347,7 @@ def _infer_block(ids: torch.Tensor) -> tuple[int, ...] | None:
             return None
         block.append(b)
     corners = ids[tuple(slice(None, None, b) for b in block)]
-    if not torch.equal(_expand(corners, tuple(block)), ids) or corners.unique().numel() != corners.numel():
+    if not torch.equal(expand_blocks(corners, tuple(block)), ids) or corners.unique().numel() != corners.numel():
         return None
     return tuple(block)
 
@@ -397,4 +404,59 @@ def _input_channel_vector(per_element: torch.Tensor, base: AQT, func) -> torch.T
     return per_element[0].contiguous()
 
 
-from affineq.tensor import sharding as _sharding  # noqa: E402, F401  (collectives, empty_like: DTensor sharding)
+# -- slices that write back on copy_ (what torch.distributed.checkpoint.load needs) -----------------------
+
+
+def link_slice(out: AQT, args) -> AQT:
+    """`out` = aten.slice.Tensor(*args) remembers (tensor, dim, start, end) for `write_back` (step 1 only)."""
+    t, dim, start, end, step = (*args, *(0, None, None, 1)[len(args) - 1:])  # slice(self, dim, start, end, step)
+    if step != 1 or t.spec.transposed:
+        return out
+    dim %= t.dim()
+    size = t.shape[dim]
+    start = 0 if start is None else min(start + size if start < 0 else start, size)
+    end = size if end is None else min(end + size if end < 0 else end, size)
+    out._slice_of = (t, dim, start, end)
+    return out
+
+
+def keep_slice_link(t: AQT, out: AQT) -> AQT:
+    """`out` (a detach / alias of `t`) keeps `t`'s slice link."""
+    link = getattr(t, "_slice_of", None)
+    if link is not None:
+        out._slice_of = link
+    return out
+
+
+def write_back(t: AQT) -> None:
+    """After a copy_ into `t`: if `t` is a slice, write its codes, qparams and act_pre_scale into the tensor it
+    was sliced from (rebuilt in that tensor's spec and copied in place). ValueError if the qparams then differ
+    within one of that tensor's quantization blocks (the slice cut blocks, and its qparams differ from the rest)."""
+    link = getattr(t, "_slice_of", None)
+    if link is None:
+        return
+    parent, dim, start, end = link
+    whole = {n: v.clone() for n, v in _logical_parts(parent).items() if n != "ids"}
+    part = _logical_parts(t)
+    if set(whole) != {n for n in part if n != "ids"}:
+        raise ValueError(f"copy_ into a slice of {parent!r}: the copied tensor stores {sorted(part)}; copy a "
+                         "tensor quantized with the same config")
+    for name, v in whole.items():
+        v.narrow(dim, start, end - start).copy_(part[name])
+    block = parent.spec.block_size
+    corner = tuple(slice(None, None, b) for b in block)
+    qparams = []
+    for name in ("scale", "zero_point"):
+        q = whole[name][corner] if name in whole else None
+        if q is not None and not torch.equal(expand_blocks(q, block), whole[name]):
+            raise ValueError(
+                f"copy_ into a slice of {parent!r}: the copied {name} differs within its quantization blocks {block} "
+                "(the slice cuts them: copy whole blocks of a tensor quantized with the same group size). A DCP "
+                "checkpoint of per-row weights split by columns (RowwiseParallel) cannot load piecewise at another "
+                "world size: save and load it with affineq.dcp_save / affineq.dcp_load")
+        qparams.append(q)
+    new = type(parent).from_codes(whole["codes"], qparams[0], qparams[1], parent.spec)
+    act = {n: v for n, v in t.act_tensors.items() if n != "act_pre_scale"}
+    if "act_pre_scale" in whole:
+        act["act_pre_scale"] = whole["act_pre_scale"][0]
+    parent.copy_(new.with_act_tensors(**act) if act else new)

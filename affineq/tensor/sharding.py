@@ -20,8 +20,8 @@ concatenation: a `dense` panel or an `int4_cpu` tile does not split at arbitrary
 `aten.empty_like` (the scatter's receive buffer) is an uninitialized tensor with the same spec and layout.
 
 Slices write through: a slice of a quantized tensor is rebuilt from codes (a packed layout has no strided view),
-so it remembers where it came from (`link_slice`), and `copy_` into it writes the copied region back into the
-tensor it was sliced from (`write_back`). `torch.distributed.checkpoint.load` narrows each target to the region
+so it remembers where it came from (`ops.link_slice`), and `copy_` into it writes the copied region back into the
+tensor it was sliced from (`ops.write_back`). `torch.distributed.checkpoint.load` narrows each target to the region
 a saved chunk covers and copies into that: this makes it load quantized weights, resharded, in place.
 """
 
@@ -119,61 +119,6 @@ def _wait_tensor(func, args, kwargs):
 
 def _wrap_tensor_autograd(func, args, kwargs):
     return args[0]  # (an AsyncCollectiveTensor wrapper elsewhere): the gather above has completed
-
-
-def link_slice(out: AQT, args) -> AQT:
-    """`out` = aten.slice.Tensor(*args) remembers (tensor, dim, start, end) for `write_back` (step 1 only)."""
-    t, dim, start, end, step = (*args, *(0, None, None, 1)[len(args) - 1:])  # slice(self, dim, start, end, step)
-    if step != 1 or t.spec.transposed:
-        return out
-    dim %= t.dim()
-    size = t.shape[dim]
-    start = 0 if start is None else min(start + size if start < 0 else start, size)
-    end = size if end is None else min(end + size if end < 0 else end, size)
-    out._slice_of = (t, dim, start, end)
-    return out
-
-
-def keep_slice_link(t: AQT, out: AQT) -> AQT:
-    """`out` (a detach / alias of `t`) keeps `t`'s slice link."""
-    link = getattr(t, "_slice_of", None)
-    if link is not None:
-        out._slice_of = link
-    return out
-
-
-def write_back(t: AQT) -> None:
-    """After a copy_ into `t`: if `t` is a slice, write its codes, qparams and act_pre_scale into the tensor it
-    was sliced from (rebuilt in that tensor's spec and copied in place). ValueError if the qparams then differ
-    within one of that tensor's quantization blocks (the slice cut blocks, and its qparams differ from the rest)."""
-    link = getattr(t, "_slice_of", None)
-    if link is None:
-        return
-    parent, dim, start, end = link
-    whole = {n: v.clone() for n, v in ops._logical_parts(parent).items() if n != "ids"}
-    part = ops._logical_parts(t)
-    if set(whole) != {n for n in part if n != "ids"}:
-        raise ValueError(f"copy_ into a slice of {parent!r}: the copied tensor stores {sorted(part)}; copy a "
-                         "tensor quantized with the same config")
-    for name, v in whole.items():
-        v.narrow(dim, start, end - start).copy_(part[name])
-    block = parent.spec.block_size
-    corner = tuple(slice(None, None, b) for b in block)
-    qparams = []
-    for name in ("scale", "zero_point"):
-        q = whole[name][corner] if name in whole else None
-        if q is not None and not torch.equal(ops._expand(q, block), whole[name]):
-            raise ValueError(
-                f"copy_ into a slice of {parent!r}: the copied {name} differs within its quantization blocks {block} "
-                "(the slice cuts them: copy whole blocks of a tensor quantized with the same group size). A DCP "
-                "checkpoint of per-row weights split by columns (RowwiseParallel) cannot load piecewise at another "
-                "world size: save and load it with affineq.dcp_save / affineq.dcp_load")
-        qparams.append(q)
-    new = type(parent).from_codes(whole["codes"], qparams[0], qparams[1], parent.spec)
-    act = {n: v for n, v in t.act_tensors.items() if n != "act_pre_scale"}
-    if "act_pre_scale" in whole:
-        act["act_pre_scale"] = whole["act_pre_scale"][0]
-    parent.copy_(new.with_act_tensors(**act) if act else new)
 
 
 def _check_aqts(tensors, op: str) -> None:

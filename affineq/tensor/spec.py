@@ -26,6 +26,9 @@ __all__ = ["ActivationQuant", "QParamOptions", "QuantSpec", "SPEC_VERSION"]
 SPEC_VERSION = 1
 
 _GRANULARITIES = ("per_token", "per_tensor", "per_block")
+#: The logical dtypes a stored spec may name: looked up here, never by getattr on torch.
+_FLOAT_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values()
+                 if isinstance(d, torch.dtype) and d.is_floating_point}
 
 _KEYS = {"version", "shape", "dtype", "target", "block_size", "quant_min", "quant_max", "zero_point_domain",
          "mapping_type", "format", "transposed", "act_quant", "scale_type"}
@@ -55,6 +58,22 @@ def _scale_qtype(scale_type) -> QType | None:
 def _check_enum(name: str, value, cls: type[enum.Enum]) -> None:
     if not isinstance(value, cls):
         raise ValueError(f"{name}={value!r}: use one of {[f'{cls.__name__}.{m.name}' for m in cls]}")
+
+
+def _set_checked_state(obj, state) -> None:
+    """Unpickling (torch.load, weights_only too) of a frozen spec dataclass: exactly its fields, then its own
+    checks (`__post_init__`), so a tampered checkpoint fails at load, naming the field, not at first use."""
+    if isinstance(state, tuple) and len(state) == 2 and not state[1]:
+        state = state[0]  # (dict, slots) as pickle may write it
+    names = [f.name for f in dataclasses.fields(obj)]
+    cls = type(obj).__name__
+    if not isinstance(state, dict) or set(state) != set(names):
+        got = sorted(state) if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"cannot unpickle {cls}: expected the fields {names}, got {got}; the checkpoint was not "
+                         f"written by affineq's {cls} (or was edited)")
+    for name in names:
+        object.__setattr__(obj, name, state[name])
+    obj.__post_init__()
 
 
 @dataclass(frozen=True)
@@ -96,6 +115,9 @@ class ActivationQuant:
         elif self.block_size is not None or self.scale_mode is not None:
             raise ValueError("ActivationQuant.block_size / scale_mode apply to granularity='per_block' (MX) only; "
                              "leave them None or set granularity='per_block'")
+
+    def __setstate__(self, state) -> None:
+        _set_checked_state(self, state)
 
     def _check_mx(self) -> None:
         b = self.block_size
@@ -179,6 +201,43 @@ class QuantSpec:
     transposed: bool = False
     act_quant: ActivationQuant | None = None
     scale_type: QType | None = None
+
+    def __post_init__(self) -> None:
+        """Type and range checks of every field (cheap: isinstance tests), so a spec built from junk positional
+        arguments, or unpickled from a tampered checkpoint, fails here naming the field."""
+        def bad(name: str, want: str):
+            return ValueError(f"QuantSpec.{name}={getattr(self, name)!r}: {want}; build specs with QuantSpec.create")
+
+        for name in ("shape", "block_size"):
+            v = getattr(self, name)
+            low = 0 if name == "shape" else 1
+            if not isinstance(v, tuple) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= low
+                                                   for x in v):
+                raise bad(name, f"must be a tuple of ints >= {low}")
+        if len(self.block_size) != len(self.shape):
+            raise bad("block_size", f"must have one entry per dim of shape {self.shape}")
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
+            raise bad("dtype", "must be the logical floating-point torch dtype (torch.float32, torch.bfloat16, ...)")
+        if not isinstance(self.target, QType):
+            raise bad("target", "must be a QType (affineq.qtype('int4'))")
+        for name in ("quant_min", "quant_max"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise bad(name, "must be a number in the target's range")
+        check_quant_range(self.target, self.quant_min, self.quant_max)
+        _check_enum("QuantSpec.zero_point_domain", self.zero_point_domain, ZeroPointDomain)
+        _check_enum("QuantSpec.mapping_type", self.mapping_type, MappingType)
+        if not isinstance(self.fmt, str):
+            raise bad("fmt", "must be a packing format name ('plain', 'dense', ...)")
+        if not isinstance(self.transposed, bool) or (self.transposed and len(self.shape) != 2):
+            raise bad("transposed", "must be a bool, True only for a 2-D tensor")
+        if not (self.act_quant is None or isinstance(self.act_quant, ActivationQuant)):
+            raise bad("act_quant", "must be an ActivationQuant or None")
+        if not (self.scale_type is None or isinstance(self.scale_type, QType)):
+            raise bad("scale_type", "must be None or a QType (qtype('e8m0'))")
+
+    def __setstate__(self, state) -> None:
+        _set_checked_state(self, state)
 
     @classmethod
     def create(
@@ -273,14 +332,17 @@ class QuantSpec:
         if missing or unknown:
             raise ValueError(f"QuantSpec dict: missing keys {sorted(missing)}, unknown keys {sorted(unknown)}; pass "
                              "the dict QuantSpec.to_dict() wrote (or upgrade affineq if a newer one wrote it)")
-        dtype = getattr(torch, d["dtype"], None) if isinstance(d["dtype"], str) else None
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        dtype = _FLOAT_DTYPES.get(d["dtype"]) if isinstance(d["dtype"], str) else None
+        if dtype is None:
             raise ValueError(f"QuantSpec dict: dtype {d['dtype']!r} is not a floating-point torch dtype; it must be "
                              "the logical float dtype, e.g. 'float32' or 'bfloat16'")
         for key in ("shape", "block_size"):
             if not isinstance(d[key], (list, tuple)) or not all(
                     isinstance(x, int) and not isinstance(x, bool) for x in d[key]):
                 raise ValueError(f"QuantSpec dict: {key} must be a list of ints, got {d[key]!r}")
+        if not all(b >= 1 for b in d["block_size"]) or not all(n >= 0 for n in d["shape"]):
+            raise ValueError(f"QuantSpec dict: block_size {d['block_size']!r} must be positive and shape "
+                             f"{d['shape']!r} non-negative; the spec was edited or corrupted")
         try:
             return cls.create(
                 tuple(d["shape"]), dtype, d["target"], tuple(d["block_size"]),

@@ -38,10 +38,9 @@ _PER_CHANNEL = (torch.per_channel_affine, torch.per_channel_symmetric)
 _SYMMETRIC = (torch.per_tensor_symmetric, torch.per_channel_symmetric)
 
 
-def from_torch_quantized(qt: torch.Tensor, cls=None):
-    """The `AffineQuantizedTensor` (plain format, float32 logical dtype) holding `qt`'s codes and qparams."""
-    if cls is None:
-        from affineq.tensor.affine import AffineQuantizedTensor as cls
+def from_torch_quantized(qt: torch.Tensor, cls):
+    """The `cls` (an `AffineQuantizedTensor` class; plain format, float32 logical dtype) holding `qt`'s codes and
+    qparams. Called as `AffineQuantizedTensor.from_torch_quantized(qt)`."""
     if not isinstance(qt, torch.Tensor) or not qt.is_quantized:
         raise ValueError(f"qt must be a torch quantized tensor (torch.quantize_per_tensor / quantize_per_channel), "
                          f"got {type(qt).__name__ if not isinstance(qt, torch.Tensor) else qt.dtype}")

@@ -1,0 +1,310 @@
+// A dense-format weight dequantized at memory speed (affineq::dense_dequantize), and the compute-bound linear
+// built on it (affineq::dequant_linear): W is dequantized in blocks of output rows that stay in cache, each
+// block multiplied with x by torch's own GEMM (at::mm_out into the output's column slice: oneDNN / MKL, which
+// pick AMX, AVX-512 or AVX2 themselves at run time). The packed weight is read once per call in its compact
+// form; the arithmetic runs at the float GEMM's speed, which at large m beats the fused paths of dispatch.cpp.
+//
+// Values: the weight of a block is exactly what dense_dequantize returns (the values of the Python
+// `Dense.dequantize`, bit for bit): w = fma(c(u), scale, offset) with one rounding, or, for fp32 qparams of
+// integer codes with an INT / NONE zero point ("canonical"), w = (u + round(offset / scale)) * scale, the
+// primitives' (q - zp) * scale. A bf16 result rounds that fp32 value to nearest even once.
+//   dequant_linear, bf16_weight = false: F.linear(x.float(), W_fp32) cast to x.dtype (fp32 products and sums).
+//   dequant_linear, bf16_weight = true (bf16 x): F.linear(x, W.to(bf16)), the bf16 GEMM with fp32 accumulation.
+// Both equal dequantize-then-F.linear up to the GEMM's summation order.
+#include <ATen/ATen.h>
+#include <ATen/ThreadLocalState.h>
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+#include "common.h"
+#include "decode.h"
+
+namespace affineq {
+namespace detail {
+namespace {
+
+// fp32 -> bf16 bits, round to nearest even; NaN -> 0x7FC0 (as c10::BFloat16 does, so the bits match torch's).
+AQ_INLINE uint16_t to_bf16(float f) {
+  const uint32_t b = std::bit_cast<uint32_t>(f);
+  if (std::isnan(f)) return 0x7FC0;
+  return static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+}
+
+// a * b + c rounded once (as std::fma and the PyTorch route): the hardware FMA, or std::fma in the portable
+// build, whose plain a * b + c would round twice.
+AQ_INLINE F16 fma1(F16 a, F16 b, F16 c) {
+#if AQ_AVX512 || AQ_AVX2
+  return ffma(a, b, c);
+#else
+  F16 r;
+  for (int i = 0; i < 16; ++i) r.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
+  return r;
+#endif
+}
+
+#if defined(__AVX2__) && !defined(AFFINEQ_FORCE_SCALAR)
+#define AQ_DQ_AVX2 1
+// 8 floats -> 8 bf16 (round to nearest even, NaN -> 0x7FC0), the same bits as to_bf16.
+AQ_INLINE __m128i to_bf16x8(__m256 v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+  const __m256i packed = _mm256_packus_epi32(r, r);  // [0-3 0-3 | 4-7 4-7] (values fit 16 bits: no saturation)
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+}
+
+// r[i] = column i of the 8x8 block whose rows are a[0..7] (in place).
+AQ_INLINE void transpose8(__m256* a) {
+  __m256 t[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(a[2 * i], a[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(a[2 * i], a[2 * i + 1]);
+  }
+  __m256 s[8];
+  for (int h = 0; h < 2; ++h) {
+    s[4 * h + 0] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], 0x44);
+    s[4 * h + 1] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], 0xEE);
+    s[4 * h + 2] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0x44);
+    s[4 * h + 3] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    a[i] = _mm256_permute2f128_ps(s[i], s[4 + i], 0x20);
+    a[4 + i] = _mm256_permute2f128_ps(s[i], s[4 + i], 0x31);
+  }
+}
+#endif
+
+// Writes tile[t * 16 + j] = W[row j, k0 + t] (t < 8) as rows of out: out[j * ldo + k0 + t] for j < rows,
+// t < cols, in fp32 or bf16.
+template <bool kBf16>
+AQ_INLINE void store_unit(const float* tile, int rows, int cols, void* out, int64_t ldo, int64_t k0) {
+#if AQ_DQ_AVX2
+  if (cols == 8) {
+    for (int h = 0; h < 2 && 8 * h < rows; ++h) {
+      __m256 a[8];
+      for (int t = 0; t < 8; ++t) a[t] = _mm256_load_ps(tile + t * 16 + 8 * h);
+      transpose8(a);  // a[j] = row 8h + j, columns k0..k0+7
+      const int nr = std::min(8, rows - 8 * h);
+      for (int j = 0; j < nr; ++j) {
+        const int64_t off = (8 * h + j) * ldo + k0;
+        if constexpr (kBf16)
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out) + off), to_bf16x8(a[j]));
+        else
+          _mm256_storeu_ps(static_cast<float*>(out) + off, a[j]);
+      }
+    }
+    return;
+  }
+#endif
+  for (int j = 0; j < rows; ++j)
+    for (int t = 0; t < cols; ++t) {
+      const float v = tile[t * 16 + j];
+      if constexpr (kBf16) static_cast<uint16_t*>(out)[j * ldo + k0 + t] = to_bf16(v);
+      else static_cast<float*>(out)[j * ldo + k0 + t] = v;
+    }
+}
+
+// Rows [16 * p0, min(n, 16 * p1)) of W into out (row r at out + (r - 16 * p0) * ldo), k columns each.
+template <int B, bool kBf16>
+void dequant_panels(const Ctx& c, bool canonical, int64_t p0, int64_t p1, void* out, int64_t ldo) {
+  const LowbitProblem& pr = *c.p;
+  const int64_t G = c.G, K = pr.k, es = kBf16 ? 2 : 4;
+  const std::vector<int32_t> kg = group_of_k(pr, c.K8, G);
+  // x * s + (-0): the exact product, including its sign when it is zero (as torch's (u + zq) * s)
+  const F16 neg0 = fset1(-0.f);
+  alignas(64) float tile[8 * 16];
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t r0 = 16 * p, rows = std::min<int64_t>(16, c.N - r0);
+    float *sT, *oT;  // [G + 1, 16]: scale (times code_scale(B)) and offset of each group, 16 rows per vector
+    load_tile_qparams(pr, code_scale(B), r0, rows, 16, G, sT, oT);
+    if (canonical)  // integer codes: the zero point round(offset / scale) replaces the offset (fp32 division)
+      for (int64_t i = 0; i < G * 16; ++i) oT[i] = std::nearbyint(oT[i] / sT[i]);
+    const uint8_t* pan = panel_ptr(c, p);
+    char* dst = static_cast<char*>(out) + (r0 - 16 * p0) * ldo * es;
+    for (int64_t u = 0; u < c.U; ++u) {
+      decode_unit<B>(pan + u * 16 * bits_of(B), [&](auto T, F16 w) {
+        constexpr int t = AQ_CV(T);
+        const int64_t g = kg[8 * u + t];
+        const F16 s = fload(sT + g * 16), o = fload(oT + g * 16);
+        fstore(tile + t * 16, canonical ? fma1(fadd(w, o), s, neg0) : fma1(w, s, o));
+      });
+      store_unit<kBf16>(tile, static_cast<int>(rows), static_cast<int>(std::min<int64_t>(8, K - 8 * u)), dst, ldo,
+                        8 * u);
+    }
+  }
+}
+
+// All rows of W: panels in parallel, the whole weight written once.
+template <int B, bool kBf16>
+void dequant_all(const Ctx& c, bool canonical, void* out) {
+  at::parallel_for(0, c.npan, grain_for(16 * c.K8), [&](int64_t p0, int64_t p1) {
+    char* o = static_cast<char*>(out) + 16 * p0 * c.p->k * (kBf16 ? 2 : 4);
+    dequant_panels<B, kBf16>(c, canonical, p0, p1, o, c.p->k);
+  });
+}
+
+// Calls f(integral_constant<B>) for the template width of (bits, codes) (the same mapping as dispatch.cpp).
+template <class F>
+void with_width(int bits, int codes, F&& f) {
+  using std::integral_constant;
+  switch (bits) {
+    case 1: f(integral_constant<int, 1>{}); break;
+    case 2: f(integral_constant<int, 2>{}); break;
+    case 3: f(integral_constant<int, 3>{}); break;
+    case 4:
+      if (codes == kCodesFp4E2M1) f(integral_constant<int, kBF4>{});
+      else f(integral_constant<int, 4>{});
+      break;
+    case 5: f(integral_constant<int, 5>{}); break;
+    case 6:
+      if (codes == kCodesFp6E2M3) f(integral_constant<int, kBF6A>{});
+      else if (codes == kCodesFp6E3M2) f(integral_constant<int, kBF6B>{});
+      else f(integral_constant<int, 6>{});
+      break;
+    case 7: f(integral_constant<int, 7>{}); break;
+    default:
+      if (codes == kCodesE4M3) f(integral_constant<int, kBE4M3>{});
+      else if (codes == kCodesE5M2) f(integral_constant<int, kBE5M2>{});
+      else f(integral_constant<int, 8>{});
+  }
+}
+
+}  // namespace
+}  // namespace detail
+
+namespace {
+
+const char* const kDq = "affineq::dense_dequantize";
+const char* const kDl = "affineq::dequant_linear";
+
+// The weight problem (no x) of the ops' arguments, after the checks every entry point shares.
+LowbitProblem weight_problem(const char* op, const at::Tensor& pk, const at::Tensor& sc, const at::Tensor& of,
+                             int64_t bits, int64_t group_size, int64_t n, int64_t k, int64_t codes,
+                             int64_t code_offset) {
+  TORCH_CHECK(bits >= 1 && bits <= 8, op, ": bits must be in [1, 8], got ", bits);
+  TORCH_CHECK(n >= 0 && k > 0 && group_size > 0 && k % group_size == 0, op,
+              ": need n >= 0, k > 0 and group_size dividing k, got n=", n, ", k=", k, ", group_size=", group_size);
+  const bool ok_codes = codes == kCodesUint || ((codes == kCodesE4M3 || codes == kCodesE5M2) && bits == 8) ||
+                        (codes == kCodesFp4E2M1 && bits == 4) ||
+                        ((codes == kCodesFp6E2M3 || codes == kCodesFp6E3M2) && bits == 6);
+  TORCH_CHECK(ok_codes, op, ": codes=", codes, " does not go with bits=", bits, " (see affineq.cpp.codes_kind)");
+  TORCH_CHECK(pk.scalar_type() == at::kByte && pk.device().is_cpu() && pk.numel() == n * ((k + 7) / 8) * bits, op,
+              ": packed must be a uint8 CPU tensor with ", n * ((k + 7) / 8) * bits, " elements (pack_codes output)");
+  const int64_t G = k / group_size;
+  TORCH_CHECK(sc.device().is_cpu() && sc.dim() == 2 && sc.size(0) == n && sc.size(1) == G, op,
+              ": scale must be a CPU tensor of shape [n, k // group_size] = [", n, ", ", G, "], got ", sc.sizes());
+  const bool e8m0 = sc.scalar_type() == at::kByte;
+  TORCH_CHECK(e8m0 || sc.scalar_type() == at::kFloat || sc.scalar_type() == at::kBFloat16, op,
+              ": scale must be float32, bfloat16 or uint8 (e8m0), got ", sc.scalar_type());
+  if (of.defined()) {
+    TORCH_CHECK(!e8m0 && of.scalar_type() == sc.scalar_type() && of.sizes() == sc.sizes(), op,
+                ": offset must match scale's dtype and shape (e8m0 scales take no offset), got ", of.scalar_type(),
+                " ", of.sizes());
+  } else {
+    TORCH_CHECK(sc.scalar_type() != at::kBFloat16, op, ": bfloat16 scales need an offset tensor");
+  }
+  TORCH_CHECK(e8m0 || code_offset == 0, op, ": code_offset applies to e8m0 (uint8) scales only");
+  TORCH_CHECK(sc.scalar_type() != at::kBFloat16 || codes == kCodesUint, op,
+              ": bfloat16 qparams need integer codes");
+  LowbitProblem p;
+  p.packed = pk.const_data_ptr<uint8_t>();
+  p.scale = sc.const_data_ptr();
+  p.offset = of.defined() ? of.const_data_ptr() : nullptr;
+  p.qparams_bf16 = sc.scalar_type() == at::kBFloat16;
+  p.qparams_e8m0 = e8m0;
+  p.code_offset = static_cast<int>(code_offset);
+  p.bits = static_cast<int>(bits);
+  p.codes = static_cast<int>(codes);
+  p.group_size = group_size;
+  p.n = n;
+  p.k = k;
+  return p;
+}
+
+// canonical: (u + round(offset / scale)) * scale (fp32 qparams of integer codes only).
+void check_canonical(const char* op, bool canonical, const LowbitProblem& p) {
+  TORCH_CHECK(!canonical || (p.codes == kCodesUint && !p.qparams_bf16 && !p.qparams_e8m0 && p.offset != nullptr), op,
+              ": canonical=True needs integer codes with float32 scale and offset");
+}
+
+at::Tensor dense_dequantize_cpu(const at::Tensor& packed, const at::Tensor& scale,
+                                const std::optional<at::Tensor>& offset, int64_t bits, int64_t group_size, int64_t n,
+                                int64_t k, int64_t codes, int64_t code_offset, bool canonical, bool bf16) {
+  const at::Tensor pk = packed.contiguous(), sc = scale.contiguous();
+  const at::Tensor of = offset.has_value() && offset->defined() ? offset->contiguous() : at::Tensor();
+  LowbitProblem p = weight_problem(kDq, pk, sc, of, bits, group_size, n, k, codes, code_offset);
+  check_canonical(kDq, canonical, p);
+  at::Tensor w = at::empty({n, k}, sc.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+  if (n == 0) return w;
+  const detail::Ctx c = detail::make_ctx(p);
+  detail::with_width(p.bits, p.codes, [&](auto B_) {
+    constexpr int B = AQ_CV(B_);
+    if (bf16) detail::dequant_all<B, true>(c, canonical, w.mutable_data_ptr());
+    else detail::dequant_all<B, false>(c, canonical, w.mutable_data_ptr());
+  });
+  return w;
+}
+
+// Output rows of W a thread dequantizes at a time: about kBlockBytes of weight (it stays in the thread's L2 while
+// its GEMM reads it), whole 16-row panels.
+constexpr int64_t kBlockBytes = int64_t{1} << 20;
+
+int64_t block_panels(int64_t k, int64_t es) { return std::max<int64_t>(1, kBlockBytes / (16 * k * es)); }
+
+at::Tensor dequant_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                              const std::optional<at::Tensor>& offset, int64_t bits, int64_t group_size, int64_t n,
+                              int64_t k, int64_t codes, int64_t code_offset, bool canonical, bool bf16_weight) {
+  const auto xt = x.scalar_type();
+  TORCH_CHECK(xt == at::kFloat || xt == at::kBFloat16 || xt == at::kHalf, kDl,
+              ": x must be float32, bfloat16 or float16, got ", xt);
+  TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1 && x.size(-1) == k, kDl, ": x must be a CPU tensor [..., k=", k,
+              "], got ", x.sizes(), " on ", x.device());
+  TORCH_CHECK(!bf16_weight || xt == at::kBFloat16, kDl, ": bf16_weight=True needs a bfloat16 x, got ", xt);
+  const at::Tensor pk = packed.contiguous(), sc = scale.contiguous();
+  const at::Tensor of = offset.has_value() && offset->defined() ? offset->contiguous() : at::Tensor();
+  LowbitProblem p = weight_problem(kDl, pk, sc, of, bits, group_size, n, k, codes, code_offset);
+  check_canonical(kDl, canonical, p);
+  // The GEMMs below dispatch again: keep autograd out of them (this op has no derivative; its callers wrap it).
+  const at::AutoDispatchBelowADInplaceOrView below_autograd;
+  const at::ScalarType ct = bf16_weight ? at::kBFloat16 : at::kFloat;  // compute dtype of x, W and the GEMM
+  const at::Tensor x2 = x.detach().reshape({-1, k}).to(ct).contiguous();
+  const int64_t M = x2.size(0);
+  at::Tensor y = at::empty({M, n}, x2.options());
+  if (M > 0 && n > 0) {
+    // One parallel region: each thread takes a contiguous range of panels (output columns), dequantizes a block
+    // of them into its own buffer and multiplies it with all of x by a GEMM that runs on that thread (oneDNN and
+    // MKL run single-threaded inside a parallel region). One fork/join per call, however many blocks.
+    const detail::Ctx c = detail::make_ctx(p);
+    const int64_t es = bf16_weight ? 2 : 4, bp = block_panels(k, es);
+    const at::ThreadLocalState tls;  // the caller's inference mode, dispatch keys, ... for the workers' GEMMs
+    at::parallel_for(0, c.npan, 1, [&](int64_t q0, int64_t q1) {
+      const at::ThreadLocalStateGuard tls_guard(tls);
+      at::Tensor wblk = at::empty({std::min(q1 - q0, bp) * 16, k}, x2.options());
+      for (int64_t b0 = q0; b0 < q1; b0 += bp) {
+        const int64_t b1 = std::min(q1, b0 + bp), r0 = 16 * b0, rows = std::min(16 * b1, n) - r0;
+        detail::with_width(p.bits, p.codes, [&](auto B_) {
+          constexpr int B = AQ_CV(B_);
+          if (bf16_weight) detail::dequant_panels<B, true>(c, canonical, b0, b1, wblk.mutable_data_ptr(), k);
+          else detail::dequant_panels<B, false>(c, canonical, b0, b1, wblk.mutable_data_ptr(), k);
+        });
+        at::Tensor out = y.narrow(1, r0, rows);
+        at::mm_out(out, x2, wblk.narrow(0, 0, rows).t());
+      }
+    });
+  }
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = n;
+  return y.to(xt).view(sizes);
+}
+
+}  // namespace
+}  // namespace affineq
+
+TORCH_LIBRARY_IMPL(affineq, CPU, m) {
+  m.impl("dense_dequantize", &affineq::dense_dequantize_cpu);
+  m.impl("dequant_linear", &affineq::dequant_linear_cpu);
+}

@@ -1,0 +1,101 @@
+"""Attention over a quantized KV cache: ``torch.ops.affineq.kv_attention`` and its PyTorch reference.
+
+Cache format (symmetric, as llama.cpp's ``-ctk/-ctv q8_0 / q4_0`` and transformers' ``QuantizedCache``), for keys
+or values x [B, KVH, T, D] cut into groups of G along D (D % G == 0), one fp32 scale per (head, slot, group):
+
+* int8: ``scale = max|x_g| / 127``, ``code = round(x / scale)`` in [-127, 127] (int8 [B, KVH, T, D]); G = D by
+  default: one scale per head and token.
+* int4: ``scale = max|x_g| / 7``, ``code = round(x / scale)`` in [-7, 7], stored ``code + 8`` as nibbles (uint8
+  [B, KVH, T, D / 2]); in a group, byte j < G / 2 holds element j (low nibble) and j + G / 2 (high nibble),
+  llama.cpp's q4_0 order, so a group's low and high nibbles are two contiguous runs of G / 2 elements.
+
+Either way ``x ~ scale * code`` (an all-zero group has scale 0 and codes 0), scale [B, KVH, T, D / G] fp32.
+
+``kv_attention(q, k_codes, k_scale, v_codes, v_scale, pos, valid)``: q [B, H, S, D] (float32 / bfloat16 /
+float16; H a multiple of KVH, query head h reads kv head h // (H / KVH)), ``pos`` int64 [S] the cache slot of each
+query, ``valid`` bool [B, T]; query s of row b attends to the slots t <= pos[s] with valid[b, t], softmax(q . k /
+sqrt(D)), and returns [B, H, S, D] in q's dtype (a query with no slot gives 0, as sdpa does for a fully masked
+row). The C++ kernel (cpp/attention.cpp) reads the codes directly with fp32 accumulation (AVX2 + scalar);
+``kv_attention_reference`` dequantizes and runs the same math in PyTorch; they agree to ~1e-6 relative.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import is_available
+
+__all__ = ["KV_BITS", "quantize_kv", "dequantize_kv", "kv_attention", "kv_attention_reference"]
+
+#: Storage kinds and their code bits.
+KV_BITS = {"int8": 8, "int4": 4}
+_QMAX = {"int8": 127, "int4": 7}
+
+
+def _check_kind(kind: str, d: int, group_size: int) -> None:
+    if kind not in KV_BITS:
+        raise ValueError(f"kind must be one of {sorted(KV_BITS)}, got {kind!r}")
+    if not isinstance(group_size, int) or group_size <= 0 or d % group_size or (kind == "int4" and group_size % 2):
+        raise ValueError(f"group_size must divide the head dimension {d} (and be even for int4), got {group_size!r}")
+
+
+def quantize_kv(x: torch.Tensor, kind: str, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and scales of x [..., D] (any float dtype): int8 [..., D] or uint8 nibbles [..., D / 2], and fp32
+    scales [..., D / group_size] (group_size default: D for int8, 32 for int4). Traceable (no data-dependent
+    Python), so it runs inside the compiled decode step."""
+    d = x.shape[-1]
+    g = group_size or (d if kind == "int8" else 32)
+    _check_kind(kind, d, g)
+    xg = x.float().unflatten(-1, (d // g, g))
+    scale = xg.abs().amax(-1, keepdim=True) / _QMAX[kind]
+    q = (xg / torch.where(scale > 0, scale, 1.0)).round().clamp(-_QMAX[kind], _QMAX[kind])
+    if kind == "int8":
+        return q.to(torch.int8).flatten(-2), scale.squeeze(-1)
+    u = (q + 8).to(torch.uint8)
+    packed = u[..., : g // 2] | (u[..., g // 2 :] << 4)
+    return packed.flatten(-2), scale.squeeze(-1)
+
+
+def dequantize_kv(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 [..., D] from ``quantize_kv``'s codes and scales (int8 codes or uint8 int4 nibbles)."""
+    ng = scale.shape[-1]
+    if codes.dtype == torch.int8:
+        return (codes.float().unflatten(-1, (ng, -1)) * scale[..., None]).flatten(-2)
+    c = codes.unflatten(-1, (ng, -1))
+    vals = torch.cat([(c & 15), (c >> 4)], -1).float() - 8  # low nibbles are the group's first half
+    return (vals * scale[..., None]).flatten(-2)
+
+
+def kv_attention_reference(q, k_codes, k_scale, v_codes, v_scale, pos, valid) -> torch.Tensor:
+    """PyTorch ``kv_attention``: dequantize the cache to fp32, masked softmax attention in fp32."""
+    b, h, s, d = q.shape
+    k, v = dequantize_kv(k_codes, k_scale), dequantize_kv(v_codes, v_scale)
+    rep = h // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    t = k.shape[2]
+    keep = (torch.arange(t, device=q.device)[None, None, :] <= pos[None, :, None]) & valid[:, None, :]
+    keep = keep[:, None]  # [B, 1, S, T]
+    scores = (q.float() @ k.transpose(-1, -2)) / d**0.5
+    p = scores.masked_fill(~keep, float("-inf")).softmax(-1).masked_fill(~keep, 0.0)
+    return (p @ v).to(q.dtype)
+
+
+def kv_attention(q, k_codes, k_scale, v_codes, v_scale, pos, valid) -> torch.Tensor:
+    """The C++ kernel where the affineq kernels build, else the reference (same numbers to ~1e-6)."""
+    if is_available():
+        return torch.ops.affineq.kv_attention(q, k_codes, k_scale, v_codes, v_scale, pos, valid)
+    return kv_attention_reference(q, k_codes, k_scale, v_codes, v_scale, pos, valid)
+
+
+_lib = torch.library.Library("affineq", "FRAGMENT")
+_lib.define("kv_attention(Tensor q, Tensor k_codes, Tensor k_scale, Tensor v_codes, Tensor v_scale, Tensor pos, "
+            "Tensor valid) -> Tensor")
+
+
+@torch.library.register_fake("affineq::kv_attention", lib=_lib)
+def _kv_attention_fake(q, k_codes, k_scale, v_codes, v_scale, pos, valid):
+    return q.new_empty(q.shape)
+
+
+# Runs only until the C++ library registers its CPU kernel (then that kernel wins the dispatch).
+_lib.impl("kv_attention", kv_attention_reference, "CompositeExplicitAutograd")
