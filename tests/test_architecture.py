@@ -41,6 +41,11 @@ formats:
   int4_cuda
   microexp
   plain
+  q2_k
+  q3_k
+  q4_k
+  q5_k
+  q6_k
 kernels, in the order tried:
   affineq.int8_codes_linear
   affineq.dequant_linear

@@ -264,6 +264,8 @@ def test_other_isa_build_matches(tmp_path: Path, march: str, isa: str, needs: se
         pytest.skip("needs a C++ compiler on Linux")
     if not needs <= _cpu_flags():
         pytest.skip(f"this CPU cannot run -march={march} code")
+    if K.is_available() and K.kernel_info()["isa"] == isa:
+        pytest.skip(f"the native build is the {isa} build on this CPU: every other kernel test runs it")
     code = (
         "import torch, affineq.cpp as K\n"
         f"assert K.kernel_info()['isa'] == {isa!r}, K.kernel_info()\n"
@@ -311,7 +313,9 @@ def test_other_isa_build_matches(tmp_path: Path, march: str, isa: str, needs: se
         "            assert bool((err <= bound).all()), (bits, kind, qd, m, path, (err / bound).max())\n"
         "print('ok')\n"
     )
-    env = {**os.environ, "AFFINEQ_CPP_MARCH": march, "AFFINEQ_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(REPO)}
+    # -O1: the same IEEE results as -O3 (no fast-math), in a fraction of the compile time
+    env = {**os.environ, "AFFINEQ_CPP_MARCH": march, "AFFINEQ_CPP_OPT": "-O1", "AFFINEQ_CACHE_DIR": str(tmp_path),
+           "PYTHONPATH": str(REPO)}
     env.pop("AFFINEQ_DISABLE_CPP_KERNELS", None)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr

@@ -5,7 +5,7 @@ This file is the one place that fills the tables. Python runs it before any modu
 
 | table                                         | filled by (the module's `register_*` lines / decorators) |
 |-----------------------------------------------|----------------------------------------------------------|
-| `formats.FORMATS` (name -> PackingFormat)     | `formats` (plain, dense, int4_cpu, int4_cuda), `format_microexp` |
+| `formats.FORMATS` (name -> PackingFormat)     | `formats` (plain, dense, int4_cpu, int4_cuda), `format_microexp`, `format_kquant` |
 | `AffineQuantizedTensor._torch_function_table` | `ops` (`@implements(F.linear, ...)`)                     |
 | `AffineQuantizedTensor._dispatch_table`       | `ops` (aten ops), `sharding` (collectives, empty_like)   |
 | `kernel_registry.LINEAR_KERNELS` (ordered)    | `linear_kernels` (first registered, first tried)         |
@@ -15,6 +15,7 @@ No other module imports these for their side effect; a new format, op or kernel 
 """
 
 from affineq.tensor import (
+    format_kquant,  # noqa: F401  (q2_k .. q6_k: GGUF k-quant super-blocks)
     format_microexp,  # noqa: F401  (microexp)
     formats,  # noqa: F401  (plain, dense, int4_cpu, int4_cuda)
     linear_kernels,  # noqa: F401  (LINEAR_KERNELS, in the order they are tried)
