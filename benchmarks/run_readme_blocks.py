@@ -1,0 +1,57 @@
+"""Run every ```python block of README.md, the ones marked `<!-- readme: slow -->` included, each in a fresh
+namespace, a fresh temporary working directory and its own process; print pass / fail and seconds per block.
+
+    python benchmarks/run_readme_blocks.py            # all blocks
+    python benchmarks/run_readme_blocks.py --slow     # only the blocks marked slow (CI runs the others)
+
+Exit status 1 when any block fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from readme_blocks import README, python_blocks  # noqa: E402
+
+_CHILD = """
+import sys
+sys.path.insert(0, {bench!r})
+from readme_blocks import python_blocks, run_block
+run_block(next(b for b in python_blocks() if b.line == {line}))
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--slow", action="store_true", help="run only the blocks marked slow")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per block")
+    args = p.parse_args(argv)
+    chosen = [b for b in python_blocks() if b.slow or not args.slow]
+    failed = 0
+    for b in chosen:
+        t = time.perf_counter()
+        with tempfile.TemporaryDirectory() as tmp:
+            code = _CHILD.format(bench=str(Path(__file__).resolve().parent), line=b.line)
+            try:
+                r = subprocess.run([sys.executable, "-c", code], cwd=tmp, capture_output=True, text=True,
+                                   timeout=args.timeout)
+                ok, tail = r.returncode == 0, (r.stderr or "").strip().splitlines()[-3:]
+            except subprocess.TimeoutExpired:
+                ok, tail = False, [f"timed out after {args.timeout:.0f} s"]
+        dt = time.perf_counter() - t
+        failed += not ok
+        print(f"{'PASS' if ok else 'FAIL'}  README.md:{b.line:<4} {'slow' if b.slow else '    '} {dt:7.1f} s", flush=True)
+        if not ok:
+            print("      " + "\n      ".join(tail))
+    print(f"{len(chosen) - failed} passed, {failed} failed ({README})")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
