@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
                 ok, tail = False, [f"timed out after {args.timeout:.0f} s"]
         dt = time.perf_counter() - t
         failed += not ok
-        print(f"{'PASS' if ok else 'FAIL'}  README.md:{b.line:<4} {'slow' if b.slow else '    '} {dt:7.1f} s", flush=True)
+        mark = "slow" if b.slow else "    "
+        print(f"{'PASS' if ok else 'FAIL'}  README.md:{b.line:<4} {mark} {dt:7.1f} s", flush=True)
         if not ok:
             print("      " + "\n      ".join(tail))
     print(f"{len(chosen) - failed} passed, {failed} failed ({README})")

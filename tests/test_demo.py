@@ -60,7 +60,8 @@ def test_slower_rows_are_explained_by_the_kernels_they_recorded():
 
 
 def test_explanations_name_fallbacks_and_every_recorded_kernel():
-    assert explain_kernels({"dequantize:linear": 3}, False) == "dequantize:linear dequantizes the whole weight (fallback)"
+    fallback = "dequantize:linear dequantizes the whole weight (fallback)"
+    assert explain_kernels({"dequantize:linear": 3}, False) == fallback
     assert explain_kernels({}, False) == "no quantized kernel was recorded"
     assert set(KERNEL_WORK) >= {"affineq.lowbit_linear", "aten._int_mm", "aten._scaled_mm", "onednn.qlinear"}
 
