@@ -19,11 +19,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from readme_blocks import README, python_blocks  # noqa: E402
 
+# The child gets the block's text on stdin, so editing README.md during a run changes nothing.
 _CHILD = """
 import sys
 sys.path.insert(0, {bench!r})
-from readme_blocks import python_blocks, run_block
-run_block(next(b for b in python_blocks() if b.line == {line}))
+from readme_blocks import Block, run_block
+run_block(Block({line}, "python", sys.stdin.read(), False))
 """
 
 
@@ -39,8 +40,8 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             code = _CHILD.format(bench=str(Path(__file__).resolve().parent), line=b.line)
             try:
-                r = subprocess.run([sys.executable, "-c", code], cwd=tmp, capture_output=True, text=True,
-                                   timeout=args.timeout)
+                r = subprocess.run([sys.executable, "-c", code], cwd=tmp, input=b.code, capture_output=True,
+                                   text=True, timeout=args.timeout)
                 ok, tail = r.returncode == 0, (r.stderr or "").strip().splitlines()[-3:]
             except subprocess.TimeoutExpired:
                 ok, tail = False, [f"timed out after {args.timeout:.0f} s"]

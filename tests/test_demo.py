@@ -12,10 +12,13 @@ from affineq.demo import KERNEL_WORK, explain_kernels, format_table, main, model
 
 def test_demo_runs_on_the_tiny_model_and_writes_json(tmp_path, capsys):
     out = tmp_path / "results.json"
-    rows = main(["--model", "tiny", "--config", "int8", "int4-g128", "--tokens", "2", "--eval-tokens", "256",
+    rows = main(["--model", "tiny", "--config", "int8", "int4-g128", "8da4w", "--tokens", "2", "--eval-tokens", "256",
                  "--repeats", "1", "--no-progress", "--out", str(out)])
     text = capsys.readouterr().out
-    assert [r["config"] for r in rows] == ["float32", "bfloat16", "int8", "int4-g128"]
+    assert [r["config"] for r in rows] == ["float32", "bfloat16", "int8", "int4-g128", "8da4w"]
+    # whether a row quantizes activations is read from the quantized model, for the explanations
+    assert [r["activation_quant"] for r in rows] == [False, False, False, False, True]
+    assert all(r["kernels"] for r in rows[2:])
     for header in ("size MB", "B/param", "quant s", "ms/token", "speedup", "perplexity", "change"):
         assert header in text
     assert "the faster float row" in text  # speedups are over the best float path, not float32 alone
@@ -65,10 +68,3 @@ def test_explanations_name_fallbacks_and_every_recorded_kernel():
     assert explain_kernels({}, False) == "no quantized kernel was recorded"
     assert set(KERNEL_WORK) >= {"affineq.lowbit_linear", "aten._int_mm", "aten._scaled_mm", "onednn.qlinear"}
 
-
-def test_demo_records_whether_a_row_quantizes_activations():
-    rows = main(["--model", "tiny", "--config", "int4-g128", "8da4w", "--tokens", "2", "--eval-tokens", "128",
-                 "--repeats", "1", "--no-progress"])
-    flags = {r["config"]: r["activation_quant"] for r in rows}
-    assert flags == {"float32": False, "bfloat16": False, "int4-g128": False, "8da4w": True}
-    assert all(r["kernels"] for r in rows[2:])
