@@ -10,6 +10,7 @@ Exit status 1 when any block fails.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import tempfile
@@ -34,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=600, help="seconds per block")
     args = p.parse_args(argv)
     chosen = [b for b in python_blocks() if b.slow or not args.slow]
+    root = str(Path(__file__).resolve().parent.parent)  # this checkout's affineq, not an installed one
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     failed = 0
     for b in chosen:
         t = time.perf_counter()
@@ -41,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
             code = _CHILD.format(bench=str(Path(__file__).resolve().parent), line=b.line)
             try:
                 r = subprocess.run([sys.executable, "-c", code], cwd=tmp, input=b.code, capture_output=True,
-                                   text=True, timeout=args.timeout)
+                                   text=True, timeout=args.timeout, env=env)
                 ok, tail = r.returncode == 0, (r.stderr or "").strip().splitlines()[-3:]
             except subprocess.TimeoutExpired:
                 ok, tail = False, [f"timed out after {args.timeout:.0f} s"]
