@@ -38,3 +38,14 @@ def test_readme_has_exactly_the_two_setup_commands_and_the_ci_test_command():
     demo, tests = setup
     assert demo.endswith("python -m affineq.demo") and "\n" not in demo
     assert tests == _ci_test_command()
+
+
+def test_block_parser_marks_slow_blocks_and_refuses_an_unclosed_fence(tmp_path):
+    md = tmp_path / "r.md"
+    md.write_text("text\n```python\na = 1\n```\n<!-- readme: slow -->\n```python\nb = 2\n```\n```bash\nls\n```\n")
+    got = [(b.line, b.lang, b.code, b.slow) for b in blocks(md)]
+    assert got == [(2, "python", "a = 1\n", False), (6, "python", "b = 2\n", True), (9, "bash", "ls\n", False)]
+    assert run_block(python_blocks(md)[1])["b"] == 2
+    md.write_text("```python\nx = 1\n")
+    with pytest.raises(ValueError, match=r"r.md:1: code fence never closed"):
+        blocks(md)
