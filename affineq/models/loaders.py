@@ -29,6 +29,7 @@ __all__ = [
     "load_smollm2",
     "load_minilm",
     "available_models",
+    "smollm_tokenizer",
 ]
 
 # (import name, pip name) pairs; the pip names match the ``models`` extra in pyproject.toml.
@@ -180,7 +181,7 @@ def _llama_config(meta: dict[str, Any], has_output: bool) -> Any:
     return cfg
 
 
-def _gguf_tokenizer(meta: dict[str, Any]) -> Any:
+def smollm_tokenizer(meta: dict[str, Any]) -> Any:
     """The byte-level BPE tokenizer a ``gpt2``/``smollm`` GGUF describes, as a transformers fast tokenizer.
 
     Built directly with ``tokenizers`` so it matches llama.cpp's ``smollm`` pre-tokenizer (and the
@@ -241,7 +242,7 @@ def load_smollm2(dtype: torch.dtype = torch.float32, *, progress: bool = False) 
     gg = GGUFFile(path)
     meta = gg.metadata
     config = _llama_config(meta, has_output="output.weight" in gg.tensors)
-    tokenizer = _gguf_tokenizer(meta)
+    tokenizer = smollm_tokenizer(meta)
     with torch.device("meta"):  # no random init of 135M params we overwrite anyway
         model = LlamaForCausalLM(config)
     state = {}

@@ -279,7 +279,14 @@ def dense_is_canonical(scale: torch.Tensor, spec: QuantSpec) -> bool:
     (fp32 qparams of integer codes with an INT or NONE zero point), the primitives' (q - zp) * scale, rather
     than scale * c(u) + offset rounded once (see `Dense.dequantize`)."""
     return (scale.dtype == torch.float32 and not spec.target.is_float
-            and spec.zero_point_domain is not ZeroPointDomain.FLOAT)
+            and spec.zero_point_domain is not ZeroPointDomain.FLOAT and not _has_zero_scale(scale))
+
+
+def _has_zero_scale(scale: torch.Tensor) -> bool:
+    """A zero scale (an all-zero GGUF block) has no zero point round(offset / scale) (0 / 0): such a tensor takes
+    the scale * u + offset route, the same values. Eager only (a host sync)."""
+    return (not torch.compiler.is_compiling() and scale.device.type != "meta" and scale.numel() > 0
+            and bool((scale == 0).any()))
 
 
 class Dense(PackingFormat):
@@ -439,11 +446,13 @@ class Dense(PackingFormat):
     def dequantize(self, t, spec, output_dtype):
         n, k = spec.shape
         e8m0 = t["scale"].dtype == torch.uint8
-        if t["qdata"].device.type == "cpu" and _cpp.is_available():
+        canonical = self._canonical(t, spec)
+        if t["qdata"].device.type == "cpu" and _cpp.is_available() and canonical == dense_is_canonical(
+                t["scale"], spec):  # (a canonical tensor with a zero scale: the PyTorch route keeps ggml's signs)
             # C++ (cpp/dequant_gemm.cpp): the values of the PyTorch route below, bit for bit, at memory speed
             w = torch.ops.affineq.dense_dequantize(
                 t["qdata"], t["scale"], t.get("offset"), spec.target.bits, spec.block_size[1], n, k,
-                _cpp.codes_kind(spec.target), dense_code_offset(spec) if e8m0 else 0, self._canonical(t, spec),
+                _cpp.codes_kind(spec.target), dense_code_offset(spec) if e8m0 else 0, canonical,
                 output_dtype == torch.bfloat16,
             )
             return w.to(output_dtype)
@@ -453,14 +462,14 @@ class Dense(PackingFormat):
                 _cpp.codes_kind(spec.target), dense_code_offset(spec),
             )
             return w.to(output_dtype)
-        canonical = self._canonical(t, spec)
         scale, offset = (torch.ones_like(t["scale"]), torch.zeros_like(t["offset"])) if canonical else (
             t["scale"], t.get("offset"))
         w = torch.ops.affineq.lowbit_dequantize(  # C++ when built, the same math in PyTorch otherwise
             t["qdata"], scale, offset, spec.target.bits, spec.block_size[1], n, k, _cpp.codes_kind(spec.target),
         )
         if canonical:  # w holds the codes u as floats
-            w = self._centered_times_scale(w.view(n, -1, spec.block_size[1]), t["scale"], t["offset"]).view(n, k)
+            w = self._centered_times_scale(w.view(n, -1, spec.block_size[1]), t["scale"], t["offset"],
+                                           spec).view(n, k)
         return w.to(output_dtype)
 
     @staticmethod
@@ -469,12 +478,16 @@ class Dense(PackingFormat):
         differently from the primitives' `(q - zp) * scale` (by an ulp), so dequantize computes the latter,
         exactly: offset = scale * (qmin - zp) gives q - zp = u + round(offset / scale). bf16 qparams
         (`scale * (u - 2**(bits-1)) + zero`) and float8 codes (`scale * c`) already round as the primitives."""
-        return dense_is_canonical(t["scale"], spec)
+        return (t["scale"].dtype == torch.float32 and not spec.target.is_float
+                and spec.zero_point_domain is not ZeroPointDomain.FLOAT)
 
     @staticmethod
-    def _centered_times_scale(u: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-        """(u + round(offset / scale)) * scale per group: u [R, G, g] float codes, scale/offset [R, G]."""
-        return (u + torch.round(offset / scale).unsqueeze(-1)) * scale.unsqueeze(-1)
+    def _centered_times_scale(u: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+                              spec: QuantSpec) -> torch.Tensor:
+        """(u + round(offset / scale)) * scale per group: u [R, G, g] float codes, scale/offset [R, G]. A zero
+        scale (a GGUF block of zeros) takes quant_min as its step, not 0 / 0, so its zeros keep ggml's signs."""
+        step = torch.where(scale == 0, float(spec.quant_min), torch.round(offset / scale))
+        return (u + step.unsqueeze(-1)) * scale.unsqueeze(-1)
 
     def dequantize_rows(self, t, spec, rows, output_dtype):
         n, k = spec.shape
@@ -494,7 +507,7 @@ class Dense(PackingFormat):
         g = spec.block_size[1]
         u = _cpp.code_values(u, _cpp.codes_kind(spec.target)).view(-1, k // g, g)
         if self._canonical(t, spec):
-            w = self._centered_times_scale(u, t["scale"][rows], t["offset"][rows])
+            w = self._centered_times_scale(u, t["scale"][rows], t["offset"][rows], spec)
         else:
             scale, offset = self._fp32_scale_offset(t, spec)
             w = u * scale[rows].float().unsqueeze(-1) + offset[rows].unsqueeze(-1)
@@ -597,3 +610,4 @@ register_format(Plain())
 register_format(Dense())
 register_format(Int4Tinygemm("int4_cpu", "cpu", _convert_cpu))
 register_format(Int4Tinygemm("int4_cuda", "cuda", _convert_cuda))
+from affineq.tensor import format_kquant as _format_kquant  # noqa: E402, F401  (registers "q2_k" .. "q6_k")

@@ -1,0 +1,175 @@
+"""Reading a GGUF container (v2 / v3, little-endian): metadata and each tensor's raw bytes, checked.
+
+The header is parsed here, in one pass over the memory-mapped file, with every length checked against the bytes
+left before anything is read: a file cut short or with an edited header is a ValueError naming the file and the
+byte, and no count read from the header allocates more than the file holds. ggml-org's `gguf` package supplies
+the tensor type table (`GGMLQuantizationType`, `GGML_QUANT_SIZES`) and writes files (`affineq.gguf.files`); its
+own `GGUFReader` is the tests' reference. (It is not used to load: it builds a numpy array per metadata element,
+which takes seconds on a 49k-token vocabulary where this parser takes a fraction of one.)
+
+Tensors are then checked against the file: a known ggml type, positive dims with the innermost a whole number of
+blocks, and bytes inside the file.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["GGUFEntry", "GGUFContents", "INSTALL_HINT", "read", "require_gguf"]
+
+INSTALL_HINT = "pip install 'affineq[gguf]' (or: pip install gguf)"
+_MAGIC = b"GGUF"
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+_MAX_DEPTH = 8  # nested metadata arrays
+# GGUF metadata value types: scalars by id (8 = string, 9 = array)
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+def require_gguf():
+    """The `gguf` package (imported on first use), or ImportError saying how to install it."""
+    try:
+        import gguf
+    except ImportError as e:
+        raise ImportError(f"reading and writing GGUF files needs ggml-org's gguf package: {INSTALL_HINT}") from e
+    return gguf
+
+
+@dataclass(frozen=True)
+class GGUFEntry:
+    """One tensor of a GGUF file: its name, ggml type name ("Q4_K"), shape in torch order (GGUF's ne[] reversed:
+    [out_features, in_features]) and its bytes (a read-only uint8 view of the mapped file, [rows, row_bytes])."""
+
+    name: str
+    ggml_type: str
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+
+@dataclass
+class GGUFContents:
+    """A parsed file: its path, `metadata` (key -> Python value; arrays as lists) and `tensors` in file order."""
+
+    path: str
+    metadata: dict[str, Any]
+    tensors: list[GGUFEntry]
+
+
+class _Cursor:
+    """Reads little-endian values from `buf`, never past its end (ValueError naming the file and the offset)."""
+
+    def __init__(self, buf: memoryview, path: str) -> None:
+        self.buf, self.pos, self.path = buf, 0, path
+
+    def need(self, n: int, what: str) -> None:
+        if n < 0 or self.pos + n > len(self.buf):
+            raise ValueError(f"{self.path}: {what} at byte {self.pos} needs {n} bytes, but the file ends at byte "
+                             f"{len(self.buf)}: it is truncated or its header was edited")
+
+    def scalar(self, fmt: str, what: str) -> Any:
+        size = struct.calcsize(fmt)
+        self.need(size, what)
+        (v,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += size
+        return v
+
+    def string(self, what: str) -> str:
+        n = self.scalar("<Q", what)
+        self.need(n, what)
+        raw = bytes(self.buf[self.pos:self.pos + n])
+        self.pos += n
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(f"{self.path}: {what} at byte {self.pos - n} is not UTF-8 text; the file is damaged") \
+                from None
+
+    def value(self, vtype: int, what: str, depth: int = 0) -> Any:
+        if vtype == _STRING:
+            return self.string(what)
+        if vtype in _SCALARS:
+            return self.scalar(_SCALARS[vtype], what)
+        if vtype != _ARRAY or depth >= _MAX_DEPTH:
+            raise ValueError(f"{self.path}: {what} has value type {vtype}, which GGUF does not define (or arrays "
+                             f"nested deeper than {_MAX_DEPTH}); the header is damaged")
+        etype, count = self.scalar("<I", what), self.scalar("<Q", what)
+        if etype in _SCALARS:  # numeric arrays in one numpy call
+            dt = np.dtype(_SCALARS[etype])
+            self.need(count * dt.itemsize, what)
+            arr = np.frombuffer(self.buf, dtype=dt, count=count, offset=self.pos)
+            self.pos += count * dt.itemsize
+            return arr.tolist()
+        self.need(count * 8, what)  # every string or array element takes at least 8 bytes: bounds the loop
+        return [self.value(etype, what, depth + 1) for _ in range(count)]
+
+
+def read(path: str | os.PathLike) -> GGUFContents:
+    """Parse GGUF file `path` (see the module docstring); ValueError if it is not a valid GGUF file."""
+    gguf = require_gguf()
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ValueError(f"{path!r} is not a file; pass the path of a .gguf file")
+    if os.path.getsize(path) < 24:
+        raise ValueError(f"{path}: {os.path.getsize(path)} bytes is too short for a GGUF header (24 bytes at least)")
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    cur = _Cursor(memoryview(mapped), path)
+    if bytes(cur.buf[:4]) != _MAGIC:
+        raise ValueError(f"{path}: not a GGUF file (it does not start with b'GGUF')")
+    cur.pos = 4
+    version = cur.scalar("<I", "the version")
+    if version not in (2, 3):
+        raise ValueError(f"{path}: GGUF version {version} is not supported (2 and 3 are)")
+    n_tensors, n_kv = cur.scalar("<Q", "the tensor count"), cur.scalar("<Q", "the metadata count")
+    metadata: dict[str, Any] = {}
+    for i in range(n_kv):
+        key = cur.string(f"metadata key {i}")
+        metadata[key] = cur.value(cur.scalar("<I", f"the type of {key!r}"), f"metadata {key!r}")
+    infos = []
+    for i in range(n_tensors):
+        name = cur.string(f"tensor name {i}")
+        n_dims = cur.scalar("<I", f"the rank of tensor {name!r}")
+        if not 1 <= n_dims <= _MAX_DIMS:
+            raise ValueError(f"{path}: tensor {name!r} has {n_dims} dims (GGUF allows 1 to {_MAX_DIMS}); the header "
+                             "is damaged")
+        ne = [cur.scalar("<Q", f"the shape of tensor {name!r}") for _ in range(n_dims)]
+        infos.append((name, tuple(reversed(ne)), cur.scalar("<I", f"the type of {name!r}"),
+                      cur.scalar("<Q", f"the offset of {name!r}")))
+    align = metadata.get("general.alignment", 32)
+    if not isinstance(align, int) or align <= 0 or align & (align - 1):
+        raise ValueError(f"{path}: general.alignment={align!r} is not a positive power of two")
+    start = (cur.pos + align - 1) // align * align
+    tensors = [_entry(path, mapped, start, *info, gguf) for info in infos]
+    if len({t.name for t in tensors}) != len(tensors):
+        raise ValueError(f"{path}: a tensor name appears twice; the header is damaged")
+    return GGUFContents(path, metadata, tensors)
+
+
+def _entry(path: str, mapped: np.ndarray, start: int, name: str, shape: tuple[int, ...], type_id: int,
+           offset: int, gguf) -> GGUFEntry:
+    try:
+        qtype = gguf.GGMLQuantizationType(type_id)
+    except ValueError:
+        raise ValueError(f"{path}: tensor {name!r} has ggml type id {type_id}, which the gguf package does not "
+                         "know (a newer file, or a damaged header)") from None
+    if qtype not in gguf.GGML_QUANT_SIZES:
+        raise ValueError(f"{path}: tensor {name!r} has ggml type {qtype.name}, whose block size is unknown")
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    if any(d <= 0 for d in shape) or shape[-1] % block:
+        raise ValueError(f"{path}: tensor {name!r} has shape {shape} ({qtype.name}): every dim must be positive and "
+                         f"the innermost a multiple of the block size {block}; the header is damaged")
+    rows = 1
+    for d in shape[:-1]:
+        rows *= d
+    row_bytes = shape[-1] // block * type_size
+    begin = start + offset
+    if begin + rows * row_bytes > mapped.size:
+        raise ValueError(f"{path}: tensor {name!r} ({qtype.name}, shape {shape}) needs {rows * row_bytes} bytes at "
+                         f"byte {begin}, but the file has {mapped.size} bytes: it is truncated or its header was "
+                         "edited")
+    data = mapped[begin:begin + rows * row_bytes].reshape(rows, row_bytes)
+    return GGUFEntry(name, qtype.name, shape, data)

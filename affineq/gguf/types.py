@@ -1,0 +1,207 @@
+"""GGUF tensor types <-> affineq tensors, exactly.
+
+Reading (`to_tensor`): F32 / F16 / BF16 stay plain tensors of their dtype; the other supported types become
+`AffineQuantizedTensor`s holding the file's own codes and scales, dequantizing bit for bit as ggml (and
+`gguf.quants.dequantize`) does:
+
+| GGUF type                   | affineq tensor                                                                |
+|-----------------------------|-------------------------------------------------------------------------------|
+| Q4_0 / Q5_0 / Q8_0          | `dense`, int4 / int5 / int8 codes, symmetric (no zero point), fp32 scale d      |
+| Q4_1 / Q5_1                 | `dense`, uint4 / uint5, FLOAT zero point; stored affine map w = d * u + m (fp32) |
+| IQ4_NL                      | `dense` int8: the table value as the code, fp32 scale d                         |
+| MXFP4                       | `dense` fp4_e2m1 codes with e8m0 scale bytes (OCP MX: ggml's block, as is)       |
+| Q2_K / Q3_K / Q4_K / Q5_K / Q6_K | `q2_k` .. `q6_k` (`affineq.tensor.format_kquant`: the file's super-block bytes) |
+
+`dense` keeps the codes bit-packed and the kernels read it; its qparams are fp32, so a legacy block's fp16 scale
+costs 32 bits instead of 16 (Q4_0: 6 bits per weight in memory, 4.5 in the file). The k-quant formats keep the
+file's bytes (4.5 bits per weight for Q4_K); `widen_kquants=True` gives their exact `dense` widening instead
+(fp32 scale and offset per sub-block: the fast kernels, about 2 more bits per weight).
+
+Writing (`from_tensor`): a float tensor is F32 / F16 / BF16 by its dtype; a k-quant tensor is its own bytes; any
+other quantized 2-D weight with groups of 32 is tried as the GGUF types of its code width (Q4_0 then Q4_1, Q5_0
+then Q5_1, Q8_0, MXFP4) and written as the first whose decoded values equal the weight's `dequantize()`
+exactly; none is an error naming the weight and why each type does not hold it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from affineq.bitpack import pack_codes, unpack_codes
+from affineq.gguf import blocks
+from affineq.gguf.reader import GGUFEntry
+from affineq.primitives import MappingType, ZeroPointDomain
+from affineq.tensor.affine import AffineQuantizedTensor
+from affineq.tensor.format_kquant import KQUANT_TYPES, dense_tensors, kquant_spec
+from affineq.tensor.spec import QuantSpec
+
+__all__ = ["FLOAT_TYPES", "READ_TYPES", "WRITE_TYPES", "from_tensor", "to_tensor"]
+
+FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_KQUANTS = {name.upper(): name for name in KQUANT_TYPES}
+#: legacy block type -> (code target, symmetric)
+_LEGACY = {"Q4_0": ("int4", True), "Q5_0": ("int5", True), "Q8_0": ("int8", True), "IQ4_NL": ("int8", True),
+           "Q4_1": ("uint4", False), "Q5_1": ("uint5", False)}
+READ_TYPES = (*FLOAT_TYPES, *_LEGACY, "MXFP4", *_KQUANTS)
+#: what `from_tensor` tries for a quantized weight, by code bits
+_CANDIDATES = {4: ("Q4_0", "Q4_1"), 5: ("Q5_0", "Q5_1"), 8: ("Q8_0",)}
+WRITE_TYPES = (*FLOAT_TYPES, "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4", *_KQUANTS)
+
+
+def _unsupported(entry: GGUFEntry, why: str = "") -> ValueError:
+    return ValueError(f"GGUF tensor {entry.name!r} has type {entry.ggml_type}, which affineq cannot hold exactly"
+                      f"{why}; supported types: {', '.join(READ_TYPES)}")
+
+
+def to_tensor(entry: GGUFEntry, *, widen_kquants: bool = False) -> torch.Tensor:
+    """The tensor of one GGUF entry (see the module docstring); quantized ones have logical dtype float32."""
+    name = entry.ggml_type
+    data = torch.from_numpy(np.array(entry.data))  # a copy: the result outlives the file's mapping
+    if name in FLOAT_TYPES:
+        return data.view(FLOAT_TYPES[name]).reshape(entry.shape)
+    if name not in READ_TYPES:
+        raise _unsupported(entry)
+    if len(entry.shape) != 2:
+        raise _unsupported(entry, f" as a {len(entry.shape)}-D tensor {entry.shape} (quantized tensors must be 2-D)")
+    if name in _KQUANTS:
+        spec = kquant_spec(_KQUANTS[name], entry.shape)
+        tensors = {"qdata": data}
+        if widen_kquants:
+            tensors, spec = dense_tensors(tensors, spec)
+        return AffineQuantizedTensor.from_tensors(tensors, spec)
+    if name == "MXFP4":
+        return _mxfp4(entry, data)
+    target, symmetric = _LEGACY[name]
+    u, d, m = blocks.decode(name, data, entry.shape[1])
+    spec = QuantSpec.create(
+        entry.shape, torch.float32, target, (1, blocks.BLOCK), packing_format="dense",
+        mapping_type=MappingType.SYMMETRIC if symmetric else MappingType.ASYMMETRIC,
+        zero_point_domain=ZeroPointDomain.NONE if symmetric else ZeroPointDomain.FLOAT,
+    )
+    tensors = {"qdata": pack_codes(u.contiguous(), spec.target.bits), "scale": d.contiguous(),
+               "offset": m.contiguous()}
+    return AffineQuantizedTensor.from_tensors(tensors, spec)
+
+
+def _mxfp4(entry: GGUFEntry, data: torch.Tensor) -> AffineQuantizedTensor:
+    n, k = entry.shape
+    b = data.reshape(-1, 17)
+    if bool((b[:, 0] == 255).any()):  # ggml reads 255 as 2**127, OCP MX (and affineq) as NaN
+        raise _unsupported(entry, " with a scale byte 255 (ggml: 2**127, OCP MX: NaN)")
+    u = torch.cat([b[:, 1:] & 0x0F, b[:, 1:] >> 4], 1).reshape(n, k)
+    spec = QuantSpec.create(entry.shape, torch.float32, "fp4_e2m1", (1, blocks.BLOCK), packing_format="dense",
+                            mapping_type=MappingType.SYMMETRIC, zero_point_domain=ZeroPointDomain.NONE,
+                            scale_type="e8m0")
+    tensors = {"qdata": pack_codes(u.contiguous(), 4), "scale": b[:, 0].reshape(n, -1).contiguous()}
+    return AffineQuantizedTensor.from_tensors(tensors, spec)
+
+
+# -- writing --------------------------------------------------------------------------------------------------
+
+
+def from_tensor(name: str, t: torch.Tensor) -> tuple[str, np.ndarray, tuple[int, ...]]:
+    """(GGUF type name, bytes uint8 [rows, row_bytes], torch-order shape) of tensor `t` named `name`, exactly;
+    ValueError naming the tensor when no GGUF type holds it exactly."""
+    if not isinstance(t, AffineQuantizedTensor):
+        return _float_bytes(name, t)
+    s = t.spec
+    if s.act_quant is not None or t.act_tensors:
+        raise ValueError(f"{name}: GGUF holds weights only; this weight quantizes activations too "
+                         f"({s.act_quant}, {list(t.act_tensors)}): use a weight-only config")
+    if s.transposed:
+        t = t.t()  # the untransposed view holds the stored rows
+        s = t.spec
+    shape = tuple(s.shape)
+    if s.fmt in KQUANT_TYPES:
+        return s.fmt.upper(), t.tensors["qdata"].numpy(), shape
+    if len(shape) != 2 or s.block_size != (1, blocks.BLOCK):
+        raise _no_type(name, t, [f"GGUF's block types have groups of {blocks.BLOCK} along the rows of a 2-D weight "
+                                 f"(block_size (1, 32)); this one has shape {shape}, block_size {s.block_size}"])
+    w = t.dequantize(torch.float32)
+    if s.target.name == "fp4_e2m1" and s.scale_type is not None:
+        return _mxfp4_bytes(name, t, w), shape
+    if s.target.is_float or s.scale_type is not None or s.target.bits not in _CANDIDATES:
+        raise _no_type(name, t, [f"GGUF's block types hold 4, 5 or 8-bit integer codes with float scales, or "
+                                 f"fp4 with e8m0 scales (MXFP4); this weight has {s.target} codes"
+                                 + (f" with {s.scale_type} scales" if s.scale_type is not None else "")])
+    u = _unsigned_codes(t)
+    scale, offset = _affine_map(t)
+    reasons = []
+    for ggml_type in _CANDIDATES[s.target.bits]:
+        bt = blocks.BLOCK_TYPES[ggml_type]
+        m = offset if bt.has_min else None
+        d16, m16 = scale.to(torch.float16), None if m is None else m.to(torch.float16)
+        back = _block_values(bt, u, d16.float(), -bt.center * d16.float() if m16 is None else m16.float())
+        if torch.equal(back, w):  # the values the file's blocks decode to (tests: decode(encode) is the identity)
+            return ggml_type, blocks.encode(ggml_type, u, d16, m16).numpy(), shape
+        bad = int((back != w).sum())
+        need = "fp16 scale d and min m (w = d * u + m)" if bt.has_min else f"fp16 scale d, w = d * (u - {bt.center})"
+        reasons.append(f"{ggml_type} ({need}) differs in {bad} of {w.numel()} values")
+    raise _no_type(name, t, reasons)
+
+
+def _unsigned_codes(t: AffineQuantizedTensor) -> torch.Tensor:
+    """u = code - quant_min, uint8 [N, K] (read straight from `dense`'s packed bits, which hold exactly u)."""
+    s = t.spec
+    if s.fmt == "dense":
+        return unpack_codes(t.tensors["qdata"], s.target.bits, *s.shape)
+    return (t.codes().to(torch.int32) - int(s.quant_min)).to(torch.uint8)
+
+
+def _block_values(bt: blocks.BlockType, u: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """ggml's fp32 values of decoded blocks: d * (u - c), or d * u + m."""
+    uf = u.float().view(u.shape[0], -1, blocks.BLOCK)
+    if bt.has_min:
+        w = uf * d.unsqueeze(-1) + m.unsqueeze(-1)
+    else:
+        w = (uf - bt.center) * d.unsqueeze(-1)
+    return w.view(u.shape)
+
+
+def _affine_map(t: AffineQuantizedTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 (scale, offset) [R, K/32] of w = scale * u + offset, u = code - quant_min."""
+    s = t.spec
+    if s.fmt == "dense" and "offset" in t.tensors and t.tensors["scale"].dtype == torch.float32:
+        return t.tensors["scale"], t.tensors["offset"]  # stored as is (a Q4_1 min stays bit-exact)
+    scale = t.scale.float()
+    zp = t.zero_point
+    if s.zero_point_domain is ZeroPointDomain.INT:
+        return scale, scale * (s.quant_min - zp.float())
+    if s.zero_point_domain is ZeroPointDomain.FLOAT:
+        return scale, zp.float() + scale * (s.quant_min - (s.quant_max + s.quant_min + 1) / 2)
+    return scale, scale * s.quant_min
+
+
+def _mxfp4_bytes(name: str, t: AffineQuantizedTensor, w: torch.Tensor) -> tuple[str, np.ndarray]:
+    if t.spec.fmt != "dense":
+        t = t.to_format("dense")
+    n, k = t.spec.shape
+    u = t.codes().view(torch.uint8)
+    e = t.tensors["scale"].reshape(-1, 1)
+    if bool((e == 255).any()):
+        raise _no_type(name, t, ["MXFP4: a scale byte is 255 (NaN in OCP MX, 2**127 in ggml)"])
+    u = u.reshape(-1, blocks.BLOCK)
+    data = torch.cat([e, u[:, :16] | (u[:, 16:] << 4)], 1).reshape(n, -1)
+    return "MXFP4", data.numpy()
+
+
+def _float_bytes(name: str, t: torch.Tensor) -> tuple[str, np.ndarray, tuple[int, ...]]:
+    t = t.detach().cpu().contiguous()
+    kind = next((k for k, dt in FLOAT_TYPES.items() if dt == t.dtype), None)
+    if kind is None:
+        raise ValueError(f"{name}: GGUF stores float tensors as float32, float16 or bfloat16, got {t.dtype}; "
+                         "cast it first")
+    shape = tuple(t.shape) or (1,)
+    return kind, t.reshape(shape).view(torch.uint8).numpy(), shape  # [*shape[:-1], row bytes]
+
+
+def _no_type(name: str, t: AffineQuantizedTensor, reasons: list[str]) -> ValueError:
+    s = t.spec
+    return ValueError(
+        f"{name}: no GGUF type holds this weight exactly ({s.target} codes [{s.quant_min}, {s.quant_max}], "
+        f"block_size {s.block_size}, {s.zero_point_domain.name} zero point, format {s.fmt}): " + "; ".join(reasons)
+        + ". Nearest GGUF types: Q4_0 / Q5_0 / Q8_0 (symmetric int4 / int5 / int8, groups of 32, fp16-exact "
+        "scales, e.g. IntxWeightOnlyConfig(torch.int4, PerGroup(32)) with bf16 scales), Q4_1 / Q5_1 (asymmetric "
+        "uint4 / uint5, groups of 32, fp16-exact scale and min); or keep the weight in float (F32 / F16 / BF16)"
+    )
