@@ -191,7 +191,9 @@ def measure(work: Workload, config_name: str, *, compile: bool, repeats: int) ->
     return {"config": config_name, "size_mb": model_bytes(model) / 1e6,
             "bytes_per_param": quantized_bytes_per_param(model), "quantize_s": quantize_s,
             "latency_ms": latency, "metric": metric, "compiled": compile,
-            "kernels": dict(Counter(used)), "fallbacks": fallbacks}
+            "kernels": dict(Counter(used)), "fallbacks": fallbacks,
+            "activation_quant": any(isinstance(p, AffineQuantizedTensor) and p.spec.act_quant is not None
+                                    for p in model.parameters())}
 
 
 def format_table(rows: list[dict], work: Workload) -> str:
@@ -219,10 +221,42 @@ def format_table(rows: list[dict], work: Workload) -> str:
         lines.append(f"  {r['config']}: kernels in the first latency run{work.kernels_note}: {kernels}")
         if r["latency_ms"] > best["latency_ms"]:
             why = "; ".join(r["fallbacks"]) or (
-                "its kernels do extra work per call that float skips (e.g. quantizing activations), which "
-                "costs more than the smaller weights save at this size")
+                f"per call, {explain_kernels(r['kernels'], r.get('activation_quant', False))}, which costs "
+                "more than the smaller weights save at this size")
             lines.append(f"  ! {r['config']} is slower than {best['config']} here: {why}")
     return "\n".join(lines)
+
+
+#: What each recorded kernel does per call beyond a float matmul (the demo's explanations come from this
+#: table and the kernels a row recorded, never from the config's name).
+KERNEL_WORK: dict[str, str] = {
+    "affineq.lowbit_linear": "unpacks the low-bit weight codes in registers",
+    "affineq.dequant_linear": "dequantizes the weight in cache-sized blocks before a float GEMM",
+    "affineq.int8_codes_linear": "quantizes the activation to int8",
+    "affineq.lowbit_rnn_layer": "unpacks the recurrent weight codes every timestep",
+    "aten._int_mm": "quantizes the activation to int8",
+    "onednn.qlinear": "quantizes the activation to int8",
+    "aten._int_mm:static": "quantizes the activation to int8 with calibrated qparams",
+    "onednn.qlinear:static": "quantizes the activation to int8 with calibrated qparams",
+    "aten._scaled_mm": "quantizes the activation to float8",
+    "aten._weight_int4pack_mm_for_cpu": "computes in bfloat16 from aten's int4 layout",
+    "aten._weight_int8pack_mm": "computes in bfloat16 from int8 codes",
+}
+
+
+def explain_kernels(kernels: dict[str, int], activation_quant: bool) -> str:
+    """One phrase per recorded kernel saying what it does per call; `activation_quant`: the weights it ran on
+    carry an activation quantizer (8da4w-style), which `affineq.lowbit_linear` applies before its matmul."""
+    parts = []
+    for name in kernels:
+        if name.startswith("dequantize:"):
+            parts.append(f"{name} dequantizes the whole weight (fallback)")
+            continue
+        work = KERNEL_WORK.get(name, "runs")
+        if name == "affineq.lowbit_linear" and activation_quant:
+            work = "fake-quantizes the activation to int8 and " + work
+        parts.append(f"{name} {work}")
+    return "; ".join(parts) or "no quantized kernel was recorded"
 
 
 def _float_bpp(row: dict) -> float:

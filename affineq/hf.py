@@ -423,6 +423,11 @@ def set_quantization_config(model: nn.Module, quant_config: QuantConfig | Affine
     """Mark a transformers model quantized by `affineq.quantize_` (outside from_pretrained: calibrated static
     activations, GPTQ, ...) as an affineq model, so `model.save_pretrained(out)` writes its quantized weights
     as safetensors with `quant_config` in config.json and `from_pretrained(out)` restores them."""
+    if not isinstance(model, PreTrainedModel):
+        raise ValueError(
+            f"set_quantization_config(model=...): model is a {type(model).__name__}, not a transformers "
+            "PreTrainedModel; only transformers models have a config.json to record the quantization in. "
+            "Save a plain module with affineq.safetensors.save_file(model.state_dict(), path) or torch.save")
     cfg = quant_config if isinstance(quant_config, AffineqConfig) else AffineqConfig(quant_config)
     if not any(isinstance(p, AffineQuantizedTensor) for p in model.parameters()):
         raise ValueError("the model has no quantized weights; run affineq.quantize_(model, config) first")

@@ -330,3 +330,12 @@ def test_install_registers_when_transformers_is_imported_later():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+def test_set_quantization_config_on_a_plain_module_is_a_value_error_naming_the_way_out():
+    m = nn.Sequential(nn.Linear(64, 64))
+    affineq.quantize_(m, affineq.Int8WeightOnlyConfig())
+    before = dict(vars(m))
+    with pytest.raises(ValueError, match=r"model is a Sequential, not a transformers PreTrainedModel.*save_file"):
+        set_quantization_config(m, affineq.Int8WeightOnlyConfig())
+    assert dict(vars(m)) == before and not hasattr(m, "hf_quantizer")  # nothing was set
