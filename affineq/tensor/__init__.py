@@ -5,7 +5,7 @@ This file is the one place that fills the tables. Python runs it before any modu
 
 | table                                         | filled by (the module's `register_*` lines / decorators) |
 |-----------------------------------------------|----------------------------------------------------------|
-| `formats.FORMATS` (name -> PackingFormat)     | `formats` (plain, dense, int4_cpu, int4_cuda), `format_microexp`, `format_kquant` |
+| `formats.FORMATS` (name -> PackingFormat)     | `formats` (plain, dense, int4_*), format_microexp, format_kquant |
 | `AffineQuantizedTensor._torch_function_table` | `ops` (`@implements(F.linear, ...)`)                     |
 | `AffineQuantizedTensor._dispatch_table`       | `ops` (aten ops), `sharding` (collectives, empty_like)   |
 | `kernel_registry.LINEAR_KERNELS` (ordered)    | `linear_kernels` (first registered, first tried)         |
