@@ -277,14 +277,15 @@ def dense_code_offset(spec: QuantSpec) -> int:
 def dense_is_canonical(scale: torch.Tensor, spec: QuantSpec) -> bool:
     """Whether a `dense` weight with this stored scale dequantizes as (u + round(offset / scale)) * scale
     (fp32 qparams of integer codes with an INT or NONE zero point), the primitives' (q - zp) * scale, rather
-    than scale * c(u) + offset rounded once (see `Dense.dequantize`)."""
+    than scale * c(u) + offset rounded once (see `Dense.dequantize`). A zero scale's zero point is taken as 0 in
+    C++ (the weights are 0 either way), so no per-call check is needed on the kernel path."""
     return (scale.dtype == torch.float32 and not spec.target.is_float
-            and spec.zero_point_domain is not ZeroPointDomain.FLOAT and not _has_zero_scale(scale))
+            and spec.zero_point_domain is not ZeroPointDomain.FLOAT)
 
 
 def _has_zero_scale(scale: torch.Tensor) -> bool:
-    """A zero scale (an all-zero GGUF block) has no zero point round(offset / scale) (0 / 0): such a tensor takes
-    the scale * u + offset route, the same values. Eager only (a host sync)."""
+    """A zero scale (an all-zero GGUF block): `Dense.dequantize` takes the PyTorch route for such a canonical tensor,
+    which keeps ggml's signed zeros bit for bit. Eager only (a host sync)."""
     return (not torch.compiler.is_compiling() and scale.device.type != "meta" and scale.numel() > 0
             and bool((scale == 0).any()))
 
@@ -447,8 +448,8 @@ class Dense(PackingFormat):
         n, k = spec.shape
         e8m0 = t["scale"].dtype == torch.uint8
         canonical = self._canonical(t, spec)
-        if t["qdata"].device.type == "cpu" and _cpp.is_available() and canonical == dense_is_canonical(
-                t["scale"], spec):  # (a canonical tensor with a zero scale: the PyTorch route keeps ggml's signs)
+        if t["qdata"].device.type == "cpu" and _cpp.is_available() and not (
+                canonical and _has_zero_scale(t["scale"])):  # (a zero scale: the PyTorch route keeps ggml's signs)
             # C++ (cpp/dequant_gemm.cpp): the values of the PyTorch route below, bit for bit, at memory speed
             w = torch.ops.affineq.dense_dequantize(
                 t["qdata"], t["scale"], t.get("offset"), spec.target.bits, spec.block_size[1], n, k,
@@ -478,8 +479,7 @@ class Dense(PackingFormat):
         differently from the primitives' `(q - zp) * scale` (by an ulp), so dequantize computes the latter,
         exactly: offset = scale * (qmin - zp) gives q - zp = u + round(offset / scale). bf16 qparams
         (`scale * (u - 2**(bits-1)) + zero`) and float8 codes (`scale * c`) already round as the primitives."""
-        return (t["scale"].dtype == torch.float32 and not spec.target.is_float
-                and spec.zero_point_domain is not ZeroPointDomain.FLOAT)
+        return dense_is_canonical(t["scale"], spec)
 
     @staticmethod
     def _centered_times_scale(u: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
