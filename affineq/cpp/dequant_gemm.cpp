@@ -17,6 +17,8 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 
 #include "common.h"
 #include "decode.h"
@@ -252,9 +254,28 @@ at::Tensor dense_dequantize_cpu(const at::Tensor& packed, const at::Tensor& scal
 
 // Output rows of W a thread dequantizes at a time: about kBlockBytes of weight (it stays in the thread's L2 while
 // its GEMM reads it), whole 16-row panels.
-constexpr int64_t kBlockBytes = int64_t{1} << 20;
+// AFFINEQ_DQ_BLOCK_KB overrides it (a tuning knob for benchmarks/tune_dequant_linear.py).
+int64_t block_bytes() {
+  static const int64_t bytes = [] {
+    const char* v = std::getenv("AFFINEQ_DQ_BLOCK_KB");
+    const long kb = v ? std::strtol(v, nullptr, 10) : 0;
+    return kb > 0 ? int64_t{kb} << 10 : int64_t{1} << 20;
+  }();
+  return bytes;
+}
 
-int64_t block_panels(int64_t k, int64_t es) { return std::max<int64_t>(1, kBlockBytes / (16 * k * es)); }
+int64_t block_panels(int64_t k, int64_t es) { return std::max<int64_t>(1, block_bytes() / (16 * k * es)); }
+
+// Whether each block's GEMM writes a contiguous row slice of y^T [n, M] (W_blk @ x^T; y = (y^T)^T copied once)
+// instead of a strided column slice of y [M, n] (x @ W_blk^T): torch's oneDNN bf16 GEMM takes only the former
+// without a copy. AFFINEQ_DQ_TRANSPOSED=0 / 1 overrides the default (a tuning knob, as above).
+bool transposed_output() {
+  static const bool t = [] {
+    const char* v = std::getenv("AFFINEQ_DQ_TRANSPOSED");
+    return v ? std::strcmp(v, "0") != 0 : true;
+  }();
+  return t;
+}
 
 at::Tensor dequant_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                               const std::optional<at::Tensor>& offset, int64_t bits, int64_t group_size, int64_t n,
@@ -274,7 +295,9 @@ at::Tensor dequant_linear_cpu(const at::Tensor& x, const at::Tensor& packed, con
   const at::ScalarType ct = bf16_weight ? at::kBFloat16 : at::kFloat;  // compute dtype of x, W and the GEMM
   const at::Tensor x2 = x.detach().reshape({-1, k}).to(ct).contiguous();
   const int64_t M = x2.size(0);
-  at::Tensor y = at::empty({M, n}, x2.options());
+  const bool tr = transposed_output();
+  at::Tensor y = tr ? at::empty({n, M}, x2.options()) : at::empty({M, n}, x2.options());
+  const at::Tensor x2t = x2.t();
   if (M > 0 && n > 0) {
     // One parallel region: each thread takes a contiguous range of panels (output columns), dequantizes a block
     // of them into its own buffer and multiplies it with all of x by a GEMM that runs on that thread (oneDNN and
@@ -292,14 +315,20 @@ at::Tensor dequant_linear_cpu(const at::Tensor& x, const at::Tensor& packed, con
           if (bf16_weight) detail::dequant_panels<B, true>(c, canonical, b0, b1, wblk.mutable_data_ptr(), k);
           else detail::dequant_panels<B, false>(c, canonical, b0, b1, wblk.mutable_data_ptr(), k);
         });
-        at::Tensor out = y.narrow(1, r0, rows);
-        at::mm_out(out, x2, wblk.narrow(0, 0, rows).t());
+        if (tr) {
+          at::Tensor out = y.narrow(0, r0, rows);
+          at::mm_out(out, wblk.narrow(0, 0, rows), x2t);
+        } else {
+          at::Tensor out = y.narrow(1, r0, rows);
+          at::mm_out(out, x2, wblk.narrow(0, 0, rows).t());
+        }
       }
     });
   }
+  if (tr) y = y.t();
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = n;
-  return y.to(xt).view(sizes);
+  return y.to(xt).contiguous().view(sizes);
 }
 
 }  // namespace

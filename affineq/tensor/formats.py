@@ -565,7 +565,7 @@ class Int4Tinygemm(PackingFormat):
     def codes(self, t, spec):
         n, k = spec.shape
         packed = t["qdata"]
-        nibbles = torch.stack([packed & 15, packed >> 4], -1).flatten().to(torch.int32)
+        nibbles = _nibbles(packed).to(torch.int32)
         u = torch.empty(n * k, dtype=torch.int32, device=packed.device)
         u[self._nibble_source(n, k, packed.device)] = nibbles
         return (u.view(n, k) + spec.quant_min).to(spec.target.container)
@@ -582,7 +582,7 @@ class Int4Tinygemm(PackingFormat):
         while 16**digit < n * k or digit == 0:
             d = ((idx >> (4 * digit)) & 15).to(torch.int32).view(n, k)
             p = self._convert(d)
-            source += torch.stack([p & 15, p >> 4], -1).flatten().to(torch.int64) << (4 * digit)
+            source += _nibbles(p).to(torch.int64) << (4 * digit)
             digit += 1
         return source
 
@@ -593,6 +593,14 @@ class Int4Tinygemm(PackingFormat):
         zp = _zero_point(s, offset, spec)
         dtype = t["scale_and_zero"].dtype
         return s.to(dtype), (zp if zp is None or not zp.is_floating_point() else zp.to(dtype))
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """The 4-bit fields of a packed int4 tensor, flat, lowest bits of each element first: 2 per uint8 (aten's CPU
+    layout), 8 per int32 (aten's CUDA tile layout)."""
+    per = packed.element_size() * 2
+    shifts = torch.arange(0, 4 * per, 4, dtype=torch.int32, device=packed.device)
+    return ((packed.to(torch.int32).unsqueeze(-1) >> shifts) & 15).flatten()
 
 
 def _convert_cpu(u: torch.Tensor) -> torch.Tensor:
