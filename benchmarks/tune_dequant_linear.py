@@ -2,9 +2,9 @@
 
     python benchmarks/tune_dequant_linear.py [--threads 2] [--quick]
 
-`affineq::dequant_linear` dequantizes blocks of output rows (AFFINEQ_DQ_BLOCK_KB of weight each) and multiplies
-each with x by torch's GEMM, writing either a contiguous row slice of y^T (AFFINEQ_DQ_TRANSPOSED=1, the default) or
-a strided column slice of y (=0). Both knobs are read once per process, so each variant runs in a child process;
+`affineq::dequant_linear` dequantizes blocks of output rows (AFFINEQ_DQ_BLOCK_KB of weight each), as W^T
+(AFFINEQ_DQ_WT=1, the default: no transpose) or W (=0), and multiplies each with x by torch's GEMM, writing either a
+contiguous row slice of y^T (AFFINEQ_DQ_TRANSPOSED=1, the default) or a strided column slice of y (=0). Both knobs are read once per process, so each variant runs in a child process;
 every child times bf16 / fp32 `F.linear` beside the kernel, round-robin, so the ratios in one row are side by side.
 The last column family is the whole weight dequantized to bf16 at once and then `F.linear` (the upper bound of an
 unfused design). Writes results/tune_dequant_linear.json.
@@ -25,8 +25,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 from common import machine_line, round_robin_ms, save_json, table  # noqa: E402
 
-VARIANTS = {"T-1024": ("1", "1024"), "slice-1024": ("0", "1024"), "T-256": ("1", "256"), "T-2048": ("1", "2048"),
-            "T-4096": ("1", "4096")}
+# name: (AFFINEQ_DQ_TRANSPOSED, AFFINEQ_DQ_BLOCK_KB, AFFINEQ_DQ_WT)
+VARIANTS = {"WT-1024": ("1", "1024", "1"), "W-1024": ("1", "1024", "0"), "WT-slice-1024": ("0", "1024", "1"),
+            "W-slice-1024": ("0", "1024", "0"), "WT-256": ("1", "256", "1"), "WT-4096": ("1", "4096", "1"),
+            "WT-16384": ("1", "16384", "1")}
 
 
 def child(args) -> dict:
@@ -46,7 +48,7 @@ def child(args) -> dict:
             quantize_(lin, cfg)
             wb = w.bfloat16()
             for m in ([32] if args.quick else [32, 128, 512]):
-                for dt in (torch.bfloat16, torch.float32):
+                for dt in [{"bf16": torch.bfloat16, "fp32": torch.float32}[d] for d in args.dtypes.split(",")]:
                     x = torch.randn(m, k, dtype=dt)
                     with torch.no_grad(), record_kernels() as used:
                         lin(x)
@@ -67,15 +69,19 @@ def main(argv=None) -> None:
     p.add_argument("--budget", type=float, default=0.3)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--child", action="store_true")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ", ".join(VARIANTS))
+    p.add_argument("--dtypes", default="bf16,fp32", help="input dtypes: bf16, fp32 or both")
     args = p.parse_args(argv)
     if args.child:
         print(json.dumps(child(args)))
         return
     print("#", machine_line())
     results = {}
-    for name, (tr, kb) in VARIANTS.items():
-        env = {**os.environ, "AFFINEQ_DQ_TRANSPOSED": tr, "AFFINEQ_DQ_BLOCK_KB": kb}
-        cmd = [sys.executable, __file__, "--child", "--threads", str(args.threads), "--budget", str(args.budget)]
+    for name in args.variants.split(","):
+        tr, kb, wt = VARIANTS[name]
+        env = {**os.environ, "AFFINEQ_DQ_TRANSPOSED": tr, "AFFINEQ_DQ_BLOCK_KB": kb, "AFFINEQ_DQ_WT": wt}
+        cmd = [sys.executable, __file__, "--child", "--threads", str(args.threads), "--budget", str(args.budget),
+               "--dtypes", args.dtypes]
         r = subprocess.run(cmd + (["--quick"] if args.quick else []), env=env, capture_output=True, text=True)
         if r.returncode:
             print(f"{name}: failed\n{r.stderr[-2000:]}")

@@ -110,8 +110,40 @@ AQ_INLINE void store_unit(const float* tile, int rows, int cols, void* out, int6
     }
 }
 
+// v (16 rows of one column) -> out[0 .. rows) as fp32 or bf16 (the bits of to_bf16): the W^T layout's store,
+// contiguous, so no transpose.
+template <bool kBf16>
+AQ_INLINE void store_col(F16 v, int rows, void* out) {
+  if constexpr (!kBf16) {
+    if (rows == 16) fstore(static_cast<float*>(out), v);
+    else fstore_n(static_cast<float*>(out), v, rows);
+  } else {
+#if AQ_AVX512
+    const __m512i b = _mm512_castps_si512(v.v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v.v, v.v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    _mm256_mask_storeu_epi16(out, static_cast<__mmask16>((1u << rows) - 1u), _mm512_cvtepi32_epi16(r));
+#elif AQ_DQ_AVX2 && AQ_AVX2
+    uint16_t* o = static_cast<uint16_t*>(out);
+    if (rows == 16) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o), to_bf16x8(v.a));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 8), to_bf16x8(v.b));
+    } else {
+      alignas(64) float t[16];
+      fstore(t, v);
+      for (int j = 0; j < rows; ++j) o[j] = to_bf16(t[j]);
+    }
+#else
+    for (int j = 0; j < rows; ++j) static_cast<uint16_t*>(out)[j] = to_bf16(v.v[j]);
+#endif
+  }
+}
+
 // Rows [16 * p0, min(n, 16 * p1)) of W into out (row r at out + (r - 16 * p0) * ldo), k columns each.
-template <int B, bool kBf16>
+// kWT: W^T instead, column kk of those rows at out + kk * ldo + (r - 16 * p0) (each decoded vector is 16 rows of
+// one column: stored as is, no transpose).
+template <int B, bool kBf16, bool kWT = false>
 void dequant_panels(const Ctx& c, bool canonical, int64_t p0, int64_t p1, void* out, int64_t ldo) {
   const LowbitProblem& pr = *c.p;
   const int64_t G = c.G, K = pr.k, es = kBf16 ? 2 : 4;
@@ -127,6 +159,21 @@ void dequant_panels(const Ctx& c, bool canonical, int64_t p0, int64_t p1, void* 
       // a zero scale (an all-zero GGUF block) has no zero point: its weights are 0 whatever it is, not 0/0 = NaN
       for (int64_t i = 0; i < G * 16; ++i) oT[i] = sT[i] == 0.f ? 0.f : std::nearbyint(oT[i] / sT[i]);
     const uint8_t* pan = panel_ptr(c, p);
+    if constexpr (kWT) {
+      char* dst = static_cast<char*>(out) + (r0 - 16 * p0) * es;
+      for (int64_t u = 0; u < c.U; ++u) {
+        const int cols = static_cast<int>(std::min<int64_t>(8, K - 8 * u));
+        decode_unit<B>(pan + u * 16 * bits_of(B), [&](auto T, F16 w) {
+          constexpr int t = AQ_CV(T);
+          if (t >= cols) return;
+          const int64_t g = kg[8 * u + t];
+          const F16 s = fload(sT + g * 16), o = fload(oT + g * 16);
+          store_col<kBf16>(canonical ? fma1(fadd(w, o), s, neg0) : fma1(w, s, o), static_cast<int>(rows),
+                           dst + (8 * u + t) * ldo * es);
+        });
+      }
+      continue;
+    }
     char* dst = static_cast<char*>(out) + (r0 - 16 * p0) * ldo * es;
     for (int64_t u = 0; u < c.U; ++u) {
       decode_unit<B>(pan + u * 16 * bits_of(B), [&](auto T, F16 w) {
@@ -277,6 +324,17 @@ bool transposed_output() {
   return t;
 }
 
+// Whether each block is dequantized as W^T [k, rows] (its decoded column vectors stored as they come, then
+// multiplied as a transposed operand) rather than W [rows, k] (a transpose per 8x16 tile). AFFINEQ_DQ_WT=0 / 1
+// overrides the default (a tuning knob, as above).
+bool weight_transposed() {
+  static const bool t = [] {
+    const char* v = std::getenv("AFFINEQ_DQ_WT");
+    return v ? std::strcmp(v, "0") != 0 : true;
+  }();
+  return t;
+}
+
 at::Tensor dequant_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                               const std::optional<at::Tensor>& offset, int64_t bits, int64_t group_size, int64_t n,
                               int64_t k, int64_t codes, int64_t code_offset, bool canonical, bool bf16_weight) {
@@ -295,7 +353,7 @@ at::Tensor dequant_linear_cpu(const at::Tensor& x, const at::Tensor& packed, con
   const at::ScalarType ct = bf16_weight ? at::kBFloat16 : at::kFloat;  // compute dtype of x, W and the GEMM
   const at::Tensor x2 = x.detach().reshape({-1, k}).to(ct).contiguous();
   const int64_t M = x2.size(0);
-  const bool tr = transposed_output();
+  const bool tr = transposed_output(), wt = weight_transposed();
   at::Tensor y = tr ? at::empty({n, M}, x2.options()) : at::empty({M, n}, x2.options());
   const at::Tensor x2t = x2.t();
   if (M > 0 && n > 0) {
@@ -307,20 +365,26 @@ at::Tensor dequant_linear_cpu(const at::Tensor& x, const at::Tensor& packed, con
     const at::ThreadLocalState tls;  // the caller's inference mode, dispatch keys, ... for the workers' GEMMs
     at::parallel_for(0, c.npan, 1, [&](int64_t q0, int64_t q1) {
       const at::ThreadLocalStateGuard tls_guard(tls);
-      at::Tensor wblk = at::empty({std::min(q1 - q0, bp) * 16, k}, x2.options());
+      const int64_t cap = std::min(q1 - q0, bp) * 16;  // rows of the largest block
+      at::Tensor buf = wt ? at::empty({k, cap}, x2.options()) : at::empty({cap, k}, x2.options());
       for (int64_t b0 = q0; b0 < q1; b0 += bp) {
         const int64_t b1 = std::min(q1, b0 + bp), r0 = 16 * b0, rows = std::min(16 * b1, n) - r0;
+        // W^T blocks are [k, rows] with a row stride of rows (contiguous), W blocks [rows, k]
+        at::Tensor wblk = wt ? buf.view(-1).narrow(0, 0, k * rows).view({k, rows}).t() : buf.narrow(0, 0, rows);
+        void* dst = buf.mutable_data_ptr();
         detail::with_width(p.bits, p.codes, [&](auto B_) {
           constexpr int B = AQ_CV(B_);
-          if (bf16_weight) detail::dequant_panels<B, true>(c, canonical, b0, b1, wblk.mutable_data_ptr(), k);
-          else detail::dequant_panels<B, false>(c, canonical, b0, b1, wblk.mutable_data_ptr(), k);
+          if (wt && bf16_weight) detail::dequant_panels<B, true, true>(c, canonical, b0, b1, dst, rows);
+          else if (wt) detail::dequant_panels<B, false, true>(c, canonical, b0, b1, dst, rows);
+          else if (bf16_weight) detail::dequant_panels<B, true>(c, canonical, b0, b1, dst, k);
+          else detail::dequant_panels<B, false>(c, canonical, b0, b1, dst, k);
         });
         if (tr) {
           at::Tensor out = y.narrow(0, r0, rows);
-          at::mm_out(out, wblk.narrow(0, 0, rows), x2t);
+          at::mm_out(out, wblk, x2t);
         } else {
           at::Tensor out = y.narrow(1, r0, rows);
-          at::mm_out(out, x2, wblk.narrow(0, 0, rows).t());
+          at::mm_out(out, x2, wblk.t());
         }
       }
     });

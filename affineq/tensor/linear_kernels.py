@@ -191,7 +191,24 @@ def _int_mm_check(x, w):
         return "needs int8 dynamic activation quantization"
     if not is_symmetric_int8(aq):
         return "needs symmetric activation codes (zero point 0: domain NONE or INT)"
-    return _common(x, w, x.device.type) or _per_channel_int8(w.spec)
+    return _common(x, w, x.device.type) or _per_channel_int8(w.spec) or _int_mm_shape(x, w)
+
+
+def _int_mm_shape(x, w) -> str | None:
+    """CUDA's torch._int_mm takes K and N multiples of 8 only (its row minimum is met by `_int_mm`'s padding)."""
+    n, k = w.spec.shape
+    if x.device.type == "cuda" and (n % 8 or k % 8):
+        return f"CUDA's _int_mm needs in_features and out_features multiples of 8 (got {k}, {n})"
+    return None
+
+
+def _int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch._int_mm(a [M, K] int8, b [K, N] int8) -> int32, exact; on CUDA, which needs M > 16, a short a is
+    padded with zero rows (their sums are dropped)."""
+    m = a.shape[0]
+    if a.is_cuda and m <= 16:
+        return torch._int_mm(torch.nn.functional.pad(a, (0, 0, 0, 17 - m)), b)[:m]
+    return torch._int_mm(a, b)
 
 
 @torch.library.custom_op("affineq::int8_dynamic_linear", mutates_args=())
@@ -207,7 +224,7 @@ def _int8_dynamic_linear(
     also keeps _int_mm away from inductor 2.13's own lowering, which passes a one-row input with row stride
     0 to the CPU kernel (garbage sums at M = 1). Eager and compiled run this same code."""
     xq, x_scale = int8_activation(x2, per_token, no_clipping, eps)
-    acc = torch._int_mm(xq, w_codes.t())
+    acc = _int_mm(xq, w_codes.t())
     return (acc.float() * x_scale * w_scale.float().reshape(1, -1)).to(x2.dtype)
 
 
@@ -236,7 +253,7 @@ def _int_mm_static_check(x, w):
     aq = w.spec.act_quant
     if aq is None or not aq.static or aq.dtype.name != "int8":
         return "needs static int8 activation quantization (calibrated act_scale)"
-    return _common(x, w, x.device.type) or _per_channel_int8(w.spec)
+    return _common(x, w, x.device.type) or _per_channel_int8(w.spec) or _int_mm_shape(x, w)
 
 
 @torch.library.custom_op("affineq::int8_static_linear", mutates_args=())
@@ -249,7 +266,7 @@ def _int8_static_linear(x2: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.
     q = torch.round(x2.float() * (1.0 / x_scale.float()))
     if x_zero_point is not None:
         q = q + x_zero_point.float()
-    acc = torch._int_mm(q.clamp(-128, 127).to(torch.int8), w_codes.t())
+    acc = _int_mm(q.clamp(-128, 127).to(torch.int8), w_codes.t())
     if x_zero_point is not None:
         acc = acc - x_zero_point.to(torch.int32) * w_codes.sum(1, dtype=torch.int32)
     return (acc.float() * (x_scale.float() * w_scale.float().reshape(1, -1))).to(x2.dtype)
