@@ -4,10 +4,10 @@
 
 `affineq::dequant_linear` dequantizes blocks of output rows (AFFINEQ_DQ_BLOCK_KB of weight each), as W^T
 (AFFINEQ_DQ_WT=1, the default: no transpose) or W (=0), and multiplies each with x by torch's GEMM, writing either a
-contiguous row slice of y^T (AFFINEQ_DQ_TRANSPOSED=1, the default) or a strided column slice of y (=0). The
-knobs are read once per process, so each variant runs in a child process; every child times bf16 / fp32 `F.linear` beside the kernel, round-robin, so the ratios in one row are side by side.
-The last column family is the whole weight dequantized to bf16 at once and then `F.linear` (the upper bound of an
-unfused design). Writes results/tune_dequant_linear.json.
+contiguous row slice of y^T (AFFINEQ_DQ_TRANSPOSED=1, the default) or a strided column slice of y (=0). The knobs are
+read once per process, so each variant runs in a child process; every child times bf16 / fp32 `F.linear` beside the
+kernel, round-robin, so the ratios in one row are side by side. The last column family is the whole weight dequantized
+to bf16 at once and then `F.linear` (the upper bound of an unfused design). Writes results/tune_dequant_linear.json.
 """
 
 from __future__ import annotations
