@@ -8,7 +8,17 @@
 2. Sensitivity: the output error of the layer alone quantized with the candidate, on the calibration inputs it
    receives in the float model: with H = X^T X / T over its input rows x [T, K] and D = W - W_q [N, K],
 
-       loss(layer, candidate) = mean_x ||x D^T||^2 = trace(D H D^T)      (per token, summed over outputs)
+       e(layer, candidate) = mean_x ||x D^T||^2 = trace(D H D^T)      (per token, summed over outputs)
+
+   sensitivity="layer": loss = e. Otherwise a layer's output error costs the model more or less depending on
+   where it sits, so each layer's e is put in model units by one measured forward: its smallest candidate alone
+   applied, the divergence of the model's output from the float one,
+
+       loss(layer, c) = e(layer, c) * div(layer, c_min) / e(layer, c_min)
+
+   div, "kld": the mean over tokens of KL(p_float || p_quant), p = softmax of the output's last dim (logits);
+   "mse": the output's squared error relative to its energy, ||y_q - y||^2 / ||y||^2 (an encoder's embeddings);
+   "auto" (default): "kld" for an output with `.logits` (a language model), else "mse".
 
 3. Choice: one candidate per layer minimising sum loss subject to sum bits <= budget_bits * sum weights
    (a multiple-choice knapsack), by dynamic programming over the bit budget in `resolution` steps, each
@@ -69,7 +79,8 @@ class LayerChoice:
 def autoquant(model: nn.Module, budget_bits: float, calibration_data, *,
               candidates: Sequence[QuantConfig] | None = None,
               filter_fn: Callable[[nn.Module, str], bool] | None = None,
-              resolution: int = 4096, progress: bool = True, report: list | None = None) -> FqnToConfig:
+              resolution: int = 4096, progress: bool = True, report: list | None = None,
+              sensitivity: str = "auto") -> FqnToConfig:
     """A config per selected linear of `model` minimising the summed output error (module docstring) with at
     most `budget_bits` bits per weight on average over those layers' weights, bits counted from each candidate's
     stored tensors. The model is not changed.
@@ -81,13 +92,20 @@ def autoquant(model: nn.Module, budget_bits: float, calibration_data, *,
     filter_fn(module, fqn): the layers to plan (default: every nn.Linear except one named lm_head).
     resolution: steps of the knapsack's bit budget (more: closer to the budget, slower).
     report: a list to which the measured `LayerChoice`s are appended (to inspect the trade-off).
+    sensitivity: "auto", "kld" or "mse" (each layer's error scaled by its measured effect on the model's output,
+        module docstring: one extra pass over calibration_data per layer), or "layer" (its own error only).
     Returns FqnToConfig({fqn: chosen candidate}); apply it with quantize_(model, plan).
     """
     candidates = tuple(DEFAULT_CANDIDATES if candidates is None else candidates)
     _check_args(budget_bits, candidates, resolution)
+    if sensitivity not in ("auto", "kld", "mse", "layer"):
+        raise ValueError(f"autoquant: sensitivity={sensitivity!r} must be 'auto', 'kld' or 'mse' (the layer's "
+                         "measured effect on the model's output) or 'layer' (its own output error)")
     layers = _select(model, filter_fn, candidates)
     hessians = _input_covariances(model, layers, calibration_data, progress)
     choices = [_measure(model, fqn, layers[fqn], hessians.pop(fqn), candidates) for fqn in layers]
+    if sensitivity != "layer":
+        choices = _in_model_units(model, layers, choices, candidates, calibration_data, sensitivity, progress)
     if report is not None:
         report.extend(choices)
     picks = _knapsack(choices, budget_bits, resolution)
@@ -210,6 +228,58 @@ def _measure(model: nn.Module, fqn: str, layer: nn.Linear, h: torch.Tensor, cand
         bits.append(int(qw.storage_bytes()) * 8)
         loss.append(float(((d @ h) * d).sum()))
     return LayerChoice(fqn, w.numel(), tuple(bits), tuple(loss))
+
+
+def _in_model_units(model, layers, choices, candidates, calibration_data, sensitivity: str,
+                    progress: bool) -> list[LayerChoice]:
+    """Each layer's losses times div(model with its smallest candidate alone) / e(smallest candidate)."""
+    items = list(calibration_data)
+    with torch.no_grad():
+        reference = [_output(_call(model, item, i), sensitivity) for i, item in enumerate(items)]
+    scaled = []
+    for c in _bar(choices, progress):
+        layer = layers[c.fqn]
+        i = min(c.options(), key=lambda j, c=c: (c.bits[j], -c.loss[j]))
+        w = layer.weight.data
+        cand = candidates[i]
+        if isinstance(cand, AlgorithmConfig):
+            qw = cand.run(model, {c.fqn: layer}, None)[c.fqn].quantize_weight(w, layer)
+        else:
+            qw = cand.quantize_weight(w, layer)
+        layer.weight.data = qw.dequantize(w.dtype)
+        try:
+            with torch.no_grad():
+                div = sum(_divergence(ref, _output(_call(model, item, k), sensitivity))
+                          for k, (ref, item) in enumerate(zip(reference, items, strict=True))) / len(items)
+        finally:
+            layer.weight.data = w
+        gain = div / c.loss[i] if c.loss[i] > 0 else 0.0
+        scaled.append(LayerChoice(c.fqn, c.numel, c.bits, tuple(None if v is None else v * gain for v in c.loss)))
+    return scaled
+
+
+def _output(out, sensitivity: str) -> tuple[torch.Tensor, bool]:
+    """(the tensor autoquant compares, whether to compare it by KLD): `.logits` of a language model output, else
+    `.last_hidden_state`, the first element of a tuple, or the output tensor itself."""
+    if hasattr(out, "logits"):
+        return out.logits.detach().float(), sensitivity != "mse"
+    if hasattr(out, "last_hidden_state"):
+        out = out.last_hidden_state
+    elif isinstance(out, (tuple, list)) and out:
+        out = out[0]
+    if not isinstance(out, torch.Tensor):
+        raise ValueError(f"autoquant: sensitivity={sensitivity!r} needs a tensor output (or .logits / "
+                         f".last_hidden_state), got {type(out).__name__}; pass sensitivity='layer'")
+    return out.detach().float(), sensitivity == "kld"
+
+
+def _divergence(ref: tuple[torch.Tensor, bool], out: tuple[torch.Tensor, bool]) -> float:
+    """Mean over tokens of KL(softmax(ref) || softmax(out)) for logits; else ||out - ref||^2 / ||ref||^2."""
+    r, o = ref[0].double(), out[0].double()
+    if ref[1]:
+        lp, lq = torch.log_softmax(r, -1), torch.log_softmax(o, -1)
+        return float((lp.exp() * (lp - lq)).sum(-1).mean())
+    return float(((o - r) ** 2).sum() / (r**2).sum().clamp_min(1e-300))
 
 
 def _knapsack(choices: Sequence[LayerChoice], budget_bits: float, resolution: int) -> list[int]:

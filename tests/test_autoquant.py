@@ -1,5 +1,5 @@
-"""affineq.autoquant: per-layer precision under a bits-per-weight budget (output-error sensitivity, a
-multiple-choice knapsack), returned as an FqnToConfig."""
+"""affineq.autoquant: per-layer precision under a bits-per-weight budget (output-error sensitivity, in model units
+by a measured KLD / relative MSE, a multiple-choice knapsack), returned as an FqnToConfig."""
 
 import copy
 import functools
@@ -34,7 +34,7 @@ def tiny():
 @functools.cache
 def measured():
     report: list[LayerChoice] = []
-    autoquant(tiny(), 16.0, DATA, candidates=CANDIDATES, progress=False, report=report)
+    autoquant(tiny(), 16.0, DATA, candidates=CANDIDATES, progress=False, report=report, sensitivity="layer")
     return report
 
 
@@ -167,3 +167,63 @@ def test_layer_choice_bits_match_the_stored_tensors():
         layer = model.get_submodule(c.fqn)
         for cand, bits in zip(CANDIDATES, c.bits, strict=True):
             assert bits == cand.quantize_weight(layer.weight.detach(), layer).storage_bytes() * 8
+
+
+class Amplified(torch.nn.Module):
+    """y = head(10 * a(x) + 0.1 * b(x)), b's weight a row permutation of a's: the same output error alone
+    (trace(D H D^T) is invariant under permuting D's rows), but a's reaches y 100x larger than b's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.a = torch.nn.Linear(64, 64, bias=False)
+        self.b = torch.nn.Linear(64, 64, bias=False)
+        self.head = torch.nn.Linear(64, 48, bias=False)
+        with torch.no_grad():
+            w = torch.randn(64, 64, generator=g) * 0.1
+            self.a.weight.copy_(w)
+            self.b.weight.copy_(w.flip(0))
+            self.head.weight.copy_(torch.randn(48, 64, generator=g) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(10 * self.a(x) + 0.1 * self.b(x))
+
+
+AMP_DATA = [torch.randn(16, 64, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+
+
+def _kld(ref: torch.Tensor, out: torch.Tensor) -> float:
+    lp, lq = torch.log_softmax(ref.double(), -1), torch.log_softmax(out.double(), -1)
+    return float((lp.exp() * (lp - lq)).sum(-1).mean())
+
+
+@pytest.mark.parametrize("sensitivity", ["kld", "mse"])
+def test_model_sensitivity_weighs_a_layer_by_its_effect_on_the_output(sensitivity):
+    model = Amplified()
+    keep = lambda m, fqn: fqn in ("a", "b")  # noqa: E731
+    local, scaled = [], []
+    autoquant(model, 16.0, AMP_DATA, candidates=CANDIDATES, filter_fn=keep, progress=False, report=local,
+              sensitivity="layer")
+    # layer-local losses tie (to rounding), so the layer rule cannot tell a from b
+    la, lb = (c.loss for c in local)
+    assert all(abs(x - y) <= 1e-6 * max(x, y) for x, y in zip(la, lb, strict=True))
+    # room for exactly one layer at 8 bits and the other at 2 (the bits autoquant counted)
+    budget = (local[0].bits[2] + local[1].bits[0]) / (local[0].numel + local[1].numel)
+    plan = autoquant(model, budget, AMP_DATA, candidates=CANDIDATES, filter_fn=keep, progress=False, report=scaled,
+                     sensitivity=sensitivity)
+    assert plan.fqn_to_config["a"] is CANDIDATES[2] and plan.fqn_to_config["b"] is CANDIDATES[0]
+    sa, sb = (c.loss for c in scaled)
+    assert all(x > 100 * y for x, y in zip(sa, sb, strict=True))
+    # the smallest candidate's scaled loss is the divergence measured with the real quantized layer alone
+    for c in scaled:
+        q = quantize_(copy.deepcopy(model), FqnToConfig({c.fqn: CANDIDATES[0]}))
+        with torch.no_grad():
+            divs = [(_kld(model(x), q(x)) if sensitivity == "kld" else
+                     float(((q(x) - model(x)).double() ** 2).sum() / (model(x).double() ** 2).sum()))
+                    for x in AMP_DATA]
+        assert c.loss[0] == pytest.approx(sum(divs) / len(divs), rel=1e-3)
+
+
+def test_sensitivity_is_checked():
+    with pytest.raises(ValueError, match="sensitivity='fisher' must be 'auto', 'kld' or 'mse'"):
+        autoquant(tiny(), 4.0, DATA, candidates=CANDIDATES, progress=False, sensitivity="fisher")
