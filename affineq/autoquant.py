@@ -80,7 +80,7 @@ def autoquant(model: nn.Module, budget_bits: float, calibration_data, *,
               candidates: Sequence[QuantConfig] | None = None,
               filter_fn: Callable[[nn.Module, str], bool] | None = None,
               resolution: int = 4096, progress: bool = True, report: list | None = None,
-              sensitivity: str = "auto") -> FqnToConfig:
+              sensitivity: str = "auto", sensitivity_items: int = 4) -> FqnToConfig:
     """A config per selected linear of `model` minimising the summed output error (module docstring) with at
     most `budget_bits` bits per weight on average over those layers' weights, bits counted from each candidate's
     stored tensors. The model is not changed.
@@ -94,6 +94,7 @@ def autoquant(model: nn.Module, budget_bits: float, calibration_data, *,
     report: a list to which the measured `LayerChoice`s are appended (to inspect the trade-off).
     sensitivity: "auto", "kld" or "mse" (each layer's error scaled by its measured effect on the model's output,
         module docstring: one extra pass over calibration_data per layer), or "layer" (its own error only).
+    sensitivity_items: how many calibration items (the first ones) those extra passes use.
     Returns FqnToConfig({fqn: chosen candidate}); apply it with quantize_(model, plan).
     """
     candidates = tuple(DEFAULT_CANDIDATES if candidates is None else candidates)
@@ -104,8 +105,11 @@ def autoquant(model: nn.Module, budget_bits: float, calibration_data, *,
     layers = _select(model, filter_fn, candidates)
     hessians = _input_covariances(model, layers, calibration_data, progress)
     choices = [_measure(model, fqn, layers[fqn], hessians.pop(fqn), candidates) for fqn in layers]
+    if isinstance(sensitivity_items, bool) or not isinstance(sensitivity_items, int) or sensitivity_items < 1:
+        raise ValueError(f"autoquant: sensitivity_items={sensitivity_items!r} must be an int >= 1")
     if sensitivity != "layer":
-        choices = _in_model_units(model, layers, choices, candidates, calibration_data, sensitivity, progress)
+        items = list(calibration_data)[:sensitivity_items]
+        choices = _in_model_units(model, layers, choices, candidates, items, sensitivity, progress)
     if report is not None:
         report.extend(choices)
     picks = _knapsack(choices, budget_bits, resolution)
@@ -230,10 +234,9 @@ def _measure(model: nn.Module, fqn: str, layer: nn.Linear, h: torch.Tensor, cand
     return LayerChoice(fqn, w.numel(), tuple(bits), tuple(loss))
 
 
-def _in_model_units(model, layers, choices, candidates, calibration_data, sensitivity: str,
+def _in_model_units(model, layers, choices, candidates, items: list, sensitivity: str,
                     progress: bool) -> list[LayerChoice]:
     """Each layer's losses times div(model with its smallest candidate alone) / e(smallest candidate)."""
-    items = list(calibration_data)
     with torch.no_grad():
         reference = [_output(_call(model, item, i), sensitivity) for i, item in enumerate(items)]
     scaled = []

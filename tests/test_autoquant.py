@@ -227,3 +227,5 @@ def test_model_sensitivity_weighs_a_layer_by_its_effect_on_the_output(sensitivit
 def test_sensitivity_is_checked():
     with pytest.raises(ValueError, match="sensitivity='fisher' must be 'auto', 'kld' or 'mse'"):
         autoquant(tiny(), 4.0, DATA, candidates=CANDIDATES, progress=False, sensitivity="fisher")
+    with pytest.raises(ValueError, match="sensitivity_items=0 must be an int >= 1"):
+        autoquant(tiny(), 4.0, DATA, candidates=CANDIDATES, progress=False, sensitivity_items=0)
