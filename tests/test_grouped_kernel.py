@@ -17,7 +17,9 @@ from affineq.configs import Float8WeightOnlyConfig, Int4WeightOnlyConfig, Int8We
 from affineq.configs_float import FPxWeightOnlyConfig, MXWeightOnlyConfig
 from affineq.cpp.grouped_ops import grouped_lowbit_linear_reference
 from affineq.granularity import PerGroup
+from affineq.tensor.affine import AffineQuantizedTensor
 from affineq.tensor.fallback import record_kernels
+from affineq.tensor.formats import get_format
 from affineq.tensor.grouped import GROUPED_KERNEL, grouped_linear
 
 OP = torch.ops.affineq.grouped_lowbit_linear
@@ -225,17 +227,13 @@ def test_grouped_linear_bad_input() -> None:
         grouped_linear(x, ids, w.int())
 
 
-def _expert_aqt(w: torch.Tensor, cfg):
-    """A 3-D dense AffineQuantizedTensor of w [E, N, K] (moecore's constructor), or skip where this checkout
-    has none yet."""
-    try:
-        from affineq.tensor.affine import AffineQuantizedTensor
-
-        q = cfg.quantize_weight(w, nn.Linear(w.shape[2], w.shape[1], bias=False))
-    except (ValueError, TypeError, NotImplementedError) as e:
-        pytest.skip(f"no 3-D expert AffineQuantizedTensor in this checkout: {e}")
-    assert isinstance(q, AffineQuantizedTensor) and tuple(q.spec.shape) == tuple(w.shape)
-    return q
+def _expert_aqt(w: torch.Tensor, cfg) -> AffineQuantizedTensor:
+    """The contract's 3-D dense weight for w [E, N, K]: each expert quantized alone by `cfg`, its tensors stacked on
+    a leading E, spec.shape (E, N, K) with blocks (1, 1, group_size)."""
+    aqts = [cfg.quantize_weight(w[e], nn.Linear(w.shape[2], w.shape[1], bias=False)) for e in range(w.shape[0])]
+    spec = aqts[0].spec.replace(shape=tuple(w.shape), block_size=(1, *aqts[0].spec.block_size))
+    return AffineQuantizedTensor({name: torch.stack([a.tensors[name] for a in aqts]) for name in aqts[0].tensors},
+                                 spec)
 
 
 @pytest.mark.parametrize("cfg", [Int4WeightOnlyConfig(group_size=32, packing_format="dense"),
@@ -255,8 +253,23 @@ def test_grouped_linear_quantized_records_kernel_and_compiles(cfg) -> None:
     _, _, _, bits, gs, codes, co = grouped_weight_args(q)
     want = _per_expert(x, ids, packed, scale, offset, bits, gs, n, k, codes, co) + b[ids]
     assert torch.equal(y, want)
+
+
+@pytest.mark.parametrize("cfg", [Int4WeightOnlyConfig(group_size=32, packing_format="dense"),
+                                 MXWeightOnlyConfig(packing_format="dense")], ids=["int4", "mxfp4"])
+def test_grouped_linear_compiles_fullgraph(cfg) -> None:
+    E, n, k = 4, 32, 64
+    torch.manual_seed(0)
+    q = _expert_aqt(torch.randn(E, n, k), cfg)
+    try:  # tracing rebuilds the weight from its spec: the dense format's 3-D layout (the expert tensor's part)
+        get_format("dense").layout(q.spec)
+    except ValueError:
+        pytest.skip("the dense format of this checkout has no 3-D (expert) layout yet")
+    x, ids, b = torch.randn(5, k), _ids(5, E, seed=2), torch.randn(E, n)
     compiled = torch.compile(lambda xx, ii: grouped_linear(xx, ii, q, b), fullgraph=True)
-    assert torch.equal(compiled(x, ids), y)
+    with record_kernels() as names:
+        assert torch.equal(compiled(x, ids), grouped_linear(x, ids, q, b))
+    assert set(names) == {GROUPED_KERNEL}
 
 
 def test_compiled_op_fullgraph() -> None:
