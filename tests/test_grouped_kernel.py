@@ -144,6 +144,16 @@ def test_reference_equals_op() -> None:
             torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_opcheck() -> None:
+    # schema, fake impl (shapes, dtypes), AOT dispatch with dynamic shapes
+    E, n, k, gs, bits = 3, 24, 64, 32, 4
+    for symmetric in (False, True):
+        packed, scale, offset = _raw_experts(E, n, k, bits, gs, symmetric, seed=4)
+        for x in (torch.randn(5, k), torch.randn(1, k, dtype=torch.bfloat16)):
+            ids = _ids(x.shape[0], E, seed=1)
+            torch.library.opcheck(OP.default, (x, ids, packed, scale, offset, bits, gs, n, k, 0, 0))
+
+
 def test_reads_only_routed_experts() -> None:
     # NaN codes' scales on every expert but the routed ones: a kernel that touched them would spread NaN
     E, n, k, gs, bits = 8, 32, 64, 32, 4
