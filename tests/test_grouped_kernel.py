@@ -282,6 +282,24 @@ def test_grouped_linear_compiles_fullgraph(cfg) -> None:
     assert set(names) == {GROUPED_KERNEL}
 
 
+def test_input_gradient() -> None:
+    # x.grad = grad_y @ W_e per row (the experts frozen), as autograd through the dequantized experts gives
+    E, n, k = 4, 32, 64
+    torch.manual_seed(0)
+    q = _expert_aqt(torch.randn(E, n, k), Int4WeightOnlyConfig(group_size=32, packing_format="dense",
+                                                               scale_dtype=torch.float32))
+    aqts = [q._qdata, q._scale, q._offset]
+    dense = torch.stack([torch.ops.affineq.lowbit_dequantize(aqts[0][e], aqts[1][e], aqts[2][e], 4, 32, n, k)
+                         for e in range(E)])
+    x, ids, gy = torch.randn(6, k, requires_grad=True), torch.tensor([3, 0, 3, 2, 0, 3]), torch.randn(6, n)
+    y = grouped_linear(x, ids, q)
+    y.backward(gy)
+    x2 = x.detach().clone().requires_grad_(True)
+    torch.einsum("tk,tnk->tn", x2, dense[ids]).backward(gy)
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y, torch.einsum("tk,tnk->tn", x.detach(), dense[ids]), rtol=1e-5, atol=1e-5)
+
+
 def test_compiled_op_fullgraph() -> None:
     # the op is one opaque node with a fake impl: torch.compile(fullgraph=True) equals eager, also for new T
     E, n, k, gs, bits = 4, 32, 64, 32, 4

@@ -17,7 +17,8 @@ weight is either
 
 The weight's activation handling is the 2-D linear's: ``act_pre_scale`` and activation quantization applied to x
 first (row-local ones only: per-token, per-block (MX) or static; a dynamic per-tensor scale would mix the rows of
-different experts), static output quantization on y.
+different experts), static output quantization on y. The quantized experts are frozen; an input that requires
+grad gets grad_x[t] = grad_y[t] @ dequantize(W[e_t]) (LoRA-style training on top of quantized experts).
 """
 
 from __future__ import annotations
@@ -133,9 +134,10 @@ def _quantized(x: torch.Tensor, ids: torch.Tensor, w: AffineQuantizedTensor) -> 
     if why is None:
         fallback.record(GROUPED_KERNEL)
         packed, scale, offset, bits, group_size, codes, code_offset = grouped_weight_args(w)
-        out = torch.ops.affineq.grouped_lowbit_linear(x, ids, packed, scale, offset, bits, group_size, n, k, codes,
-                                                      code_offset)
-        return finish_output(out, w)
+        args = (packed, scale, offset, bits, group_size, n, k, codes, code_offset)
+        if x.requires_grad and torch.is_grad_enabled():
+            return finish_output(_GroupedKernelLinear.apply(x, ids, args), w)
+        return finish_output(torch.ops.affineq.grouped_lowbit_linear(x, ids, *args), w)
     fallback.announce_fallback(w.spec.fmt, why, op="grouped_linear")
     if w.spec.fmt == "dense" and x.device.type == "cpu" and x.dtype in _FLOATS and not w.spec.transposed:
         # only the routed experts dequantized, with the numerics of the kernel's reference
@@ -146,6 +148,29 @@ def _quantized(x: torch.Tensor, ids: torch.Tensor, w: AffineQuantizedTensor) -> 
         dense = w.dequantize(x.dtype)
         out = _per_expert(x, ids, e, lambda i: dense[i])
     return finish_output(out, w)
+
+
+class _GroupedKernelLinear(torch.autograd.Function):
+    """The grouped kernel forward with the input gradient grad_x[t] = grad_y[t] @ dequantize(W[e_t]) (W is frozen:
+    only the routed experts are dequantized, by ``affineq::lowbit_dequantize``)."""
+
+    @staticmethod
+    def forward(ctx, x, ids, args):
+        ctx.save_for_backward(ids)
+        ctx.args, ctx.x_dtype = args, x.dtype
+        return torch.ops.affineq.grouped_lowbit_linear(x, ids, *args)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (ids,) = ctx.saved_tensors
+        packed, scale, offset, bits, group_size, n, k, codes, code_offset = ctx.args
+        gx = grad.new_zeros((grad.shape[0], k), dtype=torch.float32)
+        for e in torch.unique(ids).tolist():
+            rows = (ids == e).nonzero().squeeze(1)
+            w = torch.ops.affineq.lowbit_dequantize(packed[e], scale[e], None if offset is None else offset[e], bits,
+                                                    group_size, n, k, codes, code_offset)
+            gx[rows] = grad[rows].float() @ w
+        return gx.to(ctx.x_dtype), None, None
 
 
 def _per_expert(x: torch.Tensor, ids: torch.Tensor, num_experts: int, weight_of) -> torch.Tensor:
