@@ -218,6 +218,17 @@ def test_grouped_linear_float_weight_and_bias() -> None:
     assert grouped_linear(x[:0], ids[:0], w).shape == (0, n)
 
 
+def test_grouped_linear_float_weight_compiles() -> None:
+    E, n, k = 4, 24, 32
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        w, b = torch.randn(E, n, k, dtype=dtype), torch.randn(E, n, dtype=dtype)
+        compiled = torch.compile(lambda xx, ii, w=w, b=b: grouped_linear(xx, ii, w, b), fullgraph=True, dynamic=True)
+        for t in (3, 7):
+            x, ids = torch.randn(t, k, dtype=dtype), _ids(t, E, seed=t)
+            torch.testing.assert_close(compiled(x, ids), grouped_linear(x, ids, w, b), rtol=1e-5, atol=1e-5)
+
+
 def test_grouped_linear_bad_input() -> None:
     E, n, k = 4, 24, 32
     w, x, ids = torch.randn(E, n, k), torch.randn(3, k), torch.tensor([0, 1, 3])

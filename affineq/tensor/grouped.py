@@ -87,7 +87,7 @@ def grouped_linear(x: torch.Tensor, expert_ids: torch.Tensor, weight: torch.Tens
     (a 3-D AffineQuantizedTensor or a float tensor), bias [E, N] -> [T, N] in x.dtype. See the module docstring
     for which kernel runs."""
     if isinstance(weight, AffineQuantizedTensor):
-        shape = tuple(weight.spec.shape)
+        shape = _logical_shape(weight)
     elif isinstance(weight, torch.Tensor) and weight.dtype.is_floating_point:
         shape = tuple(weight.shape)
     else:
@@ -97,9 +97,17 @@ def grouped_linear(x: torch.Tensor, expert_ids: torch.Tensor, weight: torch.Tens
     ids = expert_ids if expert_ids.dtype == torch.int64 else expert_ids.long()
     if isinstance(weight, AffineQuantizedTensor):
         out = guard_frozen_output(_quantized(x, ids, weight), weight)
-    else:
+    elif torch.compiler.is_compiling():  # the loop's row counts are data: one opaque node in a graph
+        out = _grouped_float_linear(x, ids, weight)
+    else:  # eager: plain F.linear calls, so float experts that require grad get their gradients
         out = _per_expert(x, ids, shape[0], lambda e: weight[e].to(x.dtype))
     return out if bias is None else out + bias.index_select(0, ids).to(out.dtype)
+
+
+def _logical_shape(w: AffineQuantizedTensor) -> tuple[int, ...]:
+    """[E, N, K] as the caller sees w: the stored shape, its last two dims swapped for a transposed view."""
+    shape = tuple(w.spec.shape)
+    return (*shape[:-2], shape[-1], shape[-2]) if w.spec.transposed else shape
 
 
 def _grouped_check(x: torch.Tensor, w: AffineQuantizedTensor) -> str | None:
@@ -130,7 +138,7 @@ def _quantized(x: torch.Tensor, ids: torch.Tensor, w: AffineQuantizedTensor) -> 
     if aq is not None:
         x = fake_quantize_activation(x, aq, w)
     why = _grouped_check(x, w)
-    e, n, k = w.spec.shape
+    e, n, k = _logical_shape(w)
     if why is None:
         fallback.record(GROUPED_KERNEL)
         packed, scale, offset, bits, group_size, codes, code_offset = grouped_weight_args(w)
@@ -192,3 +200,14 @@ def _per_expert(x: torch.Tensor, ids: torch.Tensor, num_experts: int, weight_of)
         n = weight_of(0).shape[0]
         out = x.new_empty((0, n))
     return out
+
+
+@torch.library.custom_op("affineq::grouped_float_linear", mutates_args=())
+def _grouped_float_linear(x: torch.Tensor, expert_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, K], expert_ids [T] int64, float weight [E, N, K] -> [T, N]: `_per_expert` with F.linear."""
+    return _per_expert(x, expert_ids, weight.shape[0], lambda e: weight[e].to(x.dtype))
+
+
+@_grouped_float_linear.register_fake
+def _(x, expert_ids, weight):
+    return x.new_empty((x.shape[0], weight.shape[1]))
