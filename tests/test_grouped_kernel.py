@@ -19,7 +19,6 @@ from affineq.cpp.grouped_ops import grouped_lowbit_linear_reference
 from affineq.granularity import PerGroup
 from affineq.tensor.affine import AffineQuantizedTensor
 from affineq.tensor.fallback import record_kernels
-from affineq.tensor.formats import get_format
 from affineq.tensor.grouped import GROUPED_KERNEL, grouped_linear
 
 OP = torch.ops.affineq.grouped_lowbit_linear
@@ -282,8 +281,9 @@ def test_grouped_linear_compiles_fullgraph(cfg) -> None:
     E, n, k = 4, 32, 64
     torch.manual_seed(0)
     q = _expert_aqt(torch.randn(E, n, k), cfg)
-    try:  # tracing rebuilds the weight from its spec: the dense format's 3-D layout (the expert tensor's part)
-        get_format("dense").layout(q.spec)
+    names, spec = q.__tensor_flatten__()
+    try:  # tracing rebuilds the weight from its spec: needs the dense format's 3-D (expert) layout
+        AffineQuantizedTensor.__tensor_unflatten__({m: getattr(q, m) for m in names}, spec, q.shape, q.stride())
     except ValueError:
         pytest.skip("the dense format of this checkout has no 3-D (expert) layout yet")
     x, ids, b = torch.randn(5, k), _ids(5, E, seed=2), torch.randn(E, n)

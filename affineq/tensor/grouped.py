@@ -140,13 +140,15 @@ def _quantized(x: torch.Tensor, ids: torch.Tensor, w: AffineQuantizedTensor) -> 
     why = _grouped_check(x, w)
     e, n, k = _logical_shape(w)
     if why is None:
-        fallback.record(GROUPED_KERNEL)
+        if not torch.compiler.is_compiling():  # dynamo cannot read the recorders' ContextVar; eager calls record
+            fallback.record(GROUPED_KERNEL)
         packed, scale, offset, bits, group_size, codes, code_offset = grouped_weight_args(w)
         args = (packed, scale, offset, bits, group_size, n, k, codes, code_offset)
         if x.requires_grad and torch.is_grad_enabled():
             return finish_output(_GroupedKernelLinear.apply(x, ids, args), w)
         return finish_output(torch.ops.affineq.grouped_lowbit_linear(x, ids, *args), w)
-    fallback.announce_fallback(w.spec.fmt, why, op="grouped_linear")
+    if not torch.compiler.is_compiling():
+        fallback.announce_fallback(w.spec.fmt, why, op="grouped_linear")
     if w.spec.fmt == "dense" and x.device.type == "cpu" and x.dtype in _FLOATS and not w.spec.transposed:
         # only the routed experts dequantized, with the numerics of the kernel's reference
         packed, scale, offset, bits, group_size, codes, code_offset = grouped_weight_args(w)
