@@ -36,7 +36,8 @@ struct WorkItem {
 };
 
 // Column blocks per expert: about 8 items per thread over all experts, each expert's share in proportion to its
-// rows (a prefill expert with many rows gets more blocks), blocks a multiple of 16 rows (whole panels).
+// rows (a prefill expert with many rows gets more blocks), blocks a multiple of 16 rows (whole panels; of 64, the
+// AVX-512 GEMV's item of 4 panels, once blocks are that wide).
 std::vector<WorkItem> plan_items(const std::vector<int64_t>& counts, const std::vector<int64_t>& starts, int64_t T,
                                  int64_t n) {
   const int64_t target = 8 * std::max<int64_t>(1, at::get_num_threads());
@@ -46,7 +47,8 @@ std::vector<WorkItem> plan_items(const std::vector<int64_t>& counts, const std::
     const int64_t cnt = counts[e];
     if (cnt == 0) continue;
     const int64_t want = std::clamp<int64_t>((target * cnt + T - 1) / T, 1, max_blocks);
-    const int64_t cb = ((n + want - 1) / want + 15) / 16 * 16;
+    int64_t cb = ((n + want - 1) / want + 15) / 16 * 16;
+    if (cb > 64) cb = (cb + 63) / 64 * 64;
     for (int64_t c0 = 0; c0 < n; c0 += cb) items.push_back({e, starts[e], cnt, c0, std::min(cb, n - c0)});
   }
   return items;
@@ -93,7 +95,9 @@ at::Tensor grouped_lowbit_linear_cpu(const at::Tensor& x, const at::Tensor& expe
   const int64_t* id = ids.const_data_ptr<int64_t>();
   std::vector<int64_t> counts(static_cast<size_t>(E), 0);
   for (int64_t t = 0; t < T; ++t) {
-    TORCH_CHECK(id[t] >= 0 && id[t] < E, kOp, ": expert_ids must be in [0, ", E, "), got ", id[t], " at row ", t);
+    // ValueError in Python (bad input, not a kernel failure), as grouped_linear's own checks raise
+    TORCH_CHECK_VALUE(id[t] >= 0 && id[t] < E, kOp, ": expert_ids must be in [0, ", E, ") (E = packed.size(0) "
+                      "experts), got ", id[t], " at row ", t);
     ++counts[id[t]];
   }
   std::vector<int64_t> starts(static_cast<size_t>(E), 0);

@@ -73,12 +73,16 @@ def _check_inputs(x: torch.Tensor, expert_ids: torch.Tensor, shape: tuple[int, .
     if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (e, n)):
         raise ValueError(f"grouped_linear: bias must be [E, N] = [{e}, {n}] (one bias row per expert) or None, got "
                          f"{tuple(getattr(bias, 'shape', ()))}")
-    # The range needs the data: checked in eager mode (a compiled graph relies on the C++ kernel's check).
+
+
+def _check_ids_range(expert_ids: torch.Tensor, num_experts: int) -> None:
+    """ValueError unless every id is in [0, num_experts). Reads the data, so only the paths without the C++
+    kernel call it, in eager mode: the kernel checks the ids itself while sorting them (ValueError too)."""
     if not torch.compiler.is_compiling() and expert_ids.numel():
-        lo, hi = int(expert_ids.min()), int(expert_ids.max())
-        if lo < 0 or hi >= e:
-            raise ValueError(f"grouped_linear: expert_ids must be in [0, {e}) (E = {e} experts), got values in "
-                             f"[{lo}, {hi}]")
+        lo, hi = torch.aminmax(expert_ids)
+        if int(lo) < 0 or int(hi) >= num_experts:
+            raise ValueError(f"grouped_linear: expert_ids must be in [0, {num_experts}) (E = {num_experts} experts), "
+                             f"got values in [{int(lo)}, {int(hi)}]")
 
 
 def grouped_linear(x: torch.Tensor, expert_ids: torch.Tensor, weight: torch.Tensor,
@@ -100,6 +104,7 @@ def grouped_linear(x: torch.Tensor, expert_ids: torch.Tensor, weight: torch.Tens
     elif torch.compiler.is_compiling():  # the loop's row counts are data: one opaque node in a graph
         out = _grouped_float_linear(x, ids, weight)
     else:  # eager: plain F.linear calls, so float experts that require grad get their gradients
+        _check_ids_range(ids, shape[0])
         out = _per_expert(x, ids, shape[0], lambda e: weight[e].to(x.dtype))
     return out if bias is None else out + bias.index_select(0, ids).to(out.dtype)
 
@@ -155,6 +160,7 @@ def _quantized(x: torch.Tensor, ids: torch.Tensor, w: AffineQuantizedTensor) -> 
         out = grouped_ops.grouped_lowbit_linear_reference(x, ids, packed, scale, offset, bits, group_size, n, k,
                                                           codes, code_offset)
     else:
+        _check_ids_range(ids, e)
         dense = w.dequantize(x.dtype)
         out = _per_expert(x, ids, e, lambda i: dense[i])
     return finish_output(out, w)
