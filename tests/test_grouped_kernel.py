@@ -153,8 +153,8 @@ def test_opcheck() -> None:
             torch.library.opcheck(OP.default, (x, ids, packed, scale, offset, bits, gs, n, k, 0, 0))
 
 
-def test_reads_only_routed_experts() -> None:
-    # NaN codes' scales on every expert but the routed ones: a kernel that touched them would spread NaN
+def test_unrouted_experts_never_enter_a_row() -> None:
+    # NaN scales on every expert no row is routed to: a row that mixed in another expert's weights would be NaN
     E, n, k, gs, bits = 8, 32, 64, 32, 4
     packed, scale, offset = _raw_experts(E, n, k, bits, gs, False, seed=5)
     ids = torch.tensor([6, 2, 6])
