@@ -38,6 +38,7 @@ from affineq._meta_buffers import meta_tensors, plan_meta_buffers
 from affineq._untrusted import inside, read_json
 from affineq.algorithms import AlgorithmConfig
 from affineq.configs import QuantConfig
+from affineq.expert_weights import is_expert_module, quantize_expert_weight
 from affineq.plan import (
     FqnToConfig,
     ModelConfig,
@@ -290,6 +291,8 @@ def quantize_weight(config: QuantConfig, weight: torch.Tensor, module: nn.Module
     depend on that row only, so `from_spec(..., chunk_rows=)` computes them chunk by chunk and packs once: the
     temporaries shrink to one chunk plus the codes (one byte per weight), and the pages of a memory-mapped
     weight are given back chunk by chunk. Configs with their own `quantize_weight` are quantized whole."""
+    if weight.dim() == 3 and is_expert_module(module):  # MoE experts: one expert (2-D) at a time
+        return quantize_expert_weight(config, weight, module)
     if type(config).quantize_weight is not QuantConfig.quantize_weight or weight.dim() != 2:
         return config.quantize_weight(weight, module)
     spec = config.weight_spec(weight, module)

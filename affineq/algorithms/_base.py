@@ -22,7 +22,7 @@ from affineq.capability import min_max_integer_rows, probe_spec
 from affineq.configs import QuantConfig
 from affineq.plan import FqnToConfig, QuantizationError, Workflow, all_or_nothing
 from affineq.tensor.affine import AffineQuantizedTensor
-from affineq.tensor.formats import get_format
+from affineq.tensor.format_experts import format_of
 from affineq.tensor.spec import QuantSpec
 
 
@@ -138,7 +138,7 @@ def represent_qparams(spec: QuantSpec, scale: torch.Tensor, zero_point: torch.Te
     """The qparams as `spec`'s format stores them (e.g. bf16-rounded scales), shaped [n_blocks...]: compute
     codes with these so the saved tensor dequantizes to exactly what the algorithm computed."""
     n = spec.num_blocks
-    return get_format(spec.fmt).represent_qparams(
+    return format_of(spec).represent_qparams(
         scale.reshape(n), None if zero_point is None else zero_point.reshape(n), spec)
 
 
