@@ -183,8 +183,9 @@ class QuantSpec:
     shape/dtype: the logical (float) tensor, untransposed; target: the code type (a `QType`: int4, uint4,
     int8, float8_e4m3fn, fp6_e3m2, ...); block_size: one entry per dim of `shape`; quant_min/quant_max: the
     code range; fmt: packing format name; transposed: a 2-D tensor (or 3-D expert weights [E, N, K]) viewed
-    with its last two dims swapped without moving data; act_quant: activation quantization applied by linear, or None for weight-only; scale_type: None
-    (scales are floats of their stored dtype) or a scale QType (`qtype("e8m0")`: powers of two).
+    with its last two dims swapped without moving data; act_quant: activation quantization applied by linear,
+    or None for weight-only; scale_type: None (scales are floats of their stored dtype) or a scale QType
+    (`qtype("e8m0")`: powers of two).
 
     Build one with `QuantSpec.create` (fills and checks the range, normalizes the target).
     """
