@@ -38,16 +38,26 @@ __all__ = ["EXPERTS_IMPLEMENTATION", "affineq_experts_forward", "register_expert
 #: The key of affineq's forward in transformers' `ALL_EXPERTS_FUNCTIONS`.
 EXPERTS_IMPLEMENTATION = "affineq"
 _FLOAT_FORWARD = "_affineq_float_experts"  # per module: the implementation its float weights ran before
+_ROW_VIEWS = "_affineq_row_views"  # per module: {name: (parameter, its [E, N, K] view)} (gpt-oss layout)
 
 
-def _as_rows_by_input(module: nn.Module, w: torch.Tensor) -> torch.Tensor:
-    """Expert weights as [E, N, K] (out, in), what `grouped_linear` takes: gpt-oss stores [E, K, N]
-    (`is_transposed`); a quantized one is then a transposed view of stored [E, N, K] codes (no data moves)."""
+def _as_rows_by_input(module: nn.Module, name: str) -> torch.Tensor:
+    """Expert weight `name` as [E, N, K] (out, in), what `grouped_linear` takes. gpt-oss stores [E, K, N]
+    (`is_transposed`); a quantized one is then stored as [E, N, K] codes with a transposed flag, and its [E, N, K]
+    view (no data moves) is kept on the module, made eagerly (`use_affineq_experts`), so that a compiled forward
+    reads it as a module attribute instead of building a spec inside the graph."""
+    w = module._parameters[name]
     if not getattr(module, "is_transposed", False):
         return w
-    if isinstance(w, AffineQuantizedTensor):
-        return w._replace(spec=w.spec.replace(transposed=not w.spec.transposed))
-    return w.transpose(-2, -1).contiguous()
+    if not isinstance(w, AffineQuantizedTensor):
+        return w.transpose(-2, -1).contiguous()
+    views = module.__dict__.get(_ROW_VIEWS)
+    if views is not None and name in views and views[name][0] is w:
+        return views[name][1]
+    view = w.transpose(-2, -1)  # a flag on the spec (`ops._transpose`)
+    if not torch.compiler.is_compiling():
+        module.__dict__.setdefault(_ROW_VIEWS, {})[name] = (w, view)
+    return view
 
 
 def _bias(module: nn.Module, name: str) -> torch.Tensor | None:
@@ -73,10 +83,9 @@ def affineq_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_
         ids = ids.clamp(max=num_experts - 1)
     rows = hidden_states.repeat_interleave(k, dim=0)  # row s = token s // k, its (s % k)-th expert
     up = names[0]
-    h = grouped_linear(rows, ids, _as_rows_by_input(module, module._parameters[up]), _bias(module, up))
+    h = grouped_linear(rows, ids, _as_rows_by_input(module, up), _bias(module, up))
     h = module._apply_gate(h) if up == "gate_up_proj" else module.act_fn(h)
-    out = grouped_linear(h, ids, _as_rows_by_input(module, module._parameters["down_proj"]),
-                         _bias(module, "down_proj"))
+    out = grouped_linear(h, ids, _as_rows_by_input(module, "down_proj"), _bias(module, "down_proj"))
     if getattr(module, "has_post_expert_norm", False):
         out = module.post_expert_norm(out)
     out = out * weights.to(out.dtype)
@@ -120,6 +129,8 @@ def use_affineq_experts(model: nn.Module) -> int:
         if cfg is None or not hasattr(cfg, "_experts_implementation") or not register_experts_implementation():
             continue
         found += 1
+        for n in expert_parameter_names(m):
+            _as_rows_by_input(m, n)  # the [E, N, K] views of gpt-oss-layout weights, made here, outside a graph
         current = cfg._experts_implementation
         if current != EXPERTS_IMPLEMENTATION:
             for other in model.modules():  # every module sharing this config keeps its float implementation

@@ -257,6 +257,8 @@ def _transpose(func, args, kwargs):
     t, d0, d1 = args
     if t.dim() == 2 and d0 % 2 != d1 % 2:
         return _transpose2d(t)
+    if t.dim() == 3 and {d0 % 3, d1 % 3} == {1, 2} and t.spec.block_size[0] == 1:  # expert weights [E, N, K]
+        return _transpose2d(t)
     return t if d0 % t.dim() == d1 % t.dim() else _blockwise(func, [t], args[1:], kwargs)
 
 
@@ -265,10 +267,13 @@ def _permute(func, args, kwargs):
     t, dims = args
     if t.dim() == 2 and [d % 2 for d in dims] == [1, 0]:
         return _transpose2d(t)
+    if t.dim() == 3 and [d % 3 for d in dims] == [0, 2, 1] and t.spec.block_size[0] == 1:
+        return _transpose2d(t)
     return _blockwise(func, [t], args[1:], kwargs)
 
 
 def _transpose2d(t: AQT) -> AQT:
+    """`t` with its last two dims swapped, a flag on the spec (2-D weights; 3-D expert weights per expert)."""
     return t._replace(spec=t.spec.replace(transposed=not t.spec.transposed))
 
 
