@@ -278,3 +278,57 @@ def test_moe_save_pretrained_from_pretrained(tmp_path):
         assert isinstance(b.gate_up_proj, AQT) and torch.equal(a.gate_up_proj, b.gate_up_proj)
         assert isinstance(b.down_proj, AQT) and torch.equal(a.down_proj, b.down_proj)
     assert qol.config._experts_implementation == "affineq"
+
+
+# -- gpt-oss MXFP4 checkpoints -------------------------------------------------------------------------------
+
+
+def test_gpt_oss_mxfp4_blocks_keep_the_file_codes():
+    """Random gpt-oss blocks / scales (every nibble, a range of exponents): the 3-D tensor dequantizes exactly as
+    transformers' own MXFP4 dequantization, and gives the same bytes back."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from affineq.gpt_oss import mxfp4_from_blocks, mxfp4_to_blocks
+
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 16, 2, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(110, 140, (3, 16, 2), dtype=torch.uint8, generator=g)
+    q = mxfp4_from_blocks(blocks, scales, torch.float32)
+    assert q.shape == (3, 64, 16) and q.spec.fmt == "dense" and q.spec.scale_type.name == "e8m0"
+    # equal values (affineq's dense fp4 decode gives code 0b1000 as +0.0 where transformers' table has -0.0)
+    assert torch.equal(q.dequantize(), convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+    back_blocks, back_scales = mxfp4_to_blocks(q)
+    assert torch.equal(back_blocks, blocks) and torch.equal(back_scales, scales)
+    with pytest.raises(ValueError, match="scales must be uint8"):
+        mxfp4_from_blocks(blocks, scales[:, :, :1])
+
+
+def test_load_gpt_oss_mxfp4_experts(tmp_path):
+    """A gpt-oss-format checkpoint (*_blocks / *_scales) loads into a float model code for code: the parameters
+    equal the MXFP4 tensors they were written from, and the logits follow."""
+    from safetensors.torch import save_file
+
+    from affineq.gpt_oss import load_mxfp4_experts, mxfp4_to_blocks
+
+    q = _model("gpt_oss")
+    affineq.quantize_(q, MXWeightOnlyConfig("fp4_e2m1"), filter_fn=lambda m, fqn: is_expert_module(m))
+    files = {}
+    for fqn, m in q.named_modules():
+        if is_expert_module(m):
+            for n in ("gate_up_proj", "down_proj"):
+                files[f"{fqn}.{n}_blocks"], files[f"{fqn}.{n}_scales"] = mxfp4_to_blocks(m._parameters[n])
+    save_file(files, tmp_path / "model.safetensors")
+    model = _model("gpt_oss")
+    names = load_mxfp4_experts(model, tmp_path)
+    assert len(names) == 4
+    for a, b in zip(_experts(q), _experts(model), strict=True):
+        assert torch.equal(a.gate_up_proj, b.gate_up_proj) and torch.equal(a.down_proj, b.down_proj)
+    assert model.config._experts_implementation == "affineq"
+    assert torch.equal(_logits(model), _logits(q))
+
+    small = GptOssForCausalLM(GptOssConfig(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                                           layer_types=["full_attention"] * 2, **_COMMON))
+    before = small.model.layers[0].mlp.experts.gate_up_proj
+    with pytest.raises(ValueError, match="holds weights of shape"):
+        load_mxfp4_experts(small, tmp_path)
+    assert small.model.layers[0].mlp.experts.gate_up_proj is before
