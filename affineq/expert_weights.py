@@ -23,11 +23,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from affineq._memory import release_float_copy
 from affineq.tensor.affine import AffineQuantizedTensor
 from affineq.tensor.format_experts import format_of, stacked_spec
 
 __all__ = ["EXPERT_WEIGHT_NAMES", "expert_parameter_names", "expert_weight_problem", "experts_transposed",
-           "is_expert_module", "per_expert_shape", "quantize_expert_weight"]
+           "is_expert_module", "per_expert_shape", "quantize_expert_weight", "stack_experts"]
 
 #: The 3-D expert weights of a transformers experts module, in the order they run.
 EXPERT_WEIGHT_NAMES = ("gate_up_proj", "up_proj", "down_proj")
@@ -93,18 +94,49 @@ def quantize_expert_weight(config, weight: torch.Tensor, module: nn.Module) -> A
     whose expert e is exactly `config.quantize_weight(w_e, nn.Linear)` of its [N, K] weight `w_e`.
 
     Device-specific layouts chosen by "auto" (aten's `int4_cpu`) become `dense`, the layout the grouped kernel
-    reads; a weight's activation tensors (AWQ pre-scales) cannot be stacked (ValueError)."""
+    reads; a weight's activation tensors (AWQ pre-scales) cannot be stacked (ValueError). Memory: one expert's
+    float temporaries at a time, the output written in place, and each expert's pages of a memory-mapped weight
+    (safetensors) given back once it is quantized."""
     transposed = experts_transposed(module)
     w = weight.transpose(-2, -1) if transposed else weight  # [E, N, K]: one expert's rows are its outputs
     e, n, k = w.shape
     proxy = _proxy_linear(n, k, weight)
-    parts = []
+    first, out = None, {}
     for i in range(e):
         q = config.quantize_weight(w[i].contiguous(), proxy)
         if q.spec.fmt in ("int4_cpu", "int4_cuda") and getattr(config, "packing_format", None) == "auto":
             q = q.to_format("dense")
-        parts.append(q)
-    return stack_experts(parts, transposed)
+        if first is None:
+            first = q
+            out = {name: torch.empty((e, *t.shape), dtype=t.dtype, device=t.device) for name, t in q.tensors.items()}
+        _check_like(first, q, i)
+        for name, t in q.tensors.items():
+            out[name][i].copy_(t)
+        release_float_copy(weight[i])
+    return _stacked(first, out, transposed)
+
+
+def _check_like(first: AffineQuantizedTensor, p: AffineQuantizedTensor, i: int) -> None:
+    """ValueError unless expert i's quantized weight `p` can be stacked with expert 0's `first`."""
+    if not isinstance(p, AffineQuantizedTensor) or p.spec != first.spec or p.spec.transposed:
+        raise ValueError(f"stack_experts: expert {i} is {p!r}, expert 0 {first!r}; every expert must be a 2-D "
+                         "untransposed AffineQuantizedTensor with the same spec (the same config and shape)")
+    layout = [(n, t.dtype, tuple(t.shape)) for n, t in first.tensors.items()]
+    if [(n, t.dtype, tuple(t.shape)) for n, t in p.tensors.items()] != layout:
+        raise ValueError(f"stack_experts: expert {i} stores {[(n, t.dtype) for n, t in p.tensors.items()]}, "
+                         f"expert 0 {[(n, d) for n, d, _ in layout]}; quantize every expert with one config")
+    if p.act_tensors:
+        raise ValueError(f"stack_experts: expert {i} carries activation tensors {sorted(p.act_tensors)} (AWQ / "
+                         "SmoothQuant pre-scales, static activation qparams), which expert weights cannot hold "
+                         "yet; quantize the experts with a weight-only or dynamic-activation config")
+
+
+def _stacked(first: AffineQuantizedTensor, tensors: dict[str, torch.Tensor], transposed: bool,
+             ) -> AffineQuantizedTensor:
+    spec = stacked_spec(first.spec, next(iter(tensors.values())).shape[0])
+    format_of(spec).validate(tensors, spec)
+    out = AffineQuantizedTensor(tensors, spec)
+    return out._replace(spec=spec.replace(transposed=True)) if transposed else out
 
 
 def stack_experts(parts: list[AffineQuantizedTensor], transposed: bool = False) -> AffineQuantizedTensor:
@@ -112,21 +144,7 @@ def stack_experts(parts: list[AffineQuantizedTensor], transposed: bool = False) 
     weights of E experts, which must share spec and stored layout (ValueError otherwise)."""
     if not parts:
         raise ValueError("stack_experts needs at least one expert's quantized weight")
-    first = parts[0]
-    layout = [(n, t.dtype, tuple(t.shape)) for n, t in first.tensors.items()]
     for i, p in enumerate(parts):
-        if not isinstance(p, AffineQuantizedTensor) or p.spec != first.spec or p.spec.transposed:
-            raise ValueError(f"stack_experts: expert {i} is {p!r}, expert 0 {first!r}; every expert must be a 2-D "
-                             "untransposed AffineQuantizedTensor with the same spec (the same config and shape)")
-        if [(n, t.dtype, tuple(t.shape)) for n, t in p.tensors.items()] != layout:
-            raise ValueError(f"stack_experts: expert {i} stores {[(n, t.dtype) for n, t in p.tensors.items()]}, "
-                             f"expert 0 {[(n, d) for n, d, _ in layout]}; quantize every expert with one config")
-        if p.act_tensors:
-            raise ValueError(f"stack_experts: expert {i} carries activation tensors {sorted(p.act_tensors)} (AWQ / "
-                             "SmoothQuant pre-scales, static activation qparams), which expert weights cannot hold "
-                             "yet; quantize the experts with a weight-only or dynamic-activation config")
-    spec = stacked_spec(first.spec, len(parts))
-    tensors = {n: torch.stack([getattr(p, "_" + n) for p in parts]) for n in first._names}
-    format_of(spec).validate(tensors, spec)
-    out = AffineQuantizedTensor(tensors, spec)
-    return out._replace(spec=spec.replace(transposed=True)) if transposed else out
+        _check_like(parts[0], p, i)
+    return _stacked(parts[0], {n: torch.stack([getattr(p, "_" + n) for p in parts]) for n in parts[0]._names},
+                    transposed)

@@ -39,6 +39,7 @@ from affineq._untrusted import inside, read_json
 from affineq.algorithms import AlgorithmConfig
 from affineq.configs import QuantConfig
 from affineq.expert_weights import is_expert_module, quantize_expert_weight
+from affineq.experts import use_affineq_experts
 from affineq.plan import (
     FqnToConfig,
     ModelConfig,
@@ -612,6 +613,7 @@ def load_quantized(
         raise ValueError(f"load_quantized: {left} are still on the meta device after loading; fill them (or build "
                          "their modules on the CPU) before running the model")
     trim_heap()
+    use_affineq_experts(model)  # quantized MoE expert weights run through grouped_linear
     return model
 
 

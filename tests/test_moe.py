@@ -332,3 +332,24 @@ def test_load_gpt_oss_mxfp4_experts(tmp_path):
     with pytest.raises(ValueError, match="holds weights of shape"):
         load_mxfp4_experts(small, tmp_path)
     assert small.model.layers[0].mlp.experts.gate_up_proj is before
+
+
+def test_quantize_checkpoint_streams_expert_weights(tmp_path):
+    """The streaming quantizer (with the model built on meta) quantizes the 3-D expert weights of a float
+    checkpoint bit for bit as quantize_ does in memory; load_quantized selects the grouped forward."""
+    cfg = affineq.Int4WeightOnlyConfig(group_size=32)
+    _model("gpt_oss").save_pretrained(tmp_path / "f")
+
+    def meta():
+        with torch.device("meta"):
+            return ARCHS["gpt_oss"](None)
+
+    affineq.quantize_checkpoint(tmp_path / "f", tmp_path / "q", cfg, model=meta)
+    streamed = affineq.load_quantized(meta(), tmp_path / "q")
+    ref = _model("gpt_oss")
+    affineq.quantize_(ref, cfg)
+    got = dict(streamed.named_parameters())
+    for n, p in ref.named_parameters():
+        assert type(got[n]) is type(p) and torch.equal(got[n], p), n
+    assert isinstance(_experts(streamed)[0].gate_up_proj, AQT)
+    assert streamed.config._experts_implementation == "affineq"
