@@ -350,7 +350,25 @@ def _experts_problem(config: QuantConfig, module: nn.Module) -> str | None:
         return f"{name} cannot quantize the expert weights of {type(module).__name__}: {config.experts_unsupported}"
     if nn.Linear not in config.modules:
         return f"{name} quantizes {', '.join(m.__name__ for m in config.modules)} modules, not MoE expert weights"
-    return expert_weight_problem(module)
+    why = expert_weight_problem(module)
+    if why is None:
+        aq = _probe_act_quant(config, module)
+        if aq is not None and not aq.static and aq.granularity == "per_tensor":
+            why = (f"{name} quantizes activations dynamically per tensor, one scale that the rows routed to different "
+                   "experts would share; use per-token activation quantization for the experts")
+    return why
+
+
+def _probe_act_quant(config: QuantConfig, module: nn.Module) -> ActivationQuant | None:
+    """The activation quantization `config` gives one expert's weight of `module` (a meta probe; None if it
+    cannot tell)."""
+    w = module._parameters[expert_parameter_names(module)[-1]]
+    n, k = per_expert_shape(module, w)
+    try:
+        return config.weight_spec(torch.empty(n, k, dtype=w.dtype, device="meta"),
+                                  nn.Linear(k, n, bias=False, device="meta", dtype=w.dtype)).act_quant
+    except Exception:  # noqa: BLE001 - a config whose spec needs data: its own checks run at quantize time
+        return None
 
 
 _ALREADY = ("its {name} is already quantized; quantize_ a float model (load the float weights again), or "

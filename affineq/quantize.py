@@ -49,7 +49,8 @@ def replace_parameters(module: nn.Module, config: QuantConfig) -> nn.Module:
     Parameters and runs them through F.linear (`affineq.recurrent`)."""
     for name in config.parameter_names(module):
         weight = getattr(module, name).detach()
-        if weight.dim() == 3 and is_expert_module(module):  # MoE experts: each expert as a Linear weight
+        if weight.dim() == 3 and is_expert_module(module) and not getattr(config, "quantizes_expert_stacks", False):
+            # MoE experts: each expert as a Linear weight (an algorithm's precomputed stack is taken whole)
             qweight = quantize_expert_weight(config, weight, module)
         else:
             qweight = config.quantize_weight(weight, module)

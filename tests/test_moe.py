@@ -353,3 +353,42 @@ def test_quantize_checkpoint_streams_expert_weights(tmp_path):
         assert type(got[n]) is type(p) and torch.equal(got[n], p), n
     assert isinstance(_experts(streamed)[0].gate_up_proj, AQT)
     assert streamed.config._experts_implementation == "affineq"
+
+
+# -- algorithms -------------------------------------------------------------------------------------------------
+
+
+def test_hqq_quantizes_expert_weights():
+    """HQQ (calibration-free) runs on each expert's [N, K] weight alone: expert e of the result is hqq_quantize of
+    that weight, and the logits are at least as close to float as round-to-nearest's."""
+    from affineq.algorithms.hqq import hqq_quantize
+
+    base = affineq.Int4WeightOnlyConfig(group_size=32)
+    model = _model("gpt_oss")
+    ref = _logits(model)
+    affineq.quantize_(model, affineq.HQQConfig(base, progress=False))
+    experts = _experts(model)[0]
+    assert isinstance(experts.gate_up_proj, AQT) and model.config._experts_implementation == "affineq"
+    w = _experts(_model("gpt_oss"))[0].gate_up_proj.detach().transpose(1, 2)  # [E, N, K]
+    for e in range(w.shape[0]):
+        one = hqq_quantize(w[e].contiguous(), base.weight_spec(w[e], nn.Linear(64, 128)), base.qparam_options())
+        assert torch.equal(experts.gate_up_proj[e].dequantize(), one.dequantize().t())
+    rtn = _model("gpt_oss")
+    affineq.quantize_(rtn, base)
+    assert _sqnr(ref, _logits(model)) >= _sqnr(ref, _logits(rtn)) - 0.1
+
+
+@pytest.mark.parametrize("make", [
+    lambda: affineq.GPTQConfig(affineq.Int4WeightOnlyConfig(group_size=32)),
+    lambda: affineq.AWQConfig(affineq.Int4WeightOnlyConfig(group_size=32)),
+    lambda: affineq.QATConfig(affineq.Int4WeightOnlyConfig(group_size=32)),
+    lambda: affineq.Int8StaticActivationInt8WeightConfig(),
+    lambda: affineq.Int8DynamicActivationInt8WeightConfig(act_granularity="per_tensor"),
+], ids=["gptq", "awq", "qat", "static", "dynamic-per-tensor"])
+def test_unsupported_configs_name_the_expert_weights(make):
+    """Configs that cannot take expert weights yet say so, naming the experts module, and change nothing."""
+    model = _model("mixtral")
+    snap = snapshot_model(model)
+    with pytest.raises(affineq.QuantizationError, match=r"model\.layers\.0\.mlp\.experts: .*(expert|per tensor)"):
+        affineq.quantize_(model, make(), calibration_data=[TOKENS])
+    assert_unchanged(model, snap)
