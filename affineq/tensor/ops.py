@@ -304,7 +304,8 @@ def _expert_view(func, t: AQT, args, kwargs) -> AQT | list[AQT] | None:
     tensor, `w[a:b]` / unbind / split the 3-D tensors of those experts, each a view of every stored tensor (no
     unpacking: a per-expert format stores each expert's tensors at [e], `format_experts`). None: not such an op."""
     spec = t.spec
-    a = {**dict(zip(("dim", "a", "b", "step"), args[1:], strict=False)), **kwargs}
+    names = ("a", "dim") if func is aten.split.Tensor else ("dim", "a", "b", "step")  # split(self, size, dim)
+    a = {**dict(zip(names, args[1:], strict=False)), **kwargs}
     if spec.block_size[0] != 1 or a.get("dim", 0) % 3 != 0:
         return None
     if func is aten.select.int:
@@ -340,7 +341,23 @@ def _cat(func, args, kwargs):
                 f"cat: AffineQuantizedTensors must share target, range, domain, format and activation "
                 f"quantization; got {tensors[0]!r} and {t!r}. Dequantize them first."
             )
+    dim = ({**dict(zip(("dim",), args[1:], strict=False)), **kwargs}).get("dim", 0)
+    if dim % max(tensors[0].dim(), 1) == 0 and _same_experts(tensors):  # expert weights joined along the experts
+        stored = {n: torch.cat([getattr(t, "_" + n) for t in tensors]) for n in tensors[0]._names}
+        spec = tensors[0].spec
+        return type(tensors[0])(stored, spec.replace(shape=(stored["qdata"].shape[0], *spec.shape[1:])))
     return _blockwise(func, tensors, args[1:], kwargs, listwise=True)
+
+
+def _same_experts(tensors: list[AQT]) -> bool:
+    """Whether `tensors` are 3-D expert weights that differ only in their number of experts (same spec and stored
+    layout otherwise, no activation tensors): cat along dim 0 then joins their stored tensors."""
+    first = tensors[0].spec
+    if len(first.shape) != 3 or first.block_size[0] != 1:
+        return False
+    layout = [(n, v.dtype, tuple(v.shape[1:])) for n, v in tensors[0].tensors.items()]
+    return all(t.spec.replace(shape=first.shape) == first and not t.act_tensors
+               and [(n, v.dtype, tuple(v.shape[1:])) for n, v in t.tensors.items()] == layout for t in tensors)
 
 
 def _family(t: AQT):
