@@ -17,7 +17,8 @@ weight is either
 
 The weight's activation handling is the 2-D linear's: ``act_pre_scale`` and activation quantization applied to x
 first (row-local ones only: per-token, per-block (MX) or static; a dynamic per-tensor scale would mix the rows of
-different experts), static output quantization on y.
+different experts), static output quantization on y. The quantized experts are frozen; an input that requires
+grad gets grad_x[t] = grad_y[t] @ dequantize(W[e_t]) (LoRA-style training on top of quantized experts).
 """
 
 from __future__ import annotations
@@ -72,12 +73,16 @@ def _check_inputs(x: torch.Tensor, expert_ids: torch.Tensor, shape: tuple[int, .
     if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (e, n)):
         raise ValueError(f"grouped_linear: bias must be [E, N] = [{e}, {n}] (one bias row per expert) or None, got "
                          f"{tuple(getattr(bias, 'shape', ()))}")
-    # The range needs the data: checked in eager mode (a compiled graph relies on the C++ kernel's check).
+
+
+def _check_ids_range(expert_ids: torch.Tensor, num_experts: int) -> None:
+    """ValueError unless every id is in [0, num_experts). Reads the data, so only the paths without the C++
+    kernel call it, in eager mode: the kernel checks the ids itself while sorting them (ValueError too)."""
     if not torch.compiler.is_compiling() and expert_ids.numel():
-        lo, hi = int(expert_ids.min()), int(expert_ids.max())
-        if lo < 0 or hi >= e:
-            raise ValueError(f"grouped_linear: expert_ids must be in [0, {e}) (E = {e} experts), got values in "
-                             f"[{lo}, {hi}]")
+        lo, hi = torch.aminmax(expert_ids)
+        if int(lo) < 0 or int(hi) >= num_experts:
+            raise ValueError(f"grouped_linear: expert_ids must be in [0, {num_experts}) (E = {num_experts} experts), "
+                             f"got values in [{int(lo)}, {int(hi)}]")
 
 
 def grouped_linear(x: torch.Tensor, expert_ids: torch.Tensor, weight: torch.Tensor,
@@ -86,7 +91,7 @@ def grouped_linear(x: torch.Tensor, expert_ids: torch.Tensor, weight: torch.Tens
     (a 3-D AffineQuantizedTensor or a float tensor), bias [E, N] -> [T, N] in x.dtype. See the module docstring
     for which kernel runs."""
     if isinstance(weight, AffineQuantizedTensor):
-        shape = tuple(weight.spec.shape)
+        shape = _logical_shape(weight)
     elif isinstance(weight, torch.Tensor) and weight.dtype.is_floating_point:
         shape = tuple(weight.shape)
     else:
@@ -96,9 +101,18 @@ def grouped_linear(x: torch.Tensor, expert_ids: torch.Tensor, weight: torch.Tens
     ids = expert_ids if expert_ids.dtype == torch.int64 else expert_ids.long()
     if isinstance(weight, AffineQuantizedTensor):
         out = guard_frozen_output(_quantized(x, ids, weight), weight)
-    else:
+    elif torch.compiler.is_compiling():  # the loop's row counts are data: one opaque node in a graph
+        out = _grouped_float_linear(x, ids, weight)
+    else:  # eager: plain F.linear calls, so float experts that require grad get their gradients
+        _check_ids_range(ids, shape[0])
         out = _per_expert(x, ids, shape[0], lambda e: weight[e].to(x.dtype))
     return out if bias is None else out + bias.index_select(0, ids).to(out.dtype)
+
+
+def _logical_shape(w: AffineQuantizedTensor) -> tuple[int, ...]:
+    """[E, N, K] as the caller sees w: the stored shape, its last two dims swapped for a transposed view."""
+    shape = tuple(w.spec.shape)
+    return (*shape[:-2], shape[-1], shape[-2]) if w.spec.transposed else shape
 
 
 def _grouped_check(x: torch.Tensor, w: AffineQuantizedTensor) -> str | None:
@@ -129,23 +143,50 @@ def _quantized(x: torch.Tensor, ids: torch.Tensor, w: AffineQuantizedTensor) -> 
     if aq is not None:
         x = fake_quantize_activation(x, aq, w)
     why = _grouped_check(x, w)
-    e, n, k = w.spec.shape
+    e, n, k = _logical_shape(w)
     if why is None:
-        fallback.record(GROUPED_KERNEL)
+        if not torch.compiler.is_compiling():  # dynamo cannot read the recorders' ContextVar; eager calls record
+            fallback.record(GROUPED_KERNEL)
         packed, scale, offset, bits, group_size, codes, code_offset = grouped_weight_args(w)
-        out = torch.ops.affineq.grouped_lowbit_linear(x, ids, packed, scale, offset, bits, group_size, n, k, codes,
-                                                      code_offset)
-        return finish_output(out, w)
-    fallback.announce_fallback(w.spec.fmt, why, op="grouped_linear")
+        args = (packed, scale, offset, bits, group_size, n, k, codes, code_offset)
+        if x.requires_grad and torch.is_grad_enabled():
+            return finish_output(_GroupedKernelLinear.apply(x, ids, args), w)
+        return finish_output(torch.ops.affineq.grouped_lowbit_linear(x, ids, *args), w)
+    if not torch.compiler.is_compiling():
+        fallback.announce_fallback(w.spec.fmt, why, op="grouped_linear")
     if w.spec.fmt == "dense" and x.device.type == "cpu" and x.dtype in _FLOATS and not w.spec.transposed:
         # only the routed experts dequantized, with the numerics of the kernel's reference
         packed, scale, offset, bits, group_size, codes, code_offset = grouped_weight_args(w)
         out = grouped_ops.grouped_lowbit_linear_reference(x, ids, packed, scale, offset, bits, group_size, n, k,
                                                           codes, code_offset)
     else:
+        _check_ids_range(ids, e)
         dense = w.dequantize(x.dtype)
         out = _per_expert(x, ids, e, lambda i: dense[i])
     return finish_output(out, w)
+
+
+class _GroupedKernelLinear(torch.autograd.Function):
+    """The grouped kernel forward with the input gradient grad_x[t] = grad_y[t] @ dequantize(W[e_t]) (W is frozen:
+    only the routed experts are dequantized, by ``affineq::lowbit_dequantize``)."""
+
+    @staticmethod
+    def forward(ctx, x, ids, args):
+        ctx.save_for_backward(ids)
+        ctx.args, ctx.x_dtype = args, x.dtype
+        return torch.ops.affineq.grouped_lowbit_linear(x, ids, *args)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (ids,) = ctx.saved_tensors
+        packed, scale, offset, bits, group_size, n, k, codes, code_offset = ctx.args
+        gx = grad.new_zeros((grad.shape[0], k), dtype=torch.float32)
+        for e in torch.unique(ids).tolist():
+            rows = (ids == e).nonzero().squeeze(1)
+            w = torch.ops.affineq.lowbit_dequantize(packed[e], scale[e], None if offset is None else offset[e], bits,
+                                                    group_size, n, k, codes, code_offset)
+            gx[rows] = grad[rows].float() @ w
+        return gx.to(ctx.x_dtype), None, None
 
 
 def _per_expert(x: torch.Tensor, ids: torch.Tensor, num_experts: int, weight_of) -> torch.Tensor:
@@ -167,3 +208,14 @@ def _per_expert(x: torch.Tensor, ids: torch.Tensor, num_experts: int, weight_of)
         n = weight_of(0).shape[0]
         out = x.new_empty((0, n))
     return out
+
+
+@torch.library.custom_op("affineq::grouped_float_linear", mutates_args=())
+def _grouped_float_linear(x: torch.Tensor, expert_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, K], expert_ids [T] int64, float weight [E, N, K] -> [T, N]: `_per_expert` with F.linear."""
+    return _per_expert(x, expert_ids, weight.shape[0], lambda e: weight[e].to(x.dtype))
+
+
+@_grouped_float_linear.register_fake
+def _(x, expert_ids, weight):
+    return x.new_empty((x.shape[0], weight.shape[1]))
