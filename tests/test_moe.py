@@ -101,6 +101,7 @@ FORMATS = {
     "int8-dense": affineq.Int8WeightOnlyConfig(packing_format="dense"),
     "int3-dense": affineq.IntxWeightOnlyConfig(weight_dtype=torch.int3, packing_format="dense"),
     "int8-plain": affineq.Int8WeightOnlyConfig(group_size=32, packing_format="plain"),
+    "int4-int4_cpu": affineq.Int4WeightOnlyConfig(group_size=32, packing_format="int4_cpu"),
     "float8-dense": affineq.Float8WeightOnlyConfig(packing_format="dense"),
     "fp6-dense": FPxWeightOnlyConfig(ebits=3, mbits=2, group_size=32),
     "fp4-dense": FPxWeightOnlyConfig(ebits=2, mbits=1, group_size=32),
