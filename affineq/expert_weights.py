@@ -101,6 +101,10 @@ def quantize_expert_weight(config, weight: torch.Tensor, module: nn.Module) -> A
     reads; a weight's activation tensors (AWQ pre-scales) cannot be stacked (ValueError). Memory: one expert's
     float temporaries at a time, the output written in place, and each expert's pages of a memory-mapped weight
     (safetensors) given back once it is quantized."""
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 3 or not is_expert_module(module):
+        raise ValueError(f"quantize_expert_weight(weight=..., module=...): weight must be one 3-D expert weight "
+                         f"(got {tuple(getattr(weight, 'shape', ()))}) of an experts module (3-D gate_up_proj / "
+                         f"down_proj; got {type(module).__name__})")
     transposed = experts_transposed(module)
     w = weight.transpose(-2, -1) if transposed else weight  # [E, N, K]: one expert's rows are its outputs
     e, n, k = w.shape

@@ -223,25 +223,31 @@ def test_moe_compiled_equals_eager():
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
 
 
-def test_fqn_to_config_names_experts():
-    """FqnToConfig names an experts module (all its expert weights) or one expert parameter; the float expert
-    modules of the same model keep running transformers' implementation."""
+@pytest.mark.parametrize("second", ["float", "down_proj"])
+def test_fqn_to_config_names_experts(second):
+    """FqnToConfig names an experts module (all its expert weights) or one expert parameter; a float experts module
+    of the same model keeps running transformers' implementation (grouped_mm), a partly quantized one runs
+    grouped_linear on its float weight too."""
     model = _model("mixtral")
-    cfg = affineq.FqnToConfig({"model.layers.0.mlp.experts": affineq.Int8WeightOnlyConfig(),
-                               "model.layers.1.mlp.experts.down_proj": affineq.Int4WeightOnlyConfig(group_size=32),
-                               "_default": None})
-    affineq.quantize_(model, cfg)
-    first, second = _experts(model)
+    names = {"model.layers.0.mlp.experts": affineq.Int8WeightOnlyConfig(), "_default": None}
+    if second == "down_proj":
+        names["model.layers.1.mlp.experts.down_proj"] = affineq.Int4WeightOnlyConfig(group_size=32)
+    affineq.quantize_(model, affineq.FqnToConfig(names))
+    first, other = _experts(model)
     assert isinstance(first.gate_up_proj, AQT) and first.gate_up_proj.spec.target.name == "int8"
     assert isinstance(first.down_proj, AQT)
-    assert not isinstance(second.gate_up_proj, AQT) and second.down_proj.spec.target.name == "uint4"
+    assert not isinstance(other.gate_up_proj, AQT)
+    assert isinstance(other.down_proj, AQT) == (second == "down_proj")
     assert not any(isinstance(m.weight, AQT) for m in model.modules() if isinstance(m, nn.Linear))
     loop = _model("mixtral", "eager")
     for qm, fm in zip(model.modules(), loop.modules(), strict=True):
         for n, p in qm._parameters.items():
             if isinstance(p, AQT):
                 fm._parameters[n] = nn.Parameter(p.dequantize(), requires_grad=False)
-    torch.testing.assert_close(_logits(model), _logits(loop), rtol=1e-4, atol=1e-4)
+    with affineq.record_kernels() as kernels:
+        out = _logits(model)
+    assert kernels.count(GROUPED_KERNEL) == (3 if second == "down_proj" else 2)  # (float gate_up: F.linear)
+    torch.testing.assert_close(out, _logits(loop), rtol=1e-4, atol=1e-4)
 
 
 def test_quantize_moe_all_or_nothing():
