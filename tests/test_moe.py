@@ -2,8 +2,9 @@
 transformers 5 experts modules found by parameter layout, and their forward through `grouped_linear`
 (`affineq.experts`), on tiny random Mixtral, Qwen3-MoE and gpt-oss models built here (no downloads).
 
-SQNR of the logits against the float model (2 layers, hidden 64, top-2), measured on this machine:
-int8 per channel 39.0-40.6 dB, int4 group 32 14.8-17.9 dB; the bounds below leave ~3 dB of margin."""
+SQNR of the logits against the float model (2 layers, hidden 64, top-2), measured on this machine: int8 per
+channel 40.6 / 39.4 / 41.2 dB (Mixtral / Qwen3-MoE / gpt-oss), int4 group 32 17.6 / 16.6 / 18.8 dB; the bounds
+below leave >= 4 dB of margin."""
 
 import os
 
