@@ -97,10 +97,10 @@ def quantize_expert_weight(config, weight: torch.Tensor, module: nn.Module) -> A
     `config` (anything with `quantize_weight(weight_2d, module)`), stacked into one 3-D AffineQuantizedTensor
     whose expert e is exactly `config.quantize_weight(w_e, nn.Linear)` of its [N, K] weight `w_e`.
 
-    Device-specific layouts chosen by "auto" (aten's `int4_cpu`) become `dense`, the layout the grouped kernel
-    reads; a weight's activation tensors (AWQ pre-scales) cannot be stacked (ValueError). Memory: one expert's
-    float temporaries at a time, the output written in place, and each expert's pages of a memory-mapped weight
-    (safetensors) given back once it is quantized."""
+    On CPU, what "auto" chose for a Linear (aten's `int4_cpu`, `plain` for `_int_mm`) becomes `dense`, the layout
+    the grouped kernel reads, where it holds the spec; a weight's activation tensors (AWQ pre-scales) cannot be
+    stacked (ValueError). Memory: one expert's float temporaries at a time, the output written in place, and each
+    expert's pages of a memory-mapped weight (safetensors) given back once it is quantized."""
     if not isinstance(weight, torch.Tensor) or weight.dim() != 3 or not is_expert_module(module):
         raise ValueError(f"quantize_expert_weight(weight=..., module=...): weight must be one 3-D expert weight "
                          f"(got {tuple(getattr(weight, 'shape', ()))}) of an experts module (3-D gate_up_proj / "
@@ -109,12 +109,14 @@ def quantize_expert_weight(config, weight: torch.Tensor, module: nn.Module) -> A
     w = weight.transpose(-2, -1) if transposed else weight  # [E, N, K]: one expert's rows are its outputs
     e, n, k = w.shape
     proxy = _proxy_linear(n, k, weight)
+    auto = getattr(config, "packing_format", None) == "auto" and w.device.type == "cpu"
     first, out, done = None, {}, 0
     per_expert = weight[0].numel() * weight.element_size() if e else 0
     for i in range(e):
         q = config.quantize_weight(w[i].contiguous(), proxy)
-        if q.spec.fmt in ("int4_cpu", "int4_cuda") and getattr(config, "packing_format", None) == "auto":
-            q = q.to_format("dense")
+        if auto and q.spec.fmt != "dense" and format_of(q.spec.replace(fmt="dense")).check(
+                q.spec.replace(fmt="dense")) is None:
+            q = q.to_format("dense")  # "auto": the layout the grouped kernel reads (same codes and qparams)
         if first is None:
             first = q
             out = {name: torch.empty((e, *t.shape), dtype=t.dtype, device=t.device) for name, t in q.tensors.items()}
