@@ -14,6 +14,7 @@ import torch
 
 from affineq import (
     eval,  # noqa: F401  (eval.compare: perplexity / KL divergence against a reference model)
+    experts,  # noqa: F401  (MoE experts modules run grouped_linear once quantize_ quantized them)
     graph,  # noqa: F401  (graph mode: affineq.graph.prepare / convert)
     kernels,  # noqa: F401  (namespace: the linear-kernel registry)
     quark,  # noqa: F401  (namespace: AMD Quark's layered Config)

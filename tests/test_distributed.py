@@ -139,6 +139,7 @@ def _checks(rank: int, tmp: Path) -> None:
             dcp.load(loaded.state_dict(), checkpoint_id=str(tmp / f"{config}-{source}"))
             assert torch.equal(loaded[0].weight.to_local(), l0) and torch.equal(loaded[2].weight.to_local(), l2)
     _plain_parallelize_module_bound(mesh, x)
+    _expert_parallel(mesh, rank)
     for config, (make, tol) in OTHER_CONFIGS.items():
         torch.manual_seed(0)
         ref_model = affineq.quantize_(nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 128)), make())
@@ -151,6 +152,30 @@ def _checks(rank: int, tmp: Path) -> None:
             limit = 0.53  # per-row qparams: whole in both column shards
             assert w.to_local().storage_bytes() <= limit * full.storage_bytes(), config
             assert torch.equal(w.full_tensor().dequantize(), full.dequantize()), config
+
+
+def _expert_parallel(mesh, rank: int) -> None:
+    """MoE expert weights [E, N, K] sharded by expert (Shard(0)): each rank's shard is a view of its experts'
+    stored tensors in the same format (dense), and full_tensor() gathers them back exactly (both layouts: gpt-oss
+    stores [E, K, N] views)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from affineq.expert_weights import quantize_expert_weight
+
+    for transposed in (False, True):
+        experts = nn.Module()
+        torch.manual_seed(0)
+        shape = (4, 64, 128) if transposed else (4, 128, 64)
+        experts.gate_up_proj = nn.Parameter(torch.randn(shape))
+        experts.down_proj = nn.Parameter(torch.randn(4, 64, 64))
+        experts.is_transposed = transposed
+        full = quantize_expert_weight(affineq.Int4WeightOnlyConfig(group_size=32), experts.gate_up_proj.detach(),
+                                      experts)
+        shard = distribute_tensor(full, mesh, [Shard(0)])
+        local = shard.to_local()
+        assert local.spec.fmt == "dense" and torch.equal(local, full[2 * rank:2 * rank + 2])
+        gathered = shard.full_tensor()
+        assert torch.equal(gathered, full) and gathered.spec == full.spec
 
 
 def _plain_parallelize_module_bound(mesh, x: torch.Tensor) -> None:

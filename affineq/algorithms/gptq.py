@@ -43,6 +43,7 @@ from affineq.algorithms._capture import (
 from affineq.configs import (
     QuantConfig,
 )
+from affineq.expert_weights import expert_parameter_names, experts_transposed, is_expert_module, stack_experts
 from affineq.tensor.affine import AffineQuantizedTensor
 from affineq.tensor.spec import QParamOptions, QuantSpec
 
@@ -292,6 +293,7 @@ class GPTQConfig(AlgorithmConfig):
     """
 
     needs_data: ClassVar[bool] = True
+    expert_weights: ClassVar[bool] = True  # MoE experts: per expert, H from the tokens the router sends it
     blocksize: int = 128
     percdamp: float = 0.01
     act_order: bool = True
@@ -344,6 +346,7 @@ class _GPTQRun:
         self.cfg, self.model, self.layers = cfg, model, layers
         self.results: dict[str, QuantConfig] = {}
         self.originals: dict[str, nn.Parameter] = {}
+        self.expert_originals: dict[tuple[str, str], nn.Parameter] = {}  # (experts module, parameter name)
 
     def run(self, data: list) -> dict[str, QuantConfig]:
         try:
@@ -352,6 +355,8 @@ class _GPTQRun:
         finally:
             for fqn, p in self.originals.items():
                 self.layers[fqn].weight = p
+            for (fqn, name), p in self.expert_originals.items():
+                self.layers[fqn]._parameters[name] = p
         return self.results
 
     def _run(self, data: list) -> None:
@@ -372,12 +377,88 @@ class _GPTQRun:
                 if b < used[-1]:
                     inputs = run_block(block, inputs)
             del inputs
-        rest = {f: m for f, m in self.layers.items() if f not in self.results}
+        rest = {f: m for f, m in self.layers.items() if f not in self.results
+                and not any((f, n) in self.expert_originals for n in expert_parameter_names(m))}
         if rest:  # linears outside the blocks (or no blocks): one pass over the whole model
             self._quantize_group(rest, data, lambda item: call_model(self.model, item))
 
     def _quantize_group(self, layers: dict[str, nn.Module], inputs: list, forward: Callable) -> None:
-        """Quantize `layers` (all called by `forward` on each input) in the order true_sequential asks."""
+        """Quantize `layers` (all called by `forward` on each input) in the order true_sequential asks; MoE
+        experts modules after the linears (`_quantize_experts`)."""
+        experts = {f: m for f, m in layers.items() if is_expert_module(m)}
+        layers = {f: m for f, m in layers.items() if f not in experts}
+        if layers:
+            self._quantize_linears(layers, inputs, forward)
+        for fqn, module in experts.items():
+            self._quantize_experts(fqn, module, inputs, forward)
+
+    def _quantize_experts(self, fqn: str, module: nn.Module, inputs: list, forward: Callable) -> None:
+        """GPTQ of each expert's weights with H from the rows the router sends that expert: the experts module's
+        inputs (hidden_states [T, H], top_k_index [T, k]) are recorded for every calibration item; gate_up (or up)
+        first, then down_proj with H from the gate's outputs through the quantized gate_up."""
+        seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def hook(_mod, args, kwargs):
+            named = {**dict(zip(("hidden_states", "top_k_index"), args, strict=False)), **kwargs}
+            x, ids = named["hidden_states"], named.get("top_k_index", named.get("router_indices"))
+            seen.append((x.detach().reshape(-1, x.shape[-1]), ids.detach().reshape(x.shape[0], -1)))
+            raise Stop
+
+        handle = module.register_forward_pre_hook(hook, with_kwargs=True)
+        try:
+            for inp in inputs:
+                with contextlib.suppress(Stop):
+                    forward(inp)
+        finally:
+            handle.remove()
+        names = expert_parameter_names(module)
+        num = module._parameters[names[0]].shape[0]
+        rows = [[(x[(ids == e).any(-1)]) for x, ids in seen] for e in range(num)]  # each expert's tokens
+        up_name = names[0]
+        up = self._gptq_experts(fqn, module, up_name, rows)
+        bias = module._parameters.get(f"{up_name}_bias") if getattr(module, "has_bias", False) else None
+        deq = up.dequantize()
+        deq = deq.transpose(-2, -1) if experts_transposed(module) else deq  # [E, N, K]
+        hidden = []
+        for e in range(num):
+            outs = []
+            for x in rows[e]:
+                h = torch.nn.functional.linear(x, deq[e].to(x.dtype), None if bias is None else bias[e])
+                outs.append(module._apply_gate(h) if up_name == "gate_up_proj" else module.act_fn(h))
+            hidden.append(outs)
+        self._gptq_experts(fqn, module, "down_proj", hidden)
+
+    def _gptq_experts(self, fqn: str, module: nn.Module, name: str, rows: list[list[torch.Tensor]],
+                      ) -> AffineQuantizedTensor:
+        """GPTQ of expert weight `name` of `module`, expert e with H from rows[e] (its inputs [t, K]); the result is
+        recorded for the final pass and its dequantized copy swapped in for later inputs."""
+        weight = module._parameters[name]
+        transposed = experts_transposed(module)
+        w = weight.detach().transpose(-2, -1) if transposed else weight.detach()  # [E, N, K]
+        base = self.cfg.base_config
+        parts = []
+        for e in range(w.shape[0]):
+            hs = Hessian(w.shape[2], w.device)
+            for x in rows[e]:
+                if x.shape[0]:
+                    hs.add(x)
+            if hs.tokens == 0:
+                warnings.warn(f"GPTQ: expert {e} of {fqn}.{name} received no calibration token; it is quantized "
+                              "round-to-nearest", stacklevel=4)
+            we = w[e].contiguous()
+            proxy = nn.Linear(we.shape[1], we.shape[0], bias=False, device="meta", dtype=we.dtype)
+            aqt, _ = gptq_quantize(we, hs.matrix(), base.weight_spec(we, proxy), base.qparam_options(),
+                                   blocksize=self.cfg.blocksize, percdamp=self.cfg.percdamp,
+                                   act_order=self.cfg.act_order, static_groups=bool(self.cfg.static_groups),
+                                   clip_search=self.cfg.clip_search)
+            parts.append(aqt)
+        q = stack_experts(parts, transposed)
+        self.results[f"{fqn}.{name}"] = Precomputed(base=base, weight=q)
+        self.expert_originals.setdefault((fqn, name), weight)
+        module._parameters[name] = nn.Parameter(q.dequantize().to(weight.dtype), requires_grad=False)
+        return q
+
+    def _quantize_linears(self, layers: dict[str, nn.Module], inputs: list, forward: Callable) -> None:
         if self.cfg.true_sequential:
             pending = dict(layers)
             while pending:
