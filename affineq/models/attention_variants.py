@@ -1,6 +1,6 @@
 """The attention math of ``StaticDecoder`` over its float KV cache, for every supported attention variant.
 
-A layer's attention is softmax(scaling * q k^T [soft-capped] [masked]) v, optionally with a learned per-head
+A layer's attention is softmax(scaling * q k^T [masked]) v, optionally with a learned per-head
 "sink" logit that joins the softmax denominator only (gpt-oss: ``p_t = exp(s_t) / (sum_u exp(s_u) + exp(sink))``),
 and optionally over a sliding window (a query at slot p sees slots p - window < t <= p, transformers'
 ``sliding_window_overlay``). Shapes: q [B, H, S, D]; caches [B, KVH, T, D]; query head h reads kv head h // (H / KVH).
@@ -10,8 +10,8 @@ Three forms, chosen by ``StaticDecoder``:
 * ``attend_compiled``: over all T slots under a bool mask [B, S, T] (static shapes, one graph for every position).
 * ``attend_sdpa``: eager, over exactly the keys transformers' dynamic cache holds, with its sdpa call (bit for bit
   the numbers of ``model.generate`` on models whose attention implementation is sdpa).
-* ``attend_eager_math``: eager, transformers' ``eager_attention_forward`` formula (matmuls, additive mask, sinks,
-  soft-capping), for models that run with ``attn_implementation="eager"`` (gpt-oss) or need sinks / soft-caps.
+* ``attend_eager_math``: eager, transformers' ``eager_attention_forward`` formula (matmuls, additive mask, sinks),
+  for models that run with ``attn_implementation="eager"`` (gpt-oss) or have sinks.
 """
 
 from __future__ import annotations
@@ -23,25 +23,20 @@ __all__ = ["AttentionSpec", "attend_compiled", "attend_sdpa", "attend_eager_math
 
 
 class AttentionSpec:
-    """What varies between attention implementations of one layer: ``scaling`` (the logit scale, D^-0.5 unless
-    the model says otherwise), ``softcap`` (tanh soft-capping of the logits: ``cap * tanh(s / cap)``, or None),
-    ``sinks`` (per-head sink logits [H], or None), ``window`` (sliding window in slots, or None)."""
+    """What varies between the attentions of layers: ``scaling`` (the logit scale, D^-0.5 unless the model says
+    otherwise: Gemma's ``query_pre_attn_scalar^-0.5``), ``sinks`` (per-head sink logits [H], or None), ``window``
+    (sliding window in slots, or None)."""
 
-    __slots__ = ("scaling", "softcap", "sinks", "window")
+    __slots__ = ("scaling", "sinks", "window")
 
-    def __init__(self, scaling: float, softcap: float | None = None, sinks: torch.Tensor | None = None,
-                 window: int | None = None) -> None:
-        self.scaling, self.softcap, self.sinks, self.window = scaling, softcap, sinks, window
+    def __init__(self, scaling: float, sinks: torch.Tensor | None = None, window: int | None = None) -> None:
+        self.scaling, self.sinks, self.window = scaling, sinks, window
 
 
 def window_keys(end: int, s: int, window: int | None) -> int:
     """First cache slot transformers' sliding-window cache still holds when a step of ``s`` queries ends at slot
     ``end - 1``: a decode step (s = 1) sees the last ``window`` slots; a prefill keeps every key (the mask cuts)."""
     return max(end - window, 0) if window is not None and s == 1 else 0
-
-
-def _softcap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
-    return scores if cap is None else torch.tanh(scores / cap) * cap
 
 
 def attend_compiled(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, keep: torch.Tensor,
@@ -53,7 +48,7 @@ def attend_compiled(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, keep: t
     kvh = kc.shape[1]
     g = h // kvh
     qg = q.reshape(b, kvh, g * s, d)  # query heads kv*g + i share kv head kv: rows (i, s)
-    scores = _softcap((qg[:, :, :, None, :] * kc[:, :, None]).sum(-1).float() * spec.scaling, spec.softcap)
+    scores = (qg[:, :, :, None, :] * kc[:, :, None]).sum(-1).float() * spec.scaling
     mask = keep.repeat(1, g, 1)[:, None]  # [B, 1, g*S, T]
     scores = scores.masked_fill(~mask, float("-inf"))
     if spec.sinks is None:
@@ -85,15 +80,15 @@ def attend_sdpa(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, mask: torch
 
 def attend_eager_math(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, mask: torch.Tensor | None,
                       spec: AttentionSpec) -> torch.Tensor:
-    """transformers' ``eager_attention_forward`` (Gemma's soft-cap, gpt-oss' sinks), term for term: repeat_kv,
-    ``q @ k^T * scaling``, soft-cap, the additive mask (dtype min where masked), softmax in fp32 (with sinks: the
+    """transformers' ``eager_attention_forward`` (gpt-oss' with sinks), term for term: repeat_kv,
+    ``q @ k^T * scaling``, the additive mask (dtype min where masked), softmax in fp32 (with sinks: the
     max-subtracted softmax in the logits' dtype, sink column dropped), ``@ v``. mask [B, S, keys] or None."""
     b, h, s, d = q.shape
     g = h // kc.shape[1]
     if g > 1:
         end = kc.shape[2]
         kc, vc = (t[:, :, None].expand(b, h // g, g, end, d).reshape(b, h, end, d) for t in (kc, vc))
-    w = _softcap(torch.matmul(q, kc.transpose(2, 3)) * spec.scaling, spec.softcap)
+    w = torch.matmul(q, kc.transpose(2, 3)) * spec.scaling
     if mask is not None:
         w = w + torch.zeros((), dtype=w.dtype, device=w.device).masked_fill(~mask[:, None], torch.finfo(w.dtype).min)
     if spec.sinks is None:

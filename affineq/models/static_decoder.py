@@ -65,7 +65,7 @@ class _Layer:
     """One decoder layer as callables. ``q_norm`` / ``k_norm`` (Qwen3, Gemma 3) act on each head's vector before
     the rotary embedding; ``post_attn_norm`` / ``post_mlp_norm`` (Gemma 3's sandwich norms) on the attention and
     MLP outputs before their residual adds; ``rope`` indexes the decoder's rotary tables (Gemma 3's local layers
-    have their own base); ``attn`` holds the scale, soft-cap, sinks and sliding window."""
+    have their own base); ``attn`` holds the scale, sinks and sliding window."""
 
     norm1: nn.Module
     qkv: Callable[[torch.Tensor], list[torch.Tensor]]
@@ -196,8 +196,9 @@ def _describe(model: nn.Module, fuse: bool) -> _Arch:
     blocks = model.model.layers
     ropes, per_layer = _hf_ropes(model, cfg, head_dim)
     windows = _layer_windows(cfg, len(blocks))
-    specs = [AttentionSpec(getattr(b.self_attn, "scaling", head_dim**-0.5), getattr(cfg, "attn_logit_softcapping",
-                           None), getattr(b.self_attn, "sinks", None), w) for b, w in zip(blocks, windows, strict=True)]
+    # No attention logit soft-cap: Gemma 3 replaced it by q/k norms (transformers ignores attn_logit_softcapping).
+    specs = [AttentionSpec(getattr(b.self_attn, "scaling", head_dim**-0.5), getattr(b.self_attn, "sinks", None), w)
+             for b, w in zip(blocks, windows, strict=True)]
     eager_experts = any(is_moe_block(b.mlp) and experts_implementation(b.mlp) == "eager" for b in blocks)
     sdpa = getattr(cfg, "_attn_implementation", "sdpa") == "sdpa"
     return _Arch(model.model.embed_tokens, _layers(blocks, None, fuse, specs, per_layer), model.model.norm,
@@ -222,11 +223,9 @@ def model_limits(model: nn.Module) -> tuple[int, int | None]:
 
 def _check_options(model: nn.Module, a: _Arch, kv_kind: str | None, compile: bool) -> None:
     """ValueError for a model feature the chosen options cannot run (before anything is allocated)."""
-    if kv_kind is not None and any(layer.attn.sinks is not None or layer.attn.softcap is not None
-                                   for layer in a.layers):
+    if kv_kind is not None and any(layer.attn.sinks is not None for layer in a.layers):
         raise ValueError(f"kv_cache_dtype={kv_kind!r} cannot run {type(model).__name__}: its attention has sink "
-                         "logits or soft-capping, which the quantized-cache kernel does not take; pass "
-                         "kv_cache_dtype=None")
+                         "logits (gpt-oss), which the quantized-cache kernel does not take; pass kv_cache_dtype=None")
     if compile and a.eager_experts:
         raise ValueError(f"compile=True cannot run {type(model).__name__} with experts_implementation='eager' (a "
                          "data-dependent loop over the experts); call model.set_experts_implementation('grouped_mm')"
@@ -295,7 +294,7 @@ class StaticDecoder:
         with torch.no_grad():
             tables = [rope(max_len, a.dtype) for rope in a.ropes]
         self.cos, self.sin = [c for c, _ in tables], [t for _, t in tables]
-        self.math = not a.sdpa or any(la.attn.sinks is not None or la.attn.softcap is not None for la in a.layers)
+        self.math = not a.sdpa or any(layer.attn.sinks is not None for layer in a.layers)
         self.windows = sorted({layer.attn.window for layer in a.layers} - {None})
         # The quantized-cache kernel scales logits by D^-0.5: queries carry the rest of the model's scale.
         self.q_rescale = [layer.attn.scaling * a.head_dim**0.5 for layer in a.layers]
