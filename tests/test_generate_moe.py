@@ -20,6 +20,12 @@ from transformers import (  # noqa: E402
 
 import affineq  # noqa: E402
 from affineq.models import generate  # noqa: E402
+from affineq.models.attention_variants import (  # noqa: E402
+    AttentionSpec,
+    attend_compiled,
+    attend_eager_math,
+    attend_sdpa,
+)
 from affineq.models.static_decoder import StaticDecoder  # noqa: E402
 
 _SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -30,7 +36,8 @@ _BUILD = {
     "mixtral": lambda: MixtralForCausalLM(MixtralConfig(**_SMALL, **_MOE)),
     "mixtral_swa": lambda: MixtralForCausalLM(MixtralConfig(**_SMALL, **_MOE, sliding_window=4)),
     "qwen3_moe": lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(**_SMALL, num_experts=4, num_experts_per_tok=2,
-                                                            moe_intermediate_size=32, head_dim=16)),
+                                                            moe_intermediate_size=32, head_dim=16,
+                                                            mlp_only_layers=[1])),  # layer 1: a dense MLP
     # gpt-oss: sinks, q/k/v/o biases, YaRN rope, layer 0 sliding (window 4), layer 1 full; eager attention
     "gpt_oss": lambda: GptOssForCausalLM(GptOssConfig(**_SMALL, **_MOE, head_dim=16, sliding_window=4,
                                                       rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=1e4,
@@ -150,3 +157,26 @@ def test_eager_experts_loop_cannot_compile_and_says_so():
     assert torch.equal(generate(model, ids, 6, compile=False, ignore_eos=True), ref)  # eager decoding runs it
     with pytest.raises(ValueError, match="experts_implementation='eager'.*set_experts_implementation"):
         generate(model, ids, 6, ignore_eos=True)
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_static_shape_attention_equals_the_eager_formulas(sinks):
+    """The compiled decoder's attention (all T slots under a mask, sinks in the denominator) against transformers'
+    eager formula and sdpa over the filled slots: 5 queries at slots 3..7, a window of 4, a left-padded row."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 5, 16, generator=gen)
+    kc, vc = torch.randn(2, 2, 12, 16, generator=gen), torch.randn(2, 2, 12, 16, generator=gen)
+    pos, slots = torch.arange(3, 8), torch.arange(12)
+    valid = torch.ones(2, 12, dtype=torch.bool)
+    valid[1, :2] = False
+    keep = (slots <= pos[:, None]) & (slots > pos[:, None] - 4) & valid[:, None]  # [B, S, T]
+    spec = AttentionSpec(0.3, torch.randn(4, generator=gen) if sinks else None, 4)
+    out = attend_compiled(q, kc, vc, keep, spec)
+    ref = attend_eager_math(q, kc[:, :, :8], vc[:, :, :8], keep[:, :, :8], spec)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    if not sinks:
+        torch.testing.assert_close(out, attend_sdpa(q, kc[:, :, :8], vc[:, :, :8], keep[:, :, :8], True, 0.3),
+                                   rtol=1e-5, atol=1e-6)
+    else:  # the sink takes its share: outputs shrink towards 0 against plain attention
+        plain = attend_compiled(q, kc, vc, keep, AttentionSpec(0.3, None, 4))
+        assert not torch.allclose(out, plain, atol=1e-3)

@@ -1,10 +1,12 @@
 """A decoder-only LM rebuilt as one function of (token ids, cache slots) over a preallocated KV cache.
 
 ``StaticDecoder(model, batch, max_len)`` runs the model's own weights, norms, rotary tables and activation in the
-same order as transformers' Llama / Mistral / Qwen2 (and affineq's ``TinyLM``), so greedy tokens equal
-``model.generate``'s; ``affineq.models.decoding.generate`` drives it. Left-padded batches follow transformers'
-conventions: a row with ``p`` pad tokens has rotary positions ``slot - p`` (0 on the pads) and its pad slots are
-masked out of every query's keys. The KV cache is in the model dtype, or quantized (``affineq.models.kv_cache``).
+same order as transformers' Llama / Mistral / Qwen2 / Qwen3 / Gemma 3 and the mixture-of-experts Mixtral /
+Qwen3-MoE / gpt-oss (and affineq's ``TinyLM``), so greedy tokens equal ``model.generate``'s;
+``affineq.models.decoding.generate`` drives it. Per-architecture pieces: attention variants (sliding windows, sinks,
+logit scale) in ``attention_variants``, the feed-forward (gated MLP or the model's own router + experts) in
+``moe_block``. Left-padded batches follow transformers' conventions: a row with ``p`` pad tokens has rotary
+positions ``slot - p`` (0 on the pads) and its pad slots are masked out of every query's keys. The KV cache is in the model dtype, or quantized (``affineq.models.kv_cache``).
 """
 
 from __future__ import annotations
