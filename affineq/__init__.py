@@ -45,6 +45,7 @@ from affineq.configs_float import (
 )
 from affineq.distributed import dcp_load, dcp_save, parallelize_quantized
 from affineq.dtypes import qtype as _qtype
+from affineq.experts import use_affineq_experts  # noqa: F401  (MoE experts run grouped_linear after quantize_)
 from affineq.fusion import fuse_modules_
 from affineq.granularity import PerAxis, PerGroup
 from affineq.primitives import MappingType, ZeroPointDomain

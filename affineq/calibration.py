@@ -83,6 +83,10 @@ class Int8StaticActivationInt8WeightConfig(QuantConfig):
     `dense` with our kernel on the fake-quantized input elsewhere; `plain` for convolutions), "plain", "dense".
     """
 
+    experts_unsupported: ClassVar[str | None] = (
+        "its activation qparams are calibrated per layer input, and each expert sees only the tokens routed to it "
+        "(not supported yet); quantize the experts with a weight-only config (FqnToConfig)")
+
     modules: ClassVar = (nn.Linear, nn.Conv1d, nn.Conv2d)
     needs_calibration: ClassVar[bool] = True
     workflow: ClassVar[Workflow] = CALIBRATION

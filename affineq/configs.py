@@ -21,6 +21,12 @@ from torch import nn
 
 from affineq import granularity as _gran
 from affineq.dtypes import check_target_dtype, is_integer_target, is_signed, qtype
+from affineq.expert_weights import (
+    expert_parameter_names,
+    expert_weight_problem,
+    is_expert_module,
+    per_expert_shape,
+)
 from affineq.granularity import Granularity, PerAxis, PerGroup, PerRow, PerTensor, get_block_size
 from affineq.primitives import ROUNDING, MappingType, ZeroPointDomain
 from affineq.recurrent import RECURRENT_TYPES, recurrent_weight_names
@@ -194,10 +200,15 @@ class QuantConfig:
     Recurrent modules (nn.LSTM / GRU / RNN and their cells, `affineq.recurrent`) run their weights through
     F.linear, so every config that quantizes nn.Linear takes them when `filter_fn` selects them, unless it
     sets `recurrent_unsupported` to the reason it cannot.
+
+    MoE experts modules (3-D `gate_up_proj` / `down_proj`, `affineq.expert_weights`) are a stack of linear
+    weights: every config that quantizes nn.Linear quantizes them expert by expert, unless it sets
+    `experts_unsupported` to the reason it cannot.
     """
 
     modules: ClassVar[tuple[type[nn.Module], ...]] = (nn.Linear,)
     recurrent_unsupported: ClassVar[str | None] = None
+    experts_unsupported: ClassVar[str | None] = None
     _field_types: ClassVar[dict[str, tuple[type, ...]]] = {}  # a subclass's own overrides of _FIELD_TYPES
     param_names: tuple[str, ...] | None = field(default=None, kw_only=True)
 
@@ -238,12 +249,18 @@ class QuantConfig:
         """Names of the parameters of `module` this config quantizes."""
         if self.param_names is None and isinstance(module, RECURRENT_TYPES):
             return recurrent_weight_names(module)
+        if self.param_names is None and is_expert_module(module):
+            return expert_parameter_names(module)
         return self.param_names or ("weight",)
 
     def check(self, module: nn.Module) -> str | None:
         """Why this config cannot quantize `module` (a sentence), or None."""
         if isinstance(module, RECURRENT_TYPES) and self.param_names is None:
             why = _recurrent_problem(self, module)
+            if why is not None:
+                return why
+        elif is_expert_module(module) and self.param_names is None:
+            why = _experts_problem(self, module)
             if why is not None:
                 return why
         elif not isinstance(module, self.modules) and self.param_names is None:
@@ -275,7 +292,13 @@ class QuantConfig:
         if w.numel() == 0:
             return f"its {name} is empty (shape {tuple(w.shape)}); there is nothing to quantize"
         try:
-            self._block_size(tuple(w.shape), module)
+            if w.dim() == 3 and is_expert_module(module):  # blocks inside one expert's [N, K] weight
+                if self.experts_unsupported is not None:
+                    return f"{type(self).__name__} cannot quantize expert weights: {self.experts_unsupported}"
+                n, k = per_expert_shape(module, w)
+                self._block_size((n, k), nn.Linear(k, n, bias=False, device="meta"))
+            else:
+                self._block_size(tuple(w.shape), module)
         except ValueError as e:
             return str(e)
         return None
@@ -319,6 +342,33 @@ def _recurrent_problem(config: QuantConfig, module: nn.Module) -> str | None:
                 f"replaces exact {base.__name__} modules only: quantize the Linear layers inside it, or build it "
                 f"from a plain {base.__name__}")
     return None
+
+
+def _experts_problem(config: QuantConfig, module: nn.Module) -> str | None:
+    name = type(config).__name__
+    if config.experts_unsupported is not None:
+        return f"{name} cannot quantize the expert weights of {type(module).__name__}: {config.experts_unsupported}"
+    if nn.Linear not in config.modules:
+        return f"{name} quantizes {', '.join(m.__name__ for m in config.modules)} modules, not MoE expert weights"
+    why = expert_weight_problem(module)
+    if why is None:
+        aq = _probe_act_quant(config, module)
+        if aq is not None and not aq.static and aq.granularity == "per_tensor":
+            why = (f"{name} quantizes activations dynamically per tensor, one scale that the rows routed to different "
+                   "experts would share; use per-token activation quantization for the experts")
+    return why
+
+
+def _probe_act_quant(config: QuantConfig, module: nn.Module) -> ActivationQuant | None:
+    """The activation quantization `config` gives one expert's weight of `module` (a meta probe; None if it
+    cannot tell)."""
+    w = module._parameters[expert_parameter_names(module)[-1]]
+    n, k = per_expert_shape(module, w)
+    try:
+        return config.weight_spec(torch.empty(n, k, dtype=w.dtype, device="meta"),
+                                  nn.Linear(k, n, bias=False, device="meta", dtype=w.dtype)).act_quant
+    except Exception:  # noqa: BLE001 - a config whose spec needs data: its own checks run at quantize time
+        return None
 
 
 _ALREADY = ("its {name} is already quantized; quantize_ a float model (load the float weights again), or "
@@ -421,9 +471,9 @@ class Int4WeightOnlyConfig(QuantConfig):
 
 
 def _format_cannot_hold(spec: QuantSpec) -> bool:
-    from affineq.tensor.formats import get_format
+    from affineq.tensor.format_experts import format_of
 
-    return get_format(spec.fmt).check(spec) is not None
+    return format_of(spec).check(spec) is not None
 
 
 def _auto_float_codes(fmt: str, spec: QuantSpec, weight: torch.Tensor, module: nn.Module) -> QuantSpec:

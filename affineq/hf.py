@@ -59,6 +59,8 @@ from affineq._memory import release_float_copy as _release_float_copy
 from affineq._memory import trim_heap as _trim_heap
 from affineq._untrusted import inside
 from affineq.configs import QuantConfig, config_from_dict
+from affineq.expert_weights import is_expert_module
+from affineq.experts import use_affineq_experts
 from affineq.quantize import AFTER_QUANTIZE, FqnToConfig, ModelConfig, QuantizationError, quantize_
 from affineq.tensor.affine import AffineQuantizedTensor
 
@@ -151,6 +153,8 @@ class AffineqQuantize(ConversionOps):
         module, pname = get_module_from_name(model, full_layer_name)
         cfg, _ = self.hf_quantizer.config_for(model, full_layer_name)
         module._parameters[pname] = nn.Parameter(value, requires_grad=False)
+        if is_expert_module(module):  # this expert weight only: the module's others may not be loaded yet
+            cfg = _with_param(cfg, pname)
         quantize_(module, cfg, filter_fn=lambda m, fqn: fqn == "")
         param = module._parameters[pname]
         _release_float_copy(value)
@@ -234,7 +238,9 @@ class AffineqHfQuantizer(HfQuantizer):
         if not explicit and not should_convert_module(module_fqn, self._default_skips):
             return False
         module = model.get_submodule(module_fqn) if module_fqn else model
-        return explicit or isinstance(module, nn.Linear)
+        return explicit or isinstance(module, nn.Linear) or (is_expert_module(module)
+                                                             and module._parameters[param_name.rpartition(".")[2]]
+                                                             .dim() == 3)
 
     def entry_for(self, model, param_name: str) -> tuple[str, dict]:
         entries = (self.metadata or {}).get("quantized", {})
@@ -290,6 +296,7 @@ class AffineqHfQuantizer(HfQuantizer):
             if lost:
                 raise ValueError(f"the checkpoint's quantized weights {lost[:5]} were not loaded into the model (the "
                                  "checkpoint does not match this model class, or its files were edited)")
+        use_affineq_experts(model)  # quantized MoE expert weights run through grouped_linear
         return model
 
     def get_quantize_ops(self):

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from affineq.configs import QuantConfig, _decode, _encode
+from affineq.expert_weights import is_expert_module
 
 __all__ = ["FqnToConfig", "ModelConfig", "QuantizationError", "Step", "Workflow", "all_or_nothing", "check_tied",
            "handler_for", "parameter_owners", "plan", "raise_problems", "register_quantize_module_handler",
@@ -140,7 +141,8 @@ class ModelConfig(QuantConfig):
 
 
 def default_filter(module: nn.Module, fqn: str) -> bool:
-    return isinstance(module, nn.Linear)
+    """nn.Linear modules and MoE experts modules (3-D expert weights, `affineq.expert_weights`)."""
+    return isinstance(module, nn.Linear) or is_expert_module(module)
 
 
 @dataclass

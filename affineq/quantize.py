@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from affineq.configs import QuantConfig
+from affineq.expert_weights import is_expert_module, quantize_expert_weight
 from affineq.plan import (
     FilterFn,
     FqnToConfig,
@@ -47,7 +48,12 @@ def replace_parameters(module: nn.Module, config: QuantConfig) -> nn.Module:
     recurrent module (nn.LSTM, nn.GRUCell, ...) is then replaced by its quantized twin, which shares the
     Parameters and runs them through F.linear (`affineq.recurrent`)."""
     for name in config.parameter_names(module):
-        qweight = config.quantize_weight(getattr(module, name).detach(), module)
+        weight = getattr(module, name).detach()
+        if weight.dim() == 3 and is_expert_module(module) and not getattr(config, "quantizes_expert_stacks", False):
+            # MoE experts: each expert as a Linear weight (an algorithm's precomputed stack is taken whole)
+            qweight = quantize_expert_weight(config, weight, module)
+        else:
+            qweight = config.quantize_weight(weight, module)
         setattr(module, name, nn.Parameter(qweight, requires_grad=False))
     return quantized_twin(module, config)
 

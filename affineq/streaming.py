@@ -38,6 +38,8 @@ from affineq._meta_buffers import meta_tensors, plan_meta_buffers
 from affineq._untrusted import inside, read_json
 from affineq.algorithms import AlgorithmConfig
 from affineq.configs import QuantConfig
+from affineq.expert_weights import is_expert_module, quantize_expert_weight
+from affineq.experts import use_affineq_experts
 from affineq.plan import (
     FqnToConfig,
     ModelConfig,
@@ -290,6 +292,8 @@ def quantize_weight(config: QuantConfig, weight: torch.Tensor, module: nn.Module
     depend on that row only, so `from_spec(..., chunk_rows=)` computes them chunk by chunk and packs once: the
     temporaries shrink to one chunk plus the codes (one byte per weight), and the pages of a memory-mapped
     weight are given back chunk by chunk. Configs with their own `quantize_weight` are quantized whole."""
+    if weight.dim() == 3 and is_expert_module(module):  # MoE experts: one expert (2-D) at a time
+        return quantize_expert_weight(config, weight, module)
     if type(config).quantize_weight is not QuantConfig.quantize_weight or weight.dim() != 2:
         return config.quantize_weight(weight, module)
     spec = config.weight_spec(weight, module)
@@ -609,6 +613,7 @@ def load_quantized(
         raise ValueError(f"load_quantized: {left} are still on the meta device after loading; fill them (or build "
                          "their modules on the CPU) before running the model")
     trim_heap()
+    use_affineq_experts(model)  # quantized MoE expert weights run through grouped_linear
     return model
 
 

@@ -311,6 +311,19 @@ def test_other_isa_build_matches(tmp_path: Path, march: str, isa: str, needs: se
         "        for path in (1, 2):\n"
         "            err = (P(x, pk, s, o, bits, gs, n, k, kind, path, co).double() - ref).abs()\n"
         "            assert bool((err <= bound).all()), (bits, kind, qd, m, path, (err / bound).max())\n"
+        # the grouped op (cpp/grouped.cpp): each row bit for bit lowbit_linear on its expert's rows
+        "import affineq.cpp.grouped_ops\n"
+        "for bits, gs, qd, dt in [(4, 24, torch.float32, torch.float32), (3, 8, torch.bfloat16, torch.bfloat16)]:\n"
+        "    pk = torch.stack([K.pack_codes(torch.randint(0, 2 ** bits, (n, k), dtype=torch.uint8), bits)\n"
+        "                      for _ in range(3)])\n"
+        "    s, o = (torch.rand(3, n, k // gs) + 0.1).to(qd), torch.randn(3, n, k // gs).to(qd)\n"
+        "    for T in (1, 5, 30):\n"
+        "        ids, x = torch.randint(0, 2, (T,)), torch.randn(T, k).to(dt)\n"
+        "        y = torch.ops.affineq.grouped_lowbit_linear(x, ids, pk, s, o, bits, gs, n, k, 0, 0)\n"
+        "        for e in range(2):\n"
+        "            r = (ids == e).nonzero().squeeze(1)\n"
+        "            want = torch.ops.affineq.lowbit_linear(x[r], pk[e], s[e], o[e], bits, gs, n, k)\n"
+        "            assert torch.equal(y[r], want), (bits, T, e)\n"
         "print('ok')\n"
     )
     # -O1: the same IEEE results as -O3 (no fast-math), in a fraction of the compile time

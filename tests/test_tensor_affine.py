@@ -96,7 +96,7 @@ def test_from_qparams_uses_given_scale():
 @pytest.mark.parametrize(("fmt", "shape", "words"), [
     ("int4_cpu", (32, 63), "even in_features"),
     ("int4_cpu", (24, 64), "divisible by 16"),
-    ("dense", (4, 8, 32), "2-D"),
+    ("dense", (2, 4, 8, 32), "2-D"),  # (3-D: expert weights, held per expert: tests/test_moe.py)
 ])
 def test_format_rejects_what_it_cannot_hold(fmt, shape, words):
     w = torch.randn(shape)

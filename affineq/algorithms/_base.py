@@ -20,9 +20,10 @@ from torch import nn
 from affineq.algorithms._capture import check_calibration_items
 from affineq.capability import min_max_integer_rows, probe_spec
 from affineq.configs import QuantConfig
+from affineq.expert_weights import expert_parameter_names, is_expert_module
 from affineq.plan import FqnToConfig, QuantizationError, Workflow, all_or_nothing
 from affineq.tensor.affine import AffineQuantizedTensor
-from affineq.tensor.formats import get_format
+from affineq.tensor.format_experts import format_of
 from affineq.tensor.spec import QuantSpec
 
 
@@ -42,6 +43,7 @@ class AlgorithmConfig(QuantConfig):
     classes instead of every config `cannot_wrap` accepts) and implement `run`."""
 
     needs_data: ClassVar[bool] = True
+    expert_weights: ClassVar[bool] = False  # True: `run` also takes MoE experts modules (3-D expert weights)
     base_types: ClassVar[tuple[type, ...]] = ()
     pre_quant: ClassVar[bool] = False  # Quark's pre_quant_opt_config (SmoothQuant) rather than its algo_config
     workflow: ClassVar[Workflow] = ALGORITHMS
@@ -70,7 +72,7 @@ class AlgorithmConfig(QuantConfig):
         return (nn.Linear,) if self.base_config is None else self.base_config.modules
 
     def parameter_names(self, module: nn.Module) -> tuple[str, ...]:
-        return ("weight",)
+        return expert_parameter_names(module) if is_expert_module(module) else ("weight",)
 
     def cannot_wrap(self, base: QuantConfig) -> str | None:
         """None when this algorithm can run on `base`, else why not. With `base_types` set: those classes
@@ -98,7 +100,13 @@ class AlgorithmConfig(QuantConfig):
         if self.base_config is None:
             return (f"{type(self).__name__}(base_config=None) is a template for Config(algo_config=...); give it "
                     "the weight config to run, e.g. GPTQConfig(Int4WeightOnlyConfig(group_size=64))")
-        if not isinstance(module, nn.Linear):
+        if is_expert_module(module) and not self.expert_weights:
+            return (f"{type(self).__name__} does not support MoE expert weights (3-D "
+                    f"{'/'.join(expert_parameter_names(module))} of {type(module).__name__}) yet: quantize the experts "
+                    "with a weight config or HQQConfig first (filter_fn=lambda m, fqn: fqn.endswith('experts')), then "
+                    f"run {type(self).__name__} on the Linear layers (filter_fn=lambda m, fqn: isinstance(m, "
+                    "nn.Linear))")
+        if not isinstance(module, nn.Linear) and not is_expert_module(module):
             return f"{type(self).__name__} quantizes nn.Linear layers, not {type(module).__name__}"
         return self.base_config.check(module)
 
@@ -121,6 +129,7 @@ class Precomputed(QuantConfig):
     module's parameter). `base` is the config it was computed for (its `modules` and `check` apply)."""
 
     modules: ClassVar = (nn.Linear,)
+    quantizes_expert_stacks: ClassVar[bool] = True  # `weight` may be a whole 3-D expert weight
     base: QuantConfig = None
     weight: AffineQuantizedTensor = field(default=None, compare=False, hash=False, repr=False)
 
@@ -138,7 +147,7 @@ def represent_qparams(spec: QuantSpec, scale: torch.Tensor, zero_point: torch.Te
     """The qparams as `spec`'s format stores them (e.g. bf16-rounded scales), shaped [n_blocks...]: compute
     codes with these so the saved tensor dequantizes to exactly what the algorithm computed."""
     n = spec.num_blocks
-    return get_format(spec.fmt).represent_qparams(
+    return format_of(spec).represent_qparams(
         scale.reshape(n), None if zero_point is None else zero_point.reshape(n), spec)
 
 

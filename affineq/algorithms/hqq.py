@@ -64,6 +64,7 @@ from affineq.algorithms.imatrix import (
 from affineq.configs import (
     QuantConfig,
 )
+from affineq.expert_weights import expert_parameter_names, is_expert_module, quantize_expert_weight
 from affineq.primitives import MappingType, ZeroPointDomain, default_eps, fake_quantize_unchecked
 from affineq.tensor.affine import AffineQuantizedTensor
 from affineq.tensor.spec import QParamOptions, QuantSpec
@@ -94,6 +95,7 @@ class HQQConfig(AlgorithmConfig):
     """
 
     needs_data: ClassVar[bool] = False
+    expert_weights: ClassVar[bool] = True
     iters: int = 20
     lp_norm: float = 0.7
     beta: float = 1e1
@@ -137,6 +139,14 @@ class HQQConfig(AlgorithmConfig):
         out: dict[str, QuantConfig] = {}
         imp = None if self.importance is None else resolve_importance(self.importance)
         for fqn, layer in _progress(layers.items(), "HQQ", self.progress, total=len(layers)):
+            if is_expert_module(layer):  # each expert's [N, K] weight alone, stacked: one config per parameter
+                if imp is not None:
+                    raise ValueError(f"HQQConfig(importance=...) has per-Linear importance vectors; {fqn} holds MoE "
+                                     "expert weights: run HQQ on the experts without importance")
+                for pname in expert_parameter_names(layer):
+                    qw = quantize_expert_weight(_PerExpert(self), layer._parameters[pname].detach(), layer)
+                    out[f"{fqn}.{pname}"] = Precomputed(base=self.base_config, weight=qw)
+                continue
             w = layer.weight.detach()
             spec = self.base_config.weight_spec(w, layer)
             col = None if imp is None else importance_of(type(self).__name__, imp, fqn, w.shape[1])
@@ -145,6 +155,19 @@ class HQQConfig(AlgorithmConfig):
                               keep_best_by=self.keep_best_by, importance=col)
             out[fqn] = Precomputed(base=self.base_config, weight=qw)
         return out
+
+
+class _PerExpert:
+    """`quantize_weight(w, linear)` of one expert's [N, K] weight with HQQ (for `quantize_expert_weight`)."""
+
+    def __init__(self, cfg: HQQConfig) -> None:
+        self.cfg = cfg
+        self.packing_format = getattr(cfg.base_config, "packing_format", None)
+
+    def quantize_weight(self, w: torch.Tensor, linear: nn.Module) -> AffineQuantizedTensor:
+        c, base = self.cfg, self.cfg.base_config
+        return hqq_quantize(w, base.weight_spec(w, linear), base.qparam_options(), iters=c.iters, lp_norm=c.lp_norm,
+                            beta=c.beta, kappa=c.kappa, optimize_scale=c.optimize_scale, keep_best_by=c.keep_best_by)
 
 
 def _zero_point_is_fixed(cfg: QuantConfig) -> bool:

@@ -41,8 +41,11 @@ The C++ library is compiled on first use (see ``_build.py``; every ``*.cpp`` her
 ``activation_quant.cpp`` the int8 activation quantization, ``recurrent.cpp`` the LSTM / GRU / RNN recurrence
 (``affineq::lowbit_rnn_layer``), whose dynamic int8 steps use ``gemm_int8_codes.cpp`` (int8 codes of h times
 8-bit weight codes, summed exactly in int32 by VNNI ``vpdpbusd``; AVX512-VNNI + VBMI builds);
-``lowbit_ops.cpp`` binds them to the torch ops. ``is_available()`` says whether the build worked; callers fall
-back to ``lowbit_linear_reference``-style dequantize + ``F.linear`` otherwise.
+``lowbit_ops.cpp`` binds them to the torch ops (argument rules shared with the other bindings: ``op_checks.h``);
+``grouped.cpp`` runs the same kernels per expert of a 3-D weight for mixture-of-experts layers
+(``affineq::grouped_lowbit_linear``, defined with its reference in ``grouped_ops.py``). ``is_available()`` says
+whether the build worked; callers fall back to ``lowbit_linear_reference``-style dequantize + ``F.linear``
+otherwise.
 """
 
 from __future__ import annotations

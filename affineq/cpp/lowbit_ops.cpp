@@ -19,11 +19,14 @@
 #include <utility>
 
 #include "lowbit_kernels.h"
+#include "op_checks.h"
 
 namespace affineq {
 namespace {
-
 std::atomic<bool> g_disabled{false};
+}  // namespace
+
+bool kernels_disabled() { return g_disabled.load(); }
 
 int64_t packed_nbytes(int64_t n, int64_t k, int64_t bits) { return n * ((k + 7) / 8) * bits; }
 
@@ -38,6 +41,8 @@ bool allow_int16_x(at::ScalarType xt) {
   return xt != at::kFloat;  // "auto"
 }
 
+namespace {
+
 // codes: kCodesUint (any bits), a float8 kind (bits 8), fp4 (bits 4) or an fp6 kind (bits 6).
 bool codes_ok(int64_t codes, int64_t bits) {
   switch (codes) {
@@ -48,6 +53,8 @@ bool codes_ok(int64_t codes, int64_t bits) {
     default: return false;
   }
 }
+
+}  // namespace
 
 // scale/offset: both float32 or both bfloat16, [n, k / group_size]; a float32 scale without offset (offset 0: float
 // codes); or scale uint8 e8m0 exponent bytes with no offset (offset = scale * code_offset). Returns whether the
@@ -84,6 +91,8 @@ bool check_qparams(const char* op, const at::Tensor& scale, const std::optional<
               ": bfloat16 qparams (the W = scale * (u - 2^(bits-1)) + zero convention) need integer codes");
   return false;
 }
+
+namespace {
 
 at::Tensor lowbit_linear_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                               const std::optional<at::Tensor>& offset, int64_t bits, int64_t group_size, int64_t n,

@@ -28,6 +28,7 @@ from affineq.configs import (
     IntxWeightOnlyConfig,
     QuantConfig,
 )
+from affineq.expert_weights import expert_parameter_names, is_expert_module
 from affineq.granularity import PerAxis, PerBlock, PerGroup, PerTensor, PerToken
 from affineq.primitives import ZeroPointDomain
 from affineq.qat.config import FakeQuantizeConfig, TQTThresholdInitMeth
@@ -120,6 +121,10 @@ class _QATStep(QuantConfig):
             return None  # modules that were never prepared are left as they are
         if isinstance(module, _FakeQuantized):
             return "it is already prepared for QAT; run QATConfig(..., step='convert') on it"
+        if is_expert_module(module):
+            return (f"QATConfig does not support MoE expert weights (3-D {'/'.join(expert_parameter_names(module))} of "
+                    f"{type(module).__name__}) yet: leave the experts out of QAT (filter_fn=lambda m, fqn: "
+                    "isinstance(m, nn.Linear)) and quantize them with a weight config or HQQConfig")
         if type(module) not in FAKE_QUANTIZED:
             return (f"QAT swaps {', '.join(t.__name__ for t in FAKE_QUANTIZED)} modules, not "
                     f"{type(module).__name__}")

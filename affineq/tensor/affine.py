@@ -27,7 +27,7 @@ from affineq.dtypes import QType
 from affineq.mx import pow2_scale_exponent
 from affineq.primitives import MappingType, ZeroPointDomain, choose_qparams_affine, quantize_affine
 from affineq.tensor import dispatch
-from affineq.tensor.formats import get_format
+from affineq.tensor.format_experts import format_of
 from affineq.tensor.spec import ActivationQuant, QParamOptions, QuantSpec
 
 __all__ = ["ACT_TENSORS", "AffineQuantizedTensor"]
@@ -257,7 +257,7 @@ class AffineQuantizedTensor(torch.Tensor):
         with these so that their results equal what the packed tensor dequantizes to."""
         scale, zero_point = _min_max_qparams(input, spec, options or QParamOptions())
         n = spec.num_blocks
-        return get_format(spec.fmt).represent_qparams(
+        return format_of(spec).represent_qparams(
             scale.reshape(n), None if zero_point is None else zero_point.reshape(n), spec)
 
     @classmethod
@@ -331,7 +331,7 @@ class AffineQuantizedTensor(torch.Tensor):
         if not isinstance(tensors, dict):
             raise ValueError(f"tensors must be a dict of name -> tensor (as AffineQuantizedTensor.tensors returns "
                              f"it), got {type(tensors).__name__}")
-        fmt = get_format(spec.fmt)
+        fmt = format_of(spec)
         fmt.validate({k: v for k, v in tensors.items() if not k.startswith("act_")}, spec)
         _check_act_tensors(tensors, spec)
         return cls(dict(tensors), spec)
@@ -350,7 +350,7 @@ class AffineQuantizedTensor(torch.Tensor):
 
     @staticmethod
     def _checked_format(spec: QuantSpec):
-        fmt = get_format(spec.fmt)
+        fmt = format_of(spec)
         why = fmt.check(spec)
         if why is not None:
             raise ValueError(f"packing_format={spec.fmt!r} cannot hold this tensor: {why}; choose another "
@@ -390,7 +390,7 @@ class AffineQuantizedTensor(torch.Tensor):
 
     def to_portable(self) -> AffineQuantizedTensor:
         """This tensor in a device-independent format (`int4_cpu` / `int4_cuda` -> `plain`), else itself."""
-        portable = get_format(self.spec.fmt).portable
+        portable = format_of(self.spec).portable
         return self if portable is None else self.to_format(portable)
 
     # -- fields ---------------------------------------------------------------------------------------
@@ -411,11 +411,11 @@ class AffineQuantizedTensor(torch.Tensor):
 
     @property
     def scale(self) -> torch.Tensor:
-        return get_format(self.spec.fmt).qparams(self.tensors, self.spec)[0]
+        return format_of(self.spec).qparams(self.tensors, self.spec)[0]
 
     @property
     def zero_point(self) -> torch.Tensor | None:
-        return get_format(self.spec.fmt).qparams(self.tensors, self.spec)[1]
+        return format_of(self.spec).qparams(self.tensors, self.spec)[1]
 
     @property
     def block_size(self) -> tuple[int, ...]:
@@ -451,14 +451,14 @@ class AffineQuantizedTensor(torch.Tensor):
 
     def codes(self) -> torch.Tensor:
         """Unpacked codes in the target's container dtype (untransposed layout, shape `spec.shape`)."""
-        return get_format(self.spec.fmt).codes(self.tensors, self.spec)
+        return format_of(self.spec).codes(self.tensors, self.spec)
 
     def dequantize(self, output_dtype: torch.dtype | None = None) -> torch.Tensor:
         """The float tensor these codes stand for, shape `self.shape`, dtype `output_dtype or self.dtype`.
 
         Activation tensors are not folded in: they transform the input of `linear`, not the weight."""
-        out = get_format(self.spec.fmt).dequantize(self.tensors, self.spec, output_dtype or self.dtype)
-        return out.t() if self.spec.transposed else out
+        out = format_of(self.spec).dequantize(self.tensors, self.spec, output_dtype or self.dtype)
+        return out.transpose(-2, -1) if self.spec.transposed else out
 
     def storage_bytes(self) -> int:
         """Bytes held by the stored tensors (codes, qparams and activation tensors)."""
@@ -484,7 +484,7 @@ class AffineQuantizedTensor(torch.Tensor):
     @classmethod
     def __tensor_unflatten__(cls, inner_tensors, spec, outer_size, outer_stride):
         tensors = {k[1:]: v for k, v in inner_tensors.items()}
-        want = set(get_format(spec.fmt).layout(spec))
+        want = set(format_of(spec).layout(spec))
         have = {n for n in tensors if not n.startswith("act_")}
         if have != want:
             raise ValueError(f"format {spec.fmt!r} stores tensors {sorted(want)}, got {sorted(have)}")

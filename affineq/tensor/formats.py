@@ -12,6 +12,9 @@ multiply a format lives in `affineq.tensor.linear_kernels`; the op table never l
 | int4_cpu  | aten `_convert_weight_to_int4pack_for_cpu`        | scale_and_zero [K/g, N, 2]           | 2-D, (1, g) |
 | int4_cuda | aten `_convert_weight_to_int4pack` (CUDA)         | scale_and_zero [K/g, N, 2] bf16      | 2-D, (1, g) |
 
+2-D formats also hold 3-D expert weights [E, N, K] (block (1, 1, g)): each stored tensor gets a leading expert dim,
+expert e's slice being exactly its 2-D tensor (`affineq.tensor.format_experts`).
+
 Each format declares the tensors it stores (`layout`: name -> shape and allowed dtypes, checked by
 `validate`, which `AffineQuantizedTensor.from_tensors` and `__tensor_unflatten__` call). Device-specific
 layouts name a `portable` format that holds the same codes and qparams exactly (`int4_cpu` / `int4_cuda`
@@ -58,10 +61,13 @@ class TensorLayout:
 class PackingFormat:
     """Base class: subclasses set `name` and implement `check`, `layout`, `pack`, `codes`, `qparams`.
 
-    `portable`: the format a checkpoint should use instead of this device-specific one (None: this one)."""
+    `portable`: the format a checkpoint should use instead of this device-specific one (None: this one).
+    `any_rank`: whether it holds tensors of any rank itself; a 2-D-only format holds 3-D expert weights one expert
+    at a time (`affineq.tensor.format_experts`)."""
 
     name: str = ""
     portable: str | None = None
+    any_rank: bool = False
 
     def check(self, spec: QuantSpec) -> str | None:
         """Why this format cannot hold `spec` (a sentence), or None if it can."""
@@ -224,6 +230,7 @@ class Plain(PackingFormat):
     value 2**(b - 127))."""
 
     name = "plain"
+    any_rank = True
 
     def layout(self, spec):
         blocks = spec.num_blocks

@@ -19,7 +19,7 @@ from affineq.tensor.activation import fake_quantize_activation, finish_output
 from affineq.tensor.affine import AffineQuantizedTensor
 from affineq.tensor.dispatch import check_frozen, guard_frozen_output
 from affineq.tensor.fallback import announce_fallback
-from affineq.tensor.formats import get_format
+from affineq.tensor.format_experts import format_of
 
 aten = torch.ops.aten
 AQT = AffineQuantizedTensor
@@ -110,7 +110,7 @@ def _embedding(func, args, kwargs):
         return func(weight.dequantize(), *args[1:], **kwargs)
     _check_indices(indices, spec.shape[0])
     # Dequantize only the rows looked up.
-    rows = get_format(spec.fmt).dequantize_rows(weight.tensors, spec, indices.reshape(-1), spec.dtype)
+    rows = format_of(spec).dequantize_rows(weight.tensors, spec, indices.reshape(-1), spec.dtype)
     return rows.view(*indices.shape, spec.shape[1])
 
 
@@ -139,7 +139,7 @@ def _embedding_bag(func, args, kwargs):
     _check_indices(indices, rows)
     unique, inverse = torch.unique(indices, return_inverse=True)
     a["input"] = inverse.to(indices.dtype)
-    a["weight"] = get_format(spec.fmt).dequantize_rows(weight.tensors, spec, unique, spec.dtype)
+    a["weight"] = format_of(spec).dequantize_rows(weight.tensors, spec, unique, spec.dtype)
     pad = a.get("padding_idx")
     if pad is not None:  # the padding row's position in the small table (absent: it never occurs)
         pad = pad + rows if pad < 0 else pad
@@ -257,6 +257,8 @@ def _transpose(func, args, kwargs):
     t, d0, d1 = args
     if t.dim() == 2 and d0 % 2 != d1 % 2:
         return _transpose2d(t)
+    if t.dim() == 3 and {d0 % 3, d1 % 3} == {1, 2} and t.spec.block_size[0] == 1:  # expert weights [E, N, K]
+        return _transpose2d(t)
     return t if d0 % t.dim() == d1 % t.dim() else _blockwise(func, [t], args[1:], kwargs)
 
 
@@ -265,10 +267,13 @@ def _permute(func, args, kwargs):
     t, dims = args
     if t.dim() == 2 and [d % 2 for d in dims] == [1, 0]:
         return _transpose2d(t)
+    if t.dim() == 3 and [d % 3 for d in dims] == [0, 2, 1] and t.spec.block_size[0] == 1:
+        return _transpose2d(t)
     return _blockwise(func, [t], args[1:], kwargs)
 
 
 def _transpose2d(t: AQT) -> AQT:
+    """`t` with its last two dims swapped, a flag on the spec (2-D weights; 3-D expert weights per expert)."""
     return t._replace(spec=t.spec.replace(transposed=not t.spec.transposed))
 
 
@@ -280,6 +285,10 @@ def _transpose2d(t: AQT) -> AQT:
 )
 def _structural(func, args, kwargs):
     t = args[0]
+    if func in _EXPERT_VIEWS and len(t.spec.shape) == 3:
+        out = _expert_view(func, t, args, kwargs)
+        if out is not None:
+            return out
     if func in _VIEWS and len(args) == 2 and tuple(args[1]) == tuple(t.shape):  # a view of the same tensor:
         return keep_slice_link(t, t._apply_to_tensors(aten.alias.default))  # writes go through
     out = _blockwise(func, [t], args[1:], kwargs)
@@ -287,6 +296,38 @@ def _structural(func, args, kwargs):
 
 
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+_EXPERT_VIEWS = (aten.select.int, aten.slice.Tensor, aten.unbind.int, aten.split.Tensor)
+
+
+def _expert_view(func, t: AQT, args, kwargs) -> AQT | list[AQT] | None:
+    """Expert weights [E, N, K] (blocks inside one expert) indexed along the expert dim: `w[e]` is expert e's 2-D
+    tensor, `w[a:b]` / unbind / split the 3-D tensors of those experts, each a view of every stored tensor (no
+    unpacking: a per-expert format stores each expert's tensors at [e], `format_experts`). None: not such an op."""
+    spec = t.spec
+    names = ("a", "dim") if func is aten.split.Tensor else ("dim", "a", "b", "step")  # split(self, size, dim)
+    a = {**dict(zip(names, args[1:], strict=False)), **kwargs}
+    if spec.block_size[0] != 1 or a.get("dim", 0) % 3 != 0:
+        return None
+    if func is aten.select.int:
+        return _expert_part(t, lambda v: v.select(0, a["a"]), 2)
+    if func is aten.unbind.int:
+        return [_expert_part(t, lambda v, e=e: v.select(0, e), 2) for e in range(spec.shape[0])]
+    if func is aten.split.Tensor:
+        size = a["a"]
+        return [_expert_part(t, lambda v, s=s: v[s:s + size], 3) for s in range(0, spec.shape[0], size)]
+    if a.get("step", 1) != 1:
+        return None
+    return _expert_part(t, lambda v: aten.slice.Tensor(v, 0, a.get("a"), a.get("b")), 3)
+
+
+def _expert_part(t: AQT, index, rank: int) -> AQT:
+    stored = {n: index(v) if not n.startswith("act_") else v for n, v in t.tensors.items()}
+    spec = t.spec
+    if rank == 2:
+        new = spec.replace(shape=spec.shape[1:], block_size=spec.block_size[1:])
+    else:
+        new = spec.replace(shape=(stored["qdata"].shape[0], *spec.shape[1:]))
+    return type(t)(stored, new)
 
 
 @implements(aten.cat.default)
@@ -300,7 +341,23 @@ def _cat(func, args, kwargs):
                 f"cat: AffineQuantizedTensors must share target, range, domain, format and activation "
                 f"quantization; got {tensors[0]!r} and {t!r}. Dequantize them first."
             )
+    dim = ({**dict(zip(("dim",), args[1:], strict=False)), **kwargs}).get("dim", 0)
+    if dim % max(tensors[0].dim(), 1) == 0 and _same_experts(tensors):  # expert weights joined along the experts
+        stored = {n: torch.cat([getattr(t, "_" + n) for t in tensors]) for n in tensors[0]._names}
+        spec = tensors[0].spec
+        return type(tensors[0])(stored, spec.replace(shape=(stored["qdata"].shape[0], *spec.shape[1:])))
     return _blockwise(func, tensors, args[1:], kwargs, listwise=True)
+
+
+def _same_experts(tensors: list[AQT]) -> bool:
+    """Whether `tensors` are 3-D expert weights that differ only in their number of experts (same spec and stored
+    layout otherwise, no activation tensors): cat along dim 0 then joins their stored tensors."""
+    first = tensors[0].spec
+    if len(first.shape) != 3 or first.block_size[0] != 1:
+        return False
+    layout = [(n, v.dtype, tuple(v.shape[1:])) for n, v in tensors[0].tensors.items()]
+    return all(t.spec.replace(shape=first.shape) == first and not t.act_tensors
+               and [(n, v.dtype, tuple(v.shape[1:])) for n, v in t.tensors.items()] == layout for t in tensors)
 
 
 def _family(t: AQT):
@@ -332,7 +389,7 @@ def _logical_parts(t: AQT) -> dict[str, torch.Tensor]:
     if "act_pre_scale" in t._names:  # per input channel: the last dim of the untransposed layout
         parts["act_pre_scale"] = t._act_pre_scale.expand(spec.shape).contiguous()
     if spec.transposed:
-        parts = {k: v.t() for k, v in parts.items()}
+        parts = {k: v.transpose(-2, -1) for k, v in parts.items()}
     return parts
 
 
@@ -384,7 +441,7 @@ def _rebuild(base: AQT, p: dict[str, torch.Tensor], func) -> AQT:
     corner = tuple(slice(None, None, b) for b in block)
     zp = p["zero_point"][corner] if "zero_point" in p else None
     new_spec = spec.replace(shape=tuple(p["codes"].shape), block_size=block, transposed=False)
-    if get_format(spec.fmt).check(new_spec) is not None:
+    if format_of(spec).check(new_spec) is not None:
         new_spec = new_spec.replace(fmt="plain")
     out = type(base).from_codes(p["codes"].contiguous(), p["scale"][corner], zp, new_spec)
     act = {n: v for n, v in base.act_tensors.items() if n != "act_pre_scale"}

@@ -182,9 +182,10 @@ class QuantSpec:
 
     shape/dtype: the logical (float) tensor, untransposed; target: the code type (a `QType`: int4, uint4,
     int8, float8_e4m3fn, fp6_e3m2, ...); block_size: one entry per dim of `shape`; quant_min/quant_max: the
-    code range; fmt: packing format name; transposed: a 2-D tensor viewed as its transpose without moving
-    data; act_quant: activation quantization applied by linear, or None for weight-only; scale_type: None
-    (scales are floats of their stored dtype) or a scale QType (`qtype("e8m0")`: powers of two).
+    code range; fmt: packing format name; transposed: a 2-D tensor (or 3-D expert weights [E, N, K]) viewed
+    with its last two dims swapped without moving data; act_quant: activation quantization applied by linear,
+    or None for weight-only; scale_type: None (scales are floats of their stored dtype) or a scale QType
+    (`qtype("e8m0")`: powers of two).
 
     Build one with `QuantSpec.create` (fills and checks the range, normalizes the target).
     """
@@ -229,8 +230,8 @@ class QuantSpec:
         _check_enum("QuantSpec.mapping_type", self.mapping_type, MappingType)
         if not isinstance(self.fmt, str):
             raise bad("fmt", "must be a packing format name ('plain', 'dense', ...)")
-        if not isinstance(self.transposed, bool) or (self.transposed and len(self.shape) != 2):
-            raise bad("transposed", "must be a bool, True only for a 2-D tensor")
+        if not isinstance(self.transposed, bool) or (self.transposed and len(self.shape) not in (2, 3)):
+            raise bad("transposed", "must be a bool, True only for a 2-D tensor or 3-D expert weights")
         if not (self.act_quant is None or isinstance(self.act_quant, ActivationQuant)):
             raise bad("act_quant", "must be an ActivationQuant or None")
         if not (self.scale_type is None or isinstance(self.scale_type, QType)):
@@ -289,8 +290,8 @@ class QuantSpec:
 
     @property
     def logical_shape(self) -> tuple[int, ...]:
-        """Shape the user sees: `shape`, or its transpose when `transposed`."""
-        return (self.shape[1], self.shape[0]) if self.transposed else self.shape
+        """Shape the user sees: `shape`, or `shape` with its last two dims swapped when `transposed`."""
+        return (*self.shape[:-2], self.shape[-1], self.shape[-2]) if self.transposed else self.shape
 
     @property
     def num_blocks(self) -> tuple[int, ...]:

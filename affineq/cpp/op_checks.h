@@ -1,0 +1,25 @@
+// Argument rules and switches shared by the torch op bindings (defined in lowbit_ops.cpp; grouped.cpp uses them
+// too, so the 2-D and the grouped ops accept exactly the same weights).
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+
+namespace affineq {
+
+// Whether the kill switch (affineq.cpp._set_disabled / AFFINEQ_DISABLE_CPP_KERNELS) is on.
+bool kernels_disabled();
+
+// Bytes of pack_codes output for an [n, k] weight of `bits`-bit codes.
+int64_t packed_nbytes(int64_t n, int64_t k, int64_t bits);
+
+// Whether the VNNI GEMM may round x of this dtype to 16-bit fixed point (AFFINEQ_KERNELS_INT16_X).
+bool allow_int16_x(at::ScalarType xt);
+
+// TORCH_CHECKs codes against bits and the qparams of one [n, k] weight (scale / offset [n, G]); returns whether the
+// scales are e8m0 exponent bytes. `op` names the op in the messages.
+bool check_qparams(const char* op, const at::Tensor& scale, const std::optional<at::Tensor>& offset_opt,
+                   int64_t bits, int64_t codes, int64_t code_offset, int64_t n, int64_t G);
+
+}  // namespace affineq
