@@ -1,7 +1,7 @@
 """affineq.models.generate on mixture-of-experts models (issue #34: Mixtral, Qwen3-MoE, gpt-oss) and plain Qwen3:
-the same greedy tokens as transformers' generate of the same model, float and weight-quantized (no kernel
-fallback), eager and compiled, padded batches, gpt-oss' sinks / alternating sliding windows / YaRN, and the
-options it cannot run named."""
+the same greedy tokens as transformers' generate of the same model, float and weight-quantized (linears and 3-D
+expert weights, the experts through the grouped kernel, no kernel fallback), eager and compiled, padded batches,
+gpt-oss' sinks / alternating sliding windows / YaRN, and the options it cannot run named."""
 
 import pytest
 import torch
@@ -27,6 +27,7 @@ from affineq.models.attention_variants import (  # noqa: E402
     attend_sdpa,
 )
 from affineq.models.static_decoder import StaticDecoder  # noqa: E402
+from affineq.tensor.grouped import GROUPED_KERNEL  # noqa: E402
 
 _SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=256, initializer_range=0.2, num_hidden_layers=2)  # peaked logits, no near-ties
@@ -77,9 +78,14 @@ _QUANT = {
 
 
 def _quantize(model, quant: str) -> None:
+    """Weight-only quantization of every linear and every expert weight (3-D, run by the grouped kernel)."""
     if _QUANT[quant] is not None:
         affineq.quantize_(model, _QUANT[quant]())
         assert isinstance(model.model.layers[0].self_attn.q_proj.weight, affineq.AffineQuantizedTensor)
+        for blk in model.model.layers:
+            experts = getattr(blk.mlp, "experts", None)
+            for name in ("gate_up_proj", "down_proj") if experts is not None else ():
+                assert isinstance(experts._parameters[name], affineq.AffineQuantizedTensor), name
 
 
 @pytest.mark.parametrize("quant", sorted(_QUANT))
@@ -94,6 +100,8 @@ def test_tokens_equal_transformers_generate_eager(kind, quant):
     assert torch.equal(out, ref)
     assert not [k for k in ran if k.startswith("dequantize:")]  # no kernel fallback
     assert (quant == "float") == (not ran)
+    if quant != "float" and kind != "qwen3":  # the experts ran through the grouped kernel, not a float loop
+        assert GROUPED_KERNEL in ran
 
 
 def test_compiled_tokens_equal_transformers_generate():
