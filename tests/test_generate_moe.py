@@ -104,11 +104,12 @@ def test_tokens_equal_transformers_generate_eager(kind, quant):
         assert GROUPED_KERNEL in ran
 
 
-def test_compiled_tokens_equal_transformers_generate():
-    """The compiled decode step (fullgraph: the model's router and grouped experts inside one graph; sinks, the
-    sliding window and YaRN tables in the static-shape attention) on an int8-quantized gpt-oss."""
-    model = _model("gpt_oss")
-    _quantize(model, "int8")
+@pytest.mark.parametrize(("kind", "quant"), [("gpt_oss", "int8"), ("qwen3_moe", "int4")])
+def test_compiled_tokens_equal_transformers_generate(kind, quant):
+    """The compiled decode step (fullgraph: the model's router and quantized experts' grouped kernel inside one
+    graph; gpt-oss' sinks, sliding window and YaRN tables, Qwen3's q/k norms in the static-shape attention)."""
+    model = _model(kind)
+    _quantize(model, quant)
     ids = _prompt()
     out = generate(model, ids, 8, ignore_eos=True, cpp_wrapper=False)
     assert torch.equal(out, _hf(model, ids, 8))
