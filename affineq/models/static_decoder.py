@@ -6,7 +6,8 @@ Qwen3-MoE / gpt-oss (and affineq's ``TinyLM``), so greedy tokens equal ``model.g
 ``affineq.models.decoding.generate`` drives it. Per-architecture pieces: attention variants (sliding windows, sinks,
 logit scale) in ``attention_variants``, the feed-forward (gated MLP or the model's own router + experts) in
 ``moe_block``. Left-padded batches follow transformers' conventions: a row with ``p`` pad tokens has rotary
-positions ``slot - p`` (0 on the pads) and its pad slots are masked out of every query's keys. The KV cache is in the model dtype, or quantized (``affineq.models.kv_cache``).
+positions ``slot - p`` (0 on the pads) and its pad slots are masked out of every query's keys. The KV cache is in
+the model dtype, or quantized (``affineq.models.kv_cache``).
 """
 
 from __future__ import annotations
