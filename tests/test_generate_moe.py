@@ -189,3 +189,11 @@ def test_static_shape_attention_equals_the_eager_formulas(sinks):
     else:  # the sink takes its share: outputs shrink towards 0 against plain attention
         plain = attend_compiled(q, kc, vc, keep, AttentionSpec(0.3, None, 4))
         assert not torch.allclose(out, plain, atol=1e-3)
+
+
+@pytest.mark.parametrize("kind", ["gpt_oss", "mixtral_swa"])
+def test_bfloat16_tokens_equal_transformers_generate(kind):
+    """A bf16 model: sinks in the logits' dtype, the experts and norms in bf16, as transformers runs them."""
+    model = _model(kind).to(torch.bfloat16)
+    ids = _prompt()
+    assert torch.equal(generate(model, ids, 8, compile=False, ignore_eos=True), _hf(model, ids, 8))
