@@ -19,6 +19,7 @@ from transformers import (  # noqa: E402
 )
 
 import affineq  # noqa: E402
+from affineq.models import decoding as generate_module  # noqa: E402
 from affineq.models import generate  # noqa: E402
 from affineq.models.attention_variants import (  # noqa: E402
     AttentionSpec,
@@ -166,6 +167,10 @@ def test_eager_experts_loop_cannot_compile_and_says_so():
     assert torch.equal(generate(model, ids, 6, compile=False, ignore_eos=True), ref)  # eager decoding runs it
     with pytest.raises(ValueError, match="experts_implementation='eager'.*set_experts_implementation"):
         generate(model, ids, 6, ignore_eos=True)
+    model.set_experts_implementation("batched_mm")  # the cached eager decoder is rebuilt for the new experts
+    out = generate(model, ids, 6, compile=False, ignore_eos=True)
+    assert torch.equal(out, _hf(model, ids, 6))
+    assert generate_module._weights_key(model)[1] == "batched_mm"
 
 
 @pytest.mark.parametrize("sinks", [False, True])

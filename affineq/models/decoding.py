@@ -39,8 +39,12 @@ _decoders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _weights_key(model: nn.Module) -> tuple:
-    """Identity of every parameter: a decoder built before quantize_ (or any weight swap) is stale after it."""
-    return tuple(id(p) for p in model.parameters())
+    """Identity of every parameter, and the attention / experts implementations the model is set to: a decoder
+    built before quantize_ (or any weight swap, or ``set_attn_implementation`` / ``set_experts_implementation``)
+    is stale after it."""
+    cfg = getattr(model, "config", None)
+    impls = (getattr(cfg, "_attn_implementation", None), getattr(cfg, "_experts_implementation", None))
+    return (*impls, *(id(p) for p in model.parameters()))
 
 
 def _decoder(model: nn.Module, batch: int, length: int, compile: bool, compile_prefill: bool, cpp_wrapper: bool,
