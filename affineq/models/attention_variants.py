@@ -89,8 +89,8 @@ def attend_eager_math(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, mask:
         end = kc.shape[2]
         kc, vc = (t[:, :, None].expand(b, h // g, g, end, d).reshape(b, h, end, d) for t in (kc, vc))
     w = torch.matmul(q, kc.transpose(2, 3)) * spec.scaling
-    if mask is not None:
-        w = w + torch.zeros((), dtype=w.dtype, device=w.device).masked_fill(~mask[:, None], torch.finfo(w.dtype).min)
+    if mask is not None:  # w + dtype-min rounds to dtype-min: the same as transformers' additive mask
+        w = w.masked_fill(~mask[:, None], torch.finfo(w.dtype).min)
     if spec.sinks is None:
         p = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
     else:
