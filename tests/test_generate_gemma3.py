@@ -73,10 +73,11 @@ def test_every_gemma_feature_is_live():
 
 
 def test_compiled_tokens_equal_transformers_generate():
+    """Compiled prefill (a 64-slot padded prompt: both rope tables, the window mask per query) and decode step."""
     model = _gemma(final_logit_softcapping=2.0)
     affineq.quantize_(model, affineq.Int8WeightOnlyConfig())
     ids = _prompt()
-    out = generate(model, ids, 8, ignore_eos=True, cpp_wrapper=False)
+    out = generate(model, ids, 8, ignore_eos=True, compile_prefill=True, cpp_wrapper=False)
     assert torch.equal(out, _hf(model, ids, 8))
 
 
