@@ -14,6 +14,7 @@ import torch
 
 from affineq import (
     eval,  # noqa: F401  (eval.compare: perplexity / KL divergence against a reference model)
+    experts,  # noqa: F401  (MoE experts modules run grouped_linear once quantize_ quantized them)
     graph,  # noqa: F401  (graph mode: affineq.graph.prepare / convert)
     kernels,  # noqa: F401  (namespace: the linear-kernel registry)
     quark,  # noqa: F401  (namespace: AMD Quark's layered Config)
@@ -45,7 +46,6 @@ from affineq.configs_float import (
 )
 from affineq.distributed import dcp_load, dcp_save, parallelize_quantized
 from affineq.dtypes import qtype as _qtype
-from affineq.experts import use_affineq_experts  # noqa: F401  (MoE experts run grouped_linear after quantize_)
 from affineq.fusion import fuse_modules_
 from affineq.granularity import PerAxis, PerGroup
 from affineq.primitives import MappingType, ZeroPointDomain

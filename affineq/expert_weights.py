@@ -83,6 +83,10 @@ def expert_weight_problem(module: nn.Module) -> str | None:
     return None
 
 
+#: Quantized experts' float pages are given back in runs of at least this many bytes.
+_RELEASE_BYTES = 64 << 20
+
+
 def _proxy_linear(n: int, k: int, weight: torch.Tensor) -> nn.Linear:
     """A meta nn.Linear(k, n) standing for one expert: configs choose formats and checks for a Linear weight."""
     return nn.Linear(k, n, bias=False, device="meta", dtype=weight.dtype)
@@ -97,11 +101,16 @@ def quantize_expert_weight(config, weight: torch.Tensor, module: nn.Module) -> A
     reads; a weight's activation tensors (AWQ pre-scales) cannot be stacked (ValueError). Memory: one expert's
     float temporaries at a time, the output written in place, and each expert's pages of a memory-mapped weight
     (safetensors) given back once it is quantized."""
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 3 or not is_expert_module(module):
+        raise ValueError(f"quantize_expert_weight(weight=..., module=...): weight must be one 3-D expert weight "
+                         f"(got {tuple(getattr(weight, 'shape', ()))}) of an experts module (3-D gate_up_proj / "
+                         f"down_proj; got {type(module).__name__})")
     transposed = experts_transposed(module)
     w = weight.transpose(-2, -1) if transposed else weight  # [E, N, K]: one expert's rows are its outputs
     e, n, k = w.shape
     proxy = _proxy_linear(n, k, weight)
-    first, out = None, {}
+    first, out, done = None, {}, 0
+    per_expert = weight[0].numel() * weight.element_size() if e else 0
     for i in range(e):
         q = config.quantize_weight(w[i].contiguous(), proxy)
         if q.spec.fmt in ("int4_cpu", "int4_cuda") and getattr(config, "packing_format", None) == "auto":
@@ -112,7 +121,9 @@ def quantize_expert_weight(config, weight: torch.Tensor, module: nn.Module) -> A
         _check_like(first, q, i)
         for name, t in q.tensors.items():
             out[name][i].copy_(t)
-        release_float_copy(weight[i])
+        if (i + 1 - done) * per_expert >= _RELEASE_BYTES or i == e - 1:  # (a syscall and a heap trim per call)
+            release_float_copy(weight[done:i + 1])
+            done = i + 1
     return _stacked(first, out, transposed)
 
 

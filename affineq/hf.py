@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any
 
 import torch
@@ -43,7 +44,7 @@ from torch import nn
 
 try:
     import transformers  # noqa: F401
-    from transformers.core_model_loading import ConversionOps
+    from transformers.core_model_loading import ConversionOps, PrefixChange, WeightConverter, WeightRenaming
     from transformers.modeling_utils import PreTrainedModel
     from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
     from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
@@ -297,6 +298,7 @@ class AffineqHfQuantizer(HfQuantizer):
                 raise ValueError(f"the checkpoint's quantized weights {lost[:5]} were not loaded into the model (the "
                                  "checkpoint does not match this model class, or its files were edited)")
         use_affineq_experts(model)  # quantized MoE expert weights run through grouped_linear
+        _keep_expert_weight_names(model)
         return model
 
     def get_quantize_ops(self):
@@ -439,10 +441,38 @@ def set_quantization_config(model: nn.Module, quant_config: QuantConfig | Affine
     if not any(isinstance(p, AffineQuantizedTensor) for p in model.parameters()):
         raise ValueError("the model has no quantized weights; run affineq.quantize_(model, config) first")
     model.hf_quantizer = AffineqHfQuantizer(cfg, pre_quantized=True)
+    _keep_expert_weight_names(model)
     model.config.quantization_config = cfg
     model.is_quantized = True
     model.quantization_method = QUANT_METHOD
     return model
+
+
+def _keep_expert_weight_names(model: nn.Module) -> None:
+    """save_pretrained writes quantized MoE expert weights under their 3-D names. transformers reverts its load
+    conversions on save (Mixtral's `experts.gate_up_proj` back into per-expert `w1` / `w3` weights), which would cut
+    the stored tensors of a quantized one (packed codes, scales) as if they were the weight: the converters whose
+    target is a quantized 3-D expert weight are dropped from the model's conversions (`_weight_conversions`, what
+    save_pretrained reverts), so those weights are saved, and loaded back, as they are. So are the renamings that
+    would rename a quantized weight (Mixtral's `.mlp.` -> `.block_sparse_moe.`): the checkpoint keeps the
+    transformers 5 names, which from_pretrained reads as they are."""
+    params = [(n, p) for n, p in model.named_parameters() if isinstance(p, AffineQuantizedTensor)]
+    if not any(p.dim() == 3 for _, p in params):
+        return
+    quantized = [n for n, _ in params]
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions is None:  # what save_pretrained computes for a model not loaded by from_pretrained
+        from transformers.conversion_mapping import get_model_conversion_mapping
+
+        conversions = [c for c in get_model_conversion_mapping(model, add_legacy=False)
+                       if not isinstance(c, PrefixChange)]
+
+    def hits(c) -> bool:
+        targets = [re.escape(t).replace(r"\*", r"\d+") for t in c._original_target_patterns]
+        return any(re.search(t, n) for t in targets for n in quantized)
+
+    model._weight_conversions = [c for c in conversions if not (isinstance(c, (WeightConverter, WeightRenaming))
+                                                                 and hits(c))]
 
 
 def _record_quantization(model: nn.Module, config: QuantConfig) -> None:

@@ -153,8 +153,8 @@ def test_opcheck() -> None:
             torch.library.opcheck(OP.default, (x, ids, packed, scale, offset, bits, gs, n, k, 0, 0))
 
 
-def test_reads_only_routed_experts() -> None:
-    # NaN codes' scales on every expert but the routed ones: a kernel that touched them would spread NaN
+def test_unrouted_experts_never_enter_a_row() -> None:
+    # NaN scales on every expert no row is routed to: a row that mixed in another expert's weights would be NaN
     E, n, k, gs, bits = 8, 32, 64, 32, 4
     packed, scale, offset = _raw_experts(E, n, k, bits, gs, False, seed=5)
     ids = torch.tensor([6, 2, 6])
@@ -293,6 +293,24 @@ def test_grouped_linear_compiles_fullgraph(cfg) -> None:
     with record_kernels() as names:
         assert torch.equal(compiled(x, ids), grouped_linear(x, ids, q, b))
     assert set(names) == {GROUPED_KERNEL}
+
+
+def test_other_formats_fall_back_per_routed_expert() -> None:
+    # `plain` codes: no grouped kernel reads them; each routed expert is dequantized and multiplied, announced
+    from affineq.primitives import MappingType
+
+    E, n, k = 4, 32, 64
+    torch.manual_seed(0)
+    q = AffineQuantizedTensor.from_spec(torch.randn(E, n, k), (1, 1, 32), target=torch.uint4,
+                                        mapping_type=MappingType.ASYMMETRIC, packing_format="plain")
+    x, ids = torch.randn(5, k), torch.tensor([3, 0, 3, 1, 3])
+    with record_kernels() as names, pytest.warns(UserWarning, match="reads the 'dense' format, not 'plain'"):
+        y = grouped_linear(x, ids, q)
+    assert names == ["dequantize:grouped_linear"]
+    d = q.dequantize()
+    torch.testing.assert_close(y, torch.stack([x[t] @ d[int(ids[t])].T for t in range(5)]), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"expert_ids must be in \[0, 4\)"):
+        grouped_linear(x, torch.tensor([3, 0, 9, 1, 3]), q)
 
 
 def test_input_gradient() -> None:

@@ -161,8 +161,7 @@ def _quantized(x: torch.Tensor, ids: torch.Tensor, w: AffineQuantizedTensor) -> 
                                                           codes, code_offset)
     else:
         _check_ids_range(ids, e)
-        dense = w.dequantize(x.dtype)
-        out = _per_expert(x, ids, e, lambda i: dense[i])
+        out = _per_expert(x, ids, e, lambda i: w[i].dequantize(x.dtype))  # a routed expert's slice alone
     return finish_output(out, w)
 
 
