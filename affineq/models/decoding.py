@@ -8,10 +8,15 @@ once with ``torch.compile(fullgraph=True)`` and serves every position, the prefi
 padded prompt lengths. A batch of prompts of different lengths comes left-padded with its ``attention_mask``,
 as for transformers' ``generate``; the KV cache may be int8 or int4 (``kv_cache_dtype``).
 
-Supported: transformers ``LlamaForCausalLM``, ``MistralForCausalLM`` (no sliding window) and
-``Qwen2ForCausalLM`` (no sliding window), with rotary types whose tables do not depend on the sequence length
-(default, linear, llama3, yarn), and affineq's built-in ``TinyLM``. Linear weights may be float or affineq
-``AffineQuantizedTensor``s; other linear modules (e.g. torch.ao dynamic ``Linear``) are called as modules.
+Supported: transformers ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``,
+``Gemma3ForCausalLM`` (``gemma3_text``: sandwich and q/k norms, local sliding-window layers with their own rope
+base, final logit soft-capping) and the mixture-of-experts ``MixtralForCausalLM``, ``Qwen3MoeForCausalLM`` and
+``GptOssForCausalLM`` (attention sinks, alternating sliding windows; float KV cache only), sliding windows
+included, with rotary types whose tables do not depend on the sequence length (default, linear, llama3, yarn), and
+affineq's built-in ``TinyLM``. Linear weights may be float or affineq ``AffineQuantizedTensor``s; other linear
+modules (e.g. torch.ao dynamic ``Linear``) are called as modules. MoE layers call the model's own router and
+experts modules (whatever ``experts_implementation`` the model runs; the ``"eager"`` loop only with
+``compile=False``).
 """
 
 from __future__ import annotations
@@ -34,8 +39,12 @@ _decoders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _weights_key(model: nn.Module) -> tuple:
-    """Identity of every parameter: a decoder built before quantize_ (or any weight swap) is stale after it."""
-    return tuple(id(p) for p in model.parameters())
+    """Identity of every parameter, and the attention / experts implementations the model is set to: a decoder
+    built before quantize_ (or any weight swap, or ``set_attn_implementation`` / ``set_experts_implementation``)
+    is stale after it."""
+    cfg = getattr(model, "config", None)
+    impls = (getattr(cfg, "_attn_implementation", None), getattr(cfg, "_experts_implementation", None))
+    return (*impls, *(id(p) for p in model.parameters()))
 
 
 def _decoder(model: nn.Module, batch: int, length: int, compile: bool, compile_prefill: bool, cpp_wrapper: bool,
@@ -184,7 +193,8 @@ def generate(
 
     Errors (ValueError, before any work): ids outside the vocabulary, prompt length + ``max_new_tokens`` above the
     model's ``max_position_embeddings``, a mask of another shape or not left-padded, an unknown
-    ``kv_cache_dtype``.
+    ``kv_cache_dtype``, a quantized KV cache on a model with attention sinks (gpt-oss), ``compile=True`` on MoE
+    experts set to transformers' ``"eager"`` loop.
     """
     _check(input_ids, max_new_tokens, do_sample, temperature, top_k, top_p)
     _check_against_model(model, input_ids, max_new_tokens)

@@ -70,6 +70,23 @@ class QuantizedKVCache:
             codes.index_copy_(2, pos, c)
             scale.index_copy_(2, pos, s)
 
-    def attend(self, layer: int, q: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """Attention of q [B, H, S, D] at slots ``pos`` over this layer's cache (slots <= pos, ``valid``)."""
-        return self._attend(q, self.k[layer], self.k_scale[layer], self.v[layer], self.v_scale[layer], pos, valid)
+    def attend(self, layer: int, q: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor,
+               window: int | None = None) -> torch.Tensor:
+        """Attention of q [B, H, S, D] at slots ``pos`` over this layer's cache (slots <= pos, ``valid``, and
+        > pos - ``window`` for a sliding-window layer). A decode step's window is one more cut of ``valid``; a
+        prefill whose window cuts (each query its own range) dequantizes the cache slots it covers instead."""
+        args = (self.k[layer], self.k_scale[layer], self.v[layer], self.v_scale[layer])
+        if window is None:
+            return self._attend(q, *args, pos, valid)
+        slots = torch.arange(valid.shape[1], device=valid.device)
+        if q.shape[2] == 1:
+            return self._attend(q, *args, pos, valid & (slots > pos[0] - window)[None])
+        from affineq.cpp import kv_attention as kva
+
+        k, v = kva.dequantize_kv(*args[:2]), kva.dequantize_kv(*args[2:])  # fp32 [B, KVH, T, D]
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        keep = ((slots[None, :] <= pos[:, None]) & (slots[None, :] > pos[:, None] - window))[None] & valid[:, None]
+        scores = (q.float() @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+        p = scores.masked_fill(~keep[:, None], float("-inf")).softmax(-1).masked_fill(~keep[:, None], 0.0)
+        return (p @ v).to(q.dtype)

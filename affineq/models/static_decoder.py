@@ -1,10 +1,13 @@
 """A decoder-only LM rebuilt as one function of (token ids, cache slots) over a preallocated KV cache.
 
 ``StaticDecoder(model, batch, max_len)`` runs the model's own weights, norms, rotary tables and activation in the
-same order as transformers' Llama / Mistral / Qwen2 (and affineq's ``TinyLM``), so greedy tokens equal
-``model.generate``'s; ``affineq.models.decoding.generate`` drives it. Left-padded batches follow transformers'
-conventions: a row with ``p`` pad tokens has rotary positions ``slot - p`` (0 on the pads) and its pad slots are
-masked out of every query's keys. The KV cache is in the model dtype, or quantized (``affineq.models.kv_cache``).
+same order as transformers' Llama / Mistral / Qwen2 / Qwen3 / Gemma 3 and the mixture-of-experts Mixtral /
+Qwen3-MoE / gpt-oss (and affineq's ``TinyLM``), so greedy tokens equal ``model.generate``'s;
+``affineq.models.decoding.generate`` drives it. Per-architecture pieces: attention variants (sliding windows, sinks,
+logit scale) in ``attention_variants``, the feed-forward (gated MLP or the model's own router + experts) in
+``moe_block``. Left-padded batches follow transformers' conventions: a row with ``p`` pad tokens has rotary
+positions ``slot - p`` (0 on the pads) and its pad slots are masked out of every query's keys. The KV cache is in
+the model dtype, or quantized (``affineq.models.kv_cache``).
 """
 
 from __future__ import annotations
@@ -17,10 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention_variants import AttentionSpec, attend_compiled, attend_eager_math, attend_sdpa, window_keys
+from .moe_block import experts_implementation, gated_mlp_forward, is_moe_block, moe_forward
+
 __all__ = ["SUPPORTED_ARCHITECTURES", "StaticDecoder", "PREFILL_BLOCK", "padded_prompt_length"]
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "affineq TinyLM")
-_HF_TYPES = ("llama", "mistral", "qwen2")
+_HF_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gpt_oss", "gemma3_text")
+SUPPORTED_ARCHITECTURES = (*_HF_TYPES, "affineq TinyLM")
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 PREFILL_BLOCK = 64  # compiled prefill: prompts are padded to a multiple of this (static shapes, few graphs)
 
@@ -59,13 +65,22 @@ def _fused(mods: list[nn.Module]) -> Callable[[torch.Tensor], list[torch.Tensor]
 
 @dataclass
 class _Layer:
+    """One decoder layer as callables. ``q_norm`` / ``k_norm`` (Qwen3, Gemma 3) act on each head's vector before
+    the rotary embedding; ``post_attn_norm`` / ``post_mlp_norm`` (Gemma 3's sandwich norms) on the attention and
+    MLP outputs before their residual adds; ``rope`` indexes the decoder's rotary tables (Gemma 3's local layers
+    have their own base); ``attn`` holds the scale, sinks and sliding window."""
+
     norm1: nn.Module
     qkv: Callable[[torch.Tensor], list[torch.Tensor]]
     o: Callable[[torch.Tensor], torch.Tensor]
     norm2: nn.Module
-    gate_up: Callable[[torch.Tensor], list[torch.Tensor]]
-    down: Callable[[torch.Tensor], torch.Tensor]
-    act: Callable[[torch.Tensor], torch.Tensor]
+    mlp: Callable[[torch.Tensor], torch.Tensor]
+    attn: AttentionSpec
+    q_norm: nn.Module | None = None
+    k_norm: nn.Module | None = None
+    post_attn_norm: nn.Module | None = None
+    post_mlp_norm: nn.Module | None = None
+    rope: int = 0
 
 
 def _unfused(*mods: nn.Module) -> Callable[[torch.Tensor], list[torch.Tensor]]:
@@ -73,20 +88,31 @@ def _unfused(*mods: nn.Module) -> Callable[[torch.Tensor], list[torch.Tensor]]:
     return lambda x: [f(x) for f in fns]
 
 
-def _layers(blocks, act, fuse: bool) -> list[_Layer]:
+def _mlp(mlp: nn.Module, act, fuse: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    if is_moe_block(mlp):
+        return moe_forward(mlp)
+    gate_up = (fuse and _fused([mlp.gate_proj, mlp.up_proj])) or _unfused(mlp.gate_proj, mlp.up_proj)
+    return gated_mlp_forward(gate_up, _linear(mlp.down_proj), getattr(mlp, "act_fn", act))
+
+
+def _layers(blocks, act, fuse: bool, specs: list[AttentionSpec], ropes: list[int]) -> list[_Layer]:
     out = []
-    for blk in blocks:
-        at, mlp = blk.self_attn, blk.mlp
+    for blk, spec, rope in zip(blocks, specs, ropes, strict=True):
+        at = blk.self_attn
         qkv = (fuse and _fused([at.q_proj, at.k_proj, at.v_proj])) or _unfused(at.q_proj, at.k_proj, at.v_proj)
-        gate_up = (fuse and _fused([mlp.gate_proj, mlp.up_proj])) or _unfused(mlp.gate_proj, mlp.up_proj)
-        out.append(_Layer(blk.input_layernorm, qkv, _linear(at.o_proj), blk.post_attention_layernorm, gate_up,
-                          _linear(mlp.down_proj), getattr(mlp, "act_fn", act)))
+        sandwich = hasattr(blk, "pre_feedforward_layernorm")  # Gemma: post_attention_layernorm is on the output
+        norm2 = blk.pre_feedforward_layernorm if sandwich else blk.post_attention_layernorm
+        out.append(_Layer(blk.input_layernorm, qkv, _linear(at.o_proj), norm2, _mlp(blk.mlp, act, fuse), spec,
+                          getattr(at, "q_norm", None), getattr(at, "k_norm", None),
+                          blk.post_attention_layernorm if sandwich else None,
+                          getattr(blk, "post_feedforward_layernorm", None), rope))
     return out
 
 
 @dataclass
 class _Arch:
-    """What the decoder needs of a model: its modules and shapes, and the rotary tables for positions 0..T-1."""
+    """What the decoder needs of a model: its modules and shapes, and the rotary tables for positions 0..T-1 (one
+    pair per rope kind the layers use)."""
 
     embed: nn.Module
     layers: list[_Layer]
@@ -95,8 +121,11 @@ class _Arch:
     heads: int
     kv_heads: int
     head_dim: int
-    rope: Callable[[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]]
+    ropes: list[Callable[[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]]]
     dtype: torch.dtype
+    sdpa: bool = True  # eager attention as transformers' sdpa (else its eager_attention_forward)
+    final_softcap: float | None = None
+    eager_experts: bool = False  # a MoE block runs transformers' "eager" experts loop (data-dependent)
 
 
 def _unsupported(model: nn.Module, why: str) -> ValueError:
@@ -104,6 +133,42 @@ def _unsupported(model: nn.Module, why: str) -> ValueError:
         f"affineq.models.generate does not support this model ({type(model).__name__}: {why}). Supported: "
         f"{', '.join(SUPPORTED_ARCHITECTURES)}; use model.generate(...) for others"
     )
+
+
+def _layer_windows(cfg, n: int) -> list[int | None]:
+    """Per layer sliding window (slots) or None, as transformers builds its masks: models with ``layer_types``
+    window their "sliding_attention" layers, the others (Mistral, Mixtral, Qwen3-MoE) every layer when
+    ``config.sliding_window`` is set."""
+    window = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None)
+    if types is None:
+        return [window] * n
+    return [window if t == "sliding_attention" else None for t in types[:n]]
+
+
+def _hf_ropes(model: nn.Module, cfg, head_dim: int) -> tuple[list, list[int]]:
+    """The model's rotary tables (its own module, bit for bit) per rope kind, and each layer's kind index."""
+    rotary = model.model.rotary_emb
+    kinds = rotary.rope_type if isinstance(rotary.rope_type, dict) else {None: rotary.rope_type}
+    for kind in kinds.values():
+        if kind not in _STATIC_ROPE:
+            raise _unsupported(model, f"rope type {kind!r} depends on the sequence length")
+    dev = model.lm_head.weight.device  # the closures below must not hold the model (cache key, weakref)
+
+    def table(layer_type):
+        def rope(t: int, dt: torch.dtype):
+            x = torch.empty(0, dtype=dt, device=dev)
+            pos = torch.arange(t, device=dev)[None]
+            cos, sin = rotary(x, pos) if layer_type is None else rotary(x, pos, layer_type)
+            if cos.shape[-1] == head_dim // 2:  # gpt-oss: half tables, rotation written on the two halves
+                cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+            return cos[0], sin[0]
+        return rope
+
+    names = list(kinds)
+    types = getattr(cfg, "layer_types", None) if None not in kinds else None
+    per_layer = [0] * cfg.num_hidden_layers if types is None else [names.index(t) for t in types]
+    return [table(n) for n in names], per_layer
 
 
 def _describe(model: nn.Module, fuse: bool) -> _Arch:
@@ -119,28 +184,29 @@ def _describe(model: nn.Module, fuse: bool) -> _Arch:
             ang = _rope_angles(t, cfg.head_dim, cfg.rope_theta, dev)
             return torch.cat([ang, ang], -1).cos().to(dt), torch.cat([ang, ang], -1).sin().to(dt)
 
-        return _Arch(model.embed_tokens, _layers(model.layers, F.silu, fuse), model.norm, _linear(model.lm_head),
-                     cfg.num_attention_heads, cfg.num_attention_heads, cfg.head_dim, tiny_rope, dtype)
+        n = len(model.layers)
+        specs = [AttentionSpec(cfg.head_dim**-0.5) for _ in range(n)]
+        return _Arch(model.embed_tokens, _layers(model.layers, F.silu, fuse, specs, [0] * n), model.norm,
+                     _linear(model.lm_head), cfg.num_attention_heads, cfg.num_attention_heads, cfg.head_dim,
+                     [tiny_rope], dtype)
     cfg = getattr(model, "config", None)
     kind = getattr(cfg, "model_type", None)
     if kind not in _HF_TYPES or not hasattr(model, "lm_head") or not hasattr(getattr(model, "model", None), "layers"):
         raise _unsupported(model, f"model_type {kind!r}")
-    if getattr(cfg, "use_sliding_window", False) or (kind == "mistral" and getattr(cfg, "sliding_window", None)):
-        raise _unsupported(model, "sliding-window attention; set config.sliding_window=None if the context fits")
-    rotary = model.model.rotary_emb
-    if getattr(rotary, "rope_type", "default") not in _STATIC_ROPE:
-        raise _unsupported(model, f"rope type {rotary.rope_type!r} depends on the sequence length")
+    if getattr(cfg, "use_bidirectional_attention", False):
+        raise _unsupported(model, "bidirectional attention")
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-
-    dev = model.lm_head.weight.device  # the closure below must not hold the model (cache key, weakref)
-
-    def hf_rope(t: int, dt: torch.dtype):
-        x = torch.empty(0, dtype=dt, device=dev)
-        cos, sin = rotary(x, torch.arange(t, device=x.device)[None])  # the model's own tables, bit for bit
-        return cos[0], sin[0]
-
-    return _Arch(model.model.embed_tokens, _layers(model.model.layers, None, fuse), model.model.norm,
-                 _linear(model.lm_head), cfg.num_attention_heads, cfg.num_key_value_heads, head_dim, hf_rope, dtype)
+    blocks = model.model.layers
+    ropes, per_layer = _hf_ropes(model, cfg, head_dim)
+    windows = _layer_windows(cfg, len(blocks))
+    # No attention logit soft-cap: Gemma 3 replaced it by q/k norms (transformers ignores attn_logit_softcapping).
+    specs = [AttentionSpec(getattr(b.self_attn, "scaling", head_dim**-0.5), getattr(b.self_attn, "sinks", None), w)
+             for b, w in zip(blocks, windows, strict=True)]
+    eager_experts = any(is_moe_block(b.mlp) and experts_implementation(b.mlp) == "eager" for b in blocks)
+    sdpa = getattr(cfg, "_attn_implementation", "sdpa") == "sdpa"
+    return _Arch(model.model.embed_tokens, _layers(blocks, None, fuse, specs, per_layer), model.model.norm,
+                 _linear(model.lm_head), cfg.num_attention_heads, cfg.num_key_value_heads, head_dim, ropes, dtype,
+                 sdpa, getattr(cfg, "final_logit_softcapping", None), eager_experts)
 
 
 def model_limits(model: nn.Module) -> tuple[int, int | None]:
@@ -156,6 +222,17 @@ def model_limits(model: nn.Module) -> tuple[int, int | None]:
     if kind not in _HF_TYPES or getattr(emb, "weight", None) is None:
         raise _unsupported(model, f"model_type {kind!r}")
     return emb.weight.shape[0], getattr(cfg, "max_position_embeddings", None)
+
+
+def _check_options(model: nn.Module, a: _Arch, kv_kind: str | None, compile: bool) -> None:
+    """ValueError for a model feature the chosen options cannot run (before anything is allocated)."""
+    if kv_kind is not None and any(layer.attn.sinks is not None for layer in a.layers):
+        raise ValueError(f"kv_cache_dtype={kv_kind!r} cannot run {type(model).__name__}: its attention has sink "
+                         "logits (gpt-oss), which the quantized-cache kernel does not take; pass kv_cache_dtype=None")
+    if compile and a.eager_experts:
+        raise ValueError(f"compile=True cannot run {type(model).__name__} with experts_implementation='eager' (a "
+                         "data-dependent loop over the experts); call model.set_experts_implementation('grouped_mm')"
+                         " or pass compile=False")
 
 
 # -- the decoder ------------------------------------------------------------------------------------------
@@ -206,6 +283,7 @@ class StaticDecoder:
 
         kind = kv_cache_kind(kv_cache_dtype)
         self.arch = a = _describe(model, fuse)
+        _check_options(model, a, kind, compile)
         self.batch, self.max_len = batch, max_len
         dev = a.embed.weight.device
         shape = (batch, a.kv_heads, max_len, a.head_dim)
@@ -217,7 +295,12 @@ class StaticDecoder:
             self.k = self.v = [None] * len(a.layers)
             self.qcache = QuantizedKVCache(kind, len(a.layers), shape, kv_group_size, dev)
         with torch.no_grad():
-            self.cos, self.sin = a.rope(max_len, a.dtype)
+            tables = [rope(max_len, a.dtype) for rope in a.ropes]
+        self.cos, self.sin = [c for c, _ in tables], [t for _, t in tables]
+        self.math = not a.sdpa or any(layer.attn.sinks is not None for layer in a.layers)
+        self.windows = sorted({layer.attn.window for layer in a.layers} - {None})
+        # The quantized-cache kernel scales logits by D^-0.5: queries carry the rest of the model's scale.
+        self.q_rescale = [layer.attn.scaling * a.head_dim**0.5 for layer in a.layers]
         self.slots = torch.arange(max_len, device=dev)
         self.valid = torch.ones(batch, max_len, dtype=torch.bool, device=dev)
         self.shift = torch.zeros(batch, 1, dtype=torch.int64, device=dev)
@@ -273,50 +356,63 @@ class StaticDecoder:
         b, s = ids.shape
         x = a.embed(ids)
         rpos = (pos[None, :] - self.shift).clamp_min(0)  # [B, S] rotary positions (0 on left padding)
-        cos, sin = self.cos[rpos][:, None], self.sin[rpos][:, None]  # [B, 1, S, D]
-        mask = None
-        if self.qcache is None and (torch.compiler.is_compiling() or self.padded):
-            mask = (self.slots[None, None, :] <= pos[None, :, None]) & self.valid[:, None, :]  # [B, S, T]
+        tables = [(cos[rpos][:, None], sin[rpos][:, None]) for cos, sin in zip(self.cos, self.sin, strict=True)]
+        masks = self._masks(pos, s)
         for i, (layer, kc, vc) in enumerate(zip(a.layers, self.k, self.v, strict=True)):
             q, k, v = layer.qkv(layer.norm1(x))
-            q = _rotate(q.view(b, s, a.heads, a.head_dim).transpose(1, 2), cos, sin)
-            k = _rotate(k.view(b, s, a.kv_heads, a.head_dim).transpose(1, 2), cos, sin)
+            q, k = q.view(b, s, a.heads, a.head_dim), k.view(b, s, a.kv_heads, a.head_dim)
+            if layer.q_norm is not None:  # per-head RMSNorm before the rotary embedding (Qwen3, Gemma 3)
+                q, k = layer.q_norm(q), layer.k_norm(k)
+            cos, sin = tables[layer.rope]
+            q, k = _rotate(q.transpose(1, 2), cos, sin), _rotate(k.transpose(1, 2), cos, sin)
             v = v.view(b, s, a.kv_heads, a.head_dim).transpose(1, 2)
             if self.qcache is not None:
                 self.qcache.write(i, pos, k, v)
-                o = self.qcache.attend(i, q, pos, self.valid)
+                o = self.qcache.attend(i, q * self.q_rescale[i], pos, self.valid, layer.attn.window)
             else:
                 kc.index_copy_(2, pos, k)
                 vc.index_copy_(2, pos, v)
-                o = self._attend(q, kc, vc, pos, mask)
-            x = x + layer.o(o.transpose(1, 2).reshape(b, s, a.heads * a.head_dim))
-            gate, up = layer.gate_up(layer.norm2(x))
-            x = x + layer.down(layer.act(gate) * up)
+                o = self._attend(q, kc, vc, pos, masks.get(layer.attn.window), layer.attn)
+            o = layer.o(o.transpose(1, 2).reshape(b, s, a.heads * a.head_dim))
+            x = x + (o if layer.post_attn_norm is None else layer.post_attn_norm(o))
+            m = layer.mlp(layer.norm2(x))
+            x = x + (m if layer.post_mlp_norm is None else layer.post_mlp_norm(m))
         x = x[:, -1] if last is None else x.index_select(1, last)[:, 0]
-        return a.lm_head(a.norm(x))
+        logits = a.lm_head(a.norm(x))
+        if a.final_softcap is not None:  # Gemma: cap * tanh(logits / cap)
+            logits = torch.tanh(logits / a.final_softcap) * a.final_softcap
+        return logits
 
-    def _attend(self, q, kc, vc, pos, mask):
-        """softmax(q k^T / sqrt(D)) v over the cache [B, H, S, D] (a row with no key, a pad query, gives 0 as
-        sdpa does). Compiled: over all T slots under mask [B, S, T] (static shapes). Eager: over exactly the filled
-        slots, as transformers' dynamic cache does and with the same sdpa call (its GQA handling included), so
-        that eager results equal model.generate's bit for bit."""
-        b, h, s, d = q.shape
-        g = h // kc.shape[1]
+    def _masks(self, pos: torch.Tensor, s: int) -> dict[int | None, torch.Tensor]:
+        """Attention masks [B, S, T] per sliding window (None: full causal): slots <= the query's that hold a
+        token, and within the window. Eager sdpa, unpadded: a layer whose keys need no cut beyond causality gets
+        none (plain causal sdpa, as transformers skips its mask there)."""
+        if self.qcache is not None:
+            return {}
+        compiling = torch.compiler.is_compiling()
+        end = int(pos[-1]) + 1 if not compiling else self.max_len
+        out: dict[int | None, torch.Tensor] = {}
+        base = (self.slots[None, None, :] <= pos[None, :, None]) & self.valid[:, None, :]
+        full = compiling or self.padded or (s > 1 and self.math)  # the eager formula has no is_causal
+        if full:
+            out[None] = base
+        for w in self.windows:
+            if full or (s > 1 and end > w):
+                out[w] = base & (self.slots[None, None, :] > pos[None, :, None] - w)
+        return out
+
+    def _attend(self, q, kc, vc, pos, mask, spec: AttentionSpec):
+        """Attention of q [B, H, S, D] over the cache (a row with no key, a pad query, gives 0 as sdpa does).
+        Compiled: over all T slots under mask [B, S, T] (static shapes). Eager: over exactly the keys
+        transformers' dynamic cache holds (a sliding layer's decode step: the last ``window`` slots), with the
+        same sdpa call or eager formula, so that eager results equal model.generate's bit for bit."""
         if torch.compiler.is_compiling():
-            qg = q.reshape(b, kc.shape[1], g * s, d)  # query heads kv*g + i share kv head kv: rows (i, s)
-            # Broadcast products and sums, not matmuls: inductor fuses them into its own loops, where 60 tiny
-            # bmm calls per token would each pay a library call.
-            scores = (qg[:, :, :, None, :] * kc[:, :, None]).sum(-1).float() * d**-0.5
-            keep = mask.repeat(1, g, 1)[:, None]  # [B, 1, g*S, T]
-            p = scores.masked_fill(~keep, float("-inf")).softmax(-1).masked_fill(~keep, 0.0).to(q.dtype)
-            return (p[..., None] * vc[:, :, None]).sum(-2).view(b, h, s, d)
+            return attend_compiled(q, kc, vc, mask, spec)
         end = int(pos[-1]) + 1
-        kc, vc = kc[:, :, :end], vc[:, :, :end]
-        if mask is None:
-            return F.scaled_dot_product_attention(q, kc, vc, is_causal=s > 1, enable_gqa=self.gqa)
-        m = mask[:, None, :, :end]  # [B, 1, S, end]
-        if self.gqa and s == 1:  # transformers' pack_gqa: a kv head's g query heads as g query rows
-            return F.scaled_dot_product_attention(q.reshape(b, h // g, g, d), kc, vc, attn_mask=m).view(b, h, 1, d)
-        if self.gqa:  # transformers' repeat_kv
-            kc, vc = (t[:, :, None].expand(b, h // g, g, end, d).reshape(b, h, end, d) for t in (kc, vc))
-        return F.scaled_dot_product_attention(q, kc, vc, attn_mask=m)
+        start = window_keys(end, q.shape[2], spec.window)
+        kc, vc = kc[:, :, start:end], vc[:, :, start:end]
+        if mask is not None:
+            mask = mask[:, :, start:end]
+        if not self.math:
+            return attend_sdpa(q, kc, vc, mask, self.gqa, spec.scaling)
+        return attend_eager_math(q, kc, vc, mask, spec)
