@@ -95,7 +95,8 @@ def bits_per_weight(model: nn.Module) -> tuple[float, int]:
     return sum(w.storage_bytes() for w in qw.values()) * 8 / n, n
 
 
-def run(config_names: list[str], budgets: list[float], imatrix: bool, quick: bool) -> list[dict]:
+def run(config_names: list[str], budgets: list[float], imatrix: bool, quick: bool,
+        sensitivity_items: int = 4) -> list[dict]:
     sizes = QUICK if quick else FULL
     selected = decoder_linears(sizes["blocks"])
     model, tok = M.load_smollm2()
@@ -128,12 +129,13 @@ def run(config_names: list[str], budgets: list[float], imatrix: bool, quick: boo
             print(_line(row), flush=True)
             del q
     for budget in budgets:
-        rows.append(_autoquant_row(model, budget, data, importance, selected, compare, sizes["quick_autoquant"]))
+        rows.append(_autoquant_row(model, budget, data, importance, selected, compare, sizes["quick_autoquant"],
+                                   sensitivity_items))
         print(_line(rows[-1]), flush=True)
     return rows
 
 
-def _autoquant_row(model, budget, data, importance, selected, compare, quick: bool) -> dict:
+def _autoquant_row(model, budget, data, importance, selected, compare, quick: bool, sensitivity_items: int = 4) -> dict:
     """autoquant's plan at `budget` bits per weight over DEFAULT_CANDIDATES (and, with an importance matrix,
     the importance-weighted versions of the sub-8-bit ones), applied to a copy of the model and compared."""
     base = [CONFIGS[k]() for k in ("int3-g64", "int4-g64", "int8")] if quick else list(DEFAULT_CANDIDATES)
@@ -143,7 +145,8 @@ def _autoquant_row(model, budget, data, importance, selected, compare, quick: bo
         cands += [ImportanceWeightedConfig(c, importance=importance, progress=False, **grid) for c in base
                   if not isinstance(c, Int8WeightOnlyConfig)]
     start = time.perf_counter()
-    plan = autoquant(model, budget, data, candidates=cands, filter_fn=selected, progress=False)
+    plan = autoquant(model, budget, data, candidates=cands, filter_fn=selected, progress=False,
+                     sensitivity_items=sensitivity_items)
     search_s = time.perf_counter() - start
     q = copy.deepcopy(model)
     affineq.quantize_(q, plan)
@@ -221,13 +224,15 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 2 x 64 eval tokens, int4-g64 and autoquant@4.5 only, the first 2 decoder blocks")
     p.add_argument("--no-save", action="store_true", help="print only; write nothing under results/")
+    p.add_argument("--sensitivity-items", type=int, default=4,
+                   help="calibration items of autoquant's model-units sensitivity pass (one forward each per layer)")
     args = p.parse_args(argv)
     if not M.available_models().get("smollm2"):
         raise SystemExit(f"SmolLM2 is not installed: {M.INSTALL_HINT}")
     configs = ["int4-g64"] if args.quick and args.configs == list(CONFIGS) else args.configs
     budgets = [4.5] if args.quick and args.budgets == [3.5, 4.5] else args.budgets
     print(machine_line())
-    rows = run(configs, budgets, not args.no_imatrix, args.quick)
+    rows = run(configs, budgets, not args.no_imatrix, args.quick, args.sensitivity_items)
     table = markdown(rows)
     print()
     print(table)
