@@ -1,0 +1,179 @@
+// Linear layers on llama.cpp's k-quant super-blocks, read as stored (affineq::kquant_linear), and their fp32
+// values (affineq::kquant_dequantize). The weight [n, k] is n rows of k / 256 blocks (kquant_decode.h).
+//   m <= kGemvRows: fused GEMV, per output row: each block is decoded once into int8 codes and 16 (scale,
+//     offset) pairs (L1), its 256 weights c * s + o formed in fp32 registers and multiplied with every row of
+//     x (fp32 FMA, fp32 accumulation); output rows in parallel. Memory-bound: the packed bytes stream once.
+//   larger m: blocks of output rows are dequantized to fp32 in a per-thread buffer that stays in L2 and
+//     multiplied with all of x by torch's GEMM (as dequant_gemm.cpp does for the dense format).
+// Values: every weight is exactly format_kquant's dequantize (kquant_dequantize equals it bit for bit), so
+// y = F.linear(x.float(), W) up to the order of the fp32 sums, cast to x's dtype.
+#include <ATen/ATen.h>
+#include <ATen/ThreadLocalState.h>
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "common.h"
+#include "kquant_decode.h"
+
+namespace affineq {
+namespace detail {
+namespace {
+
+inline constexpr int64_t kGemvRows = 4;
+
+// y[mi * ldy + r] = sum_k x[mi * k + k'] * W[r, k'] for rows r in [r0, r1), mi < M.
+template <int KIND, int M>
+void kq_gemv_rows(const uint8_t* w, int64_t nb, const float* x, int64_t k, float* y, int64_t ldy, int64_t r0,
+                  int64_t r1) {
+  constexpr int64_t ts = kq_type_size(KIND);
+  alignas(64) int8_t c[kSuperBlock];
+  alignas(64) float s[16], o[16];
+  for (int64_t r = r0; r < r1; ++r) {
+    F16 acc[M][2];
+    for (int mi = 0; mi < M; ++mi) acc[mi][0] = acc[mi][1] = fzero();
+    const uint8_t* row = w + r * nb * ts;
+    for (int64_t blk = 0; blk < nb; ++blk) {
+      kq_decode<KIND>(row + blk * ts, c, s, o);
+      const float* xb = x + blk * kSuperBlock;
+      for (int j = 0; j < 16; j += 2) {  // two accumulator chains per row of x
+        const F16 w0 = kq_weights16(c, s, o, j), w1 = kq_weights16(c, s, o, j + 1);
+        for (int mi = 0; mi < M; ++mi) {
+          acc[mi][0] = ffma(w0, fload(xb + mi * k + 16 * j), acc[mi][0]);
+          acc[mi][1] = ffma(w1, fload(xb + mi * k + 16 * j + 16), acc[mi][1]);
+        }
+      }
+    }
+    for (int mi = 0; mi < M; ++mi) y[mi * ldy + r] = fhsum(fadd(acc[mi][0], acc[mi][1]));
+  }
+}
+
+// Rows [r0, r1) of W as fp32 into out (row r at out + (r - r0) * k).
+template <int KIND>
+void kq_dequant_rows(const uint8_t* w, int64_t nb, int64_t r0, int64_t r1, float* out) {
+  constexpr int64_t ts = kq_type_size(KIND);
+  alignas(64) int8_t c[kSuperBlock];
+  alignas(64) float s[16], o[16];
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = w + r * nb * ts;
+    float* dst = out + (r - r0) * nb * kSuperBlock;
+    for (int64_t blk = 0; blk < nb; ++blk) {
+      kq_decode<KIND>(row + blk * ts, c, s, o);
+      for (int j = 0; j < 16; ++j) fstore(dst + blk * kSuperBlock + 16 * j, kq_weights16(c, s, o, j));
+    }
+  }
+}
+
+// f(integral_constant<KIND>) for a runtime kind 2..6.
+template <class F>
+void with_kind(int64_t kind, F&& f) {
+  using std::integral_constant;
+  switch (kind) {
+    case 2: f(integral_constant<int, 2>{}); break;
+    case 3: f(integral_constant<int, 3>{}); break;
+    case 4: f(integral_constant<int, 4>{}); break;
+    case 5: f(integral_constant<int, 5>{}); break;
+    default: f(integral_constant<int, 6>{});
+  }
+}
+
+}  // namespace
+}  // namespace detail
+
+namespace {
+
+void check_blocks(const char* op, const at::Tensor& blocks, int64_t kind, int64_t n, int64_t k) {
+  TORCH_CHECK_VALUE(kind >= 2 && kind <= 6, op, ": kind must be 2..6 (q2_k .. q6_k), got ", kind);
+  TORCH_CHECK_VALUE(n >= 0 && k > 0 && k % detail::kSuperBlock == 0, op,
+                    ": need n >= 0 and k a positive multiple of 256, got n=", n, ", k=", k);
+  const int64_t nbytes = n * (k / detail::kSuperBlock) * detail::kq_type_size(kind);
+  TORCH_CHECK_VALUE(blocks.scalar_type() == at::kByte && blocks.device().is_cpu() && blocks.numel() == nbytes, op,
+                    ": blocks must be a uint8 CPU tensor of n * k / 256 * ", detail::kq_type_size(kind), " = ",
+                    nbytes, " bytes (the GGUF tensor's data), got ", blocks.scalar_type(), " with ", blocks.numel(),
+                    " elements on ", blocks.device());
+}
+
+at::Tensor kquant_dequantize_cpu(const at::Tensor& blocks, int64_t kind, int64_t n, int64_t k) {
+  check_blocks("affineq::kquant_dequantize", blocks, kind, n, k);
+  const at::Tensor b = blocks.contiguous();
+  at::Tensor w = at::empty({n, k}, b.options().dtype(at::kFloat));
+  const int64_t nb = k / detail::kSuperBlock;
+  const uint8_t* src = b.const_data_ptr<uint8_t>();
+  float* dst = w.mutable_data_ptr<float>();
+  detail::with_kind(kind, [&](auto K_) {
+    constexpr int KIND = AQ_CV(K_);
+    at::parallel_for(0, n, detail::grain_for(k), [&](int64_t r0, int64_t r1) {
+      detail::kq_dequant_rows<KIND>(src, nb, r0, r1, dst + r0 * k);
+    });
+  });
+  return w;
+}
+
+// Output rows a thread dequantizes per GEMM: about 1 MiB of fp32 weight (stays in L2 while the GEMM reads it).
+int64_t gemm_block_rows(int64_t k) { return std::max<int64_t>(16, (int64_t{1} << 20) / (4 * k)); }
+
+at::Tensor kquant_linear_cpu(const at::Tensor& x, const at::Tensor& blocks, int64_t kind, int64_t n, int64_t k) {
+  const char* op = "affineq::kquant_linear";
+  check_blocks(op, blocks, kind, n, k);
+  const auto xt = x.scalar_type();
+  TORCH_CHECK_VALUE(xt == at::kFloat || xt == at::kBFloat16 || xt == at::kHalf, op,
+                    ": x must be float32, bfloat16 or float16, got ", xt);
+  TORCH_CHECK_VALUE(x.device().is_cpu() && x.dim() >= 1 && x.size(-1) == k, op, ": x must be a CPU tensor [..., k=",
+                    k, "], got ", x.sizes(), " on ", x.device());
+  const at::AutoDispatchBelowADInplaceOrView below_autograd;  // no derivative here: callers wrap it
+  const at::Tensor b = blocks.contiguous();
+  const at::Tensor x2 = x.detach().reshape({-1, k}).to(at::kFloat).contiguous();
+  const int64_t M = x2.size(0), nb = k / detail::kSuperBlock;
+  const uint8_t* w = b.const_data_ptr<uint8_t>();
+  at::Tensor y;
+  if (M <= detail::kGemvRows) {
+    y = at::empty({M, n}, x2.options());
+    const float* xp = x2.const_data_ptr<float>();
+    float* yp = y.mutable_data_ptr<float>();
+    detail::with_kind(kind, [&](auto K_) {
+      constexpr int KIND = AQ_CV(K_);
+      at::parallel_for(0, n, detail::grain_for(k * std::max<int64_t>(M, 1)), [&](int64_t r0, int64_t r1) {
+        switch (M) {
+          case 0: break;
+          case 1: detail::kq_gemv_rows<KIND, 1>(w, nb, xp, k, yp, n, r0, r1); break;
+          case 2: detail::kq_gemv_rows<KIND, 2>(w, nb, xp, k, yp, n, r0, r1); break;
+          case 3: detail::kq_gemv_rows<KIND, 3>(w, nb, xp, k, yp, n, r0, r1); break;
+          default: detail::kq_gemv_rows<KIND, 4>(w, nb, xp, k, yp, n, r0, r1);
+        }
+      });
+    });
+  } else {
+    // y^T [n, M]: each thread writes contiguous rows of it (W_blk @ x^T), then one transpose.
+    at::Tensor yt = at::empty({n, M}, x2.options());
+    const at::Tensor x2t = x2.t();
+    const int64_t br = gemm_block_rows(k);
+    const at::ThreadLocalState tls;  // the caller's inference mode, dispatch keys, ... for the workers' GEMMs
+    detail::with_kind(kind, [&](auto K_) {
+      constexpr int KIND = AQ_CV(K_);
+      at::parallel_for(0, (n + br - 1) / br, 1, [&](int64_t q0, int64_t q1) {
+        const at::ThreadLocalStateGuard tls_guard(tls);
+        at::Tensor wblk = at::empty({std::min(n, br), k}, x2.options());
+        for (int64_t q = q0; q < q1; ++q) {
+          const int64_t r0 = q * br, rows = std::min(n, r0 + br) - r0;
+          detail::kq_dequant_rows<KIND>(w, nb, r0, r0 + rows, wblk.mutable_data_ptr<float>());
+          at::Tensor out = yt.narrow(0, r0, rows);
+          at::mm_out(out, wblk.narrow(0, 0, rows), x2t);
+        }
+      });
+    });
+    y = yt.t();
+  }
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = n;
+  return y.to(xt).contiguous().view(sizes);
+}
+
+}  // namespace
+}  // namespace affineq
+
+TORCH_LIBRARY_IMPL(affineq, CPU, m) {
+  m.impl("kquant_linear", &affineq::kquant_linear_cpu);
+  m.impl("kquant_dequantize", &affineq::kquant_dequantize_cpu);
+}
