@@ -289,3 +289,19 @@ def test_other_isa_build_matches(tmp_path, march, isa, needs):
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr
+
+
+def test_importance_weighted_config_on_kquant():
+    """ImportanceWeightedConfig(KQuantConfig(...), importance=imatrix) quantizes each layer with quantize_kquant
+    and that layer's importance vector: the same bytes as calling it directly."""
+    from affineq.algorithms import ImportanceWeightedConfig, collect_importance
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    data = [torch.randn(4, 256) * torch.linspace(0.1, 3, 256) for _ in range(2)]
+    imp = collect_importance(model, data, progress_bar=False)
+    w = model[0].weight.detach().clone()
+    cfg = ImportanceWeightedConfig(KQuantConfig(kind="q6_k"), importance=imp, progress=False)
+    affineq.quantize_(model, cfg, filter_fn=lambda m, fqn: fqn == "0")
+    assert model[0].weight.spec.fmt == "q6_k"
+    assert torch.equal(model[0].weight.tensors["qdata"], quantize_kquant(w, "q6_k", imp["0"]).tensors["qdata"])

@@ -1,8 +1,10 @@
 // Linear layers on llama.cpp's k-quant super-blocks, read as stored (affineq::kquant_linear), and their fp32
 // values (affineq::kquant_dequantize). The weight [n, k] is n rows of k / 256 blocks (kquant_decode.h).
-//   m <= kGemvRows: fused GEMV, per output row: each block is decoded once into int8 codes and 16 (scale,
-//     offset) pairs (L1), its 256 weights c * s + o formed in fp32 registers and multiplied with every row of
-//     x (fp32 FMA, fp32 accumulation); output rows in parallel. Memory-bound: the packed bytes stream once.
+//   m <= kGemvRows: fused GEMV, output rows in parallel. Per row, each block is decoded once (q4_k, q5_k,
+//     q6_k: into int8 codes in L1, then 16 codes at a time to fp32; q2_k, q3_k: straight from the bit planes
+//     into registers; each measured the faster on its kinds), its weights c * s + o formed in fp32 registers,
+//     exactly the dequantized values, and multiplied with every row of x (fp32 FMA, two accumulator chains per
+//     row). Memory-bound at real sizes: the packed bytes stream once.
 //   larger m: blocks of output rows are dequantized to fp32 in a per-thread buffer that stays in L2 and
 //     multiplied with all of x by torch's GEMM (as dequant_gemm.cpp does for the dense format).
 // Values: every weight is exactly format_kquant's dequantize (kquant_dequantize equals it bit for bit), so
@@ -31,22 +33,42 @@ void kq_gemv_rows(const uint8_t* w, int64_t nb, const float* x, int64_t k, float
   constexpr int64_t ts = kq_type_size(KIND);
   alignas(64) int8_t c[kSuperBlock];
   alignas(64) float s[16], o[16];
+  // Independent FMA chains per row of x (16 dependent FMAs per block on one chain would be latency-bound).
+  constexpr int A = 2;  // two chains per row of x; 4 at m = 1 measured no faster
   for (int64_t r = r0; r < r1; ++r) {
-    F16 acc[M][2];
-    for (int mi = 0; mi < M; ++mi) acc[mi][0] = acc[mi][1] = fzero();
+    F16 acc[M][A];
+    for (int mi = 0; mi < M; ++mi)
+      for (int a = 0; a < A; ++a) acc[mi][a] = fzero();
     const uint8_t* row = w + r * nb * ts;
     for (int64_t blk = 0; blk < nb; ++blk) {
-      kq_decode<KIND>(row + blk * ts, c, s, o);
+      const uint8_t* b = row + blk * ts;
       const float* xb = x + blk * kSuperBlock;
-      for (int j = 0; j < 16; j += 2) {  // two accumulator chains per row of x
-        const F16 w0 = kq_weights16(c, s, o, j), w1 = kq_weights16(c, s, o, j + 1);
-        for (int mi = 0; mi < M; ++mi) {
-          acc[mi][0] = ffma(w0, fload(xb + mi * k + 16 * j), acc[mi][0]);
-          acc[mi][1] = ffma(w1, fload(xb + mi * k + 16 * j + 16), acc[mi][1]);
+      const auto dot = [&](auto V_, F16 wv) {  // wv: weights 16 V .. 16 V + 15
+        constexpr int V = AQ_CV(V_);
+        for (int mi = 0; mi < M; ++mi) acc[mi][V % A] = ffma(wv, fload(xb + mi * k + 16 * V), acc[mi][V % A]);
+      };
+      if constexpr (KIND == 2 || KIND == 3) {  // 2-bit planes: decoded in registers (measured faster)
+        kq_qparams16<KIND>(b, s, o);
+        kq_codes<KIND>(b, [&](auto V_, I16 u) {
+          constexpr int j = AQ_CV(V_);
+          dot(V_, ffma(i2f(u), fset1(s[j]), fset1(o[j])));  // the weights, exact (see kquant_decode.h)
+        });
+      } else {  // nibble planes: decoded to int8 codes in L1 first (measured faster)
+        kq_decode<KIND>(b, c, s, o);
+        for (int j = 0; j < 16; j += 2) {  // a plain loop: fully unrolled, it measured slower
+          const F16 w0 = kq_weights16(c, s, o, j), w1 = kq_weights16(c, s, o, j + 1);
+          for (int mi = 0; mi < M; ++mi) {
+            acc[mi][0] = ffma(w0, fload(xb + mi * k + 16 * j), acc[mi][0]);
+            acc[mi][1] = ffma(w1, fload(xb + mi * k + 16 * j + 16), acc[mi][1]);
+          }
         }
       }
     }
-    for (int mi = 0; mi < M; ++mi) y[mi * ldy + r] = fhsum(fadd(acc[mi][0], acc[mi][1]));
+    for (int mi = 0; mi < M; ++mi) {
+      F16 t = acc[mi][0];
+      for (int a = 1; a < A; ++a) t = fadd(t, acc[mi][a]);
+      y[mi * ldy + r] = fhsum(t);
+    }
   }
 }
 

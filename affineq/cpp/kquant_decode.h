@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #include "simd.h"
 
@@ -29,6 +30,9 @@ constexpr int64_t kq_type_size(int64_t kind) {
 AQ_INLINE float half_to_float(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
   if (e == 0) {  // zero or subnormal: m * 2^-24, exact in fp32
     const float f = std::ldexp(static_cast<float>(m), -24);
@@ -38,6 +42,7 @@ AQ_INLINE float half_to_float(const uint8_t* p) {
   float f;
   std::memcpy(&f, &bits, 4);
   return f;
+#endif
 }
 
 // Q4_K / Q5_K's 12 scale bytes -> 8 six-bit sub-scales and 8 six-bit mins.
@@ -104,9 +109,15 @@ AQ_INLINE void kq_decode(const uint8_t* b, int8_t* c, float* s, float* o) {
           c[128 * h + 32 * t + l] = static_cast<int8_t>(
               (((qs[32 * h + l] >> (2 * t)) & 3) | (((hm[l] >> (4 * h + t)) & 1) << 2)) - 4);
     const float d = half_to_float(b + 108);
+    int sc[16];
+    for (int j = 0; j < 8; ++j) {
+      sc[j] = sb[j] & 15;
+      sc[j + 8] = sb[j] >> 4;
+    }
+    for (int t = 0; t < 4; ++t)
+      for (int l = 0; l < 4; ++l) sc[4 * t + l] |= ((sb[8 + l] >> (2 * t)) & 3) << 4;
     for (int j = 0; j < 16; ++j) {
-      const int low = j < 8 ? (sb[j] & 15) : (sb[j - 8] >> 4), high = (sb[8 + j % 4] >> (2 * (j / 4))) & 3;
-      s[j] = d * static_cast<float>((low | (high << 4)) - 32);
+      s[j] = d * static_cast<float>(sc[j] - 32);
       o[j] = -0.f;
     }
   } else {  // KIND == 2: scales[16] (sc | m << 4), qs[64], d, dmin
@@ -139,6 +150,61 @@ AQ_INLINE F16 i8x16_to_f(const int8_t* p) {
 // Weights 16 j .. 16 j + 15 of a decoded block: c * s + o (the product is exact, so one rounding either way).
 AQ_INLINE F16 kq_weights16(const int8_t* c, const float* s, const float* o, int j) {
   return ffma(i8x16_to_f(c + 16 * j), fset1(s[j]), fset1(o[j]));
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// The GEMV's fused decode of the 2-bit-plane kinds (q2_k, q3_k): codes straight from the block's bytes into
+// 16 int32 lanes, no byte round trip. kq_qparams16<KIND> writes s16 / o16 per 16 weights with weight =
+// u * s16 + o16 for the unsigned code u (q3_k's o16 = -4 * s16, an exact product, so fma(u, s, o) is q * s
+// exactly, up to the sign of a zero); kq_codes<KIND>(b, f) calls f(integral_constant<V>, u) with the codes of
+// weights 16 V .. 16 V + 15 (weight 128 h + 32 t + l: bits 2t of qs[32 h + l], | bit 4h + t of hmask[l] << 2).
+// ---------------------------------------------------------------------------------------------
+template <int KIND>
+AQ_INLINE void kq_qparams16(const uint8_t* b, float* s16, float* o16) {
+  static_assert(KIND == 2 || KIND == 3);
+  if constexpr (KIND == 3) {
+    const uint8_t* sb = b + 96;
+    const float d = half_to_float(b + 108);
+    int sc[16];
+    for (int j = 0; j < 8; ++j) {
+      sc[j] = sb[j] & 15;
+      sc[j + 8] = sb[j] >> 4;
+    }
+    for (int t = 0; t < 4; ++t)
+      for (int l = 0; l < 4; ++l) sc[4 * t + l] |= ((sb[8 + l] >> (2 * t)) & 3) << 4;
+    for (int j = 0; j < 16; ++j) {
+      s16[j] = d * static_cast<float>(sc[j] - 32);
+      o16[j] = -4.f * s16[j];
+    }
+  } else {
+    const float d = half_to_float(b + 80), dmin = half_to_float(b + 82);
+    for (int j = 0; j < 16; ++j) {
+      s16[j] = d * static_cast<float>(b[j] & 15);
+      o16[j] = -(dmin * static_cast<float>(b[j] >> 4));
+    }
+  }
+}
+
+template <int KIND, class F>
+AQ_INLINE void kq_codes(const uint8_t* b, F&& f) {
+  static_assert(KIND == 2 || KIND == 3);
+  const uint8_t* qs = b + (KIND == 3 ? 32 : 16);
+  [[maybe_unused]] I16 hm[2];
+  if constexpr (KIND == 3) hm[0] = ld_u8x16(b), hm[1] = ld_u8x16(b + 16);
+  sfor<2>([&](auto H) {
+    constexpr int h = AQ_CV(H);
+    sfor<2>([&](auto P) {
+      constexpr int half = AQ_CV(P);
+      const I16 v = ld_u8x16(qs + 32 * h + 16 * half);
+      sfor<4>([&](auto T) {
+        constexpr int t = AQ_CV(T);
+        I16 u = iand(isrl<2 * t>(v), 3);
+        if constexpr (KIND == 3) u = ior(u, isll<2>(iand(isrl<4 * h + t>(hm[half]), 1)));
+        f(std::integral_constant<int, 8 * h + 2 * t + half>{}, u);
+      });
+    });
+  });
 }
 
 }  // namespace

@@ -6,11 +6,11 @@
 
 `blocks` are the GGUF tensor's super-blocks as `format_kquant` stores them (`qdata`), `kind` the digit of the
 format name (4 for q4_k). The C++ kernel decodes each super-block once per call and forms every weight exactly
-as `dequantize` does (fp32, bit for bit), then sums fp32 products: at one to four rows of x a fused GEMV over
-the packed bytes, above that fp32 weight tiles multiplied by torch's GEMM. So the result is
-F.linear(x.float(), w.dequantize()) up to the order of the fp32 sums: per output,
-|y - y_exact| <= K * 2**-24 * sum_k |x_k| |w_k| (the classic bound for recursive or blocked summation, with
-K / 256 + 16 * 2 terms in practice), then the cast to x's dtype.
+as `dequantize` does (fp32; `kquant_dequantize` is bit-identical to it), then sums fp32 products: at one to four
+rows of x a fused GEMV over the packed bytes, above that fp32 weight tiles multiplied by torch's GEMM. So the
+result is F.linear(x.float(), w.dequantize()) up to the order of the fp32 sums, per output
+|y - y_exact| <= K * 2**-24 * sum_k |x_k| |w_k| (recursive summation's bound, any order; tests/test_kquant.py
+asserts it), then the cast to x's dtype.
 
 Without the C++ library both ops run the same math in PyTorch (`kquant_linear_reference`), so a graph compiled
 while it was available still runs; the fake impls give torch.compile the output shapes.
