@@ -1,8 +1,9 @@
 // Linear layers on llama.cpp's k-quant super-blocks, read as stored (affineq::kquant_linear), and their fp32
 // values (affineq::kquant_dequantize). The weight [n, k] is n rows of k / 256 blocks (kquant_decode.h).
-//   m <= kGemvRows: fused GEMV, output rows in parallel. Per row, each block is decoded once (q4_k, q5_k,
-//     q6_k: into int8 codes in L1, then 16 codes at a time to fp32; q2_k, q3_k: straight from the bit planes
-//     into registers; each measured the faster on its kinds), its weights c * s + o formed in fp32 registers,
+//   m <= kGemvRows: fused GEMV, output rows in parallel. Per row, each block is decoded once (q6_k, and q4_k /
+//     q5_k without AVX-512: into int8 codes in L1, then 16 codes at a time to fp32; q2_k, q3_k: straight from
+//     the bit planes into registers; q4_k / q5_k on AVX-512: codes index a per-sub-block table of the 16 / 32
+//     possible weights; each measured the faster on its kinds), its weights c * s + o formed in fp32 registers,
 //     exactly the dequantized values, and multiplied with every row of x (fp32 FMA, two accumulator chains per
 //     row). Memory-bound at real sizes: the packed bytes stream once.
 //   larger m: blocks of output rows are dequantized to fp32 in a per-thread buffer that stays in L2 and
@@ -16,6 +17,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #include "common.h"
 #include "kquant_decode.h"
@@ -25,6 +27,60 @@ namespace detail {
 namespace {
 
 inline constexpr int64_t kGemvRows = 4;
+
+#if AQ_AVX512
+// q4_k / q5_k on AVX-512: each sub-block's 16 (32) possible weights fma(u, s, o), exact, go into a table of one
+// (two) zmm, and the codes index it (vpermps / vpermt2ps): one op per 16 weights where the conversion and the
+// weight FMA cost two (measured faster). dot(integral_constant<V>, w) as kq_codes's f.
+template <int KIND, class F>
+AQ_INLINE void kq_lut_block(const uint8_t* b, F&& dot) {
+  static_assert(KIND == 4 || KIND == 5);
+  // the 8 six-bit sub-scales and mins (kquant_decode.h's scale_min_k4, four bytes per 32-bit word), in fp32
+  uint32_t q[3];
+  std::memcpy(q, b + 4, 12);
+  const __m128i sc = _mm_setr_epi32(static_cast<int>(q[0] & 0x3F3F3F3Fu),
+                                    static_cast<int>((q[2] & 0x0F0F0F0Fu) | ((q[0] >> 2) & 0x30303030u)), 0, 0);
+  const __m128i mn = _mm_setr_epi32(static_cast<int>(q[1] & 0x3F3F3F3Fu),
+                                    static_cast<int>(((q[2] >> 4) & 0x0F0F0F0Fu) | ((q[1] >> 2) & 0x30303030u)), 0, 0);
+  alignas(32) float s[8], o[8];
+  _mm256_store_ps(s, _mm256_mul_ps(_mm256_set1_ps(half_to_float(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc))));
+  _mm256_store_ps(o, _mm256_xor_ps(_mm256_set1_ps(-0.f),  // -(dmin * m), as the format (a zero keeps its sign)
+                                   _mm256_mul_ps(_mm256_set1_ps(half_to_float(b + 2)),
+                                                 _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn)))));
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const uint8_t* qs = b + (KIND == 4 ? 16 : 48);
+  [[maybe_unused]] __m512i qh[2];
+  if constexpr (KIND == 5)
+    for (int p = 0; p < 2; ++p)
+      qh[p] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 + 16 * p)));
+  sfor<4>([&](auto H) {
+    constexpr int h = AQ_CV(H);
+    __m512 lut[2][2];  // [sub-block 2h, 2h + 1][codes 0-15, 16-31]
+    for (int q = 0; q < 2; ++q) {
+      const __m512 sv = _mm512_set1_ps(s[2 * h + q]), ov = _mm512_set1_ps(o[2 * h + q]);
+      lut[q][0] = _mm512_fmadd_ps(iota, sv, ov);
+      if constexpr (KIND == 5) lut[q][1] = _mm512_fmadd_ps(_mm512_add_ps(iota, _mm512_set1_ps(16.f)), sv, ov);
+    }
+    sfor<2>([&](auto P) {
+      constexpr int half = AQ_CV(P);
+      const __m512i v =
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 32 * h + 16 * half)));
+      const __m512i lo = _mm512_and_si512(v, _mm512_set1_epi32(15)), hi = _mm512_srli_epi32(v, 4);
+      if constexpr (KIND == 4) {
+        dot(std::integral_constant<int, 4 * h + half>{}, F16{_mm512_permutexvar_ps(lo, lut[0][0])});
+        dot(std::integral_constant<int, 4 * h + 2 + half>{}, F16{_mm512_permutexvar_ps(hi, lut[1][0])});
+      } else {
+        const auto bit4 = [&](int at) {  // bit `at` of the qh byte, moved to bit 4
+          return _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(qh[half], at), _mm512_set1_epi32(1)), 4);
+        };
+        const __m512i lo5 = _mm512_or_si512(lo, bit4(2 * h)), hi5 = _mm512_or_si512(hi, bit4(2 * h + 1));
+        dot(std::integral_constant<int, 4 * h + half>{}, F16{_mm512_permutex2var_ps(lut[0][0], lo5, lut[0][1])});
+        dot(std::integral_constant<int, 4 * h + 2 + half>{}, F16{_mm512_permutex2var_ps(lut[1][0], hi5, lut[1][1])});
+      }
+    });
+  });
+}
+#endif
 
 // y[mi * ldy + r] = sum_k x[mi * k + k'] * W[r, k'] for rows r in [r0, r1), mi < M.
 template <int KIND, int M>
@@ -47,6 +103,12 @@ void kq_gemv_rows(const uint8_t* w, int64_t nb, const float* x, int64_t k, float
         constexpr int V = AQ_CV(V_);
         for (int mi = 0; mi < M; ++mi) acc[mi][V % A] = ffma(wv, fload(xb + mi * k + 16 * V), acc[mi][V % A]);
       };
+#if AQ_AVX512
+      if constexpr (KIND == 4 || KIND == 5) {
+        kq_lut_block<KIND>(b, dot);
+        continue;
+      }
+#endif
       if constexpr (KIND == 2 || KIND == 3) {  // 2-bit planes: decoded in registers (measured faster)
         kq_qparams16<KIND>(b, s, o);
         kq_codes<KIND>(b, [&](auto V_, I16 u) {
