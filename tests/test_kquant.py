@@ -149,6 +149,11 @@ def test_linear_on_a_kquant_weight_runs_the_kernel(name):
         y2 = F.linear(x, w, bias)
     assert ran == ["dequantize:linear"]
     torch.testing.assert_close(y2.double(), ref, rtol=1e-5, atol=1e-5)
+    xg = x.clone().requires_grad_()  # the registry gives the kernel its input gradient (grad_y @ W)
+    with affineq.record_kernels() as ran:
+        F.linear(xg, w).sum().backward()
+    assert ran == ["affineq.kquant_linear"]
+    torch.testing.assert_close(xg.grad, w.dequantize().sum(0).expand(3, -1))
 
 
 def test_kquant_ops_fake_impls_for_compile():
