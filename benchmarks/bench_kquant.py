@@ -5,11 +5,12 @@
     python benchmarks/bench_kquant.py --quick          # 1024x1024, M = 1 only, short runs (checks the script)
 
 Issue 33 asks the k-quant kernels to reach the int4 g32 path's speed at M = 1. The weights are random valid
-blocks (quantize_kquant of Gaussian weights); the int4 g32 row is uint4 with fp32 scale and offset per 32 (6 bits
-per weight stored, the format the `dense` kernels read), asymmetric as q4_k. Candidates are timed round-robin
-in one process (medians; compare ratios), each with its own weight copy so that none finds its weights left in
-cache by another. Columns: ms per call, "x i4" = int4-g32 time / this row's time (> 1: faster), bpw = stored
-bits per weight, GB/s = weight bytes streamed per second at M = 1.
+blocks (every code and sub-scale drawn from its range, written by kquant_encode: the speed does not depend on
+the values, and quantize_kquant of large weights takes minutes on few cores); the int4 g32 row is uint4 with
+fp32 scale and offset per 32 (6 bits per weight stored, the format the `dense` kernels read), asymmetric as
+q4_k. Candidates are timed round-robin in one process (medians; compare ratios), each with its own weight copy
+so that none finds its weights left in cache by another. Columns: ms per call, "x i4" = int4-g32 time / this
+row's time (> 1: faster), bpw = stored bits per weight, GB/s = weight bytes streamed per second at M = 1.
 Writes results/bench_kquant.json.
 """
 
@@ -30,6 +31,20 @@ from common import machine_line, round_robin_ms, save_json, table  # noqa: E402
 KINDS = ("q4_k", "q6_k", "q5_k", "q3_k", "q2_k")
 
 
+def random_blocks(kind: str, n: int, k: int) -> torch.Tensor:
+    """Valid super-blocks [n, k / 256 * type_size] with random codes, sub-scales and fp16 scales in [0, 0.01)."""
+    from affineq.tensor.format_kquant import KQUANT_TYPES
+    from affineq.tensor.kquant_encode import encode
+
+    t = KQUANT_TYPES[kind]
+    b, nsub = n * k // 256, 256 // t.group
+    u = torch.randint(0, t.quant_max - t.quant_min + 1, (b, 256), dtype=torch.uint8)
+    lo, hi = {"q6_k": (-128, 127), "q3_k": (-32, 31), "q2_k": (0, 15)}.get(kind, (0, 63))
+    sc = torch.randint(lo, hi + 1, (b, nsub))
+    mn = None if lo < 0 else torch.randint(0, hi + 1, (b, nsub))
+    return encode(kind, u, torch.rand(b) * 0.01, sc, torch.rand(b) * 0.01, mn).reshape(n, -1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="4096x4096,11008x4096", help="NxK list (N = out_features, K % 256 == 0)")
@@ -44,7 +59,6 @@ def main() -> None:
         args.shapes, args.m, args.budget = "1024x1024", "1", 0.02
 
     import affineq.cpp as K
-    from affineq.configs_kquant import quantize_kquant
     from affineq.tensor.format_kquant import KQUANT_TYPES
 
     if not K.is_available():
@@ -55,7 +69,7 @@ def main() -> None:
     for shape in args.shapes.split(","):
         n, k = (int(v) for v in shape.lower().split("x"))
         w = torch.randn(n, k) * 0.02
-        blocks = {kind: quantize_kquant(w, kind).tensors["qdata"] for kind in KINDS}
+        blocks = {kind: random_blocks(kind, n, k) for kind in KINDS}
         u = torch.randint(0, 16, (n, k), dtype=torch.uint8)
         scale = torch.rand(n, k // 32) * 0.01 + 1e-3
         i4 = (K.pack_codes(u, 4), scale, -8 * scale)
