@@ -24,7 +24,6 @@ follows llama.cpp's idea (make_qkx2_quants / make_qx_quants), written here for w
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 from torch import nn
@@ -179,7 +178,6 @@ class KQuantConfig(QuantConfig):
         quantize_(model, KQuantConfig(kind="q4_k"))
     """
 
-    _field_types: ClassVar[dict[str, tuple[type, ...]]] = {"kind": (str,)}
     kind: str = "q4_k"
 
     def __post_init__(self):

@@ -219,8 +219,9 @@ def test_quantize_kquant_bad_input():
         quantize_kquant(torch.randn(2, 256), "q4_k", torch.ones(3))
     with pytest.raises(ValueError, match="non-finite"):
         quantize_kquant(torch.full((2, 256), float("inf")), "q4_k")
-    with pytest.raises(ValueError, match="kind"):
-        KQuantConfig(kind="q8_k")
+    for bad in ("q8_k", 4):
+        with pytest.raises(ValueError, match="kind"):
+            KQuantConfig(kind=bad)
 
 
 def test_kquant_config_quantizes_a_model_and_saves_gguf(tmp_path):
