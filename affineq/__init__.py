@@ -44,6 +44,7 @@ from affineq.configs_float import (
     MXDynamicActivationMXWeightConfig,
     MXWeightOnlyConfig,
 )
+from affineq.configs_kquant import KQuantConfig  # noqa: F401  (llama.cpp k-quant super-blocks, q2_k .. q6_k)
 from affineq.distributed import dcp_load, dcp_save, parallelize_quantized
 from affineq.dtypes import qtype as _qtype
 from affineq.fusion import fuse_modules_

@@ -50,6 +50,7 @@ kernels, in the order tried:
   affineq.int8_codes_linear
   affineq.dequant_linear
   affineq.lowbit_linear
+  affineq.kquant_linear
   aten._weight_int4pack_mm_for_cpu
   aten._weight_int4pack_mm
   onednn.qlinear

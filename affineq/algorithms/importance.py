@@ -38,6 +38,7 @@ from affineq.algorithms.imatrix import (
     resolve_importance,
 )
 from affineq.configs import QuantConfig
+from affineq.configs_kquant import KQuantConfig, quantize_kquant
 from affineq.primitives import MappingType, ZeroPointDomain
 from affineq.tensor.affine import AffineQuantizedTensor
 from affineq.tensor.spec import QParamOptions, QuantSpec
@@ -158,8 +159,9 @@ class ImportanceWeightedConfig(AlgorithmConfig):
     """Round-to-nearest with each group's qparams searched to minimise the importance-weighted error (module
     docstring). The stored weight is the base config's format (its kernels run it).
 
-    base_config: Int4WeightOnlyConfig, IntxWeightOnlyConfig (float scales), Int8WeightOnlyConfig or
-        Int8DynamicActivationInt4WeightConfig.
+    base_config: Int4WeightOnlyConfig, IntxWeightOnlyConfig (float scales), Int8WeightOnlyConfig,
+        Int8DynamicActivationInt4WeightConfig, or KQuantConfig (its own weighted search, `quantize_kquant`;
+        ratios and refit do not apply).
     importance: an `ImportanceMatrix` (from `collect_importance`), the path of one saved with
         `ImportanceMatrix.save`, or None: collected from `quantize_`'s calibration_data (then needed).
     ratios: clipping ratios searched, each in (0, 2] (`DEFAULT_RATIOS`: 1.0 down to 0.70).
@@ -193,6 +195,11 @@ class ImportanceWeightedConfig(AlgorithmConfig):
             raise ValueError(f"ImportanceWeightedConfig searches float scales; base_config.scale_type="
                              f"{self.base_config.scale_type!r} (power-of-two scales) is not supported")
 
+    def cannot_wrap(self, base: QuantConfig) -> str | None:
+        if isinstance(base, KQuantConfig):  # k-quants run their own weighted search (`quantize_kquant`)
+            return None
+        return super().cannot_wrap(base)
+
     @property
     def needs_data(self) -> bool:  # type: ignore[override]
         return self.importance is None
@@ -209,7 +216,10 @@ class ImportanceWeightedConfig(AlgorithmConfig):
             w = layer.weight.detach()
             spec = self.base_config.weight_spec(w, layer)
             imp_w = importance_of(type(self).__name__, imp, fqn, w.shape[1])
-            qw = importance_weighted_quantize(w, imp_w, spec, options, ratios=self.ratios, refit=self.refit)
+            if isinstance(self.base_config, KQuantConfig):
+                qw = quantize_kquant(w, self.base_config.kind, imp_w)
+            else:
+                qw = importance_weighted_quantize(w, imp_w, spec, options, ratios=self.ratios, refit=self.refit)
             out[fqn] = Precomputed(base=self.base_config, weight=qw)
         return out
 

@@ -5,6 +5,7 @@
 | affineq.int8_codes_linear (C++)   | dense     | 8-bit integer weight x dynamic int8 activation (VNNI, int32) |
 | affineq.dequant_linear (C++)      | dense     | M >= a per-CPU threshold: cached W blocks x torch's GEMM     |
 | affineq.lowbit_linear (our C++)   | dense     | 1-8 bit, fp8/fp6/fp4 (e8m0 too); int8 activations fake-quant |
+| affineq.kquant_linear (our C++)   | q2_k-q6_k | llama.cpp k-quant super-blocks read as stored, weight-only   |
 | aten._weight_int4pack_mm_for_cpu  | int4_cpu  | int4 tinygemm, weight-only                                   |
 | aten._weight_int4pack_mm          | int4_cuda | int4 tinygemm, weight-only                                   |
 | onednn.qlinear                    | plain     | W8A8 at M >= a per-CPU threshold, VNNI / AMX: prepacked int8 |
@@ -43,6 +44,7 @@ from affineq.tensor.compute_bound import (
 )
 from affineq.tensor.formats import dense_code_offset
 from affineq.tensor.kernel_registry import Check, Run, register_linear_kernel
+from affineq.tensor.kquant_kernel import kquant_linear_check, kquant_linear_run
 from affineq.tensor.spec import QuantSpec
 
 # -- preconditions shared by the CPU kernels ----------------------------------------------------------
@@ -157,6 +159,8 @@ def _lowbit_run(x, w, bias):
 
 
 register_linear_kernel("affineq.lowbit_linear", ("dense",), _lowbit_check, _lowbit_run)
+register_linear_kernel("affineq.kquant_linear", ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k"), kquant_linear_check,
+                       kquant_linear_run)
 
 
 # -- kernels: aten int4 tinygemm, CPU and CUDA (bf16 compute) -------------------------------------------

