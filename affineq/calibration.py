@@ -22,6 +22,7 @@ from torch import nn
 
 from affineq import observers as _obs
 from affineq.configs import QuantConfig, _check_choice, _row_block
+from affineq.granularity import PerTensor
 from affineq.plan import QuantizationError, Workflow, plan, raise_problems
 from affineq.primitives import MappingType, ZeroPointDomain
 from affineq.tensor.affine import AffineQuantizedTensor
@@ -111,8 +112,8 @@ class Int8StaticActivationInt8WeightConfig(QuantConfig):
 
     def activation_quant(self) -> ActivationQuant:
         if self.activation_symmetric:
-            return ActivationQuant(torch.int8, MappingType.SYMMETRIC, "per_tensor", ZeroPointDomain.NONE, static=True)
-        return ActivationQuant(torch.int8, MappingType.ASYMMETRIC, "per_tensor", ZeroPointDomain.INT, static=True)
+            return ActivationQuant(torch.int8, MappingType.SYMMETRIC, PerTensor(), ZeroPointDomain.NONE, static=True)
+        return ActivationQuant(torch.int8, MappingType.ASYMMETRIC, PerTensor(), ZeroPointDomain.INT, static=True)
 
     def make_observer(self, output: bool = False) -> nn.Module:
         """The observer of the layer's input (or, with `output`, of its output)."""

@@ -77,7 +77,7 @@ def quantizes_activations(config: QuantConfig) -> str | None:
         return f"{name} gives no weight spec for a [{PROBE_SHAPE[0]}, {PROBE_SHAPE[1]}] nn.Linear weight"
     if spec.act_quant is None:
         return f"{name} leaves activations float (weight-only)"
-    if spec.act_quant.granularity == "per_block":
+    if spec.act_quant.is_mx:
         return f"{name} quantizes activations in MX blocks, whose shared exponents absorb the migration"
     return None
 

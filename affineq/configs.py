@@ -21,7 +21,7 @@ from torch import nn
 
 from affineq import granularity as _gran
 from affineq.dtypes import check_target_dtype, is_integer_target, is_signed, qtype
-from affineq.granularity import Granularity, PerAxis, PerGroup, PerRow, PerTensor, get_block_size
+from affineq.granularity import Granularity, PerAxis, PerGroup, PerRow, PerTensor, PerToken, get_block_size
 from affineq.primitives import ROUNDING, MappingType, ZeroPointDomain
 from affineq.recurrent import RECURRENT_TYPES, recurrent_weight_names
 from affineq.tensor.affine import AffineQuantizedTensor
@@ -553,7 +553,8 @@ class Int8DynamicActivationInt8WeightConfig(QuantConfig):
     """int8 x int8 matmul: activations quantized (symmetric) at run time, weights per channel.
 
     act_granularity: "per_token" (default: one scale per row of the flattened input) or "per_tensor" (one
-    scale per call: torch.ao's dynamic scheme, without its 7-bit reduce_range).
+    scale per call: torch.ao's dynamic scheme, without its 7-bit reduce_range); PerToken() / PerTensor() are
+    accepted and stored by these names (serialized configs keep their form).
 
     packing_format: "plain" (torch._int_mm on the codes), "dense" (the C++ kernel on the int8 weight with
     the activation fake-quantized: the same products in fp32) or "auto": plain, except on a CPU whose
@@ -566,6 +567,9 @@ class Int8DynamicActivationInt8WeightConfig(QuantConfig):
     def __post_init__(self):
         super().__post_init__()
         _check_choice("packing_format", self.packing_format, ("auto", "dense", "plain"))
+        if isinstance(self.act_granularity, (PerToken, PerTensor)):
+            object.__setattr__(self, "act_granularity",
+                               "per_token" if isinstance(self.act_granularity, PerToken) else "per_tensor")
         _check_choice("act_granularity", self.act_granularity, ("per_token", "per_tensor"))
 
     def _block_size(self, shape, module):
@@ -599,7 +603,7 @@ class Int8DynamicActivationInt4WeightConfig(QuantConfig):
         return _row_block(shape, self.group_size)
 
     def weight_spec(self, weight, module):
-        aq = ActivationQuant(torch.int8, MappingType.ASYMMETRIC, "per_token", ZeroPointDomain.INT)
+        aq = ActivationQuant(torch.int8, MappingType.ASYMMETRIC, PerToken(), ZeroPointDomain.INT)
         fmt = _auto(self.packing_format, "subbyte", weight, module)
         return self._spec(weight, module, torch.int4, MappingType.SYMMETRIC, ZeroPointDomain.NONE, fmt, aq)
 
@@ -661,6 +665,6 @@ class Float8DynamicActivationFloat8WeightConfig(QuantConfig):
     def weight_spec(self, weight, module):
         per_row = isinstance(self.granularity, PerRow)
         aq = ActivationQuant(self.activation_dtype, MappingType.SYMMETRIC,
-                             "per_token" if per_row else "per_tensor", ZeroPointDomain.NONE)
+                             PerToken() if per_row else PerTensor(), ZeroPointDomain.NONE)
         return self._spec(weight, module, self.weight_dtype, MappingType.SYMMETRIC, ZeroPointDomain.NONE,
                           "plain", aq)

@@ -16,6 +16,7 @@ from torch import nn
 
 from affineq.configs import _POW2_SCALE_MODES, QuantConfig, _auto_float_codes, _check_choice, _row_block
 from affineq.dtypes import QType, qtype
+from affineq.granularity import PerGroup
 from affineq.microexp import MICROEXP_FORMATS, microexp_tensor
 from affineq.mx import SCALE_MODES, mx_element
 from affineq.primitives import MappingType, ZeroPointDomain
@@ -167,8 +168,8 @@ class MXDynamicActivationMXWeightConfig(_MXBlocks, QuantConfig):
         self._check_mx()
 
     def weight_spec(self, weight, module):
-        aq = ActivationQuant(self.activation_dtype, MappingType.SYMMETRIC, "per_block", ZeroPointDomain.NONE,
-                             block_size=self.block_size, scale_mode=self.scale_mode)
+        aq = ActivationQuant(self.activation_dtype, MappingType.SYMMETRIC, PerGroup(self.block_size),
+                             ZeroPointDomain.NONE, scale_mode=self.scale_mode)
         return _block_spec(weight, module, qtype(self.weight_dtype), self.block_size, qtype("e8m0"),
                            self.packing_format, aq)
 
