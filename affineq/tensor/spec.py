@@ -114,8 +114,8 @@ class ActivationQuant:
         if mx:
             self._check_mx()
         elif self.block_size is not None or self.scale_mode is not None:
-            raise ValueError("ActivationQuant.block_size / scale_mode apply to MX granularity (PerGroup(32)) only; "
-                             "leave them None or set granularity=PerGroup(block_size)")
+            raise ValueError("ActivationQuant.block_size / scale_mode apply to MX granularity (PerGroup(32), stored "
+                             "as 'per_block') only; leave them None or set granularity=PerGroup(block_size)")
 
     def _granularity(self) -> Granularity:
         """`granularity` as an object: a stored name converted (with `block_size` for "per_block")."""
