@@ -10,22 +10,20 @@ import torch
 from affineq import observers as obs
 from affineq.capability import min_max_qparams
 from affineq.configs import (
+    FPX_FORMATS,
     Float8DynamicActivationFloat8WeightConfig,
     Float8WeightOnlyConfig,
+    FPxWeightOnlyConfig,
     Int8DynamicActivationInt4WeightConfig,
     Int8DynamicActivationInt8WeightConfig,
     Int8WeightOnlyConfig,
     IntxWeightOnlyConfig,
-    QuantConfig,
-    _check_choice,
-    _row_block,
-)
-from affineq.configs_float import (
-    FPX_FORMATS,
-    FPxWeightOnlyConfig,
     MicroexpWeightOnlyConfig,
     MXDynamicActivationMXWeightConfig,
     MXWeightOnlyConfig,
+    QuantConfig,
+    check_choice,
+    row_block,
 )
 from affineq.dtypes import is_signed, qtype
 from affineq.granularity import Granularity, PerAxis, PerGroup, PerRow, PerTensor, get_block_size
@@ -64,14 +62,14 @@ class PlainWeightOnlyConfig(QuantConfig):
     def __post_init__(self):
         super().__post_init__()
         qtype(self.target)
-        _check_choice("rounding", self.rounding, tuple(ROUNDING))
+        check_choice("rounding", self.rounding, tuple(ROUNDING))
         if not isinstance(self.granularity, (PerTensor, PerAxis, PerGroup)):
             raise ValueError(f"granularity={self.granularity!r}: use PerTensor(), PerAxis(0) or PerGroup(g)")
 
     def _block_size(self, shape, module):
         if isinstance(self.granularity, PerTensor):
             return get_block_size(shape, PerTensor())
-        return _row_block(shape, self.granularity.group_size if isinstance(self.granularity, PerGroup) else None)
+        return row_block(shape, self.granularity.group_size if isinstance(self.granularity, PerGroup) else None)
 
     def weight_spec(self, weight, module):
         from affineq.tensor.spec import QuantSpec

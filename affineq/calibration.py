@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from affineq import observers as _obs
-from affineq.configs import QuantConfig, _check_choice, _row_block
+from affineq.configs import QuantConfig, check_choice, row_block
 from affineq.granularity import PerTensor
 from affineq.plan import QuantizationError, Workflow, plan, raise_problems
 from affineq.primitives import MappingType, ZeroPointDomain
@@ -107,8 +107,8 @@ class Int8StaticActivationInt8WeightConfig(QuantConfig):
         if self.output_symmetric is not None and not self.quantize_output:
             raise ValueError("output_symmetric is set but quantize_output=False; pass quantize_output=True (or "
                              "drop output_symmetric)")
-        _check_choice("observer", self.observer, tuple(OBSERVERS))
-        _check_choice("packing_format", self.packing_format, ("auto", "plain", "dense"))
+        check_choice("observer", self.observer, tuple(OBSERVERS))
+        check_choice("packing_format", self.packing_format, ("auto", "plain", "dense"))
 
     def activation_quant(self) -> ActivationQuant:
         if self.activation_symmetric:
@@ -126,7 +126,7 @@ class Int8StaticActivationInt8WeightConfig(QuantConfig):
                                         scale_dtype=torch.float32)
 
     def _block_size(self, shape, module):
-        return _row_block(shape, None)
+        return row_block(shape, None)
 
     def weight_spec(self, weight, module):
         fmt = self.packing_format

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from affineq.configs import QuantConfig, _decode, _encode
+from affineq.configs import QuantConfig, decode_field, encode_field
 
 __all__ = ["FqnToConfig", "ModelConfig", "QuantizationError", "Step", "Workflow", "all_or_nothing", "check_tied",
            "default_config", "handler_for", "parameter_owners", "plan", "planned_weights", "raise_problems",
@@ -113,7 +113,7 @@ class FqnToConfig(QuantConfig):
         return self.fqn_to_config.get("_default"), False
 
     def to_dict(self) -> dict:
-        return {"type": "FqnToConfig", "fqn_to_config": {k: _encode(v) for k, v in self.fqn_to_config.items()}}
+        return {"type": "FqnToConfig", "fqn_to_config": {k: encode_field(v) for k, v in self.fqn_to_config.items()}}
 
     @classmethod
     def from_dict(cls, d: dict) -> FqnToConfig:
@@ -124,7 +124,7 @@ class FqnToConfig(QuantConfig):
         configs = {}
         for k, v in d["fqn_to_config"].items():
             try:
-                configs[k] = None if v is None else _decode(v)
+                configs[k] = None if v is None else decode_field(v)
             except ValueError as e:
                 raise ValueError(f"FqnToConfig[{k!r}]: {e}") from None
         return cls(configs)

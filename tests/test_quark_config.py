@@ -27,7 +27,7 @@ from affineq import (
     quantize_,
 )
 from affineq._quark_mapping import PlainWeightOnlyConfig
-from affineq.configs_float import (
+from affineq.configs import (
     FPxWeightOnlyConfig,
     MicroexpWeightOnlyConfig,
     MXDynamicActivationMXWeightConfig,
