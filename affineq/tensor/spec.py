@@ -110,7 +110,8 @@ class ActivationQuant:
         _check_enum("ActivationQuant.mapping_type", self.mapping_type, MappingType)
         _check_enum("ActivationQuant.zero_point_domain", self.zero_point_domain, ZeroPointDomain)
         if self.static and not isinstance(self.granularity, PerTensor):
-            raise ValueError("ActivationQuant(static=True) needs granularity=PerTensor() (one calibrated scale)")
+            raise ValueError("ActivationQuant(static=True) needs granularity=PerTensor() ('per_tensor': one calibrated "
+                             "scale)")
         if mx:
             self._check_mx()
         elif self.block_size is not None or self.scale_mode is not None:
