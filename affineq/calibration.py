@@ -21,12 +21,11 @@ import torch
 from torch import nn
 
 from affineq import observers as _obs
-from affineq.configs import QuantConfig, check_choice, row_block
+from affineq.configs import QuantConfig, check_choice, resolve_format, row_block
 from affineq.granularity import PerTensor
 from affineq.plan import QuantizationError, Workflow, plan, raise_problems
 from affineq.primitives import MappingType, ZeroPointDomain
 from affineq.tensor.affine import AffineQuantizedTensor
-from affineq.tensor.kernel_registry import auto_format, int_mm_is_fast
 from affineq.tensor.spec import ActivationQuant
 
 __all__ = ["CALIBRATION", "Int8StaticActivationInt8WeightConfig", "convert_", "prepare_", "quantize_with_calibration",
@@ -129,12 +128,10 @@ class Int8StaticActivationInt8WeightConfig(QuantConfig):
         return row_block(shape, None)
 
     def weight_spec(self, weight, module):
-        fmt = self.packing_format
-        if fmt == "auto":
-            linear = isinstance(module, nn.Linear)
-            fmt = "plain" if not linear or int_mm_is_fast() else auto_format("byte", weight, linear)
-        return self._spec(weight, module, torch.int8, MappingType.SYMMETRIC, ZeroPointDomain.NONE, fmt,
+        spec = self._spec(weight, module, torch.int8, MappingType.SYMMETRIC, ZeroPointDomain.NONE, "plain",
                           self.activation_quant())
+        return resolve_format(self.packing_format, spec, weight, module,
+                              module_is_linear=isinstance(module, nn.Linear))
 
 
 @dataclass(frozen=True)

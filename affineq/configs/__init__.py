@@ -9,12 +9,12 @@ from affineq.configs.base import (  # noqa: F401 (the private names: see below)
     _CONFIGS,
     _POW2_SCALE_MODES,
     QuantConfig,
-    _auto,
     _auto_float_codes,
     check_choice,
     config_from_dict,
     decode_field,
     encode_field,
+    resolve_format,
     row_block,
 )
 from affineq.configs.float import (
@@ -55,8 +55,9 @@ __all__ = [
     "row_block",
     "encode_field",
     "decode_field",
+    "resolve_format",
 ]
 
-# The helpers' names from before the split into a package (with _CONFIGS, _POW2_SCALE_MODES, _auto and
+# The helpers' names from before the split into a package (with _CONFIGS, _POW2_SCALE_MODES and
 # _auto_float_codes imported above), for modules written against them; new code imports the public names.
 _check_choice, _row_block, _encode, _decode = check_choice, row_block, encode_field, decode_field

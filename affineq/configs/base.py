@@ -7,8 +7,8 @@ Configs are frozen dataclasses that validate themselves, round-trip through JSON
 A config answers: `check(module)` (why it cannot apply, or None), `parameter_names(module)` (what it
 quantizes: `weight` unless `param_names` says otherwise) and `weight_spec(weight, module)` (the `QuantSpec`
 it wants for a weight, plus `qparam_options()`); the base class's `quantize_weight` does the rest
-(`AffineQuantizedTensor.from_spec`). "auto" packing formats are resolved by the kernel registry
-(`affineq.tensor.kernel_registry.auto_format`).
+(`AffineQuantizedTensor.from_spec`). "auto" packing formats are resolved from the spec by the kernel registry
+(`resolve_format` -> `affineq.tensor.kernel_registry.choose_format`).
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ from affineq.granularity import Granularity, PerAxis, PerGroup, get_block_size
 from affineq.primitives import MappingType, ZeroPointDomain
 from affineq.recurrent import RECURRENT_TYPES, recurrent_weight_names
 from affineq.tensor.affine import AffineQuantizedTensor
-from affineq.tensor.kernel_registry import auto_format
+from affineq.tensor.kernel_registry import choose_format
 from affineq.tensor.spec import QParamOptions, QuantSpec
 
-__all__ = ["QuantConfig", "check_choice", "config_from_dict", "decode_field", "encode_field", "row_block"]
+__all__ = ["QuantConfig", "check_choice", "config_from_dict", "decode_field", "encode_field", "resolve_format",
+           "row_block"]
 
 _CONFIGS: dict[str, type[QuantConfig]] = {}
 _POW2_SCALE_MODES = {"pof2": "rceil", "e8m0": "floor"}  # power-of-two scale types -> affineq.mx scale_mode
@@ -350,22 +351,20 @@ def row_block(shape: tuple[int, ...], group_size: int | None) -> tuple[int, ...]
     return get_block_size(shape, PerGroup(group_size))
 
 
-def _auto(fmt: str, scheme: str, weight: torch.Tensor, module: nn.Module) -> str:
-    linear_like = isinstance(module, (nn.Linear, *RECURRENT_TYPES))  # recurrent weights also go through F.linear
-    return auto_format(scheme, weight, linear_like) if fmt == "auto" else fmt
-
-
-def _format_cannot_hold(spec: QuantSpec) -> bool:
-    from affineq.tensor.formats import get_format
-
-    return get_format(spec.fmt).check(spec) is not None
+def resolve_format(fmt: str, spec: QuantSpec, weight: torch.Tensor, module: nn.Module, *,
+                   module_is_linear: bool | None = None, scale_dtype: torch.dtype | None = None) -> QuantSpec:
+    """`spec` stored in packing format `fmt`; "auto": `choose_format`, the first format the spec fits that a
+    kernel available here reads (for a weight on `weight.device`; `module_is_linear` defaults to whether
+    `module` runs F.linear: nn.Linear and the recurrent modules; `scale_dtype`: the config's scale dtype,
+    which aten's int4 layouts need to be bfloat16)."""
+    if fmt != "auto":
+        return spec.replace(fmt=fmt)
+    if module_is_linear is None:
+        module_is_linear = isinstance(module, (nn.Linear, *RECURRENT_TYPES))  # recurrent weights go through F.linear
+    return spec.replace(fmt=choose_format(spec, weight.device, module_is_linear, scale_dtype))
 
 
 def _auto_float_codes(fmt: str, spec: QuantSpec, weight: torch.Tensor, module: nn.Module) -> QuantSpec:
-    """`spec` with "auto" resolved for fp4 / fp6 / fp8 codes and e8m0 scales: `auto_format("float_codes")`
-    (`dense`, our kernel's compact layout, for a 2-D nn.Linear weight on CPU), or `plain` where `dense` cannot
-    hold the spec. An explicit `fmt` is kept as given."""
-    if fmt != "auto":
-        return spec.replace(fmt=fmt)
-    spec = spec.replace(fmt=_auto("auto", "float_codes", weight, module))
-    return spec.replace(fmt="plain") if _format_cannot_hold(spec) else spec
+    """`resolve_format` under its name from before "auto" was decided from the spec (fp4 / fp6 / fp8 codes and
+    e8m0 scales)."""
+    return resolve_format(fmt, spec, weight, module)

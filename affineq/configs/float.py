@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from affineq.configs.base import _POW2_SCALE_MODES, QuantConfig, _auto, _auto_float_codes, check_choice, row_block
+from affineq.configs.base import _POW2_SCALE_MODES, QuantConfig, check_choice, resolve_format, row_block
 from affineq.dtypes import QType, qtype
 from affineq.granularity import Granularity, PerGroup, PerRow, PerTensor, PerToken, get_block_size
 from affineq.microexp import MICROEXP_FORMATS, microexp_tensor
@@ -42,7 +42,7 @@ def _block_spec(weight: torch.Tensor, module: nn.Module, target: QType, group: i
                             mapping_type=MappingType.SYMMETRIC, zero_point_domain=ZeroPointDomain.NONE,
                             quant_min=-127 if target.name == "int8" else None, packing_format="plain",
                             act_quant=act_quant, scale_type=scale_type)
-    return _auto_float_codes(fmt, spec, weight, module)
+    return resolve_format(fmt, spec, weight, module)
 
 
 def _check_block(name: str, value: Any) -> None:
@@ -232,8 +232,8 @@ class Float8WeightOnlyConfig(QuantConfig):
         return get_block_size(shape, PerRow())
 
     def weight_spec(self, weight, module):
-        fmt = _auto(self.packing_format, "byte", weight, module)
-        return self._spec(weight, module, self.weight_dtype, MappingType.SYMMETRIC, ZeroPointDomain.NONE, fmt)
+        spec = self._spec(weight, module, self.weight_dtype, MappingType.SYMMETRIC, ZeroPointDomain.NONE, "plain")
+        return resolve_format(self.packing_format, spec, weight, module)
 
 
 @dataclass(frozen=True)

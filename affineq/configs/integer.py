@@ -11,17 +11,14 @@ from torch import nn
 from affineq.configs.base import (
     _POW2_SCALE_MODES,
     QuantConfig,
-    _auto,
-    _auto_float_codes,
     _check_group_size,
-    _format_cannot_hold,
     check_choice,
+    resolve_format,
     row_block,
 )
 from affineq.dtypes import check_target_dtype, is_integer_target, is_signed, qtype
 from affineq.granularity import Granularity, PerAxis, PerGroup, PerTensor, PerToken
 from affineq.primitives import ROUNDING, MappingType, ZeroPointDomain
-from affineq.tensor.kernel_registry import auto_format
 from affineq.tensor.spec import ActivationQuant, QParamOptions
 
 __all__ = ["Int4WeightOnlyConfig", "Int8DynamicActivationInt4WeightConfig", "Int8DynamicActivationInt8WeightConfig",
@@ -70,16 +67,10 @@ class Int4WeightOnlyConfig(QuantConfig):
 
     def weight_spec(self, weight, module):
         signed = self.mapping_type is not MappingType.ASYMMETRIC
-        fmt = self.packing_format
-        if fmt == "auto":
-            fmt = auto_format("int4", weight)
-            if fmt.startswith("int4_") and self.scale_dtype != torch.bfloat16:
-                fmt = "plain" if weight.device.type == "cuda" else "dense"
         spec = self._spec(weight, module, torch.int4 if signed else torch.uint4, self.mapping_type,
-                          ZeroPointDomain.NONE if signed else self.zero_point_domain, fmt)
-        if self.packing_format == "auto" and fmt == "int4_cpu" and _format_cannot_hold(spec):
-            spec = spec.replace(fmt="dense")  # aten's layout needs N % 16 == 0 etc.; dense holds any int4
-        return spec
+                          ZeroPointDomain.NONE if signed else self.zero_point_domain, "plain")
+        return resolve_format(self.packing_format, spec, weight, module, module_is_linear=True,
+                              scale_dtype=self.scale_dtype)
 
     def qparam_options(self):
         return QParamOptions(scale_dtype=self.scale_dtype, preserve_zero=self.preserve_zero, rounding=self.rounding)
@@ -154,9 +145,9 @@ class IntxWeightOnlyConfig(QuantConfig):
     def weight_spec(self, weight, module):
         if self.scale_type is not None:  # e8m0 bytes: dense (our kernel) where it holds them, else plain
             spec = self._spec(weight, module, self.weight_dtype, self.mapping_type, ZeroPointDomain.NONE, "plain")
-            return _auto_float_codes(self.packing_format, spec.replace(scale_type=qtype("e8m0")), weight, module)
-        fmt = _auto(self.packing_format, "subbyte", weight, module)
-        return self._spec(weight, module, self.weight_dtype, self.mapping_type, self._domain(), fmt)
+            return resolve_format(self.packing_format, spec.replace(scale_type=qtype("e8m0")), weight, module)
+        spec = self._spec(weight, module, self.weight_dtype, self.mapping_type, self._domain(), "plain")
+        return resolve_format(self.packing_format, spec, weight, module)
 
     def qparam_options(self):
         mode = None if self.scale_type is None else _POW2_SCALE_MODES[self.scale_type]
@@ -187,8 +178,8 @@ class Int8WeightOnlyConfig(QuantConfig):
         return row_block(shape, self.group_size)
 
     def weight_spec(self, weight, module):
-        fmt = _auto(self.packing_format, "byte", weight, module)
-        return self._spec(weight, module, torch.int8, MappingType.SYMMETRIC, ZeroPointDomain.NONE, fmt)
+        spec = self._spec(weight, module, torch.int8, MappingType.SYMMETRIC, ZeroPointDomain.NONE, "plain")
+        return resolve_format(self.packing_format, spec, weight, module)
 
     def qparam_options(self):
         return QParamOptions(scale_dtype=torch.float32, rounding=self.rounding)
@@ -226,8 +217,8 @@ class Int8DynamicActivationInt8WeightConfig(QuantConfig):
 
     def weight_spec(self, weight, module):
         aq = ActivationQuant(torch.int8, MappingType.SYMMETRIC, self.act_granularity, ZeroPointDomain.NONE)
-        fmt = _auto(self.packing_format, "int8_dynamic", weight, module)
-        return self._spec(weight, module, torch.int8, MappingType.SYMMETRIC, ZeroPointDomain.NONE, fmt, aq)
+        spec = self._spec(weight, module, torch.int8, MappingType.SYMMETRIC, ZeroPointDomain.NONE, "plain", aq)
+        return resolve_format(self.packing_format, spec, weight, module)
 
 
 @dataclass(frozen=True)
@@ -253,8 +244,8 @@ class Int8DynamicActivationInt4WeightConfig(QuantConfig):
 
     def weight_spec(self, weight, module):
         aq = ActivationQuant(torch.int8, MappingType.ASYMMETRIC, PerToken(), ZeroPointDomain.INT)
-        fmt = _auto(self.packing_format, "subbyte", weight, module)
-        return self._spec(weight, module, torch.int4, MappingType.SYMMETRIC, ZeroPointDomain.NONE, fmt, aq)
+        spec = self._spec(weight, module, torch.int4, MappingType.SYMMETRIC, ZeroPointDomain.NONE, "plain", aq)
+        return resolve_format(self.packing_format, spec, weight, module)
 
     def qparam_options(self):
         return QParamOptions(scale_dtype=self.scale_dtype)
