@@ -30,21 +30,19 @@ from affineq.calibration import Int8StaticActivationInt8WeightConfig, convert_, 
 from affineq.configs import (
     Float8DynamicActivationFloat8WeightConfig,
     Float8WeightOnlyConfig,
+    FPxWeightOnlyConfig,
     Int4WeightOnlyConfig,
     Int8DynamicActivationInt4WeightConfig,
     Int8DynamicActivationInt8WeightConfig,
     Int8WeightOnlyConfig,
     IntxWeightOnlyConfig,
-    QuantConfig,
-    config_from_dict,
-)
-from affineq.configs_float import (
-    FPxWeightOnlyConfig,
     MicroexpWeightOnlyConfig,
     MXDynamicActivationMXWeightConfig,
     MXWeightOnlyConfig,
+    QuantConfig,
+    config_from_dict,
 )
-from affineq.configs_kquant import KQuantConfig  # noqa: F401  (llama.cpp k-quant super-blocks, q2_k .. q6_k)
+from affineq.configs.kquant import KQuantConfig  # noqa: F401  (llama.cpp k-quant super-blocks, q2_k .. q6_k)
 from affineq.distributed import dcp_load, dcp_save, parallelize_quantized
 from affineq.dtypes import qtype as _qtype
 from affineq.fusion import fuse_modules_

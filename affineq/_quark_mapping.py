@@ -8,23 +8,22 @@ from dataclasses import dataclass, field
 import torch
 
 from affineq import observers as obs
+from affineq.capability import min_max_qparams
 from affineq.configs import (
+    FPX_FORMATS,
     Float8DynamicActivationFloat8WeightConfig,
     Float8WeightOnlyConfig,
+    FPxWeightOnlyConfig,
     Int8DynamicActivationInt4WeightConfig,
     Int8DynamicActivationInt8WeightConfig,
     Int8WeightOnlyConfig,
     IntxWeightOnlyConfig,
-    QuantConfig,
-    _check_choice,
-    _row_block,
-)
-from affineq.configs_float import (
-    FPX_FORMATS,
-    FPxWeightOnlyConfig,
     MicroexpWeightOnlyConfig,
     MXDynamicActivationMXWeightConfig,
     MXWeightOnlyConfig,
+    QuantConfig,
+    check_choice,
+    row_block,
 )
 from affineq.dtypes import is_signed, qtype
 from affineq.granularity import Granularity, PerAxis, PerGroup, PerRow, PerTensor, get_block_size
@@ -63,14 +62,14 @@ class PlainWeightOnlyConfig(QuantConfig):
     def __post_init__(self):
         super().__post_init__()
         qtype(self.target)
-        _check_choice("rounding", self.rounding, tuple(ROUNDING))
+        check_choice("rounding", self.rounding, tuple(ROUNDING))
         if not isinstance(self.granularity, (PerTensor, PerAxis, PerGroup)):
             raise ValueError(f"granularity={self.granularity!r}: use PerTensor(), PerAxis(0) or PerGroup(g)")
 
     def _block_size(self, shape, module):
         if isinstance(self.granularity, PerTensor):
             return get_block_size(shape, PerTensor())
-        return _row_block(shape, self.granularity.group_size if isinstance(self.granularity, PerGroup) else None)
+        return row_block(shape, self.granularity.group_size if isinstance(self.granularity, PerGroup) else None)
 
     def weight_spec(self, weight, module):
         from affineq.tensor.spec import QuantSpec
@@ -126,9 +125,10 @@ class ObservedWeightConfig(QuantConfig):
             raise ValueError(f"ObservedWeightConfig.base_config={self.base_config!r}: use a weight config")
         if not (isinstance(self.observer_cls, type) and issubclass(self.observer_cls, obs.Observer)):
             raise ValueError(f"ObservedWeightConfig.observer_cls={self.observer_cls!r}: use an affineq observer class")
-        if type(self.base_config).quantize_weight is not QuantConfig.quantize_weight:
+        why = min_max_qparams(self.base_config)  # asked of the config, not its class
+        if why is not None:
             raise QuantizationError(f"observer_cls={self.observer_cls.__name__} with {type(self.base_config).__name__}"
-                                    ": that format chooses its own scales (shared exponents); drop observer_cls")
+                                    f": {why} (that format chooses its own scales); drop observer_cls")
 
     @property
     def modules(self):
@@ -298,7 +298,10 @@ def _block_format(w: QuantizationSpec) -> QuantConfig | None:
     if name not in _FPX or (w.qscheme or QSchemeType.per_tensor) is QSchemeType.per_tensor:
         return None
     ebits, mbits = _FPX[name]
-    return FPxWeightOnlyConfig(ebits, mbits, _row_group(_weight_granularity(w)), _FPX_SCALES[w.scale_type])
+    group = _row_group(_weight_granularity(w))
+    if ebits >= 4 and group is None and w.scale_type in (None, ScaleType.float32):
+        return None  # fp8 per channel with float32 scales: Float8WeightOnlyConfig (the plain grid below)
+    return FPxWeightOnlyConfig(ebits, mbits, group, _FPX_SCALES[w.scale_type])
 
 
 def _row_group(gran: Granularity) -> int | None:
@@ -315,9 +318,8 @@ def weight_only_config(w: QuantizationSpec) -> QuantConfig:
 def _weight_only_config(w: QuantizationSpec) -> QuantConfig:
     rounding = _ROUNDING[w.round_method]
     block = _block_format(w)
-    if block is not None and not (isinstance(block, FPxWeightOnlyConfig) and block.ebits >= 4
-                                  and block.group_size is None and w.scale_type in (None, ScaleType.float32)):
-        return block  # fp8 per channel with float32 scales stays Float8WeightOnlyConfig below
+    if block is not None:
+        return block
     target = DTYPE_TARGETS[w.dtype]
     gran = _weight_granularity(w)
     is_float = w.dtype in _FLOAT_DTYPES

@@ -5,9 +5,11 @@
 `qconfig_spec` is read as torch.ao reads it: None (the default module types of `dtype`), a set of module
 types (each gets `dtype`'s default qconfig), or a dict whose keys are module types or submodule names and
 whose values are torch.ao qconfigs (`default_dynamic_qconfig`, `per_channel_dynamic_qconfig`,
-`float_qparams_weight_only_qconfig(_4bit)`, ...), dtypes, or None (leave float). A name applies to that
-submodule and its children, a name beats a type, a type beats what the parent passes down (torch.ao's
-`propagate_qconfig_`); a module's own `.qconfig` attribute beats both. Types match exactly (no subclasses).
+`float_qparams_weight_only_qconfig(_4bit)`, ...), dtypes, None (leave float) or affineq configs (any config
+that needs nothing but the weight: weight-only or dynamic activations, `affineq.capability.runtime_only`).
+A name applies to that submodule and its children, a name beats a type, a type beats what the parent passes
+down (torch.ao's `propagate_qconfig_`); a module's own `.qconfig` attribute beats both. Types match exactly
+(no subclasses).
 
 Each selected module's qconfig maps to an affineq config (`config_for_qconfig`, `config_for_dtype`):
 
@@ -23,8 +25,9 @@ accurate), and its dynamic activations are 8-bit symmetric (torch.ao's x86 defau
 `reduce_range`). Refused with a ValueError naming the parameter and the fix, before anything changes:
 float16 (affineq stores no fp16 weights), unknown dtypes, static activation observers (use `prepare_` /
 `convert_` with `Int8StaticActivationInt8WeightConfig`), keys naming types or modules the model cannot
-have quantized, a custom `mapping`. Unlike torch.ao (whose `convert` never swaps the root), a root module
-that is itself selected is quantized too.
+have quantized, a custom `mapping`. The selection is torch.ao's; it becomes an `FqnToConfig` of exact
+module names that `quantize_` plans (`affineq.plan`) like any other config. Unlike torch.ao (whose `convert`
+never swaps the root), a root module that is itself selected is quantized too.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import torch
 from torch import nn
 from torch.nn.utils.parametrize import type_before_parametrizations
 
+from affineq.capability import runtime_only
 from affineq.configs import (
     Int8DynamicActivationInt8WeightConfig,
     Int8WeightOnlyConfig,
@@ -191,6 +195,12 @@ def _check_mapping(mapping) -> set[type]:
 def _spec_value(value, module_type: type, where: str) -> QuantConfig | None:
     if value is None:
         return None
+    if isinstance(value, QuantConfig):  # an affineq config, accepted by what it needs (`runtime_only`)
+        why = runtime_only(value)
+        if why is not None:
+            raise ValueError(f"{where}={type(value).__name__}(...): {why}, which quantize_dynamic cannot give. "
+                             f"{_STATIC_FIX}")
+        return value
     if isinstance(value, torch.dtype):
         return config_for_dtype(value, module_type, where)
     return config_for_qconfig(value, module_type, where)

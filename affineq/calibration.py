@@ -21,11 +21,11 @@ import torch
 from torch import nn
 
 from affineq import observers as _obs
-from affineq.configs import QuantConfig, _check_choice, _row_block
+from affineq.configs import QuantConfig, check_choice, resolve_format, row_block
+from affineq.granularity import PerTensor
 from affineq.plan import QuantizationError, Workflow, plan, raise_problems
 from affineq.primitives import MappingType, ZeroPointDomain
 from affineq.tensor.affine import AffineQuantizedTensor
-from affineq.tensor.kernel_registry import auto_format, int_mm_is_fast
 from affineq.tensor.spec import ActivationQuant
 
 __all__ = ["CALIBRATION", "Int8StaticActivationInt8WeightConfig", "convert_", "prepare_", "quantize_with_calibration",
@@ -110,13 +110,13 @@ class Int8StaticActivationInt8WeightConfig(QuantConfig):
         if self.output_symmetric is not None and not self.quantize_output:
             raise ValueError("output_symmetric is set but quantize_output=False; pass quantize_output=True (or "
                              "drop output_symmetric)")
-        _check_choice("observer", self.observer, tuple(OBSERVERS))
-        _check_choice("packing_format", self.packing_format, ("auto", "plain", "dense"))
+        check_choice("observer", self.observer, tuple(OBSERVERS))
+        check_choice("packing_format", self.packing_format, ("auto", "plain", "dense"))
 
     def activation_quant(self) -> ActivationQuant:
         if self.activation_symmetric:
-            return ActivationQuant(torch.int8, MappingType.SYMMETRIC, "per_tensor", ZeroPointDomain.NONE, static=True)
-        return ActivationQuant(torch.int8, MappingType.ASYMMETRIC, "per_tensor", ZeroPointDomain.INT, static=True)
+            return ActivationQuant(torch.int8, MappingType.SYMMETRIC, PerTensor(), ZeroPointDomain.NONE, static=True)
+        return ActivationQuant(torch.int8, MappingType.ASYMMETRIC, PerTensor(), ZeroPointDomain.INT, static=True)
 
     def make_observer(self, output: bool = False) -> nn.Module:
         """The observer of the layer's input (or, with `output`, of its output)."""
@@ -129,15 +129,13 @@ class Int8StaticActivationInt8WeightConfig(QuantConfig):
                                         scale_dtype=torch.float32)
 
     def _block_size(self, shape, module):
-        return _row_block(shape, None)
+        return row_block(shape, None)
 
     def weight_spec(self, weight, module):
-        fmt = self.packing_format
-        if fmt == "auto":
-            linear = isinstance(module, nn.Linear)
-            fmt = "plain" if not linear or int_mm_is_fast() else auto_format("byte", weight, linear)
-        return self._spec(weight, module, torch.int8, MappingType.SYMMETRIC, ZeroPointDomain.NONE, fmt,
+        spec = self._spec(weight, module, torch.int8, MappingType.SYMMETRIC, ZeroPointDomain.NONE, "plain",
                           self.activation_quant())
+        return resolve_format(self.packing_format, spec, weight, module,
+                              module_is_linear=isinstance(module, nn.Linear))
 
 
 @dataclass(frozen=True)

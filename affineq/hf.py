@@ -62,6 +62,7 @@ from affineq._untrusted import inside
 from affineq.configs import QuantConfig, config_from_dict
 from affineq.expert_weights import is_expert_module
 from affineq.experts import use_affineq_experts
+from affineq.plan import planned_weights
 from affineq.quantize import AFTER_QUANTIZE, FqnToConfig, ModelConfig, QuantizationError, quantize_
 from affineq.tensor.affine import AffineQuantizedTensor
 
@@ -194,6 +195,9 @@ class AffineqHfQuantizer(HfQuantizer):
         self.modules_to_not_convert: list[str] = []
         self._default_skips: list[str] = []
         self._config: QuantConfig = quantization_config.quant_config
+        self._plan_of: nn.Module | None = None  # the model self._plan was planned on
+        self._plan: dict[str, QuantConfig] = {}
+        self._plan_problems: list[tuple[str, str]] = []
 
     def validate_environment(self, *args, device_map=None, **kwargs) -> None:
         if isinstance(device_map, dict) and "disk" in device_map.values():
@@ -212,36 +216,39 @@ class AffineqHfQuantizer(HfQuantizer):
     # -- which parameters -------------------------------------------------------------------------------
 
     def config_for(self, model: nn.Module, param_name: str) -> tuple[QuantConfig | None, bool]:
-        """(config for parameter `param_name`, whether an FqnToConfig names it exactly), as quantize_ picks."""
-        module_fqn, _, pname = param_name.rpartition(".")
-        module = model.get_submodule(module_fqn) if module_fqn else model
+        """(config of parameter `param_name`, whether an FqnToConfig names it exactly): the planner's answer
+        (`affineq.plan.planned_weights`, as quantize_ plans), None for a weight it leaves float."""
+        planned = self._planned(model)
         cfg = self._config
         if isinstance(cfg, FqnToConfig):
-            if param_name in cfg.fqn_to_config:  # a parameter-name key
-                c = cfg.fqn_to_config[param_name]
-                return (None if c is None else _with_param(c, pname)), True
-            cfg, explicit = cfg.config_for(module_fqn)
+            explicit = param_name in cfg.fqn_to_config or cfg.config_for(param_name.rpartition(".")[0])[1]
         else:
             explicit = False
-        if cfg is None or pname not in cfg.parameter_names(module):
-            return None, explicit
-        return cfg, explicit
+        return planned.get(param_name), explicit
+
+    def _planned(self, model: nn.Module) -> dict[str, QuantConfig]:
+        """{parameter name: config} of every weight quantized on load, planned once per model."""
+        if getattr(self, "_plan_of", None) is not model:
+            self._plan, self._plan_problems = planned_weights(model, self._config, self._selects)
+            self._plan = {n: c for n, c in self._plan.items()
+                          if should_convert_module(n.rpartition(".")[0], self.modules_to_not_convert)}
+            self._plan_of = model
+        return self._plan
+
+    def _selects(self, module: nn.Module, fqn: str) -> bool:
+        """The planner's filter on load: transformers' modules_to_not_convert always, its default skips
+        (output embeddings, ...) unless an FqnToConfig names the module exactly, else every nn.Linear and MoE
+        experts module."""
+        if not should_convert_module(fqn, self.modules_to_not_convert):
+            return False
+        cfg = self._config
+        if isinstance(cfg, FqnToConfig) and cfg.config_for(fqn)[1]:
+            return True
+        return should_convert_module(fqn, self._default_skips) and (isinstance(module, nn.Linear)
+                                                                     or is_expert_module(module))
 
     def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
-        if self.pre_quantized:
-            return False
-        cfg, explicit = self.config_for(model, param_name)
-        if cfg is None:
-            return False
-        module_fqn = param_name.rpartition(".")[0]
-        if not should_convert_module(module_fqn, self.modules_to_not_convert):
-            return False
-        if not explicit and not should_convert_module(module_fqn, self._default_skips):
-            return False
-        module = model.get_submodule(module_fqn) if module_fqn else model
-        return explicit or isinstance(module, nn.Linear) or (is_expert_module(module)
-                                                             and module._parameters[param_name.rpartition(".")[2]]
-                                                             .dim() == 3)
+        return not self.pre_quantized and param_name in self._planned(model)
 
     def entry_for(self, model, param_name: str) -> tuple[str, dict]:
         entries = (self.metadata or {}).get("quantized", {})
@@ -268,14 +275,10 @@ class AffineqHfQuantizer(HfQuantizer):
         user = self.quantization_config.modules_to_not_convert
         self._default_skips = get_keys_to_not_convert(model) if user is None else []
         self.modules_to_not_convert = list(user or []) + list(getattr(model, "_keep_in_fp32_modules", None) or [])
-        problems = []
-        for name, _ in model.named_parameters():
-            if self.param_needs_quantization(model, name):
-                c, _ = self.config_for(model, name)
-                module, pname = get_module_from_name(model, name)
-                why = c.check_parameter(module, pname) if c.param_names else c.check(module)
-                if why:
-                    problems.append(f"{name}: {why}")
+        self._plan_of = None
+        self._planned(model)
+        problems = [f"{name}: {why}" for name, why in self._plan_problems
+                    if should_convert_module(name, self.modules_to_not_convert)]
         if isinstance(cfg, FqnToConfig):  # a tied copy (lm_head of tied embeddings) is never read from the file
             for target, source in dict(getattr(model, "all_tied_weights_keys", None) or {}).items():
                 c, explicit = self.config_for(model, target)
@@ -360,12 +363,6 @@ class AffineqHfQuantizer(HfQuantizer):
     @property
     def is_compileable(self) -> bool:
         return True
-
-
-def _with_param(cfg: QuantConfig, pname: str) -> QuantConfig:
-    import dataclasses
-
-    return dataclasses.replace(cfg, param_names=(pname,))
 
 
 def _check_paths(model: nn.Module, files: list[str] | None) -> None:
@@ -503,3 +500,10 @@ def _register() -> None:
 _register()
 # one hook per process, this module's latest (re-importing it replaces the previous one, as _register does)
 AFTER_QUANTIZE[:] = [h for h in AFTER_QUANTIZE if getattr(h, "__module__", None) != __name__] + [_record_quantization]
+
+
+def _with_param(cfg: QuantConfig, pname: str) -> QuantConfig:
+    """`cfg` restricted to parameter `pname` (one expert weight at a time, as transformers loads them)."""
+    import dataclasses
+
+    return dataclasses.replace(cfg, param_names=(pname,))

@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from affineq.configs import QuantConfig, _decode, _encode
+from affineq.configs import QuantConfig, decode_field, encode_field
 from affineq.expert_weights import is_expert_module
 
 __all__ = ["FqnToConfig", "ModelConfig", "QuantizationError", "Step", "Workflow", "all_or_nothing", "check_tied",
-           "handler_for", "parameter_owners", "plan", "raise_problems", "register_quantize_module_handler",
-           "workflow_of"]
+           "default_config", "handler_for", "parameter_owners", "plan", "planned_weights", "raise_problems",
+           "register_quantize_module_handler", "weight_config", "workflow_of"]
 
 FilterFn = Callable[[nn.Module, str], bool]
 Handler = Callable[[nn.Module, QuantConfig], nn.Module]
@@ -114,7 +114,7 @@ class FqnToConfig(QuantConfig):
         return self.fqn_to_config.get("_default"), False
 
     def to_dict(self) -> dict:
-        return {"type": "FqnToConfig", "fqn_to_config": {k: _encode(v) for k, v in self.fqn_to_config.items()}}
+        return {"type": "FqnToConfig", "fqn_to_config": {k: encode_field(v) for k, v in self.fqn_to_config.items()}}
 
     @classmethod
     def from_dict(cls, d: dict) -> FqnToConfig:
@@ -125,7 +125,7 @@ class FqnToConfig(QuantConfig):
         configs = {}
         for k, v in d["fqn_to_config"].items():
             try:
-                configs[k] = None if v is None else _decode(v)
+                configs[k] = None if v is None else decode_field(v)
             except ValueError as e:
                 raise ValueError(f"FqnToConfig[{k!r}]: {e}") from None
         return cls(configs)
@@ -138,6 +138,20 @@ class ModelConfig(QuantConfig):
 
     def to_fqn_config(self, model: nn.Module) -> FqnToConfig:
         raise NotImplementedError
+
+    def layer_config(self, fqn: str, module: nn.Module) -> QuantConfig | None:
+        """The config of layer `fqn` (`module`, or a stub of its type and shape), None when it stays float;
+        QuantizationError / ValueError when the layer's settings cannot map to a config. Used by routes that
+        see layers one at a time (graph mode)."""
+        raise NotImplementedError(f"{type(self).__name__} does not resolve layers one at a time")
+
+    def default_config(self) -> QuantConfig | None:
+        """The config of a layer nothing else names (graph mode's shared cat / add observers), or None."""
+        return None
+
+    def route_error(self, route: str) -> str | None:
+        """Why this config cannot run on `route` ("eager", "graph"), or None when it can."""
+        return None
 
 
 def default_filter(module: nn.Module, fqn: str) -> bool:
@@ -199,10 +213,23 @@ def plan(model: nn.Module, config: QuantConfig, filter_fn: FilterFn | None):
         selected = filter_fn(module, fqn) if filter_fn is not None else explicit or default_filter(module, fqn)
         if not selected:
             continue
+        if fqn in param_keys:  # a parameter key names its parameter more exactly than the module's config
+            cfg = _without_keyed(cfg, module, {pname for pname, _ in param_keys[fqn]})
+            if cfg is None:
+                continue
         why = cfg.check(module)
         (problems.append((fqn or "<root>", why)) if why else steps.append(Step(fqn, module, cfg)))
     check_tied(model, steps, kept_float)
     return steps, problems
+
+
+def _without_keyed(cfg: QuantConfig, module: nn.Module, keyed: set[str]) -> QuantConfig | None:
+    """`cfg` less the parameters a parameter key of FqnToConfig names (None when none is left)."""
+    names = cfg.parameter_names(module)
+    if not keyed & set(names):
+        return cfg
+    rest = tuple(n for n in names if n not in keyed)
+    return dataclasses.replace(cfg, param_names=rest) if rest else None
 
 
 def check_tied(model: nn.Module, steps: list[Step], kept_float: dict[int, str]) -> None:
@@ -305,3 +332,68 @@ def workflow_of(steps: list[Step]) -> Workflow | None:
     call per step)."""
     found = [w for s in steps if (w := getattr(s.config, "workflow", None)) is not None]
     return max(found, key=lambda w: w.rank) if found else None
+
+
+# -- one weight at a time, and the plan as weight names: for routes that do not call plan() themselves ------
+
+
+def weight_config(config: QuantConfig, layer: str, module: nn.Module, param: str | None = None, *,
+                  selected: bool | None = None, by_config_modules: bool = False,
+                  on_stub: bool = False) -> tuple[QuantConfig | None, bool]:
+    """(config, whether a key names it exactly) of one weight, by the rules of `plan`.
+
+    `param`: the weight's full parameter name (an `FqnToConfig` parameter key names it; that config then
+    quantizes `param` only); `layer`: the name module-level keys resolve (its module); `module`: that layer, or
+    a stub of its type and shape. A layer named exactly is taken; otherwise `selected` (a route's filter answer)
+    decides, else the default: an nn.Linear (`by_config_modules`: a module of a type the config quantizes,
+    `config.modules`, as graph mode selects convs for conv configs). A `ModelConfig` resolves the layer itself
+    (`layer_config`). `on_stub`: the route quantizes the weight as the `weight` of a stub module (graph mode,
+    streaming without a model), so a parameter key's config is returned as written. (None, explicit) when the
+    weight stays float.
+    """
+    if isinstance(config, ModelConfig):
+        return config.layer_config(layer, module), False
+    if isinstance(config, FqnToConfig):
+        if param is not None and param in config.fqn_to_config:
+            cfg = config.fqn_to_config[param]
+            pname = param.rpartition(".")[2]
+            if cfg is None or on_stub:
+                return cfg, True
+            return dataclasses.replace(cfg, param_names=(pname,)), True
+        cfg, explicit = config.config_for(layer)
+    else:
+        cfg, explicit = config, False
+    if cfg is None:
+        return None, explicit
+    if selected is None:
+        selected = explicit or (isinstance(module, cfg.modules) if by_config_modules else default_filter(module, layer))
+    return (cfg if selected else None), explicit
+
+
+def default_config(config: QuantConfig) -> QuantConfig | None:
+    """The config of a layer no key names: `FqnToConfig`'s "_default", a `ModelConfig`'s `default_config()`,
+    else `config` itself."""
+    if isinstance(config, FqnToConfig):
+        return config.fqn_to_config.get("_default")
+    if isinstance(config, ModelConfig):
+        return config.default_config()
+    return config
+
+
+def planned_weights(model: nn.Module, config: QuantConfig, filter_fn: FilterFn | None = None
+                    ) -> tuple[dict[str, QuantConfig], list[tuple[str, str]]]:
+    """`plan` as {parameter name: the config of the step that quantizes it} (tied copies under every name),
+    and the problems. A `ModelConfig` is planned through its `to_fqn_config(model)`."""
+    if isinstance(config, ModelConfig):
+        config = config.to_fqn_config(model)
+    steps, problems = plan(model, config, filter_fn)
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    out: dict[str, QuantConfig] = {}
+    for step in steps:
+        for pname in step.config.parameter_names(step.module):
+            p = step.module._parameters.get(pname)
+            if p is not None:
+                out.update(dict.fromkeys(names.get(id(p), [f"{step.fqn}.{pname}" if step.fqn else pname]), step.config))
+    return out, problems

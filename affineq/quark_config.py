@@ -538,30 +538,51 @@ class Config(ModelConfig):
             return static_config(a, w, o)
         return weight_only_config(w) if a is None else dynamic_config(a, w)
 
+    def layer_config(self, fqn: str, module: nn.Module) -> QuantConfig | None:
+        """The affineq config of layer `fqn` (None: not selected, excluded or nothing set), wrapped by the
+        algorithm when there is one; QuantizationError / ValueError says why the layer cannot be mapped."""
+        if not self._selects(fqn, module):
+            return None
+        cfg = self.to_affineq(self.resolve(fqn, module), module)
+        algo = self.algo_config or self.pre_quant_opt_config
+        if cfg is None or algo is None:
+            return cfg
+        why = algo.cannot_wrap(cfg)
+        if why is not None:
+            raise QuantizationError(f"{type(algo).__name__} cannot wrap {type(cfg).__name__} (what this layer's "
+                                    f"specs resolve to): {why}; change the layer's specs or exclude it")
+        return algo.with_base(cfg)
+
+    def default_config(self) -> QuantConfig | None:
+        try:
+            return self.to_affineq(self.global_quant_config)
+        except (QuantizationError, ValueError):
+            return None
+
+    def route_error(self, route: str) -> str | None:
+        if route == "graph" and self.quant_mode is not QuantizationMode.fx_graph_mode:
+            return ("affineq.graph.prepare got a Quark Config with quant_mode=eager_mode; set "
+                    "quant_mode=QuantizationMode.fx_graph_mode (or use affineq.quantize_ for eager mode)")
+        if route != "graph" and self.quant_mode is QuantizationMode.fx_graph_mode:
+            return ("Config(quant_mode=QuantizationMode.fx_graph_mode) quantizes a traced graph: use "
+                    "affineq.graph.prepare(model, config, example_inputs), calibrate, then "
+                    "affineq.graph.convert(prepared); or set quant_mode=QuantizationMode.eager_mode for quantize_")
+        return None
+
     def to_fqn_config(self, model: nn.Module) -> FqnToConfig:
         """FqnToConfig with one exact entry per selected layer (None entries are dropped: left float)."""
-        if self.quant_mode is QuantizationMode.fx_graph_mode:
-            raise QuantizationError("Config(quant_mode=QuantizationMode.fx_graph_mode) quantizes a traced graph: use "
-                                    "affineq.graph.prepare(model, config, example_inputs), calibrate, then "
-                                    "affineq.graph.convert(prepared); or set quant_mode=QuantizationMode.eager_mode "
-                                    "for quantize_")
-        algo = self.algo_config or self.pre_quant_opt_config
+        why = self.route_error("eager")
+        if why is not None:
+            raise QuantizationError(why)
         entries, problems = {}, []
         for fqn, module in model.named_modules():
-            if not fqn or not self._selects(fqn, module):
+            if not fqn:
                 continue
             try:
-                cfg = self.to_affineq(self.resolve(fqn, module), module)
+                cfg = self.layer_config(fqn, module)
             except (QuantizationError, ValueError) as e:
                 problems.append(f"  - {fqn}: {e}")
                 continue
-            if cfg is not None and algo is not None:
-                why = algo.cannot_wrap(cfg)
-                if why is not None:
-                    problems.append(f"  - {fqn}: {type(algo).__name__} cannot wrap {type(cfg).__name__} (what this "
-                                    f"layer's specs resolve to): {why}; change the layer's specs or exclude it")
-                    continue
-                cfg = algo.with_base(cfg)
             if cfg is not None:
                 entries[fqn] = cfg
         if problems:

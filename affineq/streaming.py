@@ -48,6 +48,7 @@ from affineq.plan import (
     parameter_owners,
     plan,
     raise_problems,
+    weight_config,
 )
 from affineq.quantize import replace_parameters
 from affineq.recurrent import RECURRENT_TYPES
@@ -240,21 +241,21 @@ def _targets_by_name(source: _Source, config: QuantConfig, filter_fn: SelectFn |
     if isinstance(config, ModelConfig):
         raise ValueError(f"{type(config).__name__} plans over the model's modules: pass model=<the model built on "
                          "the meta device> (or a factory)")
-    fqn_config = config if isinstance(config, FqnToConfig) else None
     targets, problems = {}, []
+    linear_stub, other_stub = nn.Linear(1, 1, bias=False, device="meta"), nn.Module()
+    def explicit_param(key: str) -> bool:
+        return isinstance(config, FqnToConfig) and key in config.fqn_to_config
+
     for key, (_, shape, dtype) in source.keys.items():
+        if not dtype.is_floating_point:
+            continue
         fqn, _, leaf = key.rpartition(".")
-        cfg, explicit = config, False
-        if fqn_config is not None:
-            if key in fqn_config.fqn_to_config:  # a parameter-name key
-                cfg, explicit = fqn_config.fqn_to_config[key], True
-            else:
-                cfg, explicit = fqn_config.config_for(fqn)
-        if cfg is None or not dtype.is_floating_point:
-            continue
         chosen = filter_fn(key, shape) if filter_fn is not None and leaf == "weight" else None
-        if not (chosen if chosen is not None else explicit or is_linear_weight(key, shape)):
-            continue
+        # the planner decides, on a stub of the type the name implies (a Linear: `is_linear_weight`)
+        cfg, _ = weight_config(config, fqn, linear_stub if is_linear_weight(key, shape) else other_stub, key,
+                               selected=chosen, on_stub=True)
+        if cfg is None or (leaf != "weight" and not explicit_param(key)):
+            continue  # as `plan`: a layer's config quantizes its weight; other tensors only when named exactly
         cfg = dataclasses.replace(cfg, param_names=None)
         if len(shape) != 2:
             problems.append((key, f"it is {len(shape)}-D {shape}; without a model only 2-D (Linear) weights can be "

@@ -58,7 +58,7 @@ def _algorithm(name: str, **kwargs) -> Callable[[QuantConfig], QuantConfig | Non
     wrap this base config."""
     def factory(base: QuantConfig) -> QuantConfig | None:
         cls = getattr(A, name, None)
-        if cls is None or (cls.base_types and not isinstance(base, cls.base_types)):
+        if cls is None or cls(None, **kwargs).cannot_wrap(base) is not None:
             return None
         return cls(base, **kwargs)
     return factory

@@ -100,7 +100,7 @@ def test_set_of_types_maps_to_int8_dynamic_per_tensor_activations(net):
     q = quantize_dynamic(net, {nn.Linear}, dtype=torch.qint8)
     assert quantized(q) == {"block.0.weight", "block.2.weight", "head.weight"}
     spec = q.head.weight.spec
-    assert spec.act_quant is not None and spec.act_quant.granularity == "per_tensor"
+    assert spec.act_quant is not None and spec.act_quant.granularity == affineq.granularity.PerTensor()
     assert spec.act_quant.dtype == affineq.dtypes.qtype(torch.int8) and spec.block_size == (1, 32)  # per output channel
     assert not q.training
 

@@ -260,7 +260,7 @@ def test_reduced_ranges_reproduce_unsharded_activation_quantization():
                ActivationQuant(torch.int8, MappingType.SYMMETRIC, "per_tensor")):
         w = affineq.AffineQuantizedTensor.from_spec(torch.randn(8, 32), (1, 32), target=torch.int4,
                                                     mapping_type=MappingType.SYMMETRIC, act_quant=aq)
-        per_token = aq.granularity == "per_token"
+        per_token = aq.per_token
         lo = x.amin(1, keepdim=True) if per_token else x.amin().view(1, 1)
         hi = x.amax(1, keepdim=True) if per_token else x.amax().view(1, 1)
         token = activation.range_reduce.set(lambda t, op, lo=lo, hi=hi: lo if op == "min" else hi)  # whole token

@@ -13,16 +13,14 @@ from torch import nn
 import affineq
 from affineq import cpp as _cpp
 from affineq.configs import (
+    FPX_FORMATS,
     Float8DynamicActivationFloat8WeightConfig,
     Float8WeightOnlyConfig,
-    IntxWeightOnlyConfig,
-    config_from_dict,
-)
-from affineq.configs_float import (
-    FPX_FORMATS,
     FPxWeightOnlyConfig,
+    IntxWeightOnlyConfig,
     MXDynamicActivationMXWeightConfig,
     MXWeightOnlyConfig,
+    config_from_dict,
 )
 from affineq.dtypes import qtype
 from affineq.granularity import PerGroup

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import affineq
 import affineq.cpp as K
 from affineq import gguf as ag
-from affineq.configs_kquant import KQuantConfig, quantize_kquant
+from affineq.configs.kquant import KQuantConfig, quantize_kquant
 from affineq.cpp import _build
 from affineq.tensor.format_kquant import KQUANT_TYPES
 from affineq.tensor.kquant_encode import encode

@@ -1,12 +1,13 @@
 """The planner (`affineq.plan`): one config selects the same weights on every route that uses it (issue #29)."""
 
+import pytest
 import safetensors.torch
 import torch
 from torch import nn
 
 import affineq
 from affineq.calibration import prepare_, unprepare_
-from affineq.plan import FqnToConfig, plan
+from affineq.plan import FqnToConfig, plan, planned_weights, weight_config
 from affineq.streaming import load_quantized, quantize_checkpoint
 
 
@@ -16,13 +17,24 @@ class _Block(nn.Module):
         self.q, self.k, self.up = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 128)
 
 
+class _Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(16, 64)
+        self.layers = nn.ModuleList([_Block(), _Block()])
+        self.head = nn.Linear(128, 16)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.layers:
+            h = block.up(block.q(x) + block.k(x))
+            x = x + h[..., :64]
+        return self.head(h)
+
+
 def _model() -> nn.Module:
     torch.manual_seed(0)
-    m = nn.Module()
-    m.emb = nn.Embedding(16, 64)
-    m.layers = nn.ModuleList([_Block(), _Block()])
-    m.head = nn.Linear(128, 16)
-    return m
+    return _Model().eval()
 
 
 def _config(base) -> FqnToConfig:
@@ -77,3 +89,76 @@ def test_calibration_route_observes_what_the_planner_plans():
     finally:
         unprepare_(model)
     assert observed == static == EXPECTED - {"head.weight"}
+
+
+def test_planned_weights_and_weight_config_agree_with_plan():
+    """The two planner views routes use (`planned_weights`, `weight_config` per layer) give `plan`'s weights."""
+    config = _config(affineq.Int4WeightOnlyConfig(group_size=32))
+    model = _model()
+    planned, problems = planned_weights(model, config)
+    assert problems == [] and set(planned) == EXPECTED
+    assert planned["head.weight"] == affineq.Int8WeightOnlyConfig()
+    per_layer = {f"{fqn}.weight" for fqn, m in model.named_modules()
+                 if "weight" in m._parameters and weight_config(config, fqn, m, f"{fqn}.weight")[0] is not None}
+    assert per_layer == EXPECTED
+
+
+def test_streaming_without_a_model_quantizes_what_the_planner_plans(tmp_path):
+    config = _config(affineq.Int4WeightOnlyConfig(group_size=32))
+    model = _model()
+    safetensors.torch.save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+                                str(tmp_path / "model.safetensors"))
+    out = quantize_checkpoint(tmp_path, tmp_path / "q", config)  # by name: `embed` is an embedding by its name
+    assert set(out.quantized) == EXPECTED
+
+
+def test_graph_route_quantizes_what_the_planner_plans():
+    from affineq.graph import convert, prepare
+    from affineq.graph.prepare import STATE_ATTR
+
+    config = _config(affineq.Int4WeightOnlyConfig(group_size=32))
+    model = _model()
+    prepared = prepare(model, config, (torch.randint(0, 16, (2, 8)),))
+    chosen = {p.use.target for p in getattr(prepared, STATE_ATTR).planned}
+    assert chosen == EXPECTED
+    assert len(affineq.quantized_weights(convert(prepared))) == len(EXPECTED)
+
+
+def test_transformers_on_load_quantizes_what_the_planner_plans(tmp_path):
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from affineq.hf import AffineqConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    base = affineq.Int4WeightOnlyConfig(group_size=32)
+    config = FqnToConfig({"lm_head": affineq.Int8WeightOnlyConfig(), r"re:model\.layers\.1\..*": base,
+                          "model.layers.0.mlp.up_proj": None, "model.layers.0.self_attn.q_proj.weight": base,
+                          "_default": base})
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, quantization_config=AffineqConfig(
+        config, modules_to_not_convert=[]))
+    eager = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    planned, _ = planned_weights(eager, config)
+    assert "model.layers.0.mlp.up_proj.weight" not in planned and "lm_head.weight" in planned
+    affineq.quantize_(eager, config)
+    assert set(affineq.quantized_weights(loaded)) == set(affineq.quantized_weights(eager)) == set(planned)
+    for name, w in affineq.quantized_weights(loaded).items():
+        e = affineq.quantized_weights(eager)[name]
+        assert w.spec == e.spec and all(torch.equal(w.tensors[k], e.tensors[k]) for k in e.tensors), name
+
+
+def test_torch_ao_route_quantizes_what_the_planner_plans():
+    """quantize_dynamic reads torch.ao's qconfig_spec into an FqnToConfig of exact names the planner runs: a set
+    of types selects the layers the planner's default filter selects for the same affineq config."""
+    model = _model()
+    q = affineq.quantize_dynamic(_model(), {nn.Linear}, dtype=torch.qint8)
+    config = affineq.Int8DynamicActivationInt8WeightConfig(act_granularity="per_tensor")
+    planned, _ = planned_weights(model, config)
+    assert set(affineq.quantized_weights(q)) == set(planned) == EXPECTED | {"layers.0.k.weight"}
+    eager = affineq.quantize_(model, config)
+    for name, w in affineq.quantized_weights(q).items():
+        e = dict(eager.named_parameters())[name]
+        assert all(torch.equal(w.tensors[k], e.tensors[k]) for k in e.tensors), name

@@ -17,7 +17,7 @@ from affineq import (
     QuantizationError,
     quantize_,
 )
-from affineq.granularity import PerTensor
+from affineq.granularity import PerTensor, PerToken
 from affineq.primitives import quantize_affine
 from affineq.qat import (
     FakeQuantizeConfig,
@@ -144,7 +144,7 @@ def test_explicit_configs_convert_to_plain_weights_with_the_same_numerics():
     with torch.no_grad():
         y_fake = m(x)
     quantize_(m, QATConfig(activation_config=act, weight_config=weight, step="convert"))
-    assert m[0].weight.spec.fmt == "plain" and m[0].weight.spec.act_quant.granularity == "per_token"
+    assert m[0].weight.spec.fmt == "plain" and m[0].weight.spec.act_quant.granularity == PerToken()
     with torch.no_grad():
         assert float((m(x) - y_fake).abs().max()) <= 1e-5 * float(y_fake.abs().max())
 

@@ -27,13 +27,13 @@ from affineq import (
     quantize_,
 )
 from affineq._quark_mapping import PlainWeightOnlyConfig
-from affineq.configs_float import (
+from affineq.configs import (
     FPxWeightOnlyConfig,
     MicroexpWeightOnlyConfig,
     MXDynamicActivationMXWeightConfig,
     MXWeightOnlyConfig,
 )
-from affineq.granularity import PerRow, PerTensor
+from affineq.granularity import PerRow, PerTensor, PerToken
 from affineq.observers import PerGroupMinMaxObserver
 from affineq.quark_config import (
     STATIC_ACTIVATION_MESSAGE,
@@ -420,7 +420,7 @@ def test_quantize_layered_model():
     assert s.target.name == "int8" and s.block_size == (1, 64) and s.act_quant is None
     s = specs["layers.1.mlp.1.weight"]
     assert s.target.name == "int4" and s.block_size == (1, 32)
-    assert s.act_quant.dtype.name == "int8" and s.act_quant.granularity == "per_token"
+    assert s.act_quant.dtype.name == "int8" and s.act_quant.granularity == PerToken()
     assert s.act_quant.mapping_type is MappingType.ASYMMETRIC and not s.act_quant.static
     assert type(m.lm_head.weight) is nn.Parameter and not isinstance(m.layers[0].norm.weight, AffineQuantizedTensor)
     assert out.shape == ref.shape and torch.isfinite(out).all()

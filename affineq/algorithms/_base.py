@@ -39,12 +39,11 @@ ALGORITHMS = Workflow("algorithms", 2, _run_algorithms)
 class AlgorithmConfig(QuantConfig):
     """Base of the algorithm wrappers. `base_config`: the weight config whose layers, spec and kernels the
     result uses; None makes a template for the layered `Config(algo_config=...)`, which fills in each layer's
-    resolved weight config (`with_base`). Subclasses set `needs_data` (and `base_types` to accept a list of
-    classes instead of every config `cannot_wrap` accepts) and implement `run`."""
+    resolved weight config (`with_base`). Subclasses set `needs_data`, implement `run`, and override
+    `cannot_wrap` when they need another capability of the base's spec (SmoothQuant: quantized activations)."""
 
     needs_data: ClassVar[bool] = True
     expert_weights: ClassVar[bool] = False  # True: `run` also takes MoE experts modules (3-D expert weights)
-    base_types: ClassVar[tuple[type, ...]] = ()
     pre_quant: ClassVar[bool] = False  # Quark's pre_quant_opt_config (SmoothQuant) rather than its algo_config
     workflow: ClassVar[Workflow] = ALGORITHMS
     base_config: QuantConfig = None
@@ -75,14 +74,10 @@ class AlgorithmConfig(QuantConfig):
         return expert_parameter_names(module) if is_expert_module(module) else ("weight",)
 
     def cannot_wrap(self, base: QuantConfig) -> str | None:
-        """None when this algorithm can run on `base`, else why not. With `base_types` set: those classes
-        (SmoothQuant). Otherwise by capability (GPTQ, AWQ, HQQ): min/max qparams onto an integer target in
-        row-local blocks (`affineq.capability`), and not 8-bit weights with quantized activations (the
-        activation error dominates there: SmoothQuantConfig is the algorithm for W8A8)."""
-        if self.base_types:
-            if isinstance(base, self.base_types):
-                return None
-            return f"base_config must be one of {', '.join(t.__name__ for t in self.base_types)}"
+        """None when this algorithm can run on `base`, else why not. By capability (GPTQ, AWQ, HQQ, importance
+        weighting): min/max qparams onto an integer target in row-local blocks (`affineq.capability`), and not
+        8-bit weights with quantized activations (the activation error dominates there: SmoothQuantConfig is
+        the algorithm for W8A8)."""
         why = min_max_integer_rows(base)
         if why is not None:
             return why

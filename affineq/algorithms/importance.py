@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,7 +28,7 @@ from torch import nn
 from affineq.algorithms._base import AlgorithmConfig, Precomputed
 from affineq.algorithms._capture import progress
 from affineq.algorithms.gptq import _one_thread
-from affineq.algorithms.hqq import HQQConfig, _Stored
+from affineq.algorithms.hqq import _Stored
 from affineq.algorithms.imatrix import (
     ImportanceMatrix,
     checked_importance,
@@ -38,7 +38,7 @@ from affineq.algorithms.imatrix import (
     resolve_importance,
 )
 from affineq.configs import QuantConfig
-from affineq.configs_kquant import KQuantConfig, quantize_kquant
+from affineq.configs.kquant import KQuantConfig, quantize_kquant
 from affineq.primitives import MappingType, ZeroPointDomain
 from affineq.tensor.affine import AffineQuantizedTensor
 from affineq.tensor.spec import QParamOptions, QuantSpec
@@ -172,7 +172,6 @@ class ImportanceWeightedConfig(AlgorithmConfig):
         quantize_(model, ImportanceWeightedConfig(Int4WeightOnlyConfig(group_size=64), importance=imatrix))
     """
 
-    base_types: ClassVar[tuple[type, ...]] = HQQConfig.base_types  # the integer weight-only-style configs
     importance: ImportanceMatrix | str | None = None
     ratios: tuple[float, ...] = DEFAULT_RATIOS
     refit: bool = True

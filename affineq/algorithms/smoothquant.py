@@ -23,8 +23,8 @@ from torch import nn
 
 from affineq.algorithms._base import AlgorithmConfig
 from affineq.algorithms._migrate import PreScaled, migrate_blocks
-from affineq.calibration import Int8StaticActivationInt8WeightConfig
-from affineq.configs import Int8DynamicActivationInt8WeightConfig, QuantConfig
+from affineq.capability import quantizes_activations
+from affineq.configs import QuantConfig
 
 __all__ = ["SmoothQuantConfig", "smooth_scale"]
 
@@ -52,8 +52,9 @@ class _AbsMax:
 class SmoothQuantConfig(AlgorithmConfig):
     """SmoothQuant around an int8-activation config.
 
-    base_config: Int8DynamicActivationInt8WeightConfig() (per-token dynamic) or
-    Int8StaticActivationInt8WeightConfig(...) (per-tensor static, calibrated after smoothing).
+    base_config: a config that quantizes activations per token or per tensor (accepted by what its spec says,
+    `affineq.capability.quantizes_activations`), e.g. Int8DynamicActivationInt8WeightConfig() (per-token
+    dynamic) or Int8StaticActivationInt8WeightConfig(...) (per-tensor static, calibrated after smoothing).
     alpha: migration strength in [0, 1] (0: no change to activations; 0.5 the paper's default; 0.75-0.85
     for models with strong outliers). prescale: where a fold into the previous op is not an identity, store
     the scale as the weight's input pre-scale (True) or leave that group unsmoothed (False, no runtime
@@ -61,8 +62,6 @@ class SmoothQuantConfig(AlgorithmConfig):
 
     needs_data: ClassVar[bool] = True
     pre_quant: ClassVar[bool] = True  # Quark's pre_quant_opt_config
-    base_types: ClassVar[tuple[type, ...]] = (Int8DynamicActivationInt8WeightConfig,
-                                              Int8StaticActivationInt8WeightConfig)
     alpha: float = 0.5
     prescale: bool = True
     progress: bool = True
@@ -75,6 +74,10 @@ class SmoothQuantConfig(AlgorithmConfig):
         for name in ("prescale", "progress"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SmoothQuantConfig({name}={getattr(self, name)!r}) must be True or False")
+
+    def cannot_wrap(self, base: QuantConfig) -> str | None:
+        """None when `base` quantizes activations per token or per tensor (its spec says so), else why not."""
+        return quantizes_activations(base)
 
     def run(self, model: nn.Module, layers: dict[str, nn.Module], data: list | None) -> dict[str, QuantConfig]:
         def choose(group, stats: _AbsMax):

@@ -16,6 +16,7 @@ import torch
 from torch import fx, nn
 
 from affineq.calibration import Calibrated, first_value
+from affineq.granularity import PerTensor
 from affineq.graph.prepare import STATE_ATTR, GraphPlan, Planned, _static
 from affineq.graph.trace import Warner, drop_unread, get_attr_tensor
 from affineq.quantize import QuantizationError
@@ -172,7 +173,7 @@ def _replace_observers(gm: fx.GraphModule, qparams: dict, folded_in: dict, folde
             continue
         if name not in fq:
             scale, zp, obs = qparams[name]
-            aq = ActivationQuant(obs.dtype, obs.mapping_type, "per_tensor", obs.zero_point_domain, static=True)
+            aq = ActivationQuant(obs.dtype, obs.mapping_type, PerTensor(), obs.zero_point_domain, static=True)
             fq[name] = name.replace("observer", "quant_dequant")
             gm.add_submodule(fq[name], QuantDequant(aq, scale, zp))
         node.target = fq[name]

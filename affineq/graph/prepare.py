@@ -7,8 +7,9 @@
 Which config a weight gets: a plain config, every weight whose op type it quantizes (`config.modules`: an
 nn.Linear-like use for every matmul; convs only for configs that take convs); `FqnToConfig`, by the parameter's
 name, else its layer's name (the owning nn.Linear / ConvNd, else the parameter name), regex and "_default" as
-in `quantize_`; Quark's `Config(quant_mode=QuantizationMode.fx_graph_mode)`, resolved per layer as for
-`quantize_`, every matmul weight counting as a Linear layer. A selected weight the config cannot take (its
+in `quantize_`; a `ModelConfig` (Quark's `Config(quant_mode=QuantizationMode.fx_graph_mode)`) by its
+`layer_config`, every matmul weight counting as a Linear layer. Each weight's config comes from the planner
+(`affineq.plan.weight_config`), the function every route asks. A selected weight the config cannot take (its
 `check`) stays float with a `GraphModeWarning` naming the node and why.
 
 Observers (static configs): one on the activation input of each static layer, one on its output with
@@ -28,10 +29,8 @@ from affineq.algorithms import AlgorithmConfig
 from affineq.configs import QuantConfig
 from affineq.graph.patterns import fold_batch_norms, layer_output, shared_groups
 from affineq.graph.trace import Warner, WeightUse, export_graph, find_weight_uses
-from affineq.plan import FqnToConfig, ModelConfig, QuantizationError, handler_for
+from affineq.plan import FqnToConfig, ModelConfig, QuantizationError, default_config, handler_for, weight_config
 from affineq.quantize import replace_parameters
-from affineq.quark_config import Config as QuarkConfig
-from affineq.quark_config import QuantizationMode
 
 __all__ = ["GraphPlan", "prepare"]
 
@@ -64,47 +63,28 @@ def _static(cfg) -> bool:
 
 
 class _Resolver:
-    """The config of each weight use (None: left float), and the global static config for cat / add."""
+    """The config of each weight use (None: left float), asked of the planner (`affineq.plan.weight_config`,
+    as every route asks it), and the global static config for cat / add."""
 
-    def __init__(self, model: nn.Module, config: QuantConfig) -> None:
-        if isinstance(config, QuarkConfig):
-            if config.quant_mode is not QuantizationMode.fx_graph_mode:
-                raise ValueError("affineq.graph.prepare got a Quark Config with quant_mode=eager_mode; set "
-                                 "quant_mode=QuantizationMode.fx_graph_mode (or use affineq.quantize_ for eager mode)")
-        elif isinstance(config, ModelConfig):
-            config = config.to_fqn_config(model)
+    def __init__(self, config: QuantConfig) -> None:
+        why = config.route_error("graph") if isinstance(config, ModelConfig) else None
+        if why is not None:
+            raise ValueError(why)
         self.config = config
         self.problems: list[str] = []
 
     def __call__(self, use: WeightUse) -> QuantConfig | None:
-        cfg = self.config
-        if isinstance(cfg, QuarkConfig):
-            if not cfg._selects(use.layer, use.owner):
-                return None
-            try:
-                out = cfg.to_affineq(cfg.resolve(use.layer, use.owner), use.owner)
-            except (QuantizationError, ValueError) as e:
-                self.problems.append(f"  - {use.layer}: {e}")
-                return None
-            algo = cfg.algo_config or cfg.pre_quant_opt_config
-            return out if out is None or algo is None else algo.with_base(out)
-        if isinstance(cfg, FqnToConfig):
-            if use.target in cfg.fqn_to_config:
-                return cfg.fqn_to_config[use.target]
-            out, explicit = cfg.config_for(use.layer)
-            return out if out is None or explicit or isinstance(use.stub, out.modules) else None
-        return cfg if isinstance(use.stub, cfg.modules) else None
+        try:
+            cfg, _ = weight_config(self.config, use.layer, use.owner, use.target, by_config_modules=True,
+                                   on_stub=True)
+        except (QuantizationError, ValueError) as e:  # a ModelConfig that cannot map this layer
+            self.problems.append(f"  - {use.layer}: {e}")
+            return None
+        return cfg
 
     def static_default(self) -> QuantConfig | None:
         """The config whose observers the cat / add groups use: the global config when it is static."""
-        cfg = self.config
-        if isinstance(cfg, QuarkConfig):
-            try:
-                cfg = cfg.to_affineq(cfg.global_quant_config)
-            except (QuantizationError, ValueError):
-                return None
-        elif isinstance(cfg, FqnToConfig):
-            cfg = cfg.fqn_to_config.get("_default")
+        cfg = default_config(self.config)
         return cfg if _static(cfg) else None
 
 
@@ -135,7 +115,7 @@ def prepare(model: nn.Module, config: QuantConfig, example_inputs, *, dynamic_sh
     if not isinstance(example_inputs, (tuple, list)):
         raise ValueError(f"example_inputs must be a tuple of the model's positional inputs (or one tensor), got "
                          f"{type(example_inputs).__name__}; e.g. (torch.randn(8, 64),)")
-    resolver = _Resolver(model, config)
+    resolver = _Resolver(config)
     warn = Warner()
     gm = export_graph(model, tuple(example_inputs), dynamic_shapes)
     if isinstance(getattr(gm, "_guards_fn", None), nn.Module):

@@ -14,8 +14,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from affineq.dtypes import is_integer_target
-from affineq.granularity import Granularity, PerAxis, PerBlock, PerGroup, PerRow, PerToken
+from affineq.granularity import Granularity, PerAxis, PerBlock, PerGroup, PerRow, PerTensor, PerToken
 from affineq.primitives import ROUNDING, MappingType, ZeroPointDomain
+from affineq.tensor.spec import ActivationQuant, QParamOptions, QuantSpec
 
 __all__ = ["FakeQuantizeConfig", "TQTThresholdInitMeth"]
 
@@ -169,9 +170,55 @@ class FakeQuantizeConfig:
     def is_tqt(self) -> bool:
         return self.range_learning and self.range_learning_method == "tqt"
 
+    @classmethod
+    def from_spec(cls, spec: QuantSpec, options: QParamOptions | None = None) -> FakeQuantizeConfig:
+        """The weight fake-quantization that gives exactly the codes of `AffineQuantizedTensor.from_spec(w, spec,
+        options)`: the spec's integer target, blocks (as a granularity), mapping and zero-point domain; the
+        options' eps, preserve_zero, rounding and dtypes (float scales of `options.scale_dtype`, else of the
+        weight's dtype `spec.dtype`). ValueError for what fake quantization cannot express: a float target,
+        power-of-two scales, a partial code range."""
+        opts = options if options is not None else QParamOptions()
+        if spec.target.is_float or spec.target.torch_dtype is None:
+            raise ValueError(f"spec target {spec.target.name} has no FakeQuantizeConfig: it fake-quantizes onto "
+                             "integer targets (torch.int1..int8, torch.uint1..uint8)")
+        if spec.scale_type is not None:
+            raise ValueError(f"power-of-two ({spec.scale_type}) scales have no QAT counterpart (FakeQuantizeConfig "
+                             "learns float scales); train with scale_type=None and quantize with power-of-two scales "
+                             "after training")
+        full = QuantSpec.create(spec.shape, spec.dtype, spec.target, spec.block_size)
+        if (spec.quant_min, spec.quant_max) != (full.quant_min, full.quant_max):
+            raise ValueError(f"spec {spec.target} [{spec.quant_min}, {spec.quant_max}] has no FakeQuantizeConfig "
+                             "(full integer ranges only)")
+        scale_dtype = opts.scale_dtype or spec.dtype
+        zp_dtype = opts.zero_point_dtype or (torch.int32 if spec.zero_point_domain is ZeroPointDomain.INT
+                                             else scale_dtype)
+        return cls(spec.target.torch_dtype, _block_granularity(spec.shape, spec.block_size), spec.mapping_type,
+                   scale_dtype, zp_dtype, spec.zero_point_domain, eps=opts.eps, preserve_zero=opts.preserve_zero,
+                   rounding=opts.rounding)
+
+    @classmethod
+    def from_activation_quant(cls, aq: ActivationQuant) -> FakeQuantizeConfig:
+        """The fake quantization `quantize_activation` computes for a dynamic integer `aq` (its granularity,
+        mapping and domain; float32 scales, int32 zero points). ValueError for static, float or MX activations."""
+        if aq.static or aq.is_mx or aq.dtype.torch_dtype is None or aq.dtype.is_float:
+            raise ValueError(f"activation quantization {aq} has no QAT counterpart (dynamic integer only)")
+        return cls(aq.dtype.torch_dtype, aq.granularity, aq.mapping_type, torch.float32, torch.int32,
+                   aq.zero_point_domain, eps=aq.eps)
+
     def replace(self, **changes) -> FakeQuantizeConfig:
         """A copy with some fields changed (validated again)."""
         return replace(self, **changes)
+
+
+def _block_granularity(shape: tuple[int, ...], block: tuple[int, ...]) -> Granularity:
+    """The granularity whose blocks on `shape` are `block`."""
+    if block == shape:
+        return PerTensor()
+    if block[0] == 1 and block[1:] == shape[1:]:
+        return PerAxis(0)
+    if all(b == 1 for b in block[:-1]) and shape[-1] % block[-1] == 0:
+        return PerGroup(block[-1])
+    return PerBlock(block)
 
 
 def block_size_for(config: FakeQuantizeConfig, shape: tuple[int, ...], activation: bool) -> tuple[int, ...]:

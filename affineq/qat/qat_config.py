@@ -29,13 +29,13 @@ from affineq.configs import (
     QuantConfig,
 )
 from affineq.expert_weights import expert_parameter_names, is_expert_module
-from affineq.granularity import PerAxis, PerBlock, PerGroup, PerTensor, PerToken
+from affineq.granularity import PerTensor, PerToken
 from affineq.primitives import ZeroPointDomain
 from affineq.qat.config import FakeQuantizeConfig, TQTThresholdInitMeth
 from affineq.qat.modules import FAKE_QUANTIZED, _FakeQuantized
 from affineq.quantize import FqnToConfig, ModelConfig, QuantizationError, register_quantize_module_handler
 from affineq.tensor.affine import AffineQuantizedTensor
-from affineq.tensor.spec import ActivationQuant, QuantSpec
+from affineq.tensor.spec import ActivationQuant
 
 __all__ = ["QATConfig", "QAT_BASE_CONFIGS", "fake_quantize_configs"]
 
@@ -44,28 +44,6 @@ __all__ = ["QATConfig", "QAT_BASE_CONFIGS", "fake_quantize_configs"]
 QAT_BASE_CONFIGS = (Int4WeightOnlyConfig, IntxWeightOnlyConfig, Int8WeightOnlyConfig,
                     Int8DynamicActivationInt4WeightConfig, Int8DynamicActivationInt8WeightConfig)
 _STEPS = ("prepare", "convert")
-
-
-def _granularity_of(shape: tuple[int, ...], block: tuple[int, ...]):
-    if block == shape:
-        return PerTensor()
-    if block[0] == 1 and block[1:] == shape[1:]:
-        return PerAxis(0)
-    if all(b == 1 for b in block[:-1]) and shape[-1] % block[-1] == 0:
-        return PerGroup(block[-1])
-    return PerBlock(block)
-
-
-def _act_config(aq: ActivationQuant | None) -> FakeQuantizeConfig | None:
-    """The FakeQuantizeConfig of a dynamic ActivationQuant: what `quantize_activation` computes (float32
-    scales, int32 zero points, preserve_zero)."""
-    if aq is None:
-        return None
-    if aq.static or aq.dtype.torch_dtype is None or aq.dtype.is_float:
-        raise ValueError(f"activation quantization {aq} has no QAT counterpart (dynamic integer only)")
-    domain = ZeroPointDomain.NONE if aq.zero_point_domain is ZeroPointDomain.NONE else aq.zero_point_domain
-    return FakeQuantizeConfig(aq.dtype.torch_dtype, PerToken() if aq.granularity == "per_token" else PerTensor(),
-                              aq.mapping_type, torch.float32, torch.int32, domain, eps=aq.eps)
 
 
 def fake_quantize_configs(base: QuantConfig, weight: torch.Tensor, module: nn.Module
@@ -83,23 +61,12 @@ def fake_quantize_configs(base: QuantConfig, weight: torch.Tensor, module: nn.Mo
                          f"{', '.join(c.__name__ for c in QAT_BASE_CONFIGS)}, or your own). Quantize such layers "
                          "after training (without QATConfig), or pass explicit activation_config / weight_config "
                          "(FakeQuantizeConfig)")
-    opts = base.qparam_options()
-    if spec.scale_type is not None:
-        raise ValueError(f"{type(base).__name__} with power-of-two ({spec.scale_type}) scales has no QAT counterpart "
-                         "(FakeQuantizeConfig learns float scales); train with scale_type=None and quantize with "
-                         "power-of-two scales after training")
-    target = spec.target.torch_dtype
-    full = QuantSpec.create(spec.shape, spec.dtype, spec.target, spec.block_size)
-    if target is None or (spec.quant_min, spec.quant_max) != (full.quant_min, full.quant_max):
-        raise ValueError(f"{type(base).__name__}'s spec {spec.target} [{spec.quant_min}, {spec.quant_max}] has no "
-                         "FakeQuantizeConfig (full integer ranges only)")
-    scale_dtype = opts.scale_dtype or weight.dtype
-    zp_dtype = opts.zero_point_dtype or (torch.int32 if spec.zero_point_domain is ZeroPointDomain.INT
-                                         else scale_dtype)
-    wcfg = FakeQuantizeConfig(target, _granularity_of(spec.shape, spec.block_size), spec.mapping_type, scale_dtype,
-                              zp_dtype, spec.zero_point_domain, eps=opts.eps, preserve_zero=opts.preserve_zero,
-                              rounding=opts.rounding)
-    return _act_config(spec.act_quant), wcfg, spec.fmt
+    try:
+        wcfg = FakeQuantizeConfig.from_spec(spec, base.qparam_options())
+        acfg = None if spec.act_quant is None else FakeQuantizeConfig.from_activation_quant(spec.act_quant)
+    except ValueError as e:
+        raise ValueError(f"{type(base).__name__}: {e}") from None
+    return acfg, wcfg, spec.fmt
 
 
 @dataclass(frozen=True)
@@ -177,10 +144,9 @@ def _activation_quant(fq) -> ActivationQuant | None:
     if fq is None:
         return None
     c = fq.config
-    per = "per_token" if isinstance(c.granularity, PerToken) else "per_tensor" if isinstance(
-        c.granularity, PerTensor) else None
+    per = c.granularity if isinstance(c.granularity, (PerToken, PerTensor)) else None
     static = not c.is_dynamic
-    if (per is None or (static and per != "per_tensor") or c.scale_precision != torch.float32
+    if (per is None or (static and per != PerTensor()) or c.scale_precision != torch.float32
             or not c.preserve_zero or c.rounding != "half_even"
             or (c.zero_point_domain is ZeroPointDomain.INT and c.zero_point_precision != torch.int32)):
         raise ValueError(f"the activation fake quantizer ({fq.extra_repr()}) has no converted counterpart: a "

@@ -49,10 +49,10 @@ def reduce_input_ranges(x: torch.Tensor, w):
     unsharded input gives), and w as a view without activation quantization, so the kernel does not quantize x
     again. Otherwise (x, w) unchanged (MX blocks and static qparams need no reduction)."""
     reduce, aq = range_reduce.get(), w.spec.act_quant
-    if reduce is None or aq is None or aq.static or aq.granularity == "per_block":
+    if reduce is None or aq is None or aq.static or aq.is_mx:
         return x, w
     x2 = x.reshape(-1, x.shape[-1])
-    lo, hi = _row_range(x2.float(), aq.granularity == "per_token")  # exact in float32 for every float dtype
+    lo, hi = _row_range(x2.float(), aq.per_token)  # exact in float32 for every float dtype
     src = torch.cat([reduce(lo, "min"), reduce(hi, "max")], dim=1).to(x.dtype)
     scale, zp = choose_qparams_affine(src, aq.mapping_type, (1, 2), aq.dtype, eps=aq.eps, scale_dtype=torch.float32,
                                       zero_point_domain=_domain(aq))
@@ -107,7 +107,7 @@ def quantize_activation(x2: torch.Tensor, aq: ActivationQuant, qparams=None):
     them from x2."""
     block = (1, x2.shape[1])
     domain = _domain(aq)
-    per_tensor = aq.granularity != "per_token"
+    per_tensor = not aq.per_token
     if qparams is None:
         # Per tensor: the qparams read only the block's min and max, so those of the [1, 2] tensor
         # (min(x2), max(x2)) are bit for bit those of block x2.shape.
@@ -126,7 +126,7 @@ def quantize_activation(x2: torch.Tensor, aq: ActivationQuant, qparams=None):
 def fake_quantize_activation(x: torch.Tensor, aq: ActivationQuant, w=None) -> torch.Tensor:
     """dequantize(quantize(x)) with `aq`, same shape and dtype as x (the reference numerics). A static `aq`
     reads its calibrated qparams from the weight `w`."""
-    if aq.granularity == "per_block":  # OCP MX: shared E8M0 scale per block of K
+    if aq.is_mx:  # OCP MX: shared E8M0 scale per block of K
         return fake_quantize_mx(x, aq.dtype, aq.block_size, aq.scale_mode, axis=-1)
     if aq.static:
         return fake_quantize_static(x, aq, *static_qparams(w))
@@ -136,16 +136,16 @@ def fake_quantize_activation(x: torch.Tensor, aq: ActivationQuant, w=None) -> to
     # eager ops.
     mode = fused_int8_mode(aq)
     if mode is not None and x.device.type == "cpu" and x.dtype in _FUSED_DTYPES and _cpp.is_available():
-        out = torch.ops.affineq.int8_fake_quant(x2, aq.granularity == "per_token", mode, act_eps(x, aq))
+        out = torch.ops.affineq.int8_fake_quant(x2, aq.per_token, mode, act_eps(x, aq))
         return out.view(x.shape)
     if is_symmetric_int8(aq):
-        q, scale = int8_activation(x2, aq.granularity == "per_token",
+        q, scale = int8_activation(x2, aq.per_token,
                                    aq.mapping_type is MappingType.SYMMETRIC_NO_CLIPPING_ERR, act_eps(x, aq))
         out = q.float() * scale
         return (_saturate(out, x.dtype) if _may_overflow(scale, x.dtype, 128) else out.to(x.dtype)).view(x.shape)
     asymmetric_int = aq.mapping_type is MappingType.ASYMMETRIC and aq.zero_point_domain is ZeroPointDomain.INT
     if aq.dtype.name == "int8" and asymmetric_int:
-        return _int8_asymmetric_fake_quant(x2, aq.granularity == "per_token", act_eps(x, aq)).view(x.shape)
+        return _int8_asymmetric_fake_quant(x2, aq.per_token, act_eps(x, aq)).view(x.shape)
     q, scale, zp, block = quantize_activation(x2, aq)
     out = dequantize_affine(q, block, scale, zp, aq.dtype, zero_point_domain=_domain(aq), output_dtype=x.dtype)
     return out.view(x.shape)
@@ -174,7 +174,7 @@ def fused_int8_mode(aq: ActivationQuant) -> int | None:
 
 
 def is_symmetric_int8(aq: ActivationQuant | None) -> bool:
-    return (aq is not None and not aq.static and aq.granularity != "per_block" and aq.dtype.name == "int8"
+    return (aq is not None and not aq.static and not aq.is_mx and aq.dtype.name == "int8"
             and aq.mapping_type in _SYMMETRIC
             and aq.zero_point_domain in (ZeroPointDomain.NONE, ZeroPointDomain.INT))
 

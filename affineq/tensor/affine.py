@@ -467,7 +467,7 @@ class AffineQuantizedTensor(torch.Tensor):
     def __repr__(self, *, tensor_contents=None) -> str:
         s = self.spec
         aq = s.act_quant
-        extra = f", act_quant={aq.dtype}/{aq.granularity}{'/static' if aq.static else ''}" if aq else ""
+        extra = f", act_quant={aq.dtype}/{aq.granularity_name}{'/static' if aq.static else ''}" if aq else ""
         extra += f", scale_type={s.scale_type}" if s.scale_type is not None else ""
         extra += f", act_tensors={list(self.act_tensors)}" if self.act_tensors else ""
         extra += ", transposed" if s.transposed else ""

@@ -282,7 +282,7 @@ def _finish(out: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> to
 
 def qlinear_run(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     aq = w.spec.act_quant
-    out = _int8_dynamic_onednn_linear(x.reshape(-1, x.shape[-1]), w._qdata, w._scale, aq.granularity == "per_token",
+    out = _int8_dynamic_onednn_linear(x.reshape(-1, x.shape[-1]), w._qdata, w._scale, aq.per_token,
                                       aq.mapping_type is MappingType.SYMMETRIC_NO_CLIPPING_ERR, act_eps(x, aq))
     return _finish(out, x, bias)
 

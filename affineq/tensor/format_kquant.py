@@ -22,7 +22,7 @@ read it).
 
 The spec's qparams (`scale`, `zero_point`) are the sub-block scales and the FLOAT-domain zero point
 offset + mid * scale (rounded in fp32: informative only; `dequantize` uses the stored bytes). A k-quant tensor is
-built from GGUF bytes (`affineq.gguf.load_file`) or by `affineq.configs_kquant.quantize_kquant` (which writes the
+built from GGUF bytes (`affineq.gguf.load_file`) or by `affineq.configs.kquant.quantize_kquant` (which writes the
 bytes with `kquant_encode`), never packed from codes: `pack` raises. `F.linear` on them runs the C++ kernel
 `affineq.kquant_linear` (`kquant_kernel`), which reads the super-blocks as stored.
 """

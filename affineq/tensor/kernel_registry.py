@@ -5,9 +5,10 @@ None or the reason it cannot run, and an implementation. `linear` applies the we
 (`activation.prepare_input`), then `select_linear_kernel` returns the first entry whose precondition holds;
 when none does, `dequantize_linear` runs and `fallback.announce_fallback` says so once per (format, reason).
 
-A config's `packing_format="auto"` is resolved here too (`auto_format`), from the same facts the kernels'
-preconditions test (device, whether our C++ kernels built, whether aten's int8 matmul is fast here), so
-the stored format is the one the fastest available kernel reads. Nothing else in affineq decides either.
+A config's `packing_format="auto"` is resolved here too (`choose_format`: the first format the spec fits that
+an available kernel reads), from the same facts the kernels' preconditions test (device, whether our C++
+kernels built, whether aten's int8 matmul is fast here), so the stored format is the one the fastest
+available kernel reads. Nothing else in affineq decides either.
 """
 
 from __future__ import annotations
@@ -156,7 +157,9 @@ def int_mm_is_fast() -> bool:
 
 
 def auto_format(scheme: str, weight: torch.Tensor, module_is_linear: bool = True) -> str:
-    """The packing format "auto" stores for a weight, so that the fastest kernel available here reads it.
+    """The packing format of the named `scheme` (the rules "auto" followed before `choose_format` read them
+    from the spec; kept for code written against it, and as the reference tests/test_auto_format.py checks
+    `choose_format` against).
 
     scheme: "int4" (our C++ kernel's `dense` on CPU when it builds, else aten's `int4_cpu`; `int4_cuda` on
     CUDA), "subbyte" (1-7 bit codes, which no aten kernel reads: `dense`, the compact layout, also when our
@@ -178,3 +181,55 @@ def auto_format(scheme: str, weight: torch.Tensor, module_is_linear: bool = True
     if scheme == "int8_dynamic":
         return "dense" if cpu2d and _cpp.is_available() and not int_mm_is_fast() else "plain"
     raise ValueError(f"unknown auto-format scheme {scheme!r}")
+
+
+def _format_preference(spec, device: torch.device, module_is_linear: bool) -> tuple[str, ...]:
+    """The formats whose kernels are fastest here for `spec`, fastest first: on CUDA aten's int4 kernel, on a
+    CPU (a 2-D nn.Linear weight) our C++ kernels' `dense`, then aten's `int4_cpu`, then `plain` (aten's int8 /
+    float8 matmuls), except int8 x int8 where aten's `_int_mm` is fast here (oneDNN with VNNI): `plain` first.
+    Anything else: `plain`."""
+    if device.type == "cuda":
+        return ("int4_cuda", "plain") if len(spec.shape) == 2 else ("plain",)
+    if device.type != "cpu" or len(spec.shape) != 2 or not module_is_linear:
+        return ("plain",)
+    aq = spec.act_quant
+    if aq is not None and aq.dtype.name == "int8" and spec.target.name == "int8" and int_mm_is_fast():
+        return ("plain", "dense")
+    return ("dense", "int4_cpu", "plain")
+
+
+#: Formats whose layout needs particular qparam dtypes (aten's int4 kernels read bfloat16 scales).
+_FORMAT_SCALE_DTYPE = {"int4_cpu": torch.bfloat16, "int4_cuda": torch.bfloat16}
+
+
+def _format_fits(fmt: str, spec, scale_dtype: torch.dtype | None) -> bool:
+    from affineq.tensor.formats import FORMATS
+
+    if fmt not in FORMATS or _FORMAT_SCALE_DTYPE.get(fmt, scale_dtype) != scale_dtype:
+        return False
+    return FORMATS[fmt].check(spec.replace(fmt=fmt)) is None
+
+
+def _kernel_reads(fmt: str, spec, device: torch.device) -> bool:
+    """Whether a registered kernel that runs here reads `fmt` for `spec` (from the facts the kernels'
+    preconditions test: device, our C++ kernels built, aten's kernels take 8-bit codes with float scales)."""
+    if not any(fmt in k.formats for k in LINEAR_KERNELS):
+        return False
+    if fmt == "dense":
+        return device.type == "cpu" and _cpp.is_available()
+    if fmt in ("int4_cpu", "int4_cuda"):
+        return device.type == fmt.removeprefix("int4_")
+    return spec.target.bits == 8 and spec.scale_type is None  # plain: aten's int8 / float8 matmuls
+
+
+def choose_format(spec, device: torch.device | str = "cpu", module_is_linear: bool = True,
+                  scale_dtype: torch.dtype | None = None) -> str:
+    """The packing format "auto" stores for a weight of `spec` on `device`: the first format, in the order of
+    `_format_preference`, that the spec fits (the format's `check`, and aten's int4 layouts only with
+    `scale_dtype` bfloat16) and a kernel available here reads; when no available kernel reads any that fits,
+    the first that fits (`dense` is the compact layout of sub-byte codes), else `plain`."""
+    device = torch.device(device)
+    fits = [f for f in _format_preference(spec, device, module_is_linear) if _format_fits(f, spec, scale_dtype)]
+    if not fits:
+        return "plain"
+    return next((f for f in fits if _kernel_reads(f, spec, device)), fits[0])

@@ -137,7 +137,7 @@ def _int8_codes_run(x, w, bias):
     aq = w.spec.act_quant
     n, k = w.spec.shape
     out = torch.ops.affineq.int8_codes_linear(_flat(x).contiguous(), w._qdata, w._scale, getattr(w, "_offset", None),
-                                              w.spec.block_size[1], n, k, aq.granularity == "per_token",
+                                              w.spec.block_size[1], n, k, aq.per_token,
                                               fused_int8_mode(aq), act_eps(x, aq))
     return _finish(out, x, bias)
 
@@ -240,7 +240,7 @@ def _(x2, w_codes, w_scale, per_token, no_clipping, eps):
 def _int_mm_run(x, w, bias):
     aq = w.spec.act_quant
     out = _int8_dynamic_linear(
-        _flat(x), w._qdata, w._scale, aq.granularity == "per_token",
+        _flat(x), w._qdata, w._scale, aq.per_token,
         aq.mapping_type is MappingType.SYMMETRIC_NO_CLIPPING_ERR, act_eps(x, aq),
     )
     return _finish(out, x, bias)
@@ -327,7 +327,7 @@ def _scaled_mm_check(x, w):
     aq = w.spec.act_quant
     if aq is None or aq.dtype.torch_dtype is None or not aq.dtype.is_float or aq.static:
         return "needs float8 dynamic activation quantization"
-    if aq.granularity == "per_block":
+    if aq.is_mx:
         return "MX (per_block) activations need block-scaled matmul, not _scaled_mm's row / tensor scales"
     if w.spec.target.torch_dtype is None or not w.spec.target.is_float or len(w.spec.shape) != 2:
         return "needs a 2-D float8 weight"
@@ -336,7 +336,7 @@ def _scaled_mm_check(x, w):
     n, k = w.spec.shape
     if w.spec.block_size not in ((n, k), (1, k)):
         return f"needs per-tensor or per-row weight scales, got block_size {w.spec.block_size}"
-    if (w.spec.block_size == (1, k)) != (aq.granularity == "per_token"):
+    if (w.spec.block_size == (1, k)) != (aq.per_token):
         return "needs per-row weight scales with per-token activations, or per-tensor with per-tensor"
     if k % 16 or n % 16:
         return f"_scaled_mm needs K and N divisible by 16 (got K={k}, N={n})"

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from affineq.dtypes import QType, check_quant_range, qtype
+from affineq.granularity import Granularity, PerGroup, PerTensor, PerToken
 from affineq.mx import SCALE_MODES as _SCALE_MODES
 from affineq.mx import mx_element
 from affineq.primitives import MappingType, ZeroPointDomain
@@ -25,7 +26,8 @@ __all__ = ["ActivationQuant", "QParamOptions", "QuantSpec", "SPEC_VERSION"]
 #: Version of the `QuantSpec.to_dict` encoding; `from_dict` refuses newer ones.
 SPEC_VERSION = 1
 
-_GRANULARITIES = ("per_token", "per_tensor", "per_block")
+#: The stored names of the activation granularities (to_dict, pickles); "per_block" is PerGroup(block_size).
+_GRANULARITY_NAMES = {PerToken: "per_token", PerTensor: "per_tensor", PerGroup: "per_block"}
 #: The logical dtypes a stored spec may name: looked up here, never by getattr on torch.
 _FLOAT_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values()
                  if isinstance(d, torch.dtype) and d.is_floating_point}
@@ -81,18 +83,20 @@ class ActivationQuant:
     """How `linear` quantizes its input before the matmul.
 
     dtype: the activation target (torch.int8, torch.float8_e4m3fn, a QType or its name; stored as a QType).
-    granularity: "per_token" (one scale per row of the flattened [M, K] input) or "per_tensor".
+    granularity: PerToken() (one scale per row of the flattened [M, K] input) or PerTensor().
     static: False = qparams computed from each input (dynamic); True = the weight carries calibrated
     `act_scale` / `act_zero_point` tensors (per tensor) and every input uses them.
     For float targets `mapping_type` must be SYMMETRIC and `zero_point_domain` NONE.
-    granularity "per_block" is OCP MX (`affineq.mx`): blocks of `block_size` along K, each with a shared E8M0
-    scale chosen by `scale_mode` ("floor", "ceil", "even", "rceil"); x -> dequantize_mx(quantize_mx(x)).
+    granularity PerGroup(block_size) is OCP MX (`affineq.mx`): blocks of `block_size` along K, each with a shared
+    E8M0 scale chosen by `scale_mode` ("floor", "ceil", "even", "rceil"); x -> dequantize_mx(quantize_mx(x)).
     It needs an MX element dtype (float8, fp6, fp4, int8 = MXINT8), SYMMETRIC, and is dynamic only.
+    The names "per_token", "per_tensor" and "per_block" (with `block_size`), which `to_dict` and pickles
+    store, are accepted and converted, so specs saved before granularities were objects load unchanged.
     """
 
     dtype: Any = torch.int8
     mapping_type: MappingType = MappingType.SYMMETRIC
-    granularity: str = "per_token"
+    granularity: Granularity = PerToken()
     zero_point_domain: ZeroPointDomain = ZeroPointDomain.INT
     eps: float | None = None
     static: bool = False
@@ -100,21 +104,63 @@ class ActivationQuant:
     scale_mode: str | None = None
 
     def __post_init__(self) -> None:
-        mx = self.granularity == "per_block"  # MX element types also go by their aliases ("mxfp4", "mxint8")
+        object.__setattr__(self, "granularity", self._granularity())
+        mx = self.is_mx  # MX element types also go by their aliases ("mxfp4", "mxint8")
         object.__setattr__(self, "dtype", mx_element(self.dtype, "ActivationQuant.dtype") if mx else qtype(self.dtype))
         _check_enum("ActivationQuant.mapping_type", self.mapping_type, MappingType)
         _check_enum("ActivationQuant.zero_point_domain", self.zero_point_domain, ZeroPointDomain)
-        if self.granularity not in _GRANULARITIES:
-            raise ValueError(
-                f"ActivationQuant.granularity={self.granularity!r}: use 'per_token', 'per_tensor' or 'per_block' (MX)"
-            )
-        if self.static and self.granularity != "per_tensor":
-            raise ValueError("ActivationQuant(static=True) needs granularity='per_tensor' (one calibrated scale)")
-        if self.granularity == "per_block":
+        if self.static and not isinstance(self.granularity, PerTensor):
+            raise ValueError("ActivationQuant(static=True) needs granularity=PerTensor() ('per_tensor': one calibrated "
+                             "scale)")
+        if mx:
             self._check_mx()
         elif self.block_size is not None or self.scale_mode is not None:
-            raise ValueError("ActivationQuant.block_size / scale_mode apply to granularity='per_block' (MX) only; "
-                             "leave them None or set granularity='per_block'")
+            raise ValueError("ActivationQuant.block_size / scale_mode apply to MX granularity (PerGroup(32), stored "
+                             "as 'per_block') only; leave them None or set granularity=PerGroup(block_size)")
+
+    def _granularity(self) -> Granularity:
+        """`granularity` as an object: a stored name converted (with `block_size` for "per_block")."""
+        g = self.granularity
+        if isinstance(g, str) and g in _GRANULARITY_NAMES.values():
+            if g != "per_block":
+                return PerToken() if g == "per_token" else PerTensor()
+            b = self.block_size
+            if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+                raise ValueError(f"ActivationQuant.block_size={b!r}: granularity='per_block' needs a positive int "
+                                 "(32 for OCP MX)")
+            return PerGroup(b)
+        if type(g) not in _GRANULARITY_NAMES:
+            raise ValueError(f"ActivationQuant.granularity={g!r}: use PerToken(), PerTensor() or PerGroup(32) (MX "
+                             "blocks along K), from affineq.granularity")
+        if isinstance(g, PerGroup):
+            if self.block_size is None:
+                object.__setattr__(self, "block_size", g.group_size)
+            elif self.block_size != g.group_size:
+                raise ValueError(f"ActivationQuant: granularity={g!r} and block_size={self.block_size!r} differ; "
+                                 "leave block_size None (PerGroup says it)")
+        return g
+
+    @property
+    def is_mx(self) -> bool:
+        """OCP MX blocks along K (granularity PerGroup)."""
+        return isinstance(self.granularity, PerGroup)
+
+    @property
+    def per_token(self) -> bool:
+        """One scale per row of the flattened [M, K] input (granularity PerToken)."""
+        return isinstance(self.granularity, PerToken)
+
+    @property
+    def granularity_name(self) -> str:
+        """The stored name of the granularity: "per_token", "per_tensor" or "per_block"."""
+        return _GRANULARITY_NAMES[type(self.granularity)]
+
+    def __getstate__(self) -> dict:
+        # the granularity pickles by its name, so pickles keep the format they had before it was an object
+        state = dict(self.__dict__)
+        if type(state.get("granularity")) in _GRANULARITY_NAMES:
+            state["granularity"] = _GRANULARITY_NAMES[type(state["granularity"])]
+        return state
 
     def __setstate__(self, state) -> None:
         _set_checked_state(self, state)
@@ -130,9 +176,9 @@ class ActivationQuant:
             raise ValueError("ActivationQuant granularity='per_block' (MX) is symmetric: use MappingType.SYMMETRIC")
 
     def to_dict(self) -> dict:
-        d = {"dtype": self.dtype.name, "mapping_type": self.mapping_type.name, "granularity": self.granularity,
+        d = {"dtype": self.dtype.name, "mapping_type": self.mapping_type.name, "granularity": self.granularity_name,
              "zero_point_domain": self.zero_point_domain.name, "eps": self.eps, "static": self.static}
-        if self.granularity == "per_block":  # only MX writes the new keys: older dicts stay as they were
+        if self.is_mx:  # only MX writes the new keys: older dicts stay as they were
             d.update(block_size=self.block_size, scale_mode=self.scale_mode)
         return d
 

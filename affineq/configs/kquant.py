@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from affineq.configs import QuantConfig, _check_choice
+from affineq.configs.base import QuantConfig, check_choice
 from affineq.tensor.affine import AffineQuantizedTensor
 from affineq.tensor.format_kquant import KQUANT_TYPES, SUPER_BLOCK, kquant_spec
 from affineq.tensor.kquant_encode import encode
@@ -182,7 +182,7 @@ class KQuantConfig(QuantConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        _check_choice("kind", self.kind, KQUANT_KINDS)
+        check_choice("kind", self.kind, KQUANT_KINDS)
 
     def _block_size(self, shape, module):
         if len(shape) != 2 or shape[1] % SUPER_BLOCK:

@@ -1,11 +1,14 @@
-"""Quantization configs: frozen dataclasses that validate themselves, round-trip through JSON and map to
-one handler each (registered in `affineq.quantize`).
+"""The base of every config (`QuantConfig`), its JSON form (`config_from_dict`, `encode_field` /
+`decode_field`) and the checks the config families share (`check_choice`, `row_block`, "auto" formats).
+
+Configs are frozen dataclasses that validate themselves, round-trip through JSON and map to one handler each
+(registered in `affineq.quantize`).
 
 A config answers: `check(module)` (why it cannot apply, or None), `parameter_names(module)` (what it
 quantizes: `weight` unless `param_names` says otherwise) and `weight_spec(weight, module)` (the `QuantSpec`
 it wants for a weight, plus `qparam_options()`); the base class's `quantize_weight` does the rest
-(`AffineQuantizedTensor.from_spec`). "auto" packing formats are resolved by the kernel registry
-(`affineq.tensor.kernel_registry.auto_format`).
+(`AffineQuantizedTensor.from_spec`). "auto" packing formats are resolved from the spec by the kernel registry
+(`resolve_format` -> `affineq.tensor.kernel_registry.choose_format`).
 """
 
 from __future__ import annotations
@@ -20,31 +23,21 @@ import torch
 from torch import nn
 
 from affineq import granularity as _gran
-from affineq.dtypes import check_target_dtype, is_integer_target, is_signed, qtype
 from affineq.expert_weights import (
     expert_parameter_names,
     expert_weight_problem,
     is_expert_module,
     per_expert_shape,
 )
-from affineq.granularity import Granularity, PerAxis, PerGroup, PerRow, PerTensor, get_block_size
-from affineq.primitives import ROUNDING, MappingType, ZeroPointDomain
+from affineq.granularity import Granularity, PerAxis, PerGroup, get_block_size
+from affineq.primitives import MappingType, ZeroPointDomain
 from affineq.recurrent import RECURRENT_TYPES, recurrent_weight_names
 from affineq.tensor.affine import AffineQuantizedTensor
-from affineq.tensor.kernel_registry import auto_format
-from affineq.tensor.spec import ActivationQuant, QParamOptions, QuantSpec
+from affineq.tensor.kernel_registry import choose_format
+from affineq.tensor.spec import QParamOptions, QuantSpec
 
-__all__ = [
-    "QuantConfig",
-    "Int4WeightOnlyConfig",
-    "Int8WeightOnlyConfig",
-    "Int8DynamicActivationInt8WeightConfig",
-    "Int8DynamicActivationInt4WeightConfig",
-    "IntxWeightOnlyConfig",
-    "Float8WeightOnlyConfig",
-    "Float8DynamicActivationFloat8WeightConfig",
-    "config_from_dict",
-]
+__all__ = ["QuantConfig", "check_choice", "config_from_dict", "decode_field", "encode_field", "resolve_format",
+           "row_block"]
 
 _CONFIGS: dict[str, type[QuantConfig]] = {}
 _POW2_SCALE_MODES = {"pof2": "rceil", "e8m0": "floor"}  # power-of-two scale types -> affineq.mx scale_mode
@@ -54,7 +47,7 @@ _ENUMS = {"MappingType": MappingType, "ZeroPointDomain": ZeroPointDomain}
 # -- JSON encoding of config fields -------------------------------------------------------------------
 
 
-def _encode(v: Any) -> Any:
+def encode_field(v: Any) -> Any:
     if isinstance(v, torch.dtype):
         return {"dtype": str(v).removeprefix("torch.")}
     if isinstance(v, enum.Enum):
@@ -64,9 +57,9 @@ def _encode(v: Any) -> Any:
     if isinstance(v, Granularity):
         return {"granularity": type(v).__name__, **dataclasses.asdict(v)}
     if isinstance(v, dict):
-        return {"map": {k: _encode(x) for k, x in v.items()}}
+        return {"map": {k: encode_field(x) for k, x in v.items()}}
     if isinstance(v, tuple):
-        return [_encode(x) for x in v]
+        return [encode_field(x) for x in v]
     return v
 
 
@@ -87,9 +80,9 @@ _TORCH_DTYPES: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d 
                                          if isinstance(d, torch.dtype)}
 
 
-def _decode(v: Any) -> Any:
+def decode_field(v: Any) -> Any:
     if isinstance(v, list):
-        return tuple(_decode(x) for x in v)
+        return tuple(decode_field(x) for x in v)
     if not isinstance(v, dict):
         return v
     if "type" in v:  # a config first: its fields may be named "granularity" or "dtype" too
@@ -115,7 +108,7 @@ def _decode(v: Any) -> Any:
         cls = known.get(v["granularity"]) if isinstance(v["granularity"], str) else None
         if cls is None:
             raise ValueError(f"unknown granularity {v['granularity']!r}; use one of {sorted(known)}")
-        kwargs = {k: _decode(x) for k, x in v.items() if k != "granularity"}
+        kwargs = {k: decode_field(x) for k, x in v.items() if k != "granularity"}
         try:
             return cls(**kwargs)
         except TypeError as e:
@@ -125,7 +118,7 @@ def _decode(v: Any) -> Any:
         _only_keys(v, ("map",))
         if not isinstance(v["map"], dict) or not all(isinstance(k, str) for k in v["map"]):
             raise ValueError(f"cannot decode config field {v!r}: 'map' must hold a dict with str keys")
-        return {k: _decode(x) for k, x in v["map"].items()}
+        return {k: decode_field(x) for k, x in v["map"].items()}
     raise ValueError(f"cannot decode config field {v!r}; pass values as QuantConfig.to_dict writes them "
                      "(plain JSON values, or a dict with one of the keys 'type', 'dtype', 'enum', 'granularity', "
                      "'map')")
@@ -152,7 +145,7 @@ def config_from_dict(d: dict) -> QuantConfig:
         if k == "type":
             continue
         try:
-            fields[k] = _decode(v)
+            fields[k] = decode_field(v)
         except ValueError as e:
             raise ValueError(f"{name}.{k}: {e}") from None
     try:
@@ -233,7 +226,7 @@ class QuantConfig:
     def to_dict(self) -> dict:
         out = {"type": type(self).__name__}
         for f in dataclasses.fields(self):
-            out[f.name] = _encode(getattr(self, f.name))
+            out[f.name] = encode_field(getattr(self, f.name))
         return out
 
     @classmethod
@@ -353,15 +346,15 @@ def _experts_problem(config: QuantConfig, module: nn.Module) -> str | None:
     why = expert_weight_problem(module)
     if why is None:
         aq = _probe_act_quant(config, module)
-        if aq is not None and not aq.static and aq.granularity == "per_tensor":
+        if aq is not None and not aq.static and isinstance(aq.granularity, _gran.PerTensor):
             why = (f"{name} quantizes activations dynamically per tensor, one scale that the rows routed to different "
                    "experts would share; use per-token activation quantization for the experts")
     return why
 
 
-def _probe_act_quant(config: QuantConfig, module: nn.Module) -> ActivationQuant | None:
-    """The activation quantization `config` gives one expert's weight of `module` (a meta probe; None if it
-    cannot tell)."""
+def _probe_act_quant(config: QuantConfig, module: nn.Module):
+    """The activation quantization (an ActivationQuant, or None) `config` gives one expert's weight of `module`
+    (a meta probe; None if it cannot tell)."""
     w = module._parameters[expert_parameter_names(module)[-1]]
     n, k = per_expert_shape(module, w)
     try:
@@ -391,14 +384,14 @@ def _check_group_size(group_size: int | None, param: str = "group_size", allow_n
         raise ValueError(f"{param} must be a positive int{alt}, got {group_size!r}")
 
 
-def _check_choice(name: str, value, choices) -> None:
+def check_choice(name: str, value, choices) -> None:
     if value not in choices:
         close = difflib.get_close_matches(value, [str(c) for c in choices], n=1) if isinstance(value, str) else []
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ValueError(f"{name}={value!r} is not one of {list(choices)}{hint}")
 
 
-def _row_block(shape: tuple[int, ...], group_size: int | None) -> tuple[int, ...]:
+def row_block(shape: tuple[int, ...], group_size: int | None) -> tuple[int, ...]:
     """Per-row (group None) or per-group block over the last dim of a 2-D weight; conv: per out channel."""
     if group_size is None:
         return get_block_size(shape, PerAxis(0))
@@ -408,309 +401,20 @@ def _row_block(shape: tuple[int, ...], group_size: int | None) -> tuple[int, ...
     return get_block_size(shape, PerGroup(group_size))
 
 
-def _auto(fmt: str, scheme: str, weight: torch.Tensor, module: nn.Module) -> str:
-    linear_like = isinstance(module, (nn.Linear, *RECURRENT_TYPES))  # recurrent weights also go through F.linear
-    return auto_format(scheme, weight, linear_like) if fmt == "auto" else fmt
-
-
-# -- weight-only integer configs -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Int4WeightOnlyConfig(QuantConfig):
-    """4-bit weights, one scale and zero point per `group_size` input channels; activations stay float.
-
-    Default: asymmetric uint4 with a float zero point (the tinygemm scheme, preserve_zero=False).
-    packing_format: "auto" (C++ `dense` kernel on CPU, else aten `int4_cpu`; `int4_cuda` on GPU),
-    "dense", "int4_cpu", "int4_cuda" or "plain".
-    scale_dtype: dtype of the scales and float zero points, bf16 by default (0.0625 B/param at group 64;
-    its 2^-9 rounding is ~1/100 of the int4 step) or fp32; the aten int4 layouts need bf16.
-    rounding: how weights round to codes, "half_even" (default), "half_away_from_zero" or "floor".
-    """
-
-    group_size: int = 128
-    packing_format: str = "auto"
-    mapping_type: MappingType = MappingType.ASYMMETRIC
-    zero_point_domain: ZeroPointDomain = ZeroPointDomain.FLOAT
-    preserve_zero: bool = False
-    scale_dtype: torch.dtype = torch.bfloat16
-    rounding: str = "half_even"
-
-    def __post_init__(self):
-        super().__post_init__()
-        _check_choice("rounding", self.rounding, tuple(ROUNDING))
-        if self.group_size is None:
-            raise ValueError("Int4WeightOnlyConfig needs a group_size: pass group_size=32, 64, 128 or 256")
-        _check_group_size(self.group_size, allow_none=False)
-        _check_choice("packing_format", self.packing_format, ("auto", "dense", "int4_cpu", "int4_cuda", "plain"))
-        if self.packing_format.startswith("int4_") and self.group_size not in (32, 64, 128, 256):
-            raise ValueError(f"packing_format={self.packing_format!r} needs group_size 32, 64, 128 or 256")
-        _check_choice("scale_dtype", self.scale_dtype, (torch.bfloat16, torch.float32))
-        if self.packing_format.startswith("int4_") and self.scale_dtype != torch.bfloat16:
-            raise ValueError(f"packing_format={self.packing_format!r} stores bf16 scales: use "
-                             "scale_dtype=torch.bfloat16 (or packing_format='dense' for fp32 scales)")
-
-    def _block_size(self, shape, module):
-        return _row_block(shape, self.group_size)
-
-    def weight_spec(self, weight, module):
-        signed = self.mapping_type is not MappingType.ASYMMETRIC
-        fmt = self.packing_format
-        if fmt == "auto":
-            fmt = auto_format("int4", weight)
-            if fmt.startswith("int4_") and self.scale_dtype != torch.bfloat16:
-                fmt = "plain" if weight.device.type == "cuda" else "dense"
-        spec = self._spec(weight, module, torch.int4 if signed else torch.uint4, self.mapping_type,
-                          ZeroPointDomain.NONE if signed else self.zero_point_domain, fmt)
-        if self.packing_format == "auto" and fmt == "int4_cpu" and _format_cannot_hold(spec):
-            spec = spec.replace(fmt="dense")  # aten's layout needs N % 16 == 0 etc.; dense holds any int4
-        return spec
-
-    def qparam_options(self):
-        return QParamOptions(scale_dtype=self.scale_dtype, preserve_zero=self.preserve_zero, rounding=self.rounding)
-
-
-def _format_cannot_hold(spec: QuantSpec) -> bool:
-    from affineq.tensor.format_experts import format_of
-
-    return format_of(spec).check(spec) is not None
+def resolve_format(fmt: str, spec: QuantSpec, weight: torch.Tensor, module: nn.Module, *,
+                   module_is_linear: bool | None = None, scale_dtype: torch.dtype | None = None) -> QuantSpec:
+    """`spec` stored in packing format `fmt`; "auto": `choose_format`, the first format the spec fits that a
+    kernel available here reads (for a weight on `weight.device`; `module_is_linear` defaults to whether
+    `module` runs F.linear: nn.Linear and the recurrent modules; `scale_dtype`: the config's scale dtype,
+    which aten's int4 layouts need to be bfloat16)."""
+    if fmt != "auto":
+        return spec.replace(fmt=fmt)
+    if module_is_linear is None:
+        module_is_linear = isinstance(module, (nn.Linear, *RECURRENT_TYPES))  # recurrent weights go through F.linear
+    return spec.replace(fmt=choose_format(spec, weight.device, module_is_linear, scale_dtype))
 
 
 def _auto_float_codes(fmt: str, spec: QuantSpec, weight: torch.Tensor, module: nn.Module) -> QuantSpec:
-    """`spec` with "auto" resolved for fp4 / fp6 / fp8 codes and e8m0 scales: `auto_format("float_codes")`
-    (`dense`, our kernel's compact layout, for a 2-D nn.Linear weight on CPU), or `plain` where `dense` cannot
-    hold the spec. An explicit `fmt` is kept as given."""
-    if fmt != "auto":
-        return spec.replace(fmt=fmt)
-    spec = spec.replace(fmt=_auto("auto", "float_codes", weight, module))
-    return spec.replace(fmt="plain") if _format_cannot_hold(spec) else spec
-
-
-@dataclass(frozen=True)
-class IntxWeightOnlyConfig(QuantConfig):
-    """1-8 bit weights (`weight_dtype` torch.int1..torch.int8 or torch.uint1..torch.uint8).
-
-    granularity: PerGroup(g) (groups along in_features) or PerAxis(0) (one scale per output channel).
-    Also quantizes nn.Embedding and nn.EmbeddingBag (per row / per group of the embedding dim). 1-bit codes need
-    MappingType.ASYMMETRIC (a symmetric 1-bit range {-1, 0} cannot represent positive weights).
-    scale_dtype: bf16 by default (16-bit qparams: int2 g32 stores 0.375 B/param, int3 g32 0.5) or fp32;
-    an integer zero point (ASYMMETRIC with the INT domain) keeps its qparams in fp32 in `dense`, where a bf16
-    offset could not hold it exactly (use zero_point_domain=ZeroPointDomain.FLOAT for 16-bit qparams).
-    rounding: how weights round to codes, "half_even" (default), "half_away_from_zero" or "floor".
-    scale_type: None (float scales of `scale_dtype`), "pof2" (power-of-two scales rounded up from amax / qmax:
-    never clip) or "e8m0" (the OCP MX rule, floor(log2(amax)) - floor(log2(qmax)): may saturate); both are stored
-    as E8M0 bytes in `plain` and need a symmetric mapping of a signed dtype.
-    """
-
-    modules: ClassVar = (nn.Linear, nn.Embedding, nn.EmbeddingBag)
-    weight_dtype: torch.dtype = torch.int8
-    granularity: Granularity = field(default_factory=lambda: PerGroup(32))
-    mapping_type: MappingType = MappingType.SYMMETRIC
-    zero_point_domain: ZeroPointDomain | None = None
-    packing_format: str = "auto"
-    scale_dtype: torch.dtype = torch.bfloat16
-    rounding: str = "half_even"
-    scale_type: str | None = None
-
-    def __post_init__(self):
-        super().__post_init__()
-        _check_choice("scale_dtype", self.scale_dtype, (torch.bfloat16, torch.float32))
-        _check_choice("rounding", self.rounding, tuple(ROUNDING))
-        try:
-            check_target_dtype(self.weight_dtype, "weight_dtype")
-            supported = is_integer_target(self.weight_dtype) and self.weight_dtype not in (torch.int16, torch.int32)
-        except ValueError:
-            supported = False
-        if not supported:
-            raise ValueError(f"weight_dtype={self.weight_dtype}: use an integer dtype of 1-8 bits "
-                             "(torch.int1..torch.int8, torch.uint1..torch.uint8)")
-        if self.weight_dtype in (torch.int1, torch.uint1) and self.mapping_type is not MappingType.ASYMMETRIC:
-            raise ValueError(f"weight_dtype={self.weight_dtype} with mapping_type={self.mapping_type}: one bit "
-                             "has two codes, so a symmetric range maps every weight to 0 or -scale; use "
-                             "mapping_type=MappingType.ASYMMETRIC (two levels per group)")
-        if not isinstance(self.granularity, (PerGroup, PerAxis)):
-            raise ValueError(f"granularity={self.granularity!r}: use PerGroup(group_size) or PerAxis(0)")
-        if isinstance(self.granularity, PerAxis) and self.granularity.axis != 0:
-            raise ValueError("granularity=PerAxis(axis) must use axis=0 (one scale per output channel)")
-        _check_choice("packing_format", self.packing_format, ("auto", "dense", "plain"))
-        _check_choice("scale_type", self.scale_type, (None, *_POW2_SCALE_MODES))
-        if self.scale_type is not None and (self.mapping_type is not MappingType.SYMMETRIC
-                                            or not is_signed(self.weight_dtype) or self.packing_format == "dense"):
-            raise ValueError(f"scale_type={self.scale_type!r} needs mapping_type=MappingType.SYMMETRIC, a signed "
-                             "weight_dtype (torch.int2..torch.int8) and packing_format 'auto' or 'plain'")
-
-    def _domain(self) -> ZeroPointDomain:
-        """The zero-point domain: as given, else INT for asymmetric mappings and unsigned codes (a symmetric
-        uint4 range [0, 15] is centred on the integer zero point 8), NONE for symmetric signed codes."""
-        if self.zero_point_domain is not None:
-            return self.zero_point_domain
-        unsigned = not is_signed(self.weight_dtype)
-        return ZeroPointDomain.INT if self.mapping_type is MappingType.ASYMMETRIC or unsigned else ZeroPointDomain.NONE
-
-    def _block_size(self, shape, module):
-        if isinstance(self.granularity, PerAxis):
-            return _row_block(shape, None)
-        return _row_block(shape, self.granularity.group_size)
-
-    def weight_spec(self, weight, module):
-        if self.scale_type is not None:  # e8m0 bytes: dense (our kernel) where it holds them, else plain
-            spec = self._spec(weight, module, self.weight_dtype, self.mapping_type, ZeroPointDomain.NONE, "plain")
-            return _auto_float_codes(self.packing_format, spec.replace(scale_type=qtype("e8m0")), weight, module)
-        fmt = _auto(self.packing_format, "subbyte", weight, module)
-        return self._spec(weight, module, self.weight_dtype, self.mapping_type, self._domain(), fmt)
-
-    def qparam_options(self):
-        mode = None if self.scale_type is None else _POW2_SCALE_MODES[self.scale_type]
-        return QParamOptions(scale_dtype=self.scale_dtype, rounding=self.rounding, scale_mode=mode)
-
-
-@dataclass(frozen=True)
-class Int8WeightOnlyConfig(QuantConfig):
-    """Symmetric int8 weights, per output channel (group_size=None) or per group; activations stay float.
-
-    Also quantizes nn.Embedding and nn.Conv1d/2d (per output channel). packing_format: "auto" (C++ `dense`
-    kernel on CPU when it builds, else `plain`, which the aten int8 kernels read), "dense" or "plain".
-    rounding: how weights round to codes, "half_even" (default), "half_away_from_zero" or "floor".
-    """
-
-    modules: ClassVar = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d)
-    group_size: int | None = None
-    packing_format: str = "auto"
-    rounding: str = "half_even"
-
-    def __post_init__(self):
-        super().__post_init__()
-        _check_group_size(self.group_size)
-        _check_choice("packing_format", self.packing_format, ("auto", "dense", "plain"))
-        _check_choice("rounding", self.rounding, tuple(ROUNDING))
-
-    def _block_size(self, shape, module):
-        return _row_block(shape, self.group_size)
-
-    def weight_spec(self, weight, module):
-        fmt = _auto(self.packing_format, "byte", weight, module)
-        return self._spec(weight, module, torch.int8, MappingType.SYMMETRIC, ZeroPointDomain.NONE, fmt)
-
-    def qparam_options(self):
-        return QParamOptions(scale_dtype=torch.float32, rounding=self.rounding)
-
-
-# -- dynamic activation configs ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Int8DynamicActivationInt8WeightConfig(QuantConfig):
-    """int8 x int8 matmul: activations quantized (symmetric) at run time, weights per channel.
-
-    act_granularity: "per_token" (default: one scale per row of the flattened input) or "per_tensor" (one
-    scale per call: torch.ao's dynamic scheme, without its 7-bit reduce_range).
-
-    packing_format: "plain" (torch._int_mm on the codes), "dense" (the C++ kernel on the int8 weight with
-    the activation fake-quantized: the same products in fp32) or "auto": plain, except on a CPU whose
-    `_int_mm` is slow (no VNNI), where dense keeps int8 dynamic faster than fp32.
-    """
-
-    packing_format: str = "auto"
-    act_granularity: str = "per_token"
-
-    def __post_init__(self):
-        super().__post_init__()
-        _check_choice("packing_format", self.packing_format, ("auto", "dense", "plain"))
-        _check_choice("act_granularity", self.act_granularity, ("per_token", "per_tensor"))
-
-    def _block_size(self, shape, module):
-        return _row_block(shape, None)
-
-    def weight_spec(self, weight, module):
-        aq = ActivationQuant(torch.int8, MappingType.SYMMETRIC, self.act_granularity, ZeroPointDomain.NONE)
-        fmt = _auto(self.packing_format, "int8_dynamic", weight, module)
-        return self._spec(weight, module, torch.int8, MappingType.SYMMETRIC, ZeroPointDomain.NONE, fmt, aq)
-
-
-@dataclass(frozen=True)
-class Int8DynamicActivationInt4WeightConfig(QuantConfig):
-    """The 8da4w scheme of edge runtimes: int8 asymmetric per-token activations, int4 symmetric per-group
-    weights. Numerics: y = F.linear(fake_quant_int8(x), dequant(w)). scale_dtype: bf16 (default, 16-bit
-    weight scales) or fp32."""
-
-    group_size: int = 32
-    packing_format: str = "auto"
-    scale_dtype: torch.dtype = torch.bfloat16
-
-    def __post_init__(self):
-        super().__post_init__()
-        _check_choice("scale_dtype", self.scale_dtype, (torch.bfloat16, torch.float32))
-        if self.group_size is None:
-            raise ValueError("Int8DynamicActivationInt4WeightConfig needs a group_size: pass e.g. group_size=32")
-        _check_group_size(self.group_size, allow_none=False)
-        _check_choice("packing_format", self.packing_format, ("auto", "dense", "plain"))
-
-    def _block_size(self, shape, module):
-        return _row_block(shape, self.group_size)
-
-    def weight_spec(self, weight, module):
-        aq = ActivationQuant(torch.int8, MappingType.ASYMMETRIC, "per_token", ZeroPointDomain.INT)
-        fmt = _auto(self.packing_format, "subbyte", weight, module)
-        return self._spec(weight, module, torch.int4, MappingType.SYMMETRIC, ZeroPointDomain.NONE, fmt, aq)
-
-    def qparam_options(self):
-        return QParamOptions(scale_dtype=self.scale_dtype)
-
-
-# -- float8 configs ---------------------------------------------------------------------------------------
-
-
-def _check_float8(name: str, dtype: torch.dtype) -> None:
-    if dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
-        raise ValueError(f"{name}={dtype}: use torch.float8_e4m3fn or torch.float8_e5m2")
-
-
-@dataclass(frozen=True)
-class Float8WeightOnlyConfig(QuantConfig):
-    """float8 weights with one scale per output row (scale = amax / finfo.max); activations stay float.
-
-    packing_format: "auto" (the C++ `dense` kernel on CPU when it builds, which decodes the float8 bytes in
-    registers; else `plain`), "dense" or "plain".
-    """
-
-    weight_dtype: torch.dtype = torch.float8_e4m3fn
-    packing_format: str = "auto"
-
-    def __post_init__(self):
-        super().__post_init__()
-        _check_float8("weight_dtype", self.weight_dtype)
-        _check_choice("packing_format", self.packing_format, ("auto", "dense", "plain"))
-
-    def _block_size(self, shape, module):
-        return get_block_size(shape, PerRow())
-
-    def weight_spec(self, weight, module):
-        fmt = _auto(self.packing_format, "byte", weight, module)
-        return self._spec(weight, module, self.weight_dtype, MappingType.SYMMETRIC, ZeroPointDomain.NONE, fmt)
-
-
-@dataclass(frozen=True)
-class Float8DynamicActivationFloat8WeightConfig(QuantConfig):
-    """float8 x float8 `_scaled_mm`: activations quantized at run time per tensor or per token (PerRow),
-    weights per tensor or per row, matching `granularity`."""
-
-    activation_dtype: torch.dtype = torch.float8_e4m3fn
-    weight_dtype: torch.dtype = torch.float8_e4m3fn
-    granularity: Granularity = field(default_factory=PerRow)
-
-    def __post_init__(self):
-        super().__post_init__()
-        _check_float8("activation_dtype", self.activation_dtype)
-        _check_float8("weight_dtype", self.weight_dtype)
-        if not isinstance(self.granularity, (PerTensor, PerRow)):
-            raise ValueError(f"granularity={self.granularity!r}: use PerTensor() or PerRow()")
-
-    def _block_size(self, shape, module):
-        return get_block_size(shape, self.granularity)
-
-    def weight_spec(self, weight, module):
-        per_row = isinstance(self.granularity, PerRow)
-        aq = ActivationQuant(self.activation_dtype, MappingType.SYMMETRIC,
-                             "per_token" if per_row else "per_tensor", ZeroPointDomain.NONE)
-        return self._spec(weight, module, self.weight_dtype, MappingType.SYMMETRIC, ZeroPointDomain.NONE,
-                          "plain", aq)
+    """`resolve_format` under its name from before "auto" was decided from the spec (fp4 / fp6 / fp8 codes and
+    e8m0 scales)."""
+    return resolve_format(fmt, spec, weight, module)
