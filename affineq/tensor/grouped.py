@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from affineq import cpp as _cpp
 from affineq.cpp import grouped_ops
+from affineq.granularity import PerTensor
 from affineq.tensor import fallback
 from affineq.tensor.activation import fake_quantize_activation, finish_output, prepare_input
 from affineq.tensor.affine import AffineQuantizedTensor
@@ -136,7 +137,7 @@ def _grouped_check(x: torch.Tensor, w: AffineQuantizedTensor) -> str | None:
 def _quantized(x: torch.Tensor, ids: torch.Tensor, w: AffineQuantizedTensor) -> torch.Tensor:
     check_frozen(w)
     aq = w.spec.act_quant
-    if aq is not None and not aq.static and aq.granularity == "per_tensor":
+    if aq is not None and not aq.static and isinstance(aq.granularity, PerTensor):
         raise ValueError("grouped_linear: a dynamic per-tensor activation scale would be shared by the rows of "
                          "different experts; quantize the experts with per-token (or static) activation quantization")
     x = prepare_input(x, w)
