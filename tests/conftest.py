@@ -92,3 +92,13 @@ def outlier_tiny_lm() -> torch.nn.Module:
             layer.input_layernorm.weight[:4] = 20.0
             layer.post_attention_layernorm.weight[:4] = 20.0
     return m
+
+
+def static_int8_kernel(rows: int, dtype: torch.dtype = torch.float32) -> str:
+    """The kernel a static int8 linear of `rows` input rows runs on this CPU: oneDNN's (VNNI / AMX, from its
+    row threshold on) or aten._int_mm's (the rule of `compute_bound._qlinear_common`, whose weight conditions the
+    callers' per-channel symmetric int8 weights meet)."""
+    from affineq.tensor.compute_bound import exact_int8_gemm, rows_check
+
+    fast = exact_int8_gemm() and rows_check("onednn.qlinear", torch.empty(rows, 1, dtype=dtype)) is None
+    return "onednn.qlinear:static" if fast else "aten._int_mm:static"

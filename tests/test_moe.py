@@ -215,7 +215,7 @@ def test_int8_dynamic_activation_experts_run_the_grouped_kernel():
     ref = _logits(model)
     affineq.quantize_(model, affineq.Int8DynamicActivationInt8WeightConfig())
     w = _experts(model)[0].down_proj
-    assert w.spec.fmt == "dense" and w.spec.act_quant.granularity == "per_token"
+    assert w.spec.fmt == "dense" and w.spec.act_quant.granularity == affineq.granularity.PerToken()
     with affineq.record_kernels() as kernels:
         out = _logits(model)
     assert kernels.count(GROUPED_KERNEL) == 4 and "dequantize:grouped_linear" not in kernels
