@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from affineq.bitpack import pack_codes, unpack_codes
-from affineq.configs_float import MXWeightOnlyConfig
+from affineq.configs import MXWeightOnlyConfig
 from affineq.expert_weights import experts_transposed, is_expert_module
 from affineq.experts import use_affineq_experts
 from affineq.tensor.affine import AffineQuantizedTensor

@@ -42,7 +42,7 @@ from common import machine_line, memory_bandwidth_gbs, round_robin_ms, save_json
 
 import affineq.cpp as K  # noqa: E402
 from affineq.configs import Int4WeightOnlyConfig, Int8WeightOnlyConfig  # noqa: E402
-from affineq.configs_float import MXWeightOnlyConfig  # noqa: E402
+from affineq.configs import MXWeightOnlyConfig  # noqa: E402
 from affineq.tensor.affine import AffineQuantizedTensor  # noqa: E402
 from affineq.tensor.grouped import grouped_linear  # noqa: E402
 

@@ -29,7 +29,7 @@ from transformers import (  # noqa: E402
 
 import affineq  # noqa: E402
 from affineq import AffineQuantizedTensor as AQT  # noqa: E402
-from affineq.configs_float import FPxWeightOnlyConfig, MicroexpWeightOnlyConfig, MXWeightOnlyConfig  # noqa: E402
+from affineq.configs import FPxWeightOnlyConfig, MicroexpWeightOnlyConfig, MXWeightOnlyConfig  # noqa: E402
 from affineq.expert_weights import is_expert_module, quantize_expert_weight, stack_experts  # noqa: E402
 from affineq.tensor.grouped import GROUPED_KERNEL  # noqa: E402
 

@@ -52,20 +52,21 @@ from affineq.tensor.kernel_registry import clear_selection_cache
 #: Smallest M (input rows) at which each kernel runs, per CPU kind (`cpu_kind()`) and input dtype; None (or no
 #: entry): never. Powers of two: kernel selection is cached per power-of-two bucket of M (`rows_bucket`).
 #: avx2: a rough single-shot comparison on a shared AVX2 EPYC found torch's fp32 GEMM (MKL) slower than the fused
-#: `lowbit_linear` fp32 GEMM at every M, and bf16 has no native GEMM there: the fused kernels stay. amx / avx512:
-#: estimates from the issue's AMX Xeon figures (bf16 oneDNN ~1.9 TFLOP/s, the fused int4 path 0.29x of it at
-#: M = 32) until `benchmarks/bench_linear.py --compute-bound` is run on those machines; `set_min_rows` tunes them.
+#: `lowbit_linear` fp32 GEMM at every M, and bf16 has no native GEMM there: the fused kernels stay. avx512 (Zen 5,
+#: measured side by side, benchmarks/README.md): the fused bf16-dot path beats dequant_linear at M = 32 .. 512 on
+#: both compute-bound shapes, so dequant_linear never runs there. amx: from the issue's AMX Xeon figures (the fused
+#: int4 path 0.29x of oneDNN's bf16 at M = 32); `set_min_rows` tunes them.
 _ANY = ("fp32", "bf16", "fp16")
 MIN_ROWS: dict[str, dict[str, dict[str, int | None]]] = {
     "affineq.dequant_linear": {
         "amx": {"bf16": 16, "fp32": 64},   # bf16: AMX tiles; fp32: MKL's AVX-512 sgemm against the fused path
-        "avx512": {"bf16": 32},            # AVX512-BF16 oneDNN; fp32 stays on the fused AVX-512 path
+        "avx512": {},                      # the fused bf16-dot / fp32 paths are faster at every M
         "avx2": {},
         "scalar": {},
     },
     "onednn.qlinear": {  # the activation is quantized to int8 whatever its dtype; also needs exact_int8_gemm()
         "amx": dict.fromkeys(_ANY, 16),
-        "avx512": dict.fromkeys(_ANY, 32),
+        "avx512": {},  # oneDNN takes a slow int8 path on the AVX-512 Zen 5 (benchmarks/README.md): aten._int_mm there
         "avx2": {},
         "scalar": {},
     },
