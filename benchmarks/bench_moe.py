@@ -41,8 +41,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import machine_line, memory_bandwidth_gbs, round_robin_ms, save_json, table  # noqa: E402
 
 import affineq.cpp as K  # noqa: E402
-from affineq.configs import Int4WeightOnlyConfig, Int8WeightOnlyConfig  # noqa: E402
-from affineq.configs import MXWeightOnlyConfig  # noqa: E402
+from affineq.configs import (  # noqa: E402
+    Int4WeightOnlyConfig,
+    Int8WeightOnlyConfig,
+    MXWeightOnlyConfig,  # noqa: E402
+)
 from affineq.tensor.affine import AffineQuantizedTensor  # noqa: E402
 from affineq.tensor.grouped import grouped_linear  # noqa: E402
 

@@ -13,8 +13,14 @@ import torch
 import torch.nn as nn
 
 import affineq.cpp as K
-from affineq.configs import Float8WeightOnlyConfig, Int4WeightOnlyConfig, Int8WeightOnlyConfig, IntxWeightOnlyConfig
-from affineq.configs import FPxWeightOnlyConfig, MXWeightOnlyConfig
+from affineq.configs import (
+    Float8WeightOnlyConfig,
+    FPxWeightOnlyConfig,
+    Int4WeightOnlyConfig,
+    Int8WeightOnlyConfig,
+    IntxWeightOnlyConfig,
+    MXWeightOnlyConfig,
+)
 from affineq.cpp.grouped_ops import grouped_lowbit_linear_reference
 from affineq.granularity import PerGroup
 from affineq.tensor.affine import AffineQuantizedTensor
