@@ -25,7 +25,7 @@ KTESTS=${KTESTS:-tests/test_cpp_kernels.py}
 [ -n "${SKIP_CPU_TESTS:-}" ] || step cpu_isa_tests 150 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -x $KTESTS
 if grep -q amx_tile /proc/cpuinfo && [ -z "${SKIP_AMX_BENCH:-}" ]; then
   step tune_amx 200 taskset -c 0,1 python3 benchmarks/tune_dequant_linear.py --threads 2 --budget 0.15 \
-    --variants "${TUNE_VARIANTS:-WT-1024,W-1024,WT-4096}" --dtypes "${TUNE_DTYPES:-bf16}"
-  cp benchmarks/results/tune_dequant_linear.json "$OUT/tune_dequant_linear_amx.json" 2>/dev/null
+    --variants "${TUNE_VARIANTS:-WT-1024,W-1024,WT-4096}" --dtypes "${TUNE_DTYPES:-bf16}" --out tune_dequant_linear_amx
+  cp benchmarks/results/tune_dequant_linear_amx.json "$OUT/" 2>/dev/null
 fi
 true

@@ -7,7 +7,8 @@
 contiguous row slice of y^T (AFFINEQ_DQ_TRANSPOSED=1, the default) or a strided column slice of y (=0). The knobs are
 read once per process, so each variant runs in a child process; every child times bf16 / fp32 `F.linear` beside the
 kernel, round-robin, so the ratios in one row are side by side. The last column family is the whole weight dequantized
-to bf16 at once and then `F.linear` (the upper bound of an unfused design). Writes results/tune_dequant_linear.json.
+to bf16 at once and then `F.linear` (the upper bound of an unfused design), then the fused kernel
+(`affineq.lowbit_linear`) on the same weight. Writes results/tune_dequant_linear.json.
 """
 
 from __future__ import annotations
@@ -29,6 +30,15 @@ from common import machine_line, round_robin_ms, save_json, table  # noqa: E402
 VARIANTS = {"WT-1024": ("1", "1024", "1"), "W-1024": ("1", "1024", "0"), "WT-slice-1024": ("0", "1024", "1"),
             "W-slice-1024": ("0", "1024", "0"), "WT-256": ("1", "256", "1"), "WT-4096": ("1", "4096", "1"),
             "WT-16384": ("1", "16384", "1")}
+
+
+def _fused(x: torch.Tensor, w) -> torch.Tensor:
+    """The fused kernel (`affineq.lowbit_linear`) on the same weight, whatever the row thresholds say."""
+    from affineq.tensor.linear_kernels import lowbit_weight_args
+
+    packed, scale, offset, bits, group_size, codes, code_offset = lowbit_weight_args(w)
+    n, k = w.shape
+    return torch.ops.affineq.lowbit_linear(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset)
 
 
 def child(args) -> dict:
@@ -55,6 +65,7 @@ def child(args) -> dict:
                     cands = {"bf16 F.linear": lambda x=x, wb=wb: F.linear(x.bfloat16(), wb),
                              "fp32 F.linear": lambda x=x, w=w: F.linear(x.float(), w),
                              "dequant_linear": lambda x=x, lin=lin: lin(x),
+                             "fused lowbit_linear": lambda x=x, lin=lin: _fused(x, lin.weight),
                              "dequantize+F.linear": lambda x=x, lin=lin: F.linear(
                                  x.bfloat16(), lin.weight.dequantize(torch.bfloat16))}
                     with torch.no_grad():
@@ -71,6 +82,7 @@ def main(argv=None) -> None:
     p.add_argument("--child", action="store_true")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ", ".join(VARIANTS))
     p.add_argument("--dtypes", default="bf16,fp32", help="input dtypes: bf16, fp32 or both")
+    p.add_argument("--out", default="tune_dequant_linear", help="results/<out>.json")
     args = p.parse_args(argv)
     if args.child:
         print(json.dumps(child(args)))
@@ -98,11 +110,12 @@ def main(argv=None) -> None:
         best = min(c["bf16 F.linear"], c["fp32 F.linear"])
         row["bf16 / fp32 F.linear"] = f"{c['bf16 F.linear']:.2f} / {c['fp32 F.linear']:.2f}"
         row["dequantize+F.linear"] = f"{c['dequantize+F.linear']:.2f} ({best / c['dequantize+F.linear']:.2f}x)"
+        row["fused lowbit_linear"] = f"{c['fused lowbit_linear']:.2f} ({best / c['fused lowbit_linear']:.2f}x)"
         row["kernel"] = c["kernel"]
         rows.append(row)
-    cols = ["case", "bf16 / fp32 F.linear", *results, "dequantize+F.linear", "kernel"]
+    cols = ["case", "bf16 / fp32 F.linear", *results, "dequantize+F.linear", "fused lowbit_linear", "kernel"]
     print(table(rows, cols))
-    save_json("tune_dequant_linear", {"threads": args.threads, "variants": VARIANTS, "results": results})
+    save_json(args.out, {"threads": args.threads, "variants": VARIANTS, "results": results})
 
 
 if __name__ == "__main__":
