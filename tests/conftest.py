@@ -102,3 +102,26 @@ def static_int8_kernel(rows: int, dtype: torch.dtype = torch.float32) -> str:
 
     fast = exact_int8_gemm() and rows_check("onednn.qlinear", torch.empty(rows, 1, dtype=dtype)) is None
     return "onednn.qlinear:static" if fast else "aten._int_mm:static"
+
+
+def random_prompt(b: int = 2, s: int = 7, seed: int = 1, vocab: int = 128) -> torch.Tensor:
+    """[b, s] token ids in [0, vocab), seeded."""
+    return torch.randint(0, vocab, (b, s), generator=torch.Generator().manual_seed(seed))
+
+
+def hf_greedy(model, ids: torch.Tensor, n: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """transformers' greedy `generate` of exactly n new tokens (the reference generate is compared with)."""
+    mask = torch.ones_like(ids) if mask is None else mask
+    return model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                          pad_token_id=0)
+
+
+def _weight_only():
+    import affineq
+
+    return {"float": None, "int8": lambda: affineq.Int8WeightOnlyConfig(),
+            "int4": lambda: affineq.Int4WeightOnlyConfig(group_size=32)}
+
+
+#: name -> None (float) or a factory of the weight-only config the generate tests quantize with
+WEIGHT_ONLY = _weight_only()

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+from conftest import WEIGHT_ONLY, hf_greedy, random_prompt  # noqa: E402
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig  # noqa: E402
 
 import affineq  # noqa: E402
@@ -31,31 +32,14 @@ def _gemma(**kw) -> Gemma3ForCausalLM:
     return model
 
 
-def _prompt(b: int = 2, s: int = 7, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, 128, (b, s), generator=torch.Generator().manual_seed(seed))
-
-
-def _hf(model, ids, n, mask=None):
-    mask = torch.ones_like(ids) if mask is None else mask
-    return model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                          pad_token_id=0)
-
-
-_QUANT = {
-    "float": None,
-    "int8": lambda: affineq.Int8WeightOnlyConfig(),
-    "int4": lambda: affineq.Int4WeightOnlyConfig(group_size=32),
-}
-
-
 @pytest.mark.parametrize("softcap", [None, 2.0], ids=["plain", "final_softcap"])
-@pytest.mark.parametrize("quant", sorted(_QUANT))
+@pytest.mark.parametrize("quant", sorted(WEIGHT_ONLY))
 def test_tokens_equal_transformers_generate_eager(quant, softcap):
     model = _gemma(final_logit_softcapping=softcap)
-    if _QUANT[quant] is not None:
-        affineq.quantize_(model, _QUANT[quant]())
-    ids = _prompt()  # 7 + 8 tokens: the local layer's window of 6 cuts
-    ref = _hf(model, ids, 8)
+    if WEIGHT_ONLY[quant] is not None:
+        affineq.quantize_(model, WEIGHT_ONLY[quant]())
+    ids = random_prompt()  # 7 + 8 tokens: the local layer's window of 6 cuts
+    ref = hf_greedy(model, ids, 8)
     assert len(set(ref[0, 7:].tolist())) > 2  # a sequence, not one repeated token
     with affineq.record_kernels() as ran:
         out = generate(model, ids, 8, compile=False, ignore_eos=True)
@@ -66,7 +50,7 @@ def test_tokens_equal_transformers_generate_eager(quant, softcap):
 def test_every_gemma_feature_is_live():
     """Each feature changes the tokens when dropped (the local layers on the global rope base, no window, the
     default query scale), so the equality above checks all of them."""
-    ids = _prompt()
+    ids = random_prompt()
     ref = generate(_gemma(), ids, 8, compile=False, ignore_eos=True)
     for change in (dict(sliding_window=64), dict(rope_local_base_freq=1e6), dict(query_pre_attn_scalar=16)):
         assert not torch.equal(generate(_gemma(**change), ids, 8, compile=False, ignore_eos=True), ref), change
@@ -76,19 +60,19 @@ def test_compiled_tokens_equal_transformers_generate():
     """Compiled prefill (a 64-slot padded prompt: both rope tables, the window mask per query) and decode step."""
     model = _gemma(final_logit_softcapping=2.0)
     affineq.quantize_(model, affineq.Int8WeightOnlyConfig())
-    ids = _prompt()
+    ids = random_prompt()
     out = generate(model, ids, 8, ignore_eos=True, compile_prefill=True, cpp_wrapper=False)
-    assert torch.equal(out, _hf(model, ids, 8))
+    assert torch.equal(out, hf_greedy(model, ids, 8))
 
 
 def test_padded_batch_equals_transformers_generate():
     model = _gemma()
-    ids, mask = _prompt(3, 9, seed=4), torch.ones(3, 9, dtype=torch.int64)
+    ids, mask = random_prompt(3, 9, seed=4), torch.ones(3, 9, dtype=torch.int64)
     mask[0, :5] = 0
     mask[1, :1] = 0
     ids = ids.masked_fill(mask == 0, 0)
     out = generate(model, ids, 8, attention_mask=mask, compile=False, ignore_eos=True)
-    assert torch.equal(out, _hf(model, ids, 8, mask))
+    assert torch.equal(out, hf_greedy(model, ids, 8, mask))
 
 
 def _windowed_reference(q, k, v, pos, valid, window):
@@ -127,14 +111,14 @@ def test_quantized_cache_sliding_window_matches_a_per_query_reference(kind):
 
 def test_int8_cache_logits_close_to_the_float_cache():
     model = _gemma()
-    ids = _prompt(2, 9)
+    ids = random_prompt(2, 9)
     with torch.inference_mode():
         ref = StaticDecoder(model, 2, 128, compile=False).run_prefill(ids)
         q8 = StaticDecoder(model, 2, 128, compile=False, kv_cache_dtype="int8").run_prefill(ids)
     sqnr = float(10 * torch.log10(ref.pow(2).sum() / (q8 - ref).pow(2).sum()))
     assert sqnr > 30, sqnr
     out = generate(model, ids, 8, compile=False, ignore_eos=True, kv_cache_dtype="int8")
-    assert torch.equal(out[:, :11], _hf(model, ids, 8)[:, :11])  # the first tokens; a sharp random model drifts
+    assert torch.equal(out[:, :11], hf_greedy(model, ids, 8)[:, :11])  # the first tokens; a sharp random model drifts
 
 
 def test_gguf_loaded_gemma3_runs_in_generate(tmp_path):
@@ -148,11 +132,11 @@ def test_gguf_loaded_gemma3_runs_in_generate(tmp_path):
     ag.save_model(model, path)
     loaded = ag.load_model(path)
     assert loaded.config.model_type == "gemma3_text"
-    ids = _prompt()
-    assert torch.equal(generate(loaded, ids, 8, compile=False, ignore_eos=True), _hf(loaded, ids, 8))
+    ids = random_prompt()
+    assert torch.equal(generate(loaded, ids, 8, compile=False, ignore_eos=True), hf_greedy(loaded, ids, 8))
 
 
 def test_bfloat16_tokens_equal_transformers_generate():
     model = _gemma().to(torch.bfloat16)  # Gemma norms compute in fp32 and cast back; the embedding scale in bf16
-    ids = _prompt()
-    assert torch.equal(generate(model, ids, 8, compile=False, ignore_eos=True), _hf(model, ids, 8))
+    ids = random_prompt()
+    assert torch.equal(generate(model, ids, 8, compile=False, ignore_eos=True), hf_greedy(model, ids, 8))

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+from conftest import WEIGHT_ONLY, hf_greedy, random_prompt  # noqa: E402
 from transformers import (  # noqa: E402
     GptOssConfig,
     GptOssForCausalLM,
@@ -61,27 +62,10 @@ def _model(kind: str):
     return model
 
 
-def _prompt(b: int = 2, s: int = 7, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, 128, (b, s), generator=torch.Generator().manual_seed(seed))
-
-
-def _hf(model, ids, n, mask=None):
-    mask = torch.ones_like(ids) if mask is None else mask
-    return model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                          pad_token_id=0)
-
-
-_QUANT = {
-    "float": None,
-    "int8": lambda: affineq.Int8WeightOnlyConfig(),
-    "int4": lambda: affineq.Int4WeightOnlyConfig(group_size=32),
-}
-
-
 def _quantize(model, quant: str) -> None:
     """Weight-only quantization of every linear and every expert weight (3-D, run by the grouped kernel)."""
-    if _QUANT[quant] is not None:
-        affineq.quantize_(model, _QUANT[quant]())
+    if WEIGHT_ONLY[quant] is not None:
+        affineq.quantize_(model, WEIGHT_ONLY[quant]())
         assert isinstance(model.model.layers[0].self_attn.q_proj.weight, affineq.AffineQuantizedTensor)
         for blk in model.model.layers:
             experts = getattr(blk.mlp, "experts", None)
@@ -89,13 +73,13 @@ def _quantize(model, quant: str) -> None:
                 assert isinstance(experts._parameters[name], affineq.AffineQuantizedTensor), name
 
 
-@pytest.mark.parametrize("quant", sorted(_QUANT))
+@pytest.mark.parametrize("quant", sorted(WEIGHT_ONLY))
 @pytest.mark.parametrize("kind", ["mixtral", "mixtral_swa", "qwen3_moe", "gpt_oss", "qwen3"])
 def test_tokens_equal_transformers_generate_eager(kind, quant):
     model = _model(kind)
     _quantize(model, quant)
-    ids = _prompt()  # batch 2, GQA; 7 + 8 tokens cross the sliding window of 4
-    ref = _hf(model, ids, 8)
+    ids = random_prompt()  # batch 2, GQA; 7 + 8 tokens cross the sliding window of 4
+    ref = hf_greedy(model, ids, 8)
     with affineq.record_kernels() as ran:
         out = generate(model, ids, 8, compile=False, ignore_eos=True)
     assert torch.equal(out, ref)
@@ -111,33 +95,33 @@ def test_compiled_tokens_equal_transformers_generate(kind, quant):
     graph; gpt-oss' sinks, sliding window and YaRN tables, Qwen3's q/k norms in the static-shape attention)."""
     model = _model(kind)
     _quantize(model, quant)
-    ids = _prompt()
+    ids = random_prompt()
     out = generate(model, ids, 8, ignore_eos=True, cpp_wrapper=False)
-    assert torch.equal(out, _hf(model, ids, 8))
+    assert torch.equal(out, hf_greedy(model, ids, 8))
 
 
 @pytest.mark.parametrize("kind", ["gpt_oss", "qwen3_moe"])
 def test_padded_batch_equals_transformers_generate(kind):
     model = _model(kind)
-    ids, mask = _prompt(3, 9, seed=4), torch.ones(3, 9, dtype=torch.int64)
+    ids, mask = random_prompt(3, 9, seed=4), torch.ones(3, 9, dtype=torch.int64)
     mask[0, :5] = 0  # row 0: 4 tokens; row 1: 8; row 2: 9
     mask[1, :1] = 0
     ids = ids.masked_fill(mask == 0, 0)
-    ref = _hf(model, ids, 8, mask)
+    ref = hf_greedy(model, ids, 8, mask)
     assert torch.equal(generate(model, ids, 8, attention_mask=mask, compile=False, ignore_eos=True), ref)
 
 
 def test_sinks_and_windows_change_the_tokens():
     """The features the decoder reproduces are live in these tiny models: without them the tokens differ."""
     model = _model("gpt_oss")
-    ids = _prompt()
+    ids = random_prompt()
     ref = generate(model, ids, 8, compile=False, ignore_eos=True)
     with torch.no_grad():
         for blk in model.model.layers:
             blk.self_attn.sinks.fill_(-1e4)  # exp(sink) = 0: plain softmax
     no_sinks = generate(model, ids, 8, compile=False, ignore_eos=True)
     assert not torch.equal(ref, no_sinks)
-    assert torch.equal(no_sinks, _hf(model, ids, 8))
+    assert torch.equal(no_sinks, hf_greedy(model, ids, 8))
     windowed = _model("mixtral_swa")
     full = _model("mixtral_swa")
     full.config.sliding_window = None
@@ -147,7 +131,7 @@ def test_sinks_and_windows_change_the_tokens():
 
 def test_quantized_kv_cache_on_a_moe_model_and_sinks_refused():
     model = _model("qwen3_moe")
-    ids = _prompt()
+    ids = random_prompt()
     with torch.inference_mode():
         ref = StaticDecoder(model, 2, 128, compile=False).run_prefill(ids)
         q8 = StaticDecoder(model, 2, 128, compile=False, kv_cache_dtype="int8").run_prefill(ids)
@@ -162,14 +146,14 @@ def test_quantized_kv_cache_on_a_moe_model_and_sinks_refused():
 def test_eager_experts_loop_cannot_compile_and_says_so():
     model = _model("mixtral")
     model.set_experts_implementation("eager")
-    ids = _prompt()
-    ref = _hf(model, ids, 6)
+    ids = random_prompt()
+    ref = hf_greedy(model, ids, 6)
     assert torch.equal(generate(model, ids, 6, compile=False, ignore_eos=True), ref)  # eager decoding runs it
     with pytest.raises(ValueError, match="experts_implementation='eager'.*set_experts_implementation"):
         generate(model, ids, 6, ignore_eos=True)
     model.set_experts_implementation("batched_mm")  # the cached eager decoder is rebuilt for the new experts
     out = generate(model, ids, 6, compile=False, ignore_eos=True)
-    assert torch.equal(out, _hf(model, ids, 6))
+    assert torch.equal(out, hf_greedy(model, ids, 6))
     assert generate_module._weights_key(model)[1] == "batched_mm"
 
 
@@ -200,5 +184,5 @@ def test_static_shape_attention_equals_the_eager_formulas(sinks):
 def test_bfloat16_tokens_equal_transformers_generate(kind):
     """A bf16 model: sinks in the logits' dtype, the experts and norms in bf16, as transformers runs them."""
     model = _model(kind).to(torch.bfloat16)
-    ids = _prompt()
-    assert torch.equal(generate(model, ids, 8, compile=False, ignore_eos=True), _hf(model, ids, 8))
+    ids = random_prompt()
+    assert torch.equal(generate(model, ids, 8, compile=False, ignore_eos=True), hf_greedy(model, ids, 8))

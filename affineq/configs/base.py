@@ -323,12 +323,21 @@ class QuantConfig:
         )
 
 
-def _recurrent_problem(config: QuantConfig, module: nn.Module) -> str | None:
+def _linear_like_problem(config: QuantConfig, module: nn.Module, unsupported: str | None, what: str) -> str | None:
+    """Why `config` cannot take `module`'s linear-like weights (`what`: "recurrent" / "MoE expert"): its own
+    stated reason (`unsupported`), or that it does not quantize nn.Linear."""
     name = type(config).__name__
-    if config.recurrent_unsupported is not None:
-        return f"{name} cannot quantize {type(module).__name__}: {config.recurrent_unsupported}"
+    if unsupported is not None:
+        return f"{name} cannot quantize the {what} weights of {type(module).__name__}: {unsupported}"
     if nn.Linear not in config.modules:
-        return f"{name} quantizes {', '.join(m.__name__ for m in config.modules)} modules, not recurrent ones"
+        return f"{name} quantizes {', '.join(m.__name__ for m in config.modules)} modules, not {what} weights"
+    return None
+
+
+def _recurrent_problem(config: QuantConfig, module: nn.Module) -> str | None:
+    why = _linear_like_problem(config, module, config.recurrent_unsupported, "recurrent")
+    if why is not None:
+        return why
     if type(module) not in RECURRENT_TYPES:
         base = next(t for t in RECURRENT_TYPES if isinstance(module, t))
         return (f"it is {type(module).__name__}, a subclass of {base.__name__} whose forward may differ; quantize_ "
@@ -339,10 +348,9 @@ def _recurrent_problem(config: QuantConfig, module: nn.Module) -> str | None:
 
 def _experts_problem(config: QuantConfig, module: nn.Module) -> str | None:
     name = type(config).__name__
-    if config.experts_unsupported is not None:
-        return f"{name} cannot quantize the expert weights of {type(module).__name__}: {config.experts_unsupported}"
-    if nn.Linear not in config.modules:
-        return f"{name} quantizes {', '.join(m.__name__ for m in config.modules)} modules, not MoE expert weights"
+    why = _linear_like_problem(config, module, config.experts_unsupported, "MoE expert")
+    if why is not None:
+        return why
     why = expert_weight_problem(module)
     if why is None:
         aq = _probe_act_quant(config, module)
