@@ -66,6 +66,17 @@ AQ_INLINE void qparams_k4(const uint8_t* b, float* s, float* o) {
   }
 }
 
+// Q3_K's 16 six-bit sub-scales (unsigned, bias 32) from its 12 packed bytes: low nibbles of bytes 0..7 for
+// j < 8, high nibbles for j >= 8, and the top two bits from bytes 8..11.
+AQ_INLINE void q3k_scales(const uint8_t* sb, int sc[16]) {
+  for (int j = 0; j < 8; ++j) {
+    sc[j] = sb[j] & 15;
+    sc[j + 8] = sb[j] >> 4;
+  }
+  for (int t = 0; t < 4; ++t)
+    for (int l = 0; l < 4; ++l) sc[4 * t + l] |= ((sb[8 + l] >> (2 * t)) & 3) << 4;
+}
+
 template <int KIND>
 AQ_INLINE void kq_decode(const uint8_t* b, int8_t* c, float* s, float* o) {
   static_assert(KIND >= 2 && KIND <= 6);
@@ -110,12 +121,7 @@ AQ_INLINE void kq_decode(const uint8_t* b, int8_t* c, float* s, float* o) {
               (((qs[32 * h + l] >> (2 * t)) & 3) | (((hm[l] >> (4 * h + t)) & 1) << 2)) - 4);
     const float d = half_to_float(b + 108);
     int sc[16];
-    for (int j = 0; j < 8; ++j) {
-      sc[j] = sb[j] & 15;
-      sc[j + 8] = sb[j] >> 4;
-    }
-    for (int t = 0; t < 4; ++t)
-      for (int l = 0; l < 4; ++l) sc[4 * t + l] |= ((sb[8 + l] >> (2 * t)) & 3) << 4;
+    q3k_scales(sb, sc);
     for (int j = 0; j < 16; ++j) {
       s[j] = d * static_cast<float>(sc[j] - 32);
       o[j] = -0.f;
@@ -167,12 +173,7 @@ AQ_INLINE void kq_qparams16(const uint8_t* b, float* s16, float* o16) {
     const uint8_t* sb = b + 96;
     const float d = half_to_float(b + 108);
     int sc[16];
-    for (int j = 0; j < 8; ++j) {
-      sc[j] = sb[j] & 15;
-      sc[j + 8] = sb[j] >> 4;
-    }
-    for (int t = 0; t < 4; ++t)
-      for (int l = 0; l < 4; ++l) sc[4 * t + l] |= ((sb[8 + l] >> (2 * t)) & 3) << 4;
+    q3k_scales(sb, sc);
     for (int j = 0; j < 16; ++j) {
       s16[j] = d * static_cast<float>(sc[j] - 32);
       o16[j] = -4.f * s16[j];
