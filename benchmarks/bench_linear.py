@@ -68,13 +68,21 @@ CONFIGS = {
     "fp6-e3m2": FPxWeightOnlyConfig(3, 2, group_size=32),
     "fp4-g32": FPxWeightOnlyConfig(2, 1, group_size=32),
     "mxfp8-e4m3": MXWeightOnlyConfig(torch.float8_e4m3fn),
+    # compute_dtype=bf16 (fp32 input rounded to bf16, the bf16 kernels): fp32 rows only
+    "int4-g128@bf16": Int4WeightOnlyConfig(group_size=128, compute_dtype=torch.bfloat16),
+    "int8@bf16": Int8WeightOnlyConfig(compute_dtype=torch.bfloat16),
+    "int3-g32@bf16": IntxWeightOnlyConfig(torch.int3, PerGroup(32), compute_dtype=torch.bfloat16),
+    "fp8-e4m3@bf16": Float8WeightOnlyConfig(compute_dtype=torch.bfloat16),
+    "mxfp4@bf16": MXWeightOnlyConfig("fp4_e2m1", compute_dtype=torch.bfloat16),
+    "fp6-e3m2@bf16": FPxWeightOnlyConfig(3, 2, group_size=32, compute_dtype=torch.bfloat16),
 }
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]  # (N = out_features, K = in_features)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # --compute-bound (issue 30): the shapes and configs of the compute-bound comparison
 COMPUTE_BOUND_SHAPES = [(4096, 4096), (11008, 4096)]
 COMPUTE_BOUND_CONFIGS = ["int4-g128", "int8", "int3-g32", "fp8-e4m3", "mxfp4", "fp6-e3m2", "int8-dyn",
-                         "int8-dyn-dense", "8da4w-g32"]
+                         "int8-dyn-dense", "8da4w-g32", "int4-g128@bf16", "int8@bf16", "int3-g32@bf16",
+                         "fp8-e4m3@bf16", "mxfp4@bf16", "fp6-e3m2@bf16"]
 
 
 def _linear(n: int, k: int, dtype: torch.dtype) -> nn.Module:
@@ -150,6 +158,8 @@ def run(args) -> list[dict]:
             ao = _ao_dynamic(base) if args.compute_bound else None
             quantized = {}
             for cname in args.configs:
+                if cname.endswith("@bf16") and dtype != torch.float32:
+                    continue  # compute_dtype changes float32 inputs only
                 t0 = time.perf_counter()
                 cfg = CONFIGS[cname]
                 qm = quantize_(copy.deepcopy(base).to(dtype), cfg)

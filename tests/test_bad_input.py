@@ -245,7 +245,7 @@ CASES = [
     pytest.param(lambda: config_from_dict({"type": ["Int4WeightOnlyConfig"]}), ValueError,
                  r"unknown config type \['Int4WeightOnlyConfig'\]: 'type' must be one of", id="dict-type-list"),
     pytest.param(lambda: config_from_dict({"type": "Int4WeightOnlyConfig", "group_sise": 3}), ValueError,
-                 r"no fields \['group_sise'\]; use its fields: \['group_size'", id="dict-unknown-field"),
+                 r"no fields \['group_sise'\]; use its fields: \['compute_dtype', 'group_size'", id="dict-unknown-field"),
     pytest.param(lambda: config_from_dict({"type": "Int4WeightOnlyConfig", "scale_dtype": {"dtype": "nope"}}),
                  ValueError, r"scale_dtype: unknown torch dtype 'nope'; use a torch dtype name", id="dict-dtype"),
     pytest.param(lambda: config_from_dict({"type": "IntxWeightOnlyConfig",

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import functools
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -34,7 +35,7 @@ from affineq.primitives import MappingType, ZeroPointDomain
 from affineq.recurrent import RECURRENT_TYPES, recurrent_weight_names
 from affineq.tensor.affine import AffineQuantizedTensor
 from affineq.tensor.kernel_registry import choose_format
-from affineq.tensor.spec import QParamOptions, QuantSpec
+from affineq.tensor.spec import QParamOptions, QuantSpec, check_compute_dtype
 
 __all__ = ["QuantConfig", "check_choice", "config_from_dict", "decode_field", "encode_field", "resolve_format",
            "row_block"]
@@ -157,6 +158,24 @@ def config_from_dict(d: dict) -> QuantConfig:
 
 # -- base -----------------------------------------------------------------------------------------------
 
+#: Modules a quantized weight reaches through no matmul kernel (lookups, convolutions): no compute_dtype there.
+_NO_MATMUL_MODULES = (nn.Embedding, nn.EmbeddingBag, nn.modules.conv._ConvNd)
+
+
+def _with_compute_dtype(weight_spec):
+    """A config's `weight_spec` with its `compute_dtype` recorded in the spec (weight-only configs only)."""
+    @functools.wraps(weight_spec)
+    def wrapped(self, weight, module):
+        spec = weight_spec(self, weight, module)
+        if self.compute_dtype is None or spec.compute_dtype == self.compute_dtype:
+            return spec
+        if spec.act_quant is not None:
+            raise ValueError(f"{type(self).__name__}.compute_dtype={self.compute_dtype} applies to weight-only "
+                             "configs; this one quantizes activations (its kernels compute on the quantized input): "
+                             "leave compute_dtype None")
+        return spec.replace(compute_dtype=self.compute_dtype)
+    return wrapped
+
 # Field name -> the type every config field of that name must have (checked at construction).
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "mapping_type": (MappingType,),
@@ -167,6 +186,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "weight_dtype": (torch.dtype,),
     "activation_dtype": (torch.dtype,),
     "granularity": (Granularity,),
+    "compute_dtype": (torch.dtype, type(None)),
 }
 # What a right value looks like, for the error message of a wrong-typed field.
 _FIELD_EXAMPLES: dict[str, str] = {
@@ -178,6 +198,7 @@ _FIELD_EXAMPLES: dict[str, str] = {
     "weight_dtype": "torch.int4, not 'int4'",
     "activation_dtype": "torch.float8_e4m3fn, not 'float8_e4m3fn'",
     "granularity": "PerGroup(32) or PerAxis(0), not 'per_group:32' (affineq.parse_granularity reads strings)",
+    "compute_dtype": "torch.bfloat16 or None, not 'bf16'",
 }
 
 
@@ -197,6 +218,12 @@ class QuantConfig:
     MoE experts modules (3-D `gate_up_proj` / `down_proj`, `affineq.expert_weights`) are a stack of linear
     weights: every config that quantizes nn.Linear quantizes them expert by expert, unless it sets
     `experts_unsupported` to the reason it cannot.
+
+    compute_dtype: None (default: a linear computes in its input's dtype; float32 input is exact) or
+    torch.bfloat16, for weight-only configs: a float32 input is rounded to bf16 (round to nearest even), multiplied
+    by the weight dequantized to bf16 with float32 sums, the bf16 result widened back to float32 and the float32
+    bias added; i.e. `F.linear(x.bfloat16(), W.bfloat16()).float() + b`. This runs the bf16 kernels (several times
+    faster at M >= 32 than the exact float32 path). Recorded in each weight's spec, so it survives save / load.
     """
 
     modules: ClassVar[tuple[type[nn.Module], ...]] = (nn.Linear,)
@@ -204,10 +231,13 @@ class QuantConfig:
     experts_unsupported: ClassVar[str | None] = None
     _field_types: ClassVar[dict[str, tuple[type, ...]]] = {}  # a subclass's own overrides of _FIELD_TYPES
     param_names: tuple[str, ...] | None = field(default=None, kw_only=True)
+    compute_dtype: torch.dtype | None = field(default=None, kw_only=True)
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)
         _CONFIGS[cls.__name__] = cls
+        if "weight_spec" in cls.__dict__:  # every route asks weight_spec: compute_dtype reaches all of them here
+            cls.weight_spec = _with_compute_dtype(cls.__dict__["weight_spec"])
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -222,6 +252,7 @@ class QuantConfig:
                 or not all(isinstance(n, str) and n for n in self.param_names)):
             raise ValueError(f"param_names={self.param_names!r} must be a non-empty tuple of parameter names, "
                              "e.g. ('weight',) or ('weight_ih_l0', 'weight_hh_l0')")
+        check_compute_dtype(self.compute_dtype, f"{type(self).__name__}.compute_dtype")
 
     def to_dict(self) -> dict:
         out = {"type": type(self).__name__}
@@ -259,6 +290,10 @@ class QuantConfig:
         elif not isinstance(module, self.modules) and self.param_names is None:
             names = ", ".join(m.__name__ for m in self.modules)
             return f"{type(self).__name__} quantizes {names} modules, not {type(module).__name__}"
+        if self.compute_dtype is not None and isinstance(module, _NO_MATMUL_MODULES):
+            return (f"compute_dtype={self.compute_dtype} applies to linear layers (nn.Linear, recurrent, MoE "
+                    f"experts); {type(module).__name__} has no packed kernel to run in it: leave compute_dtype None "
+                    "for this module (FqnToConfig) or skip it with filter_fn")
         for name in self.parameter_names(module):
             why = self.check_parameter(module, name)
             if why is not None:

@@ -31,6 +31,11 @@ _SYMMETRIC = (MappingType.SYMMETRIC, MappingType.SYMMETRIC_NO_CLIPPING_ERR)
 _FLOAT_MAX = {d: torch.finfo(d).max for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
 
 
+def computes_in_other_dtype(x: torch.Tensor, w) -> bool:
+    """True when the weight's spec asks float32 inputs to compute in its `compute_dtype` (bf16)."""
+    return w.spec.compute_dtype is not None and x.dtype == torch.float32
+
+
 def prepare_input(x: torch.Tensor, w) -> torch.Tensor:
     """`x` with the weight's activation tensors applied (x * act_pre_scale), or `x` itself."""
     pre = getattr(w, "_act_pre_scale", None) if "act_pre_scale" in w._names else None

@@ -30,7 +30,12 @@ from affineq import cpp as _cpp
 from affineq.cpp import grouped_ops
 from affineq.granularity import PerTensor
 from affineq.tensor import fallback
-from affineq.tensor.activation import fake_quantize_activation, finish_output, prepare_input
+from affineq.tensor.activation import (
+    computes_in_other_dtype,
+    fake_quantize_activation,
+    finish_output,
+    prepare_input,
+)
 from affineq.tensor.affine import AffineQuantizedTensor
 from affineq.tensor.dispatch import check_frozen, guard_frozen_output
 from affineq.tensor.formats import dense_code_offset
@@ -136,6 +141,8 @@ def _grouped_check(x: torch.Tensor, w: AffineQuantizedTensor) -> str | None:
 
 def _quantized(x: torch.Tensor, ids: torch.Tensor, w: AffineQuantizedTensor) -> torch.Tensor:
     check_frozen(w)
+    if computes_in_other_dtype(x, w):  # as kernel_registry.linear: float32 x rounded to bf16 once
+        return _quantized(x.to(w.spec.compute_dtype), ids, w).to(x.dtype)
     aq = w.spec.act_quant
     if aq is not None and not aq.static and isinstance(aq.granularity, PerTensor):
         raise ValueError("grouped_linear: a dynamic per-tensor activation scale would be shared by the rows of "

@@ -21,7 +21,13 @@ import torch.nn.functional as F
 
 from affineq import cpp as _cpp
 from affineq.tensor import fallback
-from affineq.tensor.activation import fake_quantize_activation, finish_output, prepare_input, reduce_input_ranges
+from affineq.tensor.activation import (
+    computes_in_other_dtype,
+    fake_quantize_activation,
+    finish_output,
+    prepare_input,
+    reduce_input_ranges,
+)
 from affineq.tensor.dispatch import check_frozen, guard_frozen_output
 
 Check = Callable[[torch.Tensor, "torch.Tensor"], str | None]
@@ -109,6 +115,9 @@ def _linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
             f"{shape}: the input's last dim must be in_features={shape[-1]}; pass an input of shape "
             f"[..., {shape[-1]}]"
         )
+    if computes_in_other_dtype(x, w):  # float32 x, bf16 compute: x rounded once, the bf16 result widened
+        out = _linear(x.to(w.spec.compute_dtype), w, None).to(x.dtype)
+        return out if bias is None else out + bias
     x, w = reduce_input_ranges(prepare_input(x, w), w)
     if w.spec.transposed:
         kernel, reasons = None, ["the weight is a transposed view; kernels read the stored [N, K] layout"]

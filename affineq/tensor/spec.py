@@ -34,6 +34,27 @@ _FLOAT_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values()
 
 _KEYS = {"version", "shape", "dtype", "target", "block_size", "quant_min", "quant_max", "zero_point_domain",
          "mapping_type", "format", "transposed", "act_quant", "scale_type"}
+#: Keys newer than version 1's first writers, written only when set (so older files and readers still agree).
+_OPTIONAL_KEYS = {"compute_dtype": None}
+#: The dtypes a linear may compute in instead of its input's (`QuantSpec.compute_dtype`).
+COMPUTE_DTYPES = (torch.bfloat16,)
+
+
+def _compute_dtype_of(name) -> torch.dtype | None:
+    """A stored compute_dtype name ("bfloat16") as its dtype; ValueError for anything else."""
+    if name is None:
+        return None
+    dtype = _FLOAT_DTYPES.get(name) if isinstance(name, str) else None
+    if dtype is None:
+        raise ValueError(f"compute_dtype {name!r} is not a floating-point dtype name such as 'bfloat16'")
+    return dtype
+
+
+def check_compute_dtype(value, name: str = "compute_dtype") -> None:
+    """ValueError unless `value` is None or one of COMPUTE_DTYPES."""
+    if value is not None and value not in COMPUTE_DTYPES:
+        raise ValueError(f"{name}={value!r}: use None (compute in the input's dtype) or torch.bfloat16 (float32 "
+                         "inputs rounded to bf16 for the bf16 kernels)")
 
 
 def _enum_member(name: str, value, cls: type[enum.Enum]):
@@ -69,6 +90,8 @@ def _set_checked_state(obj, state) -> None:
         state = state[0]  # (dict, slots) as pickle may write it
     names = [f.name for f in dataclasses.fields(obj)]
     cls = type(obj).__name__
+    if isinstance(state, dict):  # pickles from before an optional field existed
+        state = {**{k: v for k, v in _OPTIONAL_KEYS.items() if k in names}, **state}
     if not isinstance(state, dict) or set(state) != set(names):
         got = sorted(state) if isinstance(state, dict) else type(state).__name__
         raise ValueError(f"cannot unpickle {cls}: expected the fields {names}, got {got}; the checkpoint was not "
@@ -231,7 +254,8 @@ class QuantSpec:
     code range; fmt: packing format name; transposed: a 2-D tensor (or 3-D expert weights [E, N, K]) viewed
     with its last two dims swapped without moving data; act_quant: activation quantization applied by linear,
     or None for weight-only; scale_type: None (scales are floats of their stored dtype) or a scale QType
-    (`qtype("e8m0")`: powers of two).
+    (`qtype("e8m0")`: powers of two); compute_dtype: None, or torch.bfloat16 for a weight-only linear that
+    rounds a float32 input to bf16 and runs the bf16 kernels (`QuantConfig.compute_dtype` gives the numerics).
 
     Build one with `QuantSpec.create` (fills and checks the range, normalizes the target).
     """
@@ -248,6 +272,7 @@ class QuantSpec:
     transposed: bool = False
     act_quant: ActivationQuant | None = None
     scale_type: QType | None = None
+    compute_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         """Type and range checks of every field (cheap: isinstance tests), so a spec built from junk positional
@@ -282,6 +307,9 @@ class QuantSpec:
             raise bad("act_quant", "must be an ActivationQuant or None")
         if not (self.scale_type is None or isinstance(self.scale_type, QType)):
             raise bad("scale_type", "must be None or a QType (qtype('e8m0'))")
+        check_compute_dtype(self.compute_dtype, "QuantSpec.compute_dtype")
+        if self.compute_dtype is not None and self.act_quant is not None:
+            raise bad("compute_dtype", "applies to weight-only specs (act_quant None)")
 
     def __setstate__(self, state) -> None:
         _set_checked_state(self, state)
@@ -361,7 +389,7 @@ class QuantSpec:
             "transposed": self.transposed,
             "act_quant": None if self.act_quant is None else self.act_quant.to_dict(),
             "scale_type": None if self.scale_type is None else self.scale_type.name,
-        }
+        } | ({} if self.compute_dtype is None else {"compute_dtype": str(self.compute_dtype).removeprefix("torch.")})
 
     @classmethod
     def from_dict(cls, d: dict) -> QuantSpec:
@@ -375,7 +403,7 @@ class QuantSpec:
         if version > SPEC_VERSION or version < 1:
             raise ValueError(f"QuantSpec version {version} is not supported by this affineq (reads versions 1.."
                              f"{SPEC_VERSION}); upgrade affineq to read this checkpoint")
-        missing, unknown = _KEYS - set(d), set(d) - _KEYS
+        missing, unknown = _KEYS - set(d), set(d) - _KEYS - set(_OPTIONAL_KEYS)
         if missing or unknown:
             raise ValueError(f"QuantSpec dict: missing keys {sorted(missing)}, unknown keys {sorted(unknown)}; pass "
                              "the dict QuantSpec.to_dict() wrote (or upgrade affineq if a newer one wrote it)")
@@ -398,7 +426,7 @@ class QuantSpec:
                 quant_min=d["quant_min"], quant_max=d["quant_max"], packing_format=d["format"],
                 act_quant=None if d["act_quant"] is None else ActivationQuant.from_dict(d["act_quant"]),
                 scale_type=d["scale_type"], transposed=bool(d["transposed"]),
-            )
+            ).replace(compute_dtype=_compute_dtype_of(d.get("compute_dtype")))
         except ValueError as e:
             raise ValueError(f"QuantSpec dict: {e}") from None
 

@@ -1,0 +1,129 @@
+"""`compute_dtype=torch.bfloat16` on weight-only configs: a float32 input is rounded to bf16 once, runs the bf16
+kernels, and the bf16 result comes back widened to float32 with the float32 bias added. Checked bit for bit
+against the same weight fed the rounded input, against the exact float32 path within bf16's rounding, through
+save / load, torch.compile, the grouped MoE kernel, and for every refusal."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_unchanged, save_load, snapshot_model
+from torch import nn
+
+from affineq import (
+    Float8WeightOnlyConfig,
+    Int4WeightOnlyConfig,
+    Int8DynamicActivationInt8WeightConfig,
+    Int8WeightOnlyConfig,
+    IntxWeightOnlyConfig,
+    PerGroup,
+    QuantSpec,
+    config_from_dict,
+    quantize_,
+    record_kernels,
+)
+from affineq.tensor.grouped import grouped_linear
+
+BF16 = torch.bfloat16
+CONFIGS = {
+    "int4-g32": lambda **kw: Int4WeightOnlyConfig(group_size=32, **kw),
+    "int8": lambda **kw: Int8WeightOnlyConfig(**kw),
+    "int3-g32": lambda **kw: IntxWeightOnlyConfig(weight_dtype=torch.int3, granularity=PerGroup(32), **kw),
+    "fp8": lambda **kw: Float8WeightOnlyConfig(**kw),
+}
+
+
+def _pair(name: str, k: int = 96, n: int = 80):
+    """(bf16-compute linear, the same quantized weight without compute_dtype)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(k, n)
+    fast, plain = copy.deepcopy(lin), copy.deepcopy(lin)
+    quantize_(fast, CONFIGS[name](compute_dtype=BF16))
+    quantize_(plain, CONFIGS[name]())
+    assert torch.equal(fast.weight.dequantize(), plain.weight.dequantize())  # same codes and qparams
+    return fast, plain
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("m", [1, 3, 33, 130])
+def test_float32_input_runs_the_bf16_path_bit_for_bit(name, m):
+    fast, plain = _pair(name)
+    assert fast.weight.spec.compute_dtype is BF16 and plain.weight.spec.compute_dtype is None
+    x = torch.randn(m, 96)
+    with record_kernels() as fast_kernels:
+        y = fast(x)
+    with record_kernels() as bf16_kernels:
+        want = F.linear(x.to(BF16), plain.weight).float() + plain.bias
+    assert y.dtype == torch.float32
+    assert torch.equal(y, want)
+    assert fast_kernels == bf16_kernels and not any("fallback" in k for k in fast_kernels)
+    # against the exact float32 path: only bf16 rounding of x, W and the result separates them
+    exact = plain(x)
+    scale = (x.abs() @ plain.weight.dequantize().abs().T).max()
+    assert (y - exact).abs().max() <= 3 * 2**-8 * scale
+
+
+def test_bf16_input_is_unchanged_and_3d_inputs_keep_their_shape():
+    fast, plain = _pair("int4-g32")
+    x = torch.randn(2, 5, 96)
+    assert torch.equal(fast(x.to(BF16)), plain(x.to(BF16)))
+    assert fast(x).shape == (2, 5, 80)
+
+
+def test_survives_save_load_dict_and_old_pickles():
+    fast, _ = _pair("int4-g32")
+    spec = fast.weight.spec
+    assert save_load(fast.state_dict())["weight"].spec.compute_dtype is BF16
+    d = spec.to_dict()
+    assert d["compute_dtype"] == "bfloat16" and QuantSpec.from_dict(d) == spec
+    old = {k: v for k, v in d.items() if k != "compute_dtype"}  # written before the field existed
+    assert QuantSpec.from_dict(old) == spec.replace(compute_dtype=None)
+    state = {f: getattr(spec, f) for f in spec.__dataclass_fields__ if f != "compute_dtype"}
+    revived = object.__new__(QuantSpec)
+    revived.__setstate__(state)
+    assert revived.compute_dtype is None
+    with pytest.raises(ValueError, match="compute_dtype 'int8' is not a floating-point dtype name"):
+        QuantSpec.from_dict({**d, "compute_dtype": "int8"})
+    cfg = Int4WeightOnlyConfig(group_size=32, compute_dtype=BF16)
+    assert config_from_dict(cfg.to_dict()) == cfg
+
+
+def test_compiled_equals_eager():
+    fast, _ = _pair("int8")
+    x = torch.randn(40, 96)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(fast)(x), fast(x))
+
+
+def test_grouped_expert_kernel_computes_in_bf16_too():
+    torch.manual_seed(0)
+    holder = nn.Module()
+    holder.gate_up_proj = nn.Parameter(torch.randn(4, 64, 96))
+    holder.down_proj = nn.Parameter(torch.randn(4, 96, 32))
+    fast, plain = copy.deepcopy(holder), copy.deepcopy(holder)
+    quantize_(fast, Int4WeightOnlyConfig(group_size=32, compute_dtype=BF16), filter_fn=lambda m, fqn: fqn == "")
+    quantize_(plain, Int4WeightOnlyConfig(group_size=32), filter_fn=lambda m, fqn: fqn == "")
+    x, ids = torch.randn(10, 96), torch.tensor([0, 3, 1, 1, 2, 0, 3, 3, 2, 1])
+    y = grouped_linear(x, ids, fast.gate_up_proj)
+    assert fast.gate_up_proj.spec.compute_dtype is BF16 and y.dtype == torch.float32
+    assert torch.equal(y, grouped_linear(x.to(BF16), ids, plain.gate_up_proj).float())
+
+
+def test_refusals_name_the_setting_and_change_nothing():
+    with pytest.raises(ValueError, match=r"compute_dtype=torch.float16: use None .* or torch.bfloat16"):
+        Int4WeightOnlyConfig(compute_dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"compute_dtype='bf16' must be a dtype or NoneType.*torch.bfloat16"):
+        Int8WeightOnlyConfig(compute_dtype="bf16")
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 32))
+    snap = snapshot_model(model)
+    with pytest.raises(ValueError, match="compute_dtype=torch.bfloat16 applies to weight-only configs"):
+        quantize_(model, Int8DynamicActivationInt8WeightConfig(compute_dtype=BF16))
+    assert_unchanged(model, snap)
+    emb = nn.Sequential(nn.Embedding(16, 32))
+    snap = snapshot_model(emb)
+    with pytest.raises(ValueError, match="compute_dtype=torch.bfloat16 applies to linear layers"):
+        quantize_(emb, Int8WeightOnlyConfig(compute_dtype=BF16), filter_fn=lambda m, fqn: isinstance(m, nn.Embedding))
+    assert_unchanged(emb, snap)
