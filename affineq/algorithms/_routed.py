@@ -60,7 +60,7 @@ def down_inputs(module: nn.Module, up_weight: torch.Tensor, rows: list[list[torc
     for e, xs in enumerate(rows):
         outs = []
         for x in xs:
-            h = torch.nn.functional.linear(x, up_weight[e].to(x.dtype), None if bias is None else bias[e])
+            h = torch.nn.functional.linear(x, up_weight[e].to(x.dtype), None if bias is None else bias[e].to(x.dtype))
             outs.append(module._apply_gate(h) if name == "gate_up_proj" else module.act_fn(h))
         out.append(outs)
     return out
