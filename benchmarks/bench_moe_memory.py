@@ -13,7 +13,8 @@ written; and the wall time. The model built on `meta` from config.json decides w
 and the experts' 3-D `gate_up_proj` / `down_proj`, as `quantize_` does; the router, embedding and norms stay
 bf16). A last subprocess per row loads the quantized directory (`load_quantized` into a meta-built model) and
 runs one forward of 8 tokens: finite logits and the grouped kernel in `record_kernels()` are checked.
-Peak memory does not depend on CPU contention (times are rough). Writes results/bench_moe_memory.json
+Peak memory does not depend on CPU contention or threads (times are rough; the children run one thread unless
+AFFINEQ_BENCH_THREADS says otherwise). Writes results/bench_moe_memory.json
 (--quick: bench_moe_memory_quick.json).
 """
 
@@ -58,6 +59,9 @@ def child(mode: str, src: str, dst: str, config_name: str, layers: str) -> dict:
 
         body = "tiny-qwen3-moe" if layers == "quick" else "qwen3-30b-a3b"
         return make(body, Path(src), layers=None if layers == "quick" else int(layers), tokenizer=False)
+    # peak memory does not depend on the thread count; one thread (AFFINEQ_BENCH_THREADS overrides) avoids the
+    # per-op synchronisation that makes thousands of per-expert ops crawl on a loaded machine
+    torch.set_num_threads(int(os.environ.get("AFFINEQ_BENCH_THREADS", "1")))
     cfg = CONFIGS[config_name]
     factory = _meta_factory(src)
     cfg.quantize_weight(torch.randn(256, 256), torch.nn.Linear(256, 256))  # load the kernels
