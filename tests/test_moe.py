@@ -522,10 +522,9 @@ def test_awq_quantizes_expert_weights(arch):
 
 
 @pytest.mark.parametrize("make", [
-    lambda: affineq.QATConfig(affineq.Int4WeightOnlyConfig(group_size=32)),
     lambda: affineq.Int8StaticActivationInt8WeightConfig(),
     lambda: affineq.Int8DynamicActivationInt8WeightConfig(act_granularity="per_tensor"),
-], ids=["qat", "static", "dynamic-per-tensor"])
+], ids=["static", "dynamic-per-tensor"])
 def test_unsupported_configs_name_the_expert_weights(make):
     """Configs that cannot take expert weights yet say so, naming the experts module, and change nothing."""
     model = _model("mixtral")
