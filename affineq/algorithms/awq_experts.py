@@ -30,6 +30,7 @@ kept as an input pre-scale.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch import nn
@@ -223,7 +224,10 @@ def _awq_module(cfg, block: nn.Module, module: nn.Module, inputs: list) -> dict[
     ref = output_tensor(block(*sample[0], **sample[1]))
 
     # gate_up: one scale for all experts, folded into the norm before them (and the tensor's other readers)
-    x_all = torch.cat([x for x, _ in seen]).float()
+    if not seen:
+        warnings.warn(f"AWQ: the calibration inputs never reached {type(module).__name__}; its experts are quantized "
+                      "round-to-nearest", stacklevel=4)
+    x_all = torch.cat([x for x, _ in seen]).float() if seen else None
     w_mean = None
     if cfg.duo_scaling:
         w_mean = torch.stack([weight_mean(w, up_spec[0].block_size[-1]) for w in w_up]).mean(0).clamp_min(1e-8)

@@ -9,6 +9,8 @@ config the fake-quant configs are derived from the spec and qparam options the b
 (`weight_spec`, `qparam_options`), including the packing format whose stored qparams the forward uses, so
 convert (the base config's own `quantize_weight`) stores the very codes the fake-quantized forward used.
 convert swaps the fake-quantized modules back to float modules holding `AffineQuantizedTensor` weights.
+MoE experts modules (3-D expert weights) are not swapped: their expert weights are parametrized with a per-expert
+fake quantization (`affineq.qat.experts`), and convert stores 3-D AffineQuantizedTensors.
 """
 
 from __future__ import annotations
