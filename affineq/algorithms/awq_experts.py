@@ -15,7 +15,8 @@ kernel (no per-expert input scale at run time):
 
   and X / s is folded into the norm that produced X (weight, bias / s) with every other reader of that tensor
   rescaled to match (the router's and a shared expert's weight columns * s); the fold is kept only when the
-  block's float output on one calibration input stays within 1e-4 (relative), else gate_up is left unscaled.
+  block's float output on one calibration input stays within 1e-4 (relative; a quarter of the dtype's epsilon in
+  a bf16 / fp16 model, `fold_tolerance`), else gate_up is left unscaled.
 - down: per expert, s_e [I] searched as for a linear on Z_e, W_down_e, and folded into the rows of expert e's
   gate_up that multiply the gate's output channel-wise (`act(gate) * up`: the `up` half scaled by 1 / s_e scales
   the gate's output by 1 / s_e exactly). Which rows those are is checked numerically on the module's own gate;
@@ -44,9 +45,16 @@ from affineq.configs import QuantConfig
 from affineq.expert_weights import experts_transposed, in_grouped_layout, stack_experts
 from affineq.tensor.affine import AffineQuantizedTensor
 
-__all__ = ["awq_experts", "gate_up_rows"]
+__all__ = ["awq_experts", "fold_tolerance", "gate_up_rows"]
 
-_TOL = 1e-4  # relative change of a block's float output a fold may cause (as `_migrate.migrate`)
+_TOL = 1e-4  # relative change of a block's float output a fold may cause (as `_migrate.migrate`) ...
+
+
+def fold_tolerance(dtype: torch.dtype) -> float:
+    """... or, in a low-precision model, a quarter of its dtype's epsilon: the folded weights are rounded to the
+    model's dtype (bf16: ~1e-3 relative change of a block's output), the model's own rounding noise; a token
+    routed to another expert changes the output far more."""
+    return max(_TOL, torch.finfo(dtype).eps / 4)
 
 
 def _sample(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -91,11 +99,11 @@ def gate_up_rows(module: nn.Module) -> torch.Tensor | None:
 
 
 class _Fold:
-    """New Parameters for some modules, kept when the block's float output on `sample` stays within `_TOL` of
-    `ref`, else reverted (the old Parameter objects put back)."""
+    """New Parameters for some modules, kept when the block's float output on `sample` stays within `tol`
+    (relative) of `ref`, else reverted (the old Parameter objects put back)."""
 
-    def __init__(self, block: nn.Module, sample: tuple[tuple, dict], ref: torch.Tensor) -> None:
-        self.block, self.sample, self.ref = block, sample, ref
+    def __init__(self, block: nn.Module, sample: tuple[tuple, dict], ref: torch.Tensor, tol: float) -> None:
+        self.block, self.sample, self.ref, self.tol = block, sample, ref, tol
         self.saved: list[tuple[nn.Module, str, nn.Parameter]] = []
 
     def set(self, module: nn.Module, name: str, value: torch.Tensor) -> None:
@@ -106,7 +114,7 @@ class _Fold:
     def keep(self) -> bool:
         args, kwargs = self.sample
         out = output_tensor(self.block(*args, **kwargs))
-        if torch.isfinite(out).all() and _rel_err(self.ref, out) <= _TOL:
+        if torch.isfinite(out).all() and _rel_err(self.ref, out) <= self.tol:
             return True
         for module, name, old in reversed(self.saved):
             module._parameters[name] = old
@@ -222,6 +230,7 @@ def _awq_module(cfg, block: nn.Module, module: nn.Module, inputs: list) -> dict[
     down_spec = (base.weight_spec(w_down[0], proxy(w_down[0])), base.qparam_options())
     sample = inputs[0]
     ref = output_tensor(block(*sample[0], **sample[1]))
+    tol = fold_tolerance(module._parameters[name].dtype)
 
     # gate_up: one scale for all experts, folded into the norm before them (and the tensor's other readers)
     if not seen:
@@ -233,7 +242,7 @@ def _awq_module(cfg, block: nn.Module, module: nn.Module, inputs: list) -> dict[
         w_mean = torch.stack([weight_mean(w, up_spec[0].block_size[-1]) for w in w_up]).mean(0).clamp_min(1e-8)
     pairs = [(_sample(x, n), w_up[e]) for e, x in enumerate(routed) if x is not None]
     s_up = _search(pairs, x_all.abs().mean(0).clamp_min(1e-8), w_mean, *up_spec, cfg.n_grid) if pairs else None
-    fold = _Fold(block, sample, ref)
+    fold = _Fold(block, sample, ref, tol)
     if s_up is not None and not (_fold_input_scale(fold, module, s_up, *_input_readers(block, module, sample))
                                  and fold.keep()):
         s_up = None
@@ -253,7 +262,7 @@ def _awq_module(cfg, block: nn.Module, module: nn.Module, inputs: list) -> dict[
     if any(s is not None for s in s_down):
         ones = torch.ones(w_down.shape[2])
         sd = torch.stack([s if s is not None else ones for s in s_down])  # [E, I]
-        fold = _Fold(block, sample, ref)
+        fold = _Fold(block, sample, ref, tol)
         up = module._parameters[name].detach().float()
         row_scale = torch.ones(num, up.shape[-2 if not experts_transposed(module) else -1])
         row_scale[:, idx] = 1.0 / sd
