@@ -47,6 +47,7 @@ from affineq.tensor.affine import AffineQuantizedTensor
 
 __all__ = ["awq_experts", "fold_tolerance", "gate_up_rows"]
 
+_SMALL_EXPERT = 1 << 18  # elements of one expert's weight below which the search runs on one thread
 _TOL = 1e-4  # relative change of a block's float output a fold may cause (as `_migrate.migrate`) ...
 
 
@@ -293,9 +294,12 @@ def awq_experts(cfg, model: nn.Module, layers: dict[str, nn.Module], data: list)
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
     threads = torch.get_num_threads()
-    # one thread: the per-expert searches are thousands of small ops, where splitting each across threads costs
-    # more in synchronisation than it saves (40x slower on a loaded 2-core machine)
-    torch.set_num_threads(1)
+    # small experts: one thread. Their searches are thousands of small ops, where splitting each across threads
+    # costs more in synchronisation than it saves (40x slower on a loaded 2-core machine); large experts' matmuls
+    # (a real model's [1536, 2048]) keep every thread
+    largest = max(p[0].numel() for m in layers.values() for n, p in m._parameters.items()
+                  if p is not None and p.dim() == 3)
+    torch.set_num_threads(1 if largest < _SMALL_EXPERT else threads)
     try:
         with torch.no_grad():
             for prefix, block, inputs in blockwise(model, layers, data, "AWQ experts", cfg.progress):
