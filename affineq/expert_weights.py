@@ -28,7 +28,7 @@ from affineq.tensor.affine import AffineQuantizedTensor
 from affineq.tensor.format_experts import format_of, stacked_spec
 
 __all__ = ["EXPERT_WEIGHT_NAMES", "expert_parameter_names", "expert_weight_problem", "experts_transposed",
-           "is_expert_module", "per_expert_shape", "quantize_expert_weight", "stack_experts"]
+           "in_grouped_layout", "is_expert_module", "per_expert_shape", "quantize_expert_weight", "stack_experts"]
 
 #: The 3-D expert weights of a transformers experts module, in the order they run.
 EXPERT_WEIGHT_NAMES = ("gate_up_proj", "up_proj", "down_proj")
@@ -109,14 +109,10 @@ def quantize_expert_weight(config, weight: torch.Tensor, module: nn.Module) -> A
     w = weight.transpose(-2, -1) if transposed else weight  # [E, N, K]: one expert's rows are its outputs
     e, n, k = w.shape
     proxy = _proxy_linear(n, k, weight)
-    auto = getattr(config, "packing_format", None) == "auto" and w.device.type == "cpu"
     first, out, done = None, {}, 0
     per_expert = weight[0].numel() * weight.element_size() if e else 0
     for i in range(e):
-        q = config.quantize_weight(w[i].contiguous(), proxy)
-        if auto and q.spec.fmt != "dense" and format_of(q.spec.replace(fmt="dense")).check(
-                q.spec.replace(fmt="dense")) is None:
-            q = q.to_format("dense")  # "auto": the layout the grouped kernel reads (same codes and qparams)
+        q = in_grouped_layout(config, config.quantize_weight(w[i].contiguous(), proxy))
         if first is None:
             first = q
             out = {name: torch.empty((e, *t.shape), dtype=t.dtype, device=t.device) for name, t in q.tensors.items()}
@@ -127,6 +123,16 @@ def quantize_expert_weight(config, weight: torch.Tensor, module: nn.Module) -> A
             release_float_copy(weight[done:i + 1])
             done = i + 1
     return _stacked(first, out, transposed)
+
+
+def in_grouped_layout(config, q: AffineQuantizedTensor) -> AffineQuantizedTensor:
+    """One expert's quantized weight `q` (quantized by `config`) in the layout it is stacked in: on CPU, what
+    `config`'s "auto" packing chose for a Linear (aten's `int4_cpu`, `plain` for `_int_mm`) becomes `dense`, the
+    layout the grouped kernel reads, where it holds the spec (the same codes and qparams); else `q` itself."""
+    if (getattr(config, "packing_format", None) != "auto" or q.device.type != "cpu" or q.spec.fmt == "dense"
+            or format_of(q.spec.replace(fmt="dense")).check(q.spec.replace(fmt="dense")) is not None):
+        return q
+    return q.to_format("dense")
 
 
 def _check_like(first: AffineQuantizedTensor, p: AffineQuantizedTensor, i: int) -> None:

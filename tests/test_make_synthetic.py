@@ -105,3 +105,28 @@ def test_tiny_gguf_holds_the_same_tensors_in_llama_cpp_layout(tiny):
     # llama3 rope factors: 1 for the high frequencies, `factor` for the lowest ones.
     freqs = torch.from_numpy(tensors["rope_freqs.weight"].data.copy())
     assert freqs.shape == (d // 2,) and freqs[0] == 1.0 and freqs[-1] == 8.0
+
+
+def test_moe_body_has_qwen3_30b_a3b_shapes():
+    """The MoE body: transformers 5's Qwen3-MoE tensors (3-D experts) and Qwen3-30B-A3B's 30.5 B parameters."""
+    shape = ms.MOE_SHAPES["qwen3-30b-a3b"]
+    specs = ms.moe_tensor_specs(shape, shape.vocab)
+    assert sum(math.prod(s) for _, s, _ in specs) == 30_532_122_624
+    cfg = transformers.AutoConfig.for_model(**ms.moe_hf_config(shape, shape.vocab))
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == {n: s for n, s, _ in specs}
+
+
+def test_tiny_moe_checkpoint_loads_in_transformers(tmp_path):
+    """A tiny MoE body with --layers: the written 3-D expert tensors load as they are and the model runs."""
+    summary = ms.make("tiny-qwen3-moe", tmp_path, layers=1, shard_gb=20_000 / 2**30)
+    assert summary["shards"] > 1 and json.loads((tmp_path / "config.json").read_text())["num_hidden_layers"] == 1
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert type(model).__name__ == "Qwen3MoeForCausalLM"
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    assert torch.equal(model.state_dict()[name], ms.full_tensor(name, (8, 64, 64), "normal", 0))
+    with torch.inference_mode():
+        assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
+    with pytest.raises(ValueError, match="--layers"):
+        ms.make("tiny-qwen3-moe", tmp_path / "x", layers=0)

@@ -17,6 +17,10 @@ minimises that group's output error || X_g (W_g - Q_r(W_g))^T ||^2.
 
 The result is `Precomputed` weights of the base config: ordinary AffineQuantizedTensors (same kernels,
 save/load), carrying `act_pre_scale` where the scale could not be folded.
+
+MoE experts modules (3-D expert weights) are handled first, by `awq_experts`: per expert through the router's
+token assignment, with every scale folded where that is exact (a shared gate_up scale into the norm before the
+experts, each expert's down_proj scale into its own gate_up rows) and no input pre-scale; see that module.
 """
 
 from __future__ import annotations
@@ -28,46 +32,18 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from affineq.algorithms._awq_math import candidate_scale, fake_quant, qparams, search_clip, weight_mean
 from affineq.algorithms._base import AlgorithmConfig, Precomputed
 from affineq.algorithms._capture import progress
 from affineq.algorithms._migrate import migrate_blocks, scaled_weight
+from affineq.algorithms.awq_experts import awq_experts
 from affineq.configs import (
     QuantConfig,
 )
-from affineq.primitives import fake_quantize_unchecked
+from affineq.expert_weights import is_expert_module
 from affineq.tensor.affine import AffineQuantizedTensor
 
-__all__ = ["AWQConfig"]
-
-
-def _clip_to(w: torch.Tensor, group: int, ratio: torch.Tensor | None) -> torch.Tensor:
-    """w [O, I] with each (row, group) clamped to ratio * [its min, its max]; ratio [O, I // group]."""
-    if ratio is None:
-        return w
-    o, i = w.shape
-    wg = w.reshape(o, i // group, group)
-    r = ratio.reshape(o, i // group, 1)
-    lo, hi = wg.amin(-1, keepdim=True) * r, wg.amax(-1, keepdim=True) * r
-    return torch.maximum(torch.minimum(wg, hi), lo).reshape(o, i)
-
-
-def qparams(w: torch.Tensor, spec, opts, ratio: torch.Tensor | None = None):
-    """(scale, zero_point) of `spec` for w [O, I] (clipped by `ratio` first), as the format stores them."""
-    return AffineQuantizedTensor.stored_qparams(_clip_to(w, spec.block_size[-1], ratio), spec, opts)
-
-
-def fake_quant(w: torch.Tensor, spec, opts, ratio: torch.Tensor | None = None) -> torch.Tensor:
-    """dequantize(quantize(w)) in float32 as the stored tensor will dequantize: the primitives' own code and
-    dequant math on w's [O, I // g, g] view (their input checks and overflow widening skipped: the search
-    calls this thousands of times, and weights are far from float32's range)."""
-    scale, zp = qparams(w, spec, opts, ratio)
-    o, i = w.shape
-    g = spec.block_size[-1]
-    wg = w.float().reshape(o, i // g, g)
-    scale = scale.float().reshape(o, i // g, 1)
-    zp = None if zp is None else zp.float().reshape(o, i // g, 1)
-    _, deq = fake_quantize_unchecked(wg, scale, zp, spec.zero_point_domain, spec.quant_min, spec.quant_max)
-    return deq.reshape(o, i)
+__all__ = ["AWQConfig", "fake_quant", "qparams"]
 
 
 class _Stats:
@@ -95,13 +71,6 @@ class _Stats:
         return torch.cat(self.rows)
 
 
-def _weight_mean(w: torch.Tensor, group: int) -> torch.Tensor:
-    """mean over rows of |w| / (max |w| of its quantization group): [in_features]."""
-    o, i = w.shape
-    wg = w.abs().reshape(o, i // group, group)
-    return (wg / wg.amax(-1, keepdim=True).clamp_min(1e-12)).reshape(o, i).mean(0)
-
-
 @dataclass(frozen=True)
 class AWQConfig(AlgorithmConfig):
     """AWQ around a weight config with min/max integer qparams per row or group (`AlgorithmConfig.cannot_wrap`):
@@ -119,6 +88,7 @@ class AWQConfig(AlgorithmConfig):
     """
 
     needs_data: ClassVar[bool] = True
+    expert_weights: ClassVar[bool] = True  # MoE experts: `awq_experts`, per expert through the router's assignment
     n_grid: int = 20
     duo_scaling: bool = True
     clip: bool = True
@@ -155,14 +125,12 @@ class AWQConfig(AlgorithmConfig):
         ref = x @ torch.cat(ws).T
         w_mean = None
         if self.duo_scaling:
-            rows = [_weight_mean(w, sp.block_size[-1]) * w.shape[0] for w, (sp, _) in zip(ws, specs, strict=True)]
+            rows = [weight_mean(w, sp.block_size[-1]) * w.shape[0] for w, (sp, _) in zip(ws, specs, strict=True)]
             w_mean = (torch.stack(rows).sum(0) / sum(w.shape[0] for w in ws)).clamp_min(1e-8)
         best, best_s = None, None
         for i in range(self.n_grid):
             a = i / self.n_grid
-            s = x_mean.pow(a) / w_mean.pow(1 - a) if w_mean is not None else x_mean.pow(a)
-            s = s.clamp_min(1e-4)
-            s = s / (s.max() * s.min()).sqrt()
+            s = candidate_scale(a, x_mean, w_mean)
             wq = torch.cat([fake_quant(w * s, sp, op) for w, (sp, op) in zip(ws, specs, strict=True)])
             loss = float((ref - (x / s) @ wq.T).pow(2).mean())
             if best is None or loss < best:
@@ -171,23 +139,19 @@ class AWQConfig(AlgorithmConfig):
 
     def _search_clip(self, w: torch.Tensor, x: torch.Tensor, spec, opts) -> torch.Tensor:
         """Per (row, group) ratio r minimising || x_g (w_g - Q_r(w_g))^T ||^2 over the sampled tokens x."""
-        o, i = w.shape
-        g = spec.block_size[-1]
-        xg = x.reshape(x.shape[0], i // g, g)
-        best = torch.full((o, i // g), float("inf"), device=w.device)
-        ratio = torch.ones(o, i // g, device=w.device)
-        ref_out = torch.einsum("ngk,ogk->ogn", xg, w.reshape(o, i // g, g))
-        for k in range(self.n_clip):
-            r = 1.0 - self.max_shrink * k / self.n_clip
-            rt = torch.full((o, i // g), r, device=w.device)
-            wq = fake_quant(w, spec, opts, rt).reshape(o, i // g, g)
-            err = (ref_out - torch.einsum("ngk,ogk->ogn", xg, wq)).pow(2).mean(-1)
-            better = err < best
-            best = torch.where(better, err, best)
-            ratio = torch.where(better, rt, ratio)
-        return ratio
+        return search_clip(w, x, spec, opts, self.n_clip, self.max_shrink)
 
     def run(self, model: nn.Module, layers: dict[str, nn.Module], data: list | None) -> dict[str, QuantConfig]:
+        experts = {f: m for f, m in layers.items() if is_expert_module(m)}
+        out: dict[str, QuantConfig] = {}
+        if experts:  # first: the linears' pass then sees the experts' folds (identities in float)
+            out.update(awq_experts(self, model, experts, data))
+            layers = {f: m for f, m in layers.items() if f not in experts}
+        if layers:
+            out.update(self._run_linears(model, layers, data))
+        return out
+
+    def _run_linears(self, model: nn.Module, layers: dict[str, nn.Module], data: list) -> dict[str, QuantConfig]:
         per_item = max(1, math.ceil(self.n_tokens / len(data)))
         samples: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
 

@@ -40,6 +40,7 @@ from affineq.algorithms._capture import (
     record_linear_inputs,
     run_block,
 )
+from affineq.algorithms._routed import as_rows_by_input, capture_routed, down_inputs, rows_per_expert, up_name
 from affineq.configs import (
     QuantConfig,
 )
@@ -396,36 +397,10 @@ class _GPTQRun:
         """GPTQ of each expert's weights with H from the rows the router sends that expert: the experts module's
         inputs (hidden_states [T, H], top_k_index [T, k]) are recorded for every calibration item; gate_up (or up)
         first, then down_proj with H from the gate's outputs through the quantized gate_up."""
-        seen: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-        def hook(_mod, args, kwargs):
-            named = {**dict(zip(("hidden_states", "top_k_index"), args, strict=False)), **kwargs}
-            x, ids = named["hidden_states"], named.get("top_k_index", named.get("router_indices"))
-            seen.append((x.detach().reshape(-1, x.shape[-1]), ids.detach().reshape(x.shape[0], -1)))
-            raise Stop
-
-        handle = module.register_forward_pre_hook(hook, with_kwargs=True)
-        try:
-            for inp in inputs:
-                with contextlib.suppress(Stop):
-                    forward(inp)
-        finally:
-            handle.remove()
-        names = expert_parameter_names(module)
-        num = module._parameters[names[0]].shape[0]
-        rows = [[(x[(ids == e).any(-1)]) for x, ids in seen] for e in range(num)]  # each expert's tokens
-        up_name = names[0]
-        up = self._gptq_experts(fqn, module, up_name, rows)
-        bias = module._parameters.get(f"{up_name}_bias") if getattr(module, "has_bias", False) else None
-        deq = up.dequantize()
-        deq = deq.transpose(-2, -1) if experts_transposed(module) else deq  # [E, N, K]
-        hidden = []
-        for e in range(num):
-            outs = []
-            for x in rows[e]:
-                h = torch.nn.functional.linear(x, deq[e].to(x.dtype), None if bias is None else bias[e])
-                outs.append(module._apply_gate(h) if up_name == "gate_up_proj" else module.act_fn(h))
-            hidden.append(outs)
+        rows = rows_per_expert(capture_routed(module, inputs, forward),
+                               module._parameters["down_proj"].shape[0])  # each expert's tokens
+        up = self._gptq_experts(fqn, module, up_name(module), rows)
+        hidden = down_inputs(module, as_rows_by_input(module, up.dequantize()), rows)
         self._gptq_experts(fqn, module, "down_proj", hidden)
 
     def _gptq_experts(self, fqn: str, module: nn.Module, name: str, rows: list[list[torch.Tensor]],

@@ -7,12 +7,14 @@ real quantized weights with the same codes.
 """
 
 from affineq.qat.config import FakeQuantizeConfig, TQTThresholdInitMeth
+from affineq.qat.experts import ExpertWeightFakeQuantizer
 from affineq.qat.fake_quantizer import FakeQuantizer, tqt_threshold
 from affineq.qat.initialize import initialize_fake_quantizers
 from affineq.qat.modules import FakeQuantizedConv2d, FakeQuantizedEmbedding, FakeQuantizedLinear
 from affineq.qat.qat_config import QAT_BASE_CONFIGS, QATConfig, fake_quantize_configs
 
 __all__ = [
+    "ExpertWeightFakeQuantizer",
     "FakeQuantizeConfig",
     "FakeQuantizedConv2d",
     "FakeQuantizedEmbedding",

@@ -9,6 +9,8 @@ config the fake-quant configs are derived from the spec and qparam options the b
 (`weight_spec`, `qparam_options`), including the packing format whose stored qparams the forward uses, so
 convert (the base config's own `quantize_weight`) stores the very codes the fake-quantized forward used.
 convert swaps the fake-quantized modules back to float modules holding `AffineQuantizedTensor` weights.
+MoE experts modules (3-D expert weights) are not swapped: their expert weights are parametrized with a per-expert
+fake quantization (`affineq.qat.experts`), and convert stores 3-D AffineQuantizedTensors.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from affineq.expert_weights import expert_parameter_names, is_expert_module
 from affineq.granularity import PerTensor, PerToken
 from affineq.primitives import ZeroPointDomain
 from affineq.qat.config import FakeQuantizeConfig, TQTThresholdInitMeth
+from affineq.qat.experts import convert_experts, expert_proxies, is_prepared_experts, prepare_experts
 from affineq.qat.modules import FAKE_QUANTIZED, _FakeQuantized
 from affineq.quantize import FqnToConfig, ModelConfig, QuantizationError, register_quantize_module_handler
 from affineq.tensor.affine import AffineQuantizedTensor
@@ -88,10 +91,10 @@ class _QATStep(QuantConfig):
             return None  # modules that were never prepared are left as they are
         if isinstance(module, _FakeQuantized):
             return "it is already prepared for QAT; run QATConfig(..., step='convert') on it"
+        if is_prepared_experts(module):
+            return "its expert weights are already prepared for QAT; run QATConfig(..., step='convert') on it"
         if is_expert_module(module):
-            return (f"QATConfig does not support MoE expert weights (3-D {'/'.join(expert_parameter_names(module))} of "
-                    f"{type(module).__name__}) yet: leave the experts out of QAT (filter_fn=lambda m, fqn: "
-                    "isinstance(m, nn.Linear)) and quantize them with a weight config or HQQConfig")
+            return self._experts_problem(module)
         if type(module) not in FAKE_QUANTIZED:
             return (f"QAT swaps {', '.join(t.__name__ for t in FAKE_QUANTIZED)} modules, not "
                     f"{type(module).__name__}")
@@ -107,6 +110,42 @@ class _QATStep(QuantConfig):
             return "an embedding's input is indices: give embeddings a QATConfig without activation_config"
         return None
 
+    def parameter_names(self, module: nn.Module) -> tuple[str, ...]:
+        if self.step == "prepare" and is_expert_module(module):
+            return ()  # prepare keeps the expert Parameters (they move under the parametrizations), so no tie to update
+        return super().parameter_names(module)
+
+    def _experts_problem(self, module: nn.Module) -> str | None:
+        """Why this step cannot prepare the expert weights of experts module `module`, or None."""
+        if self.base_config is None or self.range_learning is not None:
+            return (f"QAT of MoE expert weights (3-D {'/'.join(expert_parameter_names(module))} of "
+                    f"{type(module).__name__}) derives a per-expert fake quantization with dynamic qparams from a "
+                    "weight-only base_config (e.g. QATConfig(Int4WeightOnlyConfig(group_size=32))); explicit "
+                    "activation_config / weight_config and range_learning are for nn.Linear: leave the experts out "
+                    "(filter_fn=lambda m, fqn: isinstance(m, nn.Linear))")
+        try:
+            self.experts_configs(module)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    def experts_configs(self, module: nn.Module) -> dict[str, tuple[FakeQuantizeConfig, str]]:
+        """{expert weight name: (weight fake-quant config, packing format)} of experts module `module`, one
+        expert's [N, K] weight quantized as the base config quantizes an nn.Linear; ValueError when the base
+        config cannot (or quantizes activations: expert QAT fake-quantizes weights only)."""
+        out = {}
+        for name, (w, proxy) in expert_proxies(module).items():
+            why = self.base_config.check(proxy)
+            if why is not None:
+                raise ValueError(why)
+            act, wcfg, fmt = fake_quantize_configs(self.base_config, w, proxy)
+            if act is not None:
+                raise ValueError(f"{type(self.base_config).__name__} quantizes activations; QAT of MoE expert "
+                                 "weights fake-quantizes weights only: give the experts a weight-only base config "
+                                 "(e.g. Int4WeightOnlyConfig) through FqnToConfig")
+            out[name] = (wcfg, fmt)
+        return out
+
     def configs_for(self, module: nn.Module) -> tuple[FakeQuantizeConfig | None, FakeQuantizeConfig | None, str]:
         if self.base_config is None:
             return self.activation_config, self.weight_config, "plain"
@@ -121,6 +160,10 @@ class _QATStep(QuantConfig):
 
 @register_quantize_module_handler(_QATStep)
 def _qat_step(module: nn.Module, config: _QATStep) -> nn.Module:
+    if config.step == "prepare" and is_expert_module(module):
+        return prepare_experts(module, config.base_config, config.experts_configs(module))
+    if config.step == "convert" and is_prepared_experts(module):
+        return convert_experts(module, config.base_config or module.qat_base_config)
     if config.step == "prepare":
         act, wcfg, fmt = config.configs_for(module)
         new = FAKE_QUANTIZED[type(module)].from_float(module, act, wcfg)
@@ -259,7 +302,7 @@ class QATConfig(ModelConfig):
     def to_fqn_config(self, model: nn.Module) -> FqnToConfig:
         if self.step == "convert":  # every fake-quantized module, by name (whatever filter_fn says)
             entries = {fqn: self._step(self._prepared_base(fqn, m)) for fqn, m in model.named_modules()
-                       if isinstance(m, _FakeQuantized)}
+                       if isinstance(m, _FakeQuantized) or is_prepared_experts(m)}
             if not entries:
                 raise QuantizationError(
                     f"QATConfig(step='convert'): {type(model).__name__} has no fake-quantized module, so there is "
