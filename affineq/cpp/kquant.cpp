@@ -6,12 +6,12 @@
 //     possible weights; each measured the faster on its kinds), its weights c * s + o formed in fp32 registers,
 //     exactly the dequantized values, and multiplied with every row of x (fp32 FMA, two accumulator chains per
 //     row). Memory-bound at real sizes: the packed bytes stream once.
-//   larger m: blocks of output rows are dequantized to fp32 in a per-thread buffer that stays in L2 and
-//     multiplied with all of x by torch's GEMM (as dequant_gemm.cpp does for the dense format).
+//   larger m: blocked_gemm.h's driver with a k-quant block decoder: blocks of output rows are dequantized to
+//     fp32 in a per-thread buffer that stays in L2 and multiplied with all of x by torch's GEMM (the driver the
+//     dense format's dequant_linear runs on).
 // Values: every weight is exactly format_kquant's dequantize (kquant_dequantize equals it bit for bit), so
 // y = F.linear(x.float(), W) up to the order of the fp32 sums, cast to x's dtype.
 #include <ATen/ATen.h>
-#include <ATen/ThreadLocalState.h>
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <torch/library.h>
 
@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "blocked_gemm.h"
 #include "common.h"
 #include "kquant_decode.h"
 
@@ -229,29 +230,18 @@ at::Tensor kquant_linear_cpu(const at::Tensor& x, const at::Tensor& blocks, int6
       });
     });
   } else {
-    // y^T [n, M]: each thread writes contiguous rows of it (W_blk @ x^T), then one transpose.
-    at::Tensor yt = at::empty({n, M}, x2.options());
-    const at::Tensor x2t = x2.t();
-    const int64_t br = gemm_block_rows(k);
-    const at::ThreadLocalState tls;  // the caller's inference mode, dispatch keys, ... for the workers' GEMMs
+    // blocked_gemm.h's driver, as the dense format's dequant_linear: blocks of br rows decoded to fp32 W
+    // [rows, k], each multiplied into a contiguous row slice of y^T [n, M]
+    const detail::BlockedGemmShape shape{gemm_block_rows(k), 1, false, true};
     detail::with_kind(kind, [&](auto K_) {
       constexpr int KIND = AQ_CV(K_);
-      at::parallel_for(0, (n + br - 1) / br, 1, [&](int64_t q0, int64_t q1) {
-        const at::ThreadLocalStateGuard tls_guard(tls);
-        at::Tensor wblk = at::empty({std::min(n, br), k}, x2.options());
-        for (int64_t q = q0; q < q1; ++q) {
-          const int64_t r0 = q * br, rows = std::min(n, r0 + br) - r0;
-          detail::kq_dequant_rows<KIND>(w, nb, r0, r0 + rows, wblk.mutable_data_ptr<float>());
-          at::Tensor out = yt.narrow(0, r0, rows);
-          at::mm_out(out, wblk.narrow(0, 0, rows), x2t);
-        }
+      y = detail::blocked_linear(x2, n, k, shape, [&](int64_t q0, int64_t q1, void* dst, int64_t) {
+        const int64_t r0 = q0 * shape.unit_rows, r1 = std::min(n, q1 * shape.unit_rows);
+        detail::kq_dequant_rows<KIND>(w, nb, r0, r1, static_cast<float*>(dst));
       });
     });
-    y = yt.t();
   }
-  std::vector<int64_t> sizes = x.sizes().vec();
-  sizes.back() = n;
-  return y.to(xt).contiguous().view(sizes);
+  return y.to(xt).contiguous().view(detail::out_sizes(x, n));
 }
 
 }  // namespace
