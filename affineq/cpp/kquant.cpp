@@ -16,8 +16,11 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
+#include <utility>
+#include <vector>
 
 #include "blocked_gemm.h"
 #include "common.h"
@@ -28,6 +31,7 @@ namespace detail {
 namespace {
 
 inline constexpr int64_t kGemvRows = 4;
+inline constexpr int64_t kTileMax = 256;  // above: the blocked driver with torch's GEMM
 
 #if AQ_AVX512
 // q4_k / q5_k on AVX-512: each sub-block's 16 (32) possible weights fma(u, s, o), exact, go into a table of one
@@ -151,6 +155,94 @@ void kq_dequant_rows(const uint8_t* w, int64_t nb, int64_t r0, int64_t r1, float
   }
 }
 
+// One super-block's 256 weights as fp32 into dst (the values of dequantize, up to the sign of q3_k's zeros),
+// by the GEMV's decoder of the kind.
+template <int KIND>
+AQ_INLINE void kq_block_to_f32(const uint8_t* b, float* dst) {
+#if AQ_AVX512
+  if constexpr (KIND == 4 || KIND == 5) {
+    kq_lut_block<KIND>(b, [&](auto V_, F16 wv) { fstore(dst + 16 * AQ_CV(V_), wv); });
+    return;
+  }
+#endif
+  alignas(64) float s[16], o[16];
+  if constexpr (KIND == 2 || KIND == 3) {
+    kq_qparams16<KIND>(b, s, o);
+    kq_codes<KIND>(b, [&](auto V_, I16 u) {
+      constexpr int j = AQ_CV(V_);
+      fstore(dst + 16 * j, ffma(i2f(u), fset1(s[j]), fset1(o[j])));
+    });
+  } else {
+    alignas(64) int8_t c[kSuperBlock];
+    kq_decode<KIND>(b, c, s, o);
+    for (int j = 0; j < 16; ++j) fstore(dst + 16 * j, kq_weights16(c, s, o, j));
+  }
+}
+
+// The tile GEMM (kTileMin <= m <= kTileMax): each super-block of kRR output rows is decoded once into an L1
+// tile and multiplied with every row of x, kMR rows at a time, into 16-lane partial sums acc[m][rr] kept in an
+// L1 buffer (summed across lanes once, at the end of the row). Per 16 k a micro-tile loads kRR weight and kMR x
+// vectors for kMR * kRR FMAs.
+#if AQ_AVX512
+inline constexpr int kRR = 8, kMR = 3;  // 24 zmm accumulators + 8 weight vectors + an x vector
+#else
+inline constexpr int kRR = 2, kMR = 2;  // AVX2: 8 accumulators of two ymm each + 4 weight ymm + 2 x ymm
+#endif
+
+// acc[(m * kRR + rr) * 16 ..] += x[m, 0:256] * wt[rr, 0:256] (per lane) for m < MR, rr < kRR.
+template <int MR>
+void kq_micro(const float* x, int64_t ldx, const float* wt, float* acc) {
+  F16 a[MR][kRR];
+  sfor<MR>([&](auto M_) { sfor<kRR>([&](auto R_) {
+    a[AQ_CV(M_)][AQ_CV(R_)] = fload(acc + (AQ_CV(M_) * kRR + AQ_CV(R_)) * 16);
+  }); });
+  for (int v = 0; v < kSuperBlock / 16; ++v) {
+    F16 wv[kRR];
+    sfor<kRR>([&](auto R_) { wv[AQ_CV(R_)] = fload(wt + AQ_CV(R_) * kSuperBlock + 16 * v); });
+    sfor<MR>([&](auto M_) {
+      constexpr int m = AQ_CV(M_);
+      const F16 xv = fload(x + m * ldx + 16 * v);
+      sfor<kRR>([&](auto R_) { a[m][AQ_CV(R_)] = ffma(xv, wv[AQ_CV(R_)], a[m][AQ_CV(R_)]); });
+    });
+  }
+  sfor<MR>([&](auto M_) { sfor<kRR>([&](auto R_) {
+    fstore(acc + (AQ_CV(M_) * kRR + AQ_CV(R_)) * 16, a[AQ_CV(M_)][AQ_CV(R_)]);
+  }); });
+}
+
+using KqMicroFn = void (*)(const float*, int64_t, const float*, float*);
+template <int... Is>
+constexpr std::array<KqMicroFn, sizeof...(Is)> kq_micro_table(std::integer_sequence<int, Is...>) {
+  return {&kq_micro<Is + 1>...};
+}
+inline constexpr auto kKqMicro = kq_micro_table(std::make_integer_sequence<int, kMR>{});
+
+// y[mi * ldy + r] = sum_k x[mi, k'] * W[r, k'] for the rows of row tiles [t0, t1) (kRR rows each, the last one
+// clipped at n), all M rows of x. xb: x by super-block, xb[(blk * M + mi) * 256 + j] = x[mi, 256 blk + j] (one
+// block's slice of x contiguous: x's own rows, a power-of-two stride apart, would share L1 sets).
+template <int KIND>
+void kq_tile_rows(const uint8_t* w, int64_t nb, int64_t n, const float* xb, int64_t M, float* y, int64_t ldy,
+                  int64_t t0, int64_t t1) {
+  constexpr int64_t ts = kq_type_size(KIND);
+  alignas(64) float wt[kRR * kSuperBlock];
+  std::vector<float> accv(static_cast<size_t>(M * kRR * 16 + 16));
+  float* acc = accv.data();
+  const int64_t mr = (M + (M + kMR - 1) / kMR - 1) / ((M + kMR - 1) / kMR);  // x rows per micro-tile, even split
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t r0 = t * kRR, nr = std::min<int64_t>(kRR, n - r0);
+    std::fill(accv.begin(), accv.end(), 0.f);
+    for (int64_t blk = 0; blk < nb; ++blk) {
+      for (int rr = 0; rr < kRR; ++rr)  // rows past n repeat the last row (their sums are not stored)
+        kq_block_to_f32<KIND>(w + ((r0 + std::min<int64_t>(rr, nr - 1)) * nb + blk) * ts, wt + rr * kSuperBlock);
+      for (int64_t m0 = 0; m0 < M; m0 += mr)
+        kKqMicro[std::min<int64_t>(mr, M - m0) - 1](xb + (blk * M + m0) * kSuperBlock, kSuperBlock, wt,
+                                                      acc + m0 * kRR * 16);
+    }
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t rr = 0; rr < nr; ++rr) y[m * ldy + r0 + rr] = fhsum(fload(acc + (m * kRR + rr) * 16));
+  }
+}
+
 // f(integral_constant<KIND>) for a runtime kind 2..6.
 template <class F>
 void with_kind(int64_t kind, F&& f) {
@@ -227,6 +319,18 @@ at::Tensor kquant_linear_cpu(const at::Tensor& x, const at::Tensor& blocks, int6
           case 3: detail::kq_gemv_rows<KIND, 3>(w, nb, xp, k, yp, n, r0, r1); break;
           default: detail::kq_gemv_rows<KIND, 4>(w, nb, xp, k, yp, n, r0, r1);
         }
+      });
+    });
+  } else if (M <= detail::kTileMax) {
+    y = at::empty({M, n}, x2.options());
+    const at::Tensor xb = x2.view({M, nb, detail::kSuperBlock}).transpose(0, 1).contiguous();
+    const float* xp = xb.const_data_ptr<float>();
+    float* yp = y.mutable_data_ptr<float>();
+    const int64_t ntiles = (n + detail::kRR - 1) / detail::kRR;
+    detail::with_kind(kind, [&](auto K_) {
+      constexpr int KIND = AQ_CV(K_);
+      at::parallel_for(0, ntiles, detail::grain_for(detail::kRR * k * M), [&](int64_t t0, int64_t t1) {
+        detail::kq_tile_rows<KIND>(w, nb, n, xp, M, yp, n, t0, t1);
       });
     });
   } else {
