@@ -31,6 +31,9 @@ namespace detail {
 namespace {
 
 inline constexpr int64_t kGemvRows = 4;
+// Output rows per pass of the GEMV at m >= 2: two for the kinds decoded by table or in few registers, one for
+// q3_k / q6_k (whose decoders hold more registers: two rows measured slower).
+constexpr int kq_gemv_R(int kind) { return kind == 3 || kind == 6 ? 1 : 2; }
 inline constexpr int64_t kTileMax = 256;  // above: the blocked driver with torch's GEMM
 
 #if AQ_AVX512
@@ -87,56 +90,70 @@ AQ_INLINE void kq_lut_block(const uint8_t* b, F&& dot) {
 }
 #endif
 
-// y[mi * ldy + r] = sum_k x[mi * k + k'] * W[r, k'] for rows r in [r0, r1), mi < M.
-template <int KIND, int M>
+// y[mi * ldy + r] = sum_k x[mi * k + k'] * W[r, k'] for rows r in [r0, r1), mi < M, R rows at a time: each
+// block's slice of x (M x 256) is read from L1 for all R rows (one row at a time, x's M rows stream from L2 for
+// every row once M * k no longer fits L1).
+template <int KIND, int M, int R>
 void kq_gemv_rows(const uint8_t* w, int64_t nb, const float* x, int64_t k, float* y, int64_t ldy, int64_t r0,
                   int64_t r1) {
   constexpr int64_t ts = kq_type_size(KIND);
   alignas(64) int8_t c[kSuperBlock];
   alignas(64) float s[16], o[16];
-  // Independent FMA chains per row of x (16 dependent FMAs per block on one chain would be latency-bound).
-  constexpr int A = 2;  // two chains per row of x; 4 at m = 1 measured no faster
-  for (int64_t r = r0; r < r1; ++r) {
-    F16 acc[M][A];
-    for (int mi = 0; mi < M; ++mi)
-      for (int a = 0; a < A; ++a) acc[mi][a] = fzero();
-    const uint8_t* row = w + r * nb * ts;
+  // Independent FMA chains per (row, row of x): two at R * M = 1 (16 dependent FMAs per block on one chain would
+  // be latency-bound; 4 measured no faster), one otherwise.
+  constexpr int A = R * M == 1 ? 2 : 1;
+  int64_t r = r0;
+  for (; r + R <= r1; r += R) {
+    F16 acc[R][M][A];
+    sfor<R>([&](auto Q_) {
+      for (int mi = 0; mi < M; ++mi)
+        for (int a = 0; a < A; ++a) acc[AQ_CV(Q_)][mi][a] = fzero();
+    });
     for (int64_t blk = 0; blk < nb; ++blk) {
-      const uint8_t* b = row + blk * ts;
       const float* xb = x + blk * kSuperBlock;
-      const auto dot = [&](auto V_, F16 wv) {  // wv: weights 16 V .. 16 V + 15
-        constexpr int V = AQ_CV(V_);
-        for (int mi = 0; mi < M; ++mi) acc[mi][V % A] = ffma(wv, fload(xb + mi * k + 16 * V), acc[mi][V % A]);
-      };
+      sfor<R>([&](auto Q_) {
+        constexpr int q = AQ_CV(Q_);
+        const uint8_t* b = w + ((r + q) * nb + blk) * ts;
+        const auto dot = [&](auto V_, F16 wv) {  // wv: weights 16 V .. 16 V + 15
+          constexpr int V = AQ_CV(V_);
+          for (int mi = 0; mi < M; ++mi)
+            acc[q][mi][V % A] = ffma(wv, fload(xb + mi * k + 16 * V), acc[q][mi][V % A]);
+        };
 #if AQ_AVX512
-      if constexpr (KIND == 4 || KIND == 5) {
-        kq_lut_block<KIND>(b, dot);
-        continue;
-      }
+        if constexpr (KIND == 4 || KIND == 5) {
+          kq_lut_block<KIND>(b, dot);
+          return;
+        }
 #endif
-      if constexpr (KIND == 2 || KIND == 3) {  // 2-bit planes: decoded in registers (measured faster)
-        kq_qparams16<KIND>(b, s, o);
-        kq_codes<KIND>(b, [&](auto V_, I16 u) {
-          constexpr int j = AQ_CV(V_);
-          dot(V_, ffma(i2f(u), fset1(s[j]), fset1(o[j])));  // the weights, exact (see kquant_decode.h)
-        });
-      } else {  // nibble planes: decoded to int8 codes in L1 first (measured faster)
-        kq_decode<KIND>(b, c, s, o);
-        for (int j = 0; j < 16; j += 2) {  // a plain loop: fully unrolled, it measured slower
-          const F16 w0 = kq_weights16(c, s, o, j), w1 = kq_weights16(c, s, o, j + 1);
-          for (int mi = 0; mi < M; ++mi) {
-            acc[mi][0] = ffma(w0, fload(xb + mi * k + 16 * j), acc[mi][0]);
-            acc[mi][1] = ffma(w1, fload(xb + mi * k + 16 * j + 16), acc[mi][1]);
+        if constexpr (KIND == 2 || KIND == 3) {  // 2-bit planes: decoded in registers (measured faster)
+          kq_qparams16<KIND>(b, s, o);
+          kq_codes<KIND>(b, [&](auto V_, I16 u) {
+            constexpr int j = AQ_CV(V_);
+            dot(V_, ffma(i2f(u), fset1(s[j]), fset1(o[j])));  // the weights, exact (see kquant_decode.h)
+          });
+        } else {  // nibble planes: decoded to int8 codes in L1 first (measured faster)
+          kq_decode<KIND>(b, c, s, o);
+          for (int j = 0; j < 16; j += 2) {  // a plain loop: fully unrolled, it measured slower
+            const F16 w0 = kq_weights16(c, s, o, j), w1 = kq_weights16(c, s, o, j + 1);
+            for (int mi = 0; mi < M; ++mi) {
+              acc[q][mi][0] = ffma(w0, fload(xb + mi * k + 16 * j), acc[q][mi][0]);
+              acc[q][mi][A - 1] = ffma(w1, fload(xb + mi * k + 16 * j + 16), acc[q][mi][A - 1]);
+            }
           }
         }
+      });
+    }
+    sfor<R>([&](auto Q_) {
+      constexpr int q = AQ_CV(Q_);
+      for (int mi = 0; mi < M; ++mi) {
+        F16 t = acc[q][mi][0];
+        for (int a = 1; a < A; ++a) t = fadd(t, acc[q][mi][a]);
+        y[mi * ldy + r + q] = fhsum(t);
       }
-    }
-    for (int mi = 0; mi < M; ++mi) {
-      F16 t = acc[mi][0];
-      for (int a = 1; a < A; ++a) t = fadd(t, acc[mi][a]);
-      y[mi * ldy + r] = fhsum(t);
-    }
+    });
   }
+  if constexpr (R > 1)
+    if (r < r1) kq_gemv_rows<KIND, M, 1>(w, nb, x, k, y, ldy, r, r1);
 }
 
 // Rows [r0, r1) of W as fp32 into out (row r at out + (r - r0) * k).
@@ -305,7 +322,7 @@ at::Tensor kquant_linear_cpu(const at::Tensor& x, const at::Tensor& blocks, int6
   const int64_t M = x2.size(0), nb = k / detail::kSuperBlock;
   const uint8_t* w = b.const_data_ptr<uint8_t>();
   at::Tensor y;
-  if (M <= detail::kGemvRows) {
+  if (M <= (kind == 6 ? 1 : detail::kGemvRows)) {  // q6_k: the tile GEMM measured faster from m = 2
     y = at::empty({M, n}, x2.options());
     const float* xp = x2.const_data_ptr<float>();
     float* yp = y.mutable_data_ptr<float>();
@@ -314,10 +331,10 @@ at::Tensor kquant_linear_cpu(const at::Tensor& x, const at::Tensor& blocks, int6
       at::parallel_for(0, n, detail::grain_for(k * std::max<int64_t>(M, 1)), [&](int64_t r0, int64_t r1) {
         switch (M) {
           case 0: break;
-          case 1: detail::kq_gemv_rows<KIND, 1>(w, nb, xp, k, yp, n, r0, r1); break;
-          case 2: detail::kq_gemv_rows<KIND, 2>(w, nb, xp, k, yp, n, r0, r1); break;
-          case 3: detail::kq_gemv_rows<KIND, 3>(w, nb, xp, k, yp, n, r0, r1); break;
-          default: detail::kq_gemv_rows<KIND, 4>(w, nb, xp, k, yp, n, r0, r1);
+          case 1: detail::kq_gemv_rows<KIND, 1, 1>(w, nb, xp, k, yp, n, r0, r1); break;
+          case 2: detail::kq_gemv_rows<KIND, 2, detail::kq_gemv_R(KIND)>(w, nb, xp, k, yp, n, r0, r1); break;
+          case 3: detail::kq_gemv_rows<KIND, 3, detail::kq_gemv_R(KIND)>(w, nb, xp, k, yp, n, r0, r1); break;
+          default: detail::kq_gemv_rows<KIND, 4, detail::kq_gemv_R(KIND)>(w, nb, xp, k, yp, n, r0, r1);
         }
       });
     });
