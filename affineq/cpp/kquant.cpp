@@ -88,6 +88,29 @@ AQ_INLINE void kq_lut_block(const uint8_t* b, F&& dot) {
     });
   });
 }
+
+// q2_k on AVX-512: the exact weights fma(u, s, o) of 4 sub-blocks (4 codes each) per zmm table, 4 tables built
+// once per block, indexed by code | position of the sub-block in its table (vpermps): one op per 16 weights where
+// the int -> float conversion and the weight FMA cost two. (q3_k's 8 tables of 2 sub-blocks measured slower than
+// its register decode.)
+template <class F>
+AQ_INLINE void kq_q2k_lut_block(const uint8_t* b, F&& dot) {
+  alignas(64) float s[16], o[16];
+  kq_qparams16<2>(b, s, o);
+  const __m512 sv = _mm512_load_ps(s), ov = _mm512_load_ps(o);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 code = _mm512_cvtepi32_ps(_mm512_and_si512(lane, _mm512_set1_epi32(3)));
+  __m512 lut[4];  // lut[p] lane i: sub-block 4 p + i / 4, code i % 4
+  sfor<4>([&](auto P_) {
+    const __m512i sub = _mm512_add_epi32(_mm512_srli_epi32(lane, 2), _mm512_set1_epi32(4 * AQ_CV(P_)));
+    lut[AQ_CV(P_)] = _mm512_fmadd_ps(code, _mm512_permutexvar_ps(sub, sv), _mm512_permutexvar_ps(sub, ov));
+  });
+  kq_codes<2>(b, [&](auto V_, I16 u) {
+    constexpr int V = AQ_CV(V_);
+    const __m512i idx = _mm512_or_si512(u.v, _mm512_set1_epi32((V % 4) << 2));
+    dot(V_, F16{_mm512_permutexvar_ps(idx, lut[V / 4])});
+  });
+}
 #endif
 
 // y[mi * ldy + r] = sum_k x[mi * k + k'] * W[r, k'] for rows r in [r0, r1), mi < M, R rows at a time: each
@@ -122,6 +145,9 @@ void kq_gemv_rows(const uint8_t* w, int64_t nb, const float* x, int64_t k, float
 #if AQ_AVX512
         if constexpr (KIND == 4 || KIND == 5) {
           kq_lut_block<KIND>(b, dot);
+          return;
+        } else if constexpr (KIND == 2) {
+          kq_q2k_lut_block(b, dot);
           return;
         }
 #endif
@@ -179,6 +205,9 @@ AQ_INLINE void kq_block_to_f32(const uint8_t* b, float* dst) {
 #if AQ_AVX512
   if constexpr (KIND == 4 || KIND == 5) {
     kq_lut_block<KIND>(b, [&](auto V_, F16 wv) { fstore(dst + 16 * AQ_CV(V_), wv); });
+    return;
+  } else if constexpr (KIND == 2) {
+    kq_q2k_lut_block(b, [&](auto V_, F16 wv) { fstore(dst + 16 * AQ_CV(V_), wv); });
     return;
   }
 #endif
