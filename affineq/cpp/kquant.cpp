@@ -1,11 +1,14 @@
 // Linear layers on llama.cpp's k-quant super-blocks, read as stored (affineq::kquant_linear), and their fp32
 // values (affineq::kquant_dequantize). The weight [n, k] is n rows of k / 256 blocks (kquant_decode.h).
-//   m <= kGemvRows: fused GEMV, output rows in parallel. Per row, each block is decoded once (q6_k, and q4_k /
-//     q5_k without AVX-512: into int8 codes in L1, then 16 codes at a time to fp32; q2_k, q3_k: straight from
-//     the bit planes into registers; q4_k / q5_k on AVX-512: codes index a per-sub-block table of the 16 / 32
-//     possible weights; each measured the faster on its kinds), its weights c * s + o formed in fp32 registers,
-//     exactly the dequantized values, and multiplied with every row of x (fp32 FMA, two accumulator chains per
-//     row). Memory-bound at real sizes: the packed bytes stream once.
+//   m <= kGemvRows (q6_k: m = 1): fused GEMV, output rows in parallel. Each block is decoded once per pass
+//     (q6_k, and q4_k / q5_k without AVX-512: into int8 codes in L1, then 16 codes at a time to fp32; q3_k, and
+//     q2_k without AVX-512: straight from the bit planes into registers; q2_k / q4_k / q5_k on AVX-512: codes
+//     index per-block tables of the exact weights; each measured the faster on its kinds), its weights
+//     c * s + o formed in fp32 registers, exactly the dequantized values, and multiplied with every row of x
+//     (fp32 FMA); at m >= 2 two output rows per pass share each block's slice of x in L1 (kq_gemv_R).
+//     Memory-bound at real sizes: the packed bytes stream once.
+//   m <= kTileMax: tile GEMM: the blocks of kRR output rows decoded once into an L1 tile by the same decoders and
+//     multiplied with all rows of x (repacked by super-block) by a register-blocked micro-kernel.
 //   larger m: blocked_gemm.h's driver with a k-quant block decoder: blocks of output rows are dequantized to
 //     fp32 in a per-thread buffer that stays in L2 and multiplied with all of x by torch's GEMM (the driver the
 //     dense format's dequant_linear runs on).
@@ -225,14 +228,14 @@ AQ_INLINE void kq_block_to_f32(const uint8_t* b, float* dst) {
   }
 }
 
-// The tile GEMM (kTileMin <= m <= kTileMax): each super-block of kRR output rows is decoded once into an L1
-// tile and multiplied with every row of x, kMR rows at a time, into 16-lane partial sums acc[m][rr] kept in an
+// The tile GEMM (the GEMV's limit < m <= kTileMax): each super-block of kRR output rows is decoded once into an
+// L1 tile and multiplied with every row of x, up to kMR rows at a time, into 16-lane partial sums acc[m][rr] kept in an
 // L1 buffer (summed across lanes once, at the end of the row). Per 16 k a micro-tile loads kRR weight and kMR x
 // vectors for kMR * kRR FMAs.
 #if AQ_AVX512
 inline constexpr int kRR = 8, kMR = 3;  // 24 zmm accumulators + 8 weight vectors + an x vector
 #else
-inline constexpr int kRR = 2, kMR = 2;  // AVX2: 8 accumulators of two ymm each + 4 weight ymm + 2 x ymm
+inline constexpr int kRR = 2, kMR = 2;  // AVX2: 4 accumulators, 2 weight vectors, an x vector (14 ymm)
 #endif
 
 // acc[(m * kRR + rr) * 16 ..] += x[m, 0:256] * wt[rr, 0:256] (per lane) for m < MR, rr < kRR.
