@@ -34,9 +34,15 @@ namespace detail {
 namespace {
 
 inline constexpr int64_t kGemvRows = 4;
-// Output rows per pass of the GEMV at m >= 2: two for the kinds decoded by table or in few registers, one for
-// q3_k / q6_k (whose decoders hold more registers: two rows measured slower).
-constexpr int kq_gemv_R(int kind) { return kind == 3 || kind == 6 ? 1 : 2; }
+// Output rows per pass of the GEMV at m >= 2 on AVX-512: two for the kinds decoded by table or in few registers,
+// one for q3_k / q6_k (whose decoders hold more registers: two rows measured slower) and on AVX2 (16 ymm).
+constexpr int kq_gemv_R([[maybe_unused]] int kind) {
+#if AQ_AVX512
+  return kind == 3 || kind == 6 ? 1 : 2;
+#else
+  return 1;
+#endif
+}
 inline constexpr int64_t kTileMax = 256;  // above: the blocked driver with torch's GEMM
 
 #if AQ_AVX512
@@ -125,9 +131,10 @@ void kq_gemv_rows(const uint8_t* w, int64_t nb, const float* x, int64_t k, float
   constexpr int64_t ts = kq_type_size(KIND);
   alignas(64) int8_t c[kSuperBlock];
   alignas(64) float s[16], o[16];
-  // Independent FMA chains per (row, row of x): two at R * M = 1 (16 dependent FMAs per block on one chain would
-  // be latency-bound; 4 measured no faster), one otherwise.
-  constexpr int A = R * M == 1 ? 2 : 1;
+  // Two independent FMA chains per (row, row of x): 16 dependent FMAs per block on one chain would be
+  // latency-bound at m = 1 (4 measured no faster); kept at every m, so each output sums in the same order
+  // whatever R (the results of R = 1, bit for bit).
+  constexpr int A = 2;
   int64_t r = r0;
   for (; r + R <= r1; r += R) {
     F16 acc[R][M][A];
@@ -166,7 +173,7 @@ void kq_gemv_rows(const uint8_t* w, int64_t nb, const float* x, int64_t k, float
             const F16 w0 = kq_weights16(c, s, o, j), w1 = kq_weights16(c, s, o, j + 1);
             for (int mi = 0; mi < M; ++mi) {
               acc[q][mi][0] = ffma(w0, fload(xb + mi * k + 16 * j), acc[q][mi][0]);
-              acc[q][mi][A - 1] = ffma(w1, fload(xb + mi * k + 16 * j + 16), acc[q][mi][A - 1]);
+              acc[q][mi][1] = ffma(w1, fload(xb + mi * k + 16 * j + 16), acc[q][mi][1]);
             }
           }
         }
