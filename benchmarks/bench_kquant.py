@@ -1,7 +1,7 @@
 """k-quant super-blocks (`affineq.kquant_linear`, q2_k .. q6_k as llama.cpp stores them) against the int4 g32 path
 (`affineq.lowbit_linear` on the `dense` format) and fp32 F.linear, at decode-size M.
 
-    python benchmarks/bench_kquant.py                  # 4096x4096 and 11008x4096, M in 1, 4, 32
+    python benchmarks/bench_kquant.py                  # 4096x4096 and 11008x4096, M in 1, 4, 8, 32, 128
     python benchmarks/bench_kquant.py --quick          # 1024x1024, M = 1 only, short runs (checks the script)
 
 Issue 33 asks the k-quant kernels to reach the int4 g32 path's speed at M = 1. The weights are random valid
@@ -48,7 +48,7 @@ def random_blocks(kind: str, n: int, k: int) -> torch.Tensor:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="4096x4096,11008x4096", help="NxK list (N = out_features, K % 256 == 0)")
-    ap.add_argument("--m", default="1,4,32", help="rows of x")
+    ap.add_argument("--m", default="1,4,8,32,128", help="rows of x (k-quant paths: GEMV to 4, tile GEMM to 256)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--budget", type=float, default=0.3, help="seconds per candidate per (shape, M)")
     ap.add_argument("--quick", action="store_true")

@@ -92,13 +92,14 @@ def test_kquant_dequantize_cpp_is_bit_identical(name):
 
 @pytest.mark.parametrize("name", KINDS)
 def test_kquant_linear_within_fp32_rounding(name):
-    """Odd n, m from 1 (GEMV) to 65 (dequantize + GEMM), fp32 and bf16 x, against float64 x @ W^T."""
+    """Odd n, m from 1 (GEMV) through 5..65 (tile GEMM) to 257 (blocks x torch's GEMM), fp32 and bf16 x, against
+    float64 x @ W^T."""
     _needs_kernels()
     n, k = 37, 512
     blocks = _random_blocks(name, n, k, seed=3)
     kind = int(name[1])
     w = _gguf_values(name, blocks, n).double()
-    for m in (1, 2, 3, 4, 5, 17, 65):
+    for m in (1, 2, 3, 4, 5, 17, 65, 257):
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(m, k).to(dtype)
             y = torch.ops.affineq.kquant_linear(x, blocks, kind, n, k)

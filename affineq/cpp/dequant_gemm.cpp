@@ -1,8 +1,9 @@
 // A dense-format weight dequantized at memory speed (affineq::dense_dequantize), and the compute-bound linear
-// built on it (affineq::dequant_linear): W is dequantized in blocks of output rows that stay in cache, each
-// block multiplied with x by torch's own GEMM (at::mm_out into the output's column slice: oneDNN / MKL, which
-// pick AMX, AVX-512 or AVX2 themselves at run time). The packed weight is read once per call in its compact
-// form; the arithmetic runs at the float GEMM's speed, which at large m beats the fused paths of dispatch.cpp.
+// built on it (affineq::dequant_linear): blocked_gemm.h's driver (W dequantized in blocks of output rows that
+// stay in cache, each block multiplied with x by torch's own GEMM: oneDNN / MKL, which pick AMX, AVX-512 or AVX2
+// themselves at run time) with the 16-row panels' decoder below. The packed weight is read once per call in its
+// compact form; the arithmetic runs at the float GEMM's speed, which at large m beats the fused paths of
+// dispatch.cpp.
 //
 // Values: the weight of a block is exactly what dense_dequantize returns (the values of the Python
 // `Dense.dequantize`, bit for bit): w = fma(c(u), scale, offset) with one rounding, or, for fp32 qparams of
@@ -12,14 +13,15 @@
 //   dequant_linear, bf16_weight = true (bf16 x): F.linear(x, W.to(bf16)), the bf16 GEMM with fp32 accumulation.
 // Both equal dequantize-then-F.linear up to the GEMM's summation order.
 #include <ATen/ATen.h>
-#include <ATen/ThreadLocalState.h>
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <torch/library.h>
 
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
+#include "blocked_gemm.h"
 #include "common.h"
 #include "decode.h"
 
@@ -353,46 +355,29 @@ at::Tensor dequant_linear_cpu(const at::Tensor& x, const at::Tensor& packed, con
   const at::ScalarType ct = bf16_weight ? at::kBFloat16 : at::kFloat;  // compute dtype of x, W and the GEMM
   const at::Tensor x2 = x.detach().reshape({-1, k}).to(ct).contiguous();
   const int64_t M = x2.size(0);
-  const bool tr = transposed_output(), wt = weight_transposed();
-  at::Tensor y = tr ? at::empty({n, M}, x2.options()) : at::empty({M, n}, x2.options());
-  const at::Tensor x2t = x2.t();
-  if (M > 0 && n > 0) {
-    // One parallel region: each thread takes a contiguous range of panels (output columns), dequantizes a block
-    // of them into its own buffer and multiplies it with all of x by a GEMM that runs on that thread (oneDNN and
-    // MKL run single-threaded inside a parallel region). One fork/join per call, however many blocks.
-    const detail::Ctx c = detail::make_ctx(p);
-    const int64_t es = bf16_weight ? 2 : 4, bp = block_panels(k, es);
-    const at::ThreadLocalState tls;  // the caller's inference mode, dispatch keys, ... for the workers' GEMMs
-    at::parallel_for(0, c.npan, 1, [&](int64_t q0, int64_t q1) {
-      const at::ThreadLocalStateGuard tls_guard(tls);
-      const int64_t cap = std::min(q1 - q0, bp) * 16;  // rows of the largest block
-      at::Tensor buf = wt ? at::empty({k, cap}, x2.options()) : at::empty({cap, k}, x2.options());
-      for (int64_t b0 = q0; b0 < q1; b0 += bp) {
-        const int64_t b1 = std::min(q1, b0 + bp), r0 = 16 * b0, rows = std::min(16 * b1, n) - r0;
-        // W^T blocks are [k, rows] with a row stride of rows (contiguous), W blocks [rows, k]
-        at::Tensor wblk = wt ? buf.view(-1).narrow(0, 0, k * rows).view({k, rows}).t() : buf.narrow(0, 0, rows);
-        void* dst = buf.mutable_data_ptr();
-        detail::with_width(p.bits, p.codes, [&](auto B_) {
-          constexpr int B = AQ_CV(B_);
-          if (wt && bf16_weight) detail::dequant_panels<B, true, true>(c, canonical, b0, b1, dst, rows);
-          else if (wt) detail::dequant_panels<B, false, true>(c, canonical, b0, b1, dst, rows);
-          else if (bf16_weight) detail::dequant_panels<B, true>(c, canonical, b0, b1, dst, k);
-          else detail::dequant_panels<B, false>(c, canonical, b0, b1, dst, k);
-        });
-        if (tr) {
-          at::Tensor out = y.narrow(0, r0, rows);
-          at::mm_out(out, wblk, x2t);
-        } else {
-          at::Tensor out = y.narrow(1, r0, rows);
-          at::mm_out(out, x2, wblk.t());
-        }
-      }
-    });
-  }
-  if (tr) y = y.t();
-  std::vector<int64_t> sizes = x.sizes().vec();
-  sizes.back() = n;
-  return y.to(xt).contiguous().view(sizes);
+  at::Tensor y;
+  if (n == 0 || M == 0) return at::empty({M, n}, x2.options()).to(xt).view(detail::out_sizes(x, n));
+  const detail::Ctx c = detail::make_ctx(p);
+  const int64_t es = bf16_weight ? 2 : 4;
+  const detail::BlockedGemmShape shape{16, block_panels(k, es), weight_transposed(), transposed_output()};
+  detail::with_width(p.bits, p.codes, [&](auto B_) {
+    constexpr int B = AQ_CV(B_);
+    // one instantiation of the decoder per (layout, dtype): the panels' column vectors stored as they come
+    // (W^T) or transposed per 8x16 tile (W)
+    const auto run = [&](auto WT_, auto BF_) {
+      constexpr bool kWT = AQ_CV(WT_), kBf = AQ_CV(BF_);
+      y = detail::blocked_linear(x2, n, k, shape, [&](int64_t b0, int64_t b1, void* dst, int64_t ld) {
+        detail::dequant_panels<B, kBf, kWT>(c, canonical, b0, b1, dst, ld);
+      });
+    };
+    using T = std::true_type;
+    using F = std::false_type;
+    if (shape.weight_transposed && bf16_weight) run(T{}, T{});
+    else if (shape.weight_transposed) run(T{}, F{});
+    else if (bf16_weight) run(F{}, T{});
+    else run(F{}, F{});
+  });
+  return y.to(xt).contiguous().view(detail::out_sizes(x, n));
 }
 
 }  // namespace

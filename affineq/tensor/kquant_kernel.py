@@ -7,7 +7,8 @@
 `blocks` are the GGUF tensor's super-blocks as `format_kquant` stores them (`qdata`), `kind` the digit of the
 format name (4 for q4_k). The C++ kernel decodes each super-block once per call and forms every weight exactly
 as `dequantize` does (fp32; `kquant_dequantize` is bit-identical to it), then sums fp32 products: at one to four
-rows of x a fused GEMV over the packed bytes, above that fp32 weight tiles multiplied by torch's GEMM. So the
+rows of x (q6_k: one) a fused GEMV over the packed bytes, up to 256 rows a GEMM on fp32 tiles of the weight
+decoded into L1, above that fp32 weight blocks multiplied by torch's GEMM. So the
 result is F.linear(x.float(), w.dequantize()) up to the order of the fp32 sums, per output
 |y - y_exact| <= K * 2**-24 * sum_k |x_k| |w_k| (recursive summation's bound, any order; tests/test_kquant.py
 asserts it), then the cast to x's dtype.
