@@ -176,9 +176,9 @@ def _write_tokenizer(out: Path) -> str:
     try:
         from affineq.models import smollm2_path
         from affineq.models._gguf import GGUFFile
-        from affineq.models.loaders import _gguf_tokenizer
+        from affineq.models.loaders import smollm_tokenizer
 
-        _gguf_tokenizer(GGUFFile(smollm2_path()).metadata).save_pretrained(out)
+        smollm_tokenizer(GGUFFile(smollm2_path()).metadata).save_pretrained(out)
         return "SmolLM2's tokenizer written"
     except Exception as e:  # noqa: BLE001 - optional: the checkpoint serves without it
         return f"no tokenizer written ({type(e).__name__}: {e})"
