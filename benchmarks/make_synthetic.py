@@ -185,15 +185,21 @@ def _write_tokenizer(out: Path) -> str:
 
 
 def make(name: str, out: Path, *, vocab: int = SMOLLM2_VOCAB, seed: int = 0, shard_gb: float = 2.0,
-         gguf_type: str | None = None, tokenizer: bool = True) -> dict:
-    """Write the checkpoint of body ``name`` into ``out`` (created); returns a summary."""
+         gguf_type: str | None = None, tokenizer: bool = True, gguf_only: bool = False) -> dict:
+    """Write the checkpoint of body ``name`` into ``out`` (created); returns a summary. ``gguf_only``: only the
+    GGUF (the same tensors as the safetensors written earlier with the same seed)."""
     if name not in SHAPES:
         raise ValueError(f"unknown body {name!r}; choose one of {', '.join(SHAPES)}")
     if gguf_type not in (None, "f16", "bf16"):
         raise ValueError(f"--gguf must be f16 or bf16, got {gguf_type!r}")
+    if gguf_only and gguf_type is None:
+        raise ValueError("--gguf-only needs --gguf f16 or bf16")
     shape = SHAPES[name]
     specs = tensor_specs(shape, vocab)
     out.mkdir(parents=True, exist_ok=True)
+    if gguf_only:
+        return {"body": name, "gguf": str(write_gguf(out / f"model-{gguf_type}.gguf", shape, specs, seed, gguf_type,
+                                                     vocab))}
     shards = _shards(specs, int(shard_gb * 2**30))
     weight_map, total = {}, 0
     for i, shard in enumerate(shards):
@@ -347,9 +353,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shard-gb", type=float, default=2.0)
     p.add_argument("--gguf", choices=["f16", "bf16"], default=None, help="also write an F16 / BF16 GGUF")
     p.add_argument("--no-tokenizer", action="store_true")
+    p.add_argument("--gguf-only", action="store_true", help="write only the GGUF (safetensors written earlier)")
     args = p.parse_args(argv)
     print(json.dumps(make(args.body, args.out, vocab=args.vocab_size, seed=args.seed, shard_gb=args.shard_gb,
-                          gguf_type=args.gguf, tokenizer=not args.no_tokenizer)))
+                          gguf_type=args.gguf, tokenizer=not args.no_tokenizer, gguf_only=args.gguf_only)))
 
 
 if __name__ == "__main__":

@@ -105,3 +105,12 @@ def test_tiny_gguf_holds_the_same_tensors_in_llama_cpp_layout(tiny):
     # llama3 rope factors: 1 for the high frequencies, `factor` for the lowest ones.
     freqs = torch.from_numpy(tensors["rope_freqs.weight"].data.copy())
     assert freqs.shape == (d // 2,) and freqs[0] == 1.0 and freqs[-1] == 8.0
+
+
+def test_gguf_only_writes_the_same_gguf_and_nothing_else(tiny, tmp_path):
+    out, summary = tiny
+    again = ms.make("tiny-llama", tmp_path, vocab=256, seed=3, gguf_type="bf16", gguf_only=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model-bf16.gguf"]
+    assert Path(again["gguf"]).read_bytes() == Path(summary["gguf"]).read_bytes()
+    with pytest.raises(ValueError, match="--gguf-only needs --gguf"):
+        ms.make("tiny-llama", tmp_path, gguf_only=True)
