@@ -333,10 +333,10 @@ def _decode(data: Path, body: str, cfg: str, *, prompt: int, n: int, batch: int 
 
 
 def rows_quantize(a, data: Path) -> list[dict]:
-    big = SMALL if a.quick else BIG
+    big = a.small if a.quick else a.big
     tmp = data / "bench_scale_tmp"
     out = []
-    for body in dict.fromkeys([big, SMALL]):
+    for body in dict.fromkeys([big, a.small]):
         keep = not (data / f"{body}-int4-g32" / "config.json").exists()  # then the result is --prepare's directory
         dst = data / f"{body}-int4-g32" if keep else tmp / f"{body}-int4-g32"
         subprocess.run(["rm", "-rf", str(dst)], check=True)
@@ -351,8 +351,8 @@ def rows_quantize(a, data: Path) -> list[dict]:
                 shutil.copy2(f, dst)
         else:
             subprocess.run(["rm", "-rf", str(dst)], check=True)
-    r = run_child(__file__, json.dumps({"kind": "quantize-on-load", "src": str(data / SMALL), "config": "int4-g32"}))
-    r.update(row=f"from_pretrained + AffineqConfig {SMALL} int4-g32",
+    r = run_child(__file__, json.dumps({"kind": "quantize-on-load", "src": str(data / a.small), "config": "int4-g32"}))
+    r.update(row=f"from_pretrained + AffineqConfig {a.small} int4-g32",
              vs_quantize_checkpoint=r["s"] / out[-1]["s"])
     out.append(r)
     return out
@@ -361,7 +361,7 @@ def rows_quantize(a, data: Path) -> list[dict]:
 def rows_decode(a, data: Path, py: Path | None) -> list[dict]:
     n, prompt = (4, 16) if a.quick else (64, 128)
     out = []
-    for body in ([SMALL] if a.quick else [SMALL, BIG]):
+    for body in ([a.small] if a.quick else [a.small, a.big]):
         for cfg, gguf in (("int4-g32", "q4_0"), ("int8", "q8_0")):
             r = _decode(data, body, cfg, prompt=prompt, n=n, a=a)
             out.append({"row": f"{body} affineq {cfg}", **r})
@@ -376,19 +376,19 @@ def rows_prefill(a, data: Path, py: Path | None) -> list[dict]:
     out = []
     for prompt in ((64, 128) if a.quick else (512, 2048)):
         for cfg in ("int4-g32", "int8", "bf16"):
-            out.append({"row": f"{SMALL} {prompt} tokens affineq {cfg}", **_decode(data, SMALL, cfg, prompt=prompt,
+            out.append({"row": f"{a.small} {prompt} tokens affineq {cfg}", **_decode(data, a.small, cfg, prompt=prompt,
                                                                                    n=2, a=a)})
         for gguf in ("q4_0", "q8_0"):
-            lr = _llama_row(py, data / SMALL / f"model-{gguf}.gguf", prompt, 2, a.threads, a.repeats)
+            lr = _llama_row(py, data / a.small / f"model-{gguf}.gguf", prompt, 2, a.threads, a.repeats)
             if lr:
-                out.append({"row": f"{SMALL} {prompt} tokens llama.cpp {gguf.upper()}", **lr})
+                out.append({"row": f"{a.small} {prompt} tokens llama.cpp {gguf.upper()}", **lr})
     return out
 
 
 def rows_batch(a, data: Path) -> list[dict]:
     n, prompt, batches = (4, 16, (1, 2)) if a.quick else (64, 128, (1, 4, 16))
-    return [{"row": f"{SMALL} affineq {cfg} batch {b}", "batch": b,
-             **_decode(data, SMALL, cfg, prompt=prompt, n=n, batch=b, a=a)}
+    return [{"row": f"{a.small} affineq {cfg} batch {b}", "batch": b,
+             **_decode(data, a.small, cfg, prompt=prompt, n=n, batch=b, a=a)}
             for cfg in ("int4-g32", "int8", "bf16") for b in batches]
 
 
@@ -397,8 +397,8 @@ def rows_long_context(a, data: Path) -> list[dict]:
     out = []
     for kv, dtype in ((None, "float32"), (None, "bfloat16"), ("int8", "bfloat16"), ("int4", "bfloat16")):
         label = f"kv {kv or ('fp32' if dtype == 'float32' else 'bf16')} ({dtype} activations)"
-        out.append({"row": f"{SMALL} int4-g32 {prompt} ctx {label}",
-                    **_decode(data, SMALL, "int4-g32", prompt=prompt, n=n, kv=kv, dtype=dtype, a=a)})
+        out.append({"row": f"{a.small} int4-g32 {prompt} ctx {label}",
+                    **_decode(data, a.small, "int4-g32", prompt=prompt, n=n, kv=kv, dtype=dtype, a=a)})
     return out
 
 
@@ -410,7 +410,7 @@ def rows_kv_accuracy(a) -> list[dict]:
 
 
 def rows_memory(a, data: Path) -> list[dict]:
-    body = SMALL if a.quick else BIG
+    body = a.small if a.quick else a.big
     r = _decode(data, body, "int4-g32", prompt=16 if a.quick else 128, n=4 if a.quick else 16,
                 a=argparse.Namespace(**{**vars(a), "quick": True, "repeats": 1}))  # eager decoder: no compiler
     bound = 1.15 * (r["model_bytes"] + r["kv_cache_bytes"]) / MiB + 300
@@ -447,6 +447,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rows", nargs="+", default=ROWS, choices=ROWS)
     p.add_argument("--data", type=Path, default=Path("/work/data"), help="where the checkpoints are (--prepare)")
     p.add_argument("--prepare", action="store_true", help="write the checkpoints the rows need, then exit")
+    p.add_argument("--small", default=SMALL, help="the 1B body (make_synthetic.py's name)")
+    p.add_argument("--big", default=BIG, help="the 8B body")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--llama-python", default=None, help="python of the llama-cpp-python venv")
@@ -460,7 +462,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     py = _llama_python(a.llama_python)
     if a.prepare:
-        prepare(a.data, [SMALL] if a.quick else [SMALL, BIG], py, a.threads)
+        prepare(a.data, [a.small] if a.quick else [a.small, a.big], py, a.threads)
         return
     if a.quick:
         a.repeats, a.no_save = 1, True
