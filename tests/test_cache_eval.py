@@ -96,3 +96,10 @@ def test_fusion_copy_bytes_and_the_auto_rule(monkeypatch):
     assert calls == [] and torch.equal(out, ref)
     StaticDecoder(model, 1, 32, compile=False, fuse=True)  # forced
     assert calls == [3, 2, 3, 2]
+
+
+def test_int4_cache_default_group_is_the_head_dim_when_smaller_than_32():
+    from affineq.models.kv_cache import QuantizedKVCache
+
+    assert QuantizedKVCache("int4", 1, (1, 2, 8, 16), None, torch.device("cpu")).group_size == 16
+    assert QuantizedKVCache("int4", 1, (1, 2, 8, 64), None, torch.device("cpu")).group_size == 32
