@@ -38,6 +38,10 @@ Rows (``--rows``; every measurement runs in a fresh subprocess, one after anothe
   1.15 x (model bytes + KV cache bytes) + 300 MB (model bytes: every parameter's stored bytes, the bf16 embedding
   included).
 
+llama.cpp: the llama-cpp-python venv's python from ``--llama-python``, $AFFINEQ_LLAMA_PYTHON or
+.venv-llamacpp/bin/python in the repository root; without it the llama.cpp rows are skipped with a message.
+``--small`` / ``--big`` name other make_synthetic.py bodies (e.g. ``--small tiny-llama --quick`` for a fast check).
+
 ``--quick``: the 1B in place of the 8B, small prompts and windows, 1 repeat, eager decoder: checks that the rows
 run (the numbers are not timings). Results: results/bench_scale.json (each row group replaces its own entry).
 """
