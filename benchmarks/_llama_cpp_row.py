@@ -51,7 +51,8 @@ def run(args: dict) -> dict:
         raise ValueError("new_tokens must be >= 2 (decode time covers tokens 2..n)")
     threads = int(args.get("threads", 2))
     t = time.perf_counter()
-    llm = Llama(model_path=args["model"], n_ctx=512, n_batch=512, n_threads=threads, n_threads_batch=threads,
+    n_ctx = max(512, len(ids) + n)  # bench_scale's long prompts
+    llm = Llama(model_path=args["model"], n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads, n_threads_batch=threads,
                 logits_all=False, verbose=False)
     load_s = time.perf_counter() - t
     row: dict = {"load_s": load_s, "llama_cpp_threads": threads}

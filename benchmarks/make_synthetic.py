@@ -242,22 +242,26 @@ def _write_tokenizer(out: Path) -> str:
     try:
         from affineq.models import smollm2_path
         from affineq.models._gguf import GGUFFile
-        from affineq.models.loaders import _gguf_tokenizer
+        from affineq.models.loaders import smollm_tokenizer
 
-        _gguf_tokenizer(GGUFFile(smollm2_path()).metadata).save_pretrained(out)
+        smollm_tokenizer(GGUFFile(smollm2_path()).metadata).save_pretrained(out)
         return "SmolLM2's tokenizer written"
     except Exception as e:  # noqa: BLE001 - optional: the checkpoint serves without it
         return f"no tokenizer written ({type(e).__name__}: {e})"
 
 
 def make(name: str, out: Path, *, vocab: int | None = None, seed: int = 0, shard_gb: float = 2.0,
-         gguf_type: str | None = None, tokenizer: bool = True, layers: int | None = None) -> dict:
+         gguf_type: str | None = None, tokenizer: bool = True, layers: int | None = None,
+         gguf_only: bool = False) -> dict:
     """Write the checkpoint of body ``name`` into ``out`` (created); returns a summary. vocab: None is SmolLM2's
-    for the dense bodies, the real model's for the MoE ones; layers: None is the body's own count."""
+    for the dense bodies, the real model's for the MoE ones; layers: None is the body's own count; ``gguf_only``:
+    only the GGUF (the same tensors as the safetensors written earlier with the same seed)."""
     if name not in SHAPES and name not in MOE_SHAPES:
         raise ValueError(f"unknown body {name!r}; choose one of {', '.join([*SHAPES, *MOE_SHAPES])}")
     if gguf_type not in (None, "f16", "bf16"):
         raise ValueError(f"--gguf must be f16 or bf16, got {gguf_type!r}")
+    if gguf_only and gguf_type is None:
+        raise ValueError("--gguf-only needs --gguf f16 or bf16")
     if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 1):
         raise ValueError(f"--layers must be a positive int, got {layers!r}")
     moe = name in MOE_SHAPES
@@ -269,6 +273,9 @@ def make(name: str, out: Path, *, vocab: int | None = None, seed: int = 0, shard
     vocab = vocab if vocab is not None else (shape.vocab if moe else SMOLLM2_VOCAB)
     specs = moe_tensor_specs(shape, vocab) if moe else tensor_specs(shape, vocab)
     out.mkdir(parents=True, exist_ok=True)
+    if gguf_only:
+        return {"body": name, "gguf": str(write_gguf(out / f"model-{gguf_type}.gguf", shape, specs, seed, gguf_type,
+                                                     vocab))}
     shards = _shards(specs, int(shard_gb * 2**30))
     weight_map, total = {}, 0
     for i, shard in enumerate(shards):
@@ -424,9 +431,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shard-gb", type=float, default=2.0)
     p.add_argument("--gguf", choices=["f16", "bf16"], default=None, help="also write an F16 / BF16 GGUF")
     p.add_argument("--no-tokenizer", action="store_true")
+    p.add_argument("--gguf-only", action="store_true", help="write only the GGUF (safetensors written earlier)")
     args = p.parse_args(argv)
     print(json.dumps(make(args.body, args.out, vocab=args.vocab_size, seed=args.seed, shard_gb=args.shard_gb,
-                          gguf_type=args.gguf, tokenizer=not args.no_tokenizer, layers=args.layers)))
+                          gguf_type=args.gguf, tokenizer=not args.no_tokenizer, layers=args.layers,
+                          gguf_only=args.gguf_only)))
 
 
 if __name__ == "__main__":

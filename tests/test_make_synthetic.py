@@ -130,3 +130,12 @@ def test_tiny_moe_checkpoint_loads_in_transformers(tmp_path):
         assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
     with pytest.raises(ValueError, match="--layers"):
         ms.make("tiny-qwen3-moe", tmp_path / "x", layers=0)
+
+
+def test_gguf_only_writes_the_same_gguf_and_nothing_else(tiny, tmp_path):
+    out, summary = tiny
+    again = ms.make("tiny-llama", tmp_path, vocab=256, seed=3, gguf_type="bf16", gguf_only=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model-bf16.gguf"]
+    assert Path(again["gguf"]).read_bytes() == Path(summary["gguf"]).read_bytes()
+    with pytest.raises(ValueError, match="--gguf-only needs --gguf"):
+        ms.make("tiny-llama", tmp_path, gguf_only=True)

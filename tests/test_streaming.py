@@ -172,9 +172,11 @@ def test_transformers_loads_the_output(tmp_path):
     torch.manual_seed(0)
     LlamaForCausalLM(hf_cfg).save_pretrained(tmp_path / "float", max_shard_size="40KB")
     (tmp_path / "float" / "tokenizer_config.json").write_text("{}")
+    (tmp_path / "float" / "model-f16.gguf").write_bytes(b"GGUF")  # the same weights for llama.cpp: not copied
     assert len(list((tmp_path / "float").glob("*.safetensors"))) > 1
     info = affineq.quantize_checkpoint(tmp_path / "float", tmp_path / "q", cfg, max_shard_bytes=20_000)
     assert len(info.files) > 1 and (tmp_path / "q" / "tokenizer_config.json").read_text() == "{}"
+    assert not (tmp_path / "q" / "model-f16.gguf").exists()
     assert json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["quant_method"] == "affineq"
     ref = AutoModelForCausalLM.from_pretrained(tmp_path / "float", dtype=torch.float32).eval()
     affineq.quantize_(ref, cfg)

@@ -48,7 +48,7 @@ def _weights_key(model: nn.Module) -> tuple:
 
 
 def _decoder(model: nn.Module, batch: int, length: int, compile: bool, compile_prefill: bool, cpp_wrapper: bool,
-             fuse: bool, kv_cache_dtype, kv_group_size: int | None) -> StaticDecoder:
+             fuse: bool | None, kv_cache_dtype, kv_group_size: int | None) -> StaticDecoder:
     max_len = -(-length // _CACHE_BLOCK) * _CACHE_BLOCK
     per_model = _decoders.setdefault(model, {})
     key = (batch, max_len, compile, compile_prefill, cpp_wrapper, fuse, next(model.parameters()).dtype,
@@ -154,7 +154,7 @@ def generate(
     compile: bool = True,
     compile_prefill: bool = False,
     cpp_wrapper: bool = True,
-    fuse_projections: bool = True,
+    fuse_projections: bool | None = None,
     kv_cache_dtype: torch.dtype | str | None = None,
     kv_group_size: int | None = None,
     eos_token_id: int | list[int] | None = None,
@@ -188,8 +188,10 @@ def generate(
     compiled with ``compile_prefill=True`` on prompts padded to a multiple of 64 (static shapes: one compile per
     padded length; benchmarks/README.md has the trade-off). ``cpp_wrapper=True`` has inductor emit the code that
     calls the step's kernels as C++ instead of Python (less per-token overhead; its first compile takes longer,
-    later processes load it from inductor's cache). ``fuse_projections`` runs q/k/v and gate/up each as
-    one linear where their weights concatenate (same format and config).
+    later processes load it from inductor's cache). ``fuse_projections=True`` runs q/k/v and gate/up each as
+    one linear where their weights concatenate (same format and config); that concatenation is a copy the decoder
+    keeps, so the default (None) fuses only while the copies total at most ``static_decoder.FUSE_COPY_LIMIT``
+    (256 MiB: SmolLM2-size models; a 1B-8B model keeps one copy of its weights); False never fuses.
 
     Errors (ValueError, before any work): ids outside the vocabulary, prompt length + ``max_new_tokens`` above the
     model's ``max_position_embeddings``, a mask of another shape or not left-padded, an unknown

@@ -4,7 +4,7 @@ attention directly (``affineq.cpp.kv_attention``), never expanded to a float cop
 ``kv_cache_dtype`` options (``generate(..., kv_cache_dtype=...)``): None (the model dtype, no quantization),
 ``torch.int8`` / ``"int8"`` (one scale per head and token by default, as llama.cpp ``-ctk q8_0`` with a whole
 head per block; ``kv_group_size=32`` gives q8_0's blocks) and ``"int4"`` (groups of ``kv_group_size`` along the
-head dimension, default 32, as ``q4_0``). Keys are
+head dimension, default 32 or the head dimension if smaller, as ``q4_0``). Keys are
 quantized after the rotary embedding, both on write; every attention (prefill included) reads the quantized
 cache. Bytes per token and layer: int8 ``2 * KVH * (D + 4)``, int4 ``2 * KVH * (D / 2 + 4 * D / G)``.
 """
@@ -40,7 +40,7 @@ class QuantizedKVCache:
 
         b, kvh, t, d = shape
         self.kind = kind
-        self.group_size = group_size or (d if kind == "int8" else 32)
+        self.group_size = group_size or (d if kind == "int8" else min(32, d))
         if not isinstance(self.group_size, int) or self.group_size <= 0 or d % self.group_size or (
                 kind == "int4" and self.group_size % 2):
             raise ValueError(f"kv_group_size must divide the head dimension {d} and be even for an int4 KV cache, "

@@ -23,12 +23,18 @@ from torch import nn
 from .attention_variants import AttentionSpec, attend_compiled, attend_eager_math, attend_sdpa, window_keys
 from .moe_block import experts_implementation, gated_mlp_forward, is_moe_block, moe_forward
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "StaticDecoder", "PREFILL_BLOCK", "padded_prompt_length"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "StaticDecoder", "PREFILL_BLOCK", "FUSE_COPY_LIMIT", "fusion_copy_bytes",
+           "padded_prompt_length"]
 
 _HF_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gpt_oss", "gemma3_text")
 SUPPORTED_ARCHITECTURES = (*_HF_TYPES, "affineq TinyLM")
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 PREFILL_BLOCK = 64  # compiled prefill: prompts are padded to a multiple of this (static shapes, few graphs)
+# Fusing q/k/v and gate/up concatenates their weights: a copy the decoder holds next to the model's own. With
+# fuse=None the decoder fuses only while all copies together stay under this many bytes: a small model gains from
+# fewer linear calls per token, a 1B-8B one would double most of its weight memory for a gain that its weight
+# read time dwarfs (llama.cpp does not fuse either).
+FUSE_COPY_LIMIT = 256 * 2**20
 
 
 def padded_prompt_length(s: int) -> int:
@@ -81,6 +87,24 @@ class _Layer:
     post_attn_norm: nn.Module | None = None
     post_mlp_norm: nn.Module | None = None
     rope: int = 0
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    """Stored bytes of a weight (a quantized tensor subclass reports its own through ``storage_bytes``)."""
+    own = getattr(t, "storage_bytes", None)
+    return int(own()) if callable(own) else t.numel() * t.element_size()
+
+
+def fusion_copy_bytes(blocks) -> int:
+    """Bytes that fusing q/k/v and gate/up of these decoder layers would copy (Linear weights and biases)."""
+    total = 0
+    for blk in blocks:
+        mods = [getattr(blk.self_attn, n, None) for n in ("q_proj", "k_proj", "v_proj")]
+        mods += [getattr(blk.mlp, n, None) for n in ("gate_proj", "up_proj")]
+        for m in mods:
+            if isinstance(m, nn.Linear):
+                total += sum(_tensor_bytes(t) for t in (m.weight, m.bias) if t is not None)
+    return total
 
 
 def _unfused(*mods: nn.Module) -> Callable[[torch.Tensor], list[torch.Tensor]]:
@@ -171,9 +195,12 @@ def _hf_ropes(model: nn.Module, cfg, head_dim: int) -> tuple[list, list[int]]:
     return [table(n) for n in names], per_layer
 
 
-def _describe(model: nn.Module, fuse: bool) -> _Arch:
+def _describe(model: nn.Module, fuse: bool | None) -> _Arch:
     from .tiny import TinyLM, _rope_angles
 
+    if fuse is None:
+        blocks = model.layers if isinstance(model, TinyLM) else getattr(getattr(model, "model", None), "layers", [])
+        fuse = fusion_copy_bytes(blocks) <= FUSE_COPY_LIMIT
     dtype = next(model.parameters()).dtype
     if isinstance(model, TinyLM):
         cfg = model.config
@@ -269,6 +296,9 @@ class StaticDecoder:
     """A model's decoder over a preallocated KV cache: ``forward(ids [B, S], pos [S]) -> logits [B, V]`` of the
     last position, writing keys/values of cache slots ``pos`` into the cache.
 
+    ``fuse``: run q/k/v and gate/up each as one linear over concatenated weights (a copy): True, False, or None
+    (fuse while the copies total at most ``FUSE_COPY_LIMIT`` bytes, ``fusion_copy_bytes``).
+
     Cache: per layer keys and values [B, kv_heads, T, head_dim] (T = ``max_len``) in the model dtype, or int8 /
     int4 codes with scales (``kv_cache_dtype``, see ``affineq.models.kv_cache``). Each query attends to the slots
     <= its own that hold a real token (``valid`` [B, T]: False on a row's left padding), so one compiled graph
@@ -277,7 +307,7 @@ class StaticDecoder:
     """
 
     def __init__(self, model: nn.Module, batch: int, max_len: int, *, compile: bool = True,
-                 compile_prefill: bool = False, cpp_wrapper: bool = True, fuse: bool = True,
+                 compile_prefill: bool = False, cpp_wrapper: bool = True, fuse: bool | None = None,
                  kv_cache_dtype: str | torch.dtype | None = None, kv_group_size: int | None = None):
         from .kv_cache import QuantizedKVCache, kv_cache_kind
 
@@ -351,7 +381,23 @@ class StaticDecoder:
         padded[:, :s] = ids
         return self.prefill(padded, torch.arange(p, device=dev), torch.tensor([s - 1], device=dev))
 
-    def forward(self, ids: torch.Tensor, pos: torch.Tensor, last: torch.Tensor | None = None) -> torch.Tensor:
+    def score(self, ids: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced logits [B, S, V] (fp32) of ids [B, S] from an empty cache (slots 0..S-1, no padding): the
+        prediction at every position through the same cache code as decoding (for perplexity with a quantized
+        KV cache). Eager; S <= max_len."""
+        b, s = ids.shape
+        if b != self.batch or not 0 < s <= self.max_len:
+            raise ValueError(f"ids must be [{self.batch}, S] with 0 < S <= max_len {self.max_len}; got "
+                             f"{tuple(ids.shape)}")
+        self.set_padding(None)
+        with torch.inference_mode():
+            return self.forward(ids, torch.arange(s, device=ids.device), every_position=True).float()
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, last: torch.Tensor | None = None,
+                every_position: bool = False) -> torch.Tensor:
+        """Logits [B, V] of the last position (or of position ``last`` [1]), or [B, S, V] of every position with
+        ``every_position=True`` (teacher forcing: each position attends through the cache, quantized or not, to
+        the slots <= its own, exactly as a decode step at that position would)."""
         a = self.arch
         b, s = ids.shape
         x = a.embed(ids)
@@ -377,7 +423,8 @@ class StaticDecoder:
             x = x + (o if layer.post_attn_norm is None else layer.post_attn_norm(o))
             m = layer.mlp(layer.norm2(x))
             x = x + (m if layer.post_mlp_norm is None else layer.post_mlp_norm(m))
-        x = x[:, -1] if last is None else x.index_select(1, last)[:, 0]
+        if not every_position:
+            x = x[:, -1] if last is None else x.index_select(1, last)[:, 0]
         logits = a.lm_head(a.norm(x))
         if a.final_softcap is not None:  # Gemma: cap * tanh(logits / cap)
             logits = torch.tanh(logits / a.final_softcap) * a.final_softcap
