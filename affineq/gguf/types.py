@@ -36,7 +36,7 @@ from affineq.tensor.affine import AffineQuantizedTensor
 from affineq.tensor.format_kquant import KQUANT_TYPES, dense_tensors, kquant_spec
 from affineq.tensor.spec import QuantSpec
 
-__all__ = ["FLOAT_TYPES", "READ_TYPES", "WRITE_TYPES", "from_tensor", "to_tensor"]
+__all__ = ["FLOAT_TYPES", "READ_TYPES", "WRITE_TYPES", "from_tensor", "legacy_spec", "legacy_tensor", "to_tensor"]
 
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _KQUANTS = {name.upper(): name for name in KQUANT_TYPES}
@@ -72,13 +72,24 @@ def to_tensor(entry: GGUFEntry, *, widen_kquants: bool = False) -> torch.Tensor:
         return AffineQuantizedTensor.from_tensors(tensors, spec)
     if name == "MXFP4":
         return _mxfp4(entry, data)
-    target, symmetric = _LEGACY[name]
-    u, d, m = blocks.decode(name, data, entry.shape[1])
-    spec = QuantSpec.create(
-        entry.shape, torch.float32, target, (1, blocks.BLOCK), packing_format="dense",
+    return legacy_tensor(name, *blocks.decode(name, data, entry.shape[1]))
+
+
+def legacy_spec(ggml_type: str, shape: tuple[int, int], dtype: torch.dtype = torch.float32) -> QuantSpec:
+    """The `dense` spec holding a legacy block type (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL) exactly."""
+    target, symmetric = _LEGACY[ggml_type]
+    return QuantSpec.create(
+        tuple(shape), dtype, target, (1, blocks.BLOCK), packing_format="dense",
         mapping_type=MappingType.SYMMETRIC if symmetric else MappingType.ASYMMETRIC,
         zero_point_domain=ZeroPointDomain.NONE if symmetric else ZeroPointDomain.FLOAT,
     )
+
+
+def legacy_tensor(ggml_type: str, u: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+                  dtype: torch.dtype = torch.float32) -> AffineQuantizedTensor:
+    """The `dense` tensor of decoded legacy blocks (`blocks.decode`: codes u uint8 [R, K], d and m fp32
+    [R, K / 32], w = d * u + m): the codes bit-packed, d and m stored as is."""
+    spec = legacy_spec(ggml_type, tuple(u.shape), dtype)
     tensors = {"qdata": pack_codes(u.contiguous(), spec.target.bits), "scale": d.contiguous(),
                "offset": m.contiguous()}
     return AffineQuantizedTensor.from_tensors(tensors, spec)
