@@ -81,3 +81,21 @@ def test_config_model_saves_as_that_type_bit_identical(tmp_path):
         b = back[name].dequantize() if isinstance(back[name], AffineQuantizedTensor) else back[name].detach()
         assert torch.equal(a.float().view(torch.int32), b.float().view(torch.int32)), name
     assert ag.GGUFBlockConfig("Q8_0").check(torch.nn.Linear(48, 8)) is not None
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q5_0", "Q8_0"])
+def test_chunked_load_equals_one_shot(monkeypatch, kind):
+    """load_file decodes legacy tensors a few panels of rows at a time (small temporaries): three chunks and a
+    ragged tail give the same stored tensors as decoding at once, and gguf's values."""
+    from affineq.gguf import blocks
+    from affineq.gguf.reader import GGUFEntry
+
+    w = np.random.default_rng(5).standard_normal((37, 64)).astype(np.float32)
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[kind])
+    monkeypatch.setattr(types, "_CHUNK_ELEMENTS", 64)  # 16 rows per chunk: 16 + 16 + 5
+    got = types.to_tensor(GGUFEntry("w", kind, (37, 64), raw))
+    want = types.legacy_tensor(kind, *blocks.decode(kind, torch.from_numpy(raw.copy()), 64))
+    for name, t in want.tensors.items():
+        assert torch.equal(got.tensors[name], t), name
+    ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind])
+    assert np.array_equal(got.dequantize().numpy().view(np.uint32), ref.view(np.uint32))
