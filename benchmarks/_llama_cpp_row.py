@@ -12,6 +12,12 @@ eval(prompt) + first argmax; decode = the n - 1 single-token steps (eval + argma
 tok/s = (n - 1) / decode s, the definition bench_decode.py uses for every row. Median over `repeats`
 runs after one warm-up run. ``internal_decode_tok_s`` is llama.cpp's own timer of the same steps (no
 Python), to show what the binding adds.
+
+``{"task": "compare", "model": PATH, "prompt_ids": [...], "new_tokens": 24, "windows": [[ids], ...]}``
+(bench_gguf's correctness rows) prints instead ``ROW {"tokens": greedy ids, "nll": sum, "count": predictions,
+"ppl": exp(nll / count)}``: each window evaluated from an empty KV cache with every position's logits
+(logits_all), token i + 1 scored by log_softmax of position i's logits (natural log, float64), as
+affineq's side does on the same ids. Untimed.
 """
 
 from __future__ import annotations
@@ -43,6 +49,40 @@ def _greedy(llm: Llama, prompt_ids: list[int], n: int) -> tuple[list[int], float
         llm.eval([out[-1]])
         out.append(_argmax_last(llm))
     return out, t1 - t0, time.perf_counter() - t1
+
+
+def _window_nll(llm: Llama, window: list[int]) -> float:
+    """Sum of -log p(window[i + 1] | window[:i + 1]) over the window, from an empty KV cache."""
+    llm.reset()
+    llm.eval(window)
+    logits = np.asarray(llm.scores[: len(window) - 1], dtype=np.float64)
+    top = logits.max(axis=1, keepdims=True)
+    logz = np.log(np.exp(logits - top).sum(axis=1)) + top[:, 0]
+    return float((logz - logits[np.arange(len(window) - 1), window[1:]]).sum())
+
+
+def compare(args: dict) -> dict:
+    """Greedy tokens and perplexity on given ids (no timing): the "compare" task of the module docstring."""
+    import math
+
+    windows = [[int(i) for i in w] for w in args.get("windows", [])]
+    ids = [int(i) for i in args["prompt_ids"]]
+    n = int(args.get("new_tokens", 24))
+    threads = int(args.get("threads", 2))
+    n_ctx = max([len(ids) + n, *map(len, windows)])
+    llm = Llama(model_path=args["model"], n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=threads,
+                n_threads_batch=threads, logits_all=True, verbose=False)
+    row: dict = {"tokens": _greedy(llm, ids, n)[0] if n else []}
+    text = args.get("prompt_text")
+    if text is not None:
+        theirs = llm.tokenize(text.encode(), add_bos=bool(args.get("add_bos", False)), special=True)
+        row["tokenizer_ids_equal"] = theirs == ids
+        if theirs != ids:
+            row["llama_cpp_prompt_ids"] = theirs
+    nll = sum(_window_nll(llm, w) for w in windows)
+    count = sum(len(w) - 1 for w in windows)
+    row.update(nll=nll, count=count, ppl=math.exp(nll / count) if count else None)
+    return row
 
 
 def run(args: dict) -> dict:
@@ -87,4 +127,5 @@ def run(args: dict) -> dict:
 
 
 if __name__ == "__main__":
-    print("ROW " + json.dumps(run(json.loads(sys.argv[1]))), flush=True)
+    job = json.loads(sys.argv[1])
+    print("ROW " + json.dumps(compare(job) if job.get("task") == "compare" else run(job)), flush=True)

@@ -249,6 +249,8 @@ ALLOWED_PRIVATE = {
     ("affineq.recurrent", "affineq.tensor.linear_kernels._int8_codes_check"):
         "the recurrence runs the int8-codes kernel's precondition; the rename waits for the branch that adds "
         "kernels to linear_kernels.py",
+    ("affineq.gguf.models", "affineq._memory.trim_heap"):
+        "load_model gives its decoding temporaries back to the OS (resident memory ~ the tensors); as below",
     ("affineq.tensor.affine", "affineq._memory.release_float_copy"):
         "from_spec(chunk_rows=) gives a memory-mapped weight's pages back chunk by chunk; _memory is an OS "
         "helper below every layer",

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from affineq._memory import trim_heap
 from affineq.gguf import files, reader, types
 from affineq.gguf.reader import GGUFEntry
 from affineq.tensor.affine import AffineQuantizedTensor
@@ -181,6 +182,8 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
     if config.tie_word_embeddings:
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
     _materialize_buffers(model)
+    del contents, entries
+    trim_heap()  # the decoding temporaries, freed but kept by glibc's heap, back to the OS (resident ~ tensors)
     return model.eval()
 
 

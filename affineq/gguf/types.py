@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from affineq.bitpack import pack_codes, unpack_codes
+from affineq.bitpack import PANEL_ROWS, pack_codes, unpack_codes
 from affineq.gguf import blocks
 from affineq.gguf.reader import GGUFEntry
 from affineq.primitives import MappingType, ZeroPointDomain
@@ -36,7 +36,7 @@ from affineq.tensor.affine import AffineQuantizedTensor
 from affineq.tensor.format_kquant import KQUANT_TYPES, dense_tensors, kquant_spec
 from affineq.tensor.spec import QuantSpec
 
-__all__ = ["FLOAT_TYPES", "READ_TYPES", "WRITE_TYPES", "from_tensor", "to_tensor"]
+__all__ = ["FLOAT_TYPES", "READ_TYPES", "WRITE_TYPES", "from_tensor", "legacy_spec", "legacy_tensor", "to_tensor"]
 
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _KQUANTS = {name.upper(): name for name in KQUANT_TYPES}
@@ -57,6 +57,8 @@ def _unsupported(entry: GGUFEntry, why: str = "") -> ValueError:
 def to_tensor(entry: GGUFEntry, *, widen_kquants: bool = False) -> torch.Tensor:
     """The tensor of one GGUF entry (see the module docstring); quantized ones have logical dtype float32."""
     name = entry.ggml_type
+    if name in _LEGACY and len(entry.shape) == 2:
+        return _legacy_chunked(entry)
     data = torch.from_numpy(np.array(entry.data))  # a copy: the result outlives the file's mapping
     if name in FLOAT_TYPES:
         return data.view(FLOAT_TYPES[name]).reshape(entry.shape)
@@ -72,13 +74,46 @@ def to_tensor(entry: GGUFEntry, *, widen_kquants: bool = False) -> torch.Tensor:
         return AffineQuantizedTensor.from_tensors(tensors, spec)
     if name == "MXFP4":
         return _mxfp4(entry, data)
-    target, symmetric = _LEGACY[name]
-    u, d, m = blocks.decode(name, data, entry.shape[1])
-    spec = QuantSpec.create(
-        entry.shape, torch.float32, target, (1, blocks.BLOCK), packing_format="dense",
+    return legacy_tensor(name, *blocks.decode(name, data, entry.shape[1]))
+
+
+_CHUNK_ELEMENTS = 1 << 21  # rows decoded at a time: the byte-per-code temporaries stay ~2 MB, not the tensor's size
+
+
+def _legacy_chunked(entry: GGUFEntry) -> AffineQuantizedTensor:
+    """A legacy block tensor decoded a few panels of rows at a time into its final buffers (the codes unpacked to
+    a byte each would otherwise briefly take 2-4x the tensor's file size), read straight from the file's map."""
+    n, k = entry.shape
+    spec = legacy_spec(entry.ggml_type, (n, k))
+    bits = spec.target.bits
+    qdata = torch.empty(n, -(-k // 8) * bits, dtype=torch.uint8)
+    d_all = torch.empty(n, k // blocks.BLOCK)
+    m_all = torch.empty(n, k // blocks.BLOCK)
+    step = max(1, _CHUNK_ELEMENTS // k // PANEL_ROWS) * PANEL_ROWS  # panel-aligned: pack_codes packs by panels
+    for r in range(0, n, step):
+        chunk = torch.from_numpy(np.array(entry.data[r:r + step]))
+        u, d, m = blocks.decode(entry.ggml_type, chunk, k)
+        qdata[r:r + step] = pack_codes(u, bits)
+        d_all[r:r + step] = d
+        m_all[r:r + step] = m
+    return AffineQuantizedTensor.from_tensors({"qdata": qdata, "scale": d_all, "offset": m_all}, spec)
+
+
+def legacy_spec(ggml_type: str, shape: tuple[int, int], dtype: torch.dtype = torch.float32) -> QuantSpec:
+    """The `dense` spec holding a legacy block type (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL) exactly."""
+    target, symmetric = _LEGACY[ggml_type]
+    return QuantSpec.create(
+        tuple(shape), dtype, target, (1, blocks.BLOCK), packing_format="dense",
         mapping_type=MappingType.SYMMETRIC if symmetric else MappingType.ASYMMETRIC,
         zero_point_domain=ZeroPointDomain.NONE if symmetric else ZeroPointDomain.FLOAT,
     )
+
+
+def legacy_tensor(ggml_type: str, u: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+                  dtype: torch.dtype = torch.float32) -> AffineQuantizedTensor:
+    """The `dense` tensor of decoded legacy blocks (`blocks.decode`: codes u uint8 [R, K], d and m fp32
+    [R, K / 32], w = d * u + m): the codes bit-packed, d and m stored as is."""
+    spec = legacy_spec(ggml_type, tuple(u.shape), dtype)
     tensors = {"qdata": pack_codes(u.contiguous(), spec.target.bits), "scale": d.contiguous(),
                "offset": m.contiguous()}
     return AffineQuantizedTensor.from_tensors(tensors, spec)
