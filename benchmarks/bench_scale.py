@@ -366,7 +366,7 @@ def rows_quantize(a, data: Path) -> list[dict]:
 def rows_decode(a, data: Path, py: Path | None) -> list[dict]:
     n, prompt = (4, 16) if a.quick else (64, 128)
     out = []
-    for body in ([a.small] if a.quick else [a.small, a.big]):
+    for body in ([a.small] if a.quick or a.no_big else [a.small, a.big]):
         for cfg, gguf in (("int4-g32", "q4_0"), ("int8", "q8_0")):
             r = _decode(data, body, cfg, prompt=prompt, n=n, a=a)
             out.append({"row": f"{body} affineq {cfg}", **r})
@@ -458,6 +458,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prepare", action="store_true", help="write the checkpoints the rows need, then exit")
     p.add_argument("--small", default=SMALL, help="the 1B body (make_synthetic.py's name)")
     p.add_argument("--big", default=BIG, help="the 8B body")
+    p.add_argument("--no-big", action="store_true", help="decode row: the 1B body only")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--llama-python", default=None, help="python of the llama-cpp-python venv")
