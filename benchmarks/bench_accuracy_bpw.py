@@ -96,7 +96,7 @@ def bits_per_weight(model: nn.Module) -> tuple[float, int]:
 
 
 def run(config_names: list[str], budgets: list[float], imatrix: bool, quick: bool,
-        sensitivity_items: int = 4) -> list[dict]:
+        sensitivity_items: int = 2) -> list[dict]:
     sizes = QUICK if quick else FULL
     selected = decoder_linears(sizes["blocks"])
     model, tok = M.load_smollm2()
@@ -108,7 +108,7 @@ def run(config_names: list[str], budgets: list[float], imatrix: bool, quick: boo
     print(_line(rows[-1]), flush=True)
     importance = None
     data = M.calibration_batches(tok, sizes["calib_n"], sizes["calib_len"])
-    if imatrix:
+    if imatrix and config_names:
         start = time.perf_counter()
         importance = collect_importance(model, data, filter_fn=selected, progress_bar=False)
         print(f"# importance matrix: {len(importance)} linears, {sizes['calib_n']} x {sizes['calib_len']} tokens, "
@@ -128,36 +128,48 @@ def run(config_names: list[str], budgets: list[float], imatrix: bool, quick: boo
             rows.append(row)
             print(_line(row), flush=True)
             del q
-    for budget in budgets:
-        rows.append(_autoquant_row(model, budget, data, importance, selected, compare, sizes["quick_autoquant"],
-                                   sensitivity_items))
-        print(_line(rows[-1]), flush=True)
+    if budgets:
+        for row in _autoquant_rows(model, budgets, data, imatrix, selected, compare, sizes["quick_autoquant"],
+                                   sensitivity_items):
+            rows.append(row)
+            print(_line(row), flush=True)
     return rows
 
 
-def _autoquant_row(model, budget, data, importance, selected, compare, quick: bool, sensitivity_items: int = 4) -> dict:
-    """autoquant's plan at `budget` bits per weight over DEFAULT_CANDIDATES (and, with an importance matrix,
-    the importance-weighted versions of the sub-8-bit ones), applied to a copy of the model and compared."""
-    base = [CONFIGS[k]() for k in ("int3-g64", "int4-g64", "int8")] if quick else list(DEFAULT_CANDIDATES)
-    grid = {"ratios": (1.0, 0.9, 0.8)} if quick else {}
-    cands = list(base)
-    if importance is not None:
-        cands += [ImportanceWeightedConfig(c, importance=importance, progress=False, **grid) for c in base
-                  if not isinstance(c, Int8WeightOnlyConfig)]
+def _autoquant_rows(model, budgets, data, imatrix: bool, selected, compare, quick: bool,
+                    sensitivity_items: int = 2) -> list[dict]:
+    """autoquant's plans at `budgets` bits per weight (one measurement) over DEFAULT_CANDIDATES (plain and
+    importance-weighted rounding, the importance from the same calibration data; plain only without `imatrix`),
+    each applied to a copy of the model and compared."""
+    if quick:
+        plain = [CONFIGS[k]() for k in ("int3-g64", "int4-g64", "int8")]
+        cands = plain + ([ImportanceWeightedConfig(c, ratios=(1.0, 0.9, 0.8), progress=False) for c in plain[:2]]
+                         if imatrix else [])
+    else:
+        cands = [c for c in DEFAULT_CANDIDATES if imatrix or not isinstance(c, ImportanceWeightedConfig)]
     start = time.perf_counter()
-    plan = autoquant(model, budget, data, candidates=cands, filter_fn=selected, progress=False,
-                     sensitivity_items=sensitivity_items)
+    plans = autoquant(model, list(budgets), data, candidates=cands, filter_fn=selected, progress=True,
+                      sensitivity_items=sensitivity_items)
     search_s = time.perf_counter() - start
-    q = copy.deepcopy(model)
-    affineq.quantize_(q, plan)
-    bpw, n = bits_per_weight(q)
-    mix: dict[str, int] = {}
-    for cfg in plan.fqn_to_config.values():
-        weighted = isinstance(cfg, ImportanceWeightedConfig)
-        key = _short(getattr(cfg, "base_config", cfg)) + ("+imatrix" if weighted else "")
-        mix[key] = mix.get(key, 0) + 1
-    return {"config": f"autoquant@{budget}", "imatrix": importance is not None, "bpw": bpw, "weights": n,
-            "quantize_s": search_s, "mix": mix, **compare(q)}
+    print(f"# autoquant at {budgets} bpw: {search_s:.0f} s (one measurement; a loaded machine unless run alone)",
+          flush=True)
+    rows = []
+    for budget, plan in zip(budgets, plans, strict=True):
+        q = copy.deepcopy(model)
+        affineq.quantize_(q, plan)
+        bpw, n = bits_per_weight(q)
+        mix: dict[str, int] = {}
+        for cfg in plan.fqn_to_config.values():
+            weighted = isinstance(cfg, ImportanceWeightedConfig)
+            key = _short(getattr(cfg, "base_config", cfg)) + ("+imatrix" if weighted else "")
+            mix[key] = mix.get(key, 0) + 1
+        rows.append({"config": f"autoquant@{budget}", "imatrix": imatrix, "bpw": bpw, "weights": n,
+                     "search_s": search_s, "mix": mix,
+                     "plan": {f: _short(getattr(c, "base_config", c)) + ("+imatrix" if isinstance(
+                         c, ImportanceWeightedConfig) else "") for f, c in plan.fqn_to_config.items()},
+                     **compare(q)})
+        del q
+    return rows
 
 
 def _short(cfg: QuantConfig) -> str:
@@ -224,7 +236,7 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 2 x 64 eval tokens, int4-g64 and autoquant@4.5 only, the first 2 decoder blocks")
     p.add_argument("--no-save", action="store_true", help="print only; write nothing under results/")
-    p.add_argument("--sensitivity-items", type=int, default=4,
+    p.add_argument("--sensitivity-items", type=int, default=2,
                    help="calibration items of autoquant's model-units sensitivity pass (one forward each per layer)")
     args = p.parse_args(argv)
     if not M.available_models().get("smollm2"):

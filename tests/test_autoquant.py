@@ -229,3 +229,42 @@ def test_sensitivity_is_checked():
         autoquant(tiny(), 4.0, DATA, candidates=CANDIDATES, progress=False, sensitivity="fisher")
     with pytest.raises(ValueError, match="sensitivity_items=0 must be an int >= 1"):
         autoquant(tiny(), 4.0, DATA, candidates=CANDIDATES, progress=False, sensitivity_items=0)
+
+
+def test_replayed_blocks_give_the_divergence_of_a_full_forward():
+    # the sensitivity pass runs only the blocks from the layer's on (the earlier ones replay cached outputs);
+    # its scaled loss at the smallest candidate must be the KLD of a whole forward with that layer alone quantized
+    model, scaled = tiny(), []
+    autoquant(model, 16.0, DATA, candidates=CANDIDATES, progress=False, report=scaled, sensitivity="kld")
+    assert any(c.fqn.startswith("layers.1.") for c in scaled)  # a layer whose block 0 is replayed
+    for c in scaled:
+        q = quantize_(copy.deepcopy(model), FqnToConfig({c.fqn: CANDIDATES[0]}))
+        with torch.no_grad():
+            divs = [_kld(model(x), q(x)) for x in DATA]
+        assert c.loss[0] == pytest.approx(sum(divs) / len(divs), rel=1e-3), c.fqn
+
+
+def test_importance_comes_from_the_calibration_data_when_not_given():
+    from affineq.algorithms import ImportanceWeightedConfig, collect_importance
+
+    base = Int4WeightOnlyConfig(group_size=32)
+    imp = collect_importance(tiny(), DATA, progress_bar=False)  # the same matrix, from its own pass
+    given, filled = [], []
+    autoquant(tiny(), 4.5, DATA, candidates=(CANDIDATES[0], ImportanceWeightedConfig(base, importance=imp,
+              progress=False)), progress=False, report=given, sensitivity="layer")
+    plan = autoquant(tiny(), 4.5, DATA, candidates=(CANDIDATES[0], ImportanceWeightedConfig(base, progress=False)),
+                     progress=False, report=filled, sensitivity="layer")
+    for a, b in zip(given, filled, strict=True):
+        assert a.bits == b.bits and a.loss == pytest.approx(b.loss, rel=1e-4)
+    # the plan holds the filled-in matrix (it applies without calibration data) and fits the budget
+    weighted = [v for v in plan.fqn_to_config.values() if isinstance(v, ImportanceWeightedConfig)]
+    assert weighted and all(v.importance is not None for v in weighted)
+    bits, n = plan_bits(plan)
+    assert bits <= 4.5 * n
+
+
+def test_several_budgets_share_one_measurement():
+    plans = autoquant(tiny(), [3.2, 5.5], DATA, candidates=CANDIDATES, progress=False)
+    assert plans == [autoquant(tiny(), b, DATA, candidates=CANDIDATES, progress=False) for b in (3.2, 5.5)]
+    with pytest.raises(ValueError, match="budget_bits=-1"):
+        autoquant(tiny(), [4.0, -1], DATA, candidates=CANDIDATES, progress=False)
