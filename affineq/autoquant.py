@@ -11,8 +11,16 @@
        e(layer, candidate) = mean_x ||x D^T||^2 = trace(D H D^T)      (per token, summed over outputs)
 
    sensitivity="layer": loss = e. Otherwise a layer's output error costs the model more or less depending on
-   where it sits, so each layer's e is put in model units by one measured forward: its smallest candidate alone
-   applied, the divergence of the model's output from the float one,
+   where it sits. sensitivity="fisher" (default) weights each output channel n by the model's Fisher information
+   there, from one forward and backward over the sensitivity items for all layers at once (`_fisher`):
+
+       loss(layer, c) = 1/2 sum_n f_n (D H D^T)_nn,   f_n = mean_t g_tn^2,   g = d log p(y) / d(layer output)
+
+   with y sampled from the float model's own prediction: E[g g^T] is the Hessian of the KL divergence at the
+   float model, kept diagonal per token and output channel (a K-FAC-like factorisation; the dropped cross-token
+   terms make its absolute scale differ from a measured KLD, while the order of layers, which the knapsack
+   uses, follows it). The measured alternative puts each layer's e in model units by one forward per layer:
+   its smallest candidate alone applied, the divergence of the model's output from the float one,
 
        loss(layer, c) = e(layer, c) * div(layer, c_min) / e(layer, c_min)
 
@@ -99,7 +107,7 @@ def autoquant(model: nn.Module, budget_bits: float | Sequence[float], calibratio
               candidates: Sequence[QuantConfig] | None = None,
               filter_fn: Callable[[nn.Module, str], bool] | None = None,
               resolution: int = 4096, progress: bool = True, report: list | None = None,
-              sensitivity: str = "auto", sensitivity_items: int = 2) -> FqnToConfig | list[FqnToConfig]:
+              sensitivity: str = "fisher", sensitivity_items: int = 2) -> FqnToConfig | list[FqnToConfig]:
     """A config per selected linear of `model` minimising the summed output error (module docstring) with at
     most `budget_bits` bits per weight on average over those layers' weights, bits counted from each candidate's
     stored tensors. The model is not changed. A sequence of budgets gives a list of plans, one per budget, from
@@ -112,18 +120,20 @@ def autoquant(model: nn.Module, budget_bits: float | Sequence[float], calibratio
     filter_fn(module, fqn): the layers to plan (default: every nn.Linear except one named lm_head).
     resolution: steps of the knapsack's bit budget (more: closer to the budget, slower).
     report: a list to which the measured `LayerChoice`s are appended (to inspect the trade-off).
-    sensitivity: "auto", "kld" or "mse" (each layer's error scaled by its measured effect on the model's output,
-        module docstring: one extra pass over calibration_data per layer), or "layer" (its own error only).
-    sensitivity_items: how many calibration items (the first ones) those extra passes use.
+    sensitivity: "fisher" (default: the output error weighted per channel by the model's Fisher information, one
+        forward and backward), "auto", "kld" or "mse" (each layer's error scaled by its measured effect on the
+        model's output, module docstring: one extra pass per layer), or "layer" (its own error only).
+    sensitivity_items: how many calibration items (the first ones) those passes use.
     Returns FqnToConfig({fqn: chosen candidate}); apply it with quantize_(model, plan).
     """
     candidates = tuple(DEFAULT_CANDIDATES if candidates is None else candidates)
     budgets = list(budget_bits) if isinstance(budget_bits, (list, tuple)) else [budget_bits]
     for b in budgets or [None]:
         _check_args(b, candidates, resolution)
-    if sensitivity not in ("auto", "kld", "mse", "layer"):
-        raise ValueError(f"autoquant: sensitivity={sensitivity!r} must be 'auto', 'kld' or 'mse' (the layer's "
-                         "measured effect on the model's output) or 'layer' (its own output error)")
+    if sensitivity not in ("fisher", "auto", "kld", "mse", "layer"):
+        raise ValueError(f"autoquant: sensitivity={sensitivity!r} must be 'fisher' (the output error weighted by "
+                         "the model's Fisher information), 'auto', 'kld' or 'mse' (scaled by the measured effect on "
+                         "the model's output) or 'layer' (the layer's own output error)")
     if isinstance(sensitivity_items, bool) or not isinstance(sensitivity_items, int) or sensitivity_items < 1:
         raise ValueError(f"autoquant: sensitivity_items={sensitivity_items!r} must be an int >= 1")
     layers = _select(model, filter_fn, candidates)
@@ -132,10 +142,11 @@ def autoquant(model: nn.Module, budget_bits: float | Sequence[float], calibratio
         imatrix = ImportanceMatrix({f: h.diagonal().float() for f, h in hessians.items()}, tokens)
         candidates = tuple(dataclasses.replace(c, importance=imatrix) if _wants_importance(c) else c
                            for c in candidates)
-    choices = [_measure(model, fqn, layers[fqn], hessians.pop(fqn), candidates)
+    items = list(calibration_data)[:sensitivity_items]
+    fisher = _fisher(model, layers, items) if sensitivity == "fisher" else {}
+    choices = [_measure(model, fqn, layers[fqn], hessians.pop(fqn), candidates, fisher.get(fqn))
                for fqn in _bar(list(layers), progress, "autoquant: layer errors")]
-    if sensitivity != "layer":
-        items = list(calibration_data)[:sensitivity_items]
+    if sensitivity not in ("layer", "fisher"):
         choices = _in_model_units(model, layers, choices, candidates, items, sensitivity, progress)
     if report is not None:
         report.extend(choices)
@@ -318,7 +329,10 @@ def _bar(items, enabled: bool, desc: str = "autoquant"):
     return tqdm(items, desc=desc, file=sys.stderr, leave=False)
 
 
-def _measure(model: nn.Module, fqn: str, layer: nn.Linear, h: torch.Tensor, candidates) -> LayerChoice:
+def _measure(model: nn.Module, fqn: str, layer: nn.Linear, h: torch.Tensor, candidates,
+             fisher: torch.Tensor | None = None) -> LayerChoice:
+    """The layer's bits and loss per candidate: trace(D H D^T), or with `fisher` [N] (per output weights)
+    sum_n fisher_n (D H D^T)_nn."""
     w = layer.weight.detach()
     h32 = h.float()  # trace(D H D^T) in float32: 2x the speed, ~1e-6 relative error on a sum of positive terms
     bits, loss = [], []
@@ -333,8 +347,68 @@ def _measure(model: nn.Module, fqn: str, layer: nn.Linear, h: torch.Tensor, cand
             qw = c.quantize_weight(w, layer)
         d = w.float() - qw.dequantize(torch.float32)
         bits.append(int(qw.storage_bytes()) * 8)
-        loss.append(float(((d @ h32) * d).sum(dtype=torch.float64)))
+        rows = ((d @ h32) * d).sum(1, dtype=torch.float64)
+        loss.append(float(rows.sum() if fisher is None else (rows * fisher).sum()))
     return LayerChoice(fqn, w.numel(), tuple(bits), tuple(loss))
+
+
+def _fisher(model: nn.Module, layers, items: list) -> dict[str, torch.Tensor]:
+    """{fqn: float64 [out_features]}: the weights that make sum_n f_n (D H D^T)_nn the model's divergence
+    (module docstring, "fisher"), from one forward and backward over `items` (stacked).
+
+    Language model (an output with .logits): y_t ~ softmax(logits_t) sampled (a fixed seed), g = d/d(layer output)
+    of sum_t log p(y_t); E[g g^T] is the Hessian of the summed KL at the float model, so with g_t's square taken
+    per output channel and averaged over the T tokens, mean_t KL ~ 1/2 sum_n mean_t(g_tn^2) (D H D^T)_nn.
+    Other outputs y: g = d/d(layer output) of sum (v * y) / ||y|| per item, v ~ N(0, 1); E[g g^T] = J^T J / ||y||^2,
+    so ||dy||^2 / ||y||^2 ~ (tokens per item) sum_n mean_t(g_tn^2) (D H D^T)_nn."""
+    sums = {f: torch.zeros(m.out_features, dtype=torch.float64) for f, m in layers.items()}
+    rows = dict.fromkeys(layers, 0)
+
+    def hook(fqn):
+        def keep(_module, _args, out):
+            if not out.requires_grad:  # nothing upstream needs a gradient: the layer's output starts the graph
+                out.requires_grad_()
+
+            def add(g):
+                g = g.detach().reshape(-1, g.shape[-1])
+                sums[fqn] += g.float().square().sum(0, dtype=torch.float64)
+                rows[fqn] += g.shape[0]
+            out.register_hook(add)
+        return keep
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:  # no parameter gradients: the model is not changed (nor its .grad)
+        p.requires_grad_(False)
+    handles = [m.register_forward_hook(hook(f)) for f, m in layers.items()]
+    gen = torch.Generator().manual_seed(0)
+    factor = 0.5
+    try:
+        with torch.enable_grad():
+            for index, item, sizes in _stacked(items, len(items)):
+                out = _call(model, item, index)
+                if hasattr(out, "logits"):
+                    logits = out.logits.float()
+                    logits = logits.reshape(-1, logits.shape[-1])
+                    y = torch.multinomial(torch.softmax(logits.detach(), -1), 1, generator=gen)
+                    loss = torch.log_softmax(logits, -1).gather(1, y).sum()
+                else:
+                    y = (out.last_hidden_state if hasattr(out, "last_hidden_state") else
+                         out[0] if isinstance(out, (tuple, list)) else out).float()
+                    parts = y.split(sizes) if sizes is not None and len(sizes) > 1 else [y]
+                    loss = sum((torch.randn(p.shape, generator=gen) * p).sum() / p.detach().norm().clamp_min(1e-30)
+                               for p in parts)
+                    factor = y.numel() / y.shape[-1] / len(parts)  # tokens (rows) per item
+                loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+        for p in params:
+            p.requires_grad_(True)
+    missing = [f for f, r in rows.items() if r == 0]
+    if missing:
+        raise ValueError(f"autoquant: sensitivity='fisher' found no gradient reaching {missing} (their output does "
+                         "not reach the model's output); pass sensitivity='layer' or leave them out with filter_fn")
+    return {f: factor * sums[f] / rows[f] for f in layers}
 
 
 def _in_model_units(model, layers, choices, candidates, items: list, sensitivity: str,

@@ -1,0 +1,190 @@
+"""llama.cpp's own quantizer (`llama_model_quantize` of llama-cpp-python) on a GGUF file, for benchmarks that
+compare affineq with the files llama.cpp makes. Imports neither torch nor affineq.
+
+From a benchmark (any environment):
+
+    from _llama_cpp_quantize import LlamaCppUnavailable, quantize_gguf
+    path = quantize_gguf(src, dst, "Q4_K_M")            # dst=None: the cached file itself
+
+runs this file under the benchmark venv's python (``llama_python``, else $AFFINEQ_LLAMA_PYTHON, else
+.venv-llamacpp/bin/python in the repository root) with ``allow_requantize=True`` (the shipped files are already
+quantized: llama.cpp dequantizes each tensor to float32 and quantizes it again). Outputs are cached under
+$AFFINEQ_LLAMA_QUANT_CACHE (default ~/.cache/affineq/llama_quantize), keyed by the source's resolved path, size
+and mtime, the arguments and the imatrix file's bytes; ``dst`` gets a hard link (or a copy) of the cached file.
+No venv: `LlamaCppUnavailable` (a RuntimeError) saying how to make one; bad arguments: ValueError.
+
+`ftype`: a llama.cpp file type (``Q4_K_M``, ``Q2_K``, ``Q3_K_S``, ``Q4_0``, ``Q8_0``, ``IQ4_NL``, ... the names
+of ``LLAMA_FTYPE_MOSTLY_*``; ``F32`` = ALL_F32). `token_embedding_type` / `output_tensor_type`: ggml type names
+(``Q8_0``, ``Q6_K``, ``F16``, ...) for token_embd.weight / output.weight. `imatrix`: an importance matrix, either
+llama-imatrix's GGUF file (``<tensor>.in_sum2`` / ``<tensor>.counts``, normalized by counts as llama-quantize
+does; read with the ``gguf`` package) or an ``.npz`` {GGUF tensor name: float32 [in_features] (or
+[experts * in_features]) mean of x^2 per input column}.
+
+Under the venv: ``python _llama_cpp_quantize.py '{"src": ..., "dst": ..., "ftype": ..., ...}'`` prints
+``DONE {json}``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+VENV_HINT = ('python -m venv .venv-llamacpp && CMAKE_ARGS="-DGGML_NATIVE=ON" '
+             ".venv-llamacpp/bin/pip install llama-cpp-python==0.3.36")
+FTYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q2_K_S", "Q3_K_S", "Q3_K_M",
+          "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS",
+          "IQ3_XS", "IQ3_S", "IQ3_M", "IQ1_S", "IQ1_M", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4_MOE")
+GGML_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+              "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "IQ4_NL", "IQ4_XS", "MXFP4")
+
+
+class LlamaCppUnavailable(RuntimeError):
+    """No llama-cpp-python venv: the llama.cpp side of a benchmark is skipped."""
+
+
+def find_llama_python(llama_python: str | os.PathLike | None = None) -> Path | None:
+    """The benchmark venv's python: the argument, else $AFFINEQ_LLAMA_PYTHON, else .venv-llamacpp/bin/python."""
+    p = Path(llama_python or os.environ.get("AFFINEQ_LLAMA_PYTHON") or HERE.parent / ".venv-llamacpp/bin/python")
+    return p if p.exists() else None
+
+
+def _check_type(kind: str | None, names: tuple[str, ...], param: str) -> str | None:
+    if kind is None:
+        return None
+    k = str(kind).upper()
+    if k not in names:
+        raise ValueError(f"quantize_gguf: {param}={kind!r} is not a llama.cpp type; use one of {', '.join(names)}")
+    return k
+
+
+def _imatrix_npz(imatrix: Path, cache: Path) -> Path:
+    """An .npz as the venv side reads it: a GGUF imatrix is converted (sums / counts per expert, as
+    llama-quantize normalizes it); an .npz is used as is."""
+    if imatrix.suffix == ".npz":
+        return imatrix
+    if imatrix.suffix != ".gguf":
+        raise ValueError(f"quantize_gguf: imatrix={str(imatrix)!r}: use llama-imatrix's .gguf file or an .npz "
+                         "{tensor name: mean x^2 per input column}; the legacy .dat format is not read")
+    import gguf  # the main environment's (affineq[gguf]); the venv side needs only numpy
+    import numpy as np
+
+    parts: dict[str, dict[str, np.ndarray]] = {}
+    for t in gguf.GGUFReader(str(imatrix)).tensors:
+        for suffix in (".in_sum2", ".counts"):
+            if t.name.endswith(suffix):
+                parts.setdefault(t.name[: -len(suffix)], {})[suffix] = np.asarray(t.data, np.float32).reshape(-1)
+    out = {}
+    for name, p in parts.items():
+        if len(p) != 2:
+            raise ValueError(f"quantize_gguf: imatrix {imatrix}: {name} lacks in_sum2 or counts")
+        sums, counts = p[".in_sum2"], p[".counts"]
+        per = sums.reshape(counts.size, -1)
+        out[name] = np.where(counts[:, None] > 0, per / np.where(counts > 0, counts, 1)[:, None], 1.0).reshape(-1)
+    dst = cache / f"imatrix-{hashlib.sha256(imatrix.read_bytes()).hexdigest()[:16]}.npz"
+    if not dst.exists():
+        np.savez(dst, **{k: v.astype(np.float32) for k, v in out.items()})
+    return dst
+
+
+def quantize_gguf(src: str | os.PathLike, dst: str | os.PathLike | None, ftype: str, *,
+                  token_embedding_type: str | None = None, output_tensor_type: str | None = None,
+                  imatrix: str | os.PathLike | None = None, llama_python: str | os.PathLike | None = None,
+                  threads: int = 2) -> Path:
+    """`src` (a GGUF file) quantized by llama.cpp to file type `ftype`; returns `dst` (or the cached file when
+    `dst` is None). See the module docstring for the arguments and the cache."""
+    src = Path(src).resolve()
+    if not src.is_file():
+        raise ValueError(f"quantize_gguf: src={str(src)!r} is not a file")
+    args = {"ftype": _check_type(ftype, FTYPES, "ftype"),
+            "token_embedding_type": _check_type(token_embedding_type, GGML_TYPES, "token_embedding_type"),
+            "output_tensor_type": _check_type(output_tensor_type, GGML_TYPES, "output_tensor_type")}
+    py = find_llama_python(llama_python)
+    if py is None:
+        raise LlamaCppUnavailable(f"llama.cpp's quantizer needs the llama-cpp-python venv; create it ({VENV_HINT}) "
+                                  "or pass llama_python= / set AFFINEQ_LLAMA_PYTHON")
+    cache = Path(os.environ.get("AFFINEQ_LLAMA_QUANT_CACHE") or Path.home() / ".cache/affineq/llama_quantize")
+    cache.mkdir(parents=True, exist_ok=True)
+    st = src.stat()
+    key = {**args, "src": str(src), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "imatrix": None}
+    if imatrix is not None:
+        imatrix = Path(imatrix)
+        if not imatrix.is_file():
+            raise ValueError(f"quantize_gguf: imatrix={str(imatrix)!r} is not a file")
+        key["imatrix"] = hashlib.sha256(imatrix.read_bytes()).hexdigest()
+        args["imatrix"] = str(_imatrix_npz(imatrix, cache))
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    out = cache / f"{src.stem}.{args['ftype']}.{digest}.gguf"
+    if not out.exists():
+        fd, tmp = tempfile.mkstemp(suffix=".gguf.tmp", dir=cache)
+        os.close(fd)
+        try:
+            job = {**args, "src": str(src), "dst": tmp, "threads": int(threads)}
+            r = subprocess.run([str(py), str(Path(__file__).resolve()), json.dumps(job)], capture_output=True,
+                               text=True)
+            if r.returncode != 0 or not any(x.startswith("DONE ") for x in r.stdout.splitlines()):
+                raise RuntimeError(f"llama.cpp's quantizer failed on {src.name} -> {args['ftype']} (exit "
+                                   f"{r.returncode}):\n{(r.stderr + r.stdout)[-3000:]}")
+            os.replace(tmp, out)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+    if dst is None:
+        return out
+    dst = Path(dst)
+    if dst.resolve() != out.resolve():
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.unlink(missing_ok=True)
+        try:
+            os.link(out, dst)
+        except OSError:
+            shutil.copy2(out, dst)
+    return dst
+
+
+# -- the venv side ----------------------------------------------------------------------------------------------
+
+
+def _run_in_venv(job: dict) -> dict:
+    import ctypes
+
+    import llama_cpp
+    import numpy as np
+
+    llama_cpp.llama_backend_init()
+    params = llama_cpp.llama_model_quantize_default_params()
+    ftype = job["ftype"]
+    params.ftype = llama_cpp.LLAMA_FTYPE_ALL_F32 if ftype == "F32" else getattr(llama_cpp, "LLAMA_FTYPE_MOSTLY_"
+                                                                                  + ftype)
+    params.nthread = int(job.get("threads", 2))
+    params.allow_requantize = True
+    for field in ("token_embedding_type", "output_tensor_type"):
+        if job.get(field):
+            setattr(params, field, getattr(llama_cpp, "GGML_TYPE_" + job[field]))
+    keep = []  # the imatrix arrays must outlive the call
+    if job.get("imatrix"):
+        data = np.load(job["imatrix"])
+        entries = (llama_cpp.llama_model_imatrix_data * (len(data.files) + 1))()  # ends with name == NULL
+        for i, name in enumerate(data.files):
+            arr = np.ascontiguousarray(data[name], dtype=np.float32)
+            keep += [arr, name.encode()]
+            entries[i].name = keep[-1]
+            entries[i].data = arr.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+            entries[i].size = arr.size
+        params.imatrix = ctypes.cast(entries, ctypes.POINTER(llama_cpp.llama_model_imatrix_data))
+        keep.append(entries)
+    rc = llama_cpp.llama_model_quantize(job["src"].encode(), job["dst"].encode(), ctypes.byref(params))
+    if rc != 0:
+        raise SystemExit(f"llama_model_quantize returned {rc}")
+    return {"dst": job["dst"], "bytes": os.path.getsize(job["dst"]),
+            "llama_cpp_version": getattr(llama_cpp, "__version__", None)}
+
+
+if __name__ == "__main__":
+    print("DONE " + json.dumps(_run_in_venv(json.loads(sys.argv[1]))), flush=True)
