@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -96,7 +97,8 @@ def bits_per_weight(model: nn.Module) -> tuple[float, int]:
 
 
 def run(config_names: list[str], budgets: list[float], imatrix: bool, quick: bool,
-        sensitivity_items: int = 2) -> list[dict]:
+        sensitivity_items: int = 2, llama_ftypes: tuple[str, ...] = (), llama_python: str | None = None,
+        hqq: bool = False) -> list[dict]:
     sizes = QUICK if quick else FULL
     selected = decoder_linears(sizes["blocks"])
     model, tok = M.load_smollm2()
@@ -104,7 +106,7 @@ def run(config_names: list[str], budgets: list[float], imatrix: bool, quick: boo
     ids = ids[: sizes["windows"] * sizes["window"]]
     reference = CachedLogits(model)
     compare = lambda m: aeval.compare(m, reference, ids, window=sizes["window"], progress=False)  # noqa: E731
-    rows = [{"config": "float", "imatrix": False, "bpw": 32.0, **compare(model)}]
+    rows = [{"config": "float", "imatrix": False, "bpw": 32.0, **compare(reference)}]  # its cached logits
     print(_line(rows[-1]), flush=True)
     importance = None
     data = M.calibration_batches(tok, sizes["calib_n"], sizes["calib_len"])
@@ -128,6 +130,13 @@ def run(config_names: list[str], budgets: list[float], imatrix: bool, quick: boo
             rows.append(row)
             print(_line(row), flush=True)
             del q
+    if hqq:
+        rows += hqq_rows(model, selected, compare)
+    if llama_ftypes:
+        rows += llama_cpp_rows(compare, llama_ftypes, llama_python)
+        # autoquant also at each file's size (rounded down: equal or fewer bits), from the same measurement
+        budgets = budgets and sorted(set(budgets) | {math.floor(r["bpw"] * 100) / 100 for r in rows
+                                         if r["config"].startswith("llama.cpp")})
     if budgets:
         for row in _autoquant_rows(model, budgets, data, imatrix, selected, compare, sizes["quick_autoquant"],
                                    sensitivity_items):
@@ -168,6 +177,93 @@ def _autoquant_rows(model, budgets, data, imatrix: bool, selected, compare, quic
                      "plan": {f: _short(getattr(c, "base_config", c)) + ("+imatrix" if isinstance(
                          c, ImportanceWeightedConfig) else "") for f, c in plan.fqn_to_config.items()},
                      **compare(q)})
+        del q
+    return rows
+
+
+#: llama.cpp file types made from the shipped Q4_1 file (the issue's contest; Q2_K falls back to Q3_K_S-like
+#: types on SmolLM2, whose width 576 is not a multiple of 256)
+LLAMA_FTYPES = ("Q2_K", "Q4_0", "IQ4_NL", "Q3_K_M")
+
+
+def gguf_block_bpw(path) -> tuple[float, int, dict[str, int]]:
+    """(bits per weight of the decoder blocks' 2-D tensors as stored in the file, their weights, {ggml type:
+    tensors}); norms (1-D) and the embedding / output are not counted, as in the affineq rows."""
+    from affineq.gguf import reader
+
+    bits = n = 0
+    types: dict[str, int] = {}
+    for e in reader.read(path).tensors:
+        if e.name.startswith("blk.") and len(e.shape) == 2:
+            bits += e.data.nbytes * 8
+            n += e.shape[0] * e.shape[1]
+            types[e.ggml_type] = types.get(e.ggml_type, 0) + 1
+    return bits / n, n, types
+
+
+def llama_cpp_rows(compare, ftypes, llama_python: str | None) -> list[dict]:
+    """llama.cpp's quantizer on the shipped SmolLM2 Q4_1 file (allow_requantize, embedding / output Q8_0, no
+    importance matrix), each file loaded with affineq.gguf.load_model (its codes exactly) and compared with the
+    fp32 model on the same token ids as the affineq rows. Skipped with a message without the llama.cpp venv."""
+    from _llama_cpp_quantize import LlamaCppUnavailable, quantize_gguf
+
+    from affineq.gguf import load_model
+
+    rows = []
+    for ftype in ftypes:
+        try:
+            path = quantize_gguf(M.smollm2_path(), None, ftype, token_embedding_type="Q8_0",
+                                 output_tensor_type="Q8_0", llama_python=llama_python)
+        except LlamaCppUnavailable as e:
+            print(f"# llama.cpp rows skipped: {e}", flush=True)
+            return rows
+        bpw, n, types = gguf_block_bpw(path)
+        model = load_model(path)
+        rows.append({"config": f"llama.cpp {ftype}", "imatrix": False, "bpw": bpw, "weights": n,
+                     "ggml_types": types, **compare(model)})
+        print(_line(rows[-1]) + f"  types {types}", flush=True)
+        del model
+    return rows
+
+
+def hqq_rows(model, selected, compare) -> list[dict]:
+    """HQQ at int4 g64 against the reference `hqq` library on the same model and tokens: the library's
+    Quantizer (zero-point-only proximal steps, its defaults, fp16 scale / zero as HQQLinear stores them: 4.5 bpw)
+    on every decoder linear, then affineq's HQQConfig(Int4WeightOnlyConfig(group_size=64)) (bf16 qparams, 4.5
+    bpw) with its defaults and zero-point-only. Skipped with a message when `hqq` is not installed (a benchmark
+    peer only: pip install --no-deps hqq termcolor einops)."""
+    try:
+        from hqq.core.quantize import Quantizer
+    except ImportError as e:
+        print(f"# hqq rows skipped: the hqq library is not installed ({e}); pip install --no-deps hqq termcolor "
+              "einops", flush=True)
+        return []
+    from affineq.algorithms import HQQConfig
+
+    rows = []
+    q = copy.deepcopy(model)
+    start = time.perf_counter()
+    with torch.no_grad():
+        for fqn, m in q.named_modules():
+            if selected(m, fqn):
+                w_q, meta = Quantizer.quantize(m.weight.data, nbits=4, group_size=64, axis=1, bitpack=False,
+                                               compute_dtype=torch.float32, device="cpu")
+                meta["scale"], meta["zero"] = meta["scale"].half().float(), meta["zero"].half().float()
+                m.weight.data = Quantizer.dequantize(w_q, meta).reshape(m.weight.shape).float()
+    rows.append({"config": "hqq library int4-g64", "imatrix": False, "bpw": 4.5,
+                 "quantize_s": time.perf_counter() - start, **compare(q)})
+    print(_line(rows[-1]), flush=True)
+    del q
+    base = Int4WeightOnlyConfig(group_size=64)
+    for name, cfg in (("affineq HQQ int4-g64", HQQConfig(base, progress=False)),
+                      ("affineq HQQ int4-g64 zero-only", HQQConfig(base, optimize_scale=False, progress=False))):
+        q = copy.deepcopy(model)
+        start = time.perf_counter()
+        affineq.quantize_(q, cfg, filter_fn=selected)
+        bpw, n = bits_per_weight(q)
+        rows.append({"config": name, "imatrix": False, "bpw": bpw, "quantize_s": time.perf_counter() - start,
+                     **compare(q)})
+        print(_line(rows[-1]), flush=True)
         del q
     return rows
 
@@ -238,18 +334,26 @@ def main(argv=None) -> None:
     p.add_argument("--no-save", action="store_true", help="print only; write nothing under results/")
     p.add_argument("--sensitivity-items", type=int, default=2,
                    help="calibration items of autoquant's model-units sensitivity pass (one forward each per layer)")
+    p.add_argument("--llama", nargs="*", default=list(LLAMA_FTYPES), choices=list(LLAMA_FTYPES),
+                   help="llama.cpp file types to compare (none: no llama.cpp rows); needs the llama-cpp-python venv")
+    p.add_argument("--llama-python", default=None,
+                   help="the llama-cpp-python venv's python (default $AFFINEQ_LLAMA_PYTHON or .venv-llamacpp)")
+    p.add_argument("--hqq", action="store_true", help="HQQ int4 g64 rows: the hqq library against affineq's HQQ")
+    p.add_argument("--name", default=None, help="results file name (default bench_accuracy_bpw[_quick])")
     args = p.parse_args(argv)
     if not M.available_models().get("smollm2"):
         raise SystemExit(f"SmolLM2 is not installed: {M.INSTALL_HINT}")
     configs = ["int4-g64"] if args.quick and args.configs == list(CONFIGS) else args.configs
     budgets = [4.5] if args.quick and args.budgets == [3.5, 4.5] else args.budgets
     print(machine_line())
-    rows = run(configs, budgets, not args.no_imatrix, args.quick, args.sensitivity_items)
+    llama = [] if args.quick and args.llama == list(LLAMA_FTYPES) else args.llama
+    rows = run(configs, budgets, not args.no_imatrix, args.quick, args.sensitivity_items, tuple(llama),
+               args.llama_python, args.hqq)
     table = markdown(rows)
     print()
     print(table)
     if not args.no_save:
-        name = "bench_accuracy_bpw_quick" if args.quick else "bench_accuracy_bpw"
+        name = args.name or ("bench_accuracy_bpw_quick" if args.quick else "bench_accuracy_bpw")
         sizes = QUICK if args.quick else FULL
         path = save_json(name, {"quick": args.quick, "sizes": sizes, "rows": rows, "table": table})
         print(f"\nwrote {path}")
