@@ -130,13 +130,13 @@ def run(config_names: list[str], budgets: list[float], imatrix: bool, quick: boo
             rows.append(row)
             print(_line(row), flush=True)
             del q
-    if hqq:
-        rows += hqq_rows(model, selected, compare)
     if llama_ftypes:
         rows += llama_cpp_rows(compare, llama_ftypes, llama_python)
         # autoquant also at each file's size (rounded down: equal or fewer bits), from the same measurement
         budgets = budgets and sorted(set(budgets) | {math.floor(r["bpw"] * 100) / 100 for r in rows
                                          if r["config"].startswith("llama.cpp")})
+    if hqq:
+        rows += hqq_rows(model, selected, compare)
     if budgets:
         for row in _autoquant_rows(model, budgets, data, imatrix, selected, compare, sizes["quick_autoquant"],
                                    sensitivity_items):
@@ -292,7 +292,28 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def rows_from_log(path) -> list[dict]:
+    """The rows of a run's printed lines (`_line`), for runs saved as logs."""
+    import re
+
+    pat = re.compile(r"^\s*(?P<config>.+?)\s+(?P<kind>rtn|imatrix)\s+bpw\s+(?P<bpw>[\d.]+)\s+ppl\s+(?P<ppl>[\d.]+)"
+                     r"\s+KLD\s+(?P<kld>[\d.]+)\s+\(p99\s+(?P<p99>[\d.]+)\)\s+top1\s+(?P<top1>[\d.]+)(?:\s+mix\s+(?P<mix>.*))?")
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        m = pat.match(line.split("\r")[-1])
+        if m:
+            row = {"config": m["config"], "imatrix": m["kind"] == "imatrix", "bpw": float(m["bpw"]),
+                   "ppl": float(m["ppl"]), "mean_kld": float(m["kld"]), "kld_p99": float(m["p99"]),
+                   "top1_agreement": float(m["top1"])}
+            if m["mix"]:
+                row["mix"] = m["mix"]
+            rows.append(row)
+    return rows
+
+
 def plot(rows: list[dict], name: str) -> None:
+    """ppl and mean KLD against bpw: uniform configs (plain / importance-weighted), autoquant, llama.cpp's files,
+    HQQ rows; skipped with a message without matplotlib (a benchmark-only install)."""
     try:
         import matplotlib
 
@@ -301,23 +322,31 @@ def plot(rows: list[dict], name: str) -> None:
     except ImportError:
         print(f"(pip install matplotlib for results/{name}.png)")
         return
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    uniform = [r for r in rows if r["config"] in CONFIGS]
+    groups = (("round-to-nearest", "o-", "C0", [r for r in uniform if not r["imatrix"]]),
+              ("importance-weighted", "s--", "C1", [r for r in uniform if r["imatrix"]]),
+              ("autoquant", "k*", "k", [r for r in rows if r["config"].startswith("autoquant")]),
+              ("llama.cpp files", "v", "C3", [r for r in rows if r["config"].startswith("llama.cpp")]),
+              ("HQQ int4 g64", "D", "C2", [r for r in rows if "HQQ" in r["config"] or "hqq" in r["config"]]))
     for ax, key, label in ((axes[0], "ppl", "perplexity"), (axes[1], "mean_kld", "mean KLD vs float")):
-        for flag, style in ((False, "o-"), (True, "s--")):
-            pts = sorted((r["bpw"], r[key]) for r in rows
-                         if r["config"] != "float" and "mix" not in r and r["imatrix"] == flag)
+        for glabel, style, color, grp in groups:
+            pts = sorted((r["bpw"], r[key]) for r in grp if r["bpw"] < 5.6)
             if pts:
-                ax.plot(*zip(*pts, strict=True), style, label="importance-weighted" if flag else "round-to-nearest")
-        auto = [(r["bpw"], r[key]) for r in rows if "mix" in r]
-        if auto:
-            ax.plot(*zip(*auto, strict=True), "k*", markersize=10, label="autoquant")
-        if key == "ppl":
-            ax.axhline(rows[0]["ppl"], color="gray", lw=0.8, label="float")
+                ax.plot(*zip(*pts, strict=True), style, color=color, label=glabel,
+                        markersize=11 if glabel == "autoquant" else 6)
+            if glabel == "llama.cpp files":
+                for r in grp:
+                    ax.annotate(r["config"].removeprefix("llama.cpp "), (r["bpw"], r[key]), fontsize=7,
+                                xytext=(3, 3), textcoords="offset points")
+        floats = [r for r in rows if r["config"] == "float"]
+        if key == "ppl" and floats:
+            ax.axhline(floats[0]["ppl"], color="gray", lw=0.8, label="float")
         ax.set_xlabel("bits per weight (decoder linears, stored tensors)")
         ax.set_ylabel(label)
         ax.set_yscale("log")
-        ax.legend()
-    fig.suptitle("SmolLM2-135M: accuracy per bit")
+        ax.legend(fontsize=8)
+    fig.suptitle("SmolLM2-135M: accuracy per bit (4 x 512 tokens, same ids for every row)")
     fig.tight_layout()
     fig.savefig(RESULTS / f"{name}.png", dpi=110)
     print(f"wrote {RESULTS / name}.png")
@@ -340,7 +369,17 @@ def main(argv=None) -> None:
                    help="the llama-cpp-python venv's python (default $AFFINEQ_LLAMA_PYTHON or .venv-llamacpp)")
     p.add_argument("--hqq", action="store_true", help="HQQ int4 g64 rows: the hqq library against affineq's HQQ")
     p.add_argument("--name", default=None, help="results file name (default bench_accuracy_bpw[_quick])")
+    p.add_argument("--plot-from", nargs="*", default=None,
+                   help="only plot: merge the rows of these results (.json) or logs (.log) into results/NAME.png")
     args = p.parse_args(argv)
+    if args.plot_from is not None:
+        import json
+
+        rows = []
+        for f in args.plot_from:
+            rows += json.loads(Path(f).read_text())["rows"] if f.endswith(".json") else rows_from_log(f)
+        plot(rows, args.name or "bench_accuracy_bpw")
+        return
     if not M.available_models().get("smollm2"):
         raise SystemExit(f"SmolLM2 is not installed: {M.INSTALL_HINT}")
     configs = ["int4-g64"] if args.quick and args.configs == list(CONFIGS) else args.configs
