@@ -36,7 +36,7 @@ import affineq  # noqa: E402
 from affineq import eval as aeval  # noqa: E402
 from affineq import models as M  # noqa: E402
 from affineq.algorithms import ImportanceWeightedConfig, collect_importance  # noqa: E402
-from affineq.autoquant import DEFAULT_CANDIDATES, autoquant  # noqa: E402
+from affineq.autoquant import DEFAULT_CANDIDATES, FAST_RATIOS, autoquant  # noqa: E402
 from affineq.configs import Int4WeightOnlyConfig, Int8WeightOnlyConfig, IntxWeightOnlyConfig, QuantConfig  # noqa: E402
 from affineq.granularity import PerGroup  # noqa: E402
 from affineq.primitives import MappingType, ZeroPointDomain  # noqa: E402
@@ -98,7 +98,7 @@ def bits_per_weight(model: nn.Module) -> tuple[float, int]:
 
 def run(config_names: list[str], budgets: list[float], imatrix: bool, quick: bool,
         sensitivity_items: int = 2, llama_ftypes: tuple[str, ...] = (), llama_python: str | None = None,
-        hqq: bool = False) -> list[dict]:
+        hqq: bool = False, aq_candidates: list[str] | None = None, aq_calib: int | None = None) -> list[dict]:
     sizes = QUICK if quick else FULL
     selected = decoder_linears(sizes["blocks"])
     model, tok = M.load_smollm2()
@@ -138,19 +138,24 @@ def run(config_names: list[str], budgets: list[float], imatrix: bool, quick: boo
     if hqq:
         rows += hqq_rows(model, selected, compare)
     if budgets:
-        for row in _autoquant_rows(model, budgets, data, imatrix, selected, compare, sizes["quick_autoquant"],
-                                   sensitivity_items):
+        aq_data = data[:aq_calib] if aq_calib else data
+        for row in _autoquant_rows(model, budgets, aq_data, imatrix, selected, compare, sizes["quick_autoquant"],
+                                   sensitivity_items, aq_candidates):
             rows.append(row)
             print(_line(row), flush=True)
     return rows
 
 
 def _autoquant_rows(model, budgets, data, imatrix: bool, selected, compare, quick: bool,
-                    sensitivity_items: int = 2) -> list[dict]:
+                    sensitivity_items: int = 2, names: list[str] | None = None) -> list[dict]:
     """autoquant's plans at `budgets` bits per weight (one measurement) over DEFAULT_CANDIDATES (plain and
     importance-weighted rounding, the importance from the same calibration data; plain only without `imatrix`),
     each applied to a copy of the model and compared."""
-    if quick:
+    if names:  # a chosen candidate set: these, and importance-weighted those below 5 bpw
+        plain = [CONFIGS[k]() for k in names]
+        cands = plain + ([ImportanceWeightedConfig(CONFIGS[k](), ratios=FAST_RATIOS, progress=False) for k in names
+                          if k not in ("int8", "int6-g32", "int5-g32", "int4-g32")] if imatrix else [])
+    elif quick:
         plain = [CONFIGS[k]() for k in ("int3-g64", "int4-g64", "int8")]
         cands = plain + ([ImportanceWeightedConfig(c, ratios=(1.0, 0.9, 0.8), progress=False) for c in plain[:2]]
                          if imatrix else [])
@@ -371,6 +376,10 @@ def main(argv=None) -> None:
     p.add_argument("--name", default=None, help="results file name (default bench_accuracy_bpw[_quick])")
     p.add_argument("--plot-from", nargs="*", default=None,
                    help="only plot: merge the rows of these results (.json) or logs (.log) into results/NAME.png")
+    p.add_argument("--aq-candidates", nargs="*", default=None, choices=list(CONFIGS),
+                   help="autoquant's candidates (and their importance-weighted versions below 5 bpw) instead of "
+                        "DEFAULT_CANDIDATES")
+    p.add_argument("--aq-calib", type=int, default=None, help="autoquant uses the first N calibration items")
     args = p.parse_args(argv)
     if args.plot_from is not None:
         import json
@@ -387,7 +396,7 @@ def main(argv=None) -> None:
     print(machine_line())
     llama = [] if args.quick and args.llama == list(LLAMA_FTYPES) else args.llama
     rows = run(configs, budgets, not args.no_imatrix, args.quick, args.sensitivity_items, tuple(llama),
-               args.llama_python, args.hqq)
+               args.llama_python, args.hqq, args.aq_candidates, args.aq_calib)
     table = markdown(rows)
     print()
     print(table)
