@@ -331,14 +331,14 @@ def plot(rows: list[dict], name: str) -> None:
     uniform = [r for r in rows if r["config"] in CONFIGS]
     groups = (("round-to-nearest", "o-", "C0", [r for r in uniform if not r["imatrix"]]),
               ("importance-weighted", "s--", "C1", [r for r in uniform if r["imatrix"]]),
-              ("autoquant", "k*", "k", [r for r in rows if r["config"].startswith("autoquant")]),
+              ("autoquant", "*", "k", [r for r in rows if r["config"].startswith("autoquant")]),
               ("llama.cpp files", "v", "C3", [r for r in rows if r["config"].startswith("llama.cpp")]),
               ("HQQ int4 g64", "D", "C2", [r for r in rows if "HQQ" in r["config"] or "hqq" in r["config"]]))
     for ax, key, label in ((axes[0], "ppl", "perplexity"), (axes[1], "mean_kld", "mean KLD vs float")):
         for glabel, style, color, grp in groups:
             pts = sorted((r["bpw"], r[key]) for r in grp if r["bpw"] < 5.6)
             if pts:
-                ax.plot(*zip(*pts, strict=True), style, color=color, label=glabel,
+                ax.plot(*zip(*pts, strict=True), style.lstrip("k"), color=color, label=glabel,
                         markersize=11 if glabel == "autoquant" else 6)
             if glabel == "llama.cpp files":
                 for r in grp:
