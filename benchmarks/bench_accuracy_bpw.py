@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -35,7 +36,7 @@ import affineq  # noqa: E402
 from affineq import eval as aeval  # noqa: E402
 from affineq import models as M  # noqa: E402
 from affineq.algorithms import ImportanceWeightedConfig, collect_importance  # noqa: E402
-from affineq.autoquant import DEFAULT_CANDIDATES, autoquant  # noqa: E402
+from affineq.autoquant import DEFAULT_CANDIDATES, FAST_RATIOS, autoquant  # noqa: E402
 from affineq.configs import Int4WeightOnlyConfig, Int8WeightOnlyConfig, IntxWeightOnlyConfig, QuantConfig  # noqa: E402
 from affineq.granularity import PerGroup  # noqa: E402
 from affineq.primitives import MappingType, ZeroPointDomain  # noqa: E402
@@ -96,7 +97,8 @@ def bits_per_weight(model: nn.Module) -> tuple[float, int]:
 
 
 def run(config_names: list[str], budgets: list[float], imatrix: bool, quick: bool,
-        sensitivity_items: int = 4) -> list[dict]:
+        sensitivity_items: int = 2, llama_ftypes: tuple[str, ...] = (), llama_python: str | None = None,
+        hqq: bool = False, aq_candidates: list[str] | None = None, aq_calib: int | None = None) -> list[dict]:
     sizes = QUICK if quick else FULL
     selected = decoder_linears(sizes["blocks"])
     model, tok = M.load_smollm2()
@@ -104,11 +106,11 @@ def run(config_names: list[str], budgets: list[float], imatrix: bool, quick: boo
     ids = ids[: sizes["windows"] * sizes["window"]]
     reference = CachedLogits(model)
     compare = lambda m: aeval.compare(m, reference, ids, window=sizes["window"], progress=False)  # noqa: E731
-    rows = [{"config": "float", "imatrix": False, "bpw": 32.0, **compare(model)}]
+    rows = [{"config": "float", "imatrix": False, "bpw": 32.0, **compare(reference)}]  # its cached logits
     print(_line(rows[-1]), flush=True)
     importance = None
     data = M.calibration_batches(tok, sizes["calib_n"], sizes["calib_len"])
-    if imatrix:
+    if imatrix and config_names:
         start = time.perf_counter()
         importance = collect_importance(model, data, filter_fn=selected, progress_bar=False)
         print(f"# importance matrix: {len(importance)} linears, {sizes['calib_n']} x {sizes['calib_len']} tokens, "
@@ -128,36 +130,147 @@ def run(config_names: list[str], budgets: list[float], imatrix: bool, quick: boo
             rows.append(row)
             print(_line(row), flush=True)
             del q
-    for budget in budgets:
-        rows.append(_autoquant_row(model, budget, data, importance, selected, compare, sizes["quick_autoquant"],
-                                   sensitivity_items))
-        print(_line(rows[-1]), flush=True)
+    if llama_ftypes:
+        rows += llama_cpp_rows(compare, llama_ftypes, llama_python)
+        # autoquant also at each file's size (rounded down: equal or fewer bits), from the same measurement
+        budgets = budgets and sorted(set(budgets) | {math.floor(r["bpw"] * 100) / 100 for r in rows
+                                         if r["config"].startswith("llama.cpp")})
+    if hqq:
+        rows += hqq_rows(model, selected, compare)
+    if budgets:
+        aq_data = data[:aq_calib] if aq_calib else data
+        for row in _autoquant_rows(model, budgets, aq_data, imatrix, selected, compare, sizes["quick_autoquant"],
+                                   sensitivity_items, aq_candidates):
+            rows.append(row)
+            print(_line(row), flush=True)
     return rows
 
 
-def _autoquant_row(model, budget, data, importance, selected, compare, quick: bool, sensitivity_items: int = 4) -> dict:
-    """autoquant's plan at `budget` bits per weight over DEFAULT_CANDIDATES (and, with an importance matrix,
-    the importance-weighted versions of the sub-8-bit ones), applied to a copy of the model and compared."""
-    base = [CONFIGS[k]() for k in ("int3-g64", "int4-g64", "int8")] if quick else list(DEFAULT_CANDIDATES)
-    grid = {"ratios": (1.0, 0.9, 0.8)} if quick else {}
-    cands = list(base)
-    if importance is not None:
-        cands += [ImportanceWeightedConfig(c, importance=importance, progress=False, **grid) for c in base
-                  if not isinstance(c, Int8WeightOnlyConfig)]
+def _autoquant_rows(model, budgets, data, imatrix: bool, selected, compare, quick: bool,
+                    sensitivity_items: int = 2, names: list[str] | None = None) -> list[dict]:
+    """autoquant's plans at `budgets` bits per weight (one measurement) over DEFAULT_CANDIDATES (plain and
+    importance-weighted rounding, the importance from the same calibration data; plain only without `imatrix`),
+    each applied to a copy of the model and compared."""
+    if names:  # a chosen candidate set: these, and importance-weighted those below 5 bpw
+        plain = [CONFIGS[k]() for k in names]
+        cands = plain + ([ImportanceWeightedConfig(CONFIGS[k](), ratios=FAST_RATIOS, progress=False) for k in names
+                          if k not in ("int8", "int6-g32", "int5-g32", "int4-g32")] if imatrix else [])
+    elif quick:
+        plain = [CONFIGS[k]() for k in ("int3-g64", "int4-g64", "int8")]
+        cands = plain + ([ImportanceWeightedConfig(c, ratios=(1.0, 0.9, 0.8), progress=False) for c in plain[:2]]
+                         if imatrix else [])
+    else:
+        cands = [c for c in DEFAULT_CANDIDATES if imatrix or not isinstance(c, ImportanceWeightedConfig)]
     start = time.perf_counter()
-    plan = autoquant(model, budget, data, candidates=cands, filter_fn=selected, progress=False,
-                     sensitivity_items=sensitivity_items)
+    plans = autoquant(model, list(budgets), data, candidates=cands, filter_fn=selected, progress=True,
+                      sensitivity_items=sensitivity_items)
     search_s = time.perf_counter() - start
+    print(f"# autoquant at {budgets} bpw: {search_s:.0f} s (one measurement; a loaded machine unless run alone)",
+          flush=True)
+    rows = []
+    for budget, plan in zip(budgets, plans, strict=True):
+        q = copy.deepcopy(model)
+        affineq.quantize_(q, plan)
+        bpw, n = bits_per_weight(q)
+        mix: dict[str, int] = {}
+        for cfg in plan.fqn_to_config.values():
+            weighted = isinstance(cfg, ImportanceWeightedConfig)
+            key = _short(getattr(cfg, "base_config", cfg)) + ("+imatrix" if weighted else "")
+            mix[key] = mix.get(key, 0) + 1
+        rows.append({"config": f"autoquant@{budget}", "imatrix": imatrix, "bpw": bpw, "weights": n,
+                     "search_s": search_s, "mix": mix,
+                     "plan": {f: _short(getattr(c, "base_config", c)) + ("+imatrix" if isinstance(
+                         c, ImportanceWeightedConfig) else "") for f, c in plan.fqn_to_config.items()},
+                     **compare(q)})
+        del q
+    return rows
+
+
+#: llama.cpp file types made from the shipped Q4_1 file (the issue's contest; Q2_K falls back to Q3_K_S-like
+#: types on SmolLM2, whose width 576 is not a multiple of 256)
+LLAMA_FTYPES = ("Q2_K", "Q4_0", "IQ4_NL", "Q3_K_M")
+
+
+def gguf_block_bpw(path) -> tuple[float, int, dict[str, int]]:
+    """(bits per weight of the decoder blocks' 2-D tensors as stored in the file, their weights, {ggml type:
+    tensors}); norms (1-D) and the embedding / output are not counted, as in the affineq rows."""
+    from affineq.gguf import reader
+
+    bits = n = 0
+    types: dict[str, int] = {}
+    for e in reader.read(path).tensors:
+        if e.name.startswith("blk.") and len(e.shape) == 2:
+            bits += e.data.nbytes * 8
+            n += e.shape[0] * e.shape[1]
+            types[e.ggml_type] = types.get(e.ggml_type, 0) + 1
+    return bits / n, n, types
+
+
+def llama_cpp_rows(compare, ftypes, llama_python: str | None) -> list[dict]:
+    """llama.cpp's quantizer on the shipped SmolLM2 Q4_1 file (allow_requantize, embedding / output Q8_0, no
+    importance matrix), each file loaded with affineq.gguf.load_model (its codes exactly) and compared with the
+    fp32 model on the same token ids as the affineq rows. Skipped with a message without the llama.cpp venv."""
+    from _llama_cpp_quantize import LlamaCppUnavailable, quantize_gguf
+
+    from affineq.gguf import load_model
+
+    rows = []
+    for ftype in ftypes:
+        try:
+            path = quantize_gguf(M.smollm2_path(), None, ftype, token_embedding_type="Q8_0",
+                                 output_tensor_type="Q8_0", llama_python=llama_python)
+        except LlamaCppUnavailable as e:
+            print(f"# llama.cpp rows skipped: {e}", flush=True)
+            return rows
+        bpw, n, types = gguf_block_bpw(path)
+        model = load_model(path)
+        rows.append({"config": f"llama.cpp {ftype}", "imatrix": False, "bpw": bpw, "weights": n,
+                     "ggml_types": types, **compare(model)})
+        print(_line(rows[-1]) + f"  types {types}", flush=True)
+        del model
+    return rows
+
+
+def hqq_rows(model, selected, compare) -> list[dict]:
+    """HQQ at int4 g64 against the reference `hqq` library on the same model and tokens: the library's
+    Quantizer (zero-point-only proximal steps, its defaults, fp16 scale / zero as HQQLinear stores them: 4.5 bpw)
+    on every decoder linear, then affineq's HQQConfig(Int4WeightOnlyConfig(group_size=64)) (bf16 qparams, 4.5
+    bpw) with its defaults and zero-point-only. Skipped with a message when `hqq` is not installed (a benchmark
+    peer only: pip install --no-deps hqq termcolor einops)."""
+    try:
+        from hqq.core.quantize import Quantizer
+    except ImportError as e:
+        print(f"# hqq rows skipped: the hqq library is not installed ({e}); pip install --no-deps hqq termcolor "
+              "einops", flush=True)
+        return []
+    from affineq.algorithms import HQQConfig
+
+    rows = []
     q = copy.deepcopy(model)
-    affineq.quantize_(q, plan)
-    bpw, n = bits_per_weight(q)
-    mix: dict[str, int] = {}
-    for cfg in plan.fqn_to_config.values():
-        weighted = isinstance(cfg, ImportanceWeightedConfig)
-        key = _short(getattr(cfg, "base_config", cfg)) + ("+imatrix" if weighted else "")
-        mix[key] = mix.get(key, 0) + 1
-    return {"config": f"autoquant@{budget}", "imatrix": importance is not None, "bpw": bpw, "weights": n,
-            "quantize_s": search_s, "mix": mix, **compare(q)}
+    start = time.perf_counter()
+    with torch.no_grad():
+        for fqn, m in q.named_modules():
+            if selected(m, fqn):
+                w_q, meta = Quantizer.quantize(m.weight.data, nbits=4, group_size=64, axis=1, bitpack=False,
+                                               compute_dtype=torch.float32, device="cpu")
+                meta["scale"], meta["zero"] = meta["scale"].half().float(), meta["zero"].half().float()
+                m.weight.data = Quantizer.dequantize(w_q, meta).reshape(m.weight.shape).float()
+    rows.append({"config": "hqq library int4-g64", "imatrix": False, "bpw": 4.5,
+                 "quantize_s": time.perf_counter() - start, **compare(q)})
+    print(_line(rows[-1]), flush=True)
+    del q
+    base = Int4WeightOnlyConfig(group_size=64)
+    for name, cfg in (("affineq HQQ int4-g64", HQQConfig(base, progress=False)),
+                      ("affineq HQQ int4-g64 zero-only", HQQConfig(base, optimize_scale=False, progress=False))):
+        q = copy.deepcopy(model)
+        start = time.perf_counter()
+        affineq.quantize_(q, cfg, filter_fn=selected)
+        bpw, n = bits_per_weight(q)
+        rows.append({"config": name, "imatrix": False, "bpw": bpw, "quantize_s": time.perf_counter() - start,
+                     **compare(q)})
+        print(_line(rows[-1]), flush=True)
+        del q
+    return rows
 
 
 def _short(cfg: QuantConfig) -> str:
@@ -184,7 +297,28 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def rows_from_log(path) -> list[dict]:
+    """The rows of a run's printed lines (`_line`), for runs saved as logs."""
+    import re
+
+    pat = re.compile(r"^\s*(?P<config>.+?)\s+(?P<kind>rtn|imatrix)\s+bpw\s+(?P<bpw>[\d.]+)\s+ppl\s+(?P<ppl>[\d.]+)"
+                     r"\s+KLD\s+(?P<kld>[\d.]+)\s+\(p99\s+(?P<p99>[\d.]+)\)\s+top1\s+(?P<top1>[\d.]+)(?:\s+mix\s+(?P<mix>.*))?")
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        m = pat.match(line.split("\r")[-1])
+        if m:
+            row = {"config": m["config"], "imatrix": m["kind"] == "imatrix", "bpw": float(m["bpw"]),
+                   "ppl": float(m["ppl"]), "mean_kld": float(m["kld"]), "kld_p99": float(m["p99"]),
+                   "top1_agreement": float(m["top1"])}
+            if m["mix"]:
+                row["mix"] = m["mix"]
+            rows.append(row)
+    return rows
+
+
 def plot(rows: list[dict], name: str) -> None:
+    """ppl and mean KLD against bpw: uniform configs (plain / importance-weighted), autoquant, llama.cpp's files,
+    HQQ rows; skipped with a message without matplotlib (a benchmark-only install)."""
     try:
         import matplotlib
 
@@ -193,23 +327,31 @@ def plot(rows: list[dict], name: str) -> None:
     except ImportError:
         print(f"(pip install matplotlib for results/{name}.png)")
         return
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    uniform = [r for r in rows if r["config"] in CONFIGS]
+    groups = (("round-to-nearest", "o-", "C0", [r for r in uniform if not r["imatrix"]]),
+              ("importance-weighted", "s--", "C1", [r for r in uniform if r["imatrix"]]),
+              ("autoquant", "*", "k", [r for r in rows if r["config"].startswith("autoquant")]),
+              ("llama.cpp files", "v", "C3", [r for r in rows if r["config"].startswith("llama.cpp")]),
+              ("HQQ int4 g64", "D", "C2", [r for r in rows if "HQQ" in r["config"] or "hqq" in r["config"]]))
     for ax, key, label in ((axes[0], "ppl", "perplexity"), (axes[1], "mean_kld", "mean KLD vs float")):
-        for flag, style in ((False, "o-"), (True, "s--")):
-            pts = sorted((r["bpw"], r[key]) for r in rows
-                         if r["config"] != "float" and "mix" not in r and r["imatrix"] == flag)
+        for glabel, style, color, grp in groups:
+            pts = sorted((r["bpw"], r[key]) for r in grp if r["bpw"] < 5.6)
             if pts:
-                ax.plot(*zip(*pts, strict=True), style, label="importance-weighted" if flag else "round-to-nearest")
-        auto = [(r["bpw"], r[key]) for r in rows if "mix" in r]
-        if auto:
-            ax.plot(*zip(*auto, strict=True), "k*", markersize=10, label="autoquant")
-        if key == "ppl":
-            ax.axhline(rows[0]["ppl"], color="gray", lw=0.8, label="float")
+                ax.plot(*zip(*pts, strict=True), style.lstrip("k"), color=color, label=glabel,
+                        markersize=11 if glabel == "autoquant" else 6)
+            if glabel == "llama.cpp files":
+                for r in grp:
+                    ax.annotate(r["config"].removeprefix("llama.cpp "), (r["bpw"], r[key]), fontsize=7,
+                                xytext=(3, 3), textcoords="offset points")
+        floats = [r for r in rows if r["config"] == "float"]
+        if key == "ppl" and floats:
+            ax.axhline(floats[0]["ppl"], color="gray", lw=0.8, label="float")
         ax.set_xlabel("bits per weight (decoder linears, stored tensors)")
         ax.set_ylabel(label)
         ax.set_yscale("log")
-        ax.legend()
-    fig.suptitle("SmolLM2-135M: accuracy per bit")
+        ax.legend(fontsize=8)
+    fig.suptitle("SmolLM2-135M: accuracy per bit (4 x 512 tokens, same ids for every row)")
     fig.tight_layout()
     fig.savefig(RESULTS / f"{name}.png", dpi=110)
     print(f"wrote {RESULTS / name}.png")
@@ -224,20 +366,42 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 2 x 64 eval tokens, int4-g64 and autoquant@4.5 only, the first 2 decoder blocks")
     p.add_argument("--no-save", action="store_true", help="print only; write nothing under results/")
-    p.add_argument("--sensitivity-items", type=int, default=4,
+    p.add_argument("--sensitivity-items", type=int, default=2,
                    help="calibration items of autoquant's model-units sensitivity pass (one forward each per layer)")
+    p.add_argument("--llama", nargs="*", default=list(LLAMA_FTYPES), choices=list(LLAMA_FTYPES),
+                   help="llama.cpp file types to compare (none: no llama.cpp rows); needs the llama-cpp-python venv")
+    p.add_argument("--llama-python", default=None,
+                   help="the llama-cpp-python venv's python (default $AFFINEQ_LLAMA_PYTHON or .venv-llamacpp)")
+    p.add_argument("--hqq", action="store_true", help="HQQ int4 g64 rows: the hqq library against affineq's HQQ")
+    p.add_argument("--name", default=None, help="results file name (default bench_accuracy_bpw[_quick])")
+    p.add_argument("--plot-from", nargs="*", default=None,
+                   help="only plot: merge the rows of these results (.json) or logs (.log) into results/NAME.png")
+    p.add_argument("--aq-candidates", nargs="*", default=None, choices=list(CONFIGS),
+                   help="autoquant's candidates (and their importance-weighted versions below 5 bpw) instead of "
+                        "DEFAULT_CANDIDATES")
+    p.add_argument("--aq-calib", type=int, default=None, help="autoquant uses the first N calibration items")
     args = p.parse_args(argv)
+    if args.plot_from is not None:
+        import json
+
+        rows = []
+        for f in args.plot_from:
+            rows += json.loads(Path(f).read_text())["rows"] if f.endswith(".json") else rows_from_log(f)
+        plot(rows, args.name or "bench_accuracy_bpw")
+        return
     if not M.available_models().get("smollm2"):
         raise SystemExit(f"SmolLM2 is not installed: {M.INSTALL_HINT}")
     configs = ["int4-g64"] if args.quick and args.configs == list(CONFIGS) else args.configs
     budgets = [4.5] if args.quick and args.budgets == [3.5, 4.5] else args.budgets
     print(machine_line())
-    rows = run(configs, budgets, not args.no_imatrix, args.quick, args.sensitivity_items)
+    llama = [] if args.quick and args.llama == list(LLAMA_FTYPES) else args.llama
+    rows = run(configs, budgets, not args.no_imatrix, args.quick, args.sensitivity_items, tuple(llama),
+               args.llama_python, args.hqq, args.aq_candidates, args.aq_calib)
     table = markdown(rows)
     print()
     print(table)
     if not args.no_save:
-        name = "bench_accuracy_bpw_quick" if args.quick else "bench_accuracy_bpw"
+        name = args.name or ("bench_accuracy_bpw_quick" if args.quick else "bench_accuracy_bpw")
         sizes = QUICK if args.quick else FULL
         path = save_json(name, {"quick": args.quick, "sizes": sizes, "rows": rows, "table": table})
         print(f"\nwrote {path}")
