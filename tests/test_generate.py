@@ -52,6 +52,23 @@ def test_llama_tokens_equal_model_generate_eager(quantize):
     assert torch.equal(out, ref)
 
 
+def test_bf16_quantized_weights_in_a_float32_model_keep_a_float32_cache():
+    """A bf16 checkpoint quantized, then loaded with dtype=float32: the quantized weights keep their logical bf16
+    dtype while embeddings, norms and activations are float32; the cache follows the activations."""
+    model = _llama().to(torch.bfloat16)
+    affineq.quantize_(model, affineq.IntxWeightOnlyConfig(torch.int4, affineq.PerGroup(32)),
+                      filter_fn=lambda m, fqn: isinstance(m, (torch.nn.Linear, torch.nn.Embedding)))
+    assert isinstance(model.model.embed_tokens.weight, affineq.AffineQuantizedTensor)  # the first parameter
+    for module in model.modules():  # what from_pretrained(dtype=torch.float32) does to the float parameters
+        for name, p in list(module.named_parameters(recurse=False)):
+            if not isinstance(p, affineq.AffineQuantizedTensor):
+                setattr(module, name, torch.nn.Parameter(p.detach().float(), requires_grad=False))
+    assert model.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+    ids = _prompt(1, 7)
+    out = generate(model, ids, 8, compile=False, ignore_eos=True)
+    assert torch.equal(out, _hf(model, ids, 8, min_new_tokens=8))
+
+
 def test_eos_stops_and_pads_like_model_generate():
     model = _llama()
     ids = _prompt(2, 5)

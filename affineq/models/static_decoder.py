@@ -195,13 +195,25 @@ def _hf_ropes(model: nn.Module, cfg, head_dim: int) -> tuple[list, list[int]]:
     return [table(n) for n in names], per_layer
 
 
+def _activation_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of the model's activations (and so of its KV cache): its first float parameter that is not
+    quantized (a norm's weight, or a float embedding). Not simply the first parameter: a quantized weight keeps
+    the logical dtype of the checkpoint it came from (bf16), also in a model loaded with dtype=torch.float32,
+    whose norms turn the activations float32."""
+    params = list(model.parameters())
+    # plain tensors only: this package imports nothing from affineq's quantization code, and every quantized
+    # weight is a tensor subclass
+    plain = (p for p in params if type(p) in (torch.Tensor, nn.Parameter) and p.dtype.is_floating_point)
+    return next(plain, params[0]).dtype
+
+
 def _describe(model: nn.Module, fuse: bool | None) -> _Arch:
     from .tiny import TinyLM, _rope_angles
 
     if fuse is None:
         blocks = model.layers if isinstance(model, TinyLM) else getattr(getattr(model, "model", None), "layers", [])
         fuse = fusion_copy_bytes(blocks) <= FUSE_COPY_LIMIT
-    dtype = next(model.parameters()).dtype
+    dtype = _activation_dtype(model)
     if isinstance(model, TinyLM):
         cfg = model.config
 
