@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine_line, run_child, save_json, table  # noqa: E402
+from common import machine_line, reset_peak_rss, run_child, save_json, table  # noqa: E402
 
 MB = 2**20
 
@@ -51,7 +51,7 @@ def child(mode: str, src: str, dst: str, config_name: str, layers: str) -> dict:
     import torch
 
     import affineq
-    from affineq._memory import status_bytes, trim_heap
+    from affineq._memory import status_bytes
     from affineq.demo import CONFIGS
 
     if mode == "make":
@@ -64,13 +64,7 @@ def child(mode: str, src: str, dst: str, config_name: str, layers: str) -> dict:
     torch.set_num_threads(int(os.environ.get("AFFINEQ_BENCH_THREADS", "1")))
     cfg = CONFIGS[config_name]
     factory = _meta_factory(src)
-    cfg.quantize_weight(torch.randn(256, 256), torch.nn.Linear(256, 256))  # load the kernels
-    with torch.device("meta"):  # the first meta construction imports torch's meta kernels (once)
-        factory()
-    trim_heap()
-    base = status_bytes("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS
+    base = reset_peak_rss(cfg, factory)
     t0 = time.perf_counter()
     if mode == "quantize":
         info = affineq.quantize_checkpoint(src, dst, cfg, model=factory)

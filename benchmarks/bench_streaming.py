@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine_line, run_child, save_json, table  # noqa: E402
+from common import machine_line, reset_peak_rss, run_child, save_json, table  # noqa: E402
 
 MB = 2**20
 
@@ -77,7 +77,7 @@ def child(mode: str, src: str, dst: str, config_name: str, quick: bool) -> dict:
     import torch
 
     import affineq
-    from affineq._memory import status_bytes, trim_heap
+    from affineq._memory import status_bytes
     from affineq.demo import CONFIGS, model_bytes
 
     if mode == "save-float":
@@ -85,14 +85,7 @@ def child(mode: str, src: str, dst: str, config_name: str, quick: bool) -> dict:
         return {}
     cfg = CONFIGS[config_name]
     factory = _meta_factory(src, quick) if mode != "by-name" else None  # imports transformers before `base`
-    cfg.quantize_weight(torch.randn(256, 256), torch.nn.Linear(256, 256))  # load the kernels
-    if factory is not None:  # the first meta-device construction imports torch's meta kernels (~70 MB, once)
-        with torch.device("meta"):
-            factory()
-    trim_heap()
-    base = status_bytes("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS
+    base = reset_peak_rss(cfg, factory)
     t0 = time.perf_counter()
     if mode == "quantize_":
         if quick:

@@ -110,3 +110,20 @@ def run_child(script: str, *args: str) -> dict:
     if res.returncode:
         raise SystemExit(f"child {args} failed:\n{res.stderr[-3000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def reset_peak_rss(cfg, factory: Callable[[], object] | None = None) -> int:
+    """Before a peak-memory measurement: load what the measured step would otherwise load first (the C++ kernels,
+    through one small `cfg.quantize_weight`; torch's meta kernels, ~70 MB, through one meta-device `factory()`),
+    give freed heap back, and set VmHWM to VmRSS. Returns that baseline VmRSS in bytes."""
+    from affineq._memory import status_bytes, trim_heap
+
+    cfg.quantize_weight(torch.randn(256, 256), torch.nn.Linear(256, 256))
+    if factory is not None:
+        with torch.device("meta"):
+            factory()
+    trim_heap()
+    base = status_bytes("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+    return base
