@@ -134,16 +134,17 @@ def test_int8_codes_kernel_equals_the_fake_quant_route():
 
 
 def test_bytes_per_parameter():
-    # low-bit: codes + 2 x 2 B (bf16 scale, zero) per group; int8/fp8 and fp32 options: codes + 2 x 4 B
+    # low-bit: codes + 2 x 2 B (bf16 scale, zero) per group, symmetric codes 2 B (a bf16 scale alone); int8/fp8
+    # and fp32 options: codes + 2 x 4 B
     for config, expected in [(Int4WeightOnlyConfig(group_size=128), 0.53125), (Int8WeightOnlyConfig(), 1 + 8 / 4096),
                              (Int4WeightOnlyConfig(group_size=64), 0.5625),
                              (Int4WeightOnlyConfig(group_size=64, scale_dtype=torch.float32), 0.625),
                              (Int4WeightOnlyConfig(group_size=128, packing_format="int4_cpu"), 0.53125),
-                             (IntxWeightOnlyConfig(torch.int2, PerGroup(64)), 0.25 + 4 / 64),
-                             (IntxWeightOnlyConfig(torch.int2, PerGroup(32)), 0.375),
-                             (IntxWeightOnlyConfig(torch.int3, PerGroup(32)), 0.5),
+                             (IntxWeightOnlyConfig(torch.int2, PerGroup(64)), 0.25 + 2 / 64),
+                             (IntxWeightOnlyConfig(torch.int2, PerGroup(32)), 0.25 + 2 / 32),
+                             (IntxWeightOnlyConfig(torch.int3, PerGroup(32)), 0.375 + 2 / 32),
                              (IntxWeightOnlyConfig(torch.int2, PerGroup(64), scale_dtype=torch.float32), 0.25 + 8 / 64),
-                             (Int8DynamicActivationInt4WeightConfig(group_size=32), 0.5 + 4 / 32),
+                             (Int8DynamicActivationInt4WeightConfig(group_size=32), 0.5 + 2 / 32),
                              (Float8WeightOnlyConfig(), 1 + 8 / 4096)]:
         m = nn.Sequential(nn.Linear(4096, 1024, bias=False))
         quantize_(m, config)

@@ -147,25 +147,23 @@ def _check_args(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offs
         raise ValueError(f"lowbit_linear: packed must be uint8 with {packed_nbytes(n, k, bits)} elements "
                          f"(pack_codes output), got {packed.dtype} with {packed.numel()}")
     g = k // group_size
-    if scale.dtype == torch.uint8:  # e8m0 exponent bytes: no offset array
-        if offset is not None:
+    if scale.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.uint8) or tuple(scale.shape) != (n, g):
+        raise ValueError(f"lowbit_linear: scale must be float32, bfloat16, float16 or uint8 (e8m0 exponent bytes) of "
+                         f"shape [n, k // group_size] = [{n}, {g}], got {scale.dtype} {tuple(scale.shape)}")
+    if offset is not None:
+        if scale.dtype == torch.uint8:
             raise ValueError("lowbit_linear: e8m0 (uint8) scales store no offset: pass offset=None and the code "
                              "offset as code_offset")
-        if tuple(scale.shape) != (n, g):
-            raise ValueError(f"lowbit_linear: scale must have shape [n, k // group_size] = [{n}, {g}], got "
-                             f"{tuple(scale.shape)}")
-        return
-    if code_offset != 0:
-        raise ValueError("lowbit_linear: code_offset applies to e8m0 (uint8) scales only; fold it into offset")
-    if offset is None and scale.dtype != torch.float32:
-        raise ValueError("lowbit_linear: bfloat16 scales need an offset tensor (None: float32 or e8m0 uint8 "
-                         "scales only)")
-    for name, t in (("scale", scale), ("offset", scale if offset is None else offset)):
-        if t.dtype not in (torch.float32, torch.bfloat16) or tuple(t.shape) != (n, g):
-            raise ValueError(f"lowbit_linear: {name} must be float32 or bfloat16 of shape [n, k // group_size] = "
-                             f"[{n}, {g}], got {t.dtype} {tuple(t.shape)}")
-    if offset is not None and scale.dtype != offset.dtype:
-        raise ValueError(f"lowbit_linear: scale and offset must share a dtype, got {scale.dtype} and {offset.dtype}")
+        if offset.dtype != scale.dtype or tuple(offset.shape) != (n, g):
+            raise ValueError(f"lowbit_linear: offset must have scale's dtype {scale.dtype} and shape [{n}, {g}], got "
+                             f"{offset.dtype} {tuple(offset.shape)}")
+        if code_offset != 0:
+            raise ValueError("lowbit_linear: code_offset applies without an offset tensor only; fold it into offset")
+    elif code_offset != 0 and scale.dtype == torch.float32:
+        raise ValueError(f"lowbit_linear: code_offset={code_offset} needs 16-bit or e8m0 scales (scale * code_offset "
+                         "exact); with float32 scales pass offset = scale * code_offset")
+    if abs(code_offset) > 1 << 16:
+        raise ValueError(f"lowbit_linear: code_offset must be small, got {code_offset}")
     if scale.dtype == torch.bfloat16 and codes != CODES_UINT:
         raise ValueError("lowbit_linear: bfloat16 qparams (the W = scale * (u - 2**(bits-1)) + zero convention) "
                          "need integer codes")
@@ -179,15 +177,13 @@ def e8m0_values(b: torch.Tensor) -> torch.Tensor:
 def _dequantize(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, bits: int, group_size: int,
                 n: int, k: int, codes: int = CODES_UINT, code_offset: int = 0) -> torch.Tensor:
     """fp32 W [n, k] = scale * c(u) + offset (per group); bf16 qparams: scale * (u - 2**(bits-1)) + offset;
-    e8m0 qparams: 2**(b - 127) * (c(u) + code_offset)."""
+    no offset: offset = scale * code_offset (e8m0 scales: 2**(b - 127))."""
     u = unpack_codes(packed, bits, n, k).to(scale.device)
     u = code_values(u, codes).view(n, k // group_size, group_size)
-    if scale.dtype == torch.uint8:
-        s = e8m0_values(scale)
-        o = s * code_offset
-    else:
-        s = scale.float()
-        o = torch.zeros_like(s) if offset is None else offset.float()
+    s = e8m0_values(scale) if scale.dtype == torch.uint8 else scale.float()
+    if offset is None:  # scale * (c(u) + code_offset): exact, with the product's sign when it is zero
+        return ((u + code_offset) * s[:, :, None]).view(n, k)
+    o = offset.float()
     if scale.dtype == torch.bfloat16:
         o = o - (1 << (bits - 1)) * s
     # One rounding of s * c + o, as the C++ op's std::fma: the product of a 24-bit scale and an 8-bit code is

@@ -92,37 +92,38 @@ void transpose_rows(const float* src, int64_t lds, int64_t rows, int64_t R, int6
 
 void load_qparams(const LowbitProblem& p, bool offset, float mul, int64_t r0, int64_t rows, int64_t R, int64_t G,
                   float* dst, int64_t ldd) {
-  // no offset array, or e8m0 qparams of float codes (code_offset 0): offset 0
-  if (offset && p.offset == nullptr && (!p.qparams_e8m0 || p.code_offset == 0)) {
+  if (offset && p.offset == nullptr) {  // no offset array: scale * code_offset (exact, see lowbit_kernels.h)
+    if (p.code_offset != 0) return load_qparams(p, false, static_cast<float>(p.code_offset), r0, rows, R, G, dst, ldd);
     for (int64_t g = 0; g < G; ++g) std::fill(dst + g * ldd, dst + g * ldd + R, 0.f);
     return;
   }
   const float* src = static_cast<const float*>(offset ? p.offset : p.scale) + r0 * G;
-  if (p.qparams_e8m0) {
-    // exponent bytes -> fp32 (exact), times mul for the scale or code_offset for the offset (both exact)
-    const int64_t cnt = rows * G;
+  // Straight-line loops per case: the per-element qparam_at would not vectorize (see benchmarks/README.md,
+  // kernel design measurements).
+  const int64_t cnt = rows * G;
+  if (p.qparams_e8m0) {  // exponent bytes -> fp32 (exact), times mul (exact: a power of two, or code_offset)
     float* t = tl_qconv.get<float>(cnt);
     const uint8_t* b = static_cast<const uint8_t*>(p.scale) + r0 * G;
-    const float f = offset ? static_cast<float>(p.code_offset) : mul;
-    for (int64_t i = 0; i < cnt; ++i) t[i] = e8m0_to_float(b[i]) * f;
+    for (int64_t i = 0; i < cnt; ++i) t[i] = e8m0_to_float(b[i]) * mul;
+    src = t;
+  } else if (p.qparams_f16) {  // fp16 -> fp32 (exact; vcvtph2ps where built with F16C)
+    float* t = tl_qconv.get<float>(cnt);
+    const uint16_t* h = static_cast<const uint16_t*>(offset ? p.offset : p.scale) + r0 * G;
+    const float f = offset ? 1.f : mul;
+    for (int64_t i = 0; i < cnt; ++i) t[i] = f16_to_float(h[i]) * f;
     src = t;
   } else if (p.qparams_bf16 || mul != 1.f) {
-    // Straight-line loops per case: the per-element qparam_at would not vectorize (see benchmarks/README.md,
-    // kernel design measurements).
-    const int64_t cnt = rows * G;
     float* t = tl_qconv.get<float>(cnt);
     const uint16_t* s16 = static_cast<const uint16_t*>(p.scale) + r0 * G;
     const uint16_t* z16 = static_cast<const uint16_t*>(p.offset) + r0 * G;
-    // bf16 -> fp32 is the bf16 bits in the top half; one pass per case (vectorized by the compiler)
-    const auto widen = [](uint16_t b) { return std::bit_cast<float>(static_cast<uint32_t>(b) << 16); };
     if (!p.qparams_bf16) {
       for (int64_t i = 0; i < cnt; ++i) t[i] = src[i] * mul;
     } else if (!offset) {
-      for (int64_t i = 0; i < cnt; ++i) t[i] = widen(s16[i]) * mul;
+      for (int64_t i = 0; i < cnt; ++i) t[i] = bf16_to_float(s16[i]) * mul;
     } else {
       // fp32 offset of w = scale * u + offset: z - 2^(bits-1) * scale (the product is exact)
       const float half = static_cast<float>(1 << (p.bits - 1));
-      for (int64_t i = 0; i < cnt; ++i) t[i] = widen(z16[i]) - half * widen(s16[i]);
+      for (int64_t i = 0; i < cnt; ++i) t[i] = bf16_to_float(z16[i]) - half * bf16_to_float(s16[i]);
     }
     src = t;
   }

@@ -24,6 +24,7 @@
 #include "blocked_gemm.h"
 #include "common.h"
 #include "decode.h"
+#include "op_checks.h"
 
 namespace affineq {
 namespace detail {
@@ -240,33 +241,17 @@ LowbitProblem weight_problem(const char* op, const at::Tensor& pk, const at::Ten
   TORCH_CHECK(bits >= 1 && bits <= 8, op, ": bits must be in [1, 8], got ", bits);
   TORCH_CHECK(n >= 0 && k > 0 && group_size > 0 && k % group_size == 0, op,
               ": need n >= 0, k > 0 and group_size dividing k, got n=", n, ", k=", k, ", group_size=", group_size);
-  const bool ok_codes = codes == kCodesUint || ((codes == kCodesE4M3 || codes == kCodesE5M2) && bits == 8) ||
-                        (codes == kCodesFp4E2M1 && bits == 4) ||
-                        ((codes == kCodesFp6E2M3 || codes == kCodesFp6E3M2) && bits == 6);
-  TORCH_CHECK(ok_codes, op, ": codes=", codes, " does not go with bits=", bits, " (see affineq.cpp.codes_kind)");
   TORCH_CHECK(pk.scalar_type() == at::kByte && pk.device().is_cpu() && pk.numel() == n * ((k + 7) / 8) * bits, op,
               ": packed must be a uint8 CPU tensor with ", n * ((k + 7) / 8) * bits, " elements (pack_codes output)");
   const int64_t G = k / group_size;
-  TORCH_CHECK(sc.device().is_cpu() && sc.dim() == 2 && sc.size(0) == n && sc.size(1) == G, op,
-              ": scale must be a CPU tensor of shape [n, k // group_size] = [", n, ", ", G, "], got ", sc.sizes());
-  const bool e8m0 = sc.scalar_type() == at::kByte;
-  TORCH_CHECK(e8m0 || sc.scalar_type() == at::kFloat || sc.scalar_type() == at::kBFloat16, op,
-              ": scale must be float32, bfloat16 or uint8 (e8m0), got ", sc.scalar_type());
-  if (of.defined()) {
-    TORCH_CHECK(!e8m0 && of.scalar_type() == sc.scalar_type() && of.sizes() == sc.sizes(), op,
-                ": offset must match scale's dtype and shape (e8m0 scales take no offset), got ", of.scalar_type(),
-                " ", of.sizes());
-  } else {
-    TORCH_CHECK(sc.scalar_type() != at::kBFloat16, op, ": bfloat16 scales need an offset tensor");
-  }
-  TORCH_CHECK(e8m0 || code_offset == 0, op, ": code_offset applies to e8m0 (uint8) scales only");
-  TORCH_CHECK(sc.scalar_type() != at::kBFloat16 || codes == kCodesUint, op,
-              ": bfloat16 qparams need integer codes");
+  const std::optional<at::Tensor> of_opt = of.defined() ? std::optional<at::Tensor>(of) : std::nullopt;
+  const bool e8m0 = check_qparams(op, sc, of_opt, bits, codes, code_offset, n, G);
   LowbitProblem p;
   p.packed = pk.const_data_ptr<uint8_t>();
   p.scale = sc.const_data_ptr();
   p.offset = of.defined() ? of.const_data_ptr() : nullptr;
   p.qparams_bf16 = sc.scalar_type() == at::kBFloat16;
+  p.qparams_f16 = sc.scalar_type() == at::kHalf;
   p.qparams_e8m0 = e8m0;
   p.code_offset = static_cast<int>(code_offset);
   p.bits = static_cast<int>(bits);
@@ -279,8 +264,10 @@ LowbitProblem weight_problem(const char* op, const at::Tensor& pk, const at::Ten
 
 // canonical: (u + round(offset / scale)) * scale (fp32 qparams of integer codes only).
 void check_canonical(const char* op, bool canonical, const LowbitProblem& p) {
-  TORCH_CHECK(!canonical || (p.codes == kCodesUint && !p.qparams_bf16 && !p.qparams_e8m0 && p.offset != nullptr), op,
-              ": canonical=True needs integer codes with float32 scale and offset");
+  const bool fp32_qparams = !p.qparams_bf16 && !p.qparams_f16 && !p.qparams_e8m0;
+  const bool half_no_offset = (p.qparams_bf16 || p.qparams_f16) && p.offset == nullptr;
+  TORCH_CHECK(!canonical || (p.codes == kCodesUint && ((fp32_qparams && p.offset != nullptr) || half_no_offset)), op,
+              ": canonical=True needs integer codes with float32 scale and offset, or 16-bit scales and no offset");
 }
 
 at::Tensor dense_dequantize_cpu(const at::Tensor& packed, const at::Tensor& scale,

@@ -49,21 +49,14 @@ constexpr bool kHasBf16Dot = true;
 constexpr bool kHasBf16Dot = false;
 #endif
 
-AQ_INLINE float bf16_to_float(uint16_t b) {
-  const uint32_t bits = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
 // Element i of an [n, G] qparam array as the kernels use it: the fp32 scale times `mul`, or the fp32 offset
-// (for bf16 qparams: z - 2^(bits-1) * scale; for e8m0 qparams: scale * code_offset).
+// (for bf16 qparams: z - 2^(bits-1) * scale; without an offset array: scale * code_offset).
 AQ_INLINE float qparam_at(const LowbitProblem& p, bool offset, float mul, int64_t i) {
-  if (p.qparams_e8m0) {
-    const float s = e8m0_to_float(static_cast<const uint8_t*>(p.scale)[i]);
-    return offset ? s * static_cast<float>(p.code_offset) : s * mul;
-  }
-  if (offset && p.offset == nullptr) return 0.f;
+  if (offset && p.offset == nullptr)
+    return p.code_offset == 0 ? 0.f : qparam_at(p, false, static_cast<float>(p.code_offset), i);
+  if (p.qparams_e8m0) return e8m0_to_float(static_cast<const uint8_t*>(p.scale)[i]) * mul;
+  if (p.qparams_f16)
+    return f16_to_float(static_cast<const uint16_t*>(offset ? p.offset : p.scale)[i]) * (offset ? 1.f : mul);
   if (!p.qparams_bf16) return static_cast<const float*>(offset ? p.offset : p.scale)[i] * mul;
   const float s = bf16_to_float(static_cast<const uint16_t*>(p.scale)[i]);
   if (!offset) return s * mul;
@@ -138,13 +131,14 @@ const char* kernel_isa() { return detail::kIsa; }
 int lowbit_path(const LowbitProblem& p, int force_path) { return detail::path_for(p, force_path); }
 
 void dequantize_f32(const uint8_t* packed, const void* scale, const void* offset, bool qparams_bf16,
-                    bool qparams_e8m0, int code_offset, int bits, int codes, int64_t group_size, int64_t n,
+                    bool qparams_f16, bool qparams_e8m0, int code_offset, int bits, int codes, int64_t group_size, int64_t n,
                     int64_t k, float* w) {
   const int64_t U = (k + 7) / 8, G = k / group_size, panel_bytes = 16 * U * bits;
   LowbitProblem qp{};
   qp.scale = scale;
   qp.offset = offset;
   qp.qparams_bf16 = qparams_bf16;
+  qp.qparams_f16 = qparams_f16;
   qp.qparams_e8m0 = qparams_e8m0;
   qp.code_offset = code_offset;
   qp.bits = bits;
@@ -172,9 +166,11 @@ void dequantize_f32(const uint8_t* packed, const void* scale, const void* offset
                           : codes == kCodesE4M3 || codes == kCodesE5M2 ? detail::fp8_to_float(b, codes)
                                                                        : detail::fpx_to_float(b, codes);
           // One rounding of scale * c + offset, always (std::fma, not left to the compiler's contraction, which
-          // fused only some elements); the PyTorch fallback computes the same in float64.
-          w[row * k + kk] =
-              std::fma(detail::qparam_at(qp, false, 1.f, row * G + g), c, detail::qparam_at(qp, true, 1.f, row * G + g));
+          // fused only some elements); the PyTorch fallback computes the same in float64. Without an offset
+          // array, scale * (c + code_offset): exact, with the product's sign when it is zero.
+          const float s = detail::qparam_at(qp, false, 1.f, row * G + g);
+          w[row * k + kk] = offset == nullptr ? s * (c + static_cast<float>(code_offset))
+                                              : std::fma(s, c, detail::qparam_at(qp, true, 1.f, row * G + g));
         }
       }
     }

@@ -153,6 +153,7 @@ at::Tensor grouped_lowbit_linear_cpu(const at::Tensor& x, const at::Tensor& expe
       p.scale = sc_base + qp_off;
       p.offset = has_offset ? of_base + qp_off : nullptr;
       p.qparams_bf16 = sc.scalar_type() == at::kBFloat16;
+      p.qparams_f16 = sc.scalar_type() == at::kHalf;
       p.qparams_e8m0 = e8m0;
       p.code_offset = static_cast<int>(code_offset);
       p.bits = static_cast<int>(bits);

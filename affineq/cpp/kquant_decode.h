@@ -9,7 +9,6 @@
 // them at -O3; the portable build runs the same code.
 #pragma once
 
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <utility>
@@ -26,23 +25,11 @@ constexpr int64_t kq_type_size(int64_t kind) {
   return kind == 2 ? 84 : kind == 3 ? 110 : kind == 4 ? 144 : kind == 5 ? 176 : kind == 6 ? 210 : 0;
 }
 
-// IEEE fp16 bits -> fp32 (exact; subnormals, infinities and NaN included).
+// The fp16 at p (unaligned) -> fp32, exact.
 AQ_INLINE float half_to_float(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#else
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
-  if (e == 0) {  // zero or subnormal: m * 2^-24, exact in fp32
-    const float f = std::ldexp(static_cast<float>(m), -24);
-    return sign ? -f : f;
-  }
-  const uint32_t bits = sign | (e == 31 ? 0x7F800000u | (m << 13) : ((e + 112u) << 23) | (m << 13));
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-#endif
+  return f16_to_float(h);
 }
 
 // Q4_K / Q5_K's 12 scale bytes -> 8 six-bit sub-scales and 8 six-bit mins.

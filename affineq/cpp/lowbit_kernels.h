@@ -16,15 +16,19 @@ struct LowbitProblem {
   int64_t ldx;
   int64_t m;
   const uint8_t* packed;   // codes in the panel layout documented in affineq/cpp/__init__.py
-  const void* scale;       // [n, k / group_size] fp32 or bf16 (qparams_bf16), contiguous
-  const void* offset;      // [n, k / group_size], same dtype as scale; null: 0 (fp32 scales of float codes)
+  const void* scale;       // [n, k / group_size] fp32, bf16 (qparams_bf16) or fp16 (qparams_f16), contiguous
+  const void* offset;      // [n, k / group_size], same dtype as scale; null: offset = scale * code_offset
   // bf16 qparams use the tinygemm convention: offset holds the zero z, W = scale * (u - 2^(bits-1)) + z
   // (integer codes only), so a float zero point is stored exactly instead of a rounded scale * u offset.
   bool qparams_bf16 = false;
+  // fp16 qparams use the fp32 convention W = scale * u + offset (GGUF's Q4_1: d * u + m, stored as in the file).
+  bool qparams_f16 = false;
   // e8m0 qparams (OCP MX): scale holds one exponent byte b per group (uint8, value 2^(b - 127); 255 = NaN) and
-  // there is no offset array: offset = scale * code_offset (quant_min for integer codes stored as q - quant_min,
-  // 0 for float codes). Both products are exact, so W = 2^(b - 127) * (c(u) + code_offset) exactly.
+  // there is no offset array.
   bool qparams_e8m0 = false;
+  // Without an offset array the offset is scale * code_offset: quant_min for integer codes stored as
+  // u = q - quant_min (symmetric codes: W = scale * q), 0 for float codes. Only with 16-bit or e8m0 scales,
+  // whose products with u and with code_offset are exact in fp32, so W = scale * (c(u) + code_offset) exactly.
   int code_offset = 0;
   int bits;                // 1..8
   int codes = kCodesUint;  // kCodesE4M3 / kCodesE5M2 need bits == 8, kCodesFp4E2M1 4, kCodesFp6E2M3 / E3M2 6
@@ -46,7 +50,7 @@ void lowbit_linear_f32(const LowbitProblem& p, int force_path = 0);
 // w[n, k] = scale[n, k / gs] * c(u[n, k]) + offset[n, k / gs] as fp32 [n, k] (portable code; used by backward).
 // qparams as in LowbitProblem (offset is null for e8m0 qparams).
 void dequantize_f32(const uint8_t* packed, const void* scale, const void* offset, bool qparams_bf16,
-                    bool qparams_e8m0, int code_offset, int bits, int codes, int64_t group_size, int64_t n,
+                    bool qparams_f16, bool qparams_e8m0, int code_offset, int bits, int codes, int64_t group_size, int64_t n,
                     int64_t k, float* w);
 
 // y[m, k] = dequantize(quantize(x)) with int8 activation codes, qparams per row (per_token) or over all of x;

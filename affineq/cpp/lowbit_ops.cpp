@@ -56,40 +56,40 @@ bool codes_ok(int64_t codes, int64_t bits) {
 
 }  // namespace
 
-// scale/offset: both float32 or both bfloat16, [n, k / group_size]; a float32 scale without offset (offset 0: float
-// codes); or scale uint8 e8m0 exponent bytes with no offset (offset = scale * code_offset). Returns whether the
+// scale [n, k / group_size]: float32, bfloat16, float16, or uint8 e8m0 exponent bytes; offset: None or the same
+// dtype and shape (not with e8m0). Without an offset the offset is scale * code_offset, which needs 16-bit or e8m0
+// scales when code_offset != 0 (exact products; fp32 scales fold it into an offset tensor). Returns whether the
 // qparams are e8m0.
 bool check_qparams(const char* op, const at::Tensor& scale, const std::optional<at::Tensor>& offset_opt,
                    int64_t bits, int64_t codes, int64_t code_offset, int64_t n, int64_t G) {
   TORCH_CHECK(codes_ok(codes, bits), op,
               ": codes must be 0 (unsigned integers), 1 (float8_e4m3fn) or 2 (float8_e5m2, both with bits=8), 3 "
               "(fp4_e2m1, bits=4), 4 (fp6_e2m3) or 5 (fp6_e3m2, both bits=6), got codes=", codes, ", bits=", bits);
-  if (scale.scalar_type() == at::kByte) {
-    TORCH_CHECK(!offset_opt.has_value() || !offset_opt->defined(), op,
-                ": e8m0 (uint8) scales store no offset: pass offset=None and the code offset as code_offset");
-    TORCH_CHECK(scale.device().is_cpu() && scale.dim() == 2 && scale.size(0) == n && scale.size(1) == G, op,
-                ": scale must have shape [n, k // group_size] = [", n, ", ", G, "] on CPU, got ", scale.sizes(),
-                " on ", scale.device());
-    TORCH_CHECK(code_offset >= -(1 << 16) && code_offset <= (1 << 16), op, ": code_offset must be small, got ",
-                code_offset);
-    return true;
-  }
-  TORCH_CHECK(code_offset == 0, op, ": code_offset applies to e8m0 (uint8) scales only; fold it into offset");
+  const at::ScalarType st = scale.scalar_type();
+  const bool e8m0 = st == at::kByte, half = st == at::kBFloat16 || st == at::kHalf;
+  TORCH_CHECK((e8m0 || half || st == at::kFloat) && scale.device().is_cpu(), op,
+              ": scale must be a float32, bfloat16, float16 or uint8 (e8m0) CPU tensor, got ", st, " on ",
+              scale.device());
+  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == n && scale.size(1) == G, op,
+              ": scale must have shape [n, k // group_size] = [", n, ", ", G, "], got ", scale.sizes());
   const bool has_offset = offset_opt.has_value() && offset_opt->defined();
-  TORCH_CHECK(has_offset || scale.scalar_type() == at::kFloat, op,
-              ": bfloat16 scales need an offset tensor (None: float32 or e8m0 uint8 scales only)");
-  const at::Tensor& offset = has_offset ? *offset_opt : scale;  // no offset: check scale twice
-  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"scale", scale}, {"offset", offset}}) {
-    TORCH_CHECK((t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16) && t.device().is_cpu(), op,
-                ": ", name, " must be a float32 or bfloat16 CPU tensor, got ", t.scalar_type(), " on ", t.device());
-    TORCH_CHECK(t.dim() == 2 && t.size(0) == n && t.size(1) == G, op, ": ", name,
-                " must have shape [n, k // group_size] = [", n, ", ", G, "], got ", t.sizes());
+  if (has_offset) {
+    const at::Tensor& offset = *offset_opt;
+    TORCH_CHECK(!e8m0, op, ": e8m0 (uint8) scales store no offset: pass offset=None and the code offset as "
+                "code_offset");
+    TORCH_CHECK(offset.scalar_type() == st && offset.device().is_cpu() && offset.sizes() == scale.sizes(), op,
+                ": offset must be a CPU tensor of scale's dtype ", st, " and shape ", scale.sizes(), ", got ",
+                offset.scalar_type(), " ", offset.sizes(), " on ", offset.device());
+    TORCH_CHECK(code_offset == 0, op, ": code_offset applies without an offset tensor only; fold it into offset");
+  } else {
+    TORCH_CHECK(code_offset == 0 || e8m0 || half, op, ": code_offset=", code_offset, " needs 16-bit or e8m0 "
+                "scales (scale * code_offset exact); with float32 scales pass offset = scale * code_offset");
   }
-  TORCH_CHECK(scale.scalar_type() == offset.scalar_type(), op, ": scale and offset must share a dtype, got ",
-              scale.scalar_type(), " and ", offset.scalar_type());
-  TORCH_CHECK(scale.scalar_type() == at::kFloat || codes == kCodesUint, op,
+  TORCH_CHECK(code_offset >= -(1 << 16) && code_offset <= (1 << 16), op, ": code_offset must be small, got ",
+              code_offset);
+  TORCH_CHECK(st != at::kBFloat16 || codes == kCodesUint, op,
               ": bfloat16 qparams (the W = scale * (u - 2^(bits-1)) + zero convention) need integer codes");
-  return false;
+  return e8m0;
 }
 
 namespace {
@@ -149,6 +149,8 @@ at::Tensor lowbit_linear_impl(const at::Tensor& x, const at::Tensor& packed, con
     p.scale = sc.const_data_ptr();
     p.offset = has_offset ? of.const_data_ptr() : nullptr;  // null: offset 0 (or scale * code_offset for e8m0)
     p.qparams_bf16 = sc.scalar_type() == at::kBFloat16;
+  p.qparams_f16 = sc.scalar_type() == at::kHalf;
+    p.qparams_f16 = sc.scalar_type() == at::kHalf;
     p.qparams_e8m0 = e8m0;
     p.code_offset = static_cast<int>(code_offset);
     p.bits = static_cast<int>(bits);
@@ -184,7 +186,7 @@ at::Tensor lowbit_dequantize_cpu(const at::Tensor& packed, const at::Tensor& sca
   at::Tensor w = at::empty({n, k}, scale.options().dtype(at::kFloat));
   if (n > 0)
     dequantize_f32(pk.const_data_ptr<uint8_t>(), sc.const_data_ptr(), has_offset ? of.const_data_ptr() : nullptr,
-                   sc.scalar_type() == at::kBFloat16, e8m0, static_cast<int>(code_offset), static_cast<int>(bits),
+                   sc.scalar_type() == at::kBFloat16, sc.scalar_type() == at::kHalf, e8m0, static_cast<int>(code_offset), static_cast<int>(bits),
                    static_cast<int>(codes), group_size, n, k, w.mutable_data_ptr<float>());
   return w;
 }

@@ -142,6 +142,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lowbit_rnn_layer_cpu(
   p.scale = sc.const_data_ptr();
   p.offset = has_offset ? of.const_data_ptr() : nullptr;
   p.qparams_bf16 = sc.scalar_type() == at::kBFloat16;
+  p.qparams_f16 = sc.scalar_type() == at::kHalf;
   p.qparams_e8m0 = sc.scalar_type() == at::kByte;
   p.code_offset = static_cast<int>(code_offset);
   p.bits = static_cast<int>(bits);

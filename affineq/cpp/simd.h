@@ -42,6 +42,37 @@ namespace affineq::detail {
 // GCC compiled the hot loops that inline these functions differently (seen in the disassembly).
 namespace {
 
+// 16-bit floats -> fp32, exact (subnormals, infinities and NaN included).
+AQ_INLINE float bf16_to_float(uint16_t b) {
+  const uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+AQ_INLINE float f16_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+  uint32_t bits;
+  if (e == 0) {  // zero or subnormal m * 2^-24: normalise (exact in fp32)
+    if (m == 0) {
+      bits = sign;
+    } else {
+      int sh = 0;
+      uint32_t mm = m;
+      while (!(mm & 0x400u)) mm <<= 1, ++sh;
+      bits = sign | ((113u - sh) << 23) | ((mm & 0x3FFu) << 13);
+    }
+  } else {
+    bits = sign | (e == 31 ? 0x7F800000u | (m << 13) : ((e + 112u) << 23) | (m << 13));
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+#endif
+}
+
 // Compile-time loop: f(std::integral_constant<int, i>) for i in [0, N). Keeps register arrays scalarized.
 template <int... Is, class F>
 AQ_INLINE void sfor_impl(std::integer_sequence<int, Is...>, F&& f) {

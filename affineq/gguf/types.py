@@ -6,15 +6,14 @@ Reading (`to_tensor`): F32 / F16 / BF16 stay plain tensors of their dtype; the o
 
 | GGUF type                   | affineq tensor                                                                |
 |-----------------------------|-------------------------------------------------------------------------------|
-| Q4_0 / Q5_0 / Q8_0          | `dense`, int4 / int5 / int8 codes, symmetric (no zero point), fp32 scale d      |
-| Q4_1 / Q5_1                 | `dense`, uint4 / uint5, FLOAT zero point; stored affine map w = d * u + m (fp32) |
-| IQ4_NL                      | `dense` int8: the table value as the code, fp32 scale d                         |
+| Q4_0 / Q5_0 / Q8_0          | `dense`, int4 / int5 / int8 codes, symmetric (no zero point), fp16 scale d      |
+| Q4_1 / Q5_1                 | `dense`, uint4 / uint5, FLOAT zero point; fp16 d and m, w = d * u + m            |
+| IQ4_NL                      | `dense` int8: the table value as the code, fp16 scale d                         |
 | MXFP4                       | `dense` fp4_e2m1 codes with e8m0 scale bytes (OCP MX: ggml's block, as is)       |
 | Q2_K / Q3_K / Q4_K / Q5_K / Q6_K | `q2_k` .. `q6_k` (`affineq.tensor.format_kquant`: the file's super-block bytes) |
 
-`dense` keeps the codes bit-packed and the kernels read it; its qparams are fp32, so a legacy block's fp16 scale
-costs 32 bits instead of 16 (Q4_0: 6 bits per weight in memory, 4.5 in the file). The k-quant formats keep the
-file's bytes (4.5 bits per weight for Q4_K); `widen_kquants=True` gives their exact `dense` widening instead
+`dense` keeps the codes bit-packed and the kernels read it, with the block's fp16 scale (and min) as stored: the
+file's bits per weight (Q4_0 4.5, Q4_1 5). The k-quant formats keep the file's bytes (4.5 bits per weight for Q4_K); `widen_kquants=True` gives their exact `dense` widening instead
 (fp32 scale and offset per sub-block: the fast kernels, about 2 more bits per weight).
 
 Writing (`from_tensor`): a float tensor is F32 / F16 / BF16 by its dtype; a k-quant tensor is its own bytes; any
@@ -34,6 +33,7 @@ from affineq.gguf.reader import GGUFEntry
 from affineq.primitives import MappingType, ZeroPointDomain
 from affineq.tensor.affine import AffineQuantizedTensor
 from affineq.tensor.format_kquant import KQUANT_TYPES, dense_tensors, kquant_spec
+from affineq.tensor.formats import dense_affine_map
 from affineq.tensor.spec import QuantSpec
 
 __all__ = ["FLOAT_TYPES", "READ_TYPES", "WRITE_TYPES", "from_tensor", "legacy_spec", "legacy_tensor", "to_tensor"]
@@ -85,18 +85,20 @@ def _legacy_chunked(entry: GGUFEntry) -> AffineQuantizedTensor:
     a byte each would otherwise briefly take 2-4x the tensor's file size), read straight from the file's map."""
     n, k = entry.shape
     spec = legacy_spec(entry.ggml_type, (n, k))
-    bits = spec.target.bits
-    qdata = torch.empty(n, -(-k // 8) * bits, dtype=torch.uint8)
-    d_all = torch.empty(n, k // blocks.BLOCK)
-    m_all = torch.empty(n, k // blocks.BLOCK)
+    bits, has_min = spec.target.bits, blocks.BLOCK_TYPES[entry.ggml_type].has_min
+    tensors = {"qdata": torch.empty(n, -(-k // 8) * bits, dtype=torch.uint8),
+               "scale": torch.empty(n, k // blocks.BLOCK, dtype=torch.float16)}
+    if has_min:
+        tensors["offset"] = torch.empty(n, k // blocks.BLOCK, dtype=torch.float16)
     step = max(1, _CHUNK_ELEMENTS // k // PANEL_ROWS) * PANEL_ROWS  # panel-aligned: pack_codes packs by panels
     for r in range(0, n, step):
         chunk = torch.from_numpy(np.array(entry.data[r:r + step]))
         u, d, m = blocks.decode(entry.ggml_type, chunk, k)
-        qdata[r:r + step] = pack_codes(u, bits)
-        d_all[r:r + step] = d
-        m_all[r:r + step] = m
-    return AffineQuantizedTensor.from_tensors({"qdata": qdata, "scale": d_all, "offset": m_all}, spec)
+        tensors["qdata"][r:r + step] = pack_codes(u, bits)
+        tensors["scale"][r:r + step] = d  # fp16 values: exact
+        if has_min:
+            tensors["offset"][r:r + step] = m
+    return AffineQuantizedTensor.from_tensors(tensors, spec)
 
 
 def legacy_spec(ggml_type: str, shape: tuple[int, int], dtype: torch.dtype = torch.float32) -> QuantSpec:
@@ -111,11 +113,13 @@ def legacy_spec(ggml_type: str, shape: tuple[int, int], dtype: torch.dtype = tor
 
 def legacy_tensor(ggml_type: str, u: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
                   dtype: torch.dtype = torch.float32) -> AffineQuantizedTensor:
-    """The `dense` tensor of decoded legacy blocks (`blocks.decode`: codes u uint8 [R, K], d and m fp32
-    [R, K / 32], w = d * u + m): the codes bit-packed, d and m stored as is."""
+    """The `dense` tensor of decoded legacy blocks (`blocks.decode`: codes u uint8 [R, K], d and m fp32 values of
+    fp16 [R, K / 32], w = d * u + m): the codes bit-packed, d (and m for the types with a min) in fp16, exactly;
+    the symmetric types' m = -c * d is implied (no offset tensor)."""
     spec = legacy_spec(ggml_type, tuple(u.shape), dtype)
-    tensors = {"qdata": pack_codes(u.contiguous(), spec.target.bits), "scale": d.contiguous(),
-               "offset": m.contiguous()}
+    tensors = {"qdata": pack_codes(u.contiguous(), spec.target.bits), "scale": d.to(torch.float16).contiguous()}
+    if blocks.BLOCK_TYPES[ggml_type].has_min:
+        tensors["offset"] = m.to(torch.float16).contiguous()
     return AffineQuantizedTensor.from_tensors(tensors, spec)
 
 
@@ -197,8 +201,8 @@ def _block_values(bt: blocks.BlockType, u: torch.Tensor, d: torch.Tensor, m: tor
 def _affine_map(t: AffineQuantizedTensor) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 (scale, offset) [R, K/32] of w = scale * u + offset, u = code - quant_min."""
     s = t.spec
-    if s.fmt == "dense" and "offset" in t.tensors and t.tensors["scale"].dtype == torch.float32:
-        return t.tensors["scale"], t.tensors["offset"]  # stored as is (a Q4_1 min stays bit-exact)
+    if s.fmt == "dense" and t.tensors["scale"].dtype in (torch.float32, torch.float16):
+        return dense_affine_map(t.tensors, s)  # as stored (a Q4_1 min stays bit-exact)
     scale = t.scale.float()
     zp = t.zero_point
     if s.zero_point_domain is ZeroPointDomain.INT:

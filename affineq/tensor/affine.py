@@ -484,9 +484,10 @@ class AffineQuantizedTensor(torch.Tensor):
     @classmethod
     def __tensor_unflatten__(cls, inner_tensors, spec, outer_size, outer_stride):
         tensors = {k[1:]: v for k, v in inner_tensors.items()}
-        want = set(format_of(spec).layout(spec))
+        layout = format_of(spec).layout(spec)
+        want = set(layout)
         have = {n for n in tensors if not n.startswith("act_")}
-        if have != want:
+        if not {n for n, lay in layout.items() if not lay.optional} <= have <= want:
             raise ValueError(f"format {spec.fmt!r} stores tensors {sorted(want)}, got {sorted(have)}")
         return cls(tensors, spec)
 

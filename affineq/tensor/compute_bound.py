@@ -158,10 +158,10 @@ def dequant_linear_run(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.T
     if spec.act_quant is not None:
         x = fake_quantize_activation(x, spec.act_quant, w)
     n, k = spec.shape
-    e8m0 = spec.scale_type is not None
+    offset = getattr(w, "_offset", None)
     out = torch.ops.affineq.dequant_linear(
-        x, w._qdata, w._scale, getattr(w, "_offset", None), spec.target.bits, spec.block_size[1], n, k,
-        _cpp.codes_kind(spec.target), dense_code_offset(spec) if e8m0 else 0, dense_is_canonical(w._scale, spec),
+        x, w._qdata, w._scale, offset, spec.target.bits, spec.block_size[1], n, k, _cpp.codes_kind(spec.target),
+        dense_code_offset(spec, offset is not None), dense_is_canonical(w._scale, spec, offset is not None),
         x.dtype == torch.bfloat16 and native_bf16_gemm(),
     )
     return out if bias is None else out + bias

@@ -57,7 +57,7 @@ class PerExpert(PackingFormat):
 
     def layout(self, spec):
         e = spec.shape[0]
-        return {name: TensorLayout(None if lay.shape is None else (e, *lay.shape), lay.dtypes)
+        return {name: TensorLayout(None if lay.shape is None else (e, *lay.shape), lay.dtypes, lay.optional)
                 for name, lay in self.inner.layout(expert_spec(spec)).items()}
 
     def validate(self, t, spec):
@@ -79,7 +79,7 @@ class PerExpert(PackingFormat):
                  for e in range(spec.shape[0])]
         if not parts:
             return {name: torch.empty(0, *(lay.shape or ()), dtype=lay.dtypes[0], device=codes.device)
-                    for name, lay in self.inner.layout(es).items()}
+                    for name, lay in self.inner.layout(es).items() if not lay.optional}
         return {name: torch.stack([p[name] for p in parts]) for name in parts[0]}
 
     def codes(self, t, spec):

@@ -56,6 +56,7 @@ class TensorLayout:
 
     shape: tuple[int, ...] | None
     dtypes: tuple[torch.dtype, ...]
+    optional: bool = False  # may be absent (then the format's documented default applies)
 
 
 class PackingFormat:
@@ -83,10 +84,13 @@ class PackingFormat:
         if why is not None:
             raise ValueError(f"packing_format={self.name!r} cannot hold this spec: {why}")
         want = self.layout(spec)
-        if set(t) != set(want):
+        required = {name for name, lay in want.items() if not lay.optional}
+        if not required <= set(t) <= set(want):
             raise ValueError(f"format {self.name!r} stores tensors {list(want)}, got {sorted(t)}: pass the "
                              "tensors as AffineQuantizedTensor.tensors returned them")
         for name, lay in want.items():
+            if name not in t:
+                continue
             x = t[name]
             if not isinstance(x, torch.Tensor):
                 raise ValueError(f"format {self.name!r}: tensors[{name!r}] must be a torch.Tensor, got "
@@ -275,19 +279,30 @@ class Plain(PackingFormat):
         return ((q if zp is None else q - zp.float()).double() * scale).to(output_dtype)
 
 
-def dense_code_offset(spec: QuantSpec) -> int:
-    """The `code_offset` of the lowbit ops for a `dense` spec with e8m0 scales: w = scale * (c(u) + code_offset),
-    u = q - quant_min for integer codes (so quant_min), u = the bit pattern for float codes (0)."""
-    return 0 if spec.target.is_float else int(spec.quant_min)
+def dense_code_offset(spec: QuantSpec, has_offset: bool = False) -> int:
+    """The `code_offset` of the lowbit ops for a `dense` weight: 0 with an offset tensor; without one (e8m0 or
+    16-bit scales of symmetric codes, float codes) w = scale * (c(u) + code_offset), u = q - quant_min for integer
+    codes (so quant_min), u = the bit pattern for float codes (0)."""
+    return 0 if has_offset or spec.target.is_float else int(spec.quant_min)
 
 
-def dense_is_canonical(scale: torch.Tensor, spec: QuantSpec) -> bool:
+def dense_is_canonical(scale: torch.Tensor, spec: QuantSpec, has_offset: bool = True) -> bool:
     """Whether a `dense` weight with this stored scale dequantizes as (u + round(offset / scale)) * scale
-    (fp32 qparams of integer codes with an INT or NONE zero point), the primitives' (q - zp) * scale, rather
-    than scale * c(u) + offset rounded once (see `Dense.dequantize`). A zero scale's zero point is taken as 0 in
-    C++ (the weights are 0 either way), so no per-call check is needed on the kernel path."""
-    return (scale.dtype == torch.float32 and not spec.target.is_float
-            and spec.zero_point_domain is not ZeroPointDomain.FLOAT)
+    (fp32 qparams of integer codes with an INT or NONE zero point; 16-bit scales of symmetric codes without an
+    offset tensor, offset = scale * quant_min), the primitives' (q - zp) * scale, rather than scale * c(u) + offset
+    rounded once (see `Dense.dequantize`). A zero scale's zero point is taken as 0 in C++ (the weights are 0 either
+    way), so no per-call check is needed on the kernel path."""
+    if spec.target.is_float:
+        return False
+    if not has_offset:
+        return scale.dtype in (torch.bfloat16, torch.float16)
+    return scale.dtype == torch.float32 and spec.zero_point_domain is not ZeroPointDomain.FLOAT
+
+
+def dense_affine_map(t: Tensors, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 (scale, offset) [N, K/g] of a `dense` weight's w = scale * c(u) + offset, whichever convention its
+    qparams are stored in (fp32 / fp16 as given, bf16 tinygemm, no offset tensor, e8m0)."""
+    return Dense._fp32_scale_offset(t, spec)
 
 
 def _has_zero_scale(scale: torch.Tensor) -> bool:
@@ -307,10 +322,13 @@ class Dense(PackingFormat):
     is one) and there is no offset: the kernel computes w = scale * (c(u) + quant_min) for integer codes
     u = q - quant_min, scale * c(u) for float codes, both exact.
 
-    Qparams are fp32 (w = scale * u + offset), except for a bf16 scale with a float zero point over the full
-    code range (the tinygemm scheme of Int4WeightOnlyConfig): then scale and zero point are stored as they
-    are, in bf16, and the kernel reads w = scale * (u - 2**(bits-1)) + zero_point, which halves their cost
-    (0.0625 B/param at group 64 instead of 0.125).
+    Qparams are fp32 (w = scale * u + offset), except:
+    - a bf16 scale with a float zero point over the full code range (the tinygemm scheme of
+      Int4WeightOnlyConfig): scale and zero point are stored as they are, in bf16, and the kernel reads
+      w = scale * (u - 2**(bits-1)) + zero_point, which halves their cost (0.0625 B/param at group 64, not 0.125);
+    - a bf16 or fp16 scale of symmetric codes (no zero point, quant_min = -2**(bits-1)): the scale alone, and
+      w = scale * (u + quant_min) = scale * q, exact (4.5 bits per weight for int4 g32, GGUF's Q4_0);
+    - fp16 scale and offset given as such (GGUF's Q4_1 / Q5_1: w = d * u + m): stored as given, one rounding.
     """
 
     name = "dense"
@@ -339,14 +357,25 @@ class Dense(PackingFormat):
             return {"qdata": qdata, "scale": TensorLayout((n, k // spec.block_size[1]), (torch.uint8,))}
         if self._scale_only(spec):
             return {"qdata": qdata, "scale": TensorLayout((n, k // spec.block_size[1]), (torch.float32,))}
-        qp = TensorLayout((n, k // spec.block_size[1]), (torch.float32, torch.bfloat16))
-        return {"qdata": qdata, "scale": qp, "offset": qp}
+        qp = TensorLayout((n, k // spec.block_size[1]), (torch.float32, torch.bfloat16, torch.float16))
+        return {"qdata": qdata, "scale": qp,
+                "offset": TensorLayout(qp.shape, qp.dtypes, optional=self._symmetric_full_range(spec))}
+
+    @staticmethod
+    def _symmetric_full_range(spec: QuantSpec) -> bool:
+        """Integer codes without a zero point from -2**(bits-1): a 16-bit scale needs no offset tensor."""
+        return (not spec.target.is_float and spec.zero_point_domain is ZeroPointDomain.NONE
+                and spec.quant_min == -(2 ** (spec.target.bits - 1)))
 
     def validate(self, t, spec):
         super().validate(t, spec)
         if "offset" in t and t["scale"].dtype != t["offset"].dtype:
             raise ValueError(f"format 'dense': scale ({t['scale'].dtype}) and offset ({t['offset'].dtype}) must "
-                             "share one dtype (fp32, or bf16 in the tinygemm convention)")
+                             "share one dtype (fp32, fp16, or bf16 in the tinygemm convention)")
+        if ("offset" not in t and t["scale"].dtype == torch.float32 and not spec.target.is_float
+                and spec.scale_type is None):
+            raise ValueError("format 'dense': float32 scales of integer codes need an offset tensor (only bf16 / "
+                             "fp16 scales of symmetric codes are stored without one)")
 
     @staticmethod
     def _bf16(scale: torch.Tensor, spec: QuantSpec) -> bool:
@@ -381,6 +410,11 @@ class Dense(PackingFormat):
                  "scale": _e8m0_bytes(scale).reshape(n, -1).contiguous()}
             self._check_representable(t, spec)
             return t
+        if self._half_symmetric(scale, zero_point, spec):  # the scale alone: w = scale * (u + quant_min)
+            t = {"qdata": pack_codes(_unsigned_codes(codes, spec), spec.target.bits),
+                 "scale": scale.reshape(n, -1).contiguous()}
+            self._check_representable(t, spec)
+            return t
         if spec.target.is_float:
             u, offset = codes.view(torch.uint8), torch.zeros_like(scale, dtype=torch.float32)
         else:
@@ -399,6 +433,12 @@ class Dense(PackingFormat):
             del t["offset"]
         self._check_representable(t, spec)
         return t
+
+    def _half_symmetric(self, scale: torch.Tensor, zero_point: torch.Tensor | None, spec: QuantSpec) -> bool:
+        """A bf16 / fp16 scale of symmetric full-range codes: stored alone (see the class docstring)."""
+        return (scale.dtype in (torch.bfloat16, torch.float16) and self._symmetric_full_range(spec)
+                and (zero_point is None or torch.compiler.is_compiling() or scale.device.type == "meta"
+                     or not bool((zero_point != 0).any())))
 
     @staticmethod
     def _scale_only(spec: QuantSpec) -> bool:
@@ -429,9 +469,12 @@ class Dense(PackingFormat):
         if t["scale"].dtype == torch.uint8:
             s = _e8m0_values(t["scale"])
             return s, s * dense_code_offset(spec)
+        s = t["scale"].float()
+        if "offset" not in t:
+            return s, s * dense_code_offset(spec)
         if t["scale"].dtype == torch.bfloat16:
-            return t["scale"].float(), t["offset"].float() - 2 ** (spec.target.bits - 1) * t["scale"].float()
-        return t["scale"], t["offset"] if "offset" in t else torch.zeros_like(t["scale"])
+            return s, t["offset"].float() - 2 ** (spec.target.bits - 1) * s
+        return s, t["offset"].float()
 
     def codes(self, t, spec):
         n, k = spec.shape
@@ -447,27 +490,30 @@ class Dense(PackingFormat):
             return s, zp
         if spec.target.is_float:
             return t["scale"], None
+        if "offset" not in t:  # 16-bit scale of symmetric codes: no zero point
+            return t["scale"], None
         if t["scale"].dtype == torch.bfloat16:  # stored as given: the FLOAT-domain zero point, or 0 for NONE
             return t["scale"], None if spec.zero_point_domain is ZeroPointDomain.NONE else t["offset"]
+        if t["scale"].dtype == torch.float16:  # GGUF's d and m: the zero point of w = d * u + m, in fp32
+            return t["scale"], _zero_point(t["scale"].float(), t["offset"].float(), spec)
         return t["scale"], _zero_point(t["scale"], t["offset"], spec)
 
     def dequantize(self, t, spec, output_dtype):
         n, k = spec.shape
-        e8m0 = t["scale"].dtype == torch.uint8
+        code_offset = dense_code_offset(spec, "offset" in t)
         canonical = self._canonical(t, spec)
         if t["qdata"].device.type == "cpu" and _cpp.is_available() and not (
                 canonical and _has_zero_scale(t["scale"])):  # (a zero scale: the PyTorch route keeps ggml's signs)
             # C++ (cpp/dequant_gemm.cpp): the values of the PyTorch route below, bit for bit, at memory speed
             w = torch.ops.affineq.dense_dequantize(
                 t["qdata"], t["scale"], t.get("offset"), spec.target.bits, spec.block_size[1], n, k,
-                _cpp.codes_kind(spec.target), dense_code_offset(spec) if e8m0 else 0, canonical,
-                output_dtype == torch.bfloat16,
+                _cpp.codes_kind(spec.target), code_offset, canonical, output_dtype == torch.bfloat16,
             )
             return w.to(output_dtype)
-        if e8m0:  # e8m0: scale * (c(u) + code_offset) is exact as the C++ op computes it
+        if "offset" not in t:  # e8m0 / 16-bit scales: scale * (c(u) + code_offset), exact as the C++ op computes it
             w = torch.ops.affineq.lowbit_dequantize(
                 t["qdata"], t["scale"], None, spec.target.bits, spec.block_size[1], n, k,
-                _cpp.codes_kind(spec.target), dense_code_offset(spec),
+                _cpp.codes_kind(spec.target), code_offset,
             )
             return w.to(output_dtype)
         scale, offset = (torch.ones_like(t["scale"]), torch.zeros_like(t["offset"])) if canonical else (
@@ -486,7 +532,7 @@ class Dense(PackingFormat):
         differently from the primitives' `(q - zp) * scale` (by an ulp), so dequantize computes the latter,
         exactly: offset = scale * (qmin - zp) gives q - zp = u + round(offset / scale). bf16 qparams
         (`scale * (u - 2**(bits-1)) + zero`) and float8 codes (`scale * c`) already round as the primitives."""
-        return dense_is_canonical(t["scale"], spec)
+        return dense_is_canonical(t["scale"], spec, "offset" in t)
 
     @staticmethod
     def _centered_times_scale(u: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
@@ -513,7 +559,9 @@ class Dense(PackingFormat):
         u = u.view(-1, panel, k)[inverse, rows % panel]
         g = spec.block_size[1]
         u = _cpp.code_values(u, _cpp.codes_kind(spec.target)).view(-1, k // g, g)
-        if self._canonical(t, spec):
+        if self._canonical(t, spec) and "offset" not in t:  # 16-bit scale of symmetric codes: scale * q, exact
+            w = (u + spec.quant_min) * t["scale"][rows].float().unsqueeze(-1)
+        elif self._canonical(t, spec):
             w = self._centered_times_scale(u, t["scale"][rows], t["offset"][rows], spec)
         else:
             scale, offset = self._fp32_scale_offset(t, spec)

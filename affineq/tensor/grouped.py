@@ -52,9 +52,9 @@ def grouped_weight_args(w: AffineQuantizedTensor) -> tuple:
     3-D `dense` weight, as ``torch.ops.affineq.grouped_lowbit_linear`` takes them (`lowbit_weight_args` with a
     leading expert dim)."""
     spec = w.spec
-    e8m0 = spec.scale_type is not None
-    return (w._qdata, w._scale, getattr(w, "_offset", None), spec.target.bits, spec.block_size[-1],
-            _cpp.codes_kind(spec.target), dense_code_offset(spec) if e8m0 else 0)
+    offset = getattr(w, "_offset", None)
+    return (w._qdata, w._scale, offset, spec.target.bits, spec.block_size[-1], _cpp.codes_kind(spec.target),
+            dense_code_offset(spec, offset is not None))
 
 
 def _check_inputs(x: torch.Tensor, expert_ids: torch.Tensor, shape: tuple[int, ...], bias: torch.Tensor | None):

@@ -105,9 +105,9 @@ def lowbit_weight_args(w) -> tuple:
     """(packed, scale, offset, bits, group_size, codes, code_offset) of a `dense` weight, as the affineq C++
     ops take them (e8m0 scales: exponent bytes, no offset tensor, see formats.Dense)."""
     spec = w.spec
-    e8m0 = spec.scale_type is not None
-    return (w._qdata, w._scale, getattr(w, "_offset", None), spec.target.bits, spec.block_size[1],
-            _cpp.codes_kind(spec.target), dense_code_offset(spec) if e8m0 else 0)
+    offset = getattr(w, "_offset", None)
+    return (w._qdata, w._scale, offset, spec.target.bits, spec.block_size[1], _cpp.codes_kind(spec.target),
+            dense_code_offset(spec, offset is not None))
 
 
 # -- kernel: affineq::int8_codes_linear (our C++), dense 8-bit weight x dynamic int8 activation ----------------
