@@ -180,6 +180,50 @@ def test_lowbit_linear_multi_panel_shapes(bits: int, gs: int) -> None:
             _assert_close(out, exact, torch.float32, f"path {path} m={m}")
 
 
+@pytest.mark.parametrize("bits", [3, 4, 8])
+@pytest.mark.parametrize("qdtype,with_offset", [(torch.float16, True), (torch.float16, False),
+                                                (torch.bfloat16, False)])
+def test_lowbit_linear_16bit_qparams(bits: int, qdtype: torch.dtype, with_offset: bool) -> None:
+    # fp16 scale and offset: W = scale * u + offset (GGUF's Q4_1); a 16-bit scale alone: W = scale * (u + co),
+    # co = -2^(bits-1) (GGUF's Q4_0 / Q8_0, symmetric codes), exact with the product's sign (negative scales too)
+    _needs_kernels()
+    path_op = torch.ops.affineq_cpp.lowbit_linear_path
+    co = 0 if with_offset else -(2 ** (bits - 1))
+    for n, k, gs in CASES[:5]:
+        codes, packed, scale, offset = _problem(bits, n, k, gs)
+        scale = (scale * torch.where(torch.rand_like(scale) < 0.3, -1.0, 1.0)).to(qdtype)
+        offset = offset.to(qdtype) if with_offset else None
+        off64 = offset.double() if with_offset else scale.double() * co
+        exact_w = (codes.double().view(n, k // gs, gs) * scale.double()[..., None] + off64[..., None]).view(n, k)
+        w = torch.ops.affineq.lowbit_dequantize(packed, scale, offset, bits, gs, n, k, 0, co)
+        assert torch.equal(w.double(), exact_w.float().double())  # one rounding (none without an offset)
+        assert torch.equal(K._dequantize(packed, scale, offset, bits, gs, n, k, 0, co).view(torch.int32),
+                           w.view(torch.int32))
+        if not with_offset:  # signed zeros as scale * q: -0 where the scale is negative
+            assert torch.equal(torch.signbit(w), torch.signbit(scale.float().repeat_interleave(gs, 1)
+                                                               * (codes.float() + co)))
+        for bf in (False, True):
+            fast = torch.ops.affineq.dense_dequantize(packed, scale, offset, bits, gs, n, k, 0, co, False, bf)
+            want = K.dense_dequantize_reference(packed, scale, offset, bits, gs, n, k, 0, co, False, bf)
+            assert torch.equal(fast.view(torch.int16 if bf else torch.int32),
+                               want.view(torch.int16 if bf else torch.int32)), (qdtype, with_offset, bf)
+        for m, dtype in ((1, torch.float32), (5, torch.float32), (33, torch.float32), (33, torch.bfloat16)):
+            x = torch.randn(m, k).to(dtype)
+            exact = x.double() @ exact_w.T
+            for path in PATHS:
+                _assert_close(path_op(x, packed, scale, offset, bits, gs, n, k, 0, path, co),
+                              _reference(x, path, gs, 0, exact, w), dtype,
+                              f"{qdtype} qparams (offset {with_offset}) path {path} bits={bits} {n}x{k} m={m}")
+    x = torch.randn(2, k)
+    for args, msg in (((x, packed, scale.float(), None, bits, gs, n, k, 0, co or -4), "16-bit or e8m0"),
+                      ((x, packed, scale, scale, bits, gs, n, k, 0, -4), "without an offset tensor"),
+                      ((x, packed, scale, scale.float(), bits, gs, n, k, 0, 0), "offset must")):
+        with pytest.raises((RuntimeError, ValueError), match=msg):
+            torch.ops.affineq.lowbit_linear(*args)
+        with pytest.raises((RuntimeError, ValueError), match=msg):
+            K.lowbit_linear_reference(*args)
+
+
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 def test_lowbit_linear_bf16_qparams(bits: int) -> None:
     # bf16 scale and zero, the tinygemm convention: W = scale * (u - 2^(bits-1)) + zero
@@ -272,6 +316,7 @@ def test_other_isa_build_matches(tmp_path: Path, march: str, isa: str, needs: se
         "P = torch.ops.affineq_cpp.lowbit_linear_path\n"
         "n, k, gs = 37, 72, 24\n"
         "cases = [(b, 0, (torch.float32, torch.bfloat16)[b % 2]) for b in range(1, 9)]\n"
+        "cases += [(4, 0, torch.float16), (8, 0, torch.float16), (3, 0, torch.half)]\n"
         "cases += [(8, 1, torch.float32), (8, 2, torch.float32), (4, 3, torch.float32), (6, 4, torch.float32),\n"
         "          (6, 5, torch.float32), (4, 3, torch.uint8), (6, 4, torch.uint8), (6, 5, torch.uint8),\n"
         "          (8, 1, torch.uint8), (8, 0, torch.uint8)]\n"
@@ -284,10 +329,12 @@ def test_other_isa_build_matches(tmp_path: Path, march: str, isa: str, needs: se
         "    co = -128 if kind == 0 and qd == torch.uint8 else 0\n"
         "    if qd == torch.uint8:  # e8m0 exponent bytes, no offset: W = 2^(b - 127) * (c(u) + co)\n"
         "        s, o = torch.randint(120, 134, (n, k // gs), dtype=torch.uint8), None\n"
+        "    if qd is torch.half and bits == 3:  # a 16-bit scale alone: W = scale * (u + co)\n"
+        "        o, co = None, -4\n"
         "    pk = K.pack_codes(u, bits)\n"
         # fp32 rounding bound: 1e-5 of sum |x| * (|s| * (|code| + bf16 bias) + |o|) over k (the terms summed)
         "    f = K.code_values(u, kind)\n"
-        "    bias = 2 ** (bits - 1) if qd == torch.bfloat16 else -co\n"
+        "    bias = 2 ** (bits - 1) if qd == torch.bfloat16 else abs(co)\n"
         "    sv = K.e8m0_values(s) if qd == torch.uint8 else s\n"
         "    rep = lambda q: q.float().abs().repeat_interleave(gs, 1)\n"
         "    terms = rep(sv) * (f.abs() + bias) + (0 if o is None else rep(o))\n"

@@ -418,8 +418,9 @@ def dense_dequantize_reference(packed: torch.Tensor, scale: torch.Tensor, offset
                                group_size: int, n: int, k: int, codes: int = CODES_UINT, code_offset: int = 0,
                                canonical: bool = False, bf16: bool = False) -> torch.Tensor:
     """Pure-PyTorch ``dense_dequantize``: ``scale * c(u) + offset`` rounded once (as ``lowbit_dequantize``), or,
-    ``canonical`` (fp32 qparams of integer codes), ``(u + round(offset / scale)) * scale`` per group."""
-    if canonical:
+    ``canonical`` (fp32 qparams of integer codes), ``(u + round(offset / scale)) * scale`` per group; without an
+    offset, ``scale * (c(u) + code_offset)``."""
+    if canonical and offset is not None:
         u = _dequantize(packed, torch.ones_like(scale), torch.zeros_like(offset), bits, group_size, n, k, codes)
         u = u.view(n, k // group_size, group_size)
         w = ((u + torch.round(offset / scale).unsqueeze(-1)) * scale.unsqueeze(-1)).view(n, k)

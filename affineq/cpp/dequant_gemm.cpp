@@ -262,12 +262,15 @@ LowbitProblem weight_problem(const char* op, const at::Tensor& pk, const at::Ten
   return p;
 }
 
-// canonical: (u + round(offset / scale)) * scale (fp32 qparams of integer codes only).
-void check_canonical(const char* op, bool canonical, const LowbitProblem& p) {
+// canonical: (u + round(offset / scale)) * scale (fp32 qparams of integer codes only). 16-bit scales of integer
+// codes without an offset array always dequantize so: scale * (u + code_offset), exact with the product's sign.
+// Returns whether the canonical form applies.
+bool canonical_for(const char* op, bool canonical, const LowbitProblem& p) {
   const bool fp32_qparams = !p.qparams_bf16 && !p.qparams_f16 && !p.qparams_e8m0;
-  const bool half_no_offset = (p.qparams_bf16 || p.qparams_f16) && p.offset == nullptr;
+  const bool half_no_offset = (p.qparams_bf16 || p.qparams_f16) && p.offset == nullptr && p.codes == kCodesUint;
   TORCH_CHECK(!canonical || (p.codes == kCodesUint && ((fp32_qparams && p.offset != nullptr) || half_no_offset)), op,
               ": canonical=True needs integer codes with float32 scale and offset, or 16-bit scales and no offset");
+  return canonical || half_no_offset;
 }
 
 at::Tensor dense_dequantize_cpu(const at::Tensor& packed, const at::Tensor& scale,
@@ -276,7 +279,7 @@ at::Tensor dense_dequantize_cpu(const at::Tensor& packed, const at::Tensor& scal
   const at::Tensor pk = packed.contiguous(), sc = scale.contiguous();
   const at::Tensor of = offset.has_value() && offset->defined() ? offset->contiguous() : at::Tensor();
   LowbitProblem p = weight_problem(kDq, pk, sc, of, bits, group_size, n, k, codes, code_offset);
-  check_canonical(kDq, canonical, p);
+  canonical = canonical_for(kDq, canonical, p);
   at::Tensor w = at::empty({n, k}, sc.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
   if (n == 0) return w;
   const detail::Ctx c = detail::make_ctx(p);
@@ -336,7 +339,7 @@ at::Tensor dequant_linear_cpu(const at::Tensor& x, const at::Tensor& packed, con
   const at::Tensor pk = packed.contiguous(), sc = scale.contiguous();
   const at::Tensor of = offset.has_value() && offset->defined() ? offset->contiguous() : at::Tensor();
   LowbitProblem p = weight_problem(kDl, pk, sc, of, bits, group_size, n, k, codes, code_offset);
-  check_canonical(kDl, canonical, p);
+  canonical = canonical_for(kDl, canonical, p);
   // The GEMMs below dispatch again: keep autograd out of them (this op has no derivative; its callers wrap it).
   const at::AutoDispatchBelowADInplaceOrView below_autograd;
   const at::ScalarType ct = bf16_weight ? at::kBFloat16 : at::kFloat;  // compute dtype of x, W and the GEMM
