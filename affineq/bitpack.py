@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["PANEL_ROWS", "check_bits", "pack_codes", "packed_nbytes", "unpack_codes"]
+__all__ = ["PANEL_ROWS", "check_bits", "pack_codes", "packed_nbytes", "unpack_code_rows", "unpack_codes"]
 
 #: Rows per packed panel: rows [16p, 16p + 16) of ``pack_codes`` output are exactly panel p's bytes.
 PANEL_ROWS = 16
@@ -142,3 +142,18 @@ def unpack_codes(packed: torch.Tensor, bits: int, n: int, k: int) -> torch.Tenso
     if not parts:
         return torch.empty(0, k, dtype=torch.uint8)
     return torch.cat(parts)[:, :k].contiguous()
+
+
+def unpack_code_rows(packed: torch.Tensor, bits: int, n: int, k: int, rows: torch.Tensor) -> torch.Tensor:
+    """Rows `rows` (int64 [R]) of ``unpack_codes(packed, bits, n, k)``: uint8 [R, k], unpacking only the 16-row
+    panels that hold them (embedding lookups). Compiled, a panel per row (no dedupe: torch.unique's
+    data-dependent size does not fit a fullgraph dynamic compile)."""
+    if n % _PANEL:
+        return unpack_codes(packed, bits, n, k)[rows]
+    if torch.compiler.is_compiling():
+        panels, inverse = rows // _PANEL, torch.arange(rows.numel(), device=rows.device)
+    else:
+        panels, inverse = torch.unique(rows // _PANEL, return_inverse=True)
+    sel = packed.view(n // _PANEL, -1)[panels]
+    u = unpack_codes(sel.view(panels.numel() * _PANEL, -1), bits, panels.numel() * _PANEL, k)
+    return u.view(-1, _PANEL, k)[inverse, rows % _PANEL]

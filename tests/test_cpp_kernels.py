@@ -371,20 +371,19 @@ def test_other_isa_build_matches(tmp_path: Path, march: str, isa: str, needs: se
         "            r = (ids == e).nonzero().squeeze(1)\n"
         "            want = torch.ops.affineq.lowbit_linear(x[r], pk[e], s[e], o[e], bits, gs, n, k)\n"
         "            assert torch.equal(y[r], want), (bits, T, e)\n"
-        # the k-quant ops (cpp/kquant.cpp): bit-identical dequantize and the fp32 bound, GEMV, tile GEMM and the
-        # blocked torch GEMM
+        # the k-quant op (cpp/kquant.cpp: the dense paths with k-quant headers): the fp32 bound, GEMV, tile GEMMs
+        # and the blocked torch GEMM
         "import sys\n"
         "sys.path.insert(0, 'tests')\n"
-        "from test_kquant import KINDS, EPS, _random_blocks, _gguf_values\n"
+        "from test_kquant import KINDS, EPS, _random_blocks, _gguf_values, _op_args, _terms\n"
         "n, k = 19, 512\n"
         "for name in KINDS:\n"
-        "    kind, b = int(name[1]), _random_blocks(name, n, k, seed=7)\n"
-        "    w = _gguf_values(name, b, n)\n"
-        "    assert torch.equal(torch.ops.affineq.kquant_dequantize(b, kind, n, k), w), name\n"
+        "    b = _random_blocks(name, n, k, seed=7)\n"
+        "    w, args, terms = _gguf_values(name, b, n), _op_args(name, b), _terms(name, b)\n"
         "    for m in (1, 3, 9, 257):\n"
         "        x = torch.randn(m, k)\n"
-        "        err = (torch.ops.affineq.kquant_linear(x, b, kind, n, k).double() - x.double() @ w.double().T).abs()\n"
-        "        assert bool((err <= k * EPS * (x.double().abs() @ w.double().abs().T)).all()), (name, m)\n"
+        "        err = (torch.ops.affineq.kquant_linear(x, *args).double() - x.double() @ w.double().T).abs()\n"
+        "        assert bool((err <= k * EPS * (x.double().abs() @ terms.T)).all()), (name, m)\n"
         "print('ok')\n"
     )
     # -O1: the same IEEE results as -O3 (no fast-math), in a fraction of the compile time

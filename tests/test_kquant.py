@@ -1,10 +1,11 @@
-"""k-quant super-blocks (q2_k .. q6_k): the C++ kernel `affineq.kquant_linear`, the byte writer, the quantizer and
-`KQuantConfig`, against independent references: `gguf.quants.dequantize` (ggml's own decoder) for the values,
-float64 products of the dequantized weight for the linear.
+"""k-quant super-blocks (q2_k .. q6_k): the relayout of the file's blocks, the C++ kernel `affineq.kquant_linear`,
+the byte writer, the quantizer and `KQuantConfig`, against independent references: `gguf.quants.dequantize`
+(ggml's own decoder) for the values, float64 products of the dequantized weight for the linear.
 
-Exactness bound of the kernel (fp32 x): every weight is bit-identical to `dequantize()`, so the only rounding is
-in the fp32 sums: |y - x @ W^T| <= K * 2**-24 * (|x| @ |W|^T) (recursive summation's bound, any order); a bf16
-x adds the output cast, 2**-8 |y|.
+Bound of the kernel (fp32 x): the per-sub-block scale s and offset o are exact and the dense kernels sum
+s * dot(x, u) + o * sum(x) per sub-block in fp32, so |y - x @ W^T| <= K * 2**-24 * (|x| @ T^T) with
+T = |s| * u + |o| per weight (recursive summation's bound over the terms summed). A bf16 x may run the bf16 dot
+path on W rounded to bf16 (as the dense formats): 2**-8 (|x| @ |W|^T) more, plus the output cast, 2**-8 |y|.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import affineq
 import affineq.cpp as K
 from affineq import gguf as ag
 from affineq.configs.kquant import KQuantConfig, quantize_kquant
-from affineq.tensor.format_kquant import KQUANT_TYPES
-from affineq.tensor.kquant_encode import encode
-from affineq.tensor.kquant_kernel import kquant_dequantize_reference, kquant_linear_reference
+from affineq.tensor.format_kquant import KQUANT_TYPES, from_blocks
+from affineq.tensor.kquant_encode import encode, to_blocks
+from affineq.tensor.kquant_kernel import kquant_linear_reference
 
 gguf = pytest.importorskip("gguf")
 KINDS = sorted(KQUANT_TYPES)
@@ -46,6 +47,28 @@ def _random_blocks(name: str, rows: int, cols: int, seed: int) -> torch.Tensor:
     return encode(name, u, d, sc, dmin, mn).reshape(rows, -1)
 
 
+def _tensor(name: str, blocks: torch.Tensor) -> affineq.AffineQuantizedTensor:
+    """The k-quant tensor of a weight's super-blocks [N, K / 256 * type_size]."""
+    n = blocks.shape[0]
+    return affineq.AffineQuantizedTensor.from_tensors(
+        from_blocks(name, blocks), _spec(name, (n, blocks.shape[1] // KQUANT_TYPES[name].type_size * 256)))
+
+
+def _op_args(name: str, blocks: torch.Tensor) -> tuple:
+    """(qdata, scales, kind, n, k) of affineq::kquant_linear for these blocks."""
+    t = _tensor(name, blocks)
+    return (t.tensors["qdata"], t.tensors["scales"], int(name[1]), *t.shape)
+
+
+def _terms(name: str, blocks: torch.Tensor) -> torch.Tensor:
+    """|s| * u + |o| per weight [N, K] in float64: what the kernel sums."""
+    t = KQUANT_TYPES[name]
+    n = blocks.shape[0]
+    b = blocks.reshape(-1, t.type_size)
+    s, o = (q.reshape(n, -1).double().abs().repeat_interleave(t.group, 1) for q in t.qparams(t.headers(b)))
+    return s * t.codes(b).reshape(n, -1).double() + o
+
+
 def _gguf_values(name: str, blocks: torch.Tensor, rows: int) -> torch.Tensor:
     ggml_type = getattr(gguf.GGMLQuantizationType, name.upper())
     return torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), ggml_type)).reshape(rows, -1)
@@ -58,8 +81,11 @@ def test_encode_reads_back_through_gguf(name):
     t = KQUANT_TYPES[name]
     blocks = _random_blocks(name, 3, 512, seed=1)
     got = _gguf_values(name, blocks, 3)
-    mine = affineq.AffineQuantizedTensor.from_tensors({"qdata": blocks}, _spec(name, (3, 512))).dequantize()
-    assert torch.equal(got, mine)
+    mine = _tensor(name, blocks)
+    assert torch.equal(got.view(torch.int32), mine.dequantize().view(torch.int32))
+    assert torch.equal(to_blocks(mine.tensors, mine.spec), blocks)  # the relayout gives the file's bytes back
+    rows = torch.tensor([2, 0, 2])
+    assert torch.equal(torch.nn.functional.embedding(rows, mine).view(torch.int32), got[rows].view(torch.int32))
     assert not t.asymmetric or bool((got != 0).any())
 
 
@@ -79,15 +105,17 @@ def test_encode_rejects_out_of_range_parts(name):
 
 
 @pytest.mark.parametrize("name", KINDS)
-def test_kquant_dequantize_cpp_is_bit_identical(name):
-    _needs_kernels()
-    n, k = 37, 512
-    blocks = _random_blocks(name, n, k, seed=2)
-    kind = int(name[1])
-    want = _gguf_values(name, blocks, n)
-    got = torch.ops.affineq.kquant_dequantize(blocks, kind, n, k)
-    assert torch.equal(got.view(torch.int32), kquant_dequantize_reference(blocks, kind, n, k).view(torch.int32))
-    assert torch.equal(got, want)
+def test_relayout_keeps_the_file_bytes(name):
+    """from_blocks stores the file's bytes: codes packed at `bits` per weight plus the headers, the GGUF size;
+    odd row counts (a partial 16-row panel) and several chunks of rows round-trip to the same blocks."""
+    t = KQUANT_TYPES[name]
+    blocks = _random_blocks(name, 300, 512, seed=2)
+    tensors = from_blocks(name, blocks)
+    assert sum(v.numel() for v in tensors.values()) == blocks.numel()
+    back = to_blocks(tensors, _spec(name, (300, 512)))
+    assert torch.equal(back, blocks)
+    assert torch.equal(from_blocks(name, blocks.numpy())["qdata"], tensors["qdata"])  # a numpy map reads the same
+    assert tensors["scales"].shape == (300, 2 * t.header_size)
 
 
 @pytest.mark.parametrize("name", KINDS)
@@ -97,29 +125,31 @@ def test_kquant_linear_within_fp32_rounding(name):
     _needs_kernels()
     n, k = 37, 512
     blocks = _random_blocks(name, n, k, seed=3)
-    kind = int(name[1])
+    args = _op_args(name, blocks)
     w = _gguf_values(name, blocks, n).double()
+    terms = _terms(name, blocks)
     for m in (1, 2, 3, 4, 5, 17, 65, 257):
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(m, k).to(dtype)
-            y = torch.ops.affineq.kquant_linear(x, blocks, kind, n, k)
+            y = torch.ops.affineq.kquant_linear(x, *args)
             assert y.dtype == dtype and y.shape == (m, n)
             exact = x.double() @ w.T
-            bound = k * EPS * (x.double().abs() @ w.abs().T)
+            bound = k * EPS * (x.double().abs() @ terms.T)
             if dtype == torch.bfloat16:
-                bound = bound + 2.0**-8 * exact.abs()
+                bound = bound + 2.0**-8 * (x.double().abs() @ w.abs().T + exact.abs())
             err = (y.double() - exact).abs()
             assert bool((err <= bound).all()), (m, dtype, float((err / bound).max()))
     x3 = torch.randn(2, 3, k)  # leading dimensions are kept
-    assert torch.ops.affineq.kquant_linear(x3, blocks, kind, n, k).shape == (2, 3, n)
+    assert torch.ops.affineq.kquant_linear(x3, *args).shape == (2, 3, n)
 
 
 def test_kquant_linear_bad_arguments_raise_value_error():
     _needs_kernels()
-    blocks = _random_blocks("q4_k", 4, 256, seed=4)
+    qd, sc, *_ = _op_args("q4_k", _random_blocks("q4_k", 4, 256, seed=4))
     x = torch.randn(1, 256)
-    for args, match in [((x, blocks, 7, 4, 256), "kind"), ((x, blocks, 4, 4, 200), "multiple of 256"),
-                        ((x, blocks[:, :-1], 4, 4, 256), "bytes"), ((torch.randn(1, 128), blocks, 4, 4, 256), "x")]:
+    for args, match in [((x, qd, sc, 7, 4, 256), "kind"), ((x, qd, sc, 4, 4, 200), "multiple of 256"),
+                        ((x, qd[:, :-1], sc, 4, 4, 256), "qdata"), ((x, qd, sc[:, :-1], 4, 4, 256), "scales"),
+                        ((torch.randn(1, 128), qd, sc, 4, 4, 256), "x")]:
         with pytest.raises(ValueError, match=match):
             torch.ops.affineq.kquant_linear(*args)
         with pytest.raises(ValueError, match=match):
@@ -131,8 +161,7 @@ def test_linear_on_a_kquant_weight_runs_the_kernel(name):
     """F.linear on a k-quant AffineQuantizedTensor takes affineq.kquant_linear (record_kernels), with the
     reference's numbers; with the C++ kernels off it takes the announced dequantize fallback, same numbers."""
     _needs_kernels()
-    blocks = _random_blocks(name, 6, 256, seed=5)
-    w = affineq.AffineQuantizedTensor.from_tensors({"qdata": blocks}, _spec(name, (6, 256)))
+    w = _tensor(name, _random_blocks(name, 6, 256, seed=5))
     x, bias = torch.randn(3, 256), torch.randn(6)
     with affineq.record_kernels() as ran:
         y = F.linear(x, w, bias)
@@ -153,10 +182,8 @@ def test_linear_on_a_kquant_weight_runs_the_kernel(name):
 def test_kquant_ops_fake_impls_for_compile():
     """torch.library.opcheck: schema, fake (meta) impl and the CPU kernel agree."""
     _needs_kernels()
-    blocks = _random_blocks("q4_k", 5, 256, seed=6)
-    torch.library.opcheck(torch.ops.affineq.kquant_linear.default, (torch.randn(2, 256), blocks, 4, 5, 256),
-                          test_utils=("test_schema", "test_faketensor"))
-    torch.library.opcheck(torch.ops.affineq.kquant_dequantize.default, (blocks, 4, 5, 256),
+    args = _op_args("q4_k", _random_blocks("q4_k", 5, 256, seed=6))
+    torch.library.opcheck(torch.ops.affineq.kquant_linear.default, (torch.randn(2, 256), *args),
                           test_utils=("test_schema", "test_faketensor"))
 
 
@@ -178,7 +205,7 @@ def test_quantize_kquant_reads_back_through_gguf(name):
     q = quantize_kquant(w, name)
     assert q.spec.fmt == name and q.shape == w.shape
     got = q.dequantize()
-    assert torch.equal(_gguf_values(name, q.tensors["qdata"], 9), got)
+    assert torch.equal(_gguf_values(name, to_blocks(q.tensors, q.spec), 9), got)
     assert bool((got[0, :256] == 0).all())
 
 
@@ -241,7 +268,7 @@ def test_kquant_config_quantizes_a_model_and_saves_gguf(tmp_path):
     ag.save_file({"blk.0.ffn_up.weight": w}, path, arch="llama")
     (t,) = gguf.GGUFReader(str(path)).tensors
     assert t.tensor_type == gguf.GGMLQuantizationType.Q4_K
-    assert np.array_equal(np.asarray(t.data).reshape(48, -1), w.tensors["qdata"].numpy())
+    assert np.array_equal(np.asarray(t.data).reshape(48, -1), to_blocks(w.tensors, w.spec).numpy())
     back = ag.load_file(path)["blk.0.ffn_up.weight"]
     assert torch.equal(back.dequantize(), w.dequantize())
 
@@ -282,10 +309,13 @@ def test_gemma3_q4_k_m_file_tensors_run_on_the_kernel():
     for name, e in entries.items():
         w = types.to_tensor(e)
         n, k = w.shape
-        ref = _gguf_values(name.lower(), w.tensors["qdata"], n).double()
+        blocks = torch.from_numpy(np.array(e.data))
+        ref = _gguf_values(name.lower(), blocks, n).double()
+        assert torch.equal(w.dequantize().double(), ref)
         x = torch.randn(2, k)
         with affineq.record_kernels() as ran, torch.no_grad():
             y = F.linear(x, w)
         assert ran == ["affineq.kquant_linear"]
         exact = x.double() @ ref.T
-        assert bool(((y.double() - exact).abs() <= k * EPS * (x.double().abs() @ ref.abs().T)).all()), name
+        bound = k * EPS * (x.double().abs() @ _terms(name.lower(), blocks).T)
+        assert bool(((y.double() - exact).abs() <= bound).all()), name

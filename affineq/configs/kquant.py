@@ -30,7 +30,7 @@ from torch import nn
 
 from affineq.configs.base import QuantConfig, check_choice
 from affineq.tensor.affine import AffineQuantizedTensor
-from affineq.tensor.format_kquant import KQUANT_TYPES, SUPER_BLOCK, kquant_spec
+from affineq.tensor.format_kquant import KQUANT_TYPES, SUPER_BLOCK, from_blocks, kquant_spec
 from affineq.tensor.kquant_encode import encode
 
 __all__ = ["KQUANT_KINDS", "KQuantConfig", "quantize_kquant"]
@@ -164,7 +164,7 @@ def quantize_kquant(weight: torch.Tensor, kind: str = "q4_k", importance: torch.
         raise ValueError(f"quantize_kquant: a super-block scale overflows fp16 (|weight| up to "
                          f"{float(w.abs().max()):.3g}); k-quants store d in fp16: scale the weight down first")
     spec = kquant_spec(kind, (n, k), weight.dtype)
-    return AffineQuantizedTensor.from_tensors({"qdata": blocks.reshape(n, -1).contiguous()}, spec)
+    return AffineQuantizedTensor.from_tensors(from_blocks(kind, blocks.reshape(n, -1)), spec)
 
 
 @dataclass(frozen=True)

@@ -92,6 +92,21 @@ void transpose_rows(const float* src, int64_t lds, int64_t rows, int64_t R, int6
 
 void load_qparams(const LowbitProblem& p, bool offset, float mul, int64_t r0, int64_t rows, int64_t R, int64_t G,
                   float* dst, int64_t ldd) {
+  if (p.qparams_kquant) {  // decoded from the super-block headers, row by row
+    const int kind = p.qparams_kquant;
+    const int64_t hs = kq_header_size(kind), gpb = kSuperBlock / p.group_size, nb = G / gpb;
+    float* t = tl_qconv.get<float>(rows * G);
+    const uint8_t* h = static_cast<const uint8_t*>(p.scale) + r0 * nb * hs;
+    alignas(64) float s[16], o[16];
+    for (int64_t i = 0; i < rows * nb; ++i) {  // block i: row i / nb, groups (i % nb) * gpb ...
+      kq_header_qparams(kind, h + i * hs, s, o);
+      float* d = t + i * gpb;
+      if (offset) std::memcpy(d, o, gpb * sizeof(float));
+      else for (int64_t j = 0; j < gpb; ++j) d[j] = s[j] * mul;
+    }
+    transpose_rows(t, G, rows, R, G, dst, ldd);
+    return;
+  }
   if (offset && p.offset == nullptr) {  // no offset array: scale * code_offset (exact, see lowbit_kernels.h)
     if (p.code_offset != 0) return load_qparams(p, false, static_cast<float>(p.code_offset), r0, rows, R, G, dst, ldd);
     for (int64_t g = 0; g < G; ++g) std::fill(dst + g * ldd, dst + g * ldd + R, 0.f);

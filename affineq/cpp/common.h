@@ -14,6 +14,7 @@
 #include <new>
 #include <vector>
 
+#include "kquant_decode.h"
 #include "lowbit_kernels.h"
 #include "simd.h"
 
@@ -47,6 +48,12 @@ extern thread_local Scratch tl_xcall;  // per-call x buffer (owned by the callin
 AQ_INLINE float e8m0_to_float(uint8_t b) {
   const uint32_t bits = b == 0 ? 0x00400000u : b == 255 ? 0x7FC00000u : static_cast<uint32_t>(b) << 23;
   return std::bit_cast<float>(bits);
+}
+
+// Bytes of one row's scale array (G groups): 4, 2 or 1 per group, or its k-quant super-block headers.
+inline int64_t qparam_row_bytes(const LowbitProblem& p, int64_t G) {
+  if (p.qparams_kquant) return G * p.group_size / kSuperBlock * kq_header_size(p.qparams_kquant);
+  return G * (p.qparams_e8m0 ? 1 : p.qparams_bf16 || p.qparams_f16 ? 2 : 4);
 }
 
 // dst[g * ldd + r] = qparam_at(r0 + r, g) (dispatch.cpp) for r < rows (zero up to R): the scales (offset=false,

@@ -52,6 +52,14 @@ constexpr bool kHasBf16Dot = false;
 // Element i of an [n, G] qparam array as the kernels use it: the fp32 scale times `mul`, or the fp32 offset
 // (for bf16 qparams: z - 2^(bits-1) * scale; without an offset array: scale * code_offset).
 AQ_INLINE float qparam_at(const LowbitProblem& p, bool offset, float mul, int64_t i) {
+  if (p.qparams_kquant) {  // the header of element i's super-block
+    const int64_t G = p.k / p.group_size, gpb = kSuperBlock / p.group_size, g = i % G;
+    const uint8_t* h = static_cast<const uint8_t*>(p.scale) +
+                       ((i / G) * (G / gpb) + g / gpb) * kq_header_size(p.qparams_kquant);
+    float s[16], o[16];
+    kq_header_qparams(p.qparams_kquant, h, s, o);
+    return offset ? o[g % gpb] : s[g % gpb] * mul;
+  }
   if (offset && p.offset == nullptr)
     return p.code_offset == 0 ? 0.f : qparam_at(p, false, static_cast<float>(p.code_offset), i);
   if (p.qparams_e8m0) return e8m0_to_float(static_cast<const uint8_t*>(p.scale)[i]) * mul;

@@ -136,7 +136,7 @@ bool Int8CodesGemm::built() {
 
 bool Int8CodesGemm::supported(const LowbitProblem& p) {
 #if AQ_INT8_CODES
-  return p.bits == 8 && p.codes == kCodesUint && !p.qparams_bf16 && !p.qparams_f16 && !p.qparams_e8m0 && p.n % 16 == 0 &&
+  return p.bits == 8 && p.codes == kCodesUint && !p.qparams_bf16 && !p.qparams_f16 && !p.qparams_e8m0 && !p.qparams_kquant && p.n % 16 == 0 &&
          p.group_size % 8 == 0 && p.k % p.group_size == 0;
 #else
   (void)p;

@@ -67,10 +67,10 @@ struct QparamPrefetch {
   const char* src[2] = {nullptr, nullptr};  // scale and offset rows of the next item (contiguous)
   int64_t bytes = 0, lines_per_group = 0;
   QparamPrefetch(const LowbitProblem& p, int64_t r0, int64_t rows, int64_t G) {
-    const int64_t esz = p.qparams_e8m0 ? 1 : p.qparams_bf16 || p.qparams_f16 ? 2 : 4;
-    src[0] = static_cast<const char*>(p.scale) + r0 * G * esz;
-    src[1] = p.offset != nullptr ? static_cast<const char*>(p.offset) + r0 * G * esz : src[0];  // e8m0: none
-    bytes = rows * G * esz;
+    const int64_t row_bytes = qparam_row_bytes(p, G);
+    src[0] = static_cast<const char*>(p.scale) + r0 * row_bytes;
+    src[1] = p.offset != nullptr ? static_cast<const char*>(p.offset) + r0 * row_bytes : src[0];  // none
+    bytes = rows * row_bytes;
     lines_per_group = ((bytes + 63) / 64 + G - 1) / G;
   }
   AQ_INLINE void group(int64_t g) const {

@@ -117,6 +117,30 @@ at::Tensor lowbit_linear_impl(const at::Tensor& x, const at::Tensor& packed, con
               packed_nbytes(n, k, bits), " bytes for n=", n, ", k=", k, ", bits=", bits, ", got ", packed.numel());
   const bool e8m0 = check_qparams("affineq::lowbit_linear", scale, offset, bits, codes, code_offset, n, k / group_size);
 
+  const at::Tensor pk = packed.contiguous(), sc = scale.contiguous();
+  const bool has_offset = offset.has_value() && offset->defined();
+  const at::Tensor of = has_offset ? offset->contiguous() : at::Tensor();
+  LowbitProblem p;
+  p.packed = pk.const_data_ptr<uint8_t>();
+  p.scale = sc.const_data_ptr();
+  p.offset = has_offset ? of.const_data_ptr() : nullptr;  // null: offset = scale * code_offset (0 for fp32)
+  p.qparams_bf16 = sc.scalar_type() == at::kBFloat16;
+  p.qparams_f16 = sc.scalar_type() == at::kHalf;
+  p.qparams_e8m0 = e8m0;
+  p.code_offset = static_cast<int>(code_offset);
+  p.bits = static_cast<int>(bits);
+  p.codes = static_cast<int>(codes);
+  p.group_size = group_size;
+  p.n = n;
+  p.k = k;
+  return run_weight_problem(x, p, path);
+}
+
+}  // namespace
+
+at::Tensor run_weight_problem(const at::Tensor& x, LowbitProblem p, int64_t path) {
+  const int64_t n = p.n, k = p.k;
+  const auto xt = x.scalar_type();
   const at::Tensor x2 = x.reshape({-1, k});
   const int64_t M = x2.size(0);
   const int64_t K8 = (k + 7) / 8 * 8;
@@ -138,26 +162,9 @@ at::Tensor lowbit_linear_impl(const at::Tensor& x, const at::Tensor& packed, con
   }
   at::Tensor y = at::empty({M, n}, xf.options());
   if (M > 0 && n > 0) {
-    const at::Tensor pk = packed.contiguous(), sc = scale.contiguous();
-    const bool has_offset = offset.has_value() && offset->defined();
-    const at::Tensor of = has_offset ? offset->contiguous() : at::Tensor();
-    LowbitProblem p;
     p.x = xf.const_data_ptr<float>();
     p.ldx = K8;
     p.m = M;
-    p.packed = pk.const_data_ptr<uint8_t>();
-    p.scale = sc.const_data_ptr();
-    p.offset = has_offset ? of.const_data_ptr() : nullptr;  // null: offset 0 (or scale * code_offset for e8m0)
-    p.qparams_bf16 = sc.scalar_type() == at::kBFloat16;
-  p.qparams_f16 = sc.scalar_type() == at::kHalf;
-    p.qparams_f16 = sc.scalar_type() == at::kHalf;
-    p.qparams_e8m0 = e8m0;
-    p.code_offset = static_cast<int>(code_offset);
-    p.bits = static_cast<int>(bits);
-    p.codes = static_cast<int>(codes);
-    p.group_size = group_size;
-    p.n = n;
-    p.k = k;
     p.y = y.mutable_data_ptr<float>();
     p.ldy = n;
     p.allow_int16_x = allow_int16_x(xt);
@@ -168,6 +175,8 @@ at::Tensor lowbit_linear_impl(const at::Tensor& x, const at::Tensor& packed, con
   out_sizes.back() = n;
   return y.to(xt).view(out_sizes);
 }
+
+namespace {
 
 at::Tensor lowbit_dequantize_cpu(const at::Tensor& packed, const at::Tensor& scale,
                                  const std::optional<at::Tensor>& offset, int64_t bits, int64_t group_size, int64_t n,
@@ -293,6 +302,7 @@ at::Tensor int8_codes_linear_cpu(const at::Tensor& x, const at::Tensor& packed, 
   p.scale = sc.const_data_ptr();
   p.offset = has_offset ? of.const_data_ptr() : nullptr;
   p.qparams_bf16 = sc.scalar_type() == at::kBFloat16;
+  p.qparams_f16 = sc.scalar_type() == at::kHalf;
   p.qparams_e8m0 = e8m0;  // refused by supported(): the kernel reads fp32 qparams only
   p.bits = 8;
   p.codes = kCodesUint;

@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <optional>
 
+#include "lowbit_kernels.h"
+
 namespace affineq {
 
 // Whether the kill switch (affineq.cpp._set_disabled / AFFINEQ_DISABLE_CPP_KERNELS) is on.
@@ -21,5 +23,10 @@ bool allow_int16_x(at::ScalarType xt);
 // scales are e8m0 exponent bytes. `op` names the op in the messages.
 bool check_qparams(const char* op, const at::Tensor& scale, const std::optional<at::Tensor>& offset_opt,
                    int64_t bits, int64_t codes, int64_t code_offset, int64_t n, int64_t G);
+
+// The weight-only kernels (lowbit_linear_f32) on x [..., k] (float32 / bfloat16 / float16, CPU) for the weight
+// problem p (its x / y fields unset): x is padded to whole 8-column units; returns [..., n] in x's dtype. `path`
+// is lowbit_linear_f32's force_path.
+at::Tensor run_weight_problem(const at::Tensor& x, LowbitProblem p, int64_t path);
 
 }  // namespace affineq

@@ -10,11 +10,12 @@ Reading (`to_tensor`): F32 / F16 / BF16 stay plain tensors of their dtype; the o
 | Q4_1 / Q5_1                 | `dense`, uint4 / uint5, FLOAT zero point; fp16 d and m, w = d * u + m            |
 | IQ4_NL                      | `dense` int8: the table value as the code, fp16 scale d                         |
 | MXFP4                       | `dense` fp4_e2m1 codes with e8m0 scale bytes (OCP MX: ggml's block, as is)       |
-| Q2_K / Q3_K / Q4_K / Q5_K / Q6_K | `q2_k` .. `q6_k` (`affineq.tensor.format_kquant`: the file's super-block bytes) |
+| Q2_K / Q3_K / Q4_K / Q5_K / Q6_K | `q2_k` .. `q6_k` (`affineq.tensor.format_kquant`: the file's bytes, relaid out) |
 
 `dense` keeps the codes bit-packed and the kernels read it, with the block's fp16 scale (and min) as stored: the
-file's bits per weight (Q4_0 4.5, Q4_1 5). The k-quant formats keep the file's bytes (4.5 bits per weight for Q4_K); `widen_kquants=True` gives their exact `dense` widening instead
-(fp32 scale and offset per sub-block: the fast kernels, about 2 more bits per weight).
+file's bits per weight (Q4_0 4.5, Q4_1 5). The k-quant formats keep the file's bytes relaid out for the same
+kernels (codes bit-packed, the super-block headers as they are: Q4_K 4.5 bits per weight); `widen_kquants=True`
+gives their exact `dense` widening instead (fp32 scale and offset per sub-block, about 2 more bits per weight).
 
 Writing (`from_tensor`): a float tensor is F32 / F16 / BF16 by its dtype; a k-quant tensor is its own bytes; any
 other quantized 2-D weight with groups of 32 is tried as the GGUF types of its code width (Q4_0 then Q4_1, Q5_0
@@ -32,8 +33,9 @@ from affineq.gguf import blocks
 from affineq.gguf.reader import GGUFEntry
 from affineq.primitives import MappingType, ZeroPointDomain
 from affineq.tensor.affine import AffineQuantizedTensor
-from affineq.tensor.format_kquant import KQUANT_TYPES, dense_tensors, kquant_spec
+from affineq.tensor.format_kquant import KQUANT_TYPES, dense_tensors, from_blocks, kquant_spec
 from affineq.tensor.formats import dense_affine_map
+from affineq.tensor.kquant_encode import to_blocks
 from affineq.tensor.spec import QuantSpec
 
 __all__ = ["FLOAT_TYPES", "READ_TYPES", "WRITE_TYPES", "from_tensor", "legacy_spec", "legacy_tensor", "to_tensor"]
@@ -59,6 +61,12 @@ def to_tensor(entry: GGUFEntry, *, widen_kquants: bool = False) -> torch.Tensor:
     name = entry.ggml_type
     if name in _LEGACY and len(entry.shape) == 2:
         return _legacy_chunked(entry)
+    if name in _KQUANTS and len(entry.shape) == 2:
+        spec = kquant_spec(_KQUANTS[name], entry.shape)
+        tensors = from_blocks(spec.fmt, entry.data)  # read from the file's map a chunk of rows at a time
+        if widen_kquants:
+            tensors, spec = dense_tensors(tensors, spec)
+        return AffineQuantizedTensor.from_tensors(tensors, spec)
     data = torch.from_numpy(np.array(entry.data))  # a copy: the result outlives the file's mapping
     if name in FLOAT_TYPES:
         return data.view(FLOAT_TYPES[name]).reshape(entry.shape)
@@ -66,12 +74,6 @@ def to_tensor(entry: GGUFEntry, *, widen_kquants: bool = False) -> torch.Tensor:
         raise _unsupported(entry)
     if len(entry.shape) != 2:
         raise _unsupported(entry, f" as a {len(entry.shape)}-D tensor {entry.shape} (quantized tensors must be 2-D)")
-    if name in _KQUANTS:
-        spec = kquant_spec(_KQUANTS[name], entry.shape)
-        tensors = {"qdata": data}
-        if widen_kquants:
-            tensors, spec = dense_tensors(tensors, spec)
-        return AffineQuantizedTensor.from_tensors(tensors, spec)
     if name == "MXFP4":
         return _mxfp4(entry, data)
     return legacy_tensor(name, *blocks.decode(name, data, entry.shape[1]))
@@ -153,7 +155,7 @@ def from_tensor(name: str, t: torch.Tensor) -> tuple[str, np.ndarray, tuple[int,
         s = t.spec
     shape = tuple(s.shape)
     if s.fmt in KQUANT_TYPES:
-        return s.fmt.upper(), t.tensors["qdata"].numpy(), shape
+        return s.fmt.upper(), to_blocks(t.tensors, s).numpy(), shape
     if len(shape) != 2 or s.block_size != (1, blocks.BLOCK):
         raise _no_type(name, t, [f"GGUF's block types have groups of {blocks.BLOCK} along the rows of a 2-D weight "
                                  f"(block_size (1, 32)); this one has shape {shape}, block_size {s.block_size}"])

@@ -1,30 +1,33 @@
-"""The k-quant packing formats `q2_k` .. `q6_k`: llama.cpp's super-blocks of 256 weights, stored byte for byte.
+"""The k-quant packing formats `q2_k` .. `q6_k`: llama.cpp's super-blocks of 256 weights, at the file's bytes.
 
-A weight [N, K] (K divisible by 256) is N * K / 256 super-blocks, each `type_size` bytes, one row of blocks per
-output row (`qdata` uint8 [N, K / 256 * type_size], exactly the GGUF tensor's bytes). Inside a super-block an fp16
-`d` (and `dmin`) scales small integer sub-scales (4, 6 or 8 bits) of its 16 or 8 sub-blocks, so the weights cost
-the file's bits per weight:
+In a GGUF file a weight [N, K] (K divisible by 256) is N * K / 256 super-blocks, each `type_size` bytes. Inside a
+super-block an fp16 `d` (and `dmin`) scales small integer sub-scales (4, 6 or 8 bits) of its 16 or 8 sub-blocks,
+so the weights cost the file's bits per weight:
 
-| format | target        | sub-block | bytes / 256 | bpw    | value of code u (per sub-block j)                      |
-|--------|---------------|-----------|-------------|--------|--------------------------------------------------------|
-| q2_k   | uint2         | 16        | 84          | 2.625  | (d * sc_j) * u - dmin * m_j     (4-bit sc, m)          |
-| q3_k   | int3 [-4, 3]  | 16        | 110         | 3.4375 | (d * (sc_j - 32)) * q           (6-bit sc)             |
-| q4_k   | uint4         | 32        | 144         | 4.5    | (d * sc_j) * u - dmin * m_j     (6-bit sc, m)          |
-| q5_k   | uint5         | 32        | 176         | 5.5    | (d * sc_j) * u - dmin * m_j     (6-bit sc, m)          |
-| q6_k   | int6 [-32, 31]| 16        | 210         | 6.5625 | (d * sc_j) * q                  (int8 sc)              |
+| format | target        | sub-block | bytes / 256 | header | bpw    | value of code u (per sub-block j)              |
+|--------|---------------|-----------|-------------|--------|--------|------------------------------------------------|
+| q2_k   | uint2         | 16        | 84          | 20     | 2.625  | (d * sc_j) * u - dmin * m_j     (4-bit sc, m)  |
+| q3_k   | int3 [-4, 3]  | 16        | 110         | 14     | 3.4375 | (d * (sc_j - 32)) * q           (6-bit sc)     |
+| q4_k   | uint4         | 32        | 144         | 16     | 4.5    | (d * sc_j) * u - dmin * m_j     (6-bit sc, m)  |
+| q5_k   | uint5         | 32        | 176         | 16     | 5.5    | (d * sc_j) * u - dmin * m_j     (6-bit sc, m)  |
+| q6_k   | int6 [-32, 31]| 16        | 210         | 18     | 6.5625 | (d * sc_j) * q                  (int8 sc)      |
+
+The format stores the same bytes relaid out for the kernels (`from_blocks`, exact and reversible: `kquant_encode.
+to_blocks` gives the file's blocks back): `qdata` holds the codes u bit-packed as `dense` packs them (`pack_codes`,
+K * bits / 8 bytes per row), `scales` each super-block's header, its non-code bytes in block order (uint8
+[N, K / 256 * header]). So `affineq.kquant_linear` runs the dense kernels (the int4 g32 path for q4_k), decoding
+only the per-sub-block scale and offset from the headers.
 
 Every product above is exact in fp32 (an fp16 significand of 11 bits times at most 8 + 6 bits), so the one
 rounding is the subtraction of dmin * m_j: `dequantize` computes scale * u + offset per sub-block (scale = d * sc_j,
 offset = -dmin * m_j), and q * scale for the signed types (q = u - 2**(bits-1): a zero keeps the scale's sign),
 bit-identical to ggml and `gguf.quants.dequantize`. The same (scale, offset) in fp32 per sub-block are the exact
-`dense` widening (`dense_tensors`: 2 fp32 per sub-block instead of the packed sub-scales, but the `dense` kernels
-read it).
+`dense` widening (`dense_tensors`).
 
 The spec's qparams (`scale`, `zero_point`) are the sub-block scales and the FLOAT-domain zero point
 offset + mid * scale (rounded in fp32: informative only; `dequantize` uses the stored bytes). A k-quant tensor is
 built from GGUF bytes (`affineq.gguf.load_file`) or by `affineq.configs.kquant.quantize_kquant` (which writes the
-bytes with `kquant_encode`), never packed from codes: `pack` raises. `F.linear` on them runs the C++ kernel
-`affineq.kquant_linear` (`kquant_kernel`), which reads the super-blocks as stored.
+blocks with `kquant_encode`), never packed from codes and qparams: `pack` raises.
 """
 
 from __future__ import annotations
@@ -34,12 +37,12 @@ from dataclasses import dataclass
 
 import torch
 
-from affineq.bitpack import pack_codes
+from affineq.bitpack import pack_codes, unpack_code_rows, unpack_codes
 from affineq.primitives import MappingType, ZeroPointDomain
 from affineq.tensor.formats import PackingFormat, TensorLayout, register_format
 from affineq.tensor.spec import QuantSpec
 
-__all__ = ["KQUANT_TYPES", "KQuantType", "SUPER_BLOCK", "dense_tensors", "kquant_spec"]
+__all__ = ["KQUANT_TYPES", "KQuantType", "SUPER_BLOCK", "dense_tensors", "from_blocks", "kquant_spec"]
 
 SUPER_BLOCK = 256
 
@@ -66,46 +69,59 @@ def _scale_min_k4(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mn
 
 
-def _q2_k(b: torch.Tensor) -> Decoded:
-    sc = b[:, :16]
-    u = _shifted(b[:, 16:80], 32, (0, 2, 4, 6), 3)
-    scale = _f16(b, 80) * (sc & 0x0F).float()
-    return u, scale, -(_f16(b, 82) * (sc >> 4).float())
+QParams = tuple[torch.Tensor, torch.Tensor]  # scale, offset fp32 [B, 256 / g]
 
 
-def _q3_k(b: torch.Tensor) -> Decoded:
-    low = _shifted(b[:, 96:104], 8, (0, 4), 0x0F)
-    high = _shifted(b[:, 104:108], 4, (0, 2, 4, 6), 3)
-    sc = (low | (high << 4)).to(torch.int8) - 32
-    scale = _f16(b, 108) * sc.float()
+def _q2_k_codes(b: torch.Tensor) -> torch.Tensor:
+    return _shifted(b[:, 16:80], 32, (0, 2, 4, 6), 3)
+
+
+def _q2_k_qparams(h: torch.Tensor) -> QParams:  # scales[16] (sc | m << 4), d, dmin
+    sc = h[:, :16]
+    return _f16(h, 16) * (sc & 0x0F).float(), -(_f16(h, 18) * (sc >> 4).float())
+
+
+def _q3_k_codes(b: torch.Tensor) -> torch.Tensor:
     # a set hmask bit means "no -4": u = q + 4 = low two bits + 4 * hmask bit
-    u = _shifted(b[:, 32:96], 32, (0, 2, 4, 6), 3) | (_shifted(b[:, :32], 32, tuple(range(8)), 1) << 2)
-    return u, scale, -4 * scale
+    return _shifted(b[:, 32:96], 32, (0, 2, 4, 6), 3) | (_shifted(b[:, :32], 32, tuple(range(8)), 1) << 2)
 
 
-def _q4_k(b: torch.Tensor) -> Decoded:
-    sc, mn = _scale_min_k4(b[:, 4:16])
-    u = _shifted(b[:, 16:144], 32, (0, 4), 0x0F)
-    return u, _f16(b, 0) * sc.float(), -(_f16(b, 2) * mn.float())
+def _q3_k_qparams(h: torch.Tensor) -> QParams:  # scales[12] (6-bit, bias 32), d
+    low = _shifted(h[:, 0:8], 8, (0, 4), 0x0F)
+    high = _shifted(h[:, 8:12], 4, (0, 2, 4, 6), 3)
+    scale = _f16(h, 12) * ((low | (high << 4)).to(torch.int8) - 32).float()
+    return scale, -4 * scale
 
 
-def _q5_k(b: torch.Tensor) -> Decoded:
-    sc, mn = _scale_min_k4(b[:, 4:16])
-    u = _shifted(b[:, 48:176], 32, (0, 4), 0x0F) | (_shifted(b[:, 16:48], 32, tuple(range(8)), 1) << 4)
-    return u, _f16(b, 0) * sc.float(), -(_f16(b, 2) * mn.float())
+def _q4_k_codes(b: torch.Tensor) -> torch.Tensor:
+    return _shifted(b[:, 16:144], 32, (0, 4), 0x0F)
 
 
-def _q6_k(b: torch.Tensor) -> Decoded:
+def _q45_k_qparams(h: torch.Tensor) -> QParams:  # d, dmin, scales[12]
+    sc, mn = _scale_min_k4(h[:, 4:16])
+    return _f16(h, 0) * sc.float(), -(_f16(h, 2) * mn.float())
+
+
+def _q5_k_codes(b: torch.Tensor) -> torch.Tensor:
+    return _shifted(b[:, 48:176], 32, (0, 4), 0x0F) | (_shifted(b[:, 16:48], 32, tuple(range(8)), 1) << 4)
+
+
+def _q6_k_codes(b: torch.Tensor) -> torch.Tensor:
     low = _shifted(b[:, :128], 64, (0, 4), 0x0F).reshape(-1, 8, 32)
     high = _shifted(b[:, 128:192], 32, (0, 2, 4, 6), 3).reshape(-1, 8, 32)
-    u = (low | (high << 4)).reshape(b.shape[0], -1)
-    scale = _f16(b, 208) * b[:, 192:208].contiguous().view(torch.int8).float()
-    return u, scale, -32 * scale
+    return (low | (high << 4)).reshape(b.shape[0], -1)
+
+
+def _q6_k_qparams(h: torch.Tensor) -> QParams:  # int8 scales[16], d
+    scale = _f16(h, 16) * h[:, :16].contiguous().view(torch.int8).float()
+    return scale, -32 * scale
 
 
 @dataclass(frozen=True)
 class KQuantType:
-    """One k-quant type: format name, bytes per super-block, sub-block size, code target and range, decoder."""
+    """One k-quant type: format name, bytes per super-block, sub-block size, code target and range, the byte ranges
+    of its header (its non-code bytes), the decoder of the codes u [B, 256] from blocks [B, type_size], and the
+    decoder of per-sub-block (scale, offset) from headers [B, header_size]."""
 
     name: str
     type_size: int
@@ -113,20 +129,59 @@ class KQuantType:
     target: str
     quant_min: int
     quant_max: int
-    decode: Callable[[torch.Tensor], Decoded]
+    header: tuple[tuple[int, int], ...]
+    codes: Callable[[torch.Tensor], torch.Tensor]
+    qparams: Callable[[torch.Tensor], QParams]
 
     @property
     def asymmetric(self) -> bool:
         return self.quant_min == 0
 
+    @property
+    def bits(self) -> int:
+        return (self.quant_max - self.quant_min).bit_length()
+
+    @property
+    def header_size(self) -> int:
+        return sum(b - a for a, b in self.header)
+
+    def headers(self, blocks: torch.Tensor) -> torch.Tensor:
+        """The header bytes [B, header_size] of blocks [B, type_size]."""
+        return torch.cat([blocks[:, a:b] for a, b in self.header], 1)
+
+    def decode(self, blocks: torch.Tensor) -> Decoded:
+        """(u uint8 [B, 256], scale, offset fp32 [B, 256 / group]) of blocks [B, type_size]."""
+        return (self.codes(blocks), *self.qparams(self.headers(blocks)))
+
 
 KQUANT_TYPES: dict[str, KQuantType] = {t.name: t for t in (
-    KQuantType("q2_k", 84, 16, "uint2", 0, 3, _q2_k),
-    KQuantType("q3_k", 110, 16, "int3", -4, 3, _q3_k),
-    KQuantType("q4_k", 144, 32, "uint4", 0, 15, _q4_k),
-    KQuantType("q5_k", 176, 32, "uint5", 0, 31, _q5_k),
-    KQuantType("q6_k", 210, 16, "int6", -32, 31, _q6_k),
+    KQuantType("q2_k", 84, 16, "uint2", 0, 3, ((0, 16), (80, 84)), _q2_k_codes, _q2_k_qparams),
+    KQuantType("q3_k", 110, 16, "int3", -4, 3, ((96, 110),), _q3_k_codes, _q3_k_qparams),
+    KQuantType("q4_k", 144, 32, "uint4", 0, 15, ((0, 16),), _q4_k_codes, _q45_k_qparams),
+    KQuantType("q5_k", 176, 32, "uint5", 0, 31, ((0, 16),), _q5_k_codes, _q45_k_qparams),
+    KQuantType("q6_k", 210, 16, "int6", -32, 31, ((192, 210),), _q6_k_codes, _q6_k_qparams),
 )}
+
+_CHUNK_ROWS = 256  # rows relaid out at a time (multiple of the 16-row panels): bounded byte-per-code temporaries
+
+
+def from_blocks(name: str, blocks) -> dict[str, torch.Tensor]:
+    """The stored tensors {"qdata", "scales"} of format `name` for a weight's super-blocks, uint8
+    [N, K / 256 * type_size] (a GGUF tensor's bytes: a tensor, or a numpy array such as the file's memory map,
+    read a chunk at a time), relaid out a few panels of rows at a time."""
+    t = KQUANT_TYPES[name]
+    n = blocks.shape[0]
+    nb = blocks.shape[1] // t.type_size
+    k = nb * SUPER_BLOCK
+    qdata = torch.empty(n, k // 8 * t.bits, dtype=torch.uint8)
+    scales = torch.empty(n, nb * t.header_size, dtype=torch.uint8)
+    for r in range(0, n, _CHUNK_ROWS):
+        chunk = blocks[r:r + _CHUNK_ROWS]
+        b = (chunk if isinstance(chunk, torch.Tensor) else torch.from_numpy(chunk.copy())).reshape(-1, t.type_size)
+        rows = min(_CHUNK_ROWS, n - r)
+        qdata[r:r + rows] = pack_codes(t.codes(b).reshape(rows, k), t.bits)
+        scales[r:r + rows] = t.headers(b).reshape(rows, -1)
+    return {"qdata": qdata, "scales": scales}
 
 
 def kquant_spec(name: str, shape: tuple[int, int], dtype: torch.dtype = torch.float32) -> QuantSpec:
@@ -161,36 +216,41 @@ class KQuant(PackingFormat):
 
     def layout(self, spec):
         n, kdim = spec.shape
-        return {"qdata": TensorLayout((n, kdim // SUPER_BLOCK * self.kind.type_size), (torch.uint8,))}
+        return {"qdata": TensorLayout((n, kdim // 8 * self.kind.bits), (torch.uint8,)),
+                "scales": TensorLayout((n, kdim // SUPER_BLOCK * self.kind.header_size), (torch.uint8,))}
 
     def pack(self, codes, scale, zero_point, spec):
         raise ValueError(f"packing_format={self.name!r} holds llama.cpp super-blocks read from a GGUF file "
                          "(affineq.gguf.load_file); it cannot pack arbitrary codes and qparams: use "
                          "packing_format='dense' (or 'plain') for this tensor")
 
-    def _decode(self, qdata: torch.Tensor) -> Decoded:
-        return self.kind.decode(qdata.reshape(-1, self.kind.type_size))
+    def unpacked_codes(self, qdata: torch.Tensor, n: int, k: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The unsigned codes u uint8 [n, K] (or of `rows` only)."""
+        if rows is None:
+            return unpack_codes(qdata, self.kind.bits, n, k)
+        return unpack_code_rows(qdata, self.kind.bits, n, k, rows)
 
-    def _rows_decoded(self, qdata: torch.Tensor, n: int) -> Decoded:
-        """(u [n, K], scale [n, K/g], offset [n, K/g]) of `qdata`'s n rows."""
-        u, scale, offset = self._decode(qdata)
-        return u.reshape(n, -1), scale.reshape(n, -1), offset.reshape(n, -1)
+    def header_qparams(self, scales: torch.Tensor, n: int) -> QParams:
+        """fp32 (scale, offset) [n, K / group] of the stored headers' n rows."""
+        scale, offset = self.kind.qparams(scales.reshape(-1, self.kind.header_size))
+        return scale.reshape(n, -1), offset.reshape(n, -1)
 
     def codes(self, t, spec):
-        u, _, _ = self._rows_decoded(t["qdata"], spec.shape[0])
+        u = self.unpacked_codes(t["qdata"], *spec.shape)
         if self.kind.asymmetric:
             return u
         return (u.to(torch.int8) + self.kind.quant_min).to(spec.target.container)
 
     def qparams(self, t, spec):
-        _, scale, offset = self._rows_decoded(t["qdata"], spec.shape[0])
+        scale, offset = self.header_qparams(t["scales"], spec.shape[0])
         if not self.kind.asymmetric:
             return scale, None
         mid = (self.kind.quant_max + self.kind.quant_min + 1) / 2
         return scale, offset + mid * scale
 
-    def _values(self, qdata: torch.Tensor, n: int, output_dtype: torch.dtype) -> torch.Tensor:
-        u, scale, offset = self._rows_decoded(qdata, n)
+    def values(self, u: torch.Tensor, scales: torch.Tensor, output_dtype: torch.dtype) -> torch.Tensor:
+        n = u.shape[0]
+        scale, offset = self.header_qparams(scales, n)
         g = self.kind.group
         if self.kind.asymmetric:
             w = u.float().view(n, -1, g).mul_(scale.unsqueeze(-1)).add_(offset.unsqueeze(-1))
@@ -199,19 +259,18 @@ class KQuant(PackingFormat):
         return w.view(n, -1).to(output_dtype)
 
     def dequantize(self, t, spec, output_dtype):
-        return self._values(t["qdata"], spec.shape[0], output_dtype)
+        return self.values(self.unpacked_codes(t["qdata"], *spec.shape), t["scales"], output_dtype)
 
     def dequantize_rows(self, t, spec, rows, output_dtype):
-        return self._values(t["qdata"][rows], rows.numel(), output_dtype)
+        return self.values(self.unpacked_codes(t["qdata"], *spec.shape, rows), t["scales"][rows], output_dtype)
 
 
 def dense_tensors(t: dict[str, torch.Tensor], spec: QuantSpec) -> tuple[dict[str, torch.Tensor], QuantSpec]:
     """The exact `dense` widening of a k-quant tensor: (stored tensors, spec) with fp32 scale and offset per
     sub-block (w = scale * u + offset, the same fp32 values bit for bit), which the dense kernels read."""
     fmt = KQUANT_FORMATS[spec.fmt]
-    u, scale, offset = fmt._rows_decoded(t["qdata"], spec.shape[0])
-    tensors = {"qdata": pack_codes(u.contiguous(), spec.target.bits), "scale": scale.contiguous(),
-               "offset": offset.contiguous()}
+    scale, offset = fmt.header_qparams(t["scales"], spec.shape[0])
+    tensors = {"qdata": t["qdata"], "scale": scale.contiguous(), "offset": offset.contiguous()}
     return tensors, spec.replace(fmt="dense")
 
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from affineq import cpp as _cpp
-from affineq.bitpack import PANEL_ROWS, pack_codes, unpack_codes
+from affineq.bitpack import pack_codes, unpack_code_rows, unpack_codes
 from affineq.primitives import MappingType, ZeroPointDomain, dequantize_affine
 from affineq.tensor.spec import QuantSpec
 
@@ -544,19 +544,7 @@ class Dense(PackingFormat):
 
     def dequantize_rows(self, t, spec, rows, output_dtype):
         n, k = spec.shape
-        panel = PANEL_ROWS
-        if n % panel:
-            return super().dequantize_rows(t, spec, rows, output_dtype)
-        # Unpack only the 16-row panels that hold the requested rows (embedding lookups). Compiled: a panel per
-        # row, no dedupe (torch.unique has a data-dependent size, which a fullgraph dynamic compile cannot hold).
-        if torch.compiler.is_compiling():
-            panels, inverse = rows // panel, torch.arange(rows.numel(), device=rows.device)
-        else:
-            panels, inverse = torch.unique(rows // panel, return_inverse=True)
-        packed = t["qdata"].view(n // panel, -1)[panels]
-        u = unpack_codes(packed.view(panels.numel() * panel, -1), spec.target.bits,
-                              panels.numel() * panel, k)
-        u = u.view(-1, panel, k)[inverse, rows % panel]
+        u = unpack_code_rows(t["qdata"], spec.target.bits, n, k, rows)
         g = spec.block_size[1]
         u = _cpp.code_values(u, _cpp.codes_kind(spec.target)).view(-1, k // g, g)
         if self._canonical(t, spec) and "offset" not in t:  # 16-bit scale of symmetric codes: scale * q, exact

@@ -12,15 +12,20 @@
 
 so that `format_kquant` (and `gguf.quants.dequantize`) read back w = d * sc_j * u - dmin * mn_j, or
 d * sc_j * (u - 2**(bits-1)) for q3_k / q6_k. Values outside the ranges raise ValueError.
+
+`to_blocks(tensors, spec)` gives a k-quant tensor's super-blocks back (the inverse of `format_kquant.from_blocks`:
+the GGUF writer's bytes).
 """
 
 from __future__ import annotations
 
 import torch
 
+from affineq.bitpack import unpack_codes
 from affineq.tensor.format_kquant import KQUANT_TYPES, SUPER_BLOCK
+from affineq.tensor.spec import QuantSpec
 
-__all__ = ["encode"]
+__all__ = ["encode", "to_blocks"]
 
 
 def _unshifted(v: torch.Tensor, lanes: int, shifts: tuple[int, ...]) -> torch.Tensor:
@@ -62,34 +67,59 @@ def encode(name: str, u: torch.Tensor, d: torch.Tensor, sc: torch.Tensor, dmin: 
     nb = u.shape[0] if u.dim() == 2 else -1
     _check_range("u", name, u, 0, t.quant_max - t.quant_min, (nb, SUPER_BLOCK))
     nsub = SUPER_BLOCK // t.group
-    u = u.to(torch.int32)
     if name == "q6_k":
         _check_range("sc", name, sc, -128, 127, (nb, nsub))
-        ql = _unshifted(u & 15, 64, (0, 4))
-        qh = _unshifted(u >> 4, 32, (0, 2, 4, 6))
-        parts = [ql, qh, sc.to(torch.int8).view(torch.uint8), _f16_bytes(d)]
+        header = [sc.to(torch.int8).view(torch.uint8), _f16_bytes(d)]
     elif name == "q3_k":
         _check_range("sc", name, sc, -32, 31, (nb, nsub))
         s6 = sc.to(torch.int32) + 32
-        low = _unshifted(s6 & 15, 8, (0, 4))
-        high = _unshifted((s6 >> 4) & 3, 4, (0, 2, 4, 6))
-        hmask = _unshifted((u >> 2) & 1, 32, tuple(range(8)))
-        parts = [hmask, _unshifted(u & 3, 32, (0, 2, 4, 6)), low, high, _f16_bytes(d)]
+        header = [_unshifted(s6 & 15, 8, (0, 4)), _unshifted((s6 >> 4) & 3, 4, (0, 2, 4, 6)), _f16_bytes(d)]
     else:
         smax = 15 if name == "q2_k" else 63
         _check_range("sc", name, sc, 0, smax, (nb, nsub))
         _check_range("mn", name, mn, 0, smax, (nb, nsub))
         if dmin is None:
             raise ValueError(f"encode({name!r}): dmin is required for {name}")
-        head = [_f16_bytes(d), _f16_bytes(dmin)]
         if name == "q2_k":
-            scales = (sc.to(torch.int32) | (mn.to(torch.int32) << 4)).to(torch.uint8)
-            parts = [scales, _unshifted(u, 32, (0, 2, 4, 6)), *head]
-        elif name == "q4_k":
-            parts = [*head, _scales_k4(sc, mn), _unshifted(u & 15, 32, (0, 4))]
+            header = [(sc.to(torch.int32) | (mn.to(torch.int32) << 4)).to(torch.uint8), _f16_bytes(d),
+                      _f16_bytes(dmin)]
         else:
-            parts = [*head, _scales_k4(sc, mn), _unshifted(u >> 4, 32, tuple(range(8))),
-                     _unshifted(u & 15, 32, (0, 4))]
-    out = torch.cat([p.reshape(nb, -1) for p in parts], 1)
-    assert out.shape[1] == t.type_size, (name, out.shape)
+            header = [_f16_bytes(d), _f16_bytes(dmin), _scales_k4(sc, mn)]
+    return _assemble(name, u, torch.cat([p.reshape(nb, -1) for p in header], 1))
+
+
+def _code_bytes(name: str, u: torch.Tensor) -> list[torch.Tensor]:
+    """The code bytes of blocks with codes u [B, 256], in block order (each part [B, bytes])."""
+    u = u.to(torch.int32)
+    if name == "q6_k":
+        return [_unshifted(u & 15, 64, (0, 4)), _unshifted(u >> 4, 32, (0, 2, 4, 6))]
+    if name == "q3_k":
+        return [_unshifted((u >> 2) & 1, 32, tuple(range(8))), _unshifted(u & 3, 32, (0, 2, 4, 6))]
+    if name == "q2_k":
+        return [_unshifted(u, 32, (0, 2, 4, 6))]
+    if name == "q4_k":
+        return [_unshifted(u & 15, 32, (0, 4))]
+    return [_unshifted(u >> 4, 32, tuple(range(8))), _unshifted(u & 15, 32, (0, 4))]  # q5_k
+
+
+def _assemble(name: str, u: torch.Tensor, header: torch.Tensor) -> torch.Tensor:
+    """Blocks uint8 [B, type_size] from codes u [B, 256] and header bytes [B, header_size]: the header's byte
+    ranges (`KQuantType.header`) hold the header, the rest the code bytes in order."""
+    t = KQUANT_TYPES[name]
+    out = torch.empty(u.shape[0], t.type_size, dtype=torch.uint8)
+    is_header = torch.zeros(t.type_size, dtype=torch.bool)
+    at = 0
+    for a, b in t.header:
+        out[:, a:b] = header[:, at:at + b - a]
+        is_header[a:b] = True
+        at += b - a
+    out[:, ~is_header] = torch.cat(_code_bytes(name, u), 1)
     return out
+
+
+def to_blocks(tensors: dict[str, torch.Tensor], spec: QuantSpec) -> torch.Tensor:
+    """A k-quant tensor's super-blocks uint8 [N, K / 256 * type_size] (GGUF's bytes) from its stored tensors."""
+    t = KQUANT_TYPES[spec.fmt]
+    n, k = spec.shape
+    u = unpack_codes(tensors["qdata"], t.bits, n, k).reshape(-1, SUPER_BLOCK)
+    return _assemble(spec.fmt, u, tensors["scales"].reshape(-1, t.header_size)).reshape(n, -1)
