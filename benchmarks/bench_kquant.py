@@ -32,7 +32,8 @@ KINDS = ("q4_k", "q6_k", "q5_k", "q3_k", "q2_k")
 
 
 def random_blocks(kind: str, n: int, k: int) -> torch.Tensor:
-    """Valid super-blocks [n, k / 256 * type_size] with random codes, sub-scales and fp16 scales in [0, 0.01)."""
+    """Valid super-blocks [n, k / 256 * type_size] with random codes, sub-scales and fp16 scales in [0, 0.01),
+    as a GGUF file stores them (`format_kquant.from_blocks` relays them out for the kernel)."""
     from affineq.tensor.format_kquant import KQUANT_TYPES
     from affineq.tensor.kquant_encode import encode
 
@@ -59,7 +60,7 @@ def main() -> None:
         args.shapes, args.m, args.budget = "1024x1024", "1", 0.02
 
     import affineq.cpp as K
-    from affineq.tensor.format_kquant import KQUANT_TYPES
+    from affineq.tensor.format_kquant import KQUANT_TYPES, from_blocks
 
     if not K.is_available():
         sys.exit(f"affineq C++ kernels unavailable: {K.unavailable_reason()}")
@@ -69,18 +70,18 @@ def main() -> None:
     for shape in args.shapes.split(","):
         n, k = (int(v) for v in shape.lower().split("x"))
         w = torch.randn(n, k) * 0.02
-        blocks = {kind: random_blocks(kind, n, k) for kind in KINDS}
+        stored = {kind: from_blocks(kind, random_blocks(kind, n, k)) for kind in KINDS}
         u = torch.randint(0, 16, (n, k), dtype=torch.uint8)
         scale = torch.rand(n, k // 32) * 0.01 + 1e-3
         i4 = (K.pack_codes(u, 4), scale, -8 * scale)
         nbytes = {"int4-g32": sum(t.numel() * t.element_size() for t in i4), "fp32": 4 * n * k,
-                  **{kind: b.numel() for kind, b in blocks.items()}}
+                  **{kind: sum(v.numel() for v in t.values()) for kind, t in stored.items()}}
         for m in (int(v) for v in args.m.split(",")):
             x = torch.randn(m, k)
             cands = {"fp32": partial(F.linear, x, w),
                      "int4-g32": partial(torch.ops.affineq.lowbit_linear, x, *i4, 4, 32, n, k)}
-            for kind, b in blocks.items():
-                cands[kind] = partial(torch.ops.affineq.kquant_linear, x, b, int(kind[1]), n, k)
+            for kind, t in stored.items():
+                cands[kind] = partial(torch.ops.affineq.kquant_linear, x, t["qdata"], t["scales"], int(kind[1]), n, k)
             t = round_robin_ms(cands, budget_s=args.budget)
             for name, ms in t.items():
                 bpw = 32 if name == "fp32" else 6 if name == "int4-g32" else KQUANT_TYPES[name].type_size * 8 / 256

@@ -1,8 +1,8 @@
 """Weight-only low-bit linear kernels for CPU: ``torch.ops.affineq.lowbit_linear``.
 
 Math (format-agnostic "scale + offset over codes"): the weight ``W [n, k]`` is stored as codes
-``u[n, k]`` in ``[0, 2**bits)``, ``bits`` in 1..8, with ``scale[n, g]`` and ``offset[n, g]`` (both fp32 or
-both bf16) for ``g = k // group_size``::
+``u[n, k]`` in ``[0, 2**bits)``, ``bits`` in 1..8, with ``scale[n, g]`` and ``offset[n, g]`` (both fp32, both
+fp16 or both bf16) for ``g = k // group_size``::
 
     W[n, k] = scale[n, k // group_size] * c(u[n, k]) + offset[n, k // group_size]
     y = x @ W.T = sum_g scale[:, g] * (x_g @ c(u_g).T) + offset[:, g] * x_g.sum(-1)
@@ -13,10 +13,11 @@ E2M1 value of the bit pattern ``u`` for ``CODES_FP4_E2M1``, with ``bits=6`` the 
 ``CODES_FP6_E2M3`` / ``CODES_FP6_E3M2`` (OCP MX element types, sign in the top bit, the codes
 ``qtype(...).encode`` returns). bf16 qparams (integer codes only) follow the tinygemm convention instead:
 ``offset`` holds the zero ``z`` and ``W = scale * (u - 2**(bits - 1)) + z``, so a bf16 float zero point is
-stored exactly. e8m0 qparams (OCP MX shared scales): ``scale`` is uint8 exponent bytes ``b`` (value
-``2**(b - 127)``), ``offset`` is None and ``W = 2**(b - 127) * (c(u) + code_offset)``, exact (``code_offset``
-is ``quant_min`` for integer codes stored as ``q - quant_min``, 0 for float codes). An fp32 ``scale`` may also
-come without ``offset`` (None: offset 0, all that float codes need).
+stored exactly. Without ``offset`` (None) the offset is ``scale * code_offset``: ``W = scale * (c(u) +
+code_offset)``, exact, which needs a 16-bit scale (bf16 / fp16: symmetric codes, ``code_offset = quant_min``)
+or e8m0 qparams (OCP MX shared scales: ``scale`` is uint8 exponent bytes ``b``, value ``2**(b - 127)``;
+``code_offset`` is ``quant_min`` for integer codes stored as ``q - quant_min``, 0 for float codes); an fp32
+``scale`` without ``offset`` takes ``code_offset = 0`` (offset 0, all that float codes need).
 
 Packed layout: ``affineq.bitpack`` (``pack_codes``; panels of 16 rows of bit planes), re-exported here.
 

@@ -1,5 +1,5 @@
-// The compute-bound linear shared by the dense format (dequant_gemm.cpp) and the k-quant super-blocks
-// (kquant.cpp): y = x @ W^T with W decoded block by block into a per-thread buffer that stays in L2, each block
+// The compute-bound linear of the dense format (dequant_gemm.cpp; the k-quant formats reach it through the dense
+// paths): y = x @ W^T with W decoded block by block into a per-thread buffer that stays in L2, each block
 // multiplied with all of x by torch's own GEMM (at::mm_out: oneDNN / MKL, which pick AMX, AVX-512 or AVX2 at run
 // time). The packed weight is read once per call in its compact form; the arithmetic runs at the float GEMM's
 // speed. What differs between formats is only the block decoder, a functor
