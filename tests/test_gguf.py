@@ -113,8 +113,8 @@ def test_every_type_dequantizes_bit_identical_to_gguf(typed_file, widen):
 
 
 def test_kquant_keeps_the_file_bytes(typed_file, tmp_path):
-    """A k-quant tensor stores the file's super-blocks relaid out (codes and headers: the bits per weight of the
-    file, and to_blocks gives its bytes back), and they survive affineq's safetensors checkpoints."""
+    """A k-quant tensor stores the file's super-blocks relaid out (codes, sub-scales, d: to_blocks gives its bytes
+    back), and they survive affineq's safetensors checkpoints."""
     import affineq.safetensors
 
     loaded = ag.load_file(typed_file)
@@ -124,7 +124,8 @@ def test_kquant_keeps_the_file_bytes(typed_file, tmp_path):
     for name, t in kquants.items():
         assert back[name].spec == t.spec and torch.equal(back[name].tensors["qdata"], t.tensors["qdata"]), name
     reader = {t.name: t for t in gguf.GGUFReader(str(typed_file)).tensors}
-    bpw = {"Q2_K": 2.625, "Q3_K": 3.4375, "Q4_K": 4.5, "Q5_K": 5.5, "Q6_K": 6.5625}
+    # the file's bits per weight; q3_k / q4_k / q5_k keep their 6-bit sub-scales a byte each (+1/8 bit)
+    bpw = {"Q2_K": 2.625, "Q3_K": 3.5625, "Q4_K": 4.625, "Q5_K": 5.625, "Q6_K": 6.5625}
     for name, want in bpw.items():
         t = loaded[name]
         assert np.array_equal(to_blocks(t.tensors, t.spec).numpy().reshape(-1), reader[name].data.reshape(-1))

@@ -55,9 +55,9 @@ def _tensor(name: str, blocks: torch.Tensor) -> affineq.AffineQuantizedTensor:
 
 
 def _op_args(name: str, blocks: torch.Tensor) -> tuple:
-    """(qdata, scales, kind, n, k) of affineq::kquant_linear for these blocks."""
+    """(qdata, scales, mins, d, kind, n, k) of affineq::kquant_linear for these blocks."""
     t = _tensor(name, blocks)
-    return (t.tensors["qdata"], t.tensors["scales"], int(name[1]), *t.shape)
+    return (t.tensors["qdata"], t.tensors["scales"], t.tensors.get("mins"), t.tensors["d"], int(name[1]), *t.shape)
 
 
 def _terms(name: str, blocks: torch.Tensor) -> torch.Tensor:
@@ -65,7 +65,8 @@ def _terms(name: str, blocks: torch.Tensor) -> torch.Tensor:
     t = KQUANT_TYPES[name]
     n = blocks.shape[0]
     b = blocks.reshape(-1, t.type_size)
-    s, o = (q.reshape(n, -1).double().abs().repeat_interleave(t.group, 1) for q in t.qparams(t.headers(b)))
+    s, o = (q.reshape(n, -1).double().abs().repeat_interleave(t.group, 1)
+            for q in t.qparams(*t.parts(t.headers(b))))
     return s * t.codes(b).reshape(n, -1).double() + o
 
 
@@ -106,16 +107,18 @@ def test_encode_rejects_out_of_range_parts(name):
 
 @pytest.mark.parametrize("name", KINDS)
 def test_relayout_keeps_the_file_bytes(name):
-    """from_blocks stores the file's bytes: codes packed at `bits` per weight plus the headers, the GGUF size;
-    odd row counts (a partial 16-row panel) and several chunks of rows round-trip to the same blocks."""
+    """from_blocks stores the file's values at its size (+1/8 bit per weight for the unpacked 6-bit sub-scales of
+    q3_k / q4_k / q5_k); odd row counts (a partial 16-row panel) and several chunks of rows round-trip to the
+    same blocks, byte for byte."""
     t = KQUANT_TYPES[name]
     blocks = _random_blocks(name, 300, 512, seed=2)
     tensors = from_blocks(name, blocks)
-    assert sum(v.numel() for v in tensors.values()) == blocks.numel()
+    stored = sum(v.numel() * v.element_size() for v in tensors.values())
+    assert stored == blocks.numel() + (300 * 512 // 64 if name in ("q3_k", "q4_k", "q5_k") else 0)
     back = to_blocks(tensors, _spec(name, (300, 512)))
     assert torch.equal(back, blocks)
     assert torch.equal(from_blocks(name, blocks.numpy())["qdata"], tensors["qdata"])  # a numpy map reads the same
-    assert tensors["scales"].shape == (300, 2 * t.header_size)
+    assert tensors["scales"].shape == (300, 512 // t.group) and ("mins" in tensors) == t.has_mins
 
 
 @pytest.mark.parametrize("name", KINDS)
@@ -145,11 +148,13 @@ def test_kquant_linear_within_fp32_rounding(name):
 
 def test_kquant_linear_bad_arguments_raise_value_error():
     _needs_kernels()
-    qd, sc, *_ = _op_args("q4_k", _random_blocks("q4_k", 4, 256, seed=4))
+    qd, sc, mn, d, *_ = _op_args("q4_k", _random_blocks("q4_k", 4, 256, seed=4))
     x = torch.randn(1, 256)
-    for args, match in [((x, qd, sc, 7, 4, 256), "kind"), ((x, qd, sc, 4, 4, 200), "multiple of 256"),
-                        ((x, qd[:, :-1], sc, 4, 4, 256), "qdata"), ((x, qd, sc[:, :-1], 4, 4, 256), "scales"),
-                        ((torch.randn(1, 128), qd, sc, 4, 4, 256), "x")]:
+    for args, match in [((x, qd, sc, mn, d, 7, 4, 256), "kind"), ((x, qd, sc, mn, d, 4, 4, 200), "multiple of 256"),
+                        ((x, qd[:, :-1], sc, mn, d, 4, 4, 256), "qdata"),
+                        ((x, qd, sc[:, :-1], mn, d, 4, 4, 256), "scales"),
+                        ((x, qd, sc, None, d, 4, 4, 256), "mins"), ((x, qd, sc, mn, d.float(), 4, 4, 256), "d"),
+                        ((torch.randn(1, 128), qd, sc, mn, d, 4, 4, 256), "x")]:
         with pytest.raises(ValueError, match=match):
             torch.ops.affineq.kquant_linear(*args)
         with pytest.raises(ValueError, match=match):

@@ -88,21 +88,39 @@ void transpose_rows(const float* src, int64_t lds, int64_t rows, int64_t R, int6
   }
 }
 
+// The k-quant scales (offset=false, times mul) or offsets of rows [r0, r0 + rows) into t [rows, G], row-major
+// (one loop per kind, so the compiler vectorizes the sub-blocks of a super-block).
+template <int KIND>
+void kq_rows(const LowbitProblem& p, bool offset, float mul, int64_t r0, int64_t rows, int64_t G, float* t) {
+  constexpr int64_t ns = kq_supers(KIND);
+  const int64_t gpb = kSuperBlock / p.group_size, nb = G / gpb;
+  const uint8_t* sc = static_cast<const uint8_t*>(p.scale) + r0 * G;
+  const uint8_t* mn = p.offset != nullptr ? static_cast<const uint8_t*>(p.offset) + r0 * G : sc;
+  const uint16_t* sup = p.kq_super + r0 * nb * ns;
+  for (int64_t i = 0; i < rows * nb; ++i) {  // super-block i: row i / nb
+    const float d = f16_to_float(sup[i * ns]), dmin = ns == 2 ? f16_to_float(sup[i * ns + 1]) : 0.f;
+    const uint8_t *b = sc + i * gpb, *m = mn + i * gpb;
+    float* out = t + i * gpb;
+    for (int64_t j = 0; j < gpb; ++j) {
+      float s, o;
+      kq_qparam(KIND, b[j], m[j], d, dmin, s, o);
+      out[j] = offset ? o : s * mul;
+    }
+  }
+}
+
 }  // namespace
 
 void load_qparams(const LowbitProblem& p, bool offset, float mul, int64_t r0, int64_t rows, int64_t R, int64_t G,
                   float* dst, int64_t ldd) {
-  if (p.qparams_kquant) {  // decoded from the super-block headers, row by row
-    const int kind = p.qparams_kquant;
-    const int64_t hs = kq_header_size(kind), gpb = kSuperBlock / p.group_size, nb = G / gpb;
+  if (p.qparams_kquant) {  // from the sub-scale / min bytes and the super-block d, dmin (kquant_decode.h)
     float* t = tl_qconv.get<float>(rows * G);
-    const uint8_t* h = static_cast<const uint8_t*>(p.scale) + r0 * nb * hs;
-    alignas(64) float s[16], o[16];
-    for (int64_t i = 0; i < rows * nb; ++i) {  // block i: row i / nb, groups (i % nb) * gpb ...
-      kq_header_qparams(kind, h + i * hs, s, o);
-      float* d = t + i * gpb;
-      if (offset) std::memcpy(d, o, gpb * sizeof(float));
-      else for (int64_t j = 0; j < gpb; ++j) d[j] = s[j] * mul;
+    switch (p.qparams_kquant) {
+      case 2: kq_rows<2>(p, offset, mul, r0, rows, G, t); break;
+      case 3: kq_rows<3>(p, offset, mul, r0, rows, G, t); break;
+      case 4: kq_rows<4>(p, offset, mul, r0, rows, G, t); break;
+      case 5: kq_rows<5>(p, offset, mul, r0, rows, G, t); break;
+      default: kq_rows<6>(p, offset, mul, r0, rows, G, t); break;
     }
     transpose_rows(t, G, rows, R, G, dst, ldd);
     return;

@@ -50,9 +50,9 @@ AQ_INLINE float e8m0_to_float(uint8_t b) {
   return std::bit_cast<float>(bits);
 }
 
-// Bytes of one row's scale array (G groups): 4, 2 or 1 per group, or its k-quant super-block headers.
+// Bytes of one row's scale (and offset) array, G groups: 4, 2 or 1 per group (k-quant sub-scales: 1).
 inline int64_t qparam_row_bytes(const LowbitProblem& p, int64_t G) {
-  if (p.qparams_kquant) return G * p.group_size / kSuperBlock * kq_header_size(p.qparams_kquant);
+  if (p.qparams_kquant) return G;  // the sub-scale (and min) bytes
   return G * (p.qparams_e8m0 ? 1 : p.qparams_bf16 || p.qparams_f16 ? 2 : 4);
 }
 

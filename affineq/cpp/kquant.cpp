@@ -1,11 +1,11 @@
 // Linear layers on llama.cpp's k-quant weights (affineq::kquant_linear), as the k-quant formats store them: the
-// codes bit-packed in the dense panel layout (the layout the int1..8 kernels read), each super-block's header
-// bytes in `scales` [n, k / 256 * kq_header_size] (kquant_decode.h). The weight problem is the dense one with
-// k-quant qparams (LowbitProblem::qparams_kquant): every path of dispatch.cpp (fused GEMV, tile GEMMs, the
-// dequantize + GEMM driver) runs on it unchanged, and only the per-group scale and offset are decoded from the
-// headers, once per work item (common.cpp's load_qparams). So a q4_k weight runs at the speed of int4 g32 with
-// a quarter fewer qparam bytes, q6_k at int6 g16's, and so on.
-// Values: the scale d * sc_j and offset of each sub-block are exact in fp32 and the kernels sum
+// codes bit-packed in the dense panel layout (the layout the int1..8 kernels read), one sub-scale byte (and for
+// q4_k / q5_k one min byte) per sub-block, the fp16 d (and dmin) per super-block (kquant_decode.h). The weight
+// problem is the dense one with k-quant qparams (LowbitProblem::qparams_kquant): every path of dispatch.cpp
+// (fused GEMV, tile GEMMs, the dequantize + GEMM driver) runs on it unchanged; only the per-group scale and offset
+// come from the sub-scales, once per work item (common.cpp's load_qparams). So q4_k runs at int4 g32's speed on
+// fewer qparam bytes, q6_k at int6 g16's, and so on.
+// Values: the scale d * sc_j and the offset of each sub-block are exact in fp32 and the kernels sum
 // scale * dot(x, u) + offset * sum(x) per group, so y = F.linear(x.float(), W) up to the order and rounding of
 // the fp32 sums (the dense kernels' bound), cast to x's dtype.
 #include <ATen/ATen.h>
@@ -18,8 +18,15 @@
 namespace affineq {
 namespace {
 
-at::Tensor kquant_linear_cpu(const at::Tensor& x, const at::Tensor& qdata, const at::Tensor& scales, int64_t kind,
-                             int64_t n, int64_t k) {
+void check_bytes(const char* op, const char* name, const at::Tensor& t, at::ScalarType dtype, int64_t numel) {
+  TORCH_CHECK_VALUE(t.scalar_type() == dtype && t.device().is_cpu() && t.numel() == numel, op, ": ", name,
+                    " must be a ", dtype, " CPU tensor with ", numel, " elements, got ", t.scalar_type(), " with ",
+                    t.numel(), " on ", t.device());
+}
+
+at::Tensor kquant_linear_cpu(const at::Tensor& x, const at::Tensor& qdata, const at::Tensor& scales,
+                             const std::optional<at::Tensor>& mins, const at::Tensor& d, int64_t kind, int64_t n,
+                             int64_t k) {
   const char* op = "affineq::kquant_linear";
   TORCH_CHECK_VALUE(!kernels_disabled(), op, ": the affineq C++ kernels are disabled");
   TORCH_CHECK_VALUE(kind >= 2 && kind <= 6, op, ": kind must be 2..6 (q2_k .. q6_k), got ", kind);
@@ -30,23 +37,25 @@ at::Tensor kquant_linear_cpu(const at::Tensor& x, const at::Tensor& qdata, const
                     ": x must be float32, bfloat16 or float16, got ", xt);
   TORCH_CHECK_VALUE(x.device().is_cpu() && x.dim() >= 1 && x.size(-1) == k, op, ": x must be a CPU tensor [..., k=",
                     k, "], got ", x.sizes(), " on ", x.device());
-  TORCH_CHECK_VALUE(qdata.scalar_type() == at::kByte && qdata.device().is_cpu() &&
-                        qdata.numel() == packed_nbytes(n, k, kind),
-                    op, ": qdata must be uint8 with ", packed_nbytes(n, k, kind), " bytes (pack_codes of ", kind,
-                    "-bit codes), got ", qdata.scalar_type(), " with ", qdata.numel());
-  const int64_t header_bytes = n * (k / detail::kSuperBlock) * detail::kq_header_size(kind);
-  TORCH_CHECK_VALUE(scales.scalar_type() == at::kByte && scales.device().is_cpu() && scales.numel() == header_bytes,
-                    op, ": scales must be uint8 with ", header_bytes, " bytes (n * k / 256 * ",
-                    detail::kq_header_size(kind), "), got ", scales.scalar_type(), " with ", scales.numel());
-  const at::Tensor pk = qdata.contiguous(), sc = scales.contiguous();
+  const int64_t gs = detail::kq_group(kind), G = k / gs, nb = k / detail::kSuperBlock;
+  check_bytes(op, "qdata", qdata, at::kByte, packed_nbytes(n, k, kind));
+  check_bytes(op, "scales", scales, at::kByte, n * G);
+  const bool has_mins = kind == 4 || kind == 5;
+  TORCH_CHECK_VALUE(has_mins == (mins.has_value() && mins->defined()), op, ": mins must be given for q4_k / q5_k "
+                    "(kind 4, 5) and None otherwise, got kind=", kind);
+  if (has_mins) check_bytes(op, "mins", *mins, at::kByte, n * G);
+  check_bytes(op, "d", d, at::kHalf, n * nb * detail::kq_supers(kind));
+  const at::Tensor pk = qdata.contiguous(), sc = scales.contiguous(), dd = d.contiguous();
+  const at::Tensor mn = has_mins ? mins->contiguous() : at::Tensor();
   LowbitProblem p;
   p.packed = pk.const_data_ptr<uint8_t>();
   p.scale = sc.const_data_ptr();
-  p.offset = nullptr;
+  p.offset = has_mins ? mn.const_data_ptr() : nullptr;
   p.qparams_kquant = static_cast<int>(kind);
+  p.kq_super = reinterpret_cast<const uint16_t*>(dd.const_data_ptr());
   p.bits = static_cast<int>(kind);
   p.codes = kCodesUint;
-  p.group_size = detail::kq_group(kind);
+  p.group_size = gs;
   p.n = n;
   p.k = k;
   const at::AutoDispatchBelowADInplaceOrView below_autograd;  // an inference op: no derivative

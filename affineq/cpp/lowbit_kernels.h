@@ -30,10 +30,12 @@ struct LowbitProblem {
   // u = q - quant_min (symmetric codes: W = scale * q), 0 for float codes. Only with 16-bit or e8m0 scales,
   // whose products with u and with code_offset are exact in fp32, so W = scale * (c(u) + code_offset) exactly.
   int code_offset = 0;
-  // k-quant qparams (2..6 for q2_k .. q6_k; kquant_decode.h): scale holds each super-block's header bytes
-  // [n, k / 256, kq_header_size], group_size is the sub-block (32 or 16), no offset array; per group
-  // W = (d * sc_j) * u - dmin * m_j, or (d * sc_j) * (u - 2^(bits-1)) for the signed kinds. 0: not k-quant.
+  // k-quant qparams (2..6 for q2_k .. q6_k; kquant_decode.h): scale holds the sub-scale bytes [n, k / group_size]
+  // (group_size the sub-block: 32 or 16), offset the min bytes (q4_k / q5_k; null otherwise), kq_super the fp16 d
+  // (and dmin) of each super-block [n, k / 256, 1 or 2]; per group W = (d * sc_j) * u - dmin * m_j, or
+  // (d * sc_j) * (u - 2^(bits-1)) for the signed kinds. 0: not k-quant.
   int qparams_kquant = 0;
+  const uint16_t* kq_super = nullptr;
   int bits;                // 1..8
   int codes = kCodesUint;  // kCodesE4M3 / kCodesE5M2 need bits == 8, kCodesFp4E2M1 4, kCodesFp6E2M3 / E3M2 6
   int64_t group_size;      // divides k

@@ -69,23 +69,32 @@ def encode(name: str, u: torch.Tensor, d: torch.Tensor, sc: torch.Tensor, dmin: 
     nsub = SUPER_BLOCK // t.group
     if name == "q6_k":
         _check_range("sc", name, sc, -128, 127, (nb, nsub))
-        header = [sc.to(torch.int8).view(torch.uint8), _f16_bytes(d)]
     elif name == "q3_k":
         _check_range("sc", name, sc, -32, 31, (nb, nsub))
-        s6 = sc.to(torch.int32) + 32
-        header = [_unshifted(s6 & 15, 8, (0, 4)), _unshifted((s6 >> 4) & 3, 4, (0, 2, 4, 6)), _f16_bytes(d)]
     else:
         smax = 15 if name == "q2_k" else 63
         _check_range("sc", name, sc, 0, smax, (nb, nsub))
         _check_range("mn", name, mn, 0, smax, (nb, nsub))
         if dmin is None:
             raise ValueError(f"encode({name!r}): dmin is required for {name}")
-        if name == "q2_k":
-            header = [(sc.to(torch.int32) | (mn.to(torch.int32) << 4)).to(torch.uint8), _f16_bytes(d),
-                      _f16_bytes(dmin)]
-        else:
-            header = [_f16_bytes(d), _f16_bytes(dmin), _scales_k4(sc, mn)]
-    return _assemble(name, u, torch.cat([p.reshape(nb, -1) for p in header], 1))
+    return _assemble(name, u, _header(name, d, sc, dmin, mn))
+
+
+def _header(name: str, d: torch.Tensor, sc: torch.Tensor, dmin: torch.Tensor | None, mn: torch.Tensor | None
+            ) -> torch.Tensor:
+    """Header bytes [B, header] (`KQuantType.header`) of checked parts: fp16 d (dmin) [B], integer sc (mn) [B, J]."""
+    nb = sc.shape[0]
+    sc = sc.to(torch.int32)
+    if name == "q6_k":
+        parts = [sc.to(torch.int8).view(torch.uint8), _f16_bytes(d)]
+    elif name == "q3_k":
+        s6 = sc + 32
+        parts = [_unshifted(s6 & 15, 8, (0, 4)), _unshifted((s6 >> 4) & 3, 4, (0, 2, 4, 6)), _f16_bytes(d)]
+    elif name == "q2_k":
+        parts = [(sc | (mn.to(torch.int32) << 4)).to(torch.uint8), _f16_bytes(d), _f16_bytes(dmin)]
+    else:
+        parts = [_f16_bytes(d), _f16_bytes(dmin), _scales_k4(sc, mn)]
+    return torch.cat([p.reshape(nb, -1) for p in parts], 1)
 
 
 def _code_bytes(name: str, u: torch.Tensor) -> list[torch.Tensor]:
@@ -121,5 +130,17 @@ def to_blocks(tensors: dict[str, torch.Tensor], spec: QuantSpec) -> torch.Tensor
     """A k-quant tensor's super-blocks uint8 [N, K / 256 * type_size] (GGUF's bytes) from its stored tensors."""
     t = KQUANT_TYPES[spec.fmt]
     n, k = spec.shape
+    j = SUPER_BLOCK // t.group
     u = unpack_codes(tensors["qdata"], t.bits, n, k).reshape(-1, SUPER_BLOCK)
-    return _assemble(spec.fmt, u, tensors["scales"].reshape(-1, t.header_size)).reshape(n, -1)
+    b = tensors["scales"].reshape(-1, j)
+    d = tensors["d"].reshape(b.shape[0], -1)
+    dmin = d[:, 1] if t.supers == 2 else None
+    if spec.fmt == "q2_k":
+        sc, mn = b & 0x0F, b >> 4
+    elif spec.fmt == "q3_k":
+        sc, mn = b.to(torch.int32) - 32, None
+    elif spec.fmt == "q6_k":
+        sc, mn = b.view(torch.int8), None
+    else:
+        sc, mn = b, tensors["mins"].reshape(-1, j)
+    return _assemble(spec.fmt, u, _header(spec.fmt, d[:, 0], sc, dmin, mn)).reshape(n, -1)
