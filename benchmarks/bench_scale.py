@@ -45,7 +45,7 @@ llama.cpp: the llama-cpp-python venv's python from ``--llama-python``, $AFFINEQ_
 ``--quick``: the 1B in place of the 8B, small prompts and windows, 1 repeat, eager decoder: checks that the rows
 run (the numbers are not timings). ``--big-only``: the quantize / decode / memory rows at 8B only (``--quick
 --big-only``: the 8B rows with the quick sizes); ``--no-big``: those rows at 1B only.
-Results: results/bench_scale.json (each row group replaces its own entry).
+Results: results/bench_scale.json (a run's rows replace the saved rows of the same name, see `merge_group`).
 """
 
 from __future__ import annotations
@@ -449,6 +449,7 @@ def report(group: str, rows: list[dict], bandwidth: float) -> None:
             r["MB_per_token"] = r["weight_bytes_per_token"] / MB
             r["GB_s"] = r["weight_bytes_per_token"] / (r["ms_per_step"] * 1e-3) / 1e9  # one read per step, any batch
             r["bandwidth_fraction"] = r["GB_s"] / bandwidth
+            r["read_bandwidth_gbs"] = bandwidth
     cols = {"quantize": ["row", "s", "peak_above_base_MiB", "dst_bytes", "load_quantized_s", "from_pretrained_s",
                          "logits_equal", "vs_quantize_checkpoint"],
             "decode": ["row", "decode_tok_s", "ms_per_step", "MB_per_token", "GB_s", "bandwidth_fraction",
@@ -461,6 +462,19 @@ def report(group: str, rows: list[dict], bandwidth: float) -> None:
                        "within_above_base"]}[group]
     print(f"\n## {group}")
     print(table([{c: _fmt(r.get(c, "")) for c in cols} for r in rows], cols), flush=True)
+
+
+def merge_group(old: dict | None, rows: list[dict], run: dict) -> dict:
+    """A row group of results/bench_scale.json after this run: its rows replace the saved rows of the same name,
+    the other saved rows stay (a ``--big-only`` run keeps the 1B rows); `run` (machine, bandwidth, threads)
+    describes the latest run; each row keeps the bandwidth its fraction was computed with."""
+    names = {r["row"] for r in rows}
+    old = old or {}
+    kept = [r for r in old.get("rows", []) if r.get("row") not in names]
+    for r in kept:  # rows saved before rows carried their own bandwidth: their run's
+        if "bandwidth_fraction" in r and "read_bandwidth_gbs" not in r:
+            r["read_bandwidth_gbs"] = old.get("bandwidth_gbs")
+    return {**run, "rows": kept + rows}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -511,7 +525,8 @@ def main(argv: list[str] | None = None) -> None:
         path = RESULTS / "bench_scale.json"
         old = json.loads(path.read_text()) if path.exists() else {}
         for group, rows in results.items():
-            old[group] = {"machine": machine(), "bandwidth_gbs": bandwidth, "threads": a.threads, "rows": rows}
+            old[group] = merge_group(old.get(group), rows, {"machine": machine(), "bandwidth_gbs": bandwidth,
+                                                            "threads": a.threads})
         RESULTS.mkdir(exist_ok=True)
         path.write_text(json.dumps(old, indent=1))
         print(f"wrote {path}")
