@@ -43,7 +43,9 @@ llama.cpp: the llama-cpp-python venv's python from ``--llama-python``, $AFFINEQ_
 ``--small`` / ``--big`` name other make_synthetic.py bodies (e.g. ``--small tiny-llama --quick`` for a fast check).
 
 ``--quick``: the 1B in place of the 8B, small prompts and windows, 1 repeat, eager decoder: checks that the rows
-run (the numbers are not timings). Results: results/bench_scale.json (each row group replaces its own entry).
+run (the numbers are not timings). ``--big-only``: the quantize / decode / memory rows at 8B only (``--quick
+--big-only``: the 8B rows with the quick sizes); ``--no-big``: those rows at 1B only.
+Results: results/bench_scale.json (a run's rows replace the saved rows of the same name, see `merge_group`).
 """
 
 from __future__ import annotations
@@ -337,11 +339,19 @@ def _decode(data: Path, body: str, cfg: str, *, prompt: int, n: int, batch: int 
     return run_child(__file__, json.dumps(job))
 
 
+def bodies(a: argparse.Namespace) -> list[str]:
+    """The bodies of the rows that run at 1B and 8B (quantize, decode, memory; the largest first): both, the 1B
+    only (``--no-big``, or ``--quick``), or the 8B only (``--big-only``, also with ``--quick``)."""
+    if a.big_only:
+        return [a.big]
+    return [a.small] if a.quick or a.no_big else [a.big, a.small]
+
+
 def rows_quantize(a, data: Path) -> list[dict]:
-    big = a.small if a.quick else a.big
+    big = bodies(a)[0]
     tmp = data / "bench_scale_tmp"
     out = []
-    for body in dict.fromkeys([big, a.small]):
+    for body in bodies(a):
         keep = not (data / f"{body}-int4-g32" / "config.json").exists()  # then the result is --prepare's directory
         dst = data / f"{body}-int4-g32" if keep else tmp / f"{body}-int4-g32"
         subprocess.run(["rm", "-rf", str(dst)], check=True)
@@ -356,6 +366,8 @@ def rows_quantize(a, data: Path) -> list[dict]:
                 shutil.copy2(f, dst)
         else:
             subprocess.run(["rm", "-rf", str(dst)], check=True)
+    if a.small not in bodies(a):
+        return out
     r = run_child(__file__, json.dumps({"kind": "quantize-on-load", "src": str(data / a.small), "config": "int4-g32"}))
     r.update(row=f"from_pretrained + AffineqConfig {a.small} int4-g32",
              vs_quantize_checkpoint=r["s"] / out[-1]["s"])
@@ -366,7 +378,7 @@ def rows_quantize(a, data: Path) -> list[dict]:
 def rows_decode(a, data: Path, py: Path | None) -> list[dict]:
     n, prompt = (4, 16) if a.quick else (64, 128)
     out = []
-    for body in ([a.small] if a.quick or a.no_big else [a.small, a.big]):
+    for body in reversed(bodies(a)):
         for cfg, gguf in (("int4-g32", "q4_0"), ("int8", "q8_0")):
             r = _decode(data, body, cfg, prompt=prompt, n=n, a=a)
             out.append({"row": f"{body} affineq {cfg}", **r})
@@ -415,7 +427,7 @@ def rows_kv_accuracy(a) -> list[dict]:
 
 
 def rows_memory(a, data: Path) -> list[dict]:
-    body = a.small if a.quick else a.big
+    body = bodies(a)[0]
     r = _decode(data, body, "int4-g32", prompt=16 if a.quick else 128, n=4 if a.quick else 16,
                 a=argparse.Namespace(**{**vars(a), "quick": True, "repeats": 1}))  # eager decoder: no compiler
     bound = 1.15 * (r["model_bytes"] + r["kv_cache_bytes"]) / MiB + 300
@@ -437,6 +449,7 @@ def report(group: str, rows: list[dict], bandwidth: float) -> None:
             r["MB_per_token"] = r["weight_bytes_per_token"] / MB
             r["GB_s"] = r["weight_bytes_per_token"] / (r["ms_per_step"] * 1e-3) / 1e9  # one read per step, any batch
             r["bandwidth_fraction"] = r["GB_s"] / bandwidth
+            r["read_bandwidth_gbs"] = bandwidth
     cols = {"quantize": ["row", "s", "peak_above_base_MiB", "dst_bytes", "load_quantized_s", "from_pretrained_s",
                          "logits_equal", "vs_quantize_checkpoint"],
             "decode": ["row", "decode_tok_s", "ms_per_step", "MB_per_token", "GB_s", "bandwidth_fraction",
@@ -451,6 +464,19 @@ def report(group: str, rows: list[dict], bandwidth: float) -> None:
     print(table([{c: _fmt(r.get(c, "")) for c in cols} for r in rows], cols), flush=True)
 
 
+def merge_group(old: dict | None, rows: list[dict], run: dict) -> dict:
+    """A row group of results/bench_scale.json after this run: its rows replace the saved rows of the same name,
+    the other saved rows stay (a ``--big-only`` run keeps the 1B rows); `run` (machine, bandwidth, threads)
+    describes the latest run; each row keeps the bandwidth its fraction was computed with."""
+    names = {r["row"] for r in rows}
+    old = old or {}
+    kept = [r for r in old.get("rows", []) if r.get("row") not in names]
+    for r in kept:  # rows saved before rows carried their own bandwidth: their run's
+        if "bandwidth_fraction" in r and "read_bandwidth_gbs" not in r:
+            r["read_bandwidth_gbs"] = old.get("bandwidth_gbs")
+    return {**run, "rows": kept + rows}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", nargs="+", default=ROWS, choices=ROWS)
@@ -458,7 +484,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prepare", action="store_true", help="write the checkpoints the rows need, then exit")
     p.add_argument("--small", default=SMALL, help="the 1B body (make_synthetic.py's name)")
     p.add_argument("--big", default=BIG, help="the 8B body")
-    p.add_argument("--no-big", action="store_true", help="decode row: the 1B body only")
+    p.add_argument("--no-big", action="store_true", help="quantize / decode / memory rows: the 1B body only")
+    p.add_argument("--big-only", action="store_true",
+                   help="quantize / decode / memory rows: the 8B body only (with --quick: a smoke run of the 8B rows)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--llama-python", default=None, help="python of the llama-cpp-python venv")
@@ -466,13 +494,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-save", action="store_true")
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.big_only and a.no_big:
+        p.error("--big-only and --no-big exclude each other; pass one")
     if a.child:
         job = json.loads(a.child)
         print(json.dumps(CHILDREN[job.pop("kind")](job)))
         return
     py = _llama_python(a.llama_python)
     if a.prepare:
-        prepare(a.data, [a.small] if a.quick else [a.small, a.big], py, a.threads)
+        prepare(a.data, bodies(a)[::-1], py, a.threads)
         return
     if a.quick:
         a.repeats, a.no_save = 1, True
@@ -495,7 +525,8 @@ def main(argv: list[str] | None = None) -> None:
         path = RESULTS / "bench_scale.json"
         old = json.loads(path.read_text()) if path.exists() else {}
         for group, rows in results.items():
-            old[group] = {"machine": machine(), "bandwidth_gbs": bandwidth, "threads": a.threads, "rows": rows}
+            old[group] = merge_group(old.get(group), rows, {"machine": machine(), "bandwidth_gbs": bandwidth,
+                                                            "threads": a.threads})
         RESULTS.mkdir(exist_ok=True)
         path.write_text(json.dumps(old, indent=1))
         print(f"wrote {path}")
