@@ -88,25 +88,75 @@ void transpose_rows(const float* src, int64_t lds, int64_t rows, int64_t R, int6
   }
 }
 
-// The k-quant scales (offset=false, times mul) or offsets of rows [r0, r0 + rows) into t [rows, G], row-major
-// (one loop per kind, so the compiler vectorizes the sub-blocks of a super-block).
+// One super-block's gpb scales (times mul) or offsets into out, from its sub-scale / min bytes and d, dmin.
+template <int KIND>
+AQ_INLINE void kq_block(bool offset, float mul, const uint8_t* b, const uint8_t* m, const uint16_t* sup, float* out) {
+  constexpr int64_t gpb = kSuperBlock / kq_group(KIND);
+  const auto sub_scale = [](uint8_t v) {  // the integer sub-scale of a byte, as a float
+    if constexpr (KIND == 2) return static_cast<float>(v & 15);
+    else if constexpr (KIND == 3) return static_cast<float>(static_cast<int>(v) - 32);
+    else if constexpr (KIND == 6) return static_cast<float>(static_cast<int8_t>(v));
+    else return static_cast<float>(v);
+  };
+  const float d = f16_to_float(sup[0]);
+  if (!offset) {
+    for (int64_t j = 0; j < gpb; ++j) out[j] = d * sub_scale(b[j]) * mul;
+  } else if constexpr (KIND == 3 || KIND == 6) {  // -2^(bits-1) * s, exact
+    for (int64_t j = 0; j < gpb; ++j) out[j] = (KIND == 3 ? -4.f : -32.f) * (d * sub_scale(b[j]));
+  } else {
+    const float dmin = f16_to_float(sup[1]);
+    for (int64_t j = 0; j < gpb; ++j) out[j] = -(dmin * static_cast<float>(KIND == 2 ? b[j] >> 4 : m[j]));
+  }
+}
+
+// The k-quant scales (offset=false, times mul) or offsets of rows [r0, r0 + rows) into t [rows, G], row-major:
+// kquant_decode.h's kq_qparam per sub-block, 16 sub-blocks per AVX-512 vector, else per super-block (kq_block).
 template <int KIND>
 void kq_rows(const LowbitProblem& p, bool offset, float mul, int64_t r0, int64_t rows, int64_t G, float* t) {
-  constexpr int64_t ns = kq_supers(KIND);
-  const int64_t gpb = kSuperBlock / p.group_size, nb = G / gpb;
+  constexpr int64_t ns = kq_supers(KIND), gpb = kSuperBlock / kq_group(KIND);
+  const int64_t nb = G / gpb;
   const uint8_t* sc = static_cast<const uint8_t*>(p.scale) + r0 * G;
   const uint8_t* mn = p.offset != nullptr ? static_cast<const uint8_t*>(p.offset) + r0 * G : sc;
   const uint16_t* sup = p.kq_super + r0 * nb * ns;
-  for (int64_t i = 0; i < rows * nb; ++i) {  // super-block i: row i / nb
-    const float d = f16_to_float(sup[i * ns]), dmin = ns == 2 ? f16_to_float(sup[i * ns + 1]) : 0.f;
-    const uint8_t *b = sc + i * gpb, *m = mn + i * gpb;
-    float* out = t + i * gpb;
-    for (int64_t j = 0; j < gpb; ++j) {
-      float s, o;
-      kq_qparam(KIND, b[j], m[j], d, dmin, s, o);
-      out[j] = offset ? o : s * mul;
+#if AQ_AVX512
+  // 16 sub-blocks per vector (one or two super-blocks: their d, dmin broadcast per half); nb * gpb % 16 == 0 unless
+  // gpb == 8 and nb is odd, whose last 8 sub-blocks take the loop below
+  const int64_t G16 = G / 16 * 16;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t *br = sc + r * G, *mr = mn + r * G;
+    const uint16_t* sr = sup + r * nb * ns;
+    float* out = t + r * G;
+    for (int64_t g0 = 0; g0 < G16; g0 += 16) {
+      const int64_t b0 = g0 / gpb, b1 = (g0 + 15) / gpb;
+      const auto pair = [&](int at) {  // the fp16 value `at` (0: d, 1: dmin) of super-blocks b0 | b1
+        return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(f16_to_float(sr[b0 * ns + at]))),
+                                  _mm256_set1_ps(f16_to_float(sr[b1 * ns + at])), 1);
+      };
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(br + g0));
+      const __m512i u = KIND == 6 ? _mm512_cvtepi8_epi32(raw) : _mm512_cvtepu8_epi32(raw);
+      const __m512 dv = pair(0);
+      __m512i q = u;
+      if constexpr (KIND == 2) q = _mm512_and_si512(u, _mm512_set1_epi32(15));
+      if constexpr (KIND == 3) q = _mm512_sub_epi32(u, _mm512_set1_epi32(32));
+      const __m512 s = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(q));
+      __m512 v;
+      if (!offset) {
+        v = _mm512_mul_ps(s, _mm512_set1_ps(mul));
+      } else if constexpr (KIND == 3 || KIND == 6) {
+        v = _mm512_mul_ps(_mm512_set1_ps(KIND == 3 ? -4.f : -32.f), s);
+      } else {
+        const __m512i m = KIND == 2 ? _mm512_srli_epi32(u, 4)
+                                    : _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mr + g0)));
+        v = _mm512_xor_ps(_mm512_mul_ps(pair(1), _mm512_cvtepi32_ps(m)), _mm512_set1_ps(-0.f));  // -(dmin * m)
+      }
+      _mm512_storeu_ps(out + g0, v);
     }
+    for (int64_t g = G16; g < G; g += gpb) kq_block<KIND>(offset, mul, br + g, mr + g, sr + g / gpb * ns, out + g);
   }
+#else
+  for (int64_t i = 0; i < rows * nb; ++i)  // super-block i: row i / nb
+    kq_block<KIND>(offset, mul, sc + i * gpb, mn + i * gpb, sup + i * ns, t + i * gpb);
+#endif
 }
 
 }  // namespace
