@@ -7,7 +7,8 @@ Qwen3-MoE / gpt-oss (and affineq's ``TinyLM``), so greedy tokens equal ``model.g
 logit scale) in ``attention_variants``, the feed-forward (gated MLP or the model's own router + experts) in
 ``moe_block``. Left-padded batches follow transformers' conventions: a row with ``p`` pad tokens has rotary
 positions ``slot - p`` (0 on the pads) and its pad slots are masked out of every query's keys. The KV cache is in
-the model dtype, or quantized (``affineq.models.kv_cache``).
+the model dtype, or quantized (``affineq.models.kv_cache``: the prompt attends over its own float keys / values
+and leaves their codes; decode steps and teacher-forced scoring read the codes).
 """
 
 from __future__ import annotations
