@@ -159,6 +159,11 @@ def test_kv_attention_op_checks_its_arguments():
         torch.ops.affineq.kv_attention(q, kc, ks, vc, vs, pos, valid.int())
     with pytest.raises(RuntimeError, match="v_codes must match k_codes"):
         torch.ops.affineq.kv_attention(q, kc, ks, vc[:, :, :-1], vs, pos, valid)
+    q, kc, ks, vc, vs, pos, valid = _case("int4", g=16, gv=32)
+    with pytest.raises(RuntimeError, match=r"float16 \[B, KVH, T, 2 \* D / group_size\] \(scale, min pairs\)"):
+        torch.ops.affineq.kv_attention(q, kc, ks.float(), vc, vs, pos, valid)
+    with pytest.raises(RuntimeError, match="int4 groups must have an even size"):
+        torch.ops.affineq.kv_attention(q, kc, torch.zeros(2, 2, 20, 128, dtype=torch.float16), vc, vs, pos, valid)
 
 
 def test_quantized_attention_is_close_to_float_attention():
