@@ -98,8 +98,16 @@ def test_fusion_copy_bytes_and_the_auto_rule(monkeypatch):
     assert calls == [3, 2, 3, 2]
 
 
-def test_int4_cache_default_group_is_the_head_dim_when_smaller_than_32():
+def test_int4_cache_default_groups_keys_16_values_32_capped_by_the_head_dim():
     from affineq.models.kv_cache import QuantizedKVCache
 
-    assert QuantizedKVCache("int4", 1, (1, 2, 8, 16), None, torch.device("cpu")).group_size == 16
-    assert QuantizedKVCache("int4", 1, (1, 2, 8, 64), None, torch.device("cpu")).group_size == 32
+    def groups(d, g=None):
+        c = QuantizedKVCache("int4", 1, (1, 2, 8, d), g, torch.device("cpu"))
+        return c.key_group, c.value_group, c.k_scale[0].shape[-1], c.v_scale[0].shape[-1]
+
+    assert groups(16) == (16, 16, 2, 2)
+    assert groups(64) == (16, 32, 8, 4)  # (scale, min) pairs: 2 words per group
+    assert groups(24) == (8, 8, 6, 6)  # the largest divisor of the head dimension under the default
+    assert groups(64, 64) == (64, 64, 2, 2)  # kv_group_size sets both
+    with pytest.raises(ValueError, match="kv_group_size must divide the head dimension 64"):
+        groups(64, 48)

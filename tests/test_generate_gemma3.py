@@ -99,6 +99,8 @@ def test_quantized_cache_sliding_window_matches_a_per_query_reference(kind):
     valid[1, :3] = False  # row 1 left-padded by 3
     cache.write(0, torch.arange(12), k, v)
     kd = kva.dequantize_kv(cache.k[0], cache.k_scale[0])[:, :, :12]
+    if cache.rotation is not None:  # int4 keys are stored rotated by R (R R = I): back to the query's basis
+        kd = kd @ cache.rotation
     vd = kva.dequantize_kv(cache.v[0], cache.v_scale[0])[:, :, :12]
     q = torch.randn(2, 4, 12, 32, generator=gen)
     out = cache.attend(0, q, torch.arange(12), valid, 5)

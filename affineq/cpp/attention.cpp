@@ -3,13 +3,14 @@
 // the PyTorch reference live there).
 //
 // For each (batch b, query head h, query s), with kv head h / (H / KVH) and n = pos[s] + 1 slots:
-//   score[t] = (q . K[t]) / sqrt(D) for slots t < n with valid[b, t], where q . K[t] = sum_g k_scale[t, g] *
-//              (q_g . codes_g)  (the code sum of a group is scaled once)
+//   score[t] = (q . K[t]) / sqrt(D) for slots t < n with valid[b, t], where q . K[t] = sum_g scale[t, g] *
+//              (q_g . codes_g) [+ min[t, g] * sum(q_g)]  (a group's code sum is scaled once)
 //   p = softmax(score) over those slots (no slot: the output row is 0, as sdpa gives a fully masked row)
-//   out = sum_t p[t] * V[t],  V[t, d] = v_scale[t, g(d)] * code[t, d]
-// fp32 products and accumulation. int8 codes: int8 [.., T, D], value = scale * code. int4: uint8 [.., T, D / 2];
-// in group g of G elements, byte j < G / 2 holds element g*G + j in its low nibble and g*G + G/2 + j in its
-// high nibble (llama.cpp's q4_0 order), value = scale * (nibble - 8).
+//   out = sum_t p[t] * V[t],  V[t, d] = v_scale[t, g(d)] * code[t, d] [+ v_min[t, g(d)]]
+// fp32 products and accumulation. int8 codes: int8 [.., T, D], fp32 scales [.., T, D / G], value = scale * code.
+// int4: uint8 [.., T, D / 2] with float16 (scale, min) pairs [.., T, 2 * D / G]; in group g of G elements, byte
+// j < G / 2 holds element g*G + j in its low nibble and g*G + G/2 + j in its high nibble (llama.cpp's q4_1
+// order), value = scale * nibble + min. Keys and values may have different group sizes.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -35,11 +36,21 @@ namespace {
 
 struct Row {
   const void* codes;   // one cache slot of one kv head: D int8 codes or D / 2 int4 bytes
-  const float* scale;  // its D / G group scales
+  const float* scale;  // its D / G group scales (int4: the slot's scales, converted from float16)
+  const float* min;    // int4: its D / G group minimums; int8: unused
 };
 
+// The (scale, min) float16 pairs of one int4 slot as two fp32 arrays.
+inline void unpack_pairs(const at::Half* pairs, int64_t ng, float* scale, float* min) {
+  for (int64_t g = 0; g < ng; ++g) {
+    scale[g] = float(pairs[2 * g]);
+    min[g] = float(pairs[2 * g + 1]);
+  }
+}
+
 // ---- scalar ---------------------------------------------------------------------------------------------
-float dot_scalar(const float* q, Row r, int64_t D, int64_t G, bool int4) {
+// qsum: the sum of q over each group (int4's min term)
+float dot_scalar(const float* q, const float* qsum, Row r, int64_t D, int64_t G, bool int4) {
   float total = 0.f;
   for (int64_t g = 0; g < D / G; ++g) {
     float acc = 0.f;
@@ -47,9 +58,10 @@ float dot_scalar(const float* q, Row r, int64_t D, int64_t G, bool int4) {
     if (int4) {
       const uint8_t* c = static_cast<const uint8_t*>(r.codes) + g * G / 2;
       for (int64_t j = 0; j < G / 2; ++j) {
-        acc += qg[j] * float((c[j] & 15) - 8);
-        acc += qg[j + G / 2] * float((c[j] >> 4) - 8);
+        acc += qg[j] * float(c[j] & 15);
+        acc += qg[j + G / 2] * float(c[j] >> 4);
       }
+      total += r.min[g] * qsum[g];
     } else {
       const int8_t* c = static_cast<const int8_t*>(r.codes) + g * G;
       for (int64_t j = 0; j < G; ++j) acc += qg[j] * float(c[j]);
@@ -65,9 +77,10 @@ void axpy_scalar(float p, Row r, float* out, int64_t D, int64_t G, bool int4) {
     float* og = out + g * G;
     if (int4) {
       const uint8_t* c = static_cast<const uint8_t*>(r.codes) + g * G / 2;
+      const float m = p * r.min[g];
       for (int64_t j = 0; j < G / 2; ++j) {
-        og[j] += w * float((c[j] & 15) - 8);
-        og[j + G / 2] += w * float((c[j] >> 4) - 8);
+        og[j] += w * float(c[j] & 15) + m;
+        og[j + G / 2] += w * float(c[j] >> 4) + m;
       }
     } else {
       const int8_t* c = static_cast<const int8_t*>(r.codes) + g * G;
@@ -81,12 +94,11 @@ void axpy_scalar(float p, Row r, float* out, int64_t D, int64_t G, bool int4) {
 inline __m256 codes8_i8(const int8_t* c) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c))));
 }
-// 8 bytes -> (low nibbles - 8, high nibbles - 8) as fp32
+// 8 bytes -> (low nibbles, high nibbles) as fp32
 inline void codes8_i4(const uint8_t* c, __m256* lo, __m256* hi) {
   const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c)));
-  const __m256i eight = _mm256_set1_epi32(8);
-  *lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(b, _mm256_set1_epi32(15)), eight));
-  *hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b, 4), eight));
+  *lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+  *hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
 }
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -95,8 +107,9 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-float dot_avx2(const float* q, Row r, int64_t D, int64_t G, bool int4) {
+float dot_avx2(const float* q, const float* qsum, Row r, int64_t D, int64_t G, bool int4) {
   __m256 total = _mm256_setzero_ps();
+  float mins = 0.f;
   for (int64_t g = 0; g < D / G; ++g) {
     __m256 acc = _mm256_setzero_ps();
     const float* qg = q + g * G;
@@ -108,13 +121,14 @@ float dot_avx2(const float* q, Row r, int64_t D, int64_t G, bool int4) {
         acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + j), lo, acc);
         acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + G / 2 + j), hi, acc);
       }
+      mins += r.min[g] * qsum[g];
     } else {
       const int8_t* c = static_cast<const int8_t*>(r.codes) + g * G;
       for (int64_t j = 0; j < G; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + j), codes8_i8(c + j), acc);
     }
     total = _mm256_fmadd_ps(acc, _mm256_set1_ps(r.scale[g]), total);
   }
-  return hsum(total);
+  return hsum(total) + mins;
 }
 
 void axpy_avx2(float p, Row r, float* out, int64_t D, int64_t G, bool int4) {
@@ -123,11 +137,13 @@ void axpy_avx2(float p, Row r, float* out, int64_t D, int64_t G, bool int4) {
     float* og = out + g * G;
     if (int4) {
       const uint8_t* c = static_cast<const uint8_t*>(r.codes) + g * G / 2;
+      const __m256 m = _mm256_set1_ps(p * r.min[g]);
       for (int64_t j = 0; j < G / 2; j += 8) {
         __m256 lo, hi;
         codes8_i4(c + j, &lo, &hi);
-        _mm256_storeu_ps(og + j, _mm256_fmadd_ps(w, lo, _mm256_loadu_ps(og + j)));
-        _mm256_storeu_ps(og + G / 2 + j, _mm256_fmadd_ps(w, hi, _mm256_loadu_ps(og + G / 2 + j)));
+        _mm256_storeu_ps(og + j, _mm256_add_ps(_mm256_fmadd_ps(w, lo, _mm256_loadu_ps(og + j)), m));
+        _mm256_storeu_ps(og + G / 2 + j,
+                         _mm256_add_ps(_mm256_fmadd_ps(w, hi, _mm256_loadu_ps(og + G / 2 + j)), m));
       }
     } else {
       const int8_t* c = static_cast<const int8_t*>(r.codes) + g * G;
@@ -138,7 +154,7 @@ void axpy_avx2(float p, Row r, float* out, int64_t D, int64_t G, bool int4) {
 }
 #endif
 
-using DotFn = float (*)(const float*, Row, int64_t, int64_t, bool);
+using DotFn = float (*)(const float*, const float*, Row, int64_t, int64_t, bool);
 using AxpyFn = void (*)(float, Row, float*, int64_t, int64_t, bool);
 
 // path: 0 = best for this build and shape, 1 = scalar (tests compare the two)
@@ -162,13 +178,21 @@ at::Tensor kv_attention_impl(const at::Tensor& q, const at::Tensor& k_codes, con
               op, ": k_codes must be [B, KVH, T, ", (int4 ? "D / 2" : "D"), "] with KVH dividing H, got ",
               k_codes.sizes(), " for q ", q.sizes());
   const int64_t KVH = k_codes.size(1), T = k_codes.size(2);
-  TORCH_CHECK(k_scale.scalar_type() == at::kFloat && v_scale.scalar_type() == at::kFloat &&
-                  k_scale.dim() == 4 && k_scale.sizes() == v_scale.sizes() && k_scale.size(0) == B &&
-                  k_scale.size(1) == KVH && k_scale.size(2) == T && k_scale.size(3) > 0 && D % k_scale.size(3) == 0,
-              op, ": k_scale and v_scale must be float32 [B, KVH, T, D / group_size], got ", k_scale.scalar_type(),
-              " ", k_scale.sizes(), " and ", v_scale.scalar_type(), " ", v_scale.sizes());
-  const int64_t G = D / k_scale.size(3);
-  TORCH_CHECK(!int4 || G % 2 == 0, op, ": int4 groups must have an even size, got ", G);
+  // int8: fp32 scales [B, KVH, T, D / G]; int4: float16 (scale, min) pairs [B, KVH, T, 2 * D / G]
+  const auto st = int4 ? at::kHalf : at::kFloat;
+  const int64_t per_group = int4 ? 2 : 1;
+  for (const at::Tensor* t : {&k_scale, &v_scale})
+    TORCH_CHECK(t->scalar_type() == st && t->dim() == 4 && t->size(0) == B && t->size(1) == KVH &&
+                    t->size(2) == T && t->size(3) > 0 && t->size(3) % per_group == 0 &&
+                    D % (t->size(3) / per_group) == 0,
+                op, ": k_scale and v_scale must be ",
+                (int4 ? "float16 [B, KVH, T, 2 * D / group_size] (scale, min pairs) for an int4 cache"
+                      : "float32 [B, KVH, T, D / group_size] for an int8 cache"),
+                ", got ", t->scalar_type(), " ", t->sizes());
+  const int64_t ngk = k_scale.size(3) / per_group, ngv = v_scale.size(3) / per_group;
+  const int64_t Gk = D / ngk, Gv = D / ngv;
+  TORCH_CHECK(!int4 || (Gk % 2 == 0 && Gv % 2 == 0), op, ": int4 groups must have an even size, got ", Gk,
+              " and ", Gv);
   TORCH_CHECK(pos.scalar_type() == at::kLong && pos.dim() == 1 && pos.size(0) == S, op,
               ": pos must be int64 [S] = [", S, "], got ", pos.scalar_type(), " ", pos.sizes());
   TORCH_CHECK(valid.scalar_type() == at::kBool && valid.dim() == 2 && valid.size(0) == B && valid.size(1) == T, op,
@@ -188,32 +212,49 @@ at::Tensor kv_attention_impl(const at::Tensor& q, const at::Tensor& k_codes, con
   DotFn dot = dot_scalar;
   AxpyFn axpy = axpy_scalar;
 #if AQ_KV_AVX2
-  if (path == 0 && G % (int4 ? 16 : 8) == 0) {
+  const int64_t step = int4 ? 16 : 8;
+  if (path == 0 && Gk % step == 0 && Gv % step == 0) {
     dot = dot_avx2;
     axpy = axpy_avx2;
   }
 #endif
-  const int64_t row_bytes = int4 ? D / 2 : D, ng = D / G, rep = H / KVH;
+  const int64_t row_bytes = int4 ? D / 2 : D, rep = H / KVH;
+  const int64_t ksw = ngk * per_group, vsw = ngv * per_group;  // scale words per slot
   const auto* kcp = static_cast<const uint8_t*>(kc.data_ptr());
   const auto* vcp = static_cast<const uint8_t*>(vc.data_ptr());
-  const float* ksp = ks.data_ptr<float>();
-  const float* vsp = vs.data_ptr<float>();
   const bool* V = vl.data_ptr<bool>();
   const float* Q = qf.data_ptr<float>();
   float* O = out.data_ptr<float>();
   const float sm = 1.f / std::sqrt(float(D));
+  // One slot's scales (and int4 mins) as fp32 pointers: int8 reads the tensor, int4 converts its pairs into buf.
+  const float* ksf = int4 ? nullptr : ks.data_ptr<float>();
+  const float* vsf = int4 ? nullptr : vs.data_ptr<float>();
+  const at::Half* ksh = int4 ? ks.data_ptr<at::Half>() : nullptr;
+  const at::Half* vsh = int4 ? vs.data_ptr<at::Half>() : nullptr;
+  auto slot_row = [&](const uint8_t* codes, const float* sf, const at::Half* sh, int64_t words, int64_t ng,
+                      int64_t slot, float* buf) -> Row {
+    if (!int4) return Row{codes + slot * row_bytes, sf + slot * words, nullptr};
+    unpack_pairs(sh + slot * words, ng, buf, buf + ng);
+    return Row{codes + slot * row_bytes, buf, buf + ng};
+  };
 
   at::parallel_for(0, B * H * S, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> score(T), qs(D);
+    std::vector<float> score(T), qs(D), qsum(ngk), kbuf(2 * ngk), vbuf(2 * ngv);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item % S, h = (item / S) % H, b = item / (S * H);
       const int64_t kv = h / rep, n = P[s] + 1;
       const int64_t base = (b * KVH + kv) * T;  // slot 0 of this (b, kv head)
       for (int64_t d = 0; d < D; ++d) qs[d] = Q[item * D + d] * sm;
+      for (int64_t g = 0; g < ngk; ++g) {
+        float acc = 0.f;
+        for (int64_t j = 0; j < Gk; ++j) acc += qs[g * Gk + j];
+        qsum[g] = acc;
+      }
       float mx = -std::numeric_limits<float>::infinity();
       for (int64_t t = 0; t < n; ++t) {
         if (!V[b * T + t]) continue;
-        score[t] = dot(qs.data(), Row{kcp + (base + t) * row_bytes, ksp + (base + t) * ng}, D, G, int4);
+        const Row kr = slot_row(kcp, ksf, ksh, ksw, ngk, base + t, kbuf.data());
+        score[t] = dot(qs.data(), qsum.data(), kr, D, Gk, int4);
         mx = std::max(mx, score[t]);
       }
       float* o = O + item * D;
@@ -228,7 +269,7 @@ at::Tensor kv_attention_impl(const at::Tensor& q, const at::Tensor& k_codes, con
       const float inv = 1.f / sum;
       for (int64_t t = 0; t < n; ++t) {
         if (!V[b * T + t]) continue;
-        axpy(score[t] * inv, Row{vcp + (base + t) * row_bytes, vsp + (base + t) * ng}, o, D, G, int4);
+        axpy(score[t] * inv, slot_row(vcp, vsf, vsh, vsw, ngv, base + t, vbuf.data()), o, D, Gv, int4);
       }
     }
   });

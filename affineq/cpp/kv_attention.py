@@ -1,15 +1,19 @@
 """Attention over a quantized KV cache: ``torch.ops.affineq.kv_attention`` and its PyTorch reference.
 
-Cache format (symmetric, as llama.cpp's ``-ctk/-ctv q8_0 / q4_0`` and transformers' ``QuantizedCache``), for keys
-or values x [B, KVH, T, D] cut into groups of G along D (D % G == 0), one fp32 scale per (head, slot, group):
+Cache formats, for keys or values x [B, KVH, T, D] cut into groups of G along D (D % G == 0; keys and values may
+use different G):
 
-* int8: ``scale = max|x_g| / 127``, ``code = round(x / scale)`` in [-127, 127] (int8 [B, KVH, T, D]); G = D by
-  default: one scale per head and token.
-* int4: ``scale = max|x_g| / 7``, ``code = round(x / scale)`` in [-7, 7], stored ``code + 8`` as nibbles (uint8
-  [B, KVH, T, D / 2]); in a group, byte j < G / 2 holds element j (low nibble) and j + G / 2 (high nibble),
-  llama.cpp's q4_0 order, so a group's low and high nibbles are two contiguous runs of G / 2 elements.
+* int8 (symmetric, as llama.cpp's ``-ctk q8_0``): ``scale = max|x_g| / 127``, ``code = round(x / scale)`` in
+  [-127, 127] (int8 [B, KVH, T, D]), one fp32 scale per (head, slot, group): scale [B, KVH, T, D / G] float32;
+  ``x ~ scale * code``. G = D by default: one scale per head and token.
+* int4 (asymmetric, as llama.cpp's ``q4_1``): ``scale = (max x_g - min x_g) / 15``, ``code = round((x - min) /
+  scale)`` in [0, 15], ``x ~ scale * code + min``; codes as nibbles (uint8 [B, KVH, T, D / 2]): in a group, byte
+  j < G / 2 holds element j (low nibble) and j + G / 2 (high nibble), q4_1's order, so a group's low and high
+  nibbles are two contiguous runs of G / 2 elements. Scale and min are float16 pairs, interleaved: "scale"
+  [B, KVH, T, 2 * D / G] float16 = (scale_0, min_0, scale_1, min_1, ...); codes are rounded against the float16
+  values, so the group's min and max come back to within float16 rounding.
 
-Either way ``x ~ scale * code`` (an all-zero group has scale 0 and codes 0), scale [B, KVH, T, D / G] fp32.
+An all-constant group has scale 0 (codes 0, the value back exactly up to the min's rounding).
 
 ``kv_attention(q, k_codes, k_scale, v_codes, v_scale, pos, valid)``: q [B, H, S, D] (float32 / bfloat16 /
 float16; H a multiple of KVH, query head h reads kv head h // (H / KVH)), ``pos`` int64 [S] the cache slot of each
@@ -25,11 +29,12 @@ import torch
 
 from . import is_available
 
-__all__ = ["KV_BITS", "quantize_kv", "dequantize_kv", "kv_attention", "kv_attention_reference"]
+__all__ = ["KV_BITS", "KV_DEFAULT_GROUP", "quantize_kv", "dequantize_kv", "kv_attention", "kv_attention_reference"]
 
 #: Storage kinds and their code bits.
 KV_BITS = {"int8": 8, "int4": 4}
-_QMAX = {"int8": 127, "int4": 7}
+#: Default group size of each kind (None: the whole head dimension).
+KV_DEFAULT_GROUP = {"int8": None, "int4": 32}
 
 
 def _check_kind(kind: str, d: int, group_size: int) -> None:
@@ -40,30 +45,35 @@ def _check_kind(kind: str, d: int, group_size: int) -> None:
 
 
 def quantize_kv(x: torch.Tensor, kind: str, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes and scales of x [..., D] (any float dtype): int8 [..., D] or uint8 nibbles [..., D / 2], and fp32
-    scales [..., D / group_size] (group_size default: D for int8, 32 for int4). Traceable (no data-dependent
-    Python), so it runs inside the compiled decode step."""
+    """Codes and scales of x [..., D] (any float dtype): int8 codes [..., D] with fp32 scales [..., D / G], or
+    uint8 int4 nibbles [..., D / 2] with float16 (scale, min) pairs [..., 2 * D / G] (G = group_size, default D for
+    int8, 32 for int4). Traceable (no data-dependent Python), so it runs inside the compiled decode step."""
     d = x.shape[-1]
-    g = group_size or (d if kind == "int8" else 32)
+    g = group_size or (d if kind == "int8" else KV_DEFAULT_GROUP[kind])
     _check_kind(kind, d, g)
     xg = x.float().unflatten(-1, (d // g, g))
-    scale = xg.abs().amax(-1, keepdim=True) / _QMAX[kind]
-    q = (xg / torch.where(scale > 0, scale, 1.0)).round().clamp(-_QMAX[kind], _QMAX[kind])
     if kind == "int8":
+        scale = xg.abs().amax(-1, keepdim=True) / 127
+        q = (xg / torch.where(scale > 0, scale, 1.0)).round().clamp(-127, 127)
         return q.to(torch.int8).flatten(-2), scale.squeeze(-1)
-    u = (q + 8).to(torch.uint8)
+    lo = xg.amin(-1, keepdim=True).half()  # stored in float16: codes are rounded against what is stored
+    scale = ((xg.amax(-1, keepdim=True) - lo.float()) / 15).half()
+    sf = scale.float()
+    u = ((xg - lo.float()) / torch.where(sf > 0, sf, 1.0)).round().clamp(0, 15).to(torch.uint8)
     packed = u[..., : g // 2] | (u[..., g // 2 :] << 4)
-    return packed.flatten(-2), scale.squeeze(-1)
+    return packed.flatten(-2), torch.cat([scale, lo], -1).flatten(-2)
 
 
 def dequantize_kv(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """fp32 [..., D] from ``quantize_kv``'s codes and scales (int8 codes or uint8 int4 nibbles)."""
-    ng = scale.shape[-1]
+    """fp32 [..., D] from ``quantize_kv``'s codes and scales (int8 codes, or uint8 int4 nibbles with their
+    float16 (scale, min) pairs)."""
     if codes.dtype == torch.int8:
+        ng = scale.shape[-1]
         return (codes.float().unflatten(-1, (ng, -1)) * scale[..., None]).flatten(-2)
-    c = codes.unflatten(-1, (ng, -1))
-    vals = torch.cat([(c & 15), (c >> 4)], -1).float() - 8  # low nibbles are the group's first half
-    return (vals * scale[..., None]).flatten(-2)
+    pairs = scale.float().unflatten(-1, (-1, 2))  # [..., ng, 2]
+    c = codes.unflatten(-1, (pairs.shape[-2], -1))
+    vals = torch.cat([(c & 15), (c >> 4)], -1).float()  # low nibbles are the group's first half
+    return (vals * pairs[..., :1] + pairs[..., 1:]).flatten(-2)
 
 
 def kv_attention_reference(q, k_codes, k_scale, v_codes, v_scale, pos, valid) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Perplexity through the static decoder's KV cache: the model's predictions at every position of fixed windows,
 teacher-forced through the same cache code that decoding uses, so that a quantized cache (int8 / int4) is measured
-as ``generate`` runs it."""
+as ``generate``'s decode steps run it: every position reads the quantized cache (``StaticDecoder.score``), not the
+float attention a prompt's prefill uses."""
 
 from __future__ import annotations
 

@@ -7,7 +7,8 @@ Qwen3-MoE / gpt-oss (and affineq's ``TinyLM``), so greedy tokens equal ``model.g
 logit scale) in ``attention_variants``, the feed-forward (gated MLP or the model's own router + experts) in
 ``moe_block``. Left-padded batches follow transformers' conventions: a row with ``p`` pad tokens has rotary
 positions ``slot - p`` (0 on the pads) and its pad slots are masked out of every query's keys. The KV cache is in
-the model dtype, or quantized (``affineq.models.kv_cache``).
+the model dtype, or quantized (``affineq.models.kv_cache``: the prompt attends over its own float keys / values
+and leaves their codes; decode steps and teacher-forced scoring read the codes).
 """
 
 from __future__ import annotations
@@ -377,7 +378,7 @@ class StaticDecoder:
         return self.forward(ids, pos)
 
     def _prefill(self, ids: torch.Tensor, pos: torch.Tensor, last: torch.Tensor | None = None) -> torch.Tensor:
-        return self.forward(ids, pos, last)
+        return self.forward(ids, pos, last, prompt=True)
 
     def run_prefill(self, ids: torch.Tensor) -> torch.Tensor:
         """Logits [B, V] after the prompt ids [B, S] (slots 0..S-1). Compiled prefill: the prompt is padded to a
@@ -406,16 +407,21 @@ class StaticDecoder:
             return self.forward(ids, torch.arange(s, device=ids.device), every_position=True).float()
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, last: torch.Tensor | None = None,
-                every_position: bool = False) -> torch.Tensor:
+                every_position: bool = False, prompt: bool = False) -> torch.Tensor:
         """Logits [B, V] of the last position (or of position ``last`` [1]), or [B, S, V] of every position with
         ``every_position=True`` (teacher forcing: each position attends through the cache, quantized or not, to
-        the slots <= its own, exactly as a decode step at that position would)."""
+        the slots <= its own, exactly as a decode step at that position would).
+
+        ``prompt=True`` (the prefill; ``pos`` must be 0..S-1): with a quantized cache, the prompt attends over its
+        own float keys and values with the float cache's attention (as transformers' ``QuantizedCache`` does)
+        and only their codes are kept for the decode steps; without one, nothing changes."""
         a = self.arch
         b, s = ids.shape
         x = a.embed(ids)
         rpos = (pos[None, :] - self.shift).clamp_min(0)  # [B, S] rotary positions (0 on left padding)
         tables = [(cos[rpos][:, None], sin[rpos][:, None]) for cos, sin in zip(self.cos, self.sin, strict=True)]
-        masks = self._masks(pos, s)
+        float_prompt = prompt and self.qcache is not None
+        masks = self._masks(pos, s, float_prompt)
         for i, (layer, kc, vc) in enumerate(zip(a.layers, self.k, self.v, strict=True)):
             q, k, v = layer.qkv(layer.norm1(x))
             q, k = q.view(b, s, a.heads, a.head_dim), k.view(b, s, a.kv_heads, a.head_dim)
@@ -424,7 +430,10 @@ class StaticDecoder:
             cos, sin = tables[layer.rope]
             q, k = _rotate(q.transpose(1, 2), cos, sin), _rotate(k.transpose(1, 2), cos, sin)
             v = v.view(b, s, a.kv_heads, a.head_dim).transpose(1, 2)
-            if self.qcache is not None:
+            if float_prompt:  # the prompt's own keys / values are slots 0..S-1: the float path over them
+                self.qcache.write(i, pos, k, v)
+                o = self._attend(q, k, v, pos, masks.get(layer.attn.window), layer.attn)
+            elif self.qcache is not None:
                 self.qcache.write(i, pos, k, v)
                 o = self.qcache.attend(i, q * self.q_rescale[i], pos, self.valid, layer.attn.window)
             else:
@@ -442,11 +451,12 @@ class StaticDecoder:
             logits = torch.tanh(logits / a.final_softcap) * a.final_softcap
         return logits
 
-    def _masks(self, pos: torch.Tensor, s: int) -> dict[int | None, torch.Tensor]:
+    def _masks(self, pos: torch.Tensor, s: int, float_prompt: bool = False) -> dict[int | None, torch.Tensor]:
         """Attention masks [B, S, T] per sliding window (None: full causal): slots <= the query's that hold a
         token, and within the window. Eager sdpa, unpadded: a layer whose keys need no cut beyond causality gets
-        none (plain causal sdpa, as transformers skips its mask there)."""
-        if self.qcache is not None:
+        none (plain causal sdpa, as transformers skips its mask there). A quantized cache's prompt
+        (``float_prompt``) attends over its S float keys only: masks [B, S, S]."""
+        if self.qcache is not None and not float_prompt:
             return {}
         compiling = torch.compiler.is_compiling()
         end = int(pos[-1]) + 1 if not compiling else self.max_len
@@ -458,6 +468,8 @@ class StaticDecoder:
         for w in self.windows:
             if full or (s > 1 and end > w):
                 out[w] = base & (self.slots[None, None, :] > pos[None, :, None] - w)
+        if float_prompt and compiling:  # eager `_attend` cuts masks to the slots it reads; compiled reads all
+            out = {w: m[..., :s] for w, m in out.items()}
         return out
 
     def _attend(self, q, kc, vc, pos, mask, spec: AttentionSpec):
