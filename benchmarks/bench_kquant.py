@@ -81,8 +81,8 @@ def main() -> None:
             cands = {"fp32": partial(F.linear, x, w),
                      "int4-g32": partial(torch.ops.affineq.lowbit_linear, x, *i4, 4, 32, n, k)}
             for kind, t in stored.items():
-                cands[kind] = partial(torch.ops.affineq.kquant_linear, x, t["qdata"], t["scales"], t.get("mins"), t["d"],
-                                      int(kind[1]), n, k)
+                cands[kind] = partial(torch.ops.affineq.kquant_linear, x, t["qdata"], t["scales"], t.get("mins"),
+                                      t["d"], int(kind[1]), n, k)
             t = round_robin_ms(cands, budget_s=args.budget)
             for name, ms in t.items():
                 bpw = 32 if name == "fp32" else 6 if name == "int4-g32" else KQUANT_TYPES[name].type_size * 8 / 256

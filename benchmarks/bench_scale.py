@@ -7,7 +7,9 @@
 Checkpoints (``--prepare``, under ``--data``, default /work/data): make_synthetic.py's Llama-3.2-1B and
 Llama-3.1-8B bodies (bf16 safetensors, SmolLM2's 49152-id vocabulary, an F16 GGUF of the same tensors); each
 quantized by ``affineq.quantize_checkpoint`` (with the meta-device model, so a tied head is quantized as
-``quantize_`` does) to ``<body>-int4-g32`` (``Int4WeightOnlyConfig(group_size=32)``) and ``<body>-int8``
+``quantize_`` does) to ``<body>-int4-g32`` (``Int4WeightOnlyConfig(group_size=32)``: uint4 with a bf16 scale and
+zero per 32, 5 bits per weight), ``<body>-int4-g32-sym`` (symmetric int4 with a bf16 scale per 32: 4.5 bits per
+weight, Q4_0's layout) and ``<body>-int8``
 (``Int8WeightOnlyConfig()``, per-channel), and by llama.cpp's own quantizer (benchmarks/_llama_cpp_quantize.py)
 to ``model-q4_0.gguf`` / ``model-q8_0.gguf``, every tensor in that type (token_embd and output included, as
 affineq quantizes every Linear including the head). The 8B F16 GGUF (16 GB) may be deleted afterwards.
@@ -19,7 +21,8 @@ Rows (``--rows``; every measurement runs in a fresh subprocess, one after anothe
   give the same logits. transformers quantize-on-load (``AffineqConfig``) of the 1B against
   ``quantize_checkpoint`` of the 1B (times; target within 2x).
 - ``decode``: batch 1, 64 new tokens after a 128-token prompt (random ids, seed 0, the same ids for llama.cpp),
-  at 1B and 8B: affineq int4 g32 / int8 (``StaticDecoder``, compiled step) against llama.cpp Q4_0 / Q8_0.
+  at 1B and 8B: affineq int4 g32 symmetric (4.5 bits per weight, as Q4_0) / int8 (``StaticDecoder``, compiled
+  step) against llama.cpp Q4_0 / Q8_0, and the asymmetric int4 g32 (5 bits per weight) alone.
   Decode s/token = median over repeats of the n - 1 single-token steps (argmax included), as
   benchmarks/_llama_cpp_row.py times llama.cpp. MB read per token = stored bytes of every Linear weight
   (the head included; GGUF: every tensor but an untied token_embd); GB/s against the read bandwidth measured at
@@ -77,6 +80,11 @@ def _config(name: str):
 
     if name == "int4-g32":
         return affineq.Int4WeightOnlyConfig(group_size=32)
+    if name == "int4-g32-sym":  # Q4_0's twin: symmetric int4 codes, a bf16 scale per 32 (4.5 bits per weight)
+        from affineq.primitives import MappingType, ZeroPointDomain
+
+        return affineq.Int4WeightOnlyConfig(group_size=32, mapping_type=MappingType.SYMMETRIC,
+                                            zero_point_domain=ZeroPointDomain.NONE)
     if name == "int8":
         return affineq.Int8WeightOnlyConfig()
     raise ValueError(f"unknown config {name!r}")
@@ -309,7 +317,7 @@ def prepare(data: Path, bodies: list[str], llama_py: Path | None, threads: int) 
             from make_synthetic import _write_tokenizer
 
             print(_write_tokenizer(src))
-        for cfg in ("int4-g32", "int8"):
+        for cfg in ("int4-g32", "int4-g32-sym", "int8"):
             dst = data / f"{body}-{cfg}"
             if not (dst / "config.json").exists():
                 print(json.dumps(run_child(__file__, json.dumps({"kind": "quantize", "src": str(src),
@@ -379,9 +387,14 @@ def rows_decode(a, data: Path, py: Path | None) -> list[dict]:
     n, prompt = (4, 16) if a.quick else (64, 128)
     out = []
     for body in reversed(bodies(a)):
-        for cfg, gguf in (("int4-g32", "q4_0"), ("int8", "q8_0")):
+        for cfg, gguf in (("int4-g32-sym", "q4_0"), ("int4-g32", None), ("int8", "q8_0")):
+            if not (data / f"{body}-{cfg}" / "config.json").exists():
+                print(f"skipped {body} {cfg}: no {data / f'{body}-{cfg}'} (run --prepare)")
+                continue
             r = _decode(data, body, cfg, prompt=prompt, n=n, a=a)
             out.append({"row": f"{body} affineq {cfg}", **r})
+            if gguf is None:
+                continue
             lr = _llama_row(py, data / body / f"model-{gguf}.gguf", prompt, n, a.threads, a.repeats)
             if lr:
                 out.append({"row": f"{body} llama.cpp {gguf.upper()}", **lr,

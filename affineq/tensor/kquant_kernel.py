@@ -7,9 +7,10 @@
 `qdata`, `scales`, `mins` (q4_k / q5_k only) and `d` are the stored tensors of `format_kquant` (codes packed as
 `dense` packs them, the sub-block scale bytes, the min bytes, the super-blocks' d and dmin), `kind` the digit of
 the format name (4 for q4_k). The C++ op runs the dense kernels (`affineq.lowbit_linear`'s GEMV, tile GEMMs and
-dequantize + GEMM driver) with the per-sub-block scale d * sc_j and offset decoded from them, exactly; so the result is F.linear(x.float(), w.dequantize()) up to
-the order and rounding of the fp32 sums, as for the dense formats (tests/test_kquant.py asserts a bound), then the
-cast to x's dtype.
+dequantize + GEMM driver) with the per-sub-block scale d * sc_j and offset decoded from them, exactly; so the
+result is F.linear(x.float(), w.dequantize()) up to the order and rounding of the fp32 sums, as for the dense
+formats (tests/test_kquant.py asserts a bound), then the cast to x's dtype; a bf16 x may take the dense formats'
+bf16 dot-product path on the weight rounded to bf16.
 
 Without the C++ library the op runs the same math in PyTorch (`kquant_linear_reference`), so a graph compiled
 while it was available still runs; the fake impl gives torch.compile the output shape.
