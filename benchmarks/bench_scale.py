@@ -343,8 +343,10 @@ def _decode(data: Path, body: str, cfg: str, *, prompt: int, n: int, batch: int 
             dtype: str = "bfloat16", a: argparse.Namespace) -> dict:
     d = data / (body if cfg == "bf16" else f"{body}-{cfg}")
     job = {"kind": "decode", "dir": str(d), "prompt": prompt, "new_tokens": n, "batch": batch, "kv": kv,
-           "dtype": dtype, "threads": a.threads, "repeats": a.repeats, "compile": not a.quick}
-    return run_child(__file__, json.dumps(job))
+           "dtype": dtype, "threads": a.threads, "repeats": a.repeats,
+           "compile": not a.quick and not (a.eager_big and body == a.big)}
+    r = run_child(__file__, json.dumps(job))
+    return {**r, "compiled": job["compile"]}
 
 
 def bodies(a: argparse.Namespace) -> list[str]:
@@ -500,6 +502,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-big", action="store_true", help="quantize / decode / memory rows: the 1B body only")
     p.add_argument("--big-only", action="store_true",
                    help="quantize / decode / memory rows: the 8B body only (with --quick: a smoke run of the 8B rows)")
+    p.add_argument("--eager-big", action="store_true",
+                   help="8B decode rows with the eager decoder (no minutes-long compile of the 8B step; at 8B a token "
+                        "takes ~100x the step's Python overhead)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--llama-python", default=None, help="python of the llama-cpp-python venv")
