@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from affineq.algorithms import AlgorithmConfig, ImportanceMatrix, ImportanceWeightedConfig
+from affineq.algorithms import AlgorithmConfig, GPTQConfig, ImportanceMatrix, ImportanceWeightedConfig
 from affineq.configs import Int4WeightOnlyConfig, Int8WeightOnlyConfig, IntxWeightOnlyConfig, QuantConfig
 from affineq.granularity import PerGroup
 from affineq.primitives import MappingType, ZeroPointDomain
@@ -192,12 +192,12 @@ def _check_args(budget_bits, candidates, resolution) -> None:
         raise ValueError("autoquant: candidates is empty; pass weight configs, or None for DEFAULT_CANDIDATES")
     for c in candidates:
         if not isinstance(c, QuantConfig) or isinstance(c, FqnToConfig) or (
-                getattr(c, "needs_data", False) and not _wants_importance(c)):
+                getattr(c, "needs_data", False) and not (_wants_importance(c) or isinstance(c, GPTQConfig))):
             raise ValueError(f"autoquant: candidate {c!r} must be a weight config such as "
                              "Int4WeightOnlyConfig(group_size=64), or a calibration-free algorithm around one "
                              "(HQQConfig, ImportanceWeightedConfig: its importance given, or the calibration "
-                             "data's when not); not an algorithm "
-                             "needing calibration data, nor FqnToConfig")
+                             "data's when not), or GPTQConfig; not another algorithm needing calibration data, nor "
+                             "FqnToConfig")
     if len(set(candidates)) != len(candidates):
         raise ValueError("autoquant: candidates holds the same config twice; give each once")
     if isinstance(resolution, bool) or not isinstance(resolution, int) or resolution < 16:
@@ -341,7 +341,9 @@ def _measure(model: nn.Module, fqn: str, layer: nn.Linear, h: torch.Tensor, cand
             bits.append(None)
             loss.append(None)
             continue
-        if isinstance(c, AlgorithmConfig):  # calibration-free (HQQ, importance given): its run on this layer alone
+        if isinstance(c, GPTQConfig):  # GPTQ on this layer alone with the float model's H (2 X^T X / T, its scale)
+            qw = c.quantize_layer(layer, 2.0 * h)
+        elif isinstance(c, AlgorithmConfig):  # calibration-free (HQQ, importance given): its run on this layer alone
             qw = c.run(model, {fqn: layer}, None)[fqn].quantize_weight(w, layer)
         else:
             qw = c.quantize_weight(w, layer)
@@ -432,7 +434,13 @@ def _in_model_units(model, layers, choices, candidates, items: list, sensitivity
     scaled = []
     for c in _bar(choices, progress, "autoquant: sensitivity"):
         layer = layers[c.fqn]
-        i = min(c.options(), key=lambda j, c=c: (c.bits[j], -c.loss[j]))
+        # the smallest candidate that needs no H (GPTQ's is gone by now; the ratio div / e is what is used)
+        usable = [j for j in c.options() if not isinstance(candidates[j], GPTQConfig)]
+        if not usable:
+            raise ValueError(f"autoquant: sensitivity={sensitivity!r} applies a layer's smallest candidate without "
+                             f"calibration data, and only GPTQConfig candidates can quantize {c.fqn}; add a plain "
+                             "candidate for it, or pass sensitivity='fisher'")
+        i = min(usable, key=lambda j, c=c: (c.bits[j], -c.loss[j]))
         w = layer.weight.data
         cand = candidates[i]
         if isinstance(cand, AlgorithmConfig):

@@ -35,7 +35,7 @@ from common import RESULTS, machine_line, save_json  # noqa: E402
 import affineq  # noqa: E402
 from affineq import eval as aeval  # noqa: E402
 from affineq import models as M  # noqa: E402
-from affineq.algorithms import ImportanceWeightedConfig, collect_importance  # noqa: E402
+from affineq.algorithms import GPTQConfig, ImportanceWeightedConfig, collect_importance  # noqa: E402
 from affineq.autoquant import DEFAULT_CANDIDATES, FAST_RATIOS, autoquant  # noqa: E402
 from affineq.configs import Int4WeightOnlyConfig, Int8WeightOnlyConfig, IntxWeightOnlyConfig, QuantConfig  # noqa: E402
 from affineq.granularity import PerGroup  # noqa: E402
@@ -98,7 +98,8 @@ def bits_per_weight(model: nn.Module) -> tuple[float, int]:
 
 def run(config_names: list[str], budgets: list[float], imatrix: bool, quick: bool,
         sensitivity_items: int = 2, llama_ftypes: tuple[str, ...] = (), llama_python: str | None = None,
-        hqq: bool = False, aq_candidates: list[str] | None = None, aq_calib: int | None = None) -> list[dict]:
+        hqq: bool = False, aq_candidates: list[str] | None = None, aq_calib: int | None = None,
+        gptq: bool = False) -> list[dict]:
     sizes = QUICK if quick else FULL
     selected = decoder_linears(sizes["blocks"])
     model, tok = M.load_smollm2()
@@ -119,14 +120,15 @@ def run(config_names: list[str], budgets: list[float], imatrix: bool, quick: boo
         base = CONFIGS[name]()
         variants = [(False, base)] + ([(True, ImportanceWeightedConfig(base, importance=importance, progress=False))]
                                       if imatrix else [])
+        variants += [("gptq", GPTQConfig(base, progress=False))] if gptq else []
         for with_imatrix, config in variants:
             q = copy.deepcopy(model)
             start = time.perf_counter()
-            affineq.quantize_(q, config, filter_fn=selected)
+            affineq.quantize_(q, config, filter_fn=selected, calibration_data=data if with_imatrix == "gptq" else None)
             seconds = time.perf_counter() - start
             bpw, n = bits_per_weight(q)
-            row = {"config": name, "imatrix": with_imatrix, "bpw": bpw, "weights": n, "quantize_s": seconds,
-                   **compare(q)}
+            row = {"config": name, "imatrix": with_imatrix is True, "gptq": with_imatrix == "gptq", "bpw": bpw,
+                   "weights": n, "quantize_s": seconds, **compare(q)}
             rows.append(row)
             print(_line(row), flush=True)
             del q
@@ -283,7 +285,8 @@ def _short(cfg: QuantConfig) -> str:
 
 
 def _line(r: dict) -> str:
-    return (f"{r['config']:>14} {'imatrix' if r['imatrix'] else 'rtn':>7}  bpw {r['bpw']:6.3f}  ppl {r['ppl']:8.3f}  "
+    kind = "gptq" if r.get("gptq") else "imatrix" if r["imatrix"] else "rtn"
+    return (f"{r['config']:>14} {kind:>7}  bpw {r['bpw']:6.3f}  ppl {r['ppl']:8.3f}  "
             f"KLD {r['mean_kld']:.4f} (p99 {r['kld_p99']:.3f})  top1 {r['top1_agreement']:.3f}"
             + (f"  mix {r['mix']}" if "mix" in r else ""))
 
@@ -301,13 +304,14 @@ def rows_from_log(path) -> list[dict]:
     """The rows of a run's printed lines (`_line`), for runs saved as logs."""
     import re
 
-    pat = re.compile(r"^\s*(?P<config>.+?)\s+(?P<kind>rtn|imatrix)\s+bpw\s+(?P<bpw>[\d.]+)\s+ppl\s+(?P<ppl>[\d.]+)"
+    pat = re.compile(r"^\s*(?P<config>.+?)\s+(?P<kind>rtn|imatrix|gptq)\s+bpw\s+(?P<bpw>[\d.]+)\s+ppl\s+(?P<ppl>[\d.]+)"
                      r"\s+KLD\s+(?P<kld>[\d.]+)\s+\(p99\s+(?P<p99>[\d.]+)\)\s+top1\s+(?P<top1>[\d.]+)(?:\s+mix\s+(?P<mix>.*))?")
     rows = []
     for line in Path(path).read_text().splitlines():
         m = pat.match(line.split("\r")[-1])
         if m:
-            row = {"config": m["config"], "imatrix": m["kind"] == "imatrix", "bpw": float(m["bpw"]),
+            row = {"config": m["config"], "imatrix": m["kind"] == "imatrix", "gptq": m["kind"] == "gptq",
+                   "bpw": float(m["bpw"]),
                    "ppl": float(m["ppl"]), "mean_kld": float(m["kld"]), "kld_p99": float(m["p99"]),
                    "top1_agreement": float(m["top1"])}
             if m["mix"]:
@@ -379,6 +383,7 @@ def main(argv=None) -> None:
     p.add_argument("--aq-candidates", nargs="*", default=None, choices=list(CONFIGS),
                    help="autoquant's candidates (and their importance-weighted versions below 5 bpw) instead of "
                         "DEFAULT_CANDIDATES")
+    p.add_argument("--gptq", action="store_true", help="also a GPTQ row (GPTQConfig's defaults) per uniform config")
     p.add_argument("--aq-calib", type=int, default=None, help="autoquant uses the first N calibration items")
     args = p.parse_args(argv)
     if args.plot_from is not None:
@@ -396,7 +401,7 @@ def main(argv=None) -> None:
     print(machine_line())
     llama = [] if args.quick and args.llama == list(LLAMA_FTYPES) else args.llama
     rows = run(configs, budgets, not args.no_imatrix, args.quick, args.sensitivity_items, tuple(llama),
-               args.llama_python, args.hqq, args.aq_candidates, args.aq_calib)
+               args.llama_python, args.hqq, args.aq_candidates, args.aq_calib, args.gptq)
     table = markdown(rows)
     print()
     print(table)
