@@ -38,6 +38,12 @@ calibration data, the diagonal of each layer's H (the mean of x_k^2 per input co
 one pass over the data serves both. DEFAULT_CANDIDATES holds such importance-weighted versions of its
 sub-8-bit configs: autoquant picks plain or weighted rounding per layer, whichever has the lower loss.
 
+GPTQ: a candidate `GPTQConfig(base)` is measured by GPTQ on the layer alone with the same H (2 H, GPTQ's scale),
+so its loss is that of the error GPTQ leaves, not round-to-nearest's. A plan holding GPTQ configs applies with
+calibration data, `quantize_(model, plan, calibration_data=batches)`: GPTQ then runs block by block on the
+layers given to it, each with the H of the partly quantized model (so its error differs a little from the
+measured one).
+
 3. Choice: one candidate per layer minimising sum loss subject to sum bits <= budget_bits * sum weights
    (a multiple-choice knapsack), by dynamic programming over the bit budget in `resolution` steps, each
    choice's bits rounded up to a whole step (so the plan never exceeds the budget; it may leave less than a step
@@ -68,20 +74,26 @@ def _default_candidates() -> tuple[QuantConfig, ...]:
     def intx(dtype: torch.dtype, group: int) -> QuantConfig:  # bf16 scale and float zero point: 32 bits a group
         return IntxWeightOnlyConfig(dtype, PerGroup(group), MappingType.ASYMMETRIC, ZeroPointDomain.FLOAT)
 
-    plain = (intx(torch.int2, 32), intx(torch.int3, 64), intx(torch.int3, 32), Int4WeightOnlyConfig(group_size=128),
-             Int4WeightOnlyConfig(group_size=64), Int4WeightOnlyConfig(group_size=32), intx(torch.int5, 32),
-             intx(torch.int6, 32))
+    # int3 at five group sizes (3.17 .. 4 bpw): the steps between 3 and 4 bits that let a tight budget buy 5-bit
+    # layers with slightly coarser groups elsewhere instead of with int2 (on SmolLM2-135M at 3.5 bpw: mean KLD
+    # 0.329 -> 0.269, the uniform int3 g64 + imatrix 0.366). Groups that do not divide a layer's width are no
+    # choice there (128 / 256-wide models take g128, 576-wide g96 / g192).
+    weighted_bases = (intx(torch.int2, 32), intx(torch.int3, 192), intx(torch.int3, 128), intx(torch.int3, 96),
+                      intx(torch.int3, 64), intx(torch.int3, 32), Int4WeightOnlyConfig(group_size=128),
+                      Int4WeightOnlyConfig(group_size=64))
+    plain = (*weighted_bases, Int4WeightOnlyConfig(group_size=32), intx(torch.int5, 32), intx(torch.int6, 32))
     # importance from the calibration data (module docstring); a 6-ratio clipping grid: the 16 of the uniform
     # config's default cost 2.7x the time for a few % of its gain
-    weighted = tuple(ImportanceWeightedConfig(c, ratios=FAST_RATIOS, progress=False) for c in plain[:6])
+    weighted = tuple(ImportanceWeightedConfig(c, ratios=FAST_RATIOS, progress=False) for c in weighted_bases)
     return (*plain, Int8WeightOnlyConfig(), *weighted)
 
 
 #: Clipping ratios of DEFAULT_CANDIDATES' importance-weighted configs.
 FAST_RATIOS: tuple[float, ...] = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
 
-#: The candidates tried when none are given: 3 to 8 bits per weight (+ qparams) at SmolLM2's shapes, the sub-8-bit
-#: ones up to 5 bits also importance-weighted (importance from the calibration data).
+#: The candidates tried when none are given: int2 g32, int3 g192 / g128 / g96 / g64 / g32, int4 g128 / g64 / g32,
+#: int5 g32, int6 g32, int8 (3 to 8.5 bits per weight with qparams), those below 5 bits also importance-weighted
+#: (importance from the calibration data).
 DEFAULT_CANDIDATES: tuple[QuantConfig, ...] = _default_candidates()
 
 
@@ -114,8 +126,10 @@ def autoquant(model: nn.Module, budget_bits: float | Sequence[float], calibratio
     one measurement (the cost is in the measurement; the knapsack takes milliseconds).
 
     calibration_data: model inputs (a tensor: model(x), tuple: model(*x), dict: model(**x)), as for quantize_.
-    candidates: weight configs (default DEFAULT_CANDIDATES), or calibration-free algorithm configs around one
-        (HQQConfig, ImportanceWeightedConfig(importance=...)). A candidate that cannot quantize a layer (its
+    candidates: weight configs (default DEFAULT_CANDIDATES), calibration-free algorithm configs around one
+        (HQQConfig, ImportanceWeightedConfig(importance=...)), ImportanceWeightedConfig without importance (the
+        calibration data's), or GPTQConfig (then apply the plan with calibration_data). A candidate that cannot
+        quantize a layer (its
         `check` says why, e.g. a group size not dividing the width) is no choice there; every layer needs one.
     filter_fn(module, fqn): the layers to plan (default: every nn.Linear except one named lm_head).
     resolution: steps of the knapsack's bit budget (more: closer to the budget, slower).

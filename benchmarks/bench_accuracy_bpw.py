@@ -8,6 +8,7 @@ each config plain round-to-nearest and with an importance matrix (`ImportanceWei
     python benchmarks/bench_accuracy_bpw.py --quick     # smoke run: a tiny slice, seconds after the model loads
     python benchmarks/bench_accuracy_bpw.py --configs int4-g64 int3-g64 --no-imatrix
     python benchmarks/bench_accuracy_bpw.py --configs --budgets 3.5 4.5   # autoquant rows only
+    python benchmarks/bench_accuracy_bpw.py --configs int3-g64 --gptq --budgets --llama   # + a GPTQ row
 
 Eval: the first 4 x 512 tokens of `eval_text()` (the pydoc topics the package pins by hash), windows of 512, the
 second half of each scored (255 predictions per window, as llama.cpp). The importance matrix comes from
@@ -292,10 +293,11 @@ def _line(r: dict) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| config | imatrix | bits / weight | ppl | mean KLD | KLD p99 | same top-1 |",
+    lines = ["| config | rounding | bits / weight | ppl | mean KLD | KLD p99 | same top-1 |",
              "|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['config']} | {'yes' if r['imatrix'] else 'no'} | {r['bpw']:.3f} | {r['ppl']:.3f} | "
+        kind = "GPTQ" if r.get("gptq") else "imatrix" if r["imatrix"] else "RTN"
+        lines.append(f"| {r['config']} | {kind} | {r['bpw']:.3f} | {r['ppl']:.3f} | "
                      f"{r['mean_kld']:.4f} | {r['kld_p99']:.3f} | {r['top1_agreement']:.3f} |")
     return "\n".join(lines)
 
@@ -333,8 +335,9 @@ def plot(rows: list[dict], name: str) -> None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     uniform = [r for r in rows if r["config"] in CONFIGS]
-    groups = (("round-to-nearest", "o-", "C0", [r for r in uniform if not r["imatrix"]]),
+    groups = (("round-to-nearest", "o-", "C0", [r for r in uniform if not r["imatrix"] and not r.get("gptq")]),
               ("importance-weighted", "s--", "C1", [r for r in uniform if r["imatrix"]]),
+              ("GPTQ", "^:", "C4", [r for r in uniform if r.get("gptq")]),
               ("autoquant", "*", "k", [r for r in rows if r["config"].startswith("autoquant")]),
               ("llama.cpp files", "v", "C3", [r for r in rows if r["config"].startswith("llama.cpp")]),
               ("HQQ int4 g64", "D", "C2", [r for r in rows if "HQQ" in r["config"] or "hqq" in r["config"]]))

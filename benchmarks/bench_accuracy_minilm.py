@@ -8,7 +8,8 @@ model's (mean-pooled, L2-normalised: the sentence-transformers recipe, `affineq.
 
 Eval sentences: `M.SENTENCES` plus the first 240 sentences of `eval_text()`; calibration: 16 x 128 tokens of
 `calibration_text()` (disjoint), as {"input_ids", "attention_mask"} items. bpw counted from the stored tensors
-of the quantized linears (the pooler's dense included; embeddings stay float). Writes
+of the quantized linears (the encoder's 36; the pooler, unused by the embedding, and the embeddings stay
+float). Writes
 results/bench_accuracy_minilm.json.
 """
 
@@ -39,7 +40,9 @@ QUICK = {"calib_n": 2, "calib_len": 64, "eval_sentences": 16}
 
 
 def linears(m: nn.Module, fqn: str) -> bool:
-    return isinstance(m, nn.Linear)
+    """The encoder's linears; the pooler's dense is left out: the sentence embedding (mean pooling of the last
+    hidden state) never uses its output."""
+    return isinstance(m, nn.Linear) and not fqn.startswith("pooler")
 
 
 def eval_sentences(n: int) -> list[str]:

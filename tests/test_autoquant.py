@@ -325,3 +325,30 @@ def test_gptq_candidates_are_measured_on_the_float_inputs_and_apply_with_calibra
     scaled = []
     autoquant(model, 4.0, DATA, candidates=cands, progress=False, report=scaled, sensitivity="kld")
     assert all(s.loss[1] < s.loss[0] for s in scaled)
+
+
+def test_default_candidates_step_int3_between_3_and_4_bits():
+    from affineq.algorithms import ImportanceWeightedConfig
+    from affineq.autoquant import DEFAULT_CANDIDATES, FAST_RATIOS
+
+    int3 = [c for c in DEFAULT_CANDIDATES if isinstance(c, IntxWeightOnlyConfig) and c.weight_dtype == torch.int3]
+    assert sorted(c.granularity.group_size for c in int3) == [32, 64, 96, 128, 192]
+    weighted = [c for c in DEFAULT_CANDIDATES if isinstance(c, ImportanceWeightedConfig)]
+    assert all(c.importance is None and c.ratios == FAST_RATIOS for c in weighted)
+    # every plain candidate below 5 bits has an importance-weighted twin (int4 g32 and up: plain only)
+    assert {c.base_config for c in weighted} == {c for c in DEFAULT_CANDIDATES if not isinstance(
+        c, ImportanceWeightedConfig) and (c in int3 or getattr(c, "weight_dtype", None) == torch.int2 or (
+            isinstance(c, Int4WeightOnlyConfig) and c.group_size > 32))}
+    assert len(set(DEFAULT_CANDIDATES)) == len(DEFAULT_CANDIDATES)
+    # on the tiny model (widths 64 and 128) a group that does not divide the width is no choice; the others store
+    # 3 bits a weight plus 32 bits (bf16 scale and zero point) a group
+    report = []
+    plan = autoquant(tiny(), 3.5, DATA, progress=False, report=report)
+    for c in report:
+        k = tiny().get_submodule(c.fqn).in_features
+        for cand, bits in zip(DEFAULT_CANDIDATES, c.bits, strict=True):
+            if cand in int3:
+                g = cand.granularity.group_size
+                assert bits == (None if k % g else c.numel * 3 + c.numel // g * 32), (c.fqn, g)
+    bits, n = plan_bits(plan)
+    assert 3.3 * n < bits <= 3.5 * n
