@@ -119,7 +119,8 @@ def autoquant(model: nn.Module, budget_bits: float | Sequence[float], calibratio
               candidates: Sequence[QuantConfig] | None = None,
               filter_fn: Callable[[nn.Module, str], bool] | None = None,
               resolution: int = 4096, progress: bool = True, report: list | None = None,
-              sensitivity: str = "fisher", sensitivity_items: int = 2) -> FqnToConfig | list[FqnToConfig]:
+              sensitivity: str = "fisher", sensitivity_items: int = 2,
+              gptq: bool = False) -> FqnToConfig | list[FqnToConfig]:
     """A config per selected linear of `model` minimising the summed output error (module docstring) with at
     most `budget_bits` bits per weight on average over those layers' weights, bits counted from each candidate's
     stored tensors. The model is not changed. A sequence of budgets gives a list of plans, one per budget, from
@@ -138,7 +139,11 @@ def autoquant(model: nn.Module, budget_bits: float | Sequence[float], calibratio
         forward and backward), "auto", "kld" or "mse" (each layer's error scaled by its measured effect on the
         model's output, module docstring: one extra pass per layer), or "layer" (its own error only).
     sensitivity_items: how many calibration items (the first ones) those passes use.
-    Returns FqnToConfig({fqn: chosen candidate}); apply it with quantize_(model, plan).
+    gptq: the plan holds GPTQConfig(base) in place of each chosen candidate GPTQ can wrap (an importance-weighted
+        one: its base config; same format and bits): the choice is made on the measured losses, then GPTQ's
+        error feedback lowers each layer's error further. Apply it with calibration_data.
+    Returns FqnToConfig({fqn: chosen candidate}); apply it with quantize_(model, plan) (with calibration_data
+    when it holds GPTQ configs).
     """
     candidates = tuple(DEFAULT_CANDIDATES if candidates is None else candidates)
     budgets = list(budget_bits) if isinstance(budget_bits, (list, tuple)) else [budget_bits]
@@ -150,6 +155,8 @@ def autoquant(model: nn.Module, budget_bits: float | Sequence[float], calibratio
                          "the model's output) or 'layer' (the layer's own output error)")
     if isinstance(sensitivity_items, bool) or not isinstance(sensitivity_items, int) or sensitivity_items < 1:
         raise ValueError(f"autoquant: sensitivity_items={sensitivity_items!r} must be an int >= 1")
+    if not isinstance(gptq, bool):
+        raise ValueError(f"autoquant: gptq={gptq!r} must be True or False")
     layers = _select(model, filter_fn, candidates)
     hessians, tokens = _input_covariances(model, layers, calibration_data, progress)
     if any(_wants_importance(c) for c in candidates):  # the calibration data's importance matrix: diag(H)
@@ -167,7 +174,8 @@ def autoquant(model: nn.Module, budget_bits: float | Sequence[float], calibratio
     plans = []
     for b in budgets:
         picks = _knapsack(choices, b, resolution)
-        plans.append(FqnToConfig({c.fqn: candidates[i] for c, i in zip(choices, picks, strict=True)}))
+        plans.append(FqnToConfig({c.fqn: _with_gptq(candidates[i]) if gptq else candidates[i]
+                                  for c, i in zip(choices, picks, strict=True)}))
     return plans if isinstance(budget_bits, (list, tuple)) else plans[0]
 
 
@@ -190,6 +198,20 @@ def autoquant_report(plan: FqnToConfig, choices: Sequence[LayerChoice], candidat
 def _wants_importance(c: QuantConfig) -> bool:
     """An importance-weighted candidate given without its matrix: autoquant supplies the calibration data's."""
     return isinstance(c, ImportanceWeightedConfig) and c.importance is None
+
+
+def _with_gptq(c: QuantConfig) -> QuantConfig:
+    """GPTQConfig around the weight config `c` stores (an importance-weighted candidate's base), or `c` itself
+    when it already is GPTQ or GPTQ cannot wrap it (e.g. HQQ, k-quants: their own searches)."""
+    if isinstance(c, GPTQConfig):
+        return c
+    base = c.base_config if isinstance(c, ImportanceWeightedConfig) else c
+    if isinstance(base, AlgorithmConfig):
+        return c
+    try:
+        return GPTQConfig(base, progress=False)
+    except ValueError:  # a format GPTQ cannot write (its cannot_wrap says why)
+        return c
 
 
 def _unfilled(c: QuantConfig) -> QuantConfig:
