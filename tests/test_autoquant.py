@@ -352,3 +352,19 @@ def test_default_candidates_step_int3_between_3_and_4_bits():
                 assert bits == (None if k % g else c.numel * 3 + c.numel // g * 32), (c.fqn, g)
     bits, n = plan_bits(plan)
     assert 3.3 * n < bits <= 3.5 * n
+
+
+def test_gptq_true_wraps_the_chosen_configs_in_gptq():
+    from affineq.algorithms import ImportanceWeightedConfig
+
+    cands = (CANDIDATES[0], ImportanceWeightedConfig(CANDIDATES[1], progress=False), CANDIDATES[2])
+    plain = autoquant(tiny(), 4.0, DATA, candidates=cands, progress=False, sensitivity="layer")
+    wrapped = autoquant(tiny(), 4.0, DATA, candidates=cands, progress=False, sensitivity="layer", gptq=True)
+    assert plain.fqn_to_config.keys() == wrapped.fqn_to_config.keys()
+    for fqn, c in plain.fqn_to_config.items():  # the same choice, GPTQ around the format it stores
+        assert wrapped.fqn_to_config[fqn] == GPTQConfig(getattr(c, "base_config", c), progress=False)
+    a = quantized_weights(quantize_(copy.deepcopy(tiny()), plain))
+    b = quantized_weights(quantize_(copy.deepcopy(tiny()), wrapped, calibration_data=DATA))
+    assert {k: v.storage_bytes() for k, v in a.items()} == {k: v.storage_bytes() for k, v in b.items()}
+    with pytest.raises(ValueError, match="gptq=1 must be True or False"):
+        autoquant(tiny(), 4.0, DATA, candidates=cands, progress=False, gptq=1)
