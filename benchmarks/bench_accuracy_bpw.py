@@ -41,7 +41,7 @@ from affineq.autoquant import DEFAULT_CANDIDATES, FAST_RATIOS, autoquant  # noqa
 from affineq.configs import Int4WeightOnlyConfig, Int8WeightOnlyConfig, IntxWeightOnlyConfig, QuantConfig  # noqa: E402
 from affineq.granularity import PerGroup  # noqa: E402
 from affineq.primitives import MappingType, ZeroPointDomain  # noqa: E402
-from affineq.quantize import quantized_weights  # noqa: E402
+from affineq.quantize import FqnToConfig, quantized_weights  # noqa: E402
 
 ASYM = MappingType.ASYMMETRIC
 
@@ -100,7 +100,7 @@ def bits_per_weight(model: nn.Module) -> tuple[float, int]:
 def run(config_names: list[str], budgets: list[float], imatrix: bool, quick: bool,
         sensitivity_items: int = 2, llama_ftypes: tuple[str, ...] = (), llama_python: str | None = None,
         hqq: bool = False, aq_candidates: list[str] | None = None, aq_calib: int | None = None,
-        gptq: bool = False) -> list[dict]:
+        gptq: bool = False, aq_gptq: bool = False) -> list[dict]:
     sizes = QUICK if quick else FULL
     selected = decoder_linears(sizes["blocks"])
     model, tok = M.load_smollm2()
@@ -143,14 +143,15 @@ def run(config_names: list[str], budgets: list[float], imatrix: bool, quick: boo
     if budgets:
         aq_data = data[:aq_calib] if aq_calib else data
         for row in _autoquant_rows(model, budgets, aq_data, imatrix, selected, compare, sizes["quick_autoquant"],
-                                   sensitivity_items, aq_candidates):
+                                   sensitivity_items, aq_candidates, aq_gptq):
             rows.append(row)
             print(_line(row), flush=True)
     return rows
 
 
 def _autoquant_rows(model, budgets, data, imatrix: bool, selected, compare, quick: bool,
-                    sensitivity_items: int = 2, names: list[str] | None = None) -> list[dict]:
+                    sensitivity_items: int = 2, names: list[str] | None = None,
+                    with_gptq: bool = False) -> list[dict]:
     """autoquant's plans at `budgets` bits per weight (one measurement) over DEFAULT_CANDIDATES (plain and
     importance-weighted rounding, the importance from the same calibration data; plain only without `imatrix`),
     each applied to a copy of the model and compared."""
@@ -172,21 +173,38 @@ def _autoquant_rows(model, budgets, data, imatrix: bool, selected, compare, quic
           flush=True)
     rows = []
     for budget, plan in zip(budgets, plans, strict=True):
-        q = copy.deepcopy(model)
-        affineq.quantize_(q, plan)
-        bpw, n = bits_per_weight(q)
-        mix: dict[str, int] = {}
-        for cfg in plan.fqn_to_config.values():
-            weighted = isinstance(cfg, ImportanceWeightedConfig)
-            key = _short(getattr(cfg, "base_config", cfg)) + ("+imatrix" if weighted else "")
-            mix[key] = mix.get(key, 0) + 1
-        rows.append({"config": f"autoquant@{budget}", "imatrix": imatrix, "bpw": bpw, "weights": n,
-                     "search_s": search_s, "mix": mix,
-                     "plan": {f: _short(getattr(c, "base_config", c)) + ("+imatrix" if isinstance(
-                         c, ImportanceWeightedConfig) else "") for f, c in plan.fqn_to_config.items()},
-                     **compare(q)})
-        del q
+        for gptq in (False, True) if with_gptq else (False,):
+            if gptq:  # the same choice with GPTQ around each chosen config: autoquant(..., gptq=True)'s plan
+                plan = gptq_plan(plan)
+            q = copy.deepcopy(model)
+            affineq.quantize_(q, plan, calibration_data=data if gptq else None)
+            bpw, n = bits_per_weight(q)
+            mix: dict[str, int] = {}
+            for key in (names := {f: short_name(c) for f, c in plan.fqn_to_config.items()}).values():
+                mix[key] = mix.get(key, 0) + 1
+            rows.append({"config": f"autoquant@{budget}" + ("+gptq" if gptq else ""), "imatrix": imatrix,
+                         "gptq": gptq, "bpw": bpw, "weights": n, "search_s": search_s, "mix": mix, "plan": names,
+                         **compare(q)})
+            del q
     return rows
+
+
+def gptq_plan(plan: FqnToConfig) -> FqnToConfig:
+    """`plan` with GPTQConfig around each config GPTQ can wrap (an importance-weighted one's base), as
+    autoquant(..., gptq=True) returns it; apply it with calibration_data."""
+    out = {}
+    for f, c in plan.fqn_to_config.items():
+        try:
+            out[f] = GPTQConfig(getattr(c, "base_config", c), progress=False)
+        except ValueError:  # a format GPTQ cannot write: kept
+            out[f] = c
+    return FqnToConfig(out)
+
+
+def short_name(c: QuantConfig) -> str:
+    """int4-g64 / int3-g96+imatrix / int3-g64+gptq for a plan's config."""
+    tag = "+imatrix" if isinstance(c, ImportanceWeightedConfig) else "+gptq" if isinstance(c, GPTQConfig) else ""
+    return _short(getattr(c, "base_config", c)) + tag
 
 
 #: llama.cpp file types made from the shipped Q4_1 file (the issue's contest; Q2_K falls back to Q3_K_S-like
@@ -387,6 +405,8 @@ def main(argv=None) -> None:
                    help="autoquant's candidates (and their importance-weighted versions below 5 bpw) instead of "
                         "DEFAULT_CANDIDATES")
     p.add_argument("--gptq", action="store_true", help="also a GPTQ row (GPTQConfig's defaults) per uniform config")
+    p.add_argument("--aq-gptq", action="store_true",
+                   help="each autoquant plan also with GPTQ around its chosen configs (autoquant(..., gptq=True))")
     p.add_argument("--aq-calib", type=int, default=None, help="autoquant uses the first N calibration items")
     args = p.parse_args(argv)
     if args.plot_from is not None:
@@ -404,7 +424,8 @@ def main(argv=None) -> None:
     print(machine_line())
     llama = [] if args.quick and args.llama == list(LLAMA_FTYPES) else args.llama
     rows = run(configs, budgets, not args.no_imatrix, args.quick, args.sensitivity_items, tuple(llama),
-               args.llama_python, args.hqq, args.aq_candidates, args.aq_calib, args.gptq)
+               args.llama_python, args.hqq, args.aq_candidates, args.aq_calib, args.gptq,
+               args.aq_gptq)
     table = markdown(rows)
     print()
     print(table)

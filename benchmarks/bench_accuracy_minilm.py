@@ -26,14 +26,13 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_accuracy_bpw import CONFIGS, _short, bits_per_weight  # noqa: E402
+from bench_accuracy_bpw import CONFIGS, bits_per_weight, gptq_plan, short_name  # noqa: E402
 from common import machine_line, save_json  # noqa: E402
 
 import affineq  # noqa: E402
 from affineq import models as M  # noqa: E402
 from affineq.algorithms import GPTQConfig, ImportanceWeightedConfig, collect_importance  # noqa: E402
 from affineq.autoquant import DEFAULT_CANDIDATES, autoquant  # noqa: E402
-from affineq.quantize import FqnToConfig  # noqa: E402
 
 UNIFORM = ("int2-g32", "int3-g64", "int3-g32", "int4-g64", "int4-g32")
 GPTQ_UNIFORM = ("int3-g64", "int4-g64")  # the sizes of the issue's comparison (3.5 and 4.5 bpw)
@@ -86,15 +85,12 @@ def run(quick: bool, gptq: bool = False) -> list[dict]:
     for budget, plan in zip(budgets, plans, strict=True):
         for with_gptq in (False, True) if gptq else (False,):
             if with_gptq:  # the same choice, GPTQ around each chosen config (autoquant(..., gptq=True)'s plan)
-                plan = FqnToConfig({f: _gptq(c) for f, c in plan.fqn_to_config.items()})
+                plan = gptq_plan(plan)
             q = affineq.quantize_(copy.deepcopy(model), plan, calibration_data=data if with_gptq else None)
             bpw, n = bits_per_weight(q)
             mix: dict[str, int] = {}
             for cfg in plan.fqn_to_config.values():
-                key = _short(getattr(cfg, "base_config", cfg)) + (
-                    "+imatrix" if isinstance(cfg, ImportanceWeightedConfig) else "+gptq" if isinstance(
-                        cfg, GPTQConfig) else "")
-                mix[key] = mix.get(key, 0) + 1
+                mix[short_name(cfg)] = mix.get(short_name(cfg), 0) + 1
             best = min(r["error"] for r in uniform if r["bpw"] <= budget + 1e-9)
             rows.append({"config": f"autoquant@{budget:g}" + ("+gptq" if with_gptq else ""), "imatrix": True,
                          "gptq": with_gptq, "bpw": bpw, "weights": n, "error": error(q), "best_uniform_error": best,
@@ -102,15 +98,6 @@ def run(quick: bool, gptq: bool = False) -> list[dict]:
             print(_line(rows[-1]) + f"  ({rows[-1]['error'] / best - 1:+.0%} error vs the best uniform of <= its "
                   "size)", flush=True)
     return rows
-
-
-def _gptq(cfg):
-    """GPTQConfig around the weight config `cfg` stores (an importance-weighted one's base)."""
-    base = cfg.base_config if isinstance(cfg, ImportanceWeightedConfig) else cfg
-    try:
-        return GPTQConfig(base, progress=False)
-    except ValueError:
-        return cfg
 
 
 def _line(r: dict) -> str:
