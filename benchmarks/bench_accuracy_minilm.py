@@ -1,16 +1,20 @@
 """Accuracy per bit on all-MiniLM-L6-v2 (float-trained: the honest test of a search): uniform weight configs of
-the encoder's linears, plain round-to-nearest and importance-weighted, against `affineq.autoquant` at the same
-bits per weight, by embedding error = 1 - mean cosine similarity of the sentence embeddings to the float
-model's (mean-pooled, L2-normalised: the sentence-transformers recipe, `affineq.models.embed`).
+the encoder's linears (round-to-nearest, importance-weighted, and with --gptq GPTQ at int3 g64 / int4 g64)
+against `affineq.autoquant` at the same bits per weight (and with --gptq its plans with GPTQ around the chosen
+configs, `autoquant(..., gptq=True)`), by embedding error = 1 - mean cosine similarity of the sentence
+embeddings to the float model's (mean-pooled, L2-normalised: the sentence-transformers recipe,
+`affineq.models.embed`).
 
-    python benchmarks/bench_accuracy_minilm.py            # the table (minutes)
+    python benchmarks/bench_accuracy_minilm.py --gptq --budgets 3.5 4.5   # the issue's rows (minutes)
+    python benchmarks/bench_accuracy_minilm.py            # every uniform size, no GPTQ
     python benchmarks/bench_accuracy_minilm.py --quick    # smoke run: 2 configs, 2 x 64 calibration tokens
 
-Eval sentences: `M.SENTENCES` plus the first 240 sentences of `eval_text()`; calibration: 16 x 128 tokens of
-`calibration_text()` (disjoint), as {"input_ids", "attention_mask"} items. bpw counted from the stored tensors
-of the quantized linears (the encoder's 36; the pooler, unused by the embedding, and the embeddings stay
-float). Writes
-results/bench_accuracy_minilm.json.
+Eval sentences: `M.SENTENCES` plus the first 240 sentences of `eval_text()` (held out); calibration: 16 x 128
+tokens of `calibration_text()` (disjoint), as {"input_ids", "attention_mask"} items, for the importance matrix,
+GPTQ and autoquant (sensitivity "mse" on 4 items by default). bpw counted from the stored tensors of the
+quantized linears (the encoder's 36; the pooler, unused by the embedding, and the embeddings stay float).
+"vs best uniform": the error relative to the lowest-error uniform row of at most the plan's bits per weight.
+Writes results/bench_accuracy_minilm.json.
 """
 
 from __future__ import annotations
@@ -52,7 +56,8 @@ def eval_sentences(n: int) -> list[str]:
     return list(M.SENTENCES) + parts[:n]
 
 
-def run(quick: bool, gptq: bool = False) -> list[dict]:
+def run(quick: bool, gptq: bool = False, budgets: list[float] | None = None, sensitivity: str = "mse",
+        sensitivity_items: int = 4) -> list[dict]:
     sizes = QUICK if quick else FULL
     model, tok = M.load_minilm()
     sentences = eval_sentences(sizes["eval_sentences"])
@@ -77,9 +82,10 @@ def run(quick: bool, gptq: bool = False) -> list[dict]:
             rows.append({"config": name, "imatrix": kind == "imatrix", "gptq": kind == "gptq", "bpw": bpw,
                          "weights": n, "error": error(q)})
             print(_line(rows[-1]), flush=True)
-    budgets = sorted({round(r["bpw"], 4) for r in rows})
+    budgets = budgets or sorted({round(r["bpw"], 4) for r in rows})
     start = time.perf_counter()
-    plans = autoquant(model, budgets, data, candidates=DEFAULT_CANDIDATES, filter_fn=linears, progress=False)
+    plans = autoquant(model, budgets, data, candidates=DEFAULT_CANDIDATES, filter_fn=linears, progress=False,
+                      sensitivity=sensitivity, sensitivity_items=sensitivity_items)
     search_s = time.perf_counter() - start
     uniform = list(rows)
     for budget, plan in zip(budgets, plans, strict=True):
@@ -121,6 +127,13 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smoke run: 2 configs, tiny calibration and eval")
     p.add_argument("--no-save", action="store_true", help="print only")
+    p.add_argument("--budgets", nargs="*", type=float, default=None,
+                   help="autoquant's budgets (default: the bits per weight of each uniform row)")
+    p.add_argument("--sensitivity", default="mse", choices=["fisher", "mse", "layer"],
+                   help="autoquant's sensitivity: mse (default here: each layer's measured relative error of the "
+                        "last hidden state, one forward per layer; on MiniLM -7%% / -9%% error at 3.5 / 4.5 bpw "
+                        "against fisher's random projection), fisher, layer")
+    p.add_argument("--sensitivity-items", type=int, default=4, help="calibration items of the sensitivity passes")
     p.add_argument("--gptq", action="store_true",
                    help="also GPTQ rows: uniform int3-g64 / int4-g64, and each autoquant plan with GPTQ around its "
                         "chosen configs")
@@ -128,7 +141,7 @@ def main(argv=None) -> None:
     if not M.available_models().get("minilm"):
         raise SystemExit(f"MiniLM is not installed: {M.INSTALL_HINT}")
     print(machine_line())
-    rows = run(args.quick, args.gptq)
+    rows = run(args.quick, args.gptq, args.budgets, args.sensitivity, args.sensitivity_items)
     table = markdown(rows)
     print()
     print(table)
