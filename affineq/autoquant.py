@@ -75,9 +75,9 @@ def _default_candidates() -> tuple[QuantConfig, ...]:
         return IntxWeightOnlyConfig(dtype, PerGroup(group), MappingType.ASYMMETRIC, ZeroPointDomain.FLOAT)
 
     # int3 at five group sizes (3.17 .. 4 bpw): the steps between 3 and 4 bits that let a tight budget buy 5-bit
-    # layers with slightly coarser groups elsewhere instead of with int2 (on SmolLM2-135M at 3.5 bpw: mean KLD
-    # 0.329 -> 0.269, the uniform int3 g64 + imatrix 0.366). Groups that do not divide a layer's width are no
-    # choice there (128 / 256-wide models take g128, 576-wide g96 / g192).
+    # layers with slightly coarser groups elsewhere instead of with int2 (SmolLM2-135M at 3.5 bpw, mean KLD: 0.329
+    # without them, 0.270 with them; uniform int3 g64 + imatrix 0.367). Groups that do not divide a layer's width
+    # are no choice there (widths of multiples of 128 take g128, SmolLM2's 576 g96 / g192).
     weighted_bases = (intx(torch.int2, 32), intx(torch.int3, 192), intx(torch.int3, 128), intx(torch.int3, 96),
                       intx(torch.int3, 64), intx(torch.int3, 32), Int4WeightOnlyConfig(group_size=128),
                       Int4WeightOnlyConfig(group_size=64))
