@@ -177,13 +177,16 @@ def _autoquant_rows(model, budgets, data, imatrix: bool, selected, compare, quic
             if gptq:  # the same choice with GPTQ around each chosen config: autoquant(..., gptq=True)'s plan
                 plan = gptq_plan(plan)
             q = copy.deepcopy(model)
+            start = time.perf_counter()
             affineq.quantize_(q, plan, calibration_data=data if gptq else None)
+            quantize_s = time.perf_counter() - start
             bpw, n = bits_per_weight(q)
             mix: dict[str, int] = {}
             for key in (names := {f: short_name(c) for f, c in plan.fqn_to_config.items()}).values():
                 mix[key] = mix.get(key, 0) + 1
             rows.append({"config": f"autoquant@{budget}" + ("+gptq" if gptq else ""), "imatrix": imatrix,
-                         "gptq": gptq, "bpw": bpw, "weights": n, "search_s": search_s, "mix": mix, "plan": names,
+                         "gptq": gptq, "bpw": bpw, "weights": n, "search_s": search_s, "quantize_s": quantize_s,
+                         "mix": mix, "plan": names,
                          **compare(q)})
             del q
     return rows
