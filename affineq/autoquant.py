@@ -38,6 +38,12 @@ calibration data, the diagonal of each layer's H (the mean of x_k^2 per input co
 one pass over the data serves both. DEFAULT_CANDIDATES holds such importance-weighted versions of its
 sub-8-bit configs: autoquant picks plain or weighted rounding per layer, whichever has the lower loss.
 
+GPTQ: a candidate `GPTQConfig(base)` is measured by GPTQ on the layer alone with the same H (2 H, GPTQ's scale),
+so its loss is that of the error GPTQ leaves, not round-to-nearest's. A plan holding GPTQ configs applies with
+calibration data, `quantize_(model, plan, calibration_data=batches)`: GPTQ then runs block by block on the
+layers given to it, each with the H of the partly quantized model (so its error differs a little from the
+measured one).
+
 3. Choice: one candidate per layer minimising sum loss subject to sum bits <= budget_bits * sum weights
    (a multiple-choice knapsack), by dynamic programming over the bit budget in `resolution` steps, each
    choice's bits rounded up to a whole step (so the plan never exceeds the budget; it may leave less than a step
@@ -55,7 +61,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from affineq.algorithms import AlgorithmConfig, ImportanceMatrix, ImportanceWeightedConfig
+from affineq.algorithms import AlgorithmConfig, GPTQConfig, ImportanceMatrix, ImportanceWeightedConfig
 from affineq.configs import Int4WeightOnlyConfig, Int8WeightOnlyConfig, IntxWeightOnlyConfig, QuantConfig
 from affineq.granularity import PerGroup
 from affineq.primitives import MappingType, ZeroPointDomain
@@ -68,20 +74,26 @@ def _default_candidates() -> tuple[QuantConfig, ...]:
     def intx(dtype: torch.dtype, group: int) -> QuantConfig:  # bf16 scale and float zero point: 32 bits a group
         return IntxWeightOnlyConfig(dtype, PerGroup(group), MappingType.ASYMMETRIC, ZeroPointDomain.FLOAT)
 
-    plain = (intx(torch.int2, 32), intx(torch.int3, 64), intx(torch.int3, 32), Int4WeightOnlyConfig(group_size=128),
-             Int4WeightOnlyConfig(group_size=64), Int4WeightOnlyConfig(group_size=32), intx(torch.int5, 32),
-             intx(torch.int6, 32))
+    # int3 at five group sizes (3.17 .. 4 bpw): the steps between 3 and 4 bits that let a tight budget buy 5-bit
+    # layers with slightly coarser groups elsewhere instead of with int2 (SmolLM2-135M at 3.5 bpw, mean KLD: 0.329
+    # without them, 0.270 with them; uniform int3 g64 + imatrix 0.367). Groups that do not divide a layer's width
+    # are no choice there (widths of multiples of 128 take g128, SmolLM2's 576 g96 / g192).
+    weighted_bases = (intx(torch.int2, 32), intx(torch.int3, 192), intx(torch.int3, 128), intx(torch.int3, 96),
+                      intx(torch.int3, 64), intx(torch.int3, 32), Int4WeightOnlyConfig(group_size=128),
+                      Int4WeightOnlyConfig(group_size=64))
+    plain = (*weighted_bases, Int4WeightOnlyConfig(group_size=32), intx(torch.int5, 32), intx(torch.int6, 32))
     # importance from the calibration data (module docstring); a 6-ratio clipping grid: the 16 of the uniform
     # config's default cost 2.7x the time for a few % of its gain
-    weighted = tuple(ImportanceWeightedConfig(c, ratios=FAST_RATIOS, progress=False) for c in plain[:6])
+    weighted = tuple(ImportanceWeightedConfig(c, ratios=FAST_RATIOS, progress=False) for c in weighted_bases)
     return (*plain, Int8WeightOnlyConfig(), *weighted)
 
 
 #: Clipping ratios of DEFAULT_CANDIDATES' importance-weighted configs.
 FAST_RATIOS: tuple[float, ...] = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
 
-#: The candidates tried when none are given: 3 to 8 bits per weight (+ qparams) at SmolLM2's shapes, the sub-8-bit
-#: ones up to 5 bits also importance-weighted (importance from the calibration data).
+#: The candidates tried when none are given: int2 g32, int3 g192 / g128 / g96 / g64 / g32, int4 g128 / g64 / g32,
+#: int5 g32, int6 g32, int8 (3 to 8.5 bits per weight with qparams), those below 5 bits also importance-weighted
+#: (importance from the calibration data).
 DEFAULT_CANDIDATES: tuple[QuantConfig, ...] = _default_candidates()
 
 
@@ -107,15 +119,18 @@ def autoquant(model: nn.Module, budget_bits: float | Sequence[float], calibratio
               candidates: Sequence[QuantConfig] | None = None,
               filter_fn: Callable[[nn.Module, str], bool] | None = None,
               resolution: int = 4096, progress: bool = True, report: list | None = None,
-              sensitivity: str = "fisher", sensitivity_items: int = 2) -> FqnToConfig | list[FqnToConfig]:
+              sensitivity: str = "fisher", sensitivity_items: int = 2,
+              gptq: bool = False) -> FqnToConfig | list[FqnToConfig]:
     """A config per selected linear of `model` minimising the summed output error (module docstring) with at
     most `budget_bits` bits per weight on average over those layers' weights, bits counted from each candidate's
     stored tensors. The model is not changed. A sequence of budgets gives a list of plans, one per budget, from
     one measurement (the cost is in the measurement; the knapsack takes milliseconds).
 
     calibration_data: model inputs (a tensor: model(x), tuple: model(*x), dict: model(**x)), as for quantize_.
-    candidates: weight configs (default DEFAULT_CANDIDATES), or calibration-free algorithm configs around one
-        (HQQConfig, ImportanceWeightedConfig(importance=...)). A candidate that cannot quantize a layer (its
+    candidates: weight configs (default DEFAULT_CANDIDATES), calibration-free algorithm configs around one
+        (HQQConfig, ImportanceWeightedConfig(importance=...)), ImportanceWeightedConfig without importance (the
+        calibration data's), or GPTQConfig (then apply the plan with calibration_data). A candidate that cannot
+        quantize a layer (its
         `check` says why, e.g. a group size not dividing the width) is no choice there; every layer needs one.
     filter_fn(module, fqn): the layers to plan (default: every nn.Linear except one named lm_head).
     resolution: steps of the knapsack's bit budget (more: closer to the budget, slower).
@@ -124,7 +139,11 @@ def autoquant(model: nn.Module, budget_bits: float | Sequence[float], calibratio
         forward and backward), "auto", "kld" or "mse" (each layer's error scaled by its measured effect on the
         model's output, module docstring: one extra pass per layer), or "layer" (its own error only).
     sensitivity_items: how many calibration items (the first ones) those passes use.
-    Returns FqnToConfig({fqn: chosen candidate}); apply it with quantize_(model, plan).
+    gptq: the plan holds GPTQConfig(base) in place of each chosen candidate GPTQ can wrap (an importance-weighted
+        one: its base config; same format and bits): the choice is made on the measured losses, then GPTQ's
+        error feedback lowers each layer's error further. Apply it with calibration_data.
+    Returns FqnToConfig({fqn: chosen candidate}); apply it with quantize_(model, plan) (with calibration_data
+    when it holds GPTQ configs).
     """
     candidates = tuple(DEFAULT_CANDIDATES if candidates is None else candidates)
     budgets = list(budget_bits) if isinstance(budget_bits, (list, tuple)) else [budget_bits]
@@ -136,6 +155,8 @@ def autoquant(model: nn.Module, budget_bits: float | Sequence[float], calibratio
                          "the model's output) or 'layer' (the layer's own output error)")
     if isinstance(sensitivity_items, bool) or not isinstance(sensitivity_items, int) or sensitivity_items < 1:
         raise ValueError(f"autoquant: sensitivity_items={sensitivity_items!r} must be an int >= 1")
+    if not isinstance(gptq, bool):
+        raise ValueError(f"autoquant: gptq={gptq!r} must be True or False")
     layers = _select(model, filter_fn, candidates)
     hessians, tokens = _input_covariances(model, layers, calibration_data, progress)
     if any(_wants_importance(c) for c in candidates):  # the calibration data's importance matrix: diag(H)
@@ -153,7 +174,8 @@ def autoquant(model: nn.Module, budget_bits: float | Sequence[float], calibratio
     plans = []
     for b in budgets:
         picks = _knapsack(choices, b, resolution)
-        plans.append(FqnToConfig({c.fqn: candidates[i] for c, i in zip(choices, picks, strict=True)}))
+        plans.append(FqnToConfig({c.fqn: _with_gptq(candidates[i]) if gptq else candidates[i]
+                                  for c, i in zip(choices, picks, strict=True)}))
     return plans if isinstance(budget_bits, (list, tuple)) else plans[0]
 
 
@@ -178,6 +200,20 @@ def _wants_importance(c: QuantConfig) -> bool:
     return isinstance(c, ImportanceWeightedConfig) and c.importance is None
 
 
+def _with_gptq(c: QuantConfig) -> QuantConfig:
+    """GPTQConfig around the weight config `c` stores (an importance-weighted candidate's base), or `c` itself
+    when it already is GPTQ or GPTQ cannot wrap it (e.g. HQQ, k-quants: their own searches)."""
+    if isinstance(c, GPTQConfig):
+        return c
+    base = c.base_config if isinstance(c, ImportanceWeightedConfig) else c
+    if isinstance(base, AlgorithmConfig):
+        return c
+    try:
+        return GPTQConfig(base, progress=False)
+    except ValueError:  # a format GPTQ cannot write (its cannot_wrap says why)
+        return c
+
+
 def _unfilled(c: QuantConfig) -> QuantConfig:
     """A plan's config as the candidate it came from (the importance autoquant filled in taken out again)."""
     return dataclasses.replace(c, importance=None) if isinstance(c, ImportanceWeightedConfig) else c
@@ -192,12 +228,12 @@ def _check_args(budget_bits, candidates, resolution) -> None:
         raise ValueError("autoquant: candidates is empty; pass weight configs, or None for DEFAULT_CANDIDATES")
     for c in candidates:
         if not isinstance(c, QuantConfig) or isinstance(c, FqnToConfig) or (
-                getattr(c, "needs_data", False) and not _wants_importance(c)):
+                getattr(c, "needs_data", False) and not (_wants_importance(c) or isinstance(c, GPTQConfig))):
             raise ValueError(f"autoquant: candidate {c!r} must be a weight config such as "
                              "Int4WeightOnlyConfig(group_size=64), or a calibration-free algorithm around one "
                              "(HQQConfig, ImportanceWeightedConfig: its importance given, or the calibration "
-                             "data's when not); not an algorithm "
-                             "needing calibration data, nor FqnToConfig")
+                             "data's when not), or GPTQConfig; not another algorithm needing calibration data, nor "
+                             "FqnToConfig")
     if len(set(candidates)) != len(candidates):
         raise ValueError("autoquant: candidates holds the same config twice; give each once")
     if isinstance(resolution, bool) or not isinstance(resolution, int) or resolution < 16:
@@ -341,7 +377,9 @@ def _measure(model: nn.Module, fqn: str, layer: nn.Linear, h: torch.Tensor, cand
             bits.append(None)
             loss.append(None)
             continue
-        if isinstance(c, AlgorithmConfig):  # calibration-free (HQQ, importance given): its run on this layer alone
+        if isinstance(c, GPTQConfig):  # GPTQ on this layer alone with the float model's H (2 X^T X / T, its scale)
+            qw = c.quantize_layer(layer, 2.0 * h)
+        elif isinstance(c, AlgorithmConfig):  # calibration-free (HQQ, importance given): its run on this layer alone
             qw = c.run(model, {fqn: layer}, None)[fqn].quantize_weight(w, layer)
         else:
             qw = c.quantize_weight(w, layer)
@@ -432,7 +470,13 @@ def _in_model_units(model, layers, choices, candidates, items: list, sensitivity
     scaled = []
     for c in _bar(choices, progress, "autoquant: sensitivity"):
         layer = layers[c.fqn]
-        i = min(c.options(), key=lambda j, c=c: (c.bits[j], -c.loss[j]))
+        # the smallest candidate that needs no H (GPTQ's is gone by now; the ratio div / e is what is used)
+        usable = [j for j in c.options() if not isinstance(candidates[j], GPTQConfig)]
+        if not usable:
+            raise ValueError(f"autoquant: sensitivity={sensitivity!r} applies a layer's smallest candidate without "
+                             f"calibration data, and only GPTQConfig candidates can quantize {c.fqn}; add a plain "
+                             "candidate for it, or pass sensitivity='fisher'")
+        i = min(usable, key=lambda j, c=c: (c.bits[j], -c.loss[j]))
         w = layer.weight.data
         cand = candidates[i]
         if isinstance(cand, AlgorithmConfig):

@@ -8,6 +8,7 @@ each config plain round-to-nearest and with an importance matrix (`ImportanceWei
     python benchmarks/bench_accuracy_bpw.py --quick     # smoke run: a tiny slice, seconds after the model loads
     python benchmarks/bench_accuracy_bpw.py --configs int4-g64 int3-g64 --no-imatrix
     python benchmarks/bench_accuracy_bpw.py --configs --budgets 3.5 4.5   # autoquant rows only
+    python benchmarks/bench_accuracy_bpw.py --configs int3-g64 --gptq --budgets --llama   # + a GPTQ row
 
 Eval: the first 4 x 512 tokens of `eval_text()` (the pydoc topics the package pins by hash), windows of 512, the
 second half of each scored (255 predictions per window, as llama.cpp). The importance matrix comes from
@@ -35,12 +36,12 @@ from common import RESULTS, machine_line, save_json  # noqa: E402
 import affineq  # noqa: E402
 from affineq import eval as aeval  # noqa: E402
 from affineq import models as M  # noqa: E402
-from affineq.algorithms import ImportanceWeightedConfig, collect_importance  # noqa: E402
+from affineq.algorithms import GPTQConfig, ImportanceWeightedConfig, collect_importance  # noqa: E402
 from affineq.autoquant import DEFAULT_CANDIDATES, FAST_RATIOS, autoquant  # noqa: E402
 from affineq.configs import Int4WeightOnlyConfig, Int8WeightOnlyConfig, IntxWeightOnlyConfig, QuantConfig  # noqa: E402
 from affineq.granularity import PerGroup  # noqa: E402
 from affineq.primitives import MappingType, ZeroPointDomain  # noqa: E402
-from affineq.quantize import quantized_weights  # noqa: E402
+from affineq.quantize import FqnToConfig, quantized_weights  # noqa: E402
 
 ASYM = MappingType.ASYMMETRIC
 
@@ -98,7 +99,8 @@ def bits_per_weight(model: nn.Module) -> tuple[float, int]:
 
 def run(config_names: list[str], budgets: list[float], imatrix: bool, quick: bool,
         sensitivity_items: int = 2, llama_ftypes: tuple[str, ...] = (), llama_python: str | None = None,
-        hqq: bool = False, aq_candidates: list[str] | None = None, aq_calib: int | None = None) -> list[dict]:
+        hqq: bool = False, aq_candidates: list[str] | None = None, aq_calib: int | None = None,
+        gptq: bool = False, aq_gptq: bool = False) -> list[dict]:
     sizes = QUICK if quick else FULL
     selected = decoder_linears(sizes["blocks"])
     model, tok = M.load_smollm2()
@@ -119,14 +121,15 @@ def run(config_names: list[str], budgets: list[float], imatrix: bool, quick: boo
         base = CONFIGS[name]()
         variants = [(False, base)] + ([(True, ImportanceWeightedConfig(base, importance=importance, progress=False))]
                                       if imatrix else [])
+        variants += [("gptq", GPTQConfig(base, progress=False))] if gptq else []
         for with_imatrix, config in variants:
             q = copy.deepcopy(model)
             start = time.perf_counter()
-            affineq.quantize_(q, config, filter_fn=selected)
+            affineq.quantize_(q, config, filter_fn=selected, calibration_data=data if with_imatrix == "gptq" else None)
             seconds = time.perf_counter() - start
             bpw, n = bits_per_weight(q)
-            row = {"config": name, "imatrix": with_imatrix, "bpw": bpw, "weights": n, "quantize_s": seconds,
-                   **compare(q)}
+            row = {"config": name, "imatrix": with_imatrix is True, "gptq": with_imatrix == "gptq", "bpw": bpw,
+                   "weights": n, "quantize_s": seconds, **compare(q)}
             rows.append(row)
             print(_line(row), flush=True)
             del q
@@ -140,14 +143,15 @@ def run(config_names: list[str], budgets: list[float], imatrix: bool, quick: boo
     if budgets:
         aq_data = data[:aq_calib] if aq_calib else data
         for row in _autoquant_rows(model, budgets, aq_data, imatrix, selected, compare, sizes["quick_autoquant"],
-                                   sensitivity_items, aq_candidates):
+                                   sensitivity_items, aq_candidates, aq_gptq):
             rows.append(row)
             print(_line(row), flush=True)
     return rows
 
 
 def _autoquant_rows(model, budgets, data, imatrix: bool, selected, compare, quick: bool,
-                    sensitivity_items: int = 2, names: list[str] | None = None) -> list[dict]:
+                    sensitivity_items: int = 2, names: list[str] | None = None,
+                    with_gptq: bool = False) -> list[dict]:
     """autoquant's plans at `budgets` bits per weight (one measurement) over DEFAULT_CANDIDATES (plain and
     importance-weighted rounding, the importance from the same calibration data; plain only without `imatrix`),
     each applied to a copy of the model and compared."""
@@ -169,21 +173,41 @@ def _autoquant_rows(model, budgets, data, imatrix: bool, selected, compare, quic
           flush=True)
     rows = []
     for budget, plan in zip(budgets, plans, strict=True):
-        q = copy.deepcopy(model)
-        affineq.quantize_(q, plan)
-        bpw, n = bits_per_weight(q)
-        mix: dict[str, int] = {}
-        for cfg in plan.fqn_to_config.values():
-            weighted = isinstance(cfg, ImportanceWeightedConfig)
-            key = _short(getattr(cfg, "base_config", cfg)) + ("+imatrix" if weighted else "")
-            mix[key] = mix.get(key, 0) + 1
-        rows.append({"config": f"autoquant@{budget}", "imatrix": imatrix, "bpw": bpw, "weights": n,
-                     "search_s": search_s, "mix": mix,
-                     "plan": {f: _short(getattr(c, "base_config", c)) + ("+imatrix" if isinstance(
-                         c, ImportanceWeightedConfig) else "") for f, c in plan.fqn_to_config.items()},
-                     **compare(q)})
-        del q
+        for gptq in (False, True) if with_gptq else (False,):
+            if gptq:  # the same choice with GPTQ around each chosen config: autoquant(..., gptq=True)'s plan
+                plan = gptq_plan(plan)
+            q = copy.deepcopy(model)
+            start = time.perf_counter()
+            affineq.quantize_(q, plan, calibration_data=data if gptq else None)
+            quantize_s = time.perf_counter() - start
+            bpw, n = bits_per_weight(q)
+            mix: dict[str, int] = {}
+            for key in (names := {f: short_name(c) for f, c in plan.fqn_to_config.items()}).values():
+                mix[key] = mix.get(key, 0) + 1
+            rows.append({"config": f"autoquant@{budget}" + ("+gptq" if gptq else ""), "imatrix": imatrix,
+                         "gptq": gptq, "bpw": bpw, "weights": n, "search_s": search_s, "quantize_s": quantize_s,
+                         "mix": mix, "plan": names,
+                         **compare(q)})
+            del q
     return rows
+
+
+def gptq_plan(plan: FqnToConfig) -> FqnToConfig:
+    """`plan` with GPTQConfig around each config GPTQ can wrap (an importance-weighted one's base), as
+    autoquant(..., gptq=True) returns it; apply it with calibration_data."""
+    out = {}
+    for f, c in plan.fqn_to_config.items():
+        try:
+            out[f] = GPTQConfig(getattr(c, "base_config", c), progress=False)
+        except ValueError:  # a format GPTQ cannot write: kept
+            out[f] = c
+    return FqnToConfig(out)
+
+
+def short_name(c: QuantConfig) -> str:
+    """int4-g64 / int3-g96+imatrix / int3-g64+gptq for a plan's config."""
+    tag = "+imatrix" if isinstance(c, ImportanceWeightedConfig) else "+gptq" if isinstance(c, GPTQConfig) else ""
+    return _short(getattr(c, "base_config", c)) + tag
 
 
 #: llama.cpp file types made from the shipped Q4_1 file (the issue's contest; Q2_K falls back to Q3_K_S-like
@@ -283,16 +307,18 @@ def _short(cfg: QuantConfig) -> str:
 
 
 def _line(r: dict) -> str:
-    return (f"{r['config']:>14} {'imatrix' if r['imatrix'] else 'rtn':>7}  bpw {r['bpw']:6.3f}  ppl {r['ppl']:8.3f}  "
+    kind = "gptq" if r.get("gptq") else "imatrix" if r["imatrix"] else "rtn"
+    return (f"{r['config']:>14} {kind:>7}  bpw {r['bpw']:6.3f}  ppl {r['ppl']:8.3f}  "
             f"KLD {r['mean_kld']:.4f} (p99 {r['kld_p99']:.3f})  top1 {r['top1_agreement']:.3f}"
             + (f"  mix {r['mix']}" if "mix" in r else ""))
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| config | imatrix | bits / weight | ppl | mean KLD | KLD p99 | same top-1 |",
+    lines = ["| config | rounding | bits / weight | ppl | mean KLD | KLD p99 | same top-1 |",
              "|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['config']} | {'yes' if r['imatrix'] else 'no'} | {r['bpw']:.3f} | {r['ppl']:.3f} | "
+        kind = "GPTQ" if r.get("gptq") else "imatrix" if r["imatrix"] else "RTN"
+        lines.append(f"| {r['config']} | {kind} | {r['bpw']:.3f} | {r['ppl']:.3f} | "
                      f"{r['mean_kld']:.4f} | {r['kld_p99']:.3f} | {r['top1_agreement']:.3f} |")
     return "\n".join(lines)
 
@@ -301,13 +327,14 @@ def rows_from_log(path) -> list[dict]:
     """The rows of a run's printed lines (`_line`), for runs saved as logs."""
     import re
 
-    pat = re.compile(r"^\s*(?P<config>.+?)\s+(?P<kind>rtn|imatrix)\s+bpw\s+(?P<bpw>[\d.]+)\s+ppl\s+(?P<ppl>[\d.]+)"
+    pat = re.compile(r"^\s*(?P<config>.+?)\s+(?P<kind>rtn|imatrix|gptq)\s+bpw\s+(?P<bpw>[\d.]+)\s+ppl\s+(?P<ppl>[\d.]+)"
                      r"\s+KLD\s+(?P<kld>[\d.]+)\s+\(p99\s+(?P<p99>[\d.]+)\)\s+top1\s+(?P<top1>[\d.]+)(?:\s+mix\s+(?P<mix>.*))?")
     rows = []
     for line in Path(path).read_text().splitlines():
         m = pat.match(line.split("\r")[-1])
         if m:
-            row = {"config": m["config"], "imatrix": m["kind"] == "imatrix", "bpw": float(m["bpw"]),
+            row = {"config": m["config"], "imatrix": m["kind"] == "imatrix", "gptq": m["kind"] == "gptq",
+                   "bpw": float(m["bpw"]),
                    "ppl": float(m["ppl"]), "mean_kld": float(m["kld"]), "kld_p99": float(m["p99"]),
                    "top1_agreement": float(m["top1"])}
             if m["mix"]:
@@ -329,8 +356,9 @@ def plot(rows: list[dict], name: str) -> None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     uniform = [r for r in rows if r["config"] in CONFIGS]
-    groups = (("round-to-nearest", "o-", "C0", [r for r in uniform if not r["imatrix"]]),
+    groups = (("round-to-nearest", "o-", "C0", [r for r in uniform if not r["imatrix"] and not r.get("gptq")]),
               ("importance-weighted", "s--", "C1", [r for r in uniform if r["imatrix"]]),
+              ("GPTQ", "^:", "C4", [r for r in uniform if r.get("gptq")]),
               ("autoquant", "*", "k", [r for r in rows if r["config"].startswith("autoquant")]),
               ("llama.cpp files", "v", "C3", [r for r in rows if r["config"].startswith("llama.cpp")]),
               ("HQQ int4 g64", "D", "C2", [r for r in rows if "HQQ" in r["config"] or "hqq" in r["config"]]))
@@ -379,6 +407,9 @@ def main(argv=None) -> None:
     p.add_argument("--aq-candidates", nargs="*", default=None, choices=list(CONFIGS),
                    help="autoquant's candidates (and their importance-weighted versions below 5 bpw) instead of "
                         "DEFAULT_CANDIDATES")
+    p.add_argument("--gptq", action="store_true", help="also a GPTQ row (GPTQConfig's defaults) per uniform config")
+    p.add_argument("--aq-gptq", action="store_true",
+                   help="each autoquant plan also with GPTQ around its chosen configs (autoquant(..., gptq=True))")
     p.add_argument("--aq-calib", type=int, default=None, help="autoquant uses the first N calibration items")
     args = p.parse_args(argv)
     if args.plot_from is not None:
@@ -396,7 +427,8 @@ def main(argv=None) -> None:
     print(machine_line())
     llama = [] if args.quick and args.llama == list(LLAMA_FTYPES) else args.llama
     rows = run(configs, budgets, not args.no_imatrix, args.quick, args.sensitivity_items, tuple(llama),
-               args.llama_python, args.hqq, args.aq_candidates, args.aq_calib)
+               args.llama_python, args.hqq, args.aq_candidates, args.aq_calib, args.gptq,
+               args.aq_gptq)
     table = markdown(rows)
     print()
     print(table)

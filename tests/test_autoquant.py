@@ -11,7 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from affineq.algorithms import GPTQConfig
+from affineq.algorithms import AWQConfig, GPTQConfig
+from affineq.algorithms.gptq import gptq_quantize
 from affineq.autoquant import LayerChoice, _knapsack, autoquant
 from affineq.configs import Int4WeightOnlyConfig, Int8WeightOnlyConfig, IntxWeightOnlyConfig
 from affineq.granularity import PerGroup
@@ -75,7 +76,7 @@ def test_too_small_budget_and_bad_arguments():
         autoquant(tiny(), 2.9, DATA, candidates=CANDIDATES, progress=False)
     for bad, match in ((dict(budget_bits=0), "budget_bits=0"), (dict(candidates=()), "candidates is empty"),
                        (dict(candidates=(Int8WeightOnlyConfig(), Int8WeightOnlyConfig())), "same config twice"),
-                       (dict(candidates=(GPTQConfig(Int4WeightOnlyConfig()),)), "must be a weight config"),
+                       (dict(candidates=(AWQConfig(Int4WeightOnlyConfig()),)), "must be a weight config"),
                        (dict(candidates=(Int4WeightOnlyConfig(group_size=256),)), "no candidate can quantize"),
                        (dict(calibration_data=[]), "calibration_data is empty"),
                        (dict(filter_fn=lambda m, f: False), "no nn.Linear selected")):
@@ -283,3 +284,87 @@ def test_several_budgets_share_one_measurement():
     assert plans == [autoquant(tiny(), b, DATA, candidates=CANDIDATES, progress=False) for b in (3.2, 5.5)]
     with pytest.raises(ValueError, match="budget_bits=-1"):
         autoquant(tiny(), [4.0, -1], DATA, candidates=CANDIDATES, progress=False)
+
+
+def test_gptq_candidates_are_measured_on_the_float_inputs_and_apply_with_calibration_data():
+    base = CANDIDATES[0]  # int2 g32: where GPTQ's error feedback matters most
+    gptq = GPTQConfig(base, progress=False)
+    cands = (base, gptq, CANDIDATES[1])
+    report = []
+    model = tiny()
+    plan = autoquant(model, 4.0, DATA, candidates=cands, progress=False, report=report, sensitivity="layer")
+    # the loss of the GPTQ candidate is trace(D H D^T) of GPTQ run on the layer alone with H = 2 X^T X / T of the
+    # float model's inputs (X: the rows it receives), as gptq_quantize computes it independently here
+    fqn = "layers.1.mlp.down_proj"
+    layer = model.get_submodule(fqn)
+    xs = []
+    handle = layer.register_forward_pre_hook(lambda m, a: xs.append(a[0].reshape(-1, a[0].shape[-1])))
+    with torch.no_grad():
+        for item in DATA:
+            model(item)
+    handle.remove()
+    x = torch.cat(xs).double()
+    w = layer.weight.detach()
+    aqt, _ = gptq_quantize(w, 2 * x.T @ x / x.shape[0], base.weight_spec(w, layer), base.qparam_options(),
+                           act_order=True, static_groups=True, clip_search=True)
+    d = w.double() - aqt.dequantize(torch.float64)
+    c = next(c for c in report if c.fqn == fqn)
+    assert c.loss[1] == pytest.approx(float((x @ d.T).pow(2).sum(1).mean()), rel=1e-5)
+    # same format, same bits; GPTQ's error below round-to-nearest's on every layer (what it minimises)
+    for c in report:
+        assert c.bits[1] == c.bits[0] and c.loss[1] < c.loss[0], c.fqn
+    assert gptq in plan.fqn_to_config.values()
+    # the plan applies with calibration data (GPTQ then runs block by block on its layers) within the budget
+    q = quantize_(copy.deepcopy(model), plan, calibration_data=DATA)
+    qw = quantized_weights(q)
+    assert sum(v.storage_bytes() * 8 for v in qw.values()) <= 4.0 * sum(v.numel() for v in qw.values())
+    assert FqnToConfig.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+    # the measured sensitivity applies a layer's smallest candidate without data: a plain one, not GPTQ
+    with pytest.raises(ValueError, match="only GPTQConfig candidates can quantize"):
+        autoquant(model, 4.0, DATA, candidates=(gptq,), progress=False, sensitivity="kld")
+    scaled = []
+    autoquant(model, 4.0, DATA, candidates=cands, progress=False, report=scaled, sensitivity="kld")
+    assert all(s.loss[1] < s.loss[0] for s in scaled)
+
+
+def test_default_candidates_step_int3_between_3_and_4_bits():
+    from affineq.algorithms import ImportanceWeightedConfig
+    from affineq.autoquant import DEFAULT_CANDIDATES, FAST_RATIOS
+
+    int3 = [c for c in DEFAULT_CANDIDATES if isinstance(c, IntxWeightOnlyConfig) and c.weight_dtype == torch.int3]
+    assert sorted(c.granularity.group_size for c in int3) == [32, 64, 96, 128, 192]
+    weighted = [c for c in DEFAULT_CANDIDATES if isinstance(c, ImportanceWeightedConfig)]
+    assert all(c.importance is None and c.ratios == FAST_RATIOS for c in weighted)
+    # every plain candidate below 5 bits has an importance-weighted twin (int4 g32 and up: plain only)
+    assert {c.base_config for c in weighted} == {c for c in DEFAULT_CANDIDATES if not isinstance(
+        c, ImportanceWeightedConfig) and (c in int3 or getattr(c, "weight_dtype", None) == torch.int2 or (
+            isinstance(c, Int4WeightOnlyConfig) and c.group_size > 32))}
+    assert len(set(DEFAULT_CANDIDATES)) == len(DEFAULT_CANDIDATES)
+    # on the tiny model (widths 64 and 128) a group that does not divide the width is no choice; the others store
+    # 3 bits a weight plus 32 bits (bf16 scale and zero point) a group
+    report = []
+    plan = autoquant(tiny(), 3.5, DATA, progress=False, report=report)
+    for c in report:
+        k = tiny().get_submodule(c.fqn).in_features
+        for cand, bits in zip(DEFAULT_CANDIDATES, c.bits, strict=True):
+            if cand in int3:
+                g = cand.granularity.group_size
+                assert bits == (None if k % g else c.numel * 3 + c.numel // g * 32), (c.fqn, g)
+    bits, n = plan_bits(plan)
+    assert 3.3 * n < bits <= 3.5 * n
+
+
+def test_gptq_true_wraps_the_chosen_configs_in_gptq():
+    from affineq.algorithms import ImportanceWeightedConfig
+
+    cands = (CANDIDATES[0], ImportanceWeightedConfig(CANDIDATES[1], progress=False), CANDIDATES[2])
+    plain = autoquant(tiny(), 4.0, DATA, candidates=cands, progress=False, sensitivity="layer")
+    wrapped = autoquant(tiny(), 4.0, DATA, candidates=cands, progress=False, sensitivity="layer", gptq=True)
+    assert plain.fqn_to_config.keys() == wrapped.fqn_to_config.keys()
+    for fqn, c in plain.fqn_to_config.items():  # the same choice, GPTQ around the format it stores
+        assert wrapped.fqn_to_config[fqn] == GPTQConfig(getattr(c, "base_config", c), progress=False)
+    a = quantized_weights(quantize_(copy.deepcopy(tiny()), plain))
+    b = quantized_weights(quantize_(copy.deepcopy(tiny()), wrapped, calibration_data=DATA))
+    assert {k: v.storage_bytes() for k, v in a.items()} == {k: v.storage_bytes() for k, v in b.items()}
+    with pytest.raises(ValueError, match="gptq=1 must be True or False"):
+        autoquant(tiny(), 4.0, DATA, candidates=cands, progress=False, gptq=1)
