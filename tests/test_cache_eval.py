@@ -41,16 +41,32 @@ def test_score_float_cache_equals_the_model_forward():
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_score_quantized_cache_equals_decoding_step_by_step(kind):
     """Teacher forcing through the quantized cache = feeding the same tokens one decode step at a time: position t's
-    logits from one score() call against the logits of step t (the cache holds the same codes either way)."""
+    logits from one score() call against the logits of step t (the cache holds the same codes either way; with
+    ``first_write=1`` the first write is one token in both, so int4's key offset is the same: token 0's key)."""
     model = _llama()
     ids = _ids(24, seed=2)[None]
     with torch.inference_mode():
-        every = StaticDecoder(model, 1, 64, compile=False, kv_cache_dtype=kind).score(ids)[0]
+        every = StaticDecoder(model, 1, 64, compile=False, kv_cache_dtype=kind).score(ids, first_write=1)[0]
         dec = StaticDecoder(model, 1, 64, compile=False, kv_cache_dtype=kind)
         steps = torch.stack([dec.forward(ids[:, t:t + 1], torch.tensor([t]))[0] for t in range(24)])
         flt = StaticDecoder(model, 1, 64, compile=False).score(ids)[0]
+        one = StaticDecoder(model, 1, 64, compile=False, kv_cache_dtype=kind).score(ids)[0]
     torch.testing.assert_close(every, steps.float(), rtol=1e-4, atol=1e-4)
     assert (every - flt).abs().max() > 1e-4  # the cache is really quantized: not the float cache's logits
+    if kind == "int8":  # no offset: how the cache is written does not matter
+        torch.testing.assert_close(one, every, rtol=1e-4, atol=1e-4)
+    else:  # one write of 24 tokens: c = the mean of keys 1..23, other codes
+        assert (one - every).abs().max() > 1e-4
+
+
+def test_score_in_two_writes_equals_one_for_the_float_cache():
+    model = _llama()
+    ids = _ids(30, seed=4)[None]
+    with torch.inference_mode():
+        dec = StaticDecoder(model, 1, 64, compile=False)
+        torch.testing.assert_close(dec.score(ids, first_write=7), dec.score(ids), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="first_write must be None or an int >= 1"):
+        dec.score(ids, first_write=0)
 
 
 def test_kv_cache_perplexity_matches_cross_entropy_of_the_forward():
@@ -74,6 +90,8 @@ def test_kv_cache_perplexity_refuses_bad_input():
         kv_cache_perplexity(model, _ids(100)[None], 64)
     with pytest.raises(ValueError, match="window must be an int >= 2"):
         kv_cache_perplexity(model, _ids(100), 1)
+    with pytest.raises(ValueError, match="prompt_tokens must be an int >= 1"):
+        kv_cache_perplexity(model, _ids(100), 64, prompt_tokens=0)
     with pytest.raises(ValueError, match=r"ids must be \[1, S\]"):
         StaticDecoder(model, 1, 16, compile=False).score(_ids(20)[None])
 

@@ -118,6 +118,24 @@ def test_hadamard_rotation_is_orthonormal_and_keeps_attention_exact():
         hadamard_rotation(0)
 
 
+def test_key_offset_shifts_each_querys_logits_by_one_constant_and_keeps_attention_exact():
+    """Float, no quantization: keys minus a per-channel offset c (then rotated) give logits q . k - q . c (one
+    constant per query) and the same attention as the plain keys, to float32 rounding (1e-5 here, |c| ~ 14)."""
+    from affineq.models.kv_cache import hadamard_rotation
+
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(2, 2, 6, 64, generator=gen) for _ in range(3))
+    k[..., 23] -= 13.7  # an offset channel, as SmolLM2's keys have
+    c = k[:, :, 1:].mean(2, keepdim=True)  # [B, KVH, 1, D]
+    r = hadamard_rotation(64)
+    plain, shifted = q @ k.transpose(-1, -2) / 8, (q @ r) @ ((k - c) @ r).transpose(-1, -2) / 8
+    torch.testing.assert_close(plain - shifted, ((q @ c.transpose(-1, -2)) / 8).expand_as(plain), rtol=0,
+                               atol=1e-5)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    torch.testing.assert_close(sdpa(q @ r, (k - c) @ r, v, is_causal=True), sdpa(q, k, v, is_causal=True),
+                               rtol=0, atol=1e-5)
+
+
 def _case(kind: str, b=2, h=4, kvh=2, s=3, t=20, d=64, g=None, gv=None, dtype=torch.float32, seed=0):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(b, h, s, d, generator=gen).to(dtype)
@@ -246,8 +264,9 @@ def test_quantized_cache_prefill_is_the_float_attention_and_decode_reads_the_cod
 
 @pytest.mark.filterwarnings("ignore::affineq.KernelFallbackWarning")
 def test_int4_cache_attention_against_a_plain_pytorch_reference():
-    """The int4 cache (rotated keys, asymmetric groups of 16 / 32) against the same math written here in float64
-    from ``_ref_int4``: decode-step attention over 10 written slots, GQA, one pad slot."""
+    """The int4 cache (keys minus their offset c, rotated, asymmetric groups of 16 / 32) against the same math
+    written here in float64 from ``_ref_int4``: decode-step attention over 10 written slots, GQA, one pad slot.
+    c is the mean of the first write's keys but the first (slots 1..9); a later write keeps it."""
     from affineq.models.kv_cache import QuantizedKVCache, hadamard_rotation
 
     gen = torch.Generator().manual_seed(6)
@@ -259,14 +278,19 @@ def test_int4_cache_attention_against_a_plain_pytorch_reference():
     cache.write(0, torch.arange(10), k, v)
     valid = torch.ones(2, 16, dtype=torch.bool)
     valid[1, 0] = False
+    c = k.double()[:, :, 1:].mean(2, keepdim=True)
+    torch.testing.assert_close(cache.k_offset[0].double(), c, rtol=0, atol=1e-5)
+    assert abs(float(cache.k_offset[0][..., 3].mean()) - 8.0) < 1.0
+    cache.write(0, torch.tensor([10]), k[:, :, :1] + 5.0, v[:, :, :1])  # a later write: c stays
+    torch.testing.assert_close(cache.k_offset[0].double(), c, rtol=0, atol=1e-5)
     out = cache.attend(0, q, torch.tensor([9]), valid)
 
     def deq(x, g):
-        c, s, m = _ref_int4(x, g)
-        return (c.double().unflatten(-1, (-1, g)) * s[..., None] + m[..., None]).flatten(-2)
+        codes, s, m = _ref_int4(x, g)
+        return (codes.double().unflatten(-1, (-1, g)) * s[..., None] + m[..., None]).flatten(-2)
 
     r = hadamard_rotation(32).double()
-    kd, vd = deq(k.double() @ r, 16), deq(v, 32)
+    kd, vd = deq((k.double() - cache.k_offset[0].double()) @ r, 16), deq(v, 32)
     kd, vd = kd.repeat_interleave(2, 1), vd.repeat_interleave(2, 1)
     scores = (q.double() @ r) @ kd.transpose(-1, -2) / 32**0.5  # [2, 4, 1, 10]
     scores[1, :, :, 0] = float("-inf")
@@ -276,6 +300,9 @@ def test_int4_cache_attention_against_a_plain_pytorch_reference():
     flt = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
                                                            attn_mask=valid[:, None, None, :10])
     assert _sqnr(flt, out) > 18
+    # A new sequence (a write at slot 0) sets a new offset; a one-token first write takes that token's key.
+    cache.write(0, torch.tensor([0]), k[:, :, 4:5], v[:, :, 4:5])
+    torch.testing.assert_close(cache.k_offset[0], k[:, :, 4:5], rtol=0, atol=0)
 
 
 @pytest.mark.filterwarnings("ignore::affineq.KernelFallbackWarning")
@@ -287,10 +314,23 @@ def test_int4_cache_generate_eager_and_compiled():
     assert out.shape == (2, 17) and torch.equal(out[:, :10], ref[:, :10])  # prefill is the float attention
     comp = generate(model, ids, 8, ignore_eos=True, kv_cache_dtype="int4", cpp_wrapper=False, compile_prefill=True)
     assert torch.equal(comp, out)
+    # The compiled prefill's pad tail (slots 9..63 here) does not enter the key offset: the offset equals an
+    # unpadded prefill's (run eagerly through the same padded-prefill code).
+    with torch.inference_mode():
+        a, b = (StaticDecoder(model, 2, 64, compile=False, kv_cache_dtype="int4") for _ in range(2))
+        a.run_prefill(ids)
+        padded = torch.zeros(2, 64, dtype=torch.int64)
+        padded[:, :9] = ids
+        b.prefill(padded, torch.arange(64), torch.tensor([8]))
+    for x, y in zip(a.qcache.k_offset, b.qcache.k_offset, strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-5)
 
 
 @pytest.mark.filterwarnings("ignore::affineq.KernelFallbackWarning")
-def test_int8_cache_padded_batch_equals_each_prompt_alone():
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_cache_padded_batch_equals_each_prompt_alone(kind):
+    """Left-padded batch against each prompt alone: the same tokens; int4's key offset of each row comes from its
+    real tokens only (its first left out), as alone."""
     model = _llama(1)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(1, 128, (n,), generator=gen) for n in (4, 10)]
@@ -298,10 +338,21 @@ def test_int8_cache_padded_batch_equals_each_prompt_alone():
     mask = torch.zeros(2, 10, dtype=torch.int64)
     for i, p in enumerate(prompts):
         ids[i, 10 - len(p):], mask[i, 10 - len(p):] = p, 1
-    out = generate(model, ids, 12, attention_mask=mask, compile=False, ignore_eos=True, kv_cache_dtype="int8")
+    out = generate(model, ids, 12, attention_mask=mask, compile=False, ignore_eos=True, kv_cache_dtype=kind)
     for i, p in enumerate(prompts):
-        alone = generate(model, p[None], 12, compile=False, ignore_eos=True, kv_cache_dtype="int8")
+        alone = generate(model, p[None], 12, compile=False, ignore_eos=True, kv_cache_dtype=kind)
         assert torch.equal(out[i, 10 - len(p):], alone[0])
+    if kind == "int4":  # the offsets themselves, through the decoder's prefill
+        with torch.inference_mode():
+            dec = StaticDecoder(model, 2, 32, compile=False, kv_cache_dtype="int4")
+            dec.set_padding(mask)
+            dec.run_prefill(ids)
+            for i, p in enumerate(prompts):
+                one = StaticDecoder(model, 1, 32, compile=False, kv_cache_dtype="int4")
+                one.run_prefill(p[None])
+                torch.testing.assert_close(dec.qcache.k_offset[0][i], one.qcache.k_offset[0][0], rtol=0,
+                                           atol=1e-5)
+                assert float(one.qcache.k_offset[0].abs().max()) > 0.1
 
 
 def test_smollm2_int8_cache_tokens_equal_the_float_cache():

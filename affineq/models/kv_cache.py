@@ -14,6 +14,15 @@ of every key carry a large, nearly constant offset that sets the scale of their 
 them over every channel, the asymmetric groups take a per-group offset, and groups of 16 halve each step. Values
 need neither the rotation nor the smaller groups. Keys are quantized after the rotary embedding.
 
+int4 keys also lose a per-(layer, sequence, kv head, channel) offset c before the rotation: ``k' = (k - c) R``.
+Every key a query sees has the same c, so ``q . (k - c) = q . k - q . c`` shifts all of that query's logits by
+one constant and the softmax is unchanged in exact arithmetic: attention reads the codes as they are. c is the
+mean of the keys of the sequence's first write (a prompt's tokens; the first token, often an attention sink with
+unusual keys, is left out when the write has more than one real token; left padding and compiled prefill's pad
+tail are left out too: ``write``'s ``real``), fixed from then on (the codes already written depend on it). It
+takes away the large, nearly constant channels that otherwise set their groups' scale. Overhead: 4 * D bytes
+per layer, kv head and sequence (fp32), none per token.
+
 A prompt (``StaticDecoder`` prefill from slot 0) attends over its own float keys and values, as with a float
 cache, and writes their codes; decode steps and teacher-forced scoring (``StaticDecoder.score``) read the codes.
 
@@ -75,7 +84,7 @@ class QuantizedKVCache:
     """Per layer key and value codes [B, KVH, T, D] (int8) or [B, KVH, T, D / 2] (uint8 int4 nibbles) with their
     scales (int8: fp32 [B, KVH, T, D / G]; int4: float16 (scale, min) pairs [B, KVH, T, 2 * D / G], keys and
     values with their own G); formats in ``affineq.cpp.kv_attention``. int4 keys are stored rotated
-    (``rotation``, see the module docstring)."""
+    (``rotation``) after their offset ``k_offset`` is taken away (see the module docstring)."""
 
     def __init__(self, kind: str, layers: int, shape: tuple[int, int, int, int], group_size: int | None,
                  device: torch.device) -> None:
@@ -97,6 +106,8 @@ class QuantizedKVCache:
         self.k_scale = zeros((b, kvh, t, words * d // self.key_group), sdt)
         self.v_scale = zeros((b, kvh, t, words * d // self.value_group), sdt)
         self.rotation = hadamard_rotation(d).to(device) if kind == "int4" else None
+        #: int4: the key offset c [B, KVH, 1, D] fp32 per layer, set by each sequence's first write (slot 0).
+        self.k_offset = zeros((b, kvh, 1, d), torch.float32) if kind == "int4" else None
         self._quantize = kva.quantize_kv
         # Chosen here, not per call: the decode step is compiled, and the op (with its fake) is what it traces.
         self._attend = torch.ops.affineq.kv_attention if cpp.is_available() else kva.kv_attention_reference
@@ -107,10 +118,24 @@ class QuantizedKVCache:
                         for x in (self.k[0], self.k_scale[0], self.v[0], self.v_scale[0]))
         return len(self.k) * per_layer
 
-    def write(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Quantize keys / values [B, KVH, S, D] (keys after the rotary embedding) into the slots ``pos`` [S]."""
+    def write(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              real: torch.Tensor | None = None) -> None:
+        """Quantize keys / values [B, KVH, S, D] (keys after the rotary embedding) into the slots ``pos`` [S].
+
+        int4: a write that starts at slot 0 begins a sequence and sets the key offset c of each batch row to the
+        mean of its keys where ``real`` [B, S] (bool) is True; default: all S tokens but the first when S > 1 (a
+        one-token write: that token). Rows with no real token get c = 0. Other writes keep c."""
         if self.rotation is not None:
-            k = k.float() @ self.rotation
+            k = k.float()
+            if real is None:
+                real = torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device)
+                if k.shape[2] > 1:
+                    real[:, 0] = False
+            w = real.to(k.dtype)[:, None, :, None]  # [B, 1, S, 1]
+            mean = (k * w).sum(2, keepdim=True) / w.sum(2, keepdim=True).clamp_min(1.0)
+            off = self.k_offset[layer]
+            off.copy_(torch.where(pos[:1] == 0, mean, off))  # no host sync: the compiled step traces this too
+            k = (k - off) @ self.rotation
         for x, g, codes, scale in ((k, self.key_group, self.k[layer], self.k_scale[layer]),
                                    (v, self.value_group, self.v[layer], self.v_scale[layer])):
             c, s = self._quantize(x, self.kind, g)

@@ -394,17 +394,23 @@ class StaticDecoder:
         padded[:, :s] = ids
         return self.prefill(padded, torch.arange(p, device=dev), torch.tensor([s - 1], device=dev))
 
-    def score(self, ids: torch.Tensor) -> torch.Tensor:
+    def score(self, ids: torch.Tensor, first_write: int | None = None) -> torch.Tensor:
         """Teacher-forced logits [B, S, V] (fp32) of ids [B, S] from an empty cache (slots 0..S-1, no padding): the
         prediction at every position through the same cache code as decoding (for perplexity with a quantized
-        KV cache). Eager; S <= max_len."""
+        KV cache). Eager; S <= max_len. ``first_write``: the cache is written in two passes, the first
+        ``first_write`` tokens (as a prompt: they fix an int4 cache's key offset) and then the rest; None: one."""
         b, s = ids.shape
         if b != self.batch or not 0 < s <= self.max_len:
             raise ValueError(f"ids must be [{self.batch}, S] with 0 < S <= max_len {self.max_len}; got "
                              f"{tuple(ids.shape)}")
+        if first_write is not None and (not isinstance(first_write, int) or first_write < 1):
+            raise ValueError(f"first_write must be None or an int >= 1, got {first_write!r}")
         self.set_padding(None)
+        cuts = [0, s] if first_write is None or first_write >= s else [0, first_write, s]
+        pos = torch.arange(s, device=ids.device)
         with torch.inference_mode():
-            return self.forward(ids, torch.arange(s, device=ids.device), every_position=True).float()
+            return torch.cat([self.forward(ids[:, i:j], pos[i:j], every_position=True).float()
+                              for i, j in zip(cuts[:-1], cuts[1:], strict=True)], 1)
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, last: torch.Tensor | None = None,
                 every_position: bool = False, prompt: bool = False) -> torch.Tensor:
@@ -422,6 +428,13 @@ class StaticDecoder:
         tables = [(cos[rpos][:, None], sin[rpos][:, None]) for cos, sin in zip(self.cos, self.sin, strict=True)]
         float_prompt = prompt and self.qcache is not None
         masks = self._masks(pos, s, float_prompt)
+        real = None
+        if self.qcache is not None and self.qcache.k_offset is not None:
+            # The tokens whose keys set int4's key offset on a first write: not left padding, not the compiled
+            # prefill's pad tail, and not each row's first token when the row has another.
+            real = self.valid[:, pos] & ((pos <= last) if last is not None else True)
+            later = real & (pos[None, :] != self.shift)
+            real = torch.where(later.any(1, keepdim=True), later, real)
         for i, (layer, kc, vc) in enumerate(zip(a.layers, self.k, self.v, strict=True)):
             q, k, v = layer.qkv(layer.norm1(x))
             q, k = q.view(b, s, a.heads, a.head_dim), k.view(b, s, a.kv_heads, a.head_dim)
@@ -431,10 +444,10 @@ class StaticDecoder:
             q, k = _rotate(q.transpose(1, 2), cos, sin), _rotate(k.transpose(1, 2), cos, sin)
             v = v.view(b, s, a.kv_heads, a.head_dim).transpose(1, 2)
             if float_prompt:  # the prompt's own keys / values are slots 0..S-1: the float path over them
-                self.qcache.write(i, pos, k, v)
+                self.qcache.write(i, pos, k, v, real)
                 o = self._attend(q, k, v, pos, masks.get(layer.attn.window), layer.attn)
             elif self.qcache is not None:
-                self.qcache.write(i, pos, k, v)
+                self.qcache.write(i, pos, k, v, real)
                 o = self.qcache.attend(i, q * self.q_rescale[i], pos, self.valid, layer.attn.window)
             else:
                 kc.index_copy_(2, pos, k)
@@ -462,7 +475,9 @@ class StaticDecoder:
         end = int(pos[-1]) + 1 if not compiling else self.max_len
         out: dict[int | None, torch.Tensor] = {}
         base = (self.slots[None, None, :] <= pos[None, :, None]) & self.valid[:, None, :]
-        full = compiling or self.padded or (s > 1 and self.math)  # the eager formula has no is_causal
+        # The eager formula has no is_causal, and sdpa's is_causal aligns a block of queries that does not start
+        # at slot 0 (score's second write) to the wrong keys.
+        full = compiling or self.padded or (s > 1 and (self.math or int(pos[0]) > 0))
         if full:
             out[None] = base
         for w in self.windows:
