@@ -202,8 +202,8 @@ def test_cache_bytes_per_token():
     model = _llama()  # 2 layers, 2 kv heads, head_dim 32
     sizes = {kind: StaticDecoder(model, 1, 128, compile=False, kv_cache_dtype=kind).cache_bytes_per_token()
              for kind in (None, "int8", "int4")}
-    # int4: keys 16 code bytes + 4 groups of 8 x (scale, min) float16, values 16 + 1 group of 32: 52 per head.
-    assert sizes == {None: 2 * 2 * 2 * 32 * 4, "int8": 2 * 2 * 2 * (32 + 4), "int4": 2 * 2 * (16 + 16 + 16 + 4)}
+    # int4: keys 16 code bytes + 2 groups of 16 x (scale, min) float16, values 16 + 1 group of 32: 44 per head.
+    assert sizes == {None: 2 * 2 * 2 * 32 * 4, "int8": 2 * 2 * 2 * (32 + 4), "int4": 2 * 2 * (16 + 8 + 16 + 4)}
 
 
 def test_bad_kv_cache_dtype_names_the_options():
@@ -274,7 +274,7 @@ def test_int4_cache_attention_against_a_plain_pytorch_reference():
     k[..., 3] += 8.0  # an offset channel, as real keys have
     q = torch.randn(2, 4, 1, 32, generator=gen)
     cache = QuantizedKVCache("int4", 1, (2, 2, 16, 32), None, torch.device("cpu"))
-    assert (cache.key_group, cache.value_group) == (8, 32)
+    assert (cache.key_group, cache.value_group) == (16, 32)
     cache.write(0, torch.arange(10), k, v)
     valid = torch.ones(2, 16, dtype=torch.bool)
     valid[1, 0] = False
@@ -290,7 +290,7 @@ def test_int4_cache_attention_against_a_plain_pytorch_reference():
         return (codes.double().unflatten(-1, (-1, g)) * s[..., None] + m[..., None]).flatten(-2)
 
     r = hadamard_rotation(32).double()
-    kd, vd = deq((k.double() - cache.k_offset[0].double()) @ r, 8), deq(v, 32)
+    kd, vd = deq((k.double() - cache.k_offset[0].double()) @ r, 16), deq(v, 32)
     kd, vd = kd.repeat_interleave(2, 1), vd.repeat_interleave(2, 1)
     scores = (q.double() @ r) @ kd.transpose(-1, -2) / 32**0.5  # [2, 4, 1, 10]
     scores[1, :, :, 0] = float("-inf")
@@ -313,9 +313,7 @@ def test_int4_cache_generate_eager_and_compiled():
     ref = generate(model, ids, 8, compile=False, ignore_eos=True)
     assert out.shape == (2, 17) and torch.equal(out[:, :10], ref[:, :10])  # prefill is the float attention
     comp = generate(model, ids, 8, ignore_eos=True, kv_cache_dtype="int4", cpp_wrapper=False, compile_prefill=True)
-    # Compiled keys round differently from eager ones in the last bits, which can flip a 4-bit code and then a
-    # near-tie token of this random model a few steps in: the first decoded tokens must agree, all must be valid.
-    assert comp.shape == out.shape and torch.equal(comp[:, :12], out[:, :12])
+    assert torch.equal(comp, out)
     # The compiled prefill's pad tail (slots 9..63 here) does not enter the key offset: the offset equals an
     # unpadded prefill's (run eagerly through the same padded-prefill code).
     with torch.inference_mode():

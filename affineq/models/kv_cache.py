@@ -5,15 +5,14 @@ by attention directly (``affineq.cpp.kv_attention``), never expanded to a float 
 ``torch.int8`` / ``"int8"`` (symmetric, one fp32 scale per head and token by default, as llama.cpp ``-ctk q8_0``
 with a whole head per block; ``kv_group_size=32`` gives q8_0's blocks) and ``"int4"``.
 
-int4 (4-bit codes, asymmetric groups with float16 scale and min, as ``q4_1``): keys in groups of 8 along the head
+int4 (4-bit codes, asymmetric groups with float16 scale and min, as ``q4_1``): keys in groups of 16 along the head
 dimension, values in groups of 32 (``kv_group_size`` sets both), and the keys rotated first: ``k' = k R`` with R
 an orthonormal Hadamard matrix (``hadamard_rotation``), and every query ``q' = q R``, so ``q' . k' = q . k`` in
 exact arithmetic. Why (SmolLM2-135M, perplexity over 2048-token windows against the float cache): the loss is
 the keys' (values at 4 bits cost +0.1%, keys +18% with symmetric per-token groups of 32), because a few channels
 of every key carry a large, nearly constant offset that sets the scale of their whole group; the rotation spreads
-them over every channel, the asymmetric groups take a per-group offset, and small groups shrink each step (key
-groups of 16: +3.38%, of 8: +1.83%, with the offset below). Values need neither the rotation nor the smaller
-groups. Keys are quantized after the rotary embedding.
+them over every channel, the asymmetric groups take a per-group offset, and groups of 16 halve each step. Values
+need neither the rotation nor the smaller groups. Keys are quantized after the rotary embedding.
 
 int4 keys also lose a per-(layer, sequence, kv head, channel) offset c before the rotation: ``k' = (k - c) R``.
 Every key a query sees has the same c, so ``q . (k - c) = q . k - q . c`` shifts all of that query's logits by
@@ -28,7 +27,7 @@ A prompt (``StaticDecoder`` prefill from slot 0) attends over its own float keys
 cache, and writes their codes; decode steps and teacher-forced scoring (``StaticDecoder.score``) read the codes.
 
 Bytes per token and layer, for KVH kv heads of dimension D: int8 ``2 * KVH * (D + 4 * D / G)`` (G = D: ``2 * KVH
-* (D + 4)``); int4 ``KVH * (D + 4 * D / Gk + 4 * D / Gv)`` (Gk = 8, Gv = 32: ``KVH * 1.625 * D``).
+* (D + 4)``); int4 ``KVH * (D + 4 * D / Gk + 4 * D / Gv)`` (Gk = 16, Gv = 32: ``KVH * 1.375 * D``).
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ __all__ = ["KV_CACHE_DTYPES", "INT4_KEY_GROUP", "INT4_VALUE_GROUP", "kv_cache_ki
 
 KV_CACHE_DTYPES = ("None (model dtype)", "torch.int8", "'int8'", "'int4'")
 #: Default int4 group sizes along the head dimension (capped at the largest common divisor with it).
-INT4_KEY_GROUP, INT4_VALUE_GROUP = 8, 32
+INT4_KEY_GROUP, INT4_VALUE_GROUP = 16, 32
 
 
 def kv_cache_kind(kv_cache_dtype) -> str | None:
