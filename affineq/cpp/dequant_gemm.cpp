@@ -245,20 +245,10 @@ LowbitProblem weight_problem(const char* op, const at::Tensor& pk, const at::Ten
               ": packed must be a uint8 CPU tensor with ", n * ((k + 7) / 8) * bits, " elements (pack_codes output)");
   const int64_t G = k / group_size;
   const std::optional<at::Tensor> of_opt = of.defined() ? std::optional<at::Tensor>(of) : std::nullopt;
-  const bool e8m0 = check_qparams(op, sc, of_opt, bits, codes, code_offset, n, G);
+  check_qparams(op, sc, of_opt, bits, codes, code_offset, n, G);
   LowbitProblem p;
-  p.packed = pk.const_data_ptr<uint8_t>();
-  p.scale = sc.const_data_ptr();
-  p.offset = of.defined() ? of.const_data_ptr() : nullptr;
-  p.qparams_bf16 = sc.scalar_type() == at::kBFloat16;
-  p.qparams_f16 = sc.scalar_type() == at::kHalf;
-  p.qparams_e8m0 = e8m0;
-  p.code_offset = static_cast<int>(code_offset);
-  p.bits = static_cast<int>(bits);
-  p.codes = static_cast<int>(codes);
-  p.group_size = group_size;
-  p.n = n;
-  p.k = k;
+  set_weight(p, pk.const_data_ptr(), sc.const_data_ptr(), of.defined() ? of.const_data_ptr() : nullptr,
+             sc.scalar_type(), code_offset, bits, codes, group_size, n, k);
   return p;
 }
 

@@ -88,7 +88,7 @@ at::Tensor grouped_lowbit_linear_cpu(const at::Tensor& x, const at::Tensor& expe
               ", n, k // group_size] or None, got ", has_offset ? offset->sizes() : scale.sizes());
   const int64_t G = k / group_size;
   const std::optional<at::Tensor> off0 = has_offset ? std::optional<at::Tensor>((*offset)[0]) : std::nullopt;
-  const bool e8m0 = check_qparams(kOp, scale[0], off0, bits, codes, code_offset, n, G);
+  check_qparams(kOp, scale[0], off0, bits, codes, code_offset, n, G);
 
   // 1. Counting sort by expert (checks the range on the way).
   const at::Tensor ids = expert_ids.contiguous();
@@ -149,18 +149,9 @@ at::Tensor grouped_lowbit_linear_cpu(const at::Tensor& x, const at::Tensor& expe
       p.x = xf_base + it.row0 * K8;
       p.ldx = K8;
       p.m = it.rows;
-      p.packed = pk_base + (it.expert * n + it.col0) * row_bytes;
-      p.scale = sc_base + qp_off;
-      p.offset = has_offset ? of_base + qp_off : nullptr;
-      p.qparams_bf16 = sc.scalar_type() == at::kBFloat16;
-      p.qparams_f16 = sc.scalar_type() == at::kHalf;
-      p.qparams_e8m0 = e8m0;
-      p.code_offset = static_cast<int>(code_offset);
-      p.bits = static_cast<int>(bits);
-      p.codes = static_cast<int>(codes);
-      p.group_size = group_size;
-      p.n = it.cols;
-      p.k = k;
+      set_weight(p, pk_base + (it.expert * n + it.col0) * row_bytes, sc_base + qp_off,
+                 has_offset ? of_base + qp_off : nullptr, sc.scalar_type(), code_offset, bits, codes, group_size,
+                 it.cols, k);
       p.y = ys_base + it.row0 * n + it.col0;
       p.ldy = n;
       p.allow_int16_x = int16_x;

@@ -115,28 +115,34 @@ at::Tensor lowbit_linear_impl(const at::Tensor& x, const at::Tensor& packed, con
               packed.scalar_type(), " on ", packed.device());
   TORCH_CHECK(packed.numel() == packed_nbytes(n, k, bits), "affineq::lowbit_linear: packed must hold ",
               packed_nbytes(n, k, bits), " bytes for n=", n, ", k=", k, ", bits=", bits, ", got ", packed.numel());
-  const bool e8m0 = check_qparams("affineq::lowbit_linear", scale, offset, bits, codes, code_offset, n, k / group_size);
+  check_qparams("affineq::lowbit_linear", scale, offset, bits, codes, code_offset, n, k / group_size);
 
   const at::Tensor pk = packed.contiguous(), sc = scale.contiguous();
   const bool has_offset = offset.has_value() && offset->defined();
   const at::Tensor of = has_offset ? offset->contiguous() : at::Tensor();
   LowbitProblem p;
-  p.packed = pk.const_data_ptr<uint8_t>();
-  p.scale = sc.const_data_ptr();
-  p.offset = has_offset ? of.const_data_ptr() : nullptr;  // null: offset = scale * code_offset (0 for fp32)
-  p.qparams_bf16 = sc.scalar_type() == at::kBFloat16;
-  p.qparams_f16 = sc.scalar_type() == at::kHalf;
-  p.qparams_e8m0 = e8m0;
+  set_weight(p, pk.const_data_ptr(), sc.const_data_ptr(), has_offset ? of.const_data_ptr() : nullptr,
+             sc.scalar_type(), code_offset, bits, codes, group_size, n, k);
+  return run_weight_problem(x, p, path);
+}
+
+}  // namespace
+
+void set_weight(LowbitProblem& p, const void* packed, const void* scale, const void* offset, at::ScalarType qdtype,
+                int64_t code_offset, int64_t bits, int64_t codes, int64_t group_size, int64_t n, int64_t k) {
+  p.packed = static_cast<const uint8_t*>(packed);
+  p.scale = scale;
+  p.offset = offset;
+  p.qparams_bf16 = qdtype == at::kBFloat16;
+  p.qparams_f16 = qdtype == at::kHalf;
+  p.qparams_e8m0 = qdtype == at::kByte;
   p.code_offset = static_cast<int>(code_offset);
   p.bits = static_cast<int>(bits);
   p.codes = static_cast<int>(codes);
   p.group_size = group_size;
   p.n = n;
   p.k = k;
-  return run_weight_problem(x, p, path);
 }
-
-}  // namespace
 
 at::Tensor run_weight_problem(const at::Tensor& x, LowbitProblem p, int64_t path) {
   const int64_t n = p.n, k = p.k;

@@ -24,6 +24,11 @@ bool allow_int16_x(at::ScalarType xt);
 bool check_qparams(const char* op, const at::Tensor& scale, const std::optional<at::Tensor>& offset_opt,
                    int64_t bits, int64_t codes, int64_t code_offset, int64_t n, int64_t G);
 
+// The weight fields of p: packed codes, scale / offset (offset null: scale * code_offset) of dtype qdtype (float32,
+// bfloat16, float16 or uint8 e8m0), and the shape; x / y stay as they are.
+void set_weight(LowbitProblem& p, const void* packed, const void* scale, const void* offset, at::ScalarType qdtype,
+                int64_t code_offset, int64_t bits, int64_t codes, int64_t group_size, int64_t n, int64_t k);
+
 // The weight-only kernels (lowbit_linear_f32) on x [..., k] (float32 / bfloat16 / float16, CPU) for the weight
 // problem p (its x / y fields unset): x is padded to whole 8-column units; returns [..., n] in x's dtype. `path`
 // is lowbit_linear_f32's force_path.

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "lowbit_kernels.h"
+#include "op_checks.h"
 
 namespace affineq {
 namespace {
@@ -138,18 +139,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lowbit_rnn_layer_cpu(
 
   LowbitProblem p;
   p.ldx = H;
-  p.packed = pk.const_data_ptr<uint8_t>();
-  p.scale = sc.const_data_ptr();
-  p.offset = has_offset ? of.const_data_ptr() : nullptr;
-  p.qparams_bf16 = sc.scalar_type() == at::kBFloat16;
-  p.qparams_f16 = sc.scalar_type() == at::kHalf;
-  p.qparams_e8m0 = sc.scalar_type() == at::kByte;
-  p.code_offset = static_cast<int>(code_offset);
-  p.bits = static_cast<int>(bits);
-  p.codes = static_cast<int>(codes);
-  p.group_size = group_size;
-  p.n = n;
-  p.k = H;
+  set_weight(p, pk.const_data_ptr(), sc.const_data_ptr(), has_offset ? of.const_data_ptr() : nullptr,
+             sc.scalar_type(), code_offset, bits, codes, group_size, n, H);
   p.ldy = n;
   p.y = y.mutable_data_ptr<float>();
   float* hp = h.mutable_data_ptr<float>();
