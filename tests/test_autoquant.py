@@ -120,16 +120,21 @@ def test_a_candidate_that_cannot_take_a_layer_is_no_choice_there():
         assert plan.fqn_to_config[c.fqn] == cands[1 if c.fqn.endswith("down_proj") else 0]
 
 
-def test_loss_is_the_layer_output_error():
-    model, fqn = tiny(), "layers.1.mlp.down_proj"
-    layer = model.get_submodule(fqn)
+def _layer_inputs(model, layer) -> torch.Tensor:
+    """The rows [T, in_features] `layer` receives over DATA, in float64."""
     xs = []
     handle = layer.register_forward_pre_hook(lambda m, a: xs.append(a[0].reshape(-1, a[0].shape[-1])))
     with torch.no_grad():
         for item in DATA:
             model(item)
     handle.remove()
-    x = torch.cat(xs).double()
+    return torch.cat(xs).double()
+
+
+def test_loss_is_the_layer_output_error():
+    model, fqn = tiny(), "layers.1.mlp.down_proj"
+    layer = model.get_submodule(fqn)
+    x = _layer_inputs(model, layer)
     c = next(c for c in measured() if c.fqn == fqn)
     for cand, loss in zip(CANDIDATES, c.loss, strict=True):
         w = layer.weight.detach()
@@ -297,13 +302,7 @@ def test_gptq_candidates_are_measured_on_the_float_inputs_and_apply_with_calibra
     # float model's inputs (X: the rows it receives), as gptq_quantize computes it independently here
     fqn = "layers.1.mlp.down_proj"
     layer = model.get_submodule(fqn)
-    xs = []
-    handle = layer.register_forward_pre_hook(lambda m, a: xs.append(a[0].reshape(-1, a[0].shape[-1])))
-    with torch.no_grad():
-        for item in DATA:
-            model(item)
-    handle.remove()
-    x = torch.cat(xs).double()
+    x = _layer_inputs(model, layer)
     w = layer.weight.detach()
     aqt, _ = gptq_quantize(w, 2 * x.T @ x / x.shape[0], base.weight_spec(w, layer), base.qparam_options(),
                            act_order=True, static_groups=True, clip_search=True)

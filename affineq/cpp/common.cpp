@@ -88,29 +88,8 @@ void transpose_rows(const float* src, int64_t lds, int64_t rows, int64_t R, int6
   }
 }
 
-// One super-block's gpb scales (times mul) or offsets into out, from its sub-scale / min bytes and d, dmin.
-template <int KIND>
-AQ_INLINE void kq_block(bool offset, float mul, const uint8_t* b, const uint8_t* m, const uint16_t* sup, float* out) {
-  constexpr int64_t gpb = kSuperBlock / kq_group(KIND);
-  const auto sub_scale = [](uint8_t v) {  // the integer sub-scale of a byte, as a float
-    if constexpr (KIND == 2) return static_cast<float>(v & 15);
-    else if constexpr (KIND == 3) return static_cast<float>(static_cast<int>(v) - 32);
-    else if constexpr (KIND == 6) return static_cast<float>(static_cast<int8_t>(v));
-    else return static_cast<float>(v);
-  };
-  const float d = f16_to_float(sup[0]);
-  if (!offset) {
-    for (int64_t j = 0; j < gpb; ++j) out[j] = d * sub_scale(b[j]) * mul;
-  } else if constexpr (KIND == 3 || KIND == 6) {  // -2^(bits-1) * s, exact
-    for (int64_t j = 0; j < gpb; ++j) out[j] = (KIND == 3 ? -4.f : -32.f) * (d * sub_scale(b[j]));
-  } else {
-    const float dmin = f16_to_float(sup[1]);
-    for (int64_t j = 0; j < gpb; ++j) out[j] = -(dmin * static_cast<float>(KIND == 2 ? b[j] >> 4 : m[j]));
-  }
-}
-
 // The k-quant scales (offset=false, times mul) or offsets of rows [r0, r0 + rows) into t [rows, G], row-major:
-// kquant_decode.h's kq_qparam per sub-block, 16 sub-blocks per AVX-512 vector, else per super-block (kq_block).
+// kquant_decode.h's kq_block formulas, 16 sub-blocks per AVX-512 vector, else one super-block at a time.
 template <int KIND>
 void kq_rows(const LowbitProblem& p, bool offset, float mul, int64_t r0, int64_t rows, int64_t G, float* t) {
   constexpr int64_t ns = kq_supers(KIND), gpb = kSuperBlock / kq_group(KIND);

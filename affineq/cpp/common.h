@@ -56,8 +56,9 @@ inline int64_t qparam_row_bytes(const LowbitProblem& p, int64_t G) {
   return G * (p.qparams_e8m0 ? 1 : p.qparams_bf16 || p.qparams_f16 ? 2 : 4);
 }
 
-// dst[g * ldd + r] = qparam_at(r0 + r, g) (dispatch.cpp) for r < rows (zero up to R): the scales (offset=false,
-// times `mul`) or offsets of rows [r0, r0 + rows), transposed so 16 consecutive rows form one vector.
+// dst[g * ldd + r] = qparam_at(r0 + r, g) (dispatch.cpp; k-quant qparams: kquant_decode.h's kq_block) for
+// r < rows (zero up to R): the scales (offset=false, times `mul`) or offsets of rows [r0, r0 + rows), transposed
+// so 16 consecutive rows form one vector.
 void load_qparams(const LowbitProblem& p, bool offset, float mul, int64_t r0, int64_t rows, int64_t R, int64_t G,
                   float* dst, int64_t ldd);
 

@@ -52,16 +52,6 @@ constexpr bool kHasBf16Dot = false;
 // Element i of an [n, G] qparam array as the kernels use it: the fp32 scale times `mul`, or the fp32 offset
 // (for bf16 qparams: z - 2^(bits-1) * scale; without an offset array: scale * code_offset).
 AQ_INLINE float qparam_at(const LowbitProblem& p, bool offset, float mul, int64_t i) {
-  if (p.qparams_kquant) {  // element i's sub-scale (and min) byte and its super-block's d, dmin
-    const int64_t ns = kq_supers(p.qparams_kquant);
-    const int64_t blk = i / (kSuperBlock / p.group_size);  // super-blocks are row-aligned: k % 256 == 0
-    const uint8_t b = static_cast<const uint8_t*>(p.scale)[i];
-    const uint8_t m = p.offset != nullptr ? static_cast<const uint8_t*>(p.offset)[i] : 0;
-    float s, o;
-    kq_qparam(p.qparams_kquant, b, m, f16_to_float(p.kq_super[blk * ns]),
-              ns == 2 ? f16_to_float(p.kq_super[blk * ns + 1]) : 0.f, s, o);
-    return offset ? o : s * mul;
-  }
   if (offset && p.offset == nullptr)
     return p.code_offset == 0 ? 0.f : qparam_at(p, false, static_cast<float>(p.code_offset), i);
   if (p.qparams_e8m0) return e8m0_to_float(static_cast<const uint8_t*>(p.scale)[i]) * mul;

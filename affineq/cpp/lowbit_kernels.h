@@ -33,7 +33,8 @@ struct LowbitProblem {
   // k-quant qparams (2..6 for q2_k .. q6_k; kquant_decode.h): scale holds the sub-scale bytes [n, k / group_size]
   // (group_size the sub-block: 32 or 16), offset the min bytes (q4_k / q5_k; null otherwise), kq_super the fp16 d
   // (and dmin) of each super-block [n, k / 256, 1 or 2]; per group W = (d * sc_j) * u - dmin * m_j, or
-  // (d * sc_j) * (u - 2^(bits-1)) for the signed kinds. 0: not k-quant.
+  // (d * sc_j) * (u - 2^(bits-1)) for the signed kinds (the kernels only: dequantize_f32 takes no k-quant).
+  // 0: not k-quant.
   int qparams_kquant = 0;
   const uint16_t* kq_super = nullptr;
   int bits;                // 1..8

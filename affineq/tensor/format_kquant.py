@@ -49,7 +49,6 @@ __all__ = ["KQUANT_TYPES", "KQuantType", "SUPER_BLOCK", "dense_tensors", "from_b
 
 SUPER_BLOCK = 256
 
-Decoded = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # u uint8 [B, 256], scale, offset fp32 [B, 256 / g]
 
 
 def _f16(b: torch.Tensor, at: int) -> torch.Tensor:
@@ -178,10 +177,6 @@ class KQuantType:
         """The header bytes [B, header] of blocks [B, type_size]."""
         return torch.cat([blocks[:, a:b] for a, b in self.header], 1)
 
-    def decode(self, blocks: torch.Tensor) -> Decoded:
-        """(u uint8 [B, 256], scale, offset fp32 [B, 256 / group]) of blocks [B, type_size]."""
-        return (self.codes(blocks), *self.qparams(*self.parts(self.headers(blocks))))
-
 
 KQUANT_TYPES: dict[str, KQuantType] = {t.name: t for t in (
     KQuantType("q2_k", 84, 16, "uint2", 0, 3, ((0, 16), (80, 84)), _q2_k_codes, _q2_k_parts, _q2_k_qparams),
@@ -204,10 +199,9 @@ def from_blocks(name: str, blocks) -> dict[str, torch.Tensor]:
     k, j = nb * SUPER_BLOCK, SUPER_BLOCK // t.group
     out = {"qdata": torch.empty(n, k // 8 * t.bits, dtype=torch.uint8),
            "scales": torch.empty(n, nb * j, dtype=torch.uint8),
-           "mins": torch.empty(n, nb * j, dtype=torch.uint8),
            "d": torch.empty(n, nb * t.supers, dtype=torch.float16)}
-    if not t.has_mins:
-        del out["mins"]
+    if t.has_mins:
+        out["mins"] = torch.empty(n, nb * j, dtype=torch.uint8)
     for r in range(0, n, _CHUNK_ROWS):
         chunk = blocks[r:r + _CHUNK_ROWS]
         b = (chunk if isinstance(chunk, torch.Tensor) else torch.from_numpy(chunk.copy())).reshape(-1, t.type_size)
