@@ -180,6 +180,52 @@ def test_lowbit_linear_multi_panel_shapes(bits: int, gs: int) -> None:
             _assert_close(out, exact, torch.float32, f"path {path} m={m}")
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_gemm_paths_share_tiles_and_rows(threads: int) -> None:
+    # The GEMM paths hand each thread a block of 32-column tiles, or (tiles that do not share evenly: 9 tiles on
+    # 2 threads, 5 on 3) all tiles of a part of the rows: row parts that start mid-pass, a partial last tile,
+    # row counts that are not multiples of the micro-tiles, bf16 x written straight to a bf16 y.
+    _needs_kernels()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n, k, gs in [(288, 96, 32), (16 * 9 + 3, 64, 64), (150, 40, 8), (32 * 6, 48, 16)]:
+            codes, packed, scale, offset = _problem(4, n, k, gs)
+            w = K._dequantize(packed, scale, offset, 4, gs, n, k)
+            for m in (47, 131, 509):
+                for dtype in (torch.float32, torch.bfloat16):
+                    x = torch.randn(m, k).to(dtype)
+                    exact = _exact(x, codes, scale, offset, gs)
+                    for path in (2, 3, 4):
+                        out = torch.ops.affineq_cpp.lowbit_linear_path(x, packed, scale, offset, 4, gs, n, k, 0,
+                                                                       path)
+                        _assert_close(out, _reference(x, path, gs, 0, exact, w), dtype,
+                                      f"{threads} threads path {path} {dtype} {n}x{k} m={m}")
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_bf16_path_output_nan_is_torchs() -> None:
+    # The bf16 GEMM writes its bf16 output itself: a NaN comes out as torch's float -> bf16 NaN (0x7FC0), finite
+    # values as the fp32 result rounded to nearest even once.
+    _needs_kernels()
+    n, k, gs = 64, 64, 32
+    codes, packed, scale, offset = _problem(4, n, k, gs)
+    x = torch.randn(40, k).bfloat16()
+    x[3, 5] = float("nan")
+    x[7, 0] = float("-inf")
+    if torch.ops.affineq_cpp.lowbit_path_for(x, gs, 0, 4) != 4:
+        pytest.skip("no AVX512-BF16: the bf16 dot path does not run on this CPU")
+    out = torch.ops.affineq_cpp.lowbit_linear_path(x, packed, scale, offset, 4, gs, n, k, 0, 4)
+    w = K._dequantize(packed, scale, offset, 4, gs, n, k).bfloat16()
+    ref = x.double() @ w.double().T
+    nan = ref.isnan()
+    assert bool(nan[3].all()) and torch.equal(out.isnan(), nan)
+    assert bool((out.view(torch.int16)[nan] == 0x7FC0).all())
+    assert torch.equal(out[7].isinf(), ref[7].isinf()) and torch.equal(out[7].signbit(), ref[7].signbit())
+    rows = [i for i in range(x.shape[0]) if i not in (3, 7)]
+    _assert_close(out[rows], ref[rows], torch.bfloat16, "finite rows")
+
 @pytest.mark.parametrize("bits", [3, 4, 8])
 @pytest.mark.parametrize("qdtype,with_offset", [(torch.float16, True), (torch.float16, False),
                                                 (torch.bfloat16, False)])

@@ -117,10 +117,42 @@ inline constexpr int64_t kNCB = 8;   // micro-tiles dequantized together per k-s
 // Rows of x per pass. Accumulators live in a dense [kMC x 32] buffer per micro-tile rather than in y, whose
 // row stride (often 16 KiB) would make all rows alias to the same cache sets.
 inline constexpr int64_t kMC = 240;
-// Rows per pass for m rows: at most kMC, split evenly (a multiple of `mult`) so no pass is a small remainder.
-inline int64_t row_chunk(int64_t m, int64_t mult) {
-  const int64_t passes = (m + kMC - 1) / kMC;
-  return std::min(kMC, ((m + passes - 1) / passes + mult - 1) / mult * mult);
+// Rows per pass for m rows: at most `cap`, split evenly (a multiple of `mult`) so no pass is a small remainder.
+inline int64_t row_chunk(int64_t m, int64_t mult, int64_t cap = kMC) {
+  const int64_t passes = (m + cap - 1) / cap;
+  return std::min(cap, ((m + passes - 1) / passes + mult - 1) / mult * mult);
+}
+
+// How a tiled GEMM path (2, 3, 4) shares its work among the threads: the N tiles in `nblocks` blocks of at most
+// kNCB tiles (sizes differing by at most one), times `mparts` parts of the M rows (multiples of `mult`). Items
+// are numbered row-part-major, so at::parallel_for's contiguous runs give each thread about ntiles / threads
+// tiles, or all tiles of its own rows. Rows are split only when the tiles cannot be shared evenly (9 tiles on 2
+// threads: 5 against 4), since each row part decodes its tiles again.
+struct GemmSplit {
+  int64_t ntiles, nblocks, mparts, rows_per_part, M;
+  int64_t items() const { return nblocks * mparts; }
+  int64_t block(int64_t item) const { return item % nblocks; }
+  int64_t tile0(int64_t item) const { return block(item) * ntiles / nblocks; }
+  int64_t tiles(int64_t item) const { return (block(item) + 1) * ntiles / nblocks - tile0(item); }
+  int64_t row0(int64_t item) const { return std::min(M, (item / nblocks) * rows_per_part); }
+  int64_t row1(int64_t item) const { return std::min(M, (item / nblocks + 1) * rows_per_part); }
+};
+
+inline GemmSplit split_gemm(int64_t ntiles, int64_t M, int64_t mult) {
+  // Nested in another parallel loop (grouped.cpp), the items run on the calling thread alone.
+  const int64_t T = at::in_parallel_region() ? 1 : std::max<int64_t>(1, at::get_num_threads());
+  GemmSplit s{ntiles, 1, 1, M, M};
+  // Tiles per thread of the busiest thread against the mean: even shares, or split the rows as well.
+  const bool uneven = ntiles % T != 0 && 10 * ((ntiles + T - 1) / T) * T > 11 * ntiles;
+  if (T > 1 && uneven && M >= 2 * mult * T) {
+    s.mparts = T;
+    s.rows_per_part = ((M + T - 1) / T + mult - 1) / mult * mult;
+    s.nblocks = (ntiles + kNCB - 1) / kNCB;
+  } else {
+    s.nblocks = std::min(ntiles, T * ((ntiles + T * kNCB - 1) / (T * kNCB)));
+  }
+  s.nblocks = std::max<int64_t>(1, s.nblocks);
+  return s;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -52,38 +52,17 @@ void dequant_bf16_pairs(const uint8_t* const* pan, const float* sT, const float*
   }
 }
 
-// xp[((m / kBMR) * K2 + kp) * kBMR + m % kBMR] = x[m, 2 kp] | x[m, 2 kp + 1] << 16 (bf16 bits; padding rows 0)
-void pack_x_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t K2, uint32_t* xp) {
-  const int64_t nmb = (M + kBMR - 1) / kBMR;
-  at::parallel_for(0, nmb, grain_for(kBMR * K2 * 64), [&](int64_t mb0, int64_t mb1) {
-    for (int64_t mb = mb0; mb < mb1; ++mb) {
-      uint32_t* dst = xp + mb * K2 * kBMR;
-      for (int r = 0; r < kBMR; ++r) {
-        const int64_t m = mb * kBMR + r;
-        if (m >= M) {
-          for (int64_t kp = 0; kp < K2; ++kp) dst[kp * kBMR + r] = 0;
-          continue;
-        }
-        const uint16_t* row = x + m * ldx;
-        for (int64_t kp = 0; kp < K2; ++kp) {
-          uint32_t pair;
-          std::memcpy(&pair, row + 2 * kp, sizeof(pair));
-          dst[kp * kBMR + r] = pair;
-        }
-      }
-    }
-  });
-}
-
 #if defined(__GNUC__)
 #define AQ_DPBF16(acc, a, b) __asm__("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b))
 #else
 #define AQ_DPBF16(acc, a, b) (acc) = _mm512_dpbf16_ps((acc), (__m512bh)(a), (__m512bh)(b))
 #endif
 #define AQ_B_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
-// c[MR x 32] (+)= x[MR x 2 kc2] @ w[2 kc2 x 32]; c is a dense accumulator tile with row stride 32.
+// c[MR x 32] (+)= x[MR x 2 kc2] @ w[2 kc2 x 32]; c is a dense accumulator tile with row stride 32. x is read in
+// place: row i's k-pair kp is the 32-bit word x[i * ldx2 + kp] of the row-major bf16 x (no packed copy), addressed
+// from four row pointers and one stride so the loop needs few registers.
 template <int MR>
-void bmicro(const uint32_t* xp, const uint32_t* w, int64_t kc2, float* c, bool init) {
+void bmicro(const uint32_t* x, int64_t ldx2, const uint32_t* w, int64_t kc2, float* c, bool init) {
   static_assert(MR >= 1 && MR <= kBMR, "bmicro handles up to kBMR rows");
 #define AQ_DECL(i)                                                            \
   __m512 acc##i##0 = _mm512_setzero_ps(), acc##i##1 = _mm512_setzero_ps();    \
@@ -95,14 +74,15 @@ void bmicro(const uint32_t* xp, const uint32_t* w, int64_t kc2, float* c, bool i
   }
   AQ_B_ROWS(AQ_DECL)
 #undef AQ_DECL
+  const uint32_t* xr[4] = {x, x + 3 * ldx2, x + 6 * ldx2, x + 9 * ldx2};
 #pragma GCC unroll 2
-  for (int64_t kp = 0; kp < kc2; ++kp, w += 32, xp += kBMR) {
+  for (int64_t kp = 0; kp < kc2; ++kp, w += 32) {
     const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 16);
-#define AQ_STEP(i)                                            \
-  if constexpr (MR > i) {                                     \
-    const __m512i xv = _mm512_set1_epi32(static_cast<int>(xp[i])); \
-    AQ_DPBF16(acc##i##0, xv, w0);                             \
-    AQ_DPBF16(acc##i##1, xv, w1);                             \
+#define AQ_STEP(i)                                                                                       \
+  if constexpr (MR > i) {                                                                                \
+    const __m512i xv = _mm512_set1_epi32(static_cast<int>(xr[(i) / 3][((i) % 3) * ldx2 + kp]));          \
+    AQ_DPBF16(acc##i##0, xv, w0);                                                                        \
+    AQ_DPBF16(acc##i##1, xv, w1);                                                                        \
   }
     AQ_B_ROWS(AQ_STEP)
 #undef AQ_STEP
@@ -117,40 +97,57 @@ void bmicro(const uint32_t* xp, const uint32_t* w, int64_t kc2, float* c, bool i
 }
 #undef AQ_B_ROWS
 
-using BMicroFn = void (*)(const uint32_t*, const uint32_t*, int64_t, float*, bool);
+using BMicroFn = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, float*, bool);
 template <int... Is>
 constexpr std::array<BMicroFn, sizeof...(Is)> bmicro_table(std::integer_sequence<int, Is...>) {
   return {&bmicro<Is + 1>...};
 }
 constexpr auto kBMicro = bmicro_table(std::make_integer_sequence<int, kBMR>{});
 
+int64_t bf16_row_cap() {
+  static const int64_t cap = [] {
+    const char* e = std::getenv("AQ_BMC");
+    return e ? std::atoll(e) : kMC;
+  }();
+  return cap;
+}
+
+// y[m, c] = bf16(cbuf[m * 32 + c]) for c < cols: torch's float -> bf16 (nearest even; every NaN as 0x7FC0).
+void store_tile_bf16(const float* cbuf, int64_t rows, int64_t cols, uint16_t* y, int64_t ldy) {
+  const __m512i qnan = _mm512_set1_epi16(0x7FC0);
+  for (int64_t m = 0; m < rows; ++m) {
+    const __m512 lo = _mm512_loadu_ps(cbuf + m * 32), hi = _mm512_loadu_ps(cbuf + m * 32 + 16);
+    __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
+    const __mmask32 nan = static_cast<__mmask32>(_mm512_cmp_ps_mask(lo, lo, _CMP_UNORD_Q)) |
+                          static_cast<__mmask32>(_mm512_cmp_ps_mask(hi, hi, _CMP_UNORD_Q)) << 16;
+    both = _mm512_mask_mov_epi16(both, nan, qnan);
+    _mm512_mask_storeu_epi16(y + m * ldy, static_cast<__mmask32>((uint64_t{1} << cols) - 1), both);
+  }
+}
+
 }  // namespace
 
 template <int B>
 void bgemm_path(const Ctx& c) {
   const LowbitProblem& pr = *c.p;
-  const int64_t G = c.G, M = c.M, K8 = c.K8, K2 = K8 / 2;
-  const int64_t nmb = (M + kBMR - 1) / kBMR;
-  uint32_t* xp = tl_xcall.get<uint32_t>(nmb * K2 * kBMR);
-  pack_x_bf16(pr.x_bf16, pr.ldx, M, K2, xp);
+  const int64_t G = c.G, M = c.M, K8 = c.K8;
+  const uint32_t* xw = reinterpret_cast<const uint32_t*>(pr.x_bf16);  // k-pairs of x (ldx and K8 are even)
+  const int64_t ldx2 = pr.ldx / 2;
   const std::vector<int32_t> kg = group_of_k(pr, K8, G);
   constexpr int64_t TW = 32;
-  const int64_t ntiles = (c.npan + 1) / 2;
-  const int64_t nthreads = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t ncb = std::max<int64_t>(1, std::min<int64_t>(kNCB, (ntiles + nthreads - 1) / nthreads));
-  const int64_t nblocks = (ntiles + ncb - 1) / ncb;
-  at::parallel_for(0, nblocks, grain_for(ncb * TW * K8 * M), [&](int64_t b0, int64_t b1) {
-    for (int64_t blk = b0; blk < b1; ++blk) {
-      const int64_t t0 = blk * ncb, nt = std::min(ncb, ntiles - t0);
+  const GemmSplit sp = split_gemm((c.npan + 1) / 2, M, kBMR);
+  at::parallel_for(0, sp.items(), 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t it = i0; it < i1; ++it) {
+      const int64_t t0 = sp.tile0(it), nt = sp.tiles(it), mlo = sp.row0(it), mhi = sp.row1(it);
       const int64_t R = nt * TW, r0 = t0 * TW, rows = std::min(R, c.N - r0);
       float *sT, *oT;
       load_tile_qparams(pr, code_scale(B), r0, rows, R, G, sT, oT);
       const uint8_t* pan[2 * kNCB];
       for (int64_t q = 0; q < nt * 2; ++q) pan[q] = panel_ptr(c, t0 * 2 + q);
       uint32_t* wb = tl_wbuf.get<uint32_t>(kKC / 2 * TW);
-      const int64_t mcs = row_chunk(M, kBMR);
-      for (int64_t mc0 = 0; mc0 < M; mc0 += mcs) {
-        const int64_t mc = std::min(mcs, M - mc0);
+      const int64_t mcs = row_chunk(mhi - mlo, kBMR, bf16_row_cap());
+      for (int64_t mc0 = mlo; mc0 < mhi; mc0 += mcs) {
+        const int64_t mc = std::min(mcs, mhi - mc0);
         float* cbuf = tl_cbuf.get<float>(nt * mc * TW);
         for (int64_t k0 = 0; k0 < K8; k0 += kKC) {
           const int64_t kc = std::min(kKC, K8 - k0);
@@ -163,14 +160,15 @@ void bgemm_path(const Ctx& c) {
               prefetch_units(pan, 2, (k0 + kc) / 8, std::min(kKC, K8 - k0 - kc) / 8, c.B);
             for (int64_t m0 = mc0; m0 < mc0 + mc; m0 += kBMR) {
               const BMicroFn fn = kBMicro[std::min<int64_t>(kBMR, mc0 + mc - m0) - 1];
-              fn(xp + (m0 / kBMR) * K2 * kBMR + (k0 / 2) * kBMR, wb, kc / 2, cbuf + (t * mc + (m0 - mc0)) * TW,
-                 k0 == 0);
+              fn(xw + m0 * ldx2 + k0 / 2, ldx2, wb, kc / 2, cbuf + (t * mc + (m0 - mc0)) * TW, k0 == 0);
             }
           }
         }
-        for (int64_t t = 0; t < nt && t * TW < rows; ++t)
-          store_tile(cbuf + t * mc * TW, TW, mc, std::min(TW, rows - t * TW), pr.y + mc0 * pr.ldy + r0 + t * TW,
-                     pr.ldy);
+        for (int64_t t = 0; t < nt && t * TW < rows; ++t) {
+          const int64_t cols = std::min(TW, rows - t * TW), y0 = mc0 * pr.ldy + r0 + t * TW;
+          if (pr.y_bf16 != nullptr) store_tile_bf16(cbuf + t * mc * TW, mc, cols, pr.y_bf16 + y0, pr.ldy);
+          else store_tile(cbuf + t * mc * TW, TW, mc, cols, pr.y + y0, pr.ldy);
+        }
       }
     }
   });

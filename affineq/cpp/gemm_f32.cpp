@@ -94,22 +94,19 @@ void gemm_path(const Ctx& c) {
   const int64_t G = c.G, M = c.M, K8 = c.K8;
   constexpr int64_t TW = 16 * kNP;  // columns per micro-tile
   const std::vector<int32_t> kg = group_of_k(pr, K8, G);
-  const int64_t ntiles = (c.npan + kNP - 1) / kNP;
-  const int64_t nthreads = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t ncb = std::max<int64_t>(1, std::min<int64_t>(kNCB, (ntiles + nthreads - 1) / nthreads));
-  const int64_t nblocks = (ntiles + ncb - 1) / ncb;
-  at::parallel_for(0, nblocks, grain_for(ncb * TW * K8 * M), [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t t0 = b * ncb, nt = std::min(ncb, ntiles - t0);
+  const GemmSplit sp = split_gemm((c.npan + kNP - 1) / kNP, M, kMR);
+  at::parallel_for(0, sp.items(), 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t it = i0; it < i1; ++it) {
+      const int64_t t0 = sp.tile0(it), nt = sp.tiles(it), mlo = sp.row0(it), mhi = sp.row1(it);
       const int64_t R = nt * TW, r0 = t0 * TW, rows = std::min(R, c.N - r0);
       float *sT, *oT;
       load_tile_qparams(pr, code_scale(B), r0, rows, R, G, sT, oT);
       std::vector<const uint8_t*> pan(static_cast<size_t>(nt * kNP));
       for (int64_t q = 0; q < nt * kNP; ++q) pan[q] = panel_ptr(c, t0 * kNP + q);
       float* wbuf = tl_wbuf.get<float>(nt * kKC * TW);
-      const int64_t mcs = row_chunk(M, kMR);
-      for (int64_t mc0 = 0; mc0 < M; mc0 += mcs) {
-        const int64_t mc = std::min(mcs, M - mc0);
+      const int64_t mcs = row_chunk(mhi - mlo, kMR);
+      for (int64_t mc0 = mlo; mc0 < mhi; mc0 += mcs) {
+        const int64_t mc = std::min(mcs, mhi - mc0);
         float* cbuf = tl_cbuf.get<float>(nt * mc * TW);
         for (int64_t k0 = 0; k0 < K8; k0 += kKC) {
           const int64_t kc = std::min(kKC, K8 - k0);

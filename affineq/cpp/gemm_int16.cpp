@@ -219,13 +219,10 @@ void qgemm_path(const Ctx& c) {
   float* xs = tl_xscall.get<float>(M * G);
   quantize_x16(pr.x, pr.ldx, M, K, qb, gs, xp, sx, xs);
   constexpr int64_t TW = 32;
-  const int64_t ntiles = (c.npan + 1) / 2;
-  const int64_t nthreads = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t ncb = std::max<int64_t>(1, std::min<int64_t>(kNCB, (ntiles + nthreads - 1) / nthreads));
-  const int64_t nblocks = (ntiles + ncb - 1) / ncb;
-  at::parallel_for(0, nblocks, grain_for(ncb * TW * K * M), [&](int64_t b0, int64_t b1) {
-    for (int64_t blk = b0; blk < b1; ++blk) {
-      const int64_t t0 = blk * ncb, nt = std::min(ncb, ntiles - t0);
+  const GemmSplit sp = split_gemm((c.npan + 1) / 2, M, kQMR);
+  at::parallel_for(0, sp.items(), 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t it = i0; it < i1; ++it) {
+      const int64_t t0 = sp.tile0(it), nt = sp.tiles(it), mlo = sp.row0(it), mhi = sp.row1(it);
       const int64_t R = nt * TW, r0 = t0 * TW, rows = std::min(R, c.N - r0);
       float* sT = tl_scale.get<float>(G * R);
       float* oT = tl_offset.get<float>(G * R);
@@ -234,9 +231,9 @@ void qgemm_path(const Ctx& c) {
       const uint8_t* pan[2 * kNCB];
       for (int64_t q = 0; q < nt * 2; ++q) pan[q] = panel_ptr(c, t0 * 2 + q);
       int32_t* ibuf = tl_wbuf.get<int32_t>(kcq * 16);
-      const int64_t mcs = row_chunk(M, kQMR);  // a multiple of kQMR: passes start on row-block boundaries
-      for (int64_t mc0 = 0; mc0 < M; mc0 += mcs) {
-        const int64_t mc = std::min(mcs, M - mc0);
+      const int64_t mcs = row_chunk(mhi - mlo, kQMR);  // a multiple of kQMR: passes start on row-block boundaries
+      for (int64_t mc0 = mlo; mc0 < mhi; mc0 += mcs) {
+        const int64_t mc = std::min(mcs, mhi - mc0);
         float* cbuf = tl_cbuf.get<float>(nt * mc * TW);
         for (int64_t k0 = 0; k0 < K; k0 += kcq) {
           const int64_t kc = std::min(kcq, K - k0);

@@ -150,31 +150,30 @@ at::Tensor run_weight_problem(const at::Tensor& x, LowbitProblem p, int64_t path
   const at::Tensor x2 = x.reshape({-1, k});
   const int64_t M = x2.size(0);
   const int64_t K8 = (k + 7) / 8 * 8;
-  at::Tensor xf;
-  if (K8 == k) {
-    xf = x2.to(at::kFloat).contiguous();
-  } else {  // the kernels read whole 8-column units: zero-pad x instead of special-casing the tail
-    xf = at::zeros({M, K8}, x2.options().dtype(at::kFloat));
-    xf.narrow(1, 0, k).copy_(x2);
-  }
-  at::Tensor xb;  // bf16 x as given (zero-padded like xf) for the bf16 dot-product path
+  // The kernels read whole 8-column units: x is zero-padded to K8 columns instead of special-casing the tail.
+  const auto padded = [&](at::ScalarType dt) {
+    if (K8 == k) return x2.to(dt).contiguous();
+    at::Tensor t = at::zeros({M, K8}, x2.options().dtype(dt));
+    t.narrow(1, 0, k).copy_(x2);
+    return t;
+  };
+  at::Tensor xb;  // bf16 x as given, for the bf16 dot-product path
   if (xt == at::kBFloat16) {
-    if (K8 == k) {
-      xb = x2.contiguous();
-    } else {
-      xb = at::zeros({M, K8}, x2.options());
-      xb.narrow(1, 0, k).copy_(x2);
-    }
+    xb = padded(at::kBFloat16);
+    p.x_bf16 = reinterpret_cast<const uint16_t*>(xb.const_data_ptr());
   }
-  at::Tensor y = at::empty({M, n}, xf.options());
+  p.m = M;
+  p.ldx = K8;
+  p.allow_int16_x = allow_int16_x(xt);
+  // The bf16 path reads only x_bf16 and writes y in bf16: no fp32 copy of x or y for it.
+  const bool bf16_path = lowbit_path(p, static_cast<int>(path)) == 4;
+  const at::Tensor xf = bf16_path ? at::Tensor() : padded(at::kFloat);
+  at::Tensor y = at::empty({M, n}, x2.options().dtype(bf16_path ? at::kBFloat16 : at::kFloat));
   if (M > 0 && n > 0) {
-    p.x = xf.const_data_ptr<float>();
-    p.ldx = K8;
-    p.m = M;
-    p.y = y.mutable_data_ptr<float>();
+    p.x = xf.defined() ? xf.const_data_ptr<float>() : nullptr;
+    if (bf16_path) p.y_bf16 = reinterpret_cast<uint16_t*>(y.mutable_data_ptr());
+    else p.y = y.mutable_data_ptr<float>();
     p.ldy = n;
-    p.allow_int16_x = allow_int16_x(xt);
-    if (xb.defined()) p.x_bf16 = reinterpret_cast<const uint16_t*>(xb.const_data_ptr());
     lowbit_linear_f32(p, static_cast<int>(path));
   }
   std::vector<int64_t> out_sizes = x.sizes().vec();
