@@ -117,10 +117,10 @@ inline constexpr int64_t kNCB = 8;   // micro-tiles dequantized together per k-s
 // Rows of x per pass. Accumulators live in a dense [kMC x 32] buffer per micro-tile rather than in y, whose
 // row stride (often 16 KiB) would make all rows alias to the same cache sets.
 inline constexpr int64_t kMC = 240;
-// Rows per pass for m rows: at most `cap`, split evenly (a multiple of `mult`) so no pass is a small remainder.
-inline int64_t row_chunk(int64_t m, int64_t mult, int64_t cap = kMC) {
-  const int64_t passes = (m + cap - 1) / cap;
-  return std::min(cap, ((m + passes - 1) / passes + mult - 1) / mult * mult);
+// Rows per pass for m rows: at most kMC, split evenly (a multiple of `mult`) so no pass is a small remainder.
+inline int64_t row_chunk(int64_t m, int64_t mult) {
+  const int64_t passes = (m + kMC - 1) / kMC;
+  return std::min(kMC, ((m + passes - 1) / passes + mult - 1) / mult * mult);
 }
 
 // How a tiled GEMM path (2, 3, 4) shares its work among the threads: the N tiles in `nblocks` blocks of at most

@@ -104,14 +104,6 @@ constexpr std::array<BMicroFn, sizeof...(Is)> bmicro_table(std::integer_sequence
 }
 constexpr auto kBMicro = bmicro_table(std::make_integer_sequence<int, kBMR>{});
 
-int64_t bf16_row_cap() {
-  static const int64_t cap = [] {
-    const char* e = std::getenv("AQ_BMC");
-    return e ? std::atoll(e) : kMC;
-  }();
-  return cap;
-}
-
 // y[m, c] = bf16(cbuf[m * 32 + c]) for c < cols: torch's float -> bf16 (nearest even; every NaN as 0x7FC0).
 void store_tile_bf16(const float* cbuf, int64_t rows, int64_t cols, uint16_t* y, int64_t ldy) {
   const __m512i qnan = _mm512_set1_epi16(0x7FC0);
@@ -145,7 +137,7 @@ void bgemm_path(const Ctx& c) {
       const uint8_t* pan[2 * kNCB];
       for (int64_t q = 0; q < nt * 2; ++q) pan[q] = panel_ptr(c, t0 * 2 + q);
       uint32_t* wb = tl_wbuf.get<uint32_t>(kKC / 2 * TW);
-      const int64_t mcs = row_chunk(mhi - mlo, kBMR, bf16_row_cap());
+      const int64_t mcs = row_chunk(mhi - mlo, kBMR);
       for (int64_t mc0 = mlo; mc0 < mhi; mc0 += mcs) {
         const int64_t mc = std::min(mcs, mhi - mc0);
         float* cbuf = tl_cbuf.get<float>(nt * mc * TW);
