@@ -14,42 +14,50 @@ namespace {
 thread_local Scratch tl_qconv;  // load_qparams' conversion buffer
 thread_local Scratch tl_tail;             // panel_ptr's copy of the tail panel
 
+#if AQ_AVX512
+// dst[c * ldd + i] = r[i][c] for a 16 x 16 block of fp32 (row i of r: 16 consecutive groups).
+AQ_INLINE void transpose16_store(const __m512* r, float* dst, int64_t ldd) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  // c[R4][c'] (R4 = row quad): lane L holds column 4L + c' for rows 4*R4 .. 4*R4+3.
+  __m512 c[4][4];
+  for (int q = 0; q < 4; ++q) {
+    const __m512d a = _mm512_castps_pd(t[4 * q]), b = _mm512_castps_pd(t[4 * q + 1]);
+    const __m512d d = _mm512_castps_pd(t[4 * q + 2]), e = _mm512_castps_pd(t[4 * q + 3]);
+    c[q][0] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, d));
+    c[q][1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, d));
+    c[q][2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, e));
+    c[q][3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, e));
+  }
+  for (int cc = 0; cc < 4; ++cc) {
+    const __m512 u0 = _mm512_shuffle_f32x4(c[0][cc], c[1][cc], 0x44);
+    const __m512 u1 = _mm512_shuffle_f32x4(c[0][cc], c[1][cc], 0xEE);
+    const __m512 u2 = _mm512_shuffle_f32x4(c[2][cc], c[3][cc], 0x44);
+    const __m512 u3 = _mm512_shuffle_f32x4(c[2][cc], c[3][cc], 0xEE);
+    _mm512_storeu_ps(dst + (0 + cc) * ldd, _mm512_shuffle_f32x4(u0, u2, 0x88));
+    _mm512_storeu_ps(dst + (4 + cc) * ldd, _mm512_shuffle_f32x4(u0, u2, 0xDD));
+    _mm512_storeu_ps(dst + (8 + cc) * ldd, _mm512_shuffle_f32x4(u1, u3, 0x88));
+    _mm512_storeu_ps(dst + (12 + cc) * ldd, _mm512_shuffle_f32x4(u1, u3, 0xDD));
+  }
+}
+
+#endif
+
 // dst[g * ldd + r] = src[r * lds + g] for r < rows, g < G; rows in [rows, R) are zero-filled.
 // (Scales arrive as [n, G]; the kernels want 16 consecutive rows per vector, hence the transpose.)
 void transpose_rows(const float* src, int64_t lds, int64_t rows, int64_t R, int64_t G, float* dst, int64_t ldd) {
   int64_t g0 = 0;
 #if AQ_AVX512
   if (rows == R && R % 16 == 0) {
-    for (; g0 + 16 <= G; g0 += 16) {
+    for (; g0 + 16 <= G; g0 += 16)
       for (int64_t r0 = 0; r0 < R; r0 += 16) {
-        __m512 r[16], t[16];
+        __m512 r[16];
         for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + (r0 + i) * lds + g0);
-        for (int i = 0; i < 8; ++i) {
-          t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-          t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-        }
-        // c[R4][c'] (R4 = row quad): lane L holds column 4L + c' for rows 4*R4 .. 4*R4+3.
-        __m512 c[4][4];
-        for (int q = 0; q < 4; ++q) {
-          const __m512d a = _mm512_castps_pd(t[4 * q]), b = _mm512_castps_pd(t[4 * q + 1]);
-          const __m512d d = _mm512_castps_pd(t[4 * q + 2]), e = _mm512_castps_pd(t[4 * q + 3]);
-          c[q][0] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, d));
-          c[q][1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, d));
-          c[q][2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, e));
-          c[q][3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, e));
-        }
-        for (int cc = 0; cc < 4; ++cc) {
-          const __m512 u0 = _mm512_shuffle_f32x4(c[0][cc], c[1][cc], 0x44);
-          const __m512 u1 = _mm512_shuffle_f32x4(c[0][cc], c[1][cc], 0xEE);
-          const __m512 u2 = _mm512_shuffle_f32x4(c[2][cc], c[3][cc], 0x44);
-          const __m512 u3 = _mm512_shuffle_f32x4(c[2][cc], c[3][cc], 0xEE);
-          _mm512_storeu_ps(dst + (g0 + 0 + cc) * ldd + r0, _mm512_shuffle_f32x4(u0, u2, 0x88));
-          _mm512_storeu_ps(dst + (g0 + 4 + cc) * ldd + r0, _mm512_shuffle_f32x4(u0, u2, 0xDD));
-          _mm512_storeu_ps(dst + (g0 + 8 + cc) * ldd + r0, _mm512_shuffle_f32x4(u1, u3, 0x88));
-          _mm512_storeu_ps(dst + (g0 + 12 + cc) * ldd + r0, _mm512_shuffle_f32x4(u1, u3, 0xDD));
-        }
+        transpose16_store(r, dst + g0 * ldd + r0, ldd);
       }
-    }
   }
 #elif AQ_AVX2
   // 8x8 blocks: with the scalar loop below, qparam loading took a large share of a small-group GEMV on AVX2
@@ -159,6 +167,32 @@ void load_qparams(const LowbitProblem& p, bool offset, float mul, int64_t r0, in
     for (int64_t g = 0; g < G; ++g) std::fill(dst + g * ldd, dst + g * ldd + R, 0.f);
     return;
   }
+#if AQ_AVX512
+  // 16-bit qparams of a whole tile go straight into the transposed fp32 layout, 16 rows x 16 groups at a time:
+  // the values of the loops below, without their fp32 staging copy (a large share of a small-group GEMV).
+  if ((p.qparams_bf16 || p.qparams_f16) && rows == R && R % 16 == 0 && G % 16 == 0) {
+    const uint16_t* s16 = static_cast<const uint16_t*>(p.scale) + r0 * G;
+    const uint16_t* z16 = static_cast<const uint16_t*>(p.offset) + r0 * G;
+    const bool bf = p.qparams_bf16;
+    const auto ld = [bf](const uint16_t* q) {  // 16 qparams as fp32 (exact)
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+      return bf ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)) : _mm512_cvtph_ps(h);
+    };
+    const __m512 half = _mm512_set1_ps(static_cast<float>(1 << (p.bits - 1))), vm = _mm512_set1_ps(mul);
+    for (int64_t g0 = 0; g0 < G; g0 += 16)
+      for (int64_t rb = 0; rb < R; rb += 16) {
+        __m512 r[16];
+        for (int i = 0; i < 16; ++i) {
+          const int64_t at = (rb + i) * G + g0;
+          if (!offset) r[i] = _mm512_mul_ps(ld(s16 + at), vm);
+          else if (bf) r[i] = _mm512_sub_ps(ld(z16 + at), _mm512_mul_ps(half, ld(s16 + at)));  // z - 2^(b-1) s
+          else r[i] = ld(z16 + at);
+        }
+        transpose16_store(r, dst + g0 * ldd + rb, ldd);
+      }
+    return;
+  }
+#endif
   const float* src = static_cast<const float*>(offset ? p.offset : p.scale) + r0 * G;
   // Straight-line loops per case: the per-element qparam_at would not vectorize (see benchmarks/README.md,
   // kernel design measurements).

@@ -134,12 +134,117 @@ void gemv_tile(const uint8_t* const* pan, const float* sT, const float* oT, int6
   });
 }
 
+#if AQ_BF16DOT && defined(__AVX512VBMI__)
+// 4-bit codes with bf16 x (m <= 2): bf16 dot products instead of int -> float conversions and fp32 FMAs. A
+// unit's byte (row j, slot s) holds the k-pair (2s, 2s + 1) of row j, which is just what vdpbf16ps multiplies
+// with x's pair: vpermb copies it into both 16-bit halves of lane j, a shift per half and one ternary-logic op
+// make each half the bf16 bits of 16 + u (exponent of 16, u in the top mantissa bits: exact), so
+//     acc[j] += x[2s] * (16 + u[j, 2s]) + x[2s + 1] * (16 + u[j, 2s + 1])   (exact products, fp32 sums)
+// and the bias leaves through the offset: y = scale * acc + (offset - 16 * scale) * sum(x_g).
+struct B4Bf16 {
+  __m512i idx[4], shift, mask, bias;
+  B4Bf16() {
+    alignas(64) uint8_t t[4][64];
+    for (int s = 0; s < 4; ++s)
+      for (int j = 0; j < 16; ++j) {  // lane j = bytes [0, d, d, 0] with d = byte j of slot s
+        t[s][4 * j] = t[s][4 * j + 3] = 0;
+        t[s][4 * j + 1] = t[s][4 * j + 2] = static_cast<uint8_t>(16 * s + j);
+      }
+    for (int s = 0; s < 4; ++s) idx[s] = _mm512_load_si512(t[s]);
+    shift = _mm512_set1_epi32(5 | 1 << 16);  // low half: (d << 8) >> 5 = u_lo << 3; high half: d >> 1 = u_hi << 3
+    mask = _mm512_set1_epi32(0x00780078);    // bits 3..6 of each half: the mantissa's top 4 bits
+    bias = _mm512_set1_epi32(0x41804180);    // bf16 16.0 in each half
+  }
+  // The bf16 pairs of slot s of a 64-byte unit.
+  AQ_INLINE __m512i pairs(__m512i unit, int s) const {
+    const __m512i d = _mm512_maskz_permutexvar_epi8(0x6666666666666666ull, idx[s], unit);
+    return _mm512_ternarylogic_epi32(_mm512_srlv_epi16(d, shift), mask, bias, 0xEA);  // (a & b) | c
+  }
+};
+
+template <int MR, int P>
+void gemv_tile_b4bf16(const B4Bf16& k4, const uint8_t* const* pan, const float* sT, const float* oT, int64_t lds,
+                      const uint32_t* xw, int64_t ldx2, const float* xs, int64_t G, int64_t upg, float* y,
+                      int64_t ldy, int64_t nvalid, const QparamPrefetch* pf) {
+  __m512 tot[MR][P];
+  sfor<MR>([&](auto M_) { sfor<P>([&](auto P_) { tot[AQ_CV(M_)][AQ_CV(P_)] = _mm512_setzero_ps(); }); });
+  for (int64_t g = 0; g < G; ++g) {
+    if (pf) pf->group(g);
+    __m512 acc[MR][P][2];
+    sfor<MR>([&](auto M_) {
+      sfor<P>([&](auto P_) { acc[AQ_CV(M_)][AQ_CV(P_)][0] = acc[AQ_CV(M_)][AQ_CV(P_)][1] = _mm512_setzero_ps(); });
+    });
+    for (int64_t u = g * upg, ue = u + upg; u < ue; ++u) {
+      sfor<P>([&](auto P_) {
+        constexpr int p = AQ_CV(P_);
+        __builtin_prefetch(pan[p] + (u + kPrefetchUnits) * 64, 0, 3);
+        const __m512i unit = _mm512_loadu_si512(pan[p] + u * 64);
+        sfor<4>([&](auto S) {
+          constexpr int s = AQ_CV(S);
+          const __m512bh w = reinterpret_cast<__m512bh>(k4.pairs(unit, s));
+          sfor<MR>([&](auto M_) {
+            constexpr int m = AQ_CV(M_);
+            const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(xw[m * ldx2 + 4 * u + s])));
+            acc[m][p][s % 2] = _mm512_dpbf16_ps(acc[m][p][s % 2], w, xv);
+          });
+        });
+      });
+    }
+    sfor<P>([&](auto P_) {
+      constexpr int p = AQ_CV(P_);
+      const __m512 sc = _mm512_loadu_ps(sT + g * lds + 16 * p), of = _mm512_loadu_ps(oT + g * lds + 16 * p);
+      sfor<MR>([&](auto M_) {
+        constexpr int m = AQ_CV(M_);
+        const __m512 a = _mm512_add_ps(acc[m][p][0], acc[m][p][1]);
+        tot[m][p] = _mm512_fmadd_ps(of, _mm512_set1_ps(xs[m * G + g]), _mm512_fmadd_ps(sc, a, tot[m][p]));
+      });
+    });
+  }
+  sfor<MR>([&](auto M_) {
+    constexpr int m = AQ_CV(M_);
+    sfor<P>([&](auto P_) {
+      constexpr int p = AQ_CV(P_);
+      const int64_t w = nvalid - 16 * p;
+      if (w >= 16) _mm512_storeu_ps(y + m * ldy + 16 * p, tot[m][p]);
+      else if (w > 0) _mm512_mask_storeu_ps(y + m * ldy + 16 * p, static_cast<__mmask16>((1u << w) - 1), tot[m][p]);
+    });
+  });
+}
+constexpr bool kB4Bf16 = true;
+#else
+constexpr bool kB4Bf16 = false;
+#endif
+
+// Whether the 4-bit bf16-dot GEMV serves p (all of its passes: at most 2 rows each).
+template <int B>
+bool use_b4bf16(const LowbitProblem& p) {
+  return kB4Bf16 && B == 4 && kGemvMR == 2 && p.x_bf16 != nullptr;
+}
+
 template <int B, int MR>
 void gemv_rows(const Ctx& c, const uint8_t* const* pan, int64_t cnt, const float* sT, const float* oT,
                const float* x, const float* xs, float* y, int64_t nvalid, const QparamPrefetch* pf) {
   constexpr int P = gemv_P(MR, B), A = gemv_A(MR);
   const LowbitProblem& pr = *c.p;
   const int64_t lds = 16 * cnt, upg = pr.group_size / 8;
+#if AQ_BF16DOT && defined(__AVX512VBMI__)
+  if constexpr (MR <= 2 && B == 4) {
+    if (use_b4bf16<B>(pr)) {
+      static const B4Bf16 k4;
+      const int64_t m0 = (x - pr.x) / pr.ldx;  // this pass's first row (x points into the fp32 copy)
+      const uint32_t* xw = reinterpret_cast<const uint32_t*>(pr.x_bf16 + m0 * pr.ldx);
+      for (int64_t q = 0; q < cnt; q += (cnt % 4 == 0 ? 4 : 1)) {
+        if (cnt % 4 == 0)
+          gemv_tile_b4bf16<MR, 4>(k4, pan + q, sT + 16 * q, oT + 16 * q, lds, xw, pr.ldx / 2, xs, c.G, upg,
+                                  y + 16 * q, pr.ldy, nvalid - 16 * q, q == 0 ? pf : nullptr);
+        else
+          gemv_tile_b4bf16<MR, 1>(k4, pan + q, sT + 16 * q, oT + 16 * q, lds, xw, pr.ldx / 2, xs, c.G, upg,
+                                  y + 16 * q, pr.ldy, nvalid - 16 * q, q == 0 ? pf : nullptr);
+      }
+      return;
+    }
+  }
+#endif
   if (cnt % P == 0) {
     for (int64_t q = 0; q < cnt; q += P)
       gemv_tile<B, MR, P, A>(pan + q, sT + 16 * q, oT + 16 * q, lds, x, pr.ldx, xs, c.G, upg, y + 16 * q,
@@ -180,6 +285,8 @@ void gemv_path(const Ctx& c) {
       float* oT = tl_offset.get<float>(G * 16 * cnt);
       load_qparams(pr, false, code_scale(B), r0, rows, 16 * cnt, G, sT, 16 * cnt);
       load_qparams(pr, true, 1.f, r0, rows, 16 * cnt, G, oT, 16 * cnt);
+      if (use_b4bf16<B>(pr))  // the codes arrive as 16 + u: offset - 16 * scale
+        for (int64_t i = 0; i < G * 16 * cnt; ++i) oT[i] -= 16.f * sT[i];
       std::optional<QparamPrefetch> pf;
       if (it + 1 < i1) {
         const auto [nr0, nrows] = row_range(it + 1);
