@@ -284,9 +284,18 @@ void gemv_path(const Ctx& c) {
       float* sT = tl_scale.get<float>(G * 16 * cnt);
       float* oT = tl_offset.get<float>(G * 16 * cnt);
       load_qparams(pr, false, code_scale(B), r0, rows, 16 * cnt, G, sT, 16 * cnt);
-      load_qparams(pr, true, 1.f, r0, rows, 16 * cnt, G, oT, 16 * cnt);
-      if (use_b4bf16<B>(pr))  // the codes arrive as 16 + u: offset - 16 * scale
-        for (int64_t i = 0; i < G * 16 * cnt; ++i) oT[i] -= 16.f * sT[i];
+      // The bf16-dot GEMV sees 16 + u for the codes u: its offset is offset - 16 * scale.
+      const float bias = use_b4bf16<B>(pr) ? 16.f : 0.f;
+      if (pr.offset == nullptr && !pr.qparams_kquant && code_scale(B) == 1.f) {
+        // offset = scale * code_offset (lowbit_kernels.h): from the scales just loaded, not a second pass over
+        // the raw ones (the products are exact: 16-bit or e8m0 scales times small integers)
+        const float f = static_cast<float>(pr.code_offset) - bias;
+        for (int64_t i = 0; i < G * 16 * cnt; ++i) oT[i] = f * sT[i];
+      } else {
+        load_qparams(pr, true, 1.f, r0, rows, 16 * cnt, G, oT, 16 * cnt);
+        if (bias != 0.f)
+          for (int64_t i = 0; i < G * 16 * cnt; ++i) oT[i] -= bias * sT[i];
+      }
       std::optional<QparamPrefetch> pf;
       if (it + 1 < i1) {
         const auto [nr0, nrows] = row_range(it + 1);
