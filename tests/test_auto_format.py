@@ -19,13 +19,18 @@ def _fmt(config, module=None) -> str:
 
 
 def test_the_choice_on_this_cpu():
-    int8_dyn = "plain" if int_mm_is_fast() else (DENSE_IF_CPP or "plain")
+    # W8A8 dynamic: our int8-codes kernel where it is faster than oneDNN's int8 (AVX-512 without AMX), else aten's
+    # _int_mm where that is fast; static activations keep plain wherever _int_mm is fast
+    from affineq.tensor.kernel_registry import int8_codes_preferred
+
+    int8_static = "plain" if int_mm_is_fast() else (DENSE_IF_CPP or "plain")
+    int8_dyn = "dense" if int8_codes_preferred((32, 64)) else int8_static
     expected = {
         "int4 (bf16 scales)": (affineq.Int4WeightOnlyConfig(group_size=32), DENSE_IF_CPP or "int4_cpu"),
         "int4 (fp32 scales)": (affineq.Int4WeightOnlyConfig(group_size=32, scale_dtype=torch.float32), "dense"),
         "int8 weight-only": (affineq.Int8WeightOnlyConfig(), DENSE_IF_CPP or "plain"),
         "W8A8": (affineq.Int8DynamicActivationInt8WeightConfig(), int8_dyn),
-        "W8A8 static": (affineq.Int8StaticActivationInt8WeightConfig(), int8_dyn),
+        "W8A8 static": (affineq.Int8StaticActivationInt8WeightConfig(), int8_static),
         "int2 (sub-byte: compact even without a reader)": (affineq.IntxWeightOnlyConfig(torch.int2), "dense"),
         "fp4 (float codes)": (affineq.FPxWeightOnlyConfig(2, 1, 32), "dense"),
         "float8 weight-only": (affineq.Float8WeightOnlyConfig(), DENSE_IF_CPP or "plain"),

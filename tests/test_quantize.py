@@ -67,10 +67,14 @@ WITHOUT_CPP = {"int4_g128": "aten._weight_int4pack_mm_for_cpu", "int8": "aten._w
 
 
 def _expected_kernel(name, kernel, dtype=torch.float32):
-    if name == "int8_dyn_dense" and dtype == torch.float32 and cpp.int8_codes_built():
+    from affineq.tensor.kernel_registry import int8_codes_preferred
+
+    dense = name == "int8_dyn_dense" or (name == "int8_dyn" and cpp.is_available() and (
+        not _int_mm_is_fast() or int8_codes_preferred((256, 256))))  # "auto": dense where faster here
+    if dense and cpp.int8_codes_built():
         return "affineq.int8_codes_linear"  # exact int32 code products where the build has VNNI + VBMI
-    if name == "int8_dyn" and not _int_mm_is_fast() and cpp.is_available():
-        return LOWBIT  # "auto" on a CPU whose _int_mm is slow (no VNNI)
+    if dense:
+        return LOWBIT
     if kernel == LOWBIT and not cpp.is_available():
         return WITHOUT_CPP.get(name, "dequantize:linear")
     return kernel
@@ -100,7 +104,7 @@ def test_config_numerics_kernel_and_size(name, dtype):
 def test_int8_codes_kernel_equals_the_fake_quant_route():
     # dense int8 x dynamic int8 on fp32 input: affineq.int8_codes_linear (int32 code sums) computes what
     # affineq.lowbit_linear computes on the fake-quantized input (fp32 sums), per token and per tensor, with the
-    # same input gradient; bf16 input takes lowbit_linear
+    # same input gradient; bf16 input runs it on x widened to fp32
     if not cpp.int8_codes_built():
         pytest.skip("the int8-codes kernel needs a C++ build with AVX512-VNNI and VBMI")
     from affineq.tensor.kernel_registry import LINEAR_KERNELS
@@ -123,14 +127,14 @@ def test_int8_codes_kernel_equals_the_fake_quant_route():
         assert used == ["affineq.int8_codes_linear"] * 2
         w1, w2 = model[0].weight.dequantize(), model[2].weight.dequantize()  # grad_x = grad_y @ W per layer
         torch.testing.assert_close(xg.grad, ((torch.ones(37, 256) @ w2) * (h > 0)) @ w1)
+        # bf16 x: the same kernel on x widened to fp32 (its codes and scale are computed in fp32 either way): the
+        # fp32 model's output up to the bf16 roundings of each layer's output (which can move a hidden code)
         with torch.no_grad(), record_kernels() as used:
-            model.bfloat16()(x.bfloat16())
-        # bf16 x: not the int8-codes kernel (fp32 only); the fused path, or at 37 rows on a CPU whose bf16 GEMM
-        # threshold is lower (AVX512-BF16, AMX), the compute-bound one
-        from affineq.tensor.compute_bound import rows_check
-
-        big = rows_check("affineq.dequant_linear", x.bfloat16()) is None
-        assert used == ["affineq.dequant_linear" if big else LOWBIT] * 2
+            out16 = model.bfloat16()(x.bfloat16())
+        assert used == ["affineq.int8_codes_linear"] * 2 and out16.dtype == torch.bfloat16
+        with torch.no_grad():
+            ref16 = model.float()(x.bfloat16().float())
+        torch.testing.assert_close(out16.float(), ref16, rtol=2**-7, atol=2**-6 * ref16.abs().max().item())
 
 
 def test_bytes_per_parameter():
@@ -429,6 +433,9 @@ def test_int8_dynamic_dense_matches_int_mm(monkeypatch):
     assert used == ["affineq.int8_codes_linear" if cpp.int8_codes_built() else LOWBIT] * 2
     torch.testing.assert_close(y_dense, y_plain, rtol=1e-5, atol=1e-5 * y_plain.abs().max().item())
     monkeypatch.setattr(kernel_registry, "int_mm_is_fast", lambda: True)
+    fmt = quantize_(copy.deepcopy(model), Int8DynamicActivationInt8WeightConfig())[0].weight.packing_format
+    assert fmt == ("dense" if kernel_registry.int8_codes_preferred((256, 256)) else "plain")
+    monkeypatch.setattr(kernel_registry, "int8_codes_preferred", lambda shape: False)
     assert quantize_(copy.deepcopy(model), Int8DynamicActivationInt8WeightConfig())[0].weight.packing_format == "plain"
 
 

@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 
 #include "lowbit_kernels.h"
+#include "simd.h"  // AQ_AVX512
 
 namespace affineq {
 namespace {
@@ -39,9 +40,30 @@ struct Qp {
 
 // mode 0: symmetric, scale = amax / 127.5; 1: symmetric without clipping, scale = max(-lo / 128, hi / 127);
 // 2: asymmetric with an integer zero point, scale = (hi - lo) / 255 (halves where that overflows).
+// AVX-512 loops below: min / max intrinsics with the operands in the order that gives std::min / std::max's
+// result, NaN included ((x < lo) ? x : lo is _mm512_min_ps(x, lo)); only which zero of a +0 / -0 tie wins may
+// differ, and every use of lo / hi ends the same for either (eps, zp -128).
 Qp qparams(const float* x, int64_t n, int mode, float eps) {
   float lo = std::numeric_limits<float>::infinity(), hi = -lo, amax = 0.f;
-  for (int64_t i = 0; i < n; ++i) {
+  int64_t i0 = 0;
+#if AQ_AVX512
+  if (n >= 16) {
+    __m512 vlo = _mm512_set1_ps(lo), vhi = _mm512_set1_ps(hi);
+    for (; i0 + 16 <= n; i0 += 16) {
+      const __m512 v = _mm512_loadu_ps(x + i0);
+      vlo = _mm512_min_ps(v, vlo);
+      vhi = _mm512_max_ps(v, vhi);
+    }
+    alignas(64) float l[16], h[16];
+    _mm512_store_ps(l, vlo);
+    _mm512_store_ps(h, vhi);
+    for (int j = 0; j < 16; ++j) {
+      lo = std::min(lo, l[j]);
+      hi = std::max(hi, h[j]);
+    }
+  }
+#endif
+  for (int64_t i = i0; i < n; ++i) {
     lo = std::min(lo, x[i]);
     hi = std::max(hi, x[i]);
   }
@@ -77,9 +99,26 @@ inline float code_of(float v, float inv, float zp) {
   return std::min(std::max(round_even(t) + zp, -128.f), 127.f);
 }
 
+#if AQ_AVX512
+// 16 codes of code_of at once (the same float ops: a rounded product, round half to even, add, clamp).
+inline __m512 codes16(__m512 v, __m512 inv, __m512 zp) {
+  const __m512 r = _mm512_add_ps(_mm512_roundscale_ps(_mm512_mul_ps(v, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), zp);
+  return _mm512_min_ps(_mm512_set1_ps(127.f), _mm512_max_ps(_mm512_set1_ps(-128.f), r));
+}
+#endif
+
 void fake_quant_row(const float* x, int64_t n, Qp q, float out_max, float* y) {
   const float inv = 1.f / q.scale;
-  for (int64_t i = 0; i < n; ++i) {
+  int64_t i0 = 0;
+#if AQ_AVX512
+  const __m512 vinv = _mm512_set1_ps(inv), vzp = _mm512_set1_ps(q.zp), vs = _mm512_set1_ps(q.scale);
+  const __m512 vmax = _mm512_set1_ps(out_max), vmin = _mm512_set1_ps(-out_max);
+  for (; i0 + 16 <= n; i0 += 16) {
+    const __m512 v = _mm512_mul_ps(_mm512_sub_ps(codes16(_mm512_loadu_ps(x + i0), vinv, vzp), vzp), vs);
+    _mm512_storeu_ps(y + i0, _mm512_min_ps(vmax, _mm512_max_ps(vmin, v)));
+  }
+#endif
+  for (int64_t i = i0; i < n; ++i) {
     const float code = code_of(x[i], inv, q.zp);
     float v = (code - q.zp) * q.scale;
     y[i] = std::min(std::max(v, -out_max), out_max);
@@ -103,13 +142,26 @@ void int8_fake_quant_f32(const float* x, int64_t m, int64_t k, bool per_token, i
 }
 
 void int8_quantize_rows(const float* x, int64_t m, int64_t k, bool per_token, int mode, float eps, int8_t* codes,
-                        float* scale, int32_t* zp) {
+                        float* scale, int32_t* zp, int32_t* csum, int64_t gs) {
   const Qp all = per_token ? Qp{} : qparams(x, m * k, mode, eps);
   at::parallel_for(0, m, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(k, 1)), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const Qp q = per_token ? qparams(x + r * k, k, mode, eps) : all;
       const float inv = 1.f / q.scale;
-      for (int64_t i = 0; i < k; ++i) codes[r * k + i] = static_cast<int8_t>(code_of(x[r * k + i], inv, q.zp));
+      int64_t i0 = 0;
+#if AQ_AVX512
+      const __m512 vinv = _mm512_set1_ps(inv), vzp = _mm512_set1_ps(q.zp);
+      for (; i0 + 16 <= k; i0 += 16)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + r * k + i0),
+                         _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(codes16(_mm512_loadu_ps(x + r * k + i0), vinv, vzp))));
+#endif
+      for (int64_t i = i0; i < k; ++i) codes[r * k + i] = static_cast<int8_t>(code_of(x[r * k + i], inv, q.zp));
+      if (csum != nullptr)
+        for (int64_t g = 0; g < k / gs; ++g) {
+          int32_t t = 0;
+          for (int64_t i = g * gs; i < (g + 1) * gs; ++i) t += codes[r * k + i];  // vectorizes (int8 -> int32)
+          csum[r * (k / gs) + g] = t;
+        }
       scale[r] = q.scale;
       zp[r] = static_cast<int32_t>(q.zp);
     }

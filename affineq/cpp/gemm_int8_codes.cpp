@@ -34,7 +34,6 @@ struct Int8CodesGemm::State {
   std::vector<float> sT, oT;      // [G][n]: scale / offset transposed, so 16 rows' values are one load
   std::vector<int32_t> usumT;     // [G][n]: sum of the codes of each group (only when zero points occur)
   std::vector<int8_t> codes;      // [m][k] per-run scratch
-  std::vector<int8_t> quads;      // the codes by row block: [block][k / 4][rows of the block][4]
   std::vector<float> sx;          // [m]
   std::vector<int32_t> zp, csum;  // [m], [m][G]
 };
@@ -58,11 +57,13 @@ inline __m512i quad_index() {
   return _mm512_load_si512(idx);
 }
 
-// Rows [m0, m0 + MR) of x (their quad-major codes q: [k / 4][MR][4]) against NP consecutive 16-row panels
-// starting at panel p0 (weight rows 16 p0 ..); y rows have stride n. The NP * MR accumulators are independent
-// dependency chains, so even MR = 1 keeps the VNNI unit busy when NP = 4.
+// Rows [m0, m0 + MR) of x (their codes read in place: q = row m0 of the row-major [m][k] codes) against NP
+// consecutive 16-row panels starting at panel p0 (weight rows 16 p0 ..); y rows have stride n. The NP * MR
+// accumulators are independent dependency chains, so even MR = 1 keeps the VNNI unit busy when NP = 4.
 template <int NP, int MR>
 void tile(const Int8CodesGemm::State& s, const int8_t* q, int64_t p0, int64_t m0, float* y) {
+  // Four row pointers and one stride address the 12 rows with few registers.
+  const int8_t* xr[4] = {q, q + 3 * s.k, q + 6 * s.k, q + 9 * s.k};
   const __m512i idx = quad_index();
   const uint8_t* w0 = s.packed + p0 * 16 * s.k;
   for (int64_t g = 0; g < s.G; ++g) {
@@ -77,11 +78,10 @@ void tile(const Int8CodesGemm::State& s, const int8_t* q, int64_t p0, int64_t m0
         constexpr int j = AQ_CV(J_);
         w[j] = _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(w0 + j * 16 * s.k + 64 * kq));
       });
-      const int8_t* qk = q + kq * 4 * MR;
       sfor<MR>([&](auto I_) {
         constexpr int i = AQ_CV(I_);
         int32_t quad;
-        std::memcpy(&quad, qk + 4 * i, sizeof(quad));
+        std::memcpy(&quad, xr[i / 3] + (i % 3) * s.k + 4 * kq, sizeof(quad));
         const __m512i b = _mm512_set1_epi32(quad);
         sfor<NP>([&](auto J_) {
           constexpr int j = AQ_CV(J_);
@@ -174,27 +174,11 @@ Int8CodesGemm::~Int8CodesGemm() { delete s_; }
 void Int8CodesGemm::run(const float* x, int64_t m, bool per_token, int mode, float eps, float* y) {
   State& s = *s_;
   s.codes.resize(m * s.k);
-  s.quads.resize(m * s.k);
   s.sx.resize(m);
   s.zp.resize(m);
-  s.csum.assign(m * s.G, 0);
-  int8_quantize_rows(x, m, s.k, per_token, mode, eps, s.codes.data(), s.sx.data(), s.zp.data());
-  // Quad-major codes per row block, so a tile's broadcasts read one stream with constant offsets.
-  const int64_t blocks = (m + kRows - 1) / kRows;
-  at::parallel_for(0, blocks, std::max<int64_t>(1, (1 << 16) / (kRows * s.k)), [&](int64_t b0, int64_t b1) {
-    for (int64_t m0 = b0 * kRows; m0 < std::min(m, b1 * kRows); m0 += kRows) {
-      const int64_t mr = std::min<int64_t>(kRows, m - m0);
-      int8_t* blk = s.quads.data() + m0 * s.k;
-      for (int64_t r = 0; r < mr; ++r) {
-        const int8_t* c = s.codes.data() + (m0 + r) * s.k;
-        int32_t* cs = s.csum.data() + (m0 + r) * s.G;
-        for (int64_t kq = 0; kq < s.k / 4; ++kq) {
-          std::memcpy(blk + (kq * mr + r) * 4, c + 4 * kq, 4);
-          cs[4 * kq / s.gs] += c[4 * kq] + c[4 * kq + 1] + c[4 * kq + 2] + c[4 * kq + 3];
-        }
-      }
-    }
-  });
+  s.csum.resize(m * s.G);
+  int8_quantize_rows(x, m, s.k, per_token, mode, eps, s.codes.data(), s.sx.data(), s.zp.data(), s.csum.data(),
+                     s.gs);
 #if AQ_INT8_CODES
   // Work items: groups of 4 panels (64 weight rows); the panels past the last full group go one by one.
   const int64_t npan = s.n / 16, nquad = npan / 4, items = nquad + npan % 4;
@@ -204,7 +188,7 @@ void Int8CodesGemm::run(const float* x, int64_t m, bool per_token, int mode, flo
       const int64_t p0 = it < nquad ? 4 * it : 4 * nquad + (it - nquad);
       for (int64_t m0 = 0; m0 < m; m0 += kRows) {
         const int64_t mr = std::min<int64_t>(kRows, m - m0);
-        const int8_t* q = s.quads.data() + m0 * s.k;
+        const int8_t* q = s.codes.data() + m0 * s.k;
         if (it >= nquad) {
           kTiles1[mr - 1](s, q, p0, m0, y);
         } else if (mr <= kWide) {

@@ -35,6 +35,8 @@ __all__ = ["KV_BITS", "KV_DEFAULT_GROUP", "quantize_kv", "dequantize_kv", "kv_at
 KV_BITS = {"int8": 8, "int4": 4}
 #: Default group size of each kind (None: the whole head dimension).
 KV_DEFAULT_GROUP = {"int8": None, "int4": 32}
+#: int4: least-squares refinements of each group's (scale, min) after the min-max start (0: plain min-max).
+INT4_REFINE_STEPS = 2
 
 
 def _check_kind(kind: str, d: int, group_size: int) -> None:
@@ -56,8 +58,18 @@ def quantize_kv(x: torch.Tensor, kind: str, group_size: int | None = None) -> tu
         scale = xg.abs().amax(-1, keepdim=True) / 127
         q = (xg / torch.where(scale > 0, scale, 1.0)).round().clamp(-127, 127)
         return q.to(torch.int8).flatten(-2), scale.squeeze(-1)
-    lo = xg.amin(-1, keepdim=True).half()  # stored in float16: codes are rounded against what is stored
-    scale = ((xg.amax(-1, keepdim=True) - lo.float()) / 15).half()
+    lo = xg.amin(-1, keepdim=True)
+    scale = (xg.amax(-1, keepdim=True) - lo) / 15
+    for _ in range(INT4_REFINE_STEPS):
+        # Least squares: the (scale, min) that fit the group best for its current codes, then the codes nearest
+        # under them. Each half-step lowers the group's squared error (min-max is only the first guess).
+        u = ((xg - lo) / torch.where(scale > 0, scale, 1.0)).round().clamp(0, 15)
+        du, dx = u - u.mean(-1, keepdim=True), xg - xg.mean(-1, keepdim=True)
+        var = (du * du).sum(-1, keepdim=True)
+        fit = torch.where(var > 0, (du * dx).sum(-1, keepdim=True) / torch.where(var > 0, var, 1.0), scale)
+        scale = torch.where(fit > 0, fit, scale)
+        lo = xg.mean(-1, keepdim=True) - scale * u.mean(-1, keepdim=True)
+    lo, scale = lo.half(), scale.half()  # stored in float16: codes are rounded against what is stored
     sf = scale.float()
     u = ((xg - lo.float()) / torch.where(sf > 0, sf, 1.0)).round().clamp(0, 15).to(torch.uint8)
     packed = u[..., : g // 2] | (u[..., g // 2 :] << 4)

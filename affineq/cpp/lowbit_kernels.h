@@ -69,9 +69,10 @@ void int8_fake_quant_f32(const float* x, int64_t m, int64_t k, bool per_token, i
                          float* y);
 
 // The same quantization as int8 codes: codes[m, k] = clamp(round(x / scale[r]) + zp[r], -128, 127) with the
-// qparams of row r (or of all of x), so dequantize(codes) is exactly int8_fake_quant_f32's result.
+// qparams of row r (or of all of x), so dequantize(codes) is exactly int8_fake_quant_f32's result. With csum:
+// csum[m, g] = the sum of row m's codes over k in [g * gs, (g + 1) * gs) (gs divides k).
 void int8_quantize_rows(const float* x, int64_t m, int64_t k, bool per_token, int mode, float eps, int8_t* codes,
-                        float* scale, int32_t* zp);
+                        float* scale, int32_t* zp, int32_t* csum = nullptr, int64_t gs = 0);
 
 // y[m, n] = sx[m] * sum_k (c[m, k] - zp[m]) * W[n, k] for int8 activation codes c and a dense 8-bit integer
 // weight (fp32 qparams), with the code products summed exactly in int32 (VNNI u8 x s8 dot products). Built

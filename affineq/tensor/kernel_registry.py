@@ -25,6 +25,7 @@ from affineq.tensor.activation import (
     computes_in_other_dtype,
     fake_quantize_activation,
     finish_output,
+    fused_int8_mode,
     prepare_input,
     reduce_input_ranges,
 )
@@ -165,6 +166,16 @@ def int_mm_is_fast() -> bool:
                 and (has_vnni is None or has_vnni()))
 
 
+def int8_codes_preferred(shape) -> bool:
+    """Whether a dynamic-int8 x int8 weight of `shape` [N, K] runs faster on our C++ `int8_codes_linear` (the
+    `dense` format) than on aten's `_int_mm` / oneDNN (`plain`): on an AVX-512 CPU without AMX where the kernel
+    is built (VNNI, VBMI), for the shapes it takes (N % 16 == 0, K % 8 == 0; benchmarks/README.md). AMX CPUs
+    keep oneDNN's int8 tiles."""
+    no_amx = not torch.cpu._is_amx_tile_supported()
+    return (len(shape) == 2 and shape[0] % 16 == 0 and shape[1] % 8 == 0 and no_amx and _cpp.is_available()
+            and _cpp.int8_codes_built())
+
+
 def auto_format(scheme: str, weight: torch.Tensor, module_is_linear: bool = True) -> str:
     """The packing format of the named `scheme` (the rules "auto" followed before `choose_format` read them
     from the spec; kept for code written against it, and as the reference tests/test_auto_format.py checks
@@ -174,7 +185,8 @@ def auto_format(scheme: str, weight: torch.Tensor, module_is_linear: bool = True
     CUDA), "subbyte" (1-7 bit codes, which no aten kernel reads: `dense`, the compact layout, also when our
     kernels are unavailable), "byte" (int8 / float8 weight-only: `dense` when our kernels build, else `plain`
     for aten's kernels), "int8_dynamic" (`plain` for aten's `_int_mm`, except on a CPU where `_int_mm` is
-    slow: `dense`, our kernel on the fake-quantized activation), "float_codes" (fp4 / fp6 codes, and any
+    slow: `dense`, our kernel on the fake-quantized activation, or where our int8-codes kernel is faster:
+    `int8_codes_preferred`), "float_codes" (fp4 / fp6 codes, and any
     weight with e8m0 scales (MXFP4/6/8, MXINT8): `dense`, which our kernel reads and which is the compact
     layout (4.25 bits per MXFP4 element) also when our kernels are unavailable). A weight that is not a 2-D
     nn.Linear weight on CPU gets `plain` (int4 on CUDA: `int4_cuda`)."""
@@ -188,22 +200,25 @@ def auto_format(scheme: str, weight: torch.Tensor, module_is_linear: bool = True
     if scheme == "byte":
         return "dense" if cpu2d and _cpp.is_available() else "plain"
     if scheme == "int8_dynamic":
-        return "dense" if cpu2d and _cpp.is_available() and not int_mm_is_fast() else "plain"
+        fast_dense = not int_mm_is_fast() or int8_codes_preferred(weight.shape)
+        return "dense" if cpu2d and _cpp.is_available() and fast_dense else "plain"
     raise ValueError(f"unknown auto-format scheme {scheme!r}")
 
 
 def _format_preference(spec, device: torch.device, module_is_linear: bool) -> tuple[str, ...]:
     """The formats whose kernels are fastest here for `spec`, fastest first: on CUDA aten's int4 kernel, on a
     CPU (a 2-D nn.Linear weight) our C++ kernels' `dense`, then aten's `int4_cpu`, then `plain` (aten's int8 /
-    float8 matmuls), except int8 x int8 where aten's `_int_mm` is fast here (oneDNN with VNNI): `plain` first.
-    Anything else: `plain`."""
+    float8 matmuls), except int8 x int8 where aten's `_int_mm` is fast here (oneDNN with VNNI): `plain` first,
+    unless our int8-codes kernel is faster still (dynamic int8 activations, `int8_codes_preferred`). Anything
+    else: `plain`."""
     if device.type == "cuda":
         return ("int4_cuda", "plain") if len(spec.shape) == 2 else ("plain",)
     if device.type != "cpu" or len(spec.shape) != 2 or not module_is_linear:
         return ("plain",)
     aq = spec.act_quant
     if aq is not None and aq.dtype.name == "int8" and spec.target.name == "int8" and int_mm_is_fast():
-        return ("plain", "dense")
+        dynamic = not aq.static and fused_int8_mode(aq) is not None  # what int8_codes_linear reads
+        return ("dense", "plain") if dynamic and int8_codes_preferred(spec.shape) else ("plain", "dense")
     return ("dense", "int4_cpu", "plain")
 
 

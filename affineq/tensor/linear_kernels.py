@@ -115,13 +115,15 @@ def lowbit_weight_args(w) -> tuple:
 
 def _int8_codes_check(x, w):
     """The int8 codes of x times the 8-bit weight codes, summed exactly in int32 (VNNI), where the build has it;
-    the same values as `affineq.lowbit_linear` on the fake-quantized x, whose fp32 sums it replaces."""
+    the same values as `affineq.lowbit_linear` on the fake-quantized x, whose fp32 sums it replaces. bf16 x: its
+    codes and scale are computed in fp32 either way (`activation.int8_activation`), so x is widened first and
+    the products use the codes themselves, as `aten._int_mm`'s route does (not the bf16-rounded code * scale)."""
     spec = w.spec
     mode = None if spec.act_quant is None else fused_int8_mode(spec.act_quant)
     n, k = spec.shape
     group_size = spec.block_size[1]
-    if x.device.type != "cpu" or x.dtype != torch.float32:
-        return "needs a float32 CPU input"
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        return "needs a float32 or bfloat16 CPU input"
     if mode is None:
         return "needs a dynamic int8 activation quantization"
     if spec.target.bits != 8 or _cpp.codes_kind(spec.target) != _cpp.CODES_UINT or w._scale.dtype != torch.float32:
@@ -136,7 +138,7 @@ def _int8_codes_check(x, w):
 def _int8_codes_run(x, w, bias):
     aq = w.spec.act_quant
     n, k = w.spec.shape
-    out = torch.ops.affineq.int8_codes_linear(_flat(x).contiguous(), w._qdata, w._scale, getattr(w, "_offset", None),
+    out = torch.ops.affineq.int8_codes_linear(_flat(x).float().contiguous(), w._qdata, w._scale, getattr(w, "_offset", None),
                                               w.spec.block_size[1], n, k, aq.per_token,
                                               fused_int8_mode(aq), act_eps(x, aq))
     return _finish(out, x, bias)
