@@ -49,7 +49,10 @@ def _check_kind(kind: str, d: int, group_size: int) -> None:
 def quantize_kv(x: torch.Tensor, kind: str, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes and scales of x [..., D] (any float dtype): int8 codes [..., D] with fp32 scales [..., D / G], or
     uint8 int4 nibbles [..., D / 2] with float16 (scale, min) pairs [..., 2 * D / G] (G = group_size, default D for
-    int8, 32 for int4). Traceable (no data-dependent Python), so it runs inside the compiled decode step."""
+    int8, 32 for int4). int4's pair starts at (range / 15, min) and is refitted by least squares to the group's
+    codes `INT4_REFINE_STEPS` times (each fit and re-rounding lowers the squared error; "min" is then the
+    offset of code 0, not necessarily the group's minimum). Traceable (no data-dependent Python), so it runs
+    inside the compiled decode step."""
     d = x.shape[-1]
     g = group_size or (d if kind == "int8" else KV_DEFAULT_GROUP[kind])
     _check_kind(kind, d, g)
