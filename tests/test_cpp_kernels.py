@@ -687,19 +687,34 @@ def test_int8_fake_quant_op_is_the_eager_shortcut(dtype, monkeypatch):
             assert torch.equal(fused.view(bits), eager.view(bits)), (aq, dtype, x.shape)
 
 
+@pytest.mark.parametrize("bits,qp", [(8, "fp32"), (4, "fp32"), (4, "bf16-scale-only"), (8, "bf16")])
 @pytest.mark.parametrize("n,k,gs", [(16, 64, 64), (80, 96, 32), (160, 128, 64), (48, 256, 256)])
-def test_int8_codes_kernel_sums_exact_products(n: int, k: int, gs: int) -> None:
-    # affineq::int8_codes_linear (gemm_int8_codes.cpp): int8 codes of x times 8-bit weight codes summed in int32,
-    # then the qparams: y = int8_fake_quant(x) @ W^T up to the fp32 epilogue. Tile shapes covered: 1-6 rows x 4
-    # panels, 7-12 rows x 2 panels, several row blocks, and the panels past the last group of four (n = 80,
-    # 48); asymmetric rows (mode 2: zero points, including one-sign rows) and per-tensor qparams.
+def test_int8_codes_kernel_sums_exact_products(n: int, k: int, gs: int, bits: int, qp: str) -> None:
+    # affineq::int8_codes_linear (gemm_int8_codes.cpp): int8 codes of x times 8- or 4-bit weight codes summed in
+    # int32, then the qparams: y = int8_fake_quant(x) @ W^T up to the fp32 epilogue. Tile shapes covered: 1-6 rows
+    # x 4 panels, 7-12 rows x 2 panels, several row blocks, and the panels past the last group of four (n = 80,
+    # 48); asymmetric rows (mode 2: zero points, including one-sign rows) and per-tensor qparams; fp32 qparams,
+    # bf16 (scale, zero) and a bf16 scale alone (offset = scale * code_offset, 8da4w's symmetric int4).
     _needs_kernels()
     if not K.int8_codes_built():
         assert not {"avx512_vnni", "avx512vbmi"} <= _cpu_flags(), "the kernel must be built on this CPU"
         pytest.skip("the int8-codes kernel needs AVX512-VNNI and VBMI")
-    codes, packed, scale, offset = _problem(8, n, k, gs, seed=n + k)
-    W = K._dequantize(packed, scale, offset, 8, gs, n, k).double()
-    terms = (scale.repeat_interleave(gs, 1) * codes.float() + offset.abs().repeat_interleave(gs, 1)).double()
+    codes, packed, scale, offset = _problem(bits, n, k, gs, seed=n + k)
+    code_offset = 0
+    if qp == "bf16":
+        scale, offset = scale.bfloat16(), (offset + scale * 2 ** (bits - 1)).bfloat16()  # (scale, zero)
+    elif qp == "bf16-scale-only":
+        scale, offset, code_offset = scale.bfloat16(), None, -(2 ** (bits - 1))
+    W = K._dequantize(packed, scale, offset, bits, gs, n, k, code_offset=code_offset).double()
+    sf = scale.float().repeat_interleave(gs, 1)
+    terms = (sf * codes.float() + sf * 2**bits).double()  # >= |each term of a weight| (offset <= scale * 2^bits)
+
+    def op(x, per_token, mode):
+        if bits == 8 and code_offset == 0:  # the schema's defaults
+            return torch.ops.affineq.int8_codes_linear(x, packed, scale, offset, gs, n, k, per_token, mode, 1e-12)
+        return torch.ops.affineq.int8_codes_linear(x, packed, scale, offset, gs, n, k, per_token, mode, 1e-12, bits,
+                                                   code_offset)
+
     g = torch.Generator().manual_seed(1)
     for m in (1, 5, 7, 12, 13, 30):
         x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 4
@@ -708,7 +723,7 @@ def test_int8_codes_kernel_sums_exact_products(n: int, k: int, gs: int) -> None:
             x[1] = 0.0
         for mode in (0, 1, 2):
             for per_token in (True, False):
-                y = torch.ops.affineq.int8_codes_linear(x, packed, scale, offset, gs, n, k, per_token, mode, 1e-12)
+                y = op(x, per_token, mode)
                 xq = torch.ops.affineq.int8_fake_quant(x, per_token, mode, 1e-12).double()
                 err = (y.double() - xq @ W.T).abs()
                 bound = 1e-6 * (xq.abs() @ terms.T) + 1e-30
@@ -724,8 +739,8 @@ def test_int8_codes_kernel_refuses_what_it_cannot_read() -> None:
     with pytest.raises(RuntimeError, match="n % 16 == 0"):
         torch.ops.affineq.int8_codes_linear(x, packed, scale, offset, 64, 24, 64, True, 0, 1e-12)
     _, packed, scale, offset = _problem(8, 32, 64, 64)
-    with pytest.raises(RuntimeError, match="bfloat16 scales need an offset|not one the kernel reads"):
-        torch.ops.affineq.int8_codes_linear(x, packed, scale.bfloat16(), offset.bfloat16(), 64, 32, 64, True, 0, 0.0)
+    with pytest.raises(RuntimeError, match="bits must be 8 or 4"):
+        torch.ops.affineq.int8_codes_linear(x, packed, scale, offset, 64, 32, 64, True, 0, 1e-12, 3, 0)
     e8m0 = torch.full((32, 1), 120, dtype=torch.uint8)  # exponent bytes: not fp32 qparams
     with pytest.raises(RuntimeError, match="not one the kernel reads"):
         torch.ops.affineq.int8_codes_linear(x, packed, e8m0, None, 64, 32, 64, True, 0, 1e-12)

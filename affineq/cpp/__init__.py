@@ -331,16 +331,18 @@ _lib.define(
 
 
 # int8_fake_quant(x) @ W^T with the code products summed exactly in int32 (cpp/gemm_int8_codes.cpp): x float32
-# [M, K], W an 8-bit integer dense-format weight [n, k] with float32 qparams; mode as int8_fake_quant. CPU kernel
-# only, on builds where int8_codes_built() (AVX512-VNNI + VBMI); n % 16 == 0, group_size % 8 == 0.
+# [M, K], W an 8- or 4-bit integer dense-format weight [n, k] (fp32 / bf16 / fp16 qparams, code_offset as
+# lowbit_linear's); mode as int8_fake_quant. CPU kernel only, on builds where int8_codes_built() (AVX512-VNNI +
+# VBMI); n % 16 == 0, group_size % 8 == 0.
 _lib.define(
     "int8_codes_linear(Tensor x, Tensor packed, Tensor scale, Tensor? offset, int group_size, int n, int k,"
-    " bool per_token, int mode, float eps) -> Tensor"
+    " bool per_token, int mode, float eps, int bits=8, int code_offset=0) -> Tensor"
 )
 
 
 @torch.library.register_fake("affineq::int8_codes_linear", lib=_lib)
-def _int8_codes_linear_fake(x, packed, scale, offset, group_size, n, k, per_token, mode, eps):
+def _int8_codes_linear_fake(x, packed, scale, offset, group_size, n, k, per_token, mode, eps, bits=8,
+                            code_offset=0):
     return x.new_empty((x.shape[0], n))
 
 

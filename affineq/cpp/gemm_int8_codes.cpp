@@ -19,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "common.h"  // load_qparams
 #include "lowbit_kernels.h"
 #include "simd.h"
 
@@ -30,6 +31,7 @@ namespace affineq {
 
 struct Int8CodesGemm::State {
   int64_t n = 0, k = 0, gs = 0, G = 0;
+  int bits = 8;  // 8, or 4: each item's panels are widened to the 8-bit layout first (widen_panels)
   const uint8_t* packed = nullptr;
   std::vector<float> sT, oT;      // [G][n]: scale / offset transposed, so 16 rows' values are one load
   std::vector<int32_t> usumT;     // [G][n]: sum of the codes of each group (only when zero points occur)
@@ -60,12 +62,12 @@ inline __m512i quad_index() {
 // Rows [m0, m0 + MR) of x (their codes read in place: q = row m0 of the row-major [m][k] codes) against NP
 // consecutive 16-row panels starting at panel p0 (weight rows 16 p0 ..); y rows have stride n. The NP * MR
 // accumulators are independent dependency chains, so even MR = 1 keeps the VNNI unit busy when NP = 4.
+// w0: panel p0's 8-bit codes ([k][16 rows] bytes per panel, the panels consecutive).
 template <int NP, int MR>
-void tile(const Int8CodesGemm::State& s, const int8_t* q, int64_t p0, int64_t m0, float* y) {
+void tile(const Int8CodesGemm::State& s, const int8_t* q, const uint8_t* w0, int64_t p0, int64_t m0, float* y) {
   // Four row pointers and one stride address the 12 rows with few registers.
   const int8_t* xr[4] = {q, q + 3 * s.k, q + 6 * s.k, q + 9 * s.k};
   const __m512i idx = quad_index();
-  const uint8_t* w0 = s.packed + p0 * 16 * s.k;
   for (int64_t g = 0; g < s.G; ++g) {
     __m512i acc[NP][MR];
     sfor<NP>([&](auto J_) {
@@ -112,7 +114,7 @@ void tile(const Int8CodesGemm::State& s, const int8_t* q, int64_t p0, int64_t m0
   }
 }
 
-using TileFn = void (*)(const Int8CodesGemm::State&, const int8_t*, int64_t, int64_t, float*);
+using TileFn = void (*)(const Int8CodesGemm::State&, const int8_t*, const uint8_t*, int64_t, int64_t, float*);
 template <int NP, int... Is>
 constexpr std::array<TileFn, sizeof...(Is)> tile_table(std::integer_sequence<int, Is...>) {
   return {&tile<NP, Is + 1>...};
@@ -122,6 +124,19 @@ constexpr int kWide = 6;
 constexpr auto kTiles4 = tile_table<4>(std::make_integer_sequence<int, kWide>{});
 constexpr auto kTiles2 = tile_table<2>(std::make_integer_sequence<int, kRows>{});
 constexpr auto kTiles1 = tile_table<1>(std::make_integer_sequence<int, kRows>{});
+
+// np 4-bit panels (the dense layout: 64-byte units of 8 k x 16 rows, slot t of a unit holding k = 2t in the low
+// nibbles and 2t + 1 in the high ones) as 8-bit panels ([k][16 rows] bytes): the codes unchanged.
+void widen_panels(const uint8_t* src, int64_t np, int64_t k, uint8_t* dst) {
+  const __m512i lo4 = _mm512_set1_epi8(15);
+  const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+  for (int64_t u = 0; u < np * k / 8; ++u) {  // the units of consecutive panels are consecutive too
+    const __m512i unit = _mm512_loadu_si512(src + 64 * u);
+    const __m512i lo = _mm512_and_si512(unit, lo4), hi = _mm512_and_si512(_mm512_srli_epi16(unit, 4), lo4);
+    _mm512_storeu_si512(dst + 128 * u, _mm512_permutex2var_epi64(lo, first, hi));        // k 0, 1, 2, 3
+    _mm512_storeu_si512(dst + 128 * u + 64, _mm512_permutex2var_epi64(lo, second, hi));  // k 4, 5, 6, 7
+  }
+}
 
 }  // namespace
 #endif  // AQ_INT8_CODES
@@ -136,8 +151,8 @@ bool Int8CodesGemm::built() {
 
 bool Int8CodesGemm::supported(const LowbitProblem& p) {
 #if AQ_INT8_CODES
-  return p.bits == 8 && p.codes == kCodesUint && !p.qparams_bf16 && !p.qparams_f16 && !p.qparams_e8m0 && !p.qparams_kquant && p.n % 16 == 0 &&
-         p.group_size % 8 == 0 && p.k % p.group_size == 0;
+  return (p.bits == 8 || p.bits == 4) && p.codes == kCodesUint && !p.qparams_e8m0 && !p.qparams_kquant &&
+         p.n % 16 == 0 && p.group_size % 8 == 0 && p.k % p.group_size == 0;
 #else
   (void)p;
   return false;
@@ -150,22 +165,37 @@ Int8CodesGemm::Int8CodesGemm(const LowbitProblem& p, bool zero_points) : s_(new 
     throw std::invalid_argument("Int8CodesGemm: unsupported weight (check Int8CodesGemm::supported first)");
   }
   State& s = *s_;
-  s.n = p.n, s.k = p.k, s.gs = p.group_size, s.G = p.k / p.group_size, s.packed = p.packed;
+  s.n = p.n, s.k = p.k, s.gs = p.group_size, s.G = p.k / p.group_size, s.packed = p.packed, s.bits = p.bits;
   s.sT.resize(s.G * s.n);
-  s.oT.assign(s.G * s.n, 0.f);
-  const float* sc = static_cast<const float*>(p.scale);
-  const float* of = static_cast<const float*>(p.offset);
-  for (int64_t r = 0; r < s.n; ++r)
-    for (int64_t g = 0; g < s.G; ++g) {
-      s.sT[g * s.n + r] = sc[r * s.G + g];
-      if (of) s.oT[g * s.n + r] = of[r * s.G + g];
-    }
+  s.oT.resize(s.G * s.n);
+  // fp32 scale and offset of w = scale * u + offset, transposed to [G][n] (the dense kernels' qparam loading)
+  detail::load_qparams(p, false, 1.f, 0, s.n, s.n, s.G, s.sT.data(), s.n);
+  detail::load_qparams(p, true, 1.f, 0, s.n, s.n, s.G, s.oT.data(), s.n);
   if (zero_points) {
+#if AQ_INT8_CODES
+    // usumT[g][16 p + j] = sum of row 16 p + j's codes in group g, 16 rows per vector: per k of an 8-bit panel
+    // (16 bytes), per unit of a 4-bit one (its 8 k are in one group: gs % 8 == 0).
     s.usumT.assign(s.G * s.n, 0);
-    for (int64_t r = 0; r < s.n; ++r) {
-      const uint8_t* panel = s.packed + (r / 16) * 16 * s.k;
-      for (int64_t k = 0; k < s.k; ++k) s.usumT[(k / s.gs) * s.n + r] += panel[16 * k + r % 16];
-    }
+    const __m512i lo4 = _mm512_set1_epi8(15);
+    for (int64_t pn = 0; pn < s.n / 16; ++pn)
+      for (int64_t k0 = 0; k0 < s.k; k0 += 8) {
+        __m512i t;
+        if (s.bits == 8) {
+          t = _mm512_setzero_si512();
+          for (int64_t k = k0; k < k0 + 8; ++k)
+            t = _mm512_add_epi32(t, _mm512_cvtepu8_epi32(_mm_loadu_si128(
+                                        reinterpret_cast<const __m128i*>(s.packed + pn * 16 * s.k + 16 * k))));
+        } else {  // the 4 slots' low + high nibbles (<= 120 per row: bytes suffice), then widened
+          const __m512i unit = _mm512_loadu_si512(s.packed + pn * 8 * s.k + 8 * k0);
+          __m512i b = _mm512_add_epi8(_mm512_and_si512(unit, lo4), _mm512_and_si512(_mm512_srli_epi16(unit, 4), lo4));
+          b = _mm512_add_epi8(b, _mm512_shuffle_i64x2(b, b, 0x4E));  // slots 0 + 2, 1 + 3
+          b = _mm512_add_epi8(b, _mm512_shuffle_i64x2(b, b, 0xB1));  // all four
+          t = _mm512_cvtepu8_epi32(_mm512_castsi512_si128(b));
+        }
+        int32_t* dst = s.usumT.data() + (k0 / s.gs) * s.n + 16 * pn;
+        _mm512_storeu_si512(dst, _mm512_add_epi32(_mm512_loadu_si512(dst), t));
+      }
+#endif
   }
 }
 
@@ -184,18 +214,25 @@ void Int8CodesGemm::run(const float* x, int64_t m, bool per_token, int mode, flo
   const int64_t npan = s.n / 16, nquad = npan / 4, items = nquad + npan % 4;
   at::parallel_for(0, items, std::max<int64_t>(1, (1 << 17) / std::max<int64_t>(1, 64 * s.k * m)),
                    [&](int64_t i0, int64_t i1) {
+    thread_local std::vector<uint8_t> wide;  // this item's panels in the 8-bit layout (4-bit weights)
     for (int64_t it = i0; it < i1; ++it) {
-      const int64_t p0 = it < nquad ? 4 * it : 4 * nquad + (it - nquad);
+      const int64_t p0 = it < nquad ? 4 * it : 4 * nquad + (it - nquad), np = it < nquad ? 4 : 1;
+      const uint8_t* w0 = s.packed + p0 * 16 * s.k;
+      if (s.bits == 4) {
+        wide.resize(np * 16 * s.k);
+        widen_panels(s.packed + p0 * 8 * s.k, np, s.k, wide.data());
+        w0 = wide.data();
+      }
       for (int64_t m0 = 0; m0 < m; m0 += kRows) {
         const int64_t mr = std::min<int64_t>(kRows, m - m0);
         const int8_t* q = s.codes.data() + m0 * s.k;
         if (it >= nquad) {
-          kTiles1[mr - 1](s, q, p0, m0, y);
+          kTiles1[mr - 1](s, q, w0, p0, m0, y);
         } else if (mr <= kWide) {
-          kTiles4[mr - 1](s, q, p0, m0, y);
+          kTiles4[mr - 1](s, q, w0, p0, m0, y);
         } else {
-          kTiles2[mr - 1](s, q, p0, m0, y);
-          kTiles2[mr - 1](s, q, p0 + 2, m0, y);
+          kTiles2[mr - 1](s, q, w0, p0, m0, y);
+          kTiles2[mr - 1](s, q, w0 + 2 * 16 * s.k, p0 + 2, m0, y);
         }
       }
     }

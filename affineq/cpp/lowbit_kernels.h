@@ -79,8 +79,8 @@ void int8_quantize_rows(const float* x, int64_t m, int64_t k, bool per_token, in
 // for one weight (its qparams are transposed once) and run once per step of a recurrence.
 class Int8CodesGemm {
  public:
-  // Whether this build has the kernel (AVX512-VNNI + VBMI) and p's weight is one it reads: bits == 8 integer
-  // codes, fp32 scale and offset, n a multiple of 16, group_size a multiple of 8.
+  // Whether this build has the kernel (AVX512-VNNI + VBMI) and p's weight is one it reads: 8- or 4-bit integer
+  // codes, fp32 / bf16 / fp16 qparams (offset array or code_offset), n a multiple of 16, group_size of 8.
   static bool supported(const LowbitProblem& p);
   static bool built();  // whether this build has the kernel at all
   Int8CodesGemm(const LowbitProblem& p, bool zero_points);  // zero_points: rows may have zp != 0

@@ -284,11 +284,11 @@ int64_t lowbit_path_for(const at::Tensor& x, int64_t group_size, int64_t codes, 
   return lowbit_path(p, static_cast<int>(path));
 }
 
-// affineq::int8_codes_linear: y = int8_fake_quant(x) @ W^T for an 8-bit integer dense weight with fp32 qparams,
+// affineq::int8_codes_linear: y = int8_fake_quant(x) @ W^T for an 8- or 4-bit integer dense weight,
 // through Int8CodesGemm (exact int32 sums of the code products, gemm_int8_codes.cpp).
 at::Tensor int8_codes_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                                  const std::optional<at::Tensor>& offset, int64_t group_size, int64_t n, int64_t k,
-                                 bool per_token, int64_t mode, double eps) {
+                                 bool per_token, int64_t mode, double eps, int64_t bits, int64_t code_offset) {
   const char* op = "affineq::int8_codes_linear";
   TORCH_CHECK(!g_disabled.load(), op, ": the affineq C++ kernels are disabled");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.scalar_type() == at::kFloat && x.device().is_cpu(), op,
@@ -296,9 +296,10 @@ at::Tensor int8_codes_linear_cpu(const at::Tensor& x, const at::Tensor& packed, 
   TORCH_CHECK(mode >= 0 && mode <= 2, op, ": mode must be an int8_fake_quant mode (0, 1 or 2), got ", mode);
   TORCH_CHECK(group_size > 0 && k % group_size == 0, op, ": group_size must divide k, got group_size=",
               group_size, ", k=", k);
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.numel() == packed_nbytes(n, k, 8), op,
-              ": packed must be uint8 with ", packed_nbytes(n, k, 8), " elements (8-bit codes)");
-  const bool e8m0 = check_qparams(op, scale, offset, 8, kCodesUint, 0, n, k / group_size);
+  TORCH_CHECK(bits == 8 || bits == 4, op, ": bits must be 8 or 4, got ", bits);
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.numel() == packed_nbytes(n, k, bits), op,
+              ": packed must be uint8 with ", packed_nbytes(n, k, bits), " elements (", bits, "-bit codes)");
+  const bool e8m0 = check_qparams(op, scale, offset, bits, kCodesUint, code_offset, n, k / group_size);
   const bool has_offset = offset.has_value() && offset->defined();
   const at::Tensor pk = packed.contiguous(), sc = scale.contiguous(), xc = x.contiguous();
   const at::Tensor of = has_offset ? offset->contiguous() : at::Tensor();
@@ -308,14 +309,16 @@ at::Tensor int8_codes_linear_cpu(const at::Tensor& x, const at::Tensor& packed, 
   p.offset = has_offset ? of.const_data_ptr() : nullptr;
   p.qparams_bf16 = sc.scalar_type() == at::kBFloat16;
   p.qparams_f16 = sc.scalar_type() == at::kHalf;
-  p.qparams_e8m0 = e8m0;  // refused by supported(): the kernel reads fp32 qparams only
-  p.bits = 8;
+  p.qparams_e8m0 = e8m0;  // refused by supported()
+  p.code_offset = static_cast<int>(code_offset);
+  p.bits = static_cast<int>(bits);
   p.codes = kCodesUint;
   p.group_size = group_size;
   p.n = n;
   p.k = k;
   TORCH_CHECK(Int8CodesGemm::supported(p), op, ": this build or weight is not one the kernel reads (AVX512-VNNI "
-              "and VBMI builds; fp32 qparams, n % 16 == 0, group_size % 8 == 0); use affineq::lowbit_linear");
+              "and VBMI builds; fp32 / bf16 / fp16 qparams, n % 16 == 0, group_size % 8 == 0); use "
+              "affineq::lowbit_linear");
   at::Tensor y = at::empty({x.size(0), n}, x.options());
   if (x.size(0) > 0 && n > 0) {
     Int8CodesGemm gemm(p, mode == 2);

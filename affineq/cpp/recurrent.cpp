@@ -152,7 +152,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lowbit_rnn_layer_cpu(
   const int64_t steps = static_cast<int64_t>(batch_sizes.size());
   // Dynamic int8 state with an 8-bit integer weight: exact int8 code products (gemm_int8_codes.cpp).
   std::unique_ptr<Int8CodesGemm> i8;
-  if (act_mode >= 0 && Int8CodesGemm::supported(p)) i8 = std::make_unique<Int8CodesGemm>(p, act_mode == 2);
+  if (act_mode >= 0 && p.bits == 8 && Int8CodesGemm::supported(p)) i8 = std::make_unique<Int8CodesGemm>(p, act_mode == 2);
   for (int64_t i = 0; i < steps; ++i) {
     const int64_t t = reverse ? steps - 1 - i : i;
     const int64_t b = batch_sizes[t], s = starts[t];

@@ -128,16 +128,21 @@ def rows_check(kernel: str, x: torch.Tensor) -> str | None:
     least = MIN_ROWS[kernel][kind].get(dtype)
     if least is None:
         return f"not used for {dtype} input on a {kind} CPU (the fused kernels are faster there)"
+    if not rows_at_least(x, least):
+        return (f"M = {input_rows(x)} input rows < {least}, where it beats the fused kernels for {dtype} on a "
+                f"{kind} CPU")
+    return None
+
+
+def rows_at_least(x: torch.Tensor, least: int) -> bool:
+    """Whether x has at least `least` input rows; a symbolic M (torch.compile with dynamic shapes, export) only
+    where it is known to, so no guard is added and the graph stays valid for every M."""
     m = input_rows(x)
     if isinstance(m, torch.SymInt):
         from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-        ok = statically_known_true(m >= least)
-    else:
-        ok = m >= least
-    if not ok:
-        return f"M = {m} input rows < {least}, where it beats the fused kernels for {dtype} on a {kind} CPU"
-    return None
+        return statically_known_true(m >= least)
+    return m >= least
 
 
 # -- kernel: affineq.dequant_linear, dense format ----------------------------------------------------------

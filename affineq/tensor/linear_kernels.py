@@ -112,6 +112,8 @@ def lowbit_weight_args(w) -> tuple:
 
 # -- kernel: affineq::int8_codes_linear (our C++), dense 8-bit weight x dynamic int8 activation ----------------
 
+_INT8_CODES_QP = (torch.float32, torch.bfloat16, torch.float16)
+
 
 def _int8_codes_check(x, w):
     """The int8 codes of x times the 8-bit weight codes, summed exactly in int32 (VNNI), where the build has it;
@@ -126,8 +128,10 @@ def _int8_codes_check(x, w):
         return "needs a float32 or bfloat16 CPU input"
     if mode is None:
         return "needs a dynamic int8 activation quantization"
-    if spec.target.bits != 8 or _cpp.codes_kind(spec.target) != _cpp.CODES_UINT or w._scale.dtype != torch.float32:
-        return "needs 8-bit integer codes with float32 qparams"
+    # The op also reads 4-bit weights (8da4w, exact int32 sums), but its per-group epilogue makes it slower
+    # than the fused kernels there (benchmarks/README.md), so it serves 8-bit weights only.
+    if spec.target.bits != 8 or _cpp.codes_kind(spec.target) != _cpp.CODES_UINT or w._scale.dtype not in _INT8_CODES_QP:
+        return "needs 8-bit integer codes with float32 / bfloat16 / float16 qparams"
     if n % 16 or group_size % 8:
         return f"needs out_features % 16 == 0 and group_size % 8 == 0 (got {n}, {group_size})"
     if not _cpp.int8_codes_built():
@@ -138,9 +142,9 @@ def _int8_codes_check(x, w):
 def _int8_codes_run(x, w, bias):
     aq = w.spec.act_quant
     n, k = w.spec.shape
-    out = torch.ops.affineq.int8_codes_linear(_flat(x).float().contiguous(), w._qdata, w._scale, getattr(w, "_offset", None),
-                                              w.spec.block_size[1], n, k, aq.per_token,
-                                              fused_int8_mode(aq), act_eps(x, aq))
+    packed, scale, offset, bits, group_size, _, code_offset = lowbit_weight_args(w)
+    out = torch.ops.affineq.int8_codes_linear(_flat(x).float().contiguous(), packed, scale, offset, group_size, n, k,
+                                              aq.per_token, fused_int8_mode(aq), act_eps(x, aq), bits, code_offset)
     return _finish(out, x, bias)
 
 
