@@ -161,6 +161,8 @@ inline GemmSplit split_gemm(int64_t ntiles, int64_t M, int64_t mult) {
 // compile in parallel.
 // ---------------------------------------------------------------------------------------------
 template <int B> void gemv_path(const Ctx& c);   // 1: fused GEMV (gemv.cpp)
+// Whether path 1 runs the 4-bit bf16-dot GEMV for p: it reads x_bf16 alone and writes y_bf16 when that is set.
+bool gemv_reads_bf16_only(const LowbitProblem& p);
 template <int B> void gemm_path(const Ctx& c);   // 2: dequant + fp32 GEMM (gemm_f32.cpp)
 #if AQ_VNNI
 template <int B> void qgemm_path(const Ctx& c);  // 3: dequant + int16 VNNI GEMM (gemm_int16.cpp)

@@ -130,6 +130,11 @@ const char* kernel_isa() { return detail::kIsa; }
 
 int lowbit_path(const LowbitProblem& p, int force_path) { return detail::path_for(p, force_path); }
 
+bool lowbit_bf16_io(const LowbitProblem& p, int force_path) {
+  const int path = detail::path_for(p, force_path);
+  return path == 4 || (path == 1 && detail::gemv_reads_bf16_only(p));
+}
+
 void dequantize_f32(const uint8_t* packed, const void* scale, const void* offset, bool qparams_bf16,
                     bool qparams_f16, bool qparams_e8m0, int code_offset, int bits, int codes, int64_t group_size, int64_t n,
                     int64_t k, float* w) {

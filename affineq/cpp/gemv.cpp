@@ -30,6 +30,29 @@ void group_sums(const float* x, int64_t ldx, int64_t M, int64_t G, int64_t gs, f
     }
 }
 
+#if AQ_AVX512
+// group_sums of bf16 x (the same fp32 values as of x widened: the same adds in the same order).
+void group_sums_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t G, int64_t gs, float* xs) {
+  const auto ld = [](const uint16_t* q, int n) {
+    const __m256i h = _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), q);
+    return F16{_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
+  };
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      const uint16_t* xr = x + m * ldx + g * gs;
+      F16 acc0 = fzero(), acc1 = fzero();
+      int64_t i = 0;
+      for (; i + 32 <= gs; i += 32) {
+        acc0 = fadd(acc0, ld(xr + i, 16));
+        acc1 = fadd(acc1, ld(xr + i + 16, 16));
+      }
+      for (; i + 16 <= gs; i += 16) acc0 = fadd(acc0, ld(xr + i, 16));
+      if (i < gs) acc1 = fadd(acc1, ld(xr + i, static_cast<int>(gs - i)));
+      xs[m * G + g] = fhsum(fadd(acc0, acc1));
+    }
+}
+#endif
+
 // Panels per tile (P) and split accumulators per panel (A) for MR rows of x: enough independent FMA
 // chains to hide latency without spilling (32 zmm / 16 ymm registers).
 #if AQ_AVX512
@@ -165,7 +188,7 @@ struct B4Bf16 {
 template <int MR, int P>
 void gemv_tile_b4bf16(const B4Bf16& k4, const uint8_t* const* pan, const float* sT, const float* oT, int64_t lds,
                       const uint32_t* xw, int64_t ldx2, const float* xs, int64_t G, int64_t upg, float* y,
-                      int64_t ldy, int64_t nvalid, const QparamPrefetch* pf) {
+                      uint16_t* yb, int64_t ldy, int64_t nvalid, const QparamPrefetch* pf) {
   __m512 tot[MR][P];
   sfor<MR>([&](auto M_) { sfor<P>([&](auto P_) { tot[AQ_CV(M_)][AQ_CV(P_)] = _mm512_setzero_ps(); }); });
   for (int64_t g = 0; g < G; ++g) {
@@ -205,8 +228,15 @@ void gemv_tile_b4bf16(const B4Bf16& k4, const uint8_t* const* pan, const float* 
     sfor<P>([&](auto P_) {
       constexpr int p = AQ_CV(P_);
       const int64_t w = nvalid - 16 * p;
-      if (w >= 16) _mm512_storeu_ps(y + m * ldy + 16 * p, tot[m][p]);
-      else if (w > 0) _mm512_mask_storeu_ps(y + m * ldy + 16 * p, static_cast<__mmask16>((1u << w) - 1), tot[m][p]);
+      if (w <= 0) return;
+      const __mmask16 keep = static_cast<__mmask16>(w >= 16 ? 0xFFFF : (1u << w) - 1);
+      if (yb == nullptr) {
+        _mm512_mask_storeu_ps(y + m * ldy + 16 * p, keep, tot[m][p]);
+      } else {  // torch's float -> bf16: nearest even, every NaN as 0x7FC0
+        const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(tot[m][p]));
+        const __mmask16 nan = _mm512_cmp_ps_mask(tot[m][p], tot[m][p], _CMP_UNORD_Q);
+        _mm256_mask_storeu_epi16(yb + m * ldy + 16 * p, keep, _mm256_mask_mov_epi16(h, nan, _mm256_set1_epi16(0x7FC0)));
+      }
     });
   });
 }
@@ -227,24 +257,6 @@ void gemv_rows(const Ctx& c, const uint8_t* const* pan, int64_t cnt, const float
   constexpr int P = gemv_P(MR, B), A = gemv_A(MR);
   const LowbitProblem& pr = *c.p;
   const int64_t lds = 16 * cnt, upg = pr.group_size / 8;
-#if AQ_BF16DOT && defined(__AVX512VBMI__)
-  if constexpr (MR <= 2 && B == 4) {
-    if (use_b4bf16<B>(pr)) {
-      static const B4Bf16 k4;
-      const int64_t m0 = (x - pr.x) / pr.ldx;  // this pass's first row (x points into the fp32 copy)
-      const uint32_t* xw = reinterpret_cast<const uint32_t*>(pr.x_bf16 + m0 * pr.ldx);
-      for (int64_t q = 0; q < cnt; q += (cnt % 4 == 0 ? 4 : 1)) {
-        if (cnt % 4 == 0)
-          gemv_tile_b4bf16<MR, 4>(k4, pan + q, sT + 16 * q, oT + 16 * q, lds, xw, pr.ldx / 2, xs, c.G, upg,
-                                  y + 16 * q, pr.ldy, nvalid - 16 * q, q == 0 ? pf : nullptr);
-        else
-          gemv_tile_b4bf16<MR, 1>(k4, pan + q, sT + 16 * q, oT + 16 * q, lds, xw, pr.ldx / 2, xs, c.G, upg,
-                                  y + 16 * q, pr.ldy, nvalid - 16 * q, q == 0 ? pf : nullptr);
-      }
-      return;
-    }
-  }
-#endif
   if (cnt % P == 0) {
     for (int64_t q = 0; q < cnt; q += P)
       gemv_tile<B, MR, P, A>(pan + q, sT + 16 * q, oT + 16 * q, lds, x, pr.ldx, xs, c.G, upg, y + 16 * q,
@@ -264,7 +276,12 @@ void gemv_path(const Ctx& c) {
   const int64_t G = c.G, M = c.M;
   // Per-group sums of x for the offset term.
   std::vector<float> xs(static_cast<size_t>(M * G));
-  group_sums(pr.x, pr.ldx, M, G, pr.group_size, xs.data());
+  const bool b4 = use_b4bf16<B>(pr);  // then x is read as bf16 only (x_bf16), and y may be bf16 (y_bf16)
+#if AQ_AVX512
+  if (b4) group_sums_bf16(pr.x_bf16, pr.ldx, M, G, pr.group_size, xs.data());
+  else
+#endif
+    group_sums(pr.x, pr.ldx, M, G, pr.group_size, xs.data());
   // Work items: blocks of kItemPanels full panels, then single leftover panels (incl. the tail panel).
   const int64_t nblk = c.nfull / kItemPanels;
   const int64_t nitems = nblk + (c.npan - nblk * kItemPanels);
@@ -302,11 +319,31 @@ void gemv_path(const Ctx& c) {
         pf.emplace(pr, nr0, nrows, G);
       }
       for (int64_t m0 = 0; m0 < M; m0 += kGemvMR) {
-        const float* x = pr.x + m0 * pr.ldx;
         const float* xsm = xs.data() + m0 * G;
-        float* y = pr.y + m0 * pr.ldy + r0;
         const int64_t mr = std::min<int64_t>(kGemvMR, M - m0);
         const QparamPrefetch* pfm = m0 == 0 && pf ? &*pf : nullptr;
+#if AQ_BF16DOT && defined(__AVX512VBMI__)
+        if (b4) {
+          static const B4Bf16 k4;
+          const uint32_t* xw = reinterpret_cast<const uint32_t*>(pr.x_bf16 + m0 * pr.ldx);
+          float* y = pr.y_bf16 ? nullptr : pr.y + m0 * pr.ldy + r0;
+          uint16_t* yb = pr.y_bf16 ? pr.y_bf16 + m0 * pr.ldy + r0 : nullptr;
+          const int64_t lds = 16 * cnt, upg = pr.group_size / 8, ldx2 = pr.ldx / 2;
+          const int step = cnt % 4 == 0 ? 4 : 1;
+          for (int64_t q = 0; q < cnt; q += step) {
+            const QparamPrefetch* pq = q == 0 ? pfm : nullptr;
+            float* yq = y ? y + 16 * q : nullptr;
+            uint16_t* ybq = yb ? yb + 16 * q : nullptr;
+            const auto tile = mr == 1 ? (step == 4 ? &gemv_tile_b4bf16<1, 4> : &gemv_tile_b4bf16<1, 1>)
+                                      : (step == 4 ? &gemv_tile_b4bf16<2, 4> : &gemv_tile_b4bf16<2, 1>);
+            tile(k4, pan + q, sT + 16 * q, oT + 16 * q, lds, xw, ldx2, xsm, G, upg, yq, ybq, pr.ldy,
+                 rows - 16 * q, pq);
+          }
+          continue;
+        }
+#endif
+        const float* x = pr.x + m0 * pr.ldx;
+        float* y = pr.y + m0 * pr.ldy + r0;
         if (mr == 1) gemv_rows<B, 1>(c, pan, cnt, sT, oT, x, xsm, y, rows, pfm);
         else if (mr == 2) gemv_rows<B, 2>(c, pan, cnt, sT, oT, x, xsm, y, rows, pfm);
         else if constexpr (kGemvMR == 4) {
@@ -316,6 +353,10 @@ void gemv_path(const Ctx& c) {
       }
     }
   });
+}
+
+bool gemv_reads_bf16_only(const LowbitProblem& p) {
+  return p.bits == 4 && p.codes == kCodesUint && use_b4bf16<4>(p);
 }
 
 // The instantiations dispatch.cpp calls (declared in common.h).

@@ -47,8 +47,8 @@ struct LowbitProblem {
   bool allow_int16_x = false;  // may the VNNI path round x to 16-bit fixed point (see gemm_int16.cpp)?
   const uint16_t* x_bf16 = nullptr;  // the same x as bf16 [m, k8] (row stride ldx) when the caller's x is bf16:
                                      // enables the bf16 dot-product path (AVX512-BF16)
-  uint16_t* y_bf16 = nullptr;  // path 4 only: write y there as bf16 [m, n] (row stride ldy; rounded to nearest
-                               // even, NaN as 0x7FC0: torch's float -> bf16) instead of into y
+  uint16_t* y_bf16 = nullptr;  // where lowbit_bf16_io: write y there as bf16 [m, n] (row stride ldy; rounded to
+                               // nearest even, NaN as 0x7FC0: torch's float -> bf16) instead of into y
 };
 
 // Runs on torch's intra-op thread pool. force_path: 0 = heuristic, 1 = fused GEMV, 2 = dequant + fp32 GEMM,
@@ -98,6 +98,9 @@ class Int8CodesGemm {
 
 // The path lowbit_linear_f32 takes for p (reads only m, group_size, codes, allow_int16_x, x_bf16).
 int lowbit_path(const LowbitProblem& p, int force_path = 0);
+// Whether that path reads x_bf16 alone (x may be null) and honours y_bf16: path 4, and path 1's 4-bit bf16-dot
+// GEMV (reads bits and codes too).
+bool lowbit_bf16_io(const LowbitProblem& p, int force_path = 0);
 
 // "avx512", "avx2" or "scalar": which SIMD path this build compiled.
 const char* kernel_isa();

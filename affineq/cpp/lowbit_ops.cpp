@@ -165,8 +165,8 @@ at::Tensor run_weight_problem(const at::Tensor& x, LowbitProblem p, int64_t path
   p.m = M;
   p.ldx = K8;
   p.allow_int16_x = allow_int16_x(xt);
-  // The bf16 path reads only x_bf16 and writes y in bf16: no fp32 copy of x or y for it.
-  const bool bf16_path = lowbit_path(p, static_cast<int>(path)) == 4;
+  // The bf16 paths read only x_bf16 and write y in bf16: no fp32 copy of x or y for them.
+  const bool bf16_path = lowbit_bf16_io(p, static_cast<int>(path));
   const at::Tensor xf = bf16_path ? at::Tensor() : padded(at::kFloat);
   at::Tensor y = at::empty({M, n}, x2.options().dtype(bf16_path ? at::kBFloat16 : at::kFloat));
   if (M > 0 && n > 0) {
