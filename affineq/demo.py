@@ -21,6 +21,7 @@ import argparse
 import copy
 import json
 import os
+import platform
 import statistics
 import sys
 import time
@@ -194,6 +195,19 @@ def measure(work: Workload, config_name: str, *, compile: bool, repeats: int) ->
             "kernels": dict(Counter(used)), "fallbacks": fallbacks,
             "activation_quant": any(isinstance(p, AffineQuantizedTensor) and p.spec.act_quant is not None
                                     for p in model.parameters())}
+
+
+def _cpu_line() -> str:
+    """The CPU's model name, its core count and the kernel class affineq picks on it (amx / avx512 / avx2 / scalar)."""
+    from affineq.tensor.compute_bound import cpu_kind
+
+    name = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"{name}, {os.cpu_count()} cores, {cpu_kind()} kernels"
 
 
 def format_table(rows: list[dict], work: Workload) -> str:
@@ -421,6 +435,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         rows.append(measure(work, c, compile=args.compile, repeats=args.repeats))
     print(f"\naffineq demo: {work.name}, {torch.get_num_threads()} threads, torch {torch.__version__}"
           f"{', compiled' if args.compile else ', eager'}")
+    print(f"CPU: {_cpu_line()} (every number below is from this machine)")
     if work.note:
         print(f"note: {work.note}")
     print(format_table(rows, work))

@@ -106,6 +106,23 @@ struct QparamPrefetch {
   }
 };
 
+// tot[m][p] += scale[g] * sum_a acc[m][p][a] + offset[g] * sum(x[m] over group g): one group's contribution to 16
+// output rows per vector (scale / offset tiles [G][lds], xs [MR][G]).
+template <int MR, int P, int A>
+AQ_INLINE void add_group(F16 (&tot)[MR][P], const F16 (&acc)[MR][P][A], const float* sT, const float* oT, int64_t lds,
+                         const float* xs, int64_t G, int64_t g) {
+  sfor<P>([&](auto P_) {
+    constexpr int p = AQ_CV(P_);
+    const F16 s = fload(sT + g * lds + 16 * p), o = fload(oT + g * lds + 16 * p);
+    sfor<MR>([&](auto M_) {
+      constexpr int m = AQ_CV(M_);
+      F16 a = acc[m][p][0];
+      sfor<A - 1>([&](auto A_) { a = fadd(a, acc[m][p][AQ_CV(A_) + 1]); });
+      tot[m][p] = ffma(o, fset1(xs[m * G + g]), ffma(s, a, tot[m][p]));
+    });
+  });
+}
+
 template <int B, int MR, int P, int A>
 void gemv_tile(const uint8_t* const* pan, const float* sT, const float* oT, int64_t lds, const float* x,
                int64_t ldx, const float* xs, int64_t G, int64_t upg, float* y, int64_t ldy, int64_t nvalid,
@@ -135,16 +152,7 @@ void gemv_tile(const uint8_t* const* pan, const float* sT, const float* oT, int6
         });
       });
     }
-    sfor<P>([&](auto P_) {
-      constexpr int p = AQ_CV(P_);
-      const F16 s = fload(sT + g * lds + 16 * p), o = fload(oT + g * lds + 16 * p);
-      sfor<MR>([&](auto M_) {
-        constexpr int m = AQ_CV(M_);
-        F16 a = acc[m][p][0];
-        sfor<A - 1>([&](auto A_) { a = fadd(a, acc[m][p][AQ_CV(A_) + 1]); });
-        tot[m][p] = ffma(o, fset1(xs[m * G + g]), ffma(s, a, tot[m][p]));
-      });
-    });
+    add_group<MR, P, A>(tot, acc, sT, oT, lds, xs, G, g);
   }
   sfor<MR>([&](auto M_) {
     constexpr int m = AQ_CV(M_);
@@ -189,13 +197,13 @@ template <int MR, int P>
 void gemv_tile_b4bf16(const B4Bf16& k4, const uint8_t* const* pan, const float* sT, const float* oT, int64_t lds,
                       const uint32_t* xw, int64_t ldx2, const float* xs, int64_t G, int64_t upg, float* y,
                       uint16_t* yb, int64_t ldy, int64_t nvalid, const QparamPrefetch* pf) {
-  __m512 tot[MR][P];
-  sfor<MR>([&](auto M_) { sfor<P>([&](auto P_) { tot[AQ_CV(M_)][AQ_CV(P_)] = _mm512_setzero_ps(); }); });
+  F16 tot[MR][P];
+  sfor<MR>([&](auto M_) { sfor<P>([&](auto P_) { tot[AQ_CV(M_)][AQ_CV(P_)] = fzero(); }); });
   for (int64_t g = 0; g < G; ++g) {
     if (pf) pf->group(g);
-    __m512 acc[MR][P][2];
+    F16 acc[MR][P][2];
     sfor<MR>([&](auto M_) {
-      sfor<P>([&](auto P_) { acc[AQ_CV(M_)][AQ_CV(P_)][0] = acc[AQ_CV(M_)][AQ_CV(P_)][1] = _mm512_setzero_ps(); });
+      sfor<P>([&](auto P_) { acc[AQ_CV(M_)][AQ_CV(P_)][0] = acc[AQ_CV(M_)][AQ_CV(P_)][1] = fzero(); });
     });
     for (int64_t u = g * upg, ue = u + upg; u < ue; ++u) {
       sfor<P>([&](auto P_) {
@@ -208,20 +216,12 @@ void gemv_tile_b4bf16(const B4Bf16& k4, const uint8_t* const* pan, const float* 
           sfor<MR>([&](auto M_) {
             constexpr int m = AQ_CV(M_);
             const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(xw[m * ldx2 + 4 * u + s])));
-            acc[m][p][s % 2] = _mm512_dpbf16_ps(acc[m][p][s % 2], w, xv);
+            acc[m][p][s % 2].v = _mm512_dpbf16_ps(acc[m][p][s % 2].v, w, xv);
           });
         });
       });
     }
-    sfor<P>([&](auto P_) {
-      constexpr int p = AQ_CV(P_);
-      const __m512 sc = _mm512_loadu_ps(sT + g * lds + 16 * p), of = _mm512_loadu_ps(oT + g * lds + 16 * p);
-      sfor<MR>([&](auto M_) {
-        constexpr int m = AQ_CV(M_);
-        const __m512 a = _mm512_add_ps(acc[m][p][0], acc[m][p][1]);
-        tot[m][p] = _mm512_fmadd_ps(of, _mm512_set1_ps(xs[m * G + g]), _mm512_fmadd_ps(sc, a, tot[m][p]));
-      });
-    });
+    add_group<MR, P, 2>(tot, acc, sT, oT, lds, xs, G, g);
   }
   sfor<MR>([&](auto M_) {
     constexpr int m = AQ_CV(M_);
@@ -230,11 +230,12 @@ void gemv_tile_b4bf16(const B4Bf16& k4, const uint8_t* const* pan, const float* 
       const int64_t w = nvalid - 16 * p;
       if (w <= 0) return;
       const __mmask16 keep = static_cast<__mmask16>(w >= 16 ? 0xFFFF : (1u << w) - 1);
+      const __m512 t = tot[m][p].v;
       if (yb == nullptr) {
-        _mm512_mask_storeu_ps(y + m * ldy + 16 * p, keep, tot[m][p]);
+        _mm512_mask_storeu_ps(y + m * ldy + 16 * p, keep, t);
       } else {  // torch's float -> bf16: nearest even, every NaN as 0x7FC0
-        const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(tot[m][p]));
-        const __mmask16 nan = _mm512_cmp_ps_mask(tot[m][p], tot[m][p], _CMP_UNORD_Q);
+        const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(t));
+        const __mmask16 nan = _mm512_cmp_ps_mask(t, t, _CMP_UNORD_Q);
         _mm256_mask_storeu_epi16(yb + m * ldy + 16 * p, keep, _mm256_mask_mov_epi16(h, nan, _mm256_set1_epi16(0x7FC0)));
       }
     });
