@@ -4,6 +4,7 @@
 //     y[n] = sum_g scale[n, g] * dot(x_g, u[n, g]) + offset[n, g] * sum(x_g).
 // Memory-bound at m = 1: the packed weights are streamed once, with software prefetch.
 #include <optional>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -13,33 +14,26 @@
 namespace affineq::detail {
 namespace {
 
-// xs[m * G + g] = sum(x[m, g * gs : (g + 1) * gs]) for the offset term (vectorized: M * K adds per call).
-void group_sums(const float* x, int64_t ldx, int64_t M, int64_t G, int64_t gs, float* xs) {
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < G; ++g) {
-      const float* xr = x + m * ldx + g * gs;
-      F16 acc0 = fzero(), acc1 = fzero();
-      int64_t i = 0;
-      for (; i + 32 <= gs; i += 32) {
-        acc0 = fadd(acc0, fload(xr + i));
-        acc1 = fadd(acc1, fload(xr + i + 16));
-      }
-      for (; i + 16 <= gs; i += 16) acc0 = fadd(acc0, fload(xr + i));
-      if (i < gs) acc1 = fadd(acc1, fload_n(xr + i, static_cast<int>(gs - i)));
-      xs[m * G + g] = fhsum(fadd(acc0, acc1));
-    }
-}
-
+// xs[m * G + g] = sum(x[m, g * gs : (g + 1) * gs]) for the offset term (vectorized: M * K adds per call); T is
+// float or bf16 bits (the same fp32 values as x widened: the same adds in the same order either way).
+template <class T>
+void group_sums(const T* x, int64_t ldx, int64_t M, int64_t G, int64_t gs, float* xs) {
+  const auto ld = [](const T* q, int n) {  // n <= 16 values as fp32
+    if constexpr (std::is_same_v<T, float>) {
+      return n == 16 ? fload(q) : fload_n(q, n);
+    } else {
 #if AQ_AVX512
-// group_sums of bf16 x (the same fp32 values as of x widened: the same adds in the same order).
-void group_sums_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t G, int64_t gs, float* xs) {
-  const auto ld = [](const uint16_t* q, int n) {
-    const __m256i h = _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), q);
-    return F16{_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
+      const __m256i h = _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), q);
+      return F16{_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
+#else
+      static_assert(std::is_same_v<T, float>, "bf16 group sums are built for AVX-512 only");
+      return fzero();
+#endif
+    }
   };
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < G; ++g) {
-      const uint16_t* xr = x + m * ldx + g * gs;
+      const T* xr = x + m * ldx + g * gs;
       F16 acc0 = fzero(), acc1 = fzero();
       int64_t i = 0;
       for (; i + 32 <= gs; i += 32) {
@@ -51,7 +45,6 @@ void group_sums_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t G, int64
       xs[m * G + g] = fhsum(fadd(acc0, acc1));
     }
 }
-#endif
 
 // Panels per tile (P) and split accumulators per panel (A) for MR rows of x: enough independent FMA
 // chains to hide latency without spilling (32 zmm / 16 ymm registers).
@@ -279,7 +272,7 @@ void gemv_path(const Ctx& c) {
   std::vector<float> xs(static_cast<size_t>(M * G));
   const bool b4 = use_b4bf16<B>(pr);  // then x is read as bf16 only (x_bf16), and y may be bf16 (y_bf16)
 #if AQ_AVX512
-  if (b4) group_sums_bf16(pr.x_bf16, pr.ldx, M, G, pr.group_size, xs.data());
+  if (b4) group_sums(pr.x_bf16, pr.ldx, M, G, pr.group_size, xs.data());
   else
 #endif
     group_sums(pr.x, pr.ldx, M, G, pr.group_size, xs.data());
