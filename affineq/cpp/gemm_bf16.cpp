@@ -106,14 +106,11 @@ constexpr auto kBMicro = bmicro_table(std::make_integer_sequence<int, kBMR>{});
 
 // y[m, c] = bf16(cbuf[m * 32 + c]) for c < cols: torch's float -> bf16 (nearest even; every NaN as 0x7FC0).
 void store_tile_bf16(const float* cbuf, int64_t rows, int64_t cols, uint16_t* y, int64_t ldy) {
-  const __m512i qnan = _mm512_set1_epi16(0x7FC0);
+  const __mmask16 lo = static_cast<__mmask16>(cols >= 16 ? 0xFFFF : (1u << cols) - 1);
+  const __mmask16 hi = static_cast<__mmask16>(cols <= 16 ? 0 : cols >= 32 ? 0xFFFF : (1u << (cols - 16)) - 1);
   for (int64_t m = 0; m < rows; ++m) {
-    const __m512 lo = _mm512_loadu_ps(cbuf + m * 32), hi = _mm512_loadu_ps(cbuf + m * 32 + 16);
-    __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
-    const __mmask32 nan = static_cast<__mmask32>(_mm512_cmp_ps_mask(lo, lo, _CMP_UNORD_Q)) |
-                          static_cast<__mmask32>(_mm512_cmp_ps_mask(hi, hi, _CMP_UNORD_Q)) << 16;
-    both = _mm512_mask_mov_epi16(both, nan, qnan);
-    _mm512_mask_storeu_epi16(y + m * ldy, static_cast<__mmask32>((uint64_t{1} << cols) - 1), both);
+    _mm256_mask_storeu_epi16(y + m * ldy, lo, bf16_bits(_mm512_loadu_ps(cbuf + m * 32)));
+    _mm256_mask_storeu_epi16(y + m * ldy + 16, hi, bf16_bits(_mm512_loadu_ps(cbuf + m * 32 + 16)));
   }
 }
 

@@ -226,10 +226,8 @@ void gemv_tile_b4bf16(const B4Bf16& k4, const uint8_t* const* pan, const float* 
       const __m512 t = tot[m][p].v;
       if (yb == nullptr) {
         _mm512_mask_storeu_ps(y + m * ldy + 16 * p, keep, t);
-      } else {  // torch's float -> bf16: nearest even, every NaN as 0x7FC0
-        const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(t));
-        const __mmask16 nan = _mm512_cmp_ps_mask(t, t, _CMP_UNORD_Q);
-        _mm256_mask_storeu_epi16(yb + m * ldy + 16 * p, keep, _mm256_mask_mov_epi16(h, nan, _mm256_set1_epi16(0x7FC0)));
+      } else {
+        _mm256_mask_storeu_epi16(yb + m * ldy + 16 * p, keep, bf16_bits(t));
       }
     });
   });

@@ -63,15 +63,18 @@ def quantize_kv(x: torch.Tensor, kind: str, group_size: int | None = None) -> tu
         return q.to(torch.int8).flatten(-2), scale.squeeze(-1)
     lo = xg.amin(-1, keepdim=True)
     scale = (xg.amax(-1, keepdim=True) - lo) / 15
+    xm = xg.mean(-1, keepdim=True)
+    dx = xg - xm
     for _ in range(INT4_REFINE_STEPS):
         # Least squares: the (scale, min) that fit the group best for its current codes, then the codes nearest
         # under them. Each half-step lowers the group's squared error (min-max is only the first guess).
         u = ((xg - lo) / torch.where(scale > 0, scale, 1.0)).round().clamp(0, 15)
-        du, dx = u - u.mean(-1, keepdim=True), xg - xg.mean(-1, keepdim=True)
+        um = u.mean(-1, keepdim=True)
+        du = u - um
         var = (du * du).sum(-1, keepdim=True)
         fit = torch.where(var > 0, (du * dx).sum(-1, keepdim=True) / torch.where(var > 0, var, 1.0), scale)
         scale = torch.where(fit > 0, fit, scale)
-        lo = xg.mean(-1, keepdim=True) - scale * u.mean(-1, keepdim=True)
+        lo = xm - scale * um
     lo, scale = lo.half(), scale.half()  # stored in float16: codes are rounded against what is stored
     sf = scale.float()
     u = ((xg - lo.float()) / torch.where(sf > 0, sf, 1.0)).round().clamp(0, 15).to(torch.uint8)

@@ -299,23 +299,13 @@ at::Tensor int8_codes_linear_cpu(const at::Tensor& x, const at::Tensor& packed, 
   TORCH_CHECK(bits == 8 || bits == 4, op, ": bits must be 8 or 4, got ", bits);
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.numel() == packed_nbytes(n, k, bits), op,
               ": packed must be uint8 with ", packed_nbytes(n, k, bits), " elements (", bits, "-bit codes)");
-  const bool e8m0 = check_qparams(op, scale, offset, bits, kCodesUint, code_offset, n, k / group_size);
+  check_qparams(op, scale, offset, bits, kCodesUint, code_offset, n, k / group_size);
   const bool has_offset = offset.has_value() && offset->defined();
   const at::Tensor pk = packed.contiguous(), sc = scale.contiguous(), xc = x.contiguous();
   const at::Tensor of = has_offset ? offset->contiguous() : at::Tensor();
   LowbitProblem p;
-  p.packed = pk.const_data_ptr<uint8_t>();
-  p.scale = sc.const_data_ptr();
-  p.offset = has_offset ? of.const_data_ptr() : nullptr;
-  p.qparams_bf16 = sc.scalar_type() == at::kBFloat16;
-  p.qparams_f16 = sc.scalar_type() == at::kHalf;
-  p.qparams_e8m0 = e8m0;  // refused by supported()
-  p.code_offset = static_cast<int>(code_offset);
-  p.bits = static_cast<int>(bits);
-  p.codes = kCodesUint;
-  p.group_size = group_size;
-  p.n = n;
-  p.k = k;
+  set_weight(p, pk.const_data_ptr(), sc.const_data_ptr(), has_offset ? of.const_data_ptr() : nullptr,
+             sc.scalar_type(), code_offset, bits, kCodesUint, group_size, n, k);  // e8m0: refused by supported()
   TORCH_CHECK(Int8CodesGemm::supported(p), op, ": this build or weight is not one the kernel reads (AVX512-VNNI "
               "and VBMI builds; fp32 / bf16 / fp16 qparams, n % 16 == 0, group_size % 8 == 0); use "
               "affineq::lowbit_linear");

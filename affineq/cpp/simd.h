@@ -42,6 +42,15 @@ namespace affineq::detail {
 // GCC compiled the hot loops that inline these functions differently (seen in the disassembly).
 namespace {
 
+#if AQ_BF16DOT
+// 16 fp32 -> their bf16 bits as torch rounds: to nearest even, every NaN as 0x7FC0 (vcvtneps2bf16 keeps the
+// NaN's sign and payload).
+AQ_INLINE __m256i bf16_bits(__m512 v) {
+  const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+  return _mm256_mask_mov_epi16(h, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm256_set1_epi16(0x7FC0));
+}
+#endif
+
 // 16-bit floats -> fp32, exact (subnormals, infinities and NaN included).
 AQ_INLINE float bf16_to_float(uint16_t b) {
   const uint32_t bits = static_cast<uint32_t>(b) << 16;
