@@ -100,18 +100,21 @@ struct QparamPrefetch {
 };
 
 // tot[m][p] += scale[g] * sum_a acc[m][p][a] + offset[g] * sum(x[m] over group g): one group's contribution to 16
-// output rows per vector (scale / offset tiles [G][lds], xs [MR][G]).
+// output rows per vector (scale / offset tiles [G][lds], xs [MR][G]). Without an offset tile (oT null: offset =
+// f * scale, f the same for every group) xs holds f * sum(x) and the group adds scale[g] * (acc + f * sum(x)):
+// no offset tile to fill and read per work item.
 template <int MR, int P, int A>
 AQ_INLINE void add_group(F16 (&tot)[MR][P], const F16 (&acc)[MR][P][A], const float* sT, const float* oT, int64_t lds,
                          const float* xs, int64_t G, int64_t g) {
   sfor<P>([&](auto P_) {
     constexpr int p = AQ_CV(P_);
-    const F16 s = fload(sT + g * lds + 16 * p), o = fload(oT + g * lds + 16 * p);
+    const F16 s = fload(sT + g * lds + 16 * p);
     sfor<MR>([&](auto M_) {
       constexpr int m = AQ_CV(M_);
       F16 a = acc[m][p][0];
       sfor<A - 1>([&](auto A_) { a = fadd(a, acc[m][p][AQ_CV(A_) + 1]); });
-      tot[m][p] = ffma(o, fset1(xs[m * G + g]), ffma(s, a, tot[m][p]));
+      if (oT == nullptr) tot[m][p] = ffma(s, fadd(a, fset1(xs[m * G + g])), tot[m][p]);
+      else tot[m][p] = ffma(fload(oT + g * lds + 16 * p), fset1(xs[m * G + g]), ffma(s, a, tot[m][p]));
     });
   });
 }
@@ -249,14 +252,15 @@ void gemv_rows(const Ctx& c, const uint8_t* const* pan, int64_t cnt, const float
   constexpr int P = gemv_P(MR, B), A = gemv_A(MR);
   const LowbitProblem& pr = *c.p;
   const int64_t lds = 16 * cnt, upg = pr.group_size / 8;
+  const auto oq = [oT](int64_t q) { return oT ? oT + 16 * q : nullptr; };  // no offset tile: see add_group
   if (cnt % P == 0) {
     for (int64_t q = 0; q < cnt; q += P)
-      gemv_tile<B, MR, P, A>(pan + q, sT + 16 * q, oT + 16 * q, lds, x, pr.ldx, xs, c.G, upg, y + 16 * q,
-                             pr.ldy, nvalid - 16 * q, q == 0 ? pf : nullptr);
+      gemv_tile<B, MR, P, A>(pan + q, sT + 16 * q, oq(q), lds, x, pr.ldx, xs, c.G, upg, y + 16 * q, pr.ldy,
+                             nvalid - 16 * q, q == 0 ? pf : nullptr);
   } else {
     for (int64_t q = 0; q < cnt; ++q)
-      gemv_tile<B, MR, 1, (MR == 1 ? 2 : 1)>(pan + q, sT + 16 * q, oT + 16 * q, lds, x, pr.ldx, xs, c.G, upg,
-                                             y + 16 * q, pr.ldy, nvalid - 16 * q, q == 0 ? pf : nullptr);
+      gemv_tile<B, MR, 1, (MR == 1 ? 2 : 1)>(pan + q, sT + 16 * q, oq(q), lds, x, pr.ldx, xs, c.G, upg, y + 16 * q,
+                                             pr.ldy, nvalid - 16 * q, q == 0 ? pf : nullptr);
   }
 }
 
@@ -274,6 +278,15 @@ void gemv_path(const Ctx& c) {
   else
 #endif
     group_sums(pr.x, pr.ldx, M, G, pr.group_size, xs.data());
+  // The bf16-dot GEMV sees 16 + u for the codes u: its offset is offset - 16 * scale.
+  const float bias = b4 ? 16.f : 0.f;
+  // Without an offset array, offset = f * scale for one f (lowbit_kernels.h: scale * code_offset), so the offset
+  // term folds into xs once per call instead of an offset tile per work item.
+  const bool scale_only = pr.offset == nullptr && !pr.qparams_kquant && code_scale(B) == 1.f;
+  if (scale_only) {
+    const float f = static_cast<float>(pr.code_offset) - bias;
+    for (float& v : xs) v *= f;
+  }
   // Work items: blocks of kItemPanels full panels, then single leftover panels (incl. the tail panel).
   const int64_t nblk = c.nfull / kItemPanels;
   const int64_t nitems = nblk + (c.npan - nblk * kItemPanels);
@@ -284,64 +297,55 @@ void gemv_path(const Ctx& c) {
     const int64_t r0 = 16 * first_panel(it);
     return std::pair<int64_t, int64_t>{r0, std::min<int64_t>(16 * (it < nblk ? kItemPanels : 1), c.N - r0)};
   };
-  at::parallel_for(0, nitems, grain_for(16 * kItemPanels * c.K8 * M), [&](int64_t i0, int64_t i1) {
-    for (int64_t it = i0; it < i1; ++it) {
-      const int64_t p0 = first_panel(it), cnt = it < nblk ? kItemPanels : 1;
-      const auto [r0, rows] = row_range(it);
-      const uint8_t* pan[kItemPanels];
-      for (int64_t q = 0; q < cnt; ++q) pan[q] = panel_ptr(c, p0 + q);
-      float* sT = tl_scale.get<float>(G * 16 * cnt);
-      float* oT = tl_offset.get<float>(G * 16 * cnt);
-      load_qparams(pr, false, code_scale(B), r0, rows, 16 * cnt, G, sT, 16 * cnt);
-      // The bf16-dot GEMV sees 16 + u for the codes u: its offset is offset - 16 * scale.
-      const float bias = use_b4bf16<B>(pr) ? 16.f : 0.f;
-      if (pr.offset == nullptr && !pr.qparams_kquant && code_scale(B) == 1.f) {
-        // offset = scale * code_offset (lowbit_kernels.h): from the scales just loaded, not a second pass over
-        // the raw ones (the products are exact: 16-bit or e8m0 scales times small integers)
-        const float f = static_cast<float>(pr.code_offset) - bias;
-        for (int64_t i = 0; i < G * 16 * cnt; ++i) oT[i] = f * sT[i];
-      } else {
-        load_qparams(pr, true, 1.f, r0, rows, 16 * cnt, G, oT, 16 * cnt);
-        if (bias != 0.f)
-          for (int64_t i = 0; i < G * 16 * cnt; ++i) oT[i] -= bias * sT[i];
-      }
-      std::optional<QparamPrefetch> pf;
-      if (it + 1 < i1) {
-        const auto [nr0, nrows] = row_range(it + 1);
-        pf.emplace(pr, nr0, nrows, G);
-      }
-      for (int64_t m0 = 0; m0 < M; m0 += kGemvMR) {
-        const float* xsm = xs.data() + m0 * G;
-        const int64_t mr = std::min<int64_t>(kGemvMR, M - m0);
-        const QparamPrefetch* pfm = m0 == 0 && pf ? &*pf : nullptr;
+  parallel_dynamic(nitems, grain_for(16 * kItemPanels * c.K8 * M), [&](int64_t it, int64_t next) {
+    const int64_t p0 = first_panel(it), cnt = it < nblk ? kItemPanels : 1;
+    const auto [r0, rows] = row_range(it);
+    const uint8_t* pan[kItemPanels];
+    for (int64_t q = 0; q < cnt; ++q) pan[q] = panel_ptr(c, p0 + q);
+    float* sT = tl_scale.get<float>(G * 16 * cnt);
+    float* oT = scale_only ? nullptr : tl_offset.get<float>(G * 16 * cnt);  // null: xs holds f * sum(x)
+    load_qparams(pr, false, code_scale(B), r0, rows, 16 * cnt, G, sT, 16 * cnt);
+    if (oT != nullptr) {
+      load_qparams(pr, true, 1.f, r0, rows, 16 * cnt, G, oT, 16 * cnt);
+      if (bias != 0.f)
+        for (int64_t i = 0; i < G * 16 * cnt; ++i) oT[i] -= bias * sT[i];
+    }
+    std::optional<QparamPrefetch> pf;
+    if (next >= 0) {
+      const auto [nr0, nrows] = row_range(next);
+      pf.emplace(pr, nr0, nrows, G);
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += kGemvMR) {
+      const float* xsm = xs.data() + m0 * G;
+      const int64_t mr = std::min<int64_t>(kGemvMR, M - m0);
+      const QparamPrefetch* pfm = m0 == 0 && pf ? &*pf : nullptr;
 #if AQ_BF16DOT && defined(__AVX512VBMI__)
-        if (b4) {
-          static const B4Bf16 k4;
-          const uint32_t* xw = reinterpret_cast<const uint32_t*>(pr.x_bf16 + m0 * pr.ldx);
-          float* y = pr.y_bf16 ? nullptr : pr.y + m0 * pr.ldy + r0;
-          uint16_t* yb = pr.y_bf16 ? pr.y_bf16 + m0 * pr.ldy + r0 : nullptr;
-          const int64_t lds = 16 * cnt, upg = pr.group_size / 8, ldx2 = pr.ldx / 2;
-          const int step = cnt % 4 == 0 ? 4 : 1;
-          for (int64_t q = 0; q < cnt; q += step) {
-            const QparamPrefetch* pq = q == 0 ? pfm : nullptr;
-            float* yq = y ? y + 16 * q : nullptr;
-            uint16_t* ybq = yb ? yb + 16 * q : nullptr;
-            const auto tile = mr == 1 ? (step == 4 ? &gemv_tile_b4bf16<1, 4> : &gemv_tile_b4bf16<1, 1>)
-                                      : (step == 4 ? &gemv_tile_b4bf16<2, 4> : &gemv_tile_b4bf16<2, 1>);
-            tile(k4, pan + q, sT + 16 * q, oT + 16 * q, lds, xw, ldx2, xsm, G, upg, yq, ybq, pr.ldy,
-                 rows - 16 * q, pq);
-          }
-          continue;
+      if (b4) {
+        static const B4Bf16 k4;
+        const uint32_t* xw = reinterpret_cast<const uint32_t*>(pr.x_bf16 + m0 * pr.ldx);
+        float* y = pr.y_bf16 ? nullptr : pr.y + m0 * pr.ldy + r0;
+        uint16_t* yb = pr.y_bf16 ? pr.y_bf16 + m0 * pr.ldy + r0 : nullptr;
+        const int64_t lds = 16 * cnt, upg = pr.group_size / 8, ldx2 = pr.ldx / 2;
+        const int step = cnt % 4 == 0 ? 4 : 1;
+        for (int64_t q = 0; q < cnt; q += step) {
+          const QparamPrefetch* pq = q == 0 ? pfm : nullptr;
+          float* yq = y ? y + 16 * q : nullptr;
+          uint16_t* ybq = yb ? yb + 16 * q : nullptr;
+          const auto tile = mr == 1 ? (step == 4 ? &gemv_tile_b4bf16<1, 4> : &gemv_tile_b4bf16<1, 1>)
+                                    : (step == 4 ? &gemv_tile_b4bf16<2, 4> : &gemv_tile_b4bf16<2, 1>);
+          tile(k4, pan + q, sT + 16 * q, oT ? oT + 16 * q : nullptr, lds, xw, ldx2, xsm, G, upg, yq, ybq, pr.ldy,
+               rows - 16 * q, pq);
         }
+        continue;
+      }
 #endif
-        const float* x = pr.x + m0 * pr.ldx;
-        float* y = pr.y + m0 * pr.ldy + r0;
-        if (mr == 1) gemv_rows<B, 1>(c, pan, cnt, sT, oT, x, xsm, y, rows, pfm);
-        else if (mr == 2) gemv_rows<B, 2>(c, pan, cnt, sT, oT, x, xsm, y, rows, pfm);
-        else if constexpr (kGemvMR == 4) {
-          if (mr == 3) gemv_rows<B, 3>(c, pan, cnt, sT, oT, x, xsm, y, rows, pfm);
-          else gemv_rows<B, 4>(c, pan, cnt, sT, oT, x, xsm, y, rows, pfm);
-        }
+      const float* x = pr.x + m0 * pr.ldx;
+      float* y = pr.y + m0 * pr.ldy + r0;
+      if (mr == 1) gemv_rows<B, 1>(c, pan, cnt, sT, oT, x, xsm, y, rows, pfm);
+      else if (mr == 2) gemv_rows<B, 2>(c, pan, cnt, sT, oT, x, xsm, y, rows, pfm);
+      else if constexpr (kGemvMR == 4) {
+        if (mr == 3) gemv_rows<B, 3>(c, pan, cnt, sT, oT, x, xsm, y, rows, pfm);
+        else gemv_rows<B, 4>(c, pan, cnt, sT, oT, x, xsm, y, rows, pfm);
       }
     }
   });
