@@ -314,6 +314,12 @@ void gemv_path(const Ctx& c) {
     if (next >= 0) {
       const auto [nr0, nrows] = row_range(next);
       pf.emplace(pr, nr0, nrows, G);
+      // The first units of the next item's panels: the tile's own prefetch runs kPrefetchUnits ahead within a
+      // panel, so each new panel would otherwise start with that many demand misses.
+      const int64_t np0 = first_panel(next), unit_bytes = 16 * bits_of(B);
+      for (int64_t q = 0, nq = next < nblk ? kItemPanels : 1; q < nq && np0 + q < c.nfull; ++q)
+        for (int64_t l = 0; l < kPrefetchUnits * unit_bytes; l += 64)
+          __builtin_prefetch(c.p->packed + (np0 + q) * c.panel_bytes + l, 0, 3);
     }
     for (int64_t m0 = 0; m0 < M; m0 += kGemvMR) {
       const float* xsm = xs.data() + m0 * G;
