@@ -44,6 +44,59 @@ AQ_INLINE void transpose16_store(const __m512* r, float* dst, int64_t ldd) {
   }
 }
 
+
+// The 16 x 16 transpose of 16-bit values as three stages of two-register permutes (vpermt2w). Eight registers
+// hold the block, two rows or two columns each: register i, lane e is (row 2i + e / 16, column e % 16) before
+// and (row e % 16, column 2i + e / 16) after. Each stage trades one bit of the register index (a row bit) for a
+// lane bit (a column bit) between the register pairs that differ in it; idx[s][v] builds the partner with that
+// bit v. Half the shuffles of the fp32 transpose, on half the bytes, and no conversion before it.
+struct Transpose16x16w {
+  __m512i idx[3][2];
+  Transpose16x16w() {
+    // A layout places the 8 index bits (row bits 0..3, column bits 0..3) at 3 register bits + 5 lane bits:
+    // where[b] = position of bit b (0..4 lane bits, 5..7 register bits); bits 0..3 rows, 4..7 columns.
+    const int layouts[4][8] = {
+        {4, 5, 6, 7, 0, 1, 2, 3},  // before: row bit 0 in lane bit 4, rows 1..3 the register, columns lanes 0..3
+        {4, 1, 6, 7, 0, 5, 2, 3},  // stage 0: row bit 1 <-> column bit 1
+        {4, 1, 2, 7, 0, 5, 6, 3},  // stage 1: row bit 2 <-> column bit 2
+        {0, 1, 2, 3, 4, 5, 6, 7},  // stage 2: row bit 3 <-> column bit 3; lanes (column bit 0, row)
+    };
+    for (int s = 0; s < 3; ++s)
+      for (int v = 0; v < 2; ++v) {
+        alignas(64) uint16_t t[32];
+        for (int e = 0; e < 32; ++e) {
+          const int out = (v << s) << 5 | e;  // register (bit s = v, others 0), lane e, in the stage's output
+          int rc = 0;                         // which (row, column) sits there: 8 bits, rows low
+          for (int b = 0; b < 8; ++b) rc |= (out >> layouts[s + 1][b] & 1) << b;
+          int in = 0;
+          for (int b = 0; b < 8; ++b) in |= (rc >> b & 1) << layouts[s][b];
+          t[e] = static_cast<uint16_t>((in & 31) | ((in >> (5 + s) & 1) << 5));  // lane, and which partner
+        }
+        idx[s][v] = _mm512_load_si512(t);
+      }
+  }
+  AQ_INLINE void operator()(__m512i (&r)[8]) const {
+    for (int s = 0; s < 3; ++s)
+      for (int i = 0; i < 8; ++i)
+        if (!(i >> s & 1)) {
+          const int j = i | 1 << s;
+          const __m512i lo = _mm512_permutex2var_epi16(r[i], idx[s][0], r[j]);
+          r[j] = _mm512_permutex2var_epi16(r[i], idx[s][1], r[j]);
+          r[i] = lo;
+        }
+  }
+};
+
+// r[i] = rows 2i and 2i + 1 of a 16 x 16 block of 16-bit values (row stride lds), transposed in place: r[k] =
+// columns 2k (lanes 0..15) and 2k + 1 (lanes 16..31).
+AQ_INLINE void load_transpose16w(const uint16_t* src, int64_t lds, __m512i (&r)[8]) {
+  static const Transpose16x16w tr;
+  for (int i = 0; i < 8; ++i)
+    r[i] = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 2 * i * lds))),
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + (2 * i + 1) * lds)), 1);
+  tr(r);
+}
 #endif
 
 // dst[g * ldd + r] = src[r * lds + g] for r < rows, g < G; rows in [rows, R) are zero-filled.
@@ -174,21 +227,26 @@ void load_qparams(const LowbitProblem& p, bool offset, float mul, int64_t r0, in
     const uint16_t* s16 = static_cast<const uint16_t*>(p.scale) + r0 * G;
     const uint16_t* z16 = static_cast<const uint16_t*>(p.offset) + r0 * G;
     const bool bf = p.qparams_bf16;
-    const auto ld = [bf](const uint16_t* q) {  // 16 qparams as fp32 (exact)
-      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+    const auto f32 = [bf](__m256i h) {  // 16 qparams as fp32 (exact)
       return bf ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)) : _mm512_cvtph_ps(h);
     };
     const __m512 half = _mm512_set1_ps(static_cast<float>(1 << (p.bits - 1))), vm = _mm512_set1_ps(mul);
+    const bool zs = offset && bf;  // bf16 offsets come as z - 2^(b-1) s: both blocks are needed
     for (int64_t g0 = 0; g0 < G; g0 += 16)
       for (int64_t rb = 0; rb < R; rb += 16) {
-        __m512 r[16];
-        for (int i = 0; i < 16; ++i) {
-          const int64_t at = (rb + i) * G + g0;
-          if (!offset) r[i] = _mm512_mul_ps(ld(s16 + at), vm);
-          else if (bf) r[i] = _mm512_sub_ps(ld(z16 + at), _mm512_mul_ps(half, ld(s16 + at)));  // z - 2^(b-1) s
-          else r[i] = ld(z16 + at);
-        }
-        transpose16_store(r, dst + g0 * ldd + rb, ldd);
+        __m512i a[8], sc[8];
+        load_transpose16w((offset ? z16 : s16) + rb * G + g0, G, a);
+        if (zs) load_transpose16w(s16 + rb * G + g0, G, sc);
+        for (int k = 0; k < 8; ++k)
+          for (int h = 0; h < 2; ++h) {  // column 2k + h: lanes 16h .. 16h + 15 of register k
+            const auto col = [h](__m512i v) {
+              return h ? _mm512_extracti64x4_epi64(v, 1) : _mm512_castsi512_si256(v);
+            };
+            __m512 v = f32(col(a[k]));
+            if (!offset) v = _mm512_mul_ps(v, vm);
+            else if (zs) v = _mm512_sub_ps(v, _mm512_mul_ps(half, f32(col(sc[k]))));  // z - 2^(b-1) s
+            _mm512_storeu_ps(dst + (g0 + 2 * k + h) * ldd + rb, v);
+          }
       }
     return;
   }

@@ -76,18 +76,26 @@ constexpr int kGemvMR = 4;
 // benchmarks/README.md, kernel design measurements).
 constexpr int64_t kPrefetchUnits = 24;
 
-// Prefetches the raw qparams of the next work item, a few cache lines per group of the current one. Without
-// it load_qparams read them from DRAM through 16..32 strided streams, a large share of a small-group GEMV's
-// time on AVX2 (see benchmarks/README.md, kernel design measurements).
-struct QparamPrefetch {
+// Prefetches what the next work item starts with, a few cache lines per group of the current one: its raw
+// qparams (without this load_qparams read them from DRAM through 16..32 strided streams, a large share of a
+// small-group GEMV's time on AVX2) and the first kPrefetchUnits units of each of its full panels (the tile's own
+// prefetch runs that far ahead within a panel, so each new panel would otherwise start with as many demand
+// misses). Spread over the groups: issued in one burst, these prefetches filled the miss queue and stalled the
+// core (see benchmarks/README.md, kernel design measurements).
+struct NextItemPrefetch {
   const char* src[2] = {nullptr, nullptr};  // scale and offset rows of the next item (contiguous)
-  int64_t bytes = 0, lines_per_group = 0;
-  QparamPrefetch(const LowbitProblem& p, int64_t r0, int64_t rows, int64_t G) {
+  const char* pan[kItemPanels] = {};        // its full panels (null: none, or the tail panel)
+  int64_t bytes = 0, lines_per_group = 0, panel_lines = 0, panel_lines_per_group = 0;
+  NextItemPrefetch(const LowbitProblem& p, int64_t r0, int64_t rows, int64_t G, const uint8_t* const* panels,
+                   int64_t npanels, int64_t unit_bytes) {
     const int64_t row_bytes = qparam_row_bytes(p, G);
     src[0] = static_cast<const char*>(p.scale) + r0 * row_bytes;
     src[1] = p.offset != nullptr ? static_cast<const char*>(p.offset) + r0 * row_bytes : src[0];  // none
     bytes = rows * row_bytes;
     lines_per_group = ((bytes + 63) / 64 + G - 1) / G;
+    for (int64_t q = 0; q < npanels; ++q) pan[q] = reinterpret_cast<const char*>(panels[q]);
+    panel_lines = kPrefetchUnits * unit_bytes / 64;
+    panel_lines_per_group = (panel_lines + G - 1) / G;
   }
   AQ_INLINE void group(int64_t g) const {
 #if defined(__GNUC__)
@@ -95,6 +103,9 @@ struct QparamPrefetch {
       __builtin_prefetch(src[0] + 64 * l, 0, 2);
       __builtin_prefetch(src[1] + 64 * l, 0, 2);
     }
+    for (int64_t l = g * panel_lines_per_group, e = std::min(l + panel_lines_per_group, panel_lines); l < e; ++l)
+      for (const char* q : pan)
+        if (q != nullptr) __builtin_prefetch(q + 64 * l, 0, 3);
 #endif
   }
 };
@@ -122,7 +133,7 @@ AQ_INLINE void add_group(F16 (&tot)[MR][P], const F16 (&acc)[MR][P][A], const fl
 template <int B, int MR, int P, int A>
 void gemv_tile(const uint8_t* const* pan, const float* sT, const float* oT, int64_t lds, const float* x,
                int64_t ldx, const float* xs, int64_t G, int64_t upg, float* y, int64_t ldy, int64_t nvalid,
-               const QparamPrefetch* pf) {
+               const NextItemPrefetch* pf) {
   F16 tot[MR][P];
   sfor<MR>([&](auto M_) { sfor<P>([&](auto P_) { tot[AQ_CV(M_)][AQ_CV(P_)] = fzero(); }); });
   for (int64_t g = 0; g < G; ++g) {
@@ -192,7 +203,7 @@ struct B4Bf16 {
 template <int MR, int P>
 void gemv_tile_b4bf16(const B4Bf16& k4, const uint8_t* const* pan, const float* sT, const float* oT, int64_t lds,
                       const uint32_t* xw, int64_t ldx2, const float* xs, int64_t G, int64_t upg, float* y,
-                      uint16_t* yb, int64_t ldy, int64_t nvalid, const QparamPrefetch* pf) {
+                      uint16_t* yb, int64_t ldy, int64_t nvalid, const NextItemPrefetch* pf) {
   F16 tot[MR][P];
   sfor<MR>([&](auto M_) { sfor<P>([&](auto P_) { tot[AQ_CV(M_)][AQ_CV(P_)] = fzero(); }); });
   for (int64_t g = 0; g < G; ++g) {
@@ -248,7 +259,7 @@ bool use_b4bf16(const LowbitProblem& p) {
 
 template <int B, int MR>
 void gemv_rows(const Ctx& c, const uint8_t* const* pan, int64_t cnt, const float* sT, const float* oT,
-               const float* x, const float* xs, float* y, int64_t nvalid, const QparamPrefetch* pf) {
+               const float* x, const float* xs, float* y, int64_t nvalid, const NextItemPrefetch* pf) {
   constexpr int P = gemv_P(MR, B), A = gemv_A(MR);
   const LowbitProblem& pr = *c.p;
   const int64_t lds = 16 * cnt, upg = pr.group_size / 8;
@@ -310,21 +321,20 @@ void gemv_path(const Ctx& c) {
       if (bias != 0.f)
         for (int64_t i = 0; i < G * 16 * cnt; ++i) oT[i] -= bias * sT[i];
     }
-    std::optional<QparamPrefetch> pf;
+    std::optional<NextItemPrefetch> pf;
     if (next >= 0) {
       const auto [nr0, nrows] = row_range(next);
-      pf.emplace(pr, nr0, nrows, G);
-      // The first units of the next item's panels: the tile's own prefetch runs kPrefetchUnits ahead within a
-      // panel, so each new panel would otherwise start with that many demand misses.
-      const int64_t np0 = first_panel(next), unit_bytes = 16 * bits_of(B);
-      for (int64_t q = 0, nq = next < nblk ? kItemPanels : 1; q < nq && np0 + q < c.nfull; ++q)
-        for (int64_t l = 0; l < kPrefetchUnits * unit_bytes; l += 64)
-          __builtin_prefetch(c.p->packed + (np0 + q) * c.panel_bytes + l, 0, 3);
+      const int64_t np0 = first_panel(next);
+      const uint8_t* npan[kItemPanels];
+      int64_t nq = 0;  // its full panels (panel_ptr would copy the tail panel now)
+      for (; nq < (next < nblk ? kItemPanels : 1) && np0 + nq < c.nfull; ++nq)
+        npan[nq] = pr.packed + (np0 + nq) * c.panel_bytes;
+      pf.emplace(pr, nr0, nrows, G, npan, nq, 16 * bits_of(B));
     }
     for (int64_t m0 = 0; m0 < M; m0 += kGemvMR) {
       const float* xsm = xs.data() + m0 * G;
       const int64_t mr = std::min<int64_t>(kGemvMR, M - m0);
-      const QparamPrefetch* pfm = m0 == 0 && pf ? &*pf : nullptr;
+      const NextItemPrefetch* pfm = m0 == 0 && pf ? &*pf : nullptr;
 #if AQ_BF16DOT && defined(__AVX512VBMI__)
       if (b4) {
         static const B4Bf16 k4;
@@ -334,7 +344,7 @@ void gemv_path(const Ctx& c) {
         const int64_t lds = 16 * cnt, upg = pr.group_size / 8, ldx2 = pr.ldx / 2;
         const int step = cnt % 4 == 0 ? 4 : 1;
         for (int64_t q = 0; q < cnt; q += step) {
-          const QparamPrefetch* pq = q == 0 ? pfm : nullptr;
+          const NextItemPrefetch* pq = q == 0 ? pfm : nullptr;
           float* yq = y ? y + 16 * q : nullptr;
           uint16_t* ybq = yb ? yb + 16 * q : nullptr;
           const auto tile = mr == 1 ? (step == 4 ? &gemv_tile_b4bf16<1, 4> : &gemv_tile_b4bf16<1, 1>)
