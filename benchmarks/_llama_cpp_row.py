@@ -13,6 +13,9 @@ tok/s = (n - 1) / decode s, the definition bench_decode.py uses for every row. M
 runs after one warm-up run. ``internal_decode_tok_s`` is llama.cpp's own timer of the same steps (no
 Python), to show what the binding adds.
 
+``"turns": {"dir": D, "role": R}`` (optional) pairs the timed runs with another process's (``_turns.Turns``): the
+warm-up and each repeat wait for their turn, so the two rows alternate on the same machine.
+
 ``{"task": "compare", "model": PATH, "prompt_ids": [...], "new_tokens": 24, "windows": [[ids], ...]}``
 (bench_gguf's correctness rows) prints instead ``ROW {"tokens": greedy ids, "nll": sum, "count": predictions,
 "ppl": exp(nll / count)}``: each window evaluated from an empty KV cache with every position's logits
@@ -103,10 +106,23 @@ def run(args: dict) -> dict:
         if theirs != ids:
             print(f"note: llama.cpp tokenizes the prompt as {theirs}, ours is {ids}; the row feeds our ids",
                   file=sys.stderr)
+    turns = None
+    if args.get("turns"):  # paired with an affineq row (bench_scale): runs alternate with the partner's
+        from _turns import Turns
+
+        turns = Turns(args["turns"]["dir"], int(args["turns"]["role"]))
+        turns.start()
+        turns.wait()
     tokens, _, _ = _greedy(llm, ids, n)  # warm-up (page-in of the mmapped weights, thread pool)
+    if turns:
+        turns.give()
     prefill, decode, internal = [], [], []
     for _ in range(int(args.get("repeats", 5))):
+        if turns:
+            turns.wait()
         again, p, d = _greedy(llm, ids, n)
+        if turns:
+            turns.give()
         perf = llama_perf_context(llm.ctx)  # llama.cpp's own timer of the single-token decodes
         if perf.n_eval and perf.t_eval_ms > 0:
             internal.append(perf.n_eval / (perf.t_eval_ms * 1e-3))

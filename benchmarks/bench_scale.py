@@ -60,6 +60,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -213,12 +214,25 @@ def child_decode(job: dict) -> dict:
                 out.append(int(tok[0]))
             return t1 - t, time.perf_counter() - t1, out
 
+    turns = None
+    if job.get("turns"):  # paired with a llama.cpp row: runs alternate with the partner's (_turns.Turns)
+        from _turns import Turns
+
+        turns = Turns(job["turns"]["dir"], int(job["turns"]["role"]), partner=job["turns"].get("partner"))
+        turns.start()
+        turns.wait()
     t0 = time.perf_counter()
     _, _, tokens = run()  # warm-up: compiles the step, pages the weights in
     warm = time.perf_counter() - t0
+    if turns:
+        turns.give()
     pre, dts = [], []
     for _ in range(job["repeats"]):
+        if turns:
+            turns.wait()
         p, d, again = run()
+        if turns:
+            turns.give()
         pre.append(p)
         dts.append(d)
     d = statistics.median(dts)
@@ -274,24 +288,41 @@ CHILDREN = {"quantize": child_quantize, "quantize-on-load": child_quantize_on_lo
 
 # -- llama.cpp rows ------------------------------------------------------------------------------------------
 
-def _llama_row(py: Path | None, gguf: Path, prompt: int, n: int, threads: int, repeats: int) -> dict | None:
-    """benchmarks/_llama_cpp_row.py on the same prompt ids, in the llama-cpp-python venv (None: skipped)."""
+def _llama_available(py: Path | None, gguf: Path) -> bool:
     if py is None or not gguf.exists():
         print(f"llama.cpp {gguf.name}: skipped ({'no llama-cpp-python venv' if py is None else 'no such file'})")
-        return None
+        return False
+    return True
+
+
+def _llama_start(py: Path, gguf: Path, prompt: int, n: int, threads: int, repeats: int,
+                 turns: dict | None = None) -> subprocess.Popen:
+    """benchmarks/_llama_cpp_row.py on the same prompt ids, in the llama-cpp-python venv, started (not awaited)."""
+    args = {"model": str(gguf), "prompt_ids": prompt_ids(prompt, 49152).tolist(), "new_tokens": n,
+            "threads": threads, "repeats": repeats, "turns": turns}
+    return subprocess.Popen([str(py), str(HERE / "_llama_cpp_row.py"), json.dumps(args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _llama_result(proc: subprocess.Popen, gguf: Path) -> dict | None:
     from bench_decode import _gguf_bytes_per_token
 
-    args = {"model": str(gguf), "prompt_ids": prompt_ids(prompt, 49152).tolist(), "new_tokens": n,
-            "threads": threads, "repeats": repeats}
-    res = subprocess.run([str(py), str(HERE / "_llama_cpp_row.py"), json.dumps(args)], capture_output=True, text=True)
-    line = next((x for x in res.stdout.splitlines() if x.startswith("ROW ")), None)
+    out, err = proc.communicate()
+    line = next((x for x in out.splitlines() if x.startswith("ROW ")), None)
     if line is None:
-        print(f"llama.cpp {gguf.name}: failed\n{res.stderr[-2000:]}")
+        print(f"llama.cpp {gguf.name}: failed\n{err[-2000:]}")
         return None
     r = json.loads(line[4:])
     return {"ttft_ms": r["prefill_ms"], "ms_per_step": r["ms_per_token"], "decode_tok_s": r["decode_tok_s"],
             "batch_tok_s": r["decode_tok_s"], "tokens": r["tokens"], "internal_decode_tok_s":
             r.get("internal_decode_tok_s"), "weight_bytes_per_token": _gguf_bytes_per_token(gguf)}
+
+
+def _llama_row(py: Path | None, gguf: Path, prompt: int, n: int, threads: int, repeats: int) -> dict | None:
+    """The llama.cpp row alone (None: skipped)."""
+    if not _llama_available(py, gguf):
+        return None
+    return _llama_result(_llama_start(py, gguf, prompt, n, threads, repeats), gguf)
 
 
 def _llama_python(arg: str | None) -> Path | None:
@@ -340,10 +371,10 @@ def prepare(data: Path, bodies: list[str], llama_py: Path | None, threads: int) 
 # -- the rows ------------------------------------------------------------------------------------------------
 
 def _decode(data: Path, body: str, cfg: str, *, prompt: int, n: int, batch: int = 1, kv: str | None = None,
-            dtype: str = "bfloat16", a: argparse.Namespace) -> dict:
+            dtype: str = "bfloat16", a: argparse.Namespace, turns: dict | None = None) -> dict:
     d = data / (body if cfg == "bf16" else f"{body}-{cfg}")
     job = {"kind": "decode", "dir": str(d), "prompt": prompt, "new_tokens": n, "batch": batch, "kv": kv,
-           "dtype": dtype, "threads": a.threads, "repeats": a.repeats,
+           "dtype": dtype, "threads": a.threads, "repeats": a.repeats, "turns": turns,
            "compile": not a.quick and not (a.eager_big and body == a.big)}
     r = run_child(__file__, json.dumps(job))
     return {**r, "compiled": job["compile"]}
@@ -393,13 +424,24 @@ def rows_decode(a, data: Path, py: Path | None) -> list[dict]:
             if not (data / f"{body}-{cfg}" / "config.json").exists():
                 print(f"skipped {body} {cfg}: no {data / f'{body}-{cfg}'} (run --prepare)")
                 continue
-            r = _decode(data, body, cfg, prompt=prompt, n=n, a=a)
-            out.append({"row": f"{body} affineq {cfg}", **r})
-            if gguf is None:
+            path = data / body / f"model-{gguf}.gguf" if gguf else None
+            if path is None or not _llama_available(py, path):
+                out.append({"row": f"{body} affineq {cfg}", **_decode(data, body, cfg, prompt=prompt, n=n, a=a)})
                 continue
-            lr = _llama_row(py, data / body / f"model-{gguf}.gguf", prompt, n, a.threads, a.repeats)
+            # Paired: both processes loaded, their timed runs alternating (one runs at a time), so the ratio
+            # compares the two on the same machine state (this VM's speed drifts by tens of percent in minutes).
+            with tempfile.TemporaryDirectory() as tdir:
+                proc = _llama_start(py, path, prompt, n, a.threads, a.repeats, {"dir": tdir, "role": 0})
+                try:
+                    r = _decode(data, body, cfg, prompt=prompt, n=n, a=a,
+                                turns={"dir": tdir, "role": 1, "partner": proc.pid})
+                except BaseException:
+                    proc.kill()
+                    raise
+                lr = _llama_result(proc, path)
+            out.append({"row": f"{body} affineq {cfg}", **r, "paired": lr is not None})
             if lr:
-                out.append({"row": f"{body} llama.cpp {gguf.upper()}", **lr,
+                out.append({"row": f"{body} llama.cpp {gguf.upper()}", **lr, "paired": True,
                             "vs_affineq": out[-1]["decode_tok_s"] / lr["decode_tok_s"]})
     return out
 

@@ -110,10 +110,11 @@ struct NextItemPrefetch {
   }
 };
 
-// tot[m][p] += scale[g] * sum_a acc[m][p][a] + offset[g] * sum(x[m] over group g): one group's contribution to 16
-// output rows per vector (scale / offset tiles [G][lds], xs [MR][G]). Without an offset tile (oT null: offset =
-// f * scale, f the same for every group) xs holds f * sum(x) and the group adds scale[g] * (acc + f * sum(x)):
-// no offset tile to fill and read per work item.
+// tot[m][p] += scale[g] * (sum_a acc[m][p][a] + xs_a) + offset[g] * xs_s: one group's contribution to 16 output
+// rows per vector (scale / offset tiles [G][lds]; xs [MR][2][G]: xs_s = sum(x[m] over group g), then xs_a, a
+// multiple of it). Without an offset tile (oT null: offset = f * scale with one f for every group) xs_a = f * xs_s
+// carries the whole offset term; with one, xs_a = -bias * xs_s takes away a bias the tile added to every code.
+// Either way no per-item pass over the tiles for it.
 template <int MR, int P, int A>
 AQ_INLINE void add_group(F16 (&tot)[MR][P], const F16 (&acc)[MR][P][A], const float* sT, const float* oT, int64_t lds,
                          const float* xs, int64_t G, int64_t g) {
@@ -124,8 +125,9 @@ AQ_INLINE void add_group(F16 (&tot)[MR][P], const F16 (&acc)[MR][P][A], const fl
       constexpr int m = AQ_CV(M_);
       F16 a = acc[m][p][0];
       sfor<A - 1>([&](auto A_) { a = fadd(a, acc[m][p][AQ_CV(A_) + 1]); });
-      if (oT == nullptr) tot[m][p] = ffma(s, fadd(a, fset1(xs[m * G + g])), tot[m][p]);
-      else tot[m][p] = ffma(fload(oT + g * lds + 16 * p), fset1(xs[m * G + g]), ffma(s, a, tot[m][p]));
+      const float* xm = xs + 2 * G * m;
+      tot[m][p] = ffma(s, fadd(a, fset1(xm[G + g])), tot[m][p]);
+      if (oT != nullptr) tot[m][p] = ffma(fload(oT + g * lds + 16 * p), fset1(xm[g]), tot[m][p]);
     });
   });
 }
@@ -281,23 +283,25 @@ template <int B>
 void gemv_path(const Ctx& c) {
   const LowbitProblem& pr = *c.p;
   const int64_t G = c.G, M = c.M;
-  // Per-group sums of x for the offset term.
-  std::vector<float> xs(static_cast<size_t>(M * G));
+  // Per-group sums of x for the offset term, xs [M][2][G]: the sums, then the multiple add_group needs.
+  std::vector<float> sums(static_cast<size_t>(M * G)), xs(static_cast<size_t>(2 * M * G));
   const bool b4 = use_b4bf16<B>(pr);  // then x is read as bf16 only (x_bf16), and y may be bf16 (y_bf16)
 #if AQ_AVX512
-  if (b4) group_sums(pr.x_bf16, pr.ldx, M, G, pr.group_size, xs.data());
+  if (b4) group_sums(pr.x_bf16, pr.ldx, M, G, pr.group_size, sums.data());
   else
 #endif
-    group_sums(pr.x, pr.ldx, M, G, pr.group_size, xs.data());
-  // The bf16-dot GEMV sees 16 + u for the codes u: its offset is offset - 16 * scale.
+    group_sums(pr.x, pr.ldx, M, G, pr.group_size, sums.data());
+  // The bf16-dot GEMV sees 16 + u for the codes u: bias 16, taken away through xs_a.
   const float bias = b4 ? 16.f : 0.f;
-  // Without an offset array, offset = f * scale for one f (lowbit_kernels.h: scale * code_offset), so the offset
-  // term folds into xs once per call instead of an offset tile per work item.
+  // Without an offset array, offset = f * scale for one f (lowbit_kernels.h: scale * code_offset), so the whole
+  // offset term rides on xs_a and no offset tile is loaded.
   const bool scale_only = pr.offset == nullptr && !pr.qparams_kquant && code_scale(B) == 1.f;
-  if (scale_only) {
-    const float f = static_cast<float>(pr.code_offset) - bias;
-    for (float& v : xs) v *= f;
-  }
+  const float f = scale_only ? static_cast<float>(pr.code_offset) - bias : -bias;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      xs[2 * G * m + g] = sums[G * m + g];
+      xs[2 * G * m + G + g] = f * sums[G * m + g];
+    }
   // Work items: blocks of kItemPanels full panels, then single leftover panels (incl. the tail panel).
   const int64_t nblk = c.nfull / kItemPanels;
   const int64_t nitems = nblk + (c.npan - nblk * kItemPanels);
@@ -314,13 +318,9 @@ void gemv_path(const Ctx& c) {
     const uint8_t* pan[kItemPanels];
     for (int64_t q = 0; q < cnt; ++q) pan[q] = panel_ptr(c, p0 + q);
     float* sT = tl_scale.get<float>(G * 16 * cnt);
-    float* oT = scale_only ? nullptr : tl_offset.get<float>(G * 16 * cnt);  // null: xs holds f * sum(x)
+    float* oT = scale_only ? nullptr : tl_offset.get<float>(G * 16 * cnt);  // null: see add_group
     load_qparams(pr, false, code_scale(B), r0, rows, 16 * cnt, G, sT, 16 * cnt);
-    if (oT != nullptr) {
-      load_qparams(pr, true, 1.f, r0, rows, 16 * cnt, G, oT, 16 * cnt);
-      if (bias != 0.f)
-        for (int64_t i = 0; i < G * 16 * cnt; ++i) oT[i] -= bias * sT[i];
-    }
+    if (oT != nullptr) load_qparams(pr, true, 1.f, r0, rows, 16 * cnt, G, oT, 16 * cnt);
     std::optional<NextItemPrefetch> pf;
     if (next >= 0) {
       const auto [nr0, nrows] = row_range(next);
@@ -332,7 +332,7 @@ void gemv_path(const Ctx& c) {
       pf.emplace(pr, nr0, nrows, G, npan, nq, 16 * bits_of(B));
     }
     for (int64_t m0 = 0; m0 < M; m0 += kGemvMR) {
-      const float* xsm = xs.data() + m0 * G;
+      const float* xsm = xs.data() + 2 * G * m0;
       const int64_t mr = std::min<int64_t>(kGemvMR, M - m0);
       const NextItemPrefetch* pfm = m0 == 0 && pf ? &*pf : nullptr;
 #if AQ_BF16DOT && defined(__AVX512VBMI__)
