@@ -205,6 +205,37 @@ def test_gemm_paths_share_tiles_and_rows(threads: int) -> None:
         torch.set_num_threads(previous)
 
 
+@pytest.mark.parametrize("qparams", ["fp32 offsets", "bf16 offsets", "scale only"])
+def test_gemv_items_claimed_by_any_thread_give_one_result(qparams: str) -> None:
+    # The GEMV hands out its work items (blocks of 4 panels, single panels, the tail panel) one at a time to
+    # whichever thread asks first, and prefetches for the item a thread runs next: every thread count must give
+    # the exact result, bit for bit the same, call after call.
+    _needs_kernels()
+    n, k, gs = 64 * 9 + 16 * 3 + 5, 256, 32
+    codes, packed, scale, offset = _problem(4, n, k, gs)
+    code_offset = 0
+    if qparams == "bf16 offsets":
+        scale, offset = scale.bfloat16(), (offset + scale * 8).bfloat16()  # (scale, zero)
+    elif qparams == "scale only":
+        scale, offset, code_offset = scale.bfloat16(), None, -8
+    w = K._dequantize(packed, scale, offset, 4, gs, n, k, code_offset=code_offset).double()
+    previous = torch.get_num_threads()
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            for m in (1, 2):
+                x = torch.randn(m, k).to(dtype)
+                exact = x.double() @ w.T
+                outs = []
+                for threads in (1, 2, 3, 2):
+                    torch.set_num_threads(threads)
+                    outs.append(torch.ops.affineq_cpp.lowbit_linear_path(x, packed, scale, offset, 4, gs, n, k, 0, 1,
+                                                                         code_offset))
+                    _assert_close(outs[-1], exact, dtype, f"{qparams} {threads} threads {dtype} m={m}")
+                assert all(torch.equal(o, outs[0]) for o in outs[1:]), f"{qparams} {dtype} m={m}"
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_bf16_path_output_nan_is_torchs() -> None:
     # The bf16 GEMM writes its bf16 output itself: a NaN comes out as torch's float -> bf16 NaN (0x7FC0), finite
     # values as the fp32 result rounded to nearest even once.
