@@ -24,7 +24,8 @@ Rows (``--rows``; every measurement runs in a fresh subprocess, one after anothe
   at 1B and 8B: affineq int4 g32 symmetric (4.5 bits per weight, as Q4_0) / int8 (``StaticDecoder``, compiled
   step) against llama.cpp Q4_0 / Q8_0, and the asymmetric int4 g32 (5 bits per weight) alone.
   Decode s/token = median over repeats of the n - 1 single-token steps (argmax included), as
-  benchmarks/_llama_cpp_row.py times llama.cpp. MB read per token = stored bytes of every Linear weight
+  benchmarks/_llama_cpp_row.py times llama.cpp. A row with a llama.cpp twin runs paired with it: both processes
+  loaded, their timed runs alternating one at a time (benchmarks/_turns.py), so both see the same machine. MB read per token = stored bytes of every Linear weight
   (the head included; GGUF: every tensor but an untied token_embd); GB/s against the read bandwidth measured at
   the start with the same threads (common.memory_bandwidth_gbs).
 - ``prefill``: time to first token (prefill + first argmax) of 512- and 2048-token prompts at 1B: affineq int4 /
