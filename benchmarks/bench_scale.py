@@ -25,9 +25,10 @@ Rows (``--rows``; every measurement runs in a fresh subprocess, one after anothe
   step) against llama.cpp Q4_0 / Q8_0, and the asymmetric int4 g32 (5 bits per weight) alone.
   Decode s/token = median over repeats of the n - 1 single-token steps (argmax included), as
   benchmarks/_llama_cpp_row.py times llama.cpp. A row with a llama.cpp twin runs paired with it: both processes
-  loaded, their timed runs alternating one at a time (benchmarks/_turns.py), so both see the same machine. MB read per token = stored bytes of every Linear weight
-  (the head included; GGUF: every tensor but an untied token_embd); GB/s against the read bandwidth measured at
-  the start with the same threads (common.memory_bandwidth_gbs).
+  loaded, their timed runs alternating one at a time (benchmarks/_turns.py), so both see the same machine.
+  MB read per token = stored bytes of every Linear weight (the head included; GGUF: every tensor but an untied
+  token_embd); GB/s against the read bandwidth measured at the start with the same threads
+  (common.memory_bandwidth_gbs).
 - ``prefill``: time to first token (prefill + first argmax) of 512- and 2048-token prompts at 1B: affineq int4 /
   int8 / bf16 (eager prefill, as ``generate``) and llama.cpp Q4_0 / Q8_0 prompt processing.
 - ``batch``: decode at batch 1, 4, 16 at 1B (128-token prompts, 64 new tokens): per-request tok/s, batch tok/s,
