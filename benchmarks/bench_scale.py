@@ -27,8 +27,9 @@ Rows (``--rows``; every measurement runs in a fresh subprocess, one after anothe
   benchmarks/_llama_cpp_row.py times llama.cpp. A row with a llama.cpp twin runs paired with it: both processes
   loaded, their timed runs alternating one at a time (benchmarks/_turns.py), so both see the same machine.
   MB read per token = stored bytes of every Linear weight (the head included; GGUF: every tensor but an untied
-  token_embd); GB/s against the read bandwidth measured at the start with the same threads
-  (common.memory_bandwidth_gbs).
+  token_embd); GB/s against the read bandwidth (common.memory_bandwidth_gbs, same threads) measured just before
+  each timed run of a paired affineq row (the median of the per-run fractions; its llama.cpp twin against the
+  median of those), else once at the start.
 - ``prefill``: time to first token (prefill + first argmax) of 512- and 2048-token prompts at 1B: affineq int4 /
   int8 / bf16 (eager prefill, as ``generate``) and llama.cpp Q4_0 / Q8_0 prompt processing.
 - ``batch``: decode at batch 1, 4, 16 at 1B (128-token prompts, 64 new tokens): per-request tok/s, batch tok/s,
@@ -228,10 +229,14 @@ def child_decode(job: dict) -> dict:
     warm = time.perf_counter() - t0
     if turns:
         turns.give()
-    pre, dts = [], []
+    pre, dts, bws = [], [], []
     for _ in range(job["repeats"]):
         if turns:
             turns.wait()
+        if job.get("bandwidth_each_run"):  # this VM's bandwidth drifts: measure it next to every run
+            from common import memory_bandwidth_gbs
+
+            bws.append(memory_bandwidth_gbs())
         p, d, again = run()
         if turns:
             turns.give()
@@ -239,12 +244,17 @@ def child_decode(job: dict) -> dict:
         dts.append(d)
     d = statistics.median(dts)
     step_ms = d / (n - 1) * 1e3 if n > 1 else float("nan")
+    if bws:
+        weight_bytes = _linear_bytes(model)
+        fractions = [weight_bytes / (t / (n - 1)) / 1e9 / bw for t, bw in zip(dts, bws, strict=True)]
     row = {"load_s": load_s, "warmup_s": warm, "ttft_ms": statistics.median(pre) * 1e3, "ms_per_step": step_ms,
            "decode_tok_s": 1e3 / step_ms, "batch_tok_s": b * 1e3 / step_ms, "tokens": tokens,
            "deterministic": again == tokens, "weight_bytes_per_token": _linear_bytes(model),
            "model_bytes": model_bytes(model), "kv_bytes_per_token": dec.cache_bytes_per_token(),
            "kv_cache_bytes": dec.cache_bytes_per_token() * b * max_len, "max_len": max_len,
            "rss_MiB": status_bytes("VmRSS") / MiB, "hwm_MiB": status_bytes("VmHWM") / MiB, "base_MiB": base / MiB}
+    if bws:  # each run's GB/s over the read bandwidth measured just before it
+        row.update(run_read_bandwidth_gbs=bws, run_bandwidth_fraction=fractions)
     return row
 
 
@@ -377,6 +387,7 @@ def _decode(data: Path, body: str, cfg: str, *, prompt: int, n: int, batch: int 
     d = data / (body if cfg == "bf16" else f"{body}-{cfg}")
     job = {"kind": "decode", "dir": str(d), "prompt": prompt, "new_tokens": n, "batch": batch, "kv": kv,
            "dtype": dtype, "threads": a.threads, "repeats": a.repeats, "turns": turns,
+           "bandwidth_each_run": turns is not None and not a.quick,
            "compile": not a.quick and not (a.eager_big and body == a.big)}
     r = run_child(__file__, json.dumps(job))
     return {**r, "compiled": job["compile"]}
@@ -443,6 +454,8 @@ def rows_decode(a, data: Path, py: Path | None) -> list[dict]:
                 lr = _llama_result(proc, path)
             out.append({"row": f"{body} affineq {cfg}", **r, "paired": lr is not None})
             if lr:
+                if r.get("run_read_bandwidth_gbs"):  # the twin's runs alternate with ours: the same bandwidth
+                    lr["paired_read_bandwidth_gbs"] = statistics.median(r["run_read_bandwidth_gbs"])
                 out.append({"row": f"{body} llama.cpp {gguf.upper()}", **lr, "paired": True,
                             "vs_affineq": out[-1]["decode_tok_s"] / lr["decode_tok_s"]})
     return out
@@ -509,6 +522,12 @@ def report(group: str, rows: list[dict], bandwidth: float) -> None:
             r["GB_s"] = r["weight_bytes_per_token"] / (r["ms_per_step"] * 1e-3) / 1e9  # one read per step, any batch
             r["bandwidth_fraction"] = r["GB_s"] / bandwidth
             r["read_bandwidth_gbs"] = bandwidth
+        if r.get("run_bandwidth_fraction"):  # measured next to each run: the median of the per-run fractions
+            r["bandwidth_fraction"] = statistics.median(r["run_bandwidth_fraction"])
+            r["read_bandwidth_gbs"] = statistics.median(r["run_read_bandwidth_gbs"])
+        elif r.get("paired_read_bandwidth_gbs") and "GB_s" in r:
+            r["bandwidth_fraction"] = r["GB_s"] / r["paired_read_bandwidth_gbs"]
+            r["read_bandwidth_gbs"] = r["paired_read_bandwidth_gbs"]
     cols = {"quantize": ["row", "s", "peak_above_base_MiB", "dst_bytes", "load_quantized_s", "from_pretrained_s",
                          "logits_equal", "vs_quantize_checkpoint"],
             "decode": ["row", "decode_tok_s", "ms_per_step", "MB_per_token", "GB_s", "bandwidth_fraction",
