@@ -116,6 +116,19 @@ def test_fusion_copy_bytes_and_the_auto_rule(monkeypatch):
     assert calls == [3, 2, 3, 2]
 
 
+def test_int8_cache_default_groups_are_q8_0_blocks_of_32_capped_by_the_head_dim():
+    from affineq.models.kv_cache import QuantizedKVCache
+
+    def groups(d, g=None):
+        c = QuantizedKVCache("int8", 1, (1, 2, 8, d), g, torch.device("cpu"))
+        return c.key_group, c.value_group, c.k_scale[0].shape[-1], c.v_scale[0].shape[-1]
+
+    assert groups(64) == (32, 32, 2, 2)  # one fp32 scale per 32 codes, as llama.cpp's q8_0
+    assert groups(128) == (32, 32, 4, 4)
+    assert groups(48) == (16, 16, 3, 3)  # the largest divisor of the head dimension under the default
+    assert groups(64, 64) == (64, 64, 1, 1)  # kv_group_size = D: one scale per head and token
+
+
 def test_int4_cache_default_groups_keys_16_values_32_capped_by_the_head_dim():
     from affineq.models.kv_cache import QuantizedKVCache
 

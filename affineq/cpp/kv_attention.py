@@ -5,7 +5,8 @@ use different G):
 
 * int8 (symmetric, as llama.cpp's ``-ctk q8_0``): ``scale = max|x_g| / 127``, ``code = round(x / scale)`` in
   [-127, 127] (int8 [B, KVH, T, D]), one fp32 scale per (head, slot, group): scale [B, KVH, T, D / G] float32;
-  ``x ~ scale * code``. G = D by default: one scale per head and token.
+  ``x ~ scale * code``. ``quantize_kv``'s default G = D (one scale per head and token); the decoder's cache uses
+  groups of 32 (``affineq.models.kv_cache.INT8_GROUP``, q8_0's blocks).
 * int4 (asymmetric, as llama.cpp's ``q4_1``): ``scale = (max x_g - min x_g) / 15``, ``code = round((x - min) /
   scale)`` in [0, 15], ``x ~ scale * code + min``; codes as nibbles (uint8 [B, KVH, T, D / 2]): in a group, byte
   j < G / 2 holds element j (low nibble) and j + G / 2 (high nibble), q4_1's order, so a group's low and high

@@ -178,8 +178,9 @@ def generate(
     samples with ``temperature``, ``top_k``, ``top_p`` (``generator`` for reproducibility).
 
     ``kv_cache_dtype``: None keeps the KV cache in the model dtype; ``torch.int8`` (or ``"int8"``) stores int8
-    codes with one fp32 scale per head and token (or per ``kv_group_size`` elements of a head), ``"int4"`` 4-bit
-    codes with a scale per ``kv_group_size`` (default 32) elements of a head (see ``affineq.models.kv_cache``);
+    codes with one fp32 scale per ``kv_group_size`` elements of a head and token (default 32, llama.cpp q8_0's
+    blocks), ``"int4"`` 4-bit codes with a scale and min per group (keys 16, values 32 by default; see
+    ``affineq.models.kv_cache``);
     attention then reads the codes directly (C++ kernel), never a float copy of the cache.
 
     ``compile=True`` compiles the decode step once per (batch, cache length rounded up to 128, dtype, cache kind);
