@@ -244,9 +244,6 @@ def child_decode(job: dict) -> dict:
         dts.append(d)
     d = statistics.median(dts)
     step_ms = d / (n - 1) * 1e3 if n > 1 else float("nan")
-    if bws:
-        weight_bytes = _linear_bytes(model)
-        fractions = [weight_bytes / (t / (n - 1)) / 1e9 / bw for t, bw in zip(dts, bws, strict=True)]
     row = {"load_s": load_s, "warmup_s": warm, "ttft_ms": statistics.median(pre) * 1e3, "ms_per_step": step_ms,
            "decode_tok_s": 1e3 / step_ms, "batch_tok_s": b * 1e3 / step_ms, "tokens": tokens,
            "deterministic": again == tokens, "weight_bytes_per_token": _linear_bytes(model),
@@ -254,7 +251,9 @@ def child_decode(job: dict) -> dict:
            "kv_cache_bytes": dec.cache_bytes_per_token() * b * max_len, "max_len": max_len,
            "rss_MiB": status_bytes("VmRSS") / MiB, "hwm_MiB": status_bytes("VmHWM") / MiB, "base_MiB": base / MiB}
     if bws:  # each run's GB/s over the read bandwidth measured just before it
-        row.update(run_read_bandwidth_gbs=bws, run_bandwidth_fraction=fractions)
+        gbs = [row["weight_bytes_per_token"] / (t / (n - 1)) / 1e9 for t in dts]
+        row.update(run_read_bandwidth_gbs=bws,
+                   run_bandwidth_fraction=[g / bw for g, bw in zip(gbs, bws, strict=True)])
     return row
 
 

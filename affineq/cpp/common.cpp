@@ -44,7 +44,6 @@ AQ_INLINE void transpose16_store(const __m512* r, float* dst, int64_t ldd) {
   }
 }
 
-
 // The 16 x 16 transpose of 16-bit values as three stages of two-register permutes (vpermt2w). Eight registers
 // hold the block, two rows or two columns each: register i, lane e is (row 2i + e / 16, column e % 16) before
 // and (row e % 16, column 2i + e / 16) after. Each stage trades one bit of the register index (a row bit) for a

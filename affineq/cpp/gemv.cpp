@@ -14,10 +14,10 @@
 namespace affineq::detail {
 namespace {
 
-// xs[m * G + g] = sum(x[m, g * gs : (g + 1) * gs]) for the offset term (vectorized: M * K adds per call); T is
+// xs[m * ldxs + g] = sum(x[m, g * gs : (g + 1) * gs]) for the offset term (vectorized: M * K adds per call); T is
 // float or bf16 bits (the same fp32 values as x widened: the same adds in the same order either way).
 template <class T>
-void group_sums(const T* x, int64_t ldx, int64_t M, int64_t G, int64_t gs, float* xs) {
+void group_sums(const T* x, int64_t ldx, int64_t M, int64_t G, int64_t gs, float* xs, int64_t ldxs) {
   const auto ld = [](const T* q, int n) {  // n <= 16 values as fp32
     if constexpr (std::is_same_v<T, float>) {
       return n == 16 ? fload(q) : fload_n(q, n);
@@ -42,7 +42,7 @@ void group_sums(const T* x, int64_t ldx, int64_t M, int64_t G, int64_t gs, float
       }
       for (; i + 16 <= gs; i += 16) acc0 = fadd(acc0, ld(xr + i, 16));
       if (i < gs) acc1 = fadd(acc1, ld(xr + i, static_cast<int>(gs - i)));
-      xs[m * G + g] = fhsum(fadd(acc0, acc1));
+      xs[m * ldxs + g] = fhsum(fadd(acc0, acc1));
     }
 }
 
@@ -224,7 +224,8 @@ void gemv_tile_b4bf16(const B4Bf16& k4, const uint8_t* const* pan, const float* 
           const __m512bh w = reinterpret_cast<__m512bh>(k4.pairs(unit, s));
           sfor<MR>([&](auto M_) {
             constexpr int m = AQ_CV(M_);
-            const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(xw[m * ldx2 + 4 * u + s])));
+            const int xp = static_cast<int>(xw[m * ldx2 + 4 * u + s]);  // x's k-pair (2s, 2s + 1) of unit u
+            const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(xp));
             acc[m][p][s % 2].v = _mm512_dpbf16_ps(acc[m][p][s % 2].v, w, xv);
           });
         });
@@ -284,13 +285,13 @@ void gemv_path(const Ctx& c) {
   const LowbitProblem& pr = *c.p;
   const int64_t G = c.G, M = c.M;
   // Per-group sums of x for the offset term, xs [M][2][G]: the sums, then the multiple add_group needs.
-  std::vector<float> sums(static_cast<size_t>(M * G)), xs(static_cast<size_t>(2 * M * G));
+  std::vector<float> xs(static_cast<size_t>(2 * M * G));
   const bool b4 = use_b4bf16<B>(pr);  // then x is read as bf16 only (x_bf16), and y may be bf16 (y_bf16)
 #if AQ_AVX512
-  if (b4) group_sums(pr.x_bf16, pr.ldx, M, G, pr.group_size, sums.data());
+  if (b4) group_sums(pr.x_bf16, pr.ldx, M, G, pr.group_size, xs.data(), 2 * G);
   else
 #endif
-    group_sums(pr.x, pr.ldx, M, G, pr.group_size, sums.data());
+    group_sums(pr.x, pr.ldx, M, G, pr.group_size, xs.data(), 2 * G);
   // The bf16-dot GEMV sees 16 + u for the codes u: bias 16, taken away through xs_a.
   const float bias = b4 ? 16.f : 0.f;
   // Without an offset array, offset = f * scale for one f (lowbit_kernels.h: scale * code_offset), so the whole
@@ -298,10 +299,7 @@ void gemv_path(const Ctx& c) {
   const bool scale_only = pr.offset == nullptr && !pr.qparams_kquant && code_scale(B) == 1.f;
   const float f = scale_only ? static_cast<float>(pr.code_offset) - bias : -bias;
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < G; ++g) {
-      xs[2 * G * m + g] = sums[G * m + g];
-      xs[2 * G * m + G + g] = f * sums[G * m + g];
-    }
+    for (int64_t g = 0; g < G; ++g) xs[2 * G * m + G + g] = f * xs[2 * G * m + g];
   // Work items: blocks of kItemPanels full panels, then single leftover panels (incl. the tail panel).
   const int64_t nblk = c.nfull / kItemPanels;
   const int64_t nitems = nblk + (c.npan - nblk * kItemPanels);
