@@ -150,8 +150,10 @@ void transpose_rows(const float* src, int64_t lds, int64_t rows, int64_t R, int6
 
 // The k-quant scales (offset=false, times mul) or offsets of rows [r0, r0 + rows) into t [rows, G], row-major:
 // kquant_decode.h's kq_block formulas, 16 sub-blocks per AVX-512 vector, else one super-block at a time.
+// With dst (AVX-512 only; rows % 16 == 0 and G % 16 == 0): straight into dst[g * ldd + r] instead, no staging.
 template <int KIND>
-void kq_rows(const LowbitProblem& p, bool offset, float mul, int64_t r0, int64_t rows, int64_t G, float* t) {
+void kq_rows(const LowbitProblem& p, bool offset, float mul, int64_t r0, int64_t rows, int64_t G, float* t,
+             float* dst = nullptr, int64_t ldd = 0) {
   constexpr int64_t ns = kq_supers(KIND), gpb = kSuperBlock / kq_group(KIND);
   const int64_t nb = G / gpb;
   const uint8_t* sc = static_cast<const uint8_t*>(p.scale) + r0 * G;
@@ -159,37 +161,66 @@ void kq_rows(const LowbitProblem& p, bool offset, float mul, int64_t r0, int64_t
   const uint16_t* sup = p.kq_super + r0 * nb * ns;
 #if AQ_AVX512
   // 16 sub-blocks per vector (one or two super-blocks: their d, dmin broadcast per half); nb * gpb % 16 == 0 unless
-  // gpb == 8 and nb is odd, whose last 8 sub-blocks take the loop below
+  // gpb == 8 and nb is odd, whose last 8 sub-blocks take the loop below. vec(r, g0): the vector of row r.
   const int64_t G16 = G / 16 * 16;
+  // The dst path converts every d / dmin of its rows to fp32 once (vcvtph2ps, 16 at a time) into sup32; the
+  // row-major path converts each where it is used.
+  const float* sup32 = nullptr;
+  if (dst != nullptr) {
+    const int64_t cnt = rows * nb * ns;
+    float* t32 = tl_qconv.get<float>(cnt);
+    int64_t i = 0;
+    for (; i + 16 <= cnt; i += 16)
+      _mm512_storeu_ps(t32 + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sup + i))));
+    for (; i < cnt; ++i) t32[i] = f16_to_float(sup[i]);
+    sup32 = t32;
+  }
+  const auto vec = [&](int64_t r, int64_t g0) {
+    const uint8_t *br = sc + r * G, *mr = mn + r * G;
+    const uint16_t* sr = sup + r * nb * ns;
+    const int64_t b0 = g0 / gpb, b1 = (g0 + 15) / gpb;
+    const auto pair = [&](int at) {  // the fp16 value `at` (0: d, 1: dmin) of super-blocks b0 | b1
+      if (sup32 != nullptr) {
+        const float* f = sup32 + r * nb * ns + at;
+        if constexpr (gpb == 16) return _mm512_set1_ps(f[b0 * ns]);  // b1 == b0
+        return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(f[b0 * ns])), _mm256_set1_ps(f[b1 * ns]), 1);
+      }
+      return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(f16_to_float(sr[b0 * ns + at]))),
+                                _mm256_set1_ps(f16_to_float(sr[b1 * ns + at])), 1);
+    };
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(br + g0));
+    const __m512i u = KIND == 6 ? _mm512_cvtepi8_epi32(raw) : _mm512_cvtepu8_epi32(raw);
+    const __m512 dv = pair(0);
+    __m512i q = u;
+    if constexpr (KIND == 2) q = _mm512_and_si512(u, _mm512_set1_epi32(15));
+    if constexpr (KIND == 3) q = _mm512_sub_epi32(u, _mm512_set1_epi32(32));
+    const __m512 s = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(q));
+    __m512 v;
+    if (!offset) {
+      v = mul == 1.f ? s : _mm512_mul_ps(s, _mm512_set1_ps(mul));
+    } else if constexpr (KIND == 3 || KIND == 6) {
+      v = _mm512_mul_ps(_mm512_set1_ps(KIND == 3 ? -4.f : -32.f), s);
+    } else {
+      const __m512i m = KIND == 2 ? _mm512_srli_epi32(u, 4)
+                                  : _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mr + g0)));
+      v = _mm512_xor_ps(_mm512_mul_ps(pair(1), _mm512_cvtepi32_ps(m)), _mm512_set1_ps(-0.f));  // -(dmin * m)
+    }
+    return v;
+  };
+  if (dst != nullptr) {  // whole 16 x 16 blocks straight into the transposed layout (the caller checked the shape)
+    for (int64_t rb = 0; rb < rows; rb += 16)
+      for (int64_t g0 = 0; g0 < G; g0 += 16) {
+        __m512 v[16];
+        for (int i = 0; i < 16; ++i) v[i] = vec(rb + i, g0);
+        transpose16_store(v, dst + g0 * ldd + rb, ldd);
+      }
+    return;
+  }
   for (int64_t r = 0; r < rows; ++r) {
     const uint8_t *br = sc + r * G, *mr = mn + r * G;
     const uint16_t* sr = sup + r * nb * ns;
     float* out = t + r * G;
-    for (int64_t g0 = 0; g0 < G16; g0 += 16) {
-      const int64_t b0 = g0 / gpb, b1 = (g0 + 15) / gpb;
-      const auto pair = [&](int at) {  // the fp16 value `at` (0: d, 1: dmin) of super-blocks b0 | b1
-        return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(f16_to_float(sr[b0 * ns + at]))),
-                                  _mm256_set1_ps(f16_to_float(sr[b1 * ns + at])), 1);
-      };
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(br + g0));
-      const __m512i u = KIND == 6 ? _mm512_cvtepi8_epi32(raw) : _mm512_cvtepu8_epi32(raw);
-      const __m512 dv = pair(0);
-      __m512i q = u;
-      if constexpr (KIND == 2) q = _mm512_and_si512(u, _mm512_set1_epi32(15));
-      if constexpr (KIND == 3) q = _mm512_sub_epi32(u, _mm512_set1_epi32(32));
-      const __m512 s = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(q));
-      __m512 v;
-      if (!offset) {
-        v = _mm512_mul_ps(s, _mm512_set1_ps(mul));
-      } else if constexpr (KIND == 3 || KIND == 6) {
-        v = _mm512_mul_ps(_mm512_set1_ps(KIND == 3 ? -4.f : -32.f), s);
-      } else {
-        const __m512i m = KIND == 2 ? _mm512_srli_epi32(u, 4)
-                                    : _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mr + g0)));
-        v = _mm512_xor_ps(_mm512_mul_ps(pair(1), _mm512_cvtepi32_ps(m)), _mm512_set1_ps(-0.f));  // -(dmin * m)
-      }
-      _mm512_storeu_ps(out + g0, v);
-    }
+    for (int64_t g0 = 0; g0 < G16; g0 += 16) _mm512_storeu_ps(out + g0, vec(r, g0));
     for (int64_t g = G16; g < G; g += gpb) kq_block<KIND>(offset, mul, br + g, mr + g, sr + g / gpb * ns, out + g);
   }
 #else
@@ -203,6 +234,18 @@ void kq_rows(const LowbitProblem& p, bool offset, float mul, int64_t r0, int64_t
 void load_qparams(const LowbitProblem& p, bool offset, float mul, int64_t r0, int64_t rows, int64_t R, int64_t G,
                   float* dst, int64_t ldd) {
   if (p.qparams_kquant) {  // from the sub-scale / min bytes and the super-block d, dmin (kquant_decode.h)
+#if AQ_AVX512
+    if (rows == R && R % 16 == 0 && G % 16 == 0) {  // straight into dst (a large share of the GEMV's time staged)
+      switch (p.qparams_kquant) {
+        case 2: kq_rows<2>(p, offset, mul, r0, rows, G, nullptr, dst, ldd); break;
+        case 3: kq_rows<3>(p, offset, mul, r0, rows, G, nullptr, dst, ldd); break;
+        case 4: kq_rows<4>(p, offset, mul, r0, rows, G, nullptr, dst, ldd); break;
+        case 5: kq_rows<5>(p, offset, mul, r0, rows, G, nullptr, dst, ldd); break;
+        default: kq_rows<6>(p, offset, mul, r0, rows, G, nullptr, dst, ldd); break;
+      }
+      return;
+    }
+#endif
     float* t = tl_qconv.get<float>(rows * G);
     switch (p.qparams_kquant) {
       case 2: kq_rows<2>(p, offset, mul, r0, rows, G, t); break;

@@ -154,9 +154,71 @@ AQ_INLINE void decode_unit_bytes(const uint8_t* p, uint8_t* out) {
 }
 #endif
 
+#if AQ_AVX512 && defined(__AVX512VBMI__)
+// Multi-plane widths with AVX-512 VBMI: the planes are combined in byte lanes of two zmm, z[h] holding the codes
+// of k = 2s + h (rows 0-15) in its 128-bit chunk s, 64 codes per op and no trip through memory; then one vpermb
+// per k zero-extends a chunk's 16 bytes into int32 lanes. Each plane's field is brought to its bit position by a
+// 32-bit rotate (per-chunk counts; a rotate by less than a byte's slack never mixes bytes under the mask) and
+// merged with one ternary-logic op. About 10 ops per unit where the ymm byte path below takes ~36 (see
+// benchmarks/README.md, kernel design measurements).
+template <int B, class F>
+AQ_INLINE void decode_unit_vbmi(const uint8_t* p, F&& f) {
+  static_assert(B == 3 || B == 5 || B == 6 || B == 7);
+  constexpr int kSh2 = (B & 4) ? 4 : 0;            // bit position of the 2-bit plane's codes
+  constexpr int kSh1 = kSh2 + ((B & 2) ? 2 : 0);  // bit position of the 1-bit plane's codes
+  constexpr int kOff2 = (B & 4) ? 64 : 0, kOff1 = kOff2 + ((B & 2) ? 32 : 0);
+  const auto bytes = [](int m) { return _mm512_set1_epi8(static_cast<char>(m)); };
+  // Per-chunk rotation counts (mod 32: a right rotate by r is a left one by 32 - r).
+  const auto counts = [](int c0, int c1, int c2, int c3) {
+    const auto m = [](int c) { return ((c % 32) + 32) % 32; };
+    return _mm512_setr_epi32(m(c0), m(c0), m(c0), m(c0), m(c1), m(c1), m(c1), m(c1), m(c2), m(c2), m(c2), m(c2),
+                             m(c3), m(c3), m(c3), m(c3));
+  };
+  __m512i z[2];
+  if constexpr ((B & 4) != 0) {
+    const __m512i n = _mm512_loadu_si512(p);  // slot s: k = 2s (low nibbles), 2s + 1 (high)
+    z[0] = _mm512_and_si512(n, bytes(15));
+    z[1] = _mm512_and_si512(_mm512_srli_epi16(n, 4), bytes(15));
+  }
+  if constexpr ((B & 2) != 0) {
+    // chunks [slot 0, slot 0, slot 1, slot 1]: chunk s holds k = 2s + h in field 2 (s % 2) + h of slot s / 2
+    const __m512i q = _mm512_permutexvar_epi64(
+        _mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3),
+        _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kOff2))));
+    sfor<2>([&](auto H) {
+      constexpr int h = AQ_CV(H);
+      const __m512i r = _mm512_rolv_epi32(q, counts(kSh2 - 2 * h, kSh2 - 2 * (2 + h), kSh2 - 2 * h,
+                                                    kSh2 - 2 * (2 + h)));
+      if constexpr ((B & 4) != 0) z[h] = _mm512_ternarylogic_epi32(z[h], r, bytes(3 << kSh2), 0xF8);  // a | (b & c)
+      else z[h] = _mm512_and_si512(r, bytes(3 << kSh2));
+    });
+  }
+  if constexpr ((B & 1) != 0) {
+    const __m512i b = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kOff1)));
+    sfor<2>([&](auto H) {  // bit 2s + h of each byte -> bit kSh1
+      constexpr int h = AQ_CV(H);
+      const __m512i r = _mm512_rolv_epi32(b, counts(kSh1 - h, kSh1 - 2 - h, kSh1 - 4 - h, kSh1 - 6 - h));
+      z[h] = _mm512_ternarylogic_epi32(z[h], r, bytes(1 << kSh1), 0xF8);
+    });
+  }
+  sfor<8>([&](auto T) {
+    constexpr int t = AQ_CV(T), s = t / 2;
+    const __m512i idx = _mm512_setr_epi32(16 * s, 16 * s + 1, 16 * s + 2, 16 * s + 3, 16 * s + 4, 16 * s + 5,
+                                          16 * s + 6, 16 * s + 7, 16 * s + 8, 16 * s + 9, 16 * s + 10, 16 * s + 11,
+                                          16 * s + 12, 16 * s + 13, 16 * s + 14, 16 * s + 15);
+    f(T, I16{_mm512_maskz_permutexvar_epi8(0x1111111111111111ull, idx, z[t % 2])});
+  });
+}
+#endif
+
 template <int B, class F>
 AQ_INLINE void decode_unit_i(const uint8_t* p, F&& f) {
-#if AQ_AVX2 || AQ_AVX512
+#if AQ_AVX512 && defined(__AVX512VBMI__)
+  if constexpr (B == 3 || B == 5 || B == 6 || B == 7) {
+    decode_unit_vbmi<B>(p, f);
+    return;
+  }
+#elif AQ_AVX2 || AQ_AVX512
   if constexpr (B == 3 || B == 5 || B == 6 || B == 7) {
     alignas(32) uint8_t buf[128];
     decode_unit_bytes<B>(p, buf);

@@ -63,13 +63,9 @@ constexpr int kItemPanels = 1;
 constexpr int gemv_P(int, int) { return 1; }
 constexpr int gemv_A(int) { return 1; }
 #endif
-// Rows of x per pass over the weights. With VNNI the GEMV only serves m <= 2 (path 3 wins from m = 3), so
-// only those variants are compiled (shorter build).
-#if AQ_VNNI
-constexpr int kGemvMR = 2;
-#else
+// Rows of x per pass over the weights (fp32 x reaches the GEMV up to m = 8 on every build: each pass decodes
+// the weights again, so 4 rows per pass; the bf16-dot 4-bit tiles take 2).
 constexpr int kGemvMR = 4;
-#endif
 
 // Software prefetch distance (units ahead on each panel stream): at m = 1 the kernel streams the weights from
 // DRAM and the hardware prefetchers alone left part of the bandwidth unused. Tuned by measurement (see
@@ -257,7 +253,7 @@ constexpr bool kB4Bf16 = false;
 // Whether the 4-bit bf16-dot GEMV serves p (all of its passes: at most 2 rows each).
 template <int B>
 bool use_b4bf16(const LowbitProblem& p) {
-  return kB4Bf16 && B == 4 && kGemvMR == 2 && p.x_bf16 != nullptr;
+  return kB4Bf16 && B == 4 && p.x_bf16 != nullptr;
 }
 
 template <int B, int MR>
@@ -296,8 +292,11 @@ void gemv_path(const Ctx& c) {
   const float bias = b4 ? 16.f : 0.f;
   // Without an offset array, offset = f * scale for one f (lowbit_kernels.h: scale * code_offset), so the whole
   // offset term rides on xs_a and no offset tile is loaded.
-  const bool scale_only = pr.offset == nullptr && !pr.qparams_kquant && code_scale(B) == 1.f;
-  const float f = scale_only ? static_cast<float>(pr.code_offset) - bias : -bias;
+  // So do the signed k-quants' offsets (q3_k: -4 * scale, q6_k: -32 * scale; kquant_decode.h).
+  const bool kq_signed = pr.qparams_kquant == 3 || pr.qparams_kquant == 6;
+  const bool scale_only = (pr.offset == nullptr && !pr.qparams_kquant && code_scale(B) == 1.f) || kq_signed;
+  const float f0 = kq_signed ? (pr.qparams_kquant == 3 ? -4.f : -32.f) : static_cast<float>(pr.code_offset);
+  const float f = scale_only ? f0 - bias : -bias;
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < G; ++g) xs[2 * G * m + G + g] = f * xs[2 * G * m + g];
   // Work items: blocks of kItemPanels full panels, then single leftover panels (incl. the tail panel).
@@ -329,9 +328,10 @@ void gemv_path(const Ctx& c) {
         npan[nq] = pr.packed + (np0 + nq) * c.panel_bytes;
       pf.emplace(pr, nr0, nrows, G, npan, nq, 16 * bits_of(B));
     }
-    for (int64_t m0 = 0; m0 < M; m0 += kGemvMR) {
+    const int64_t mstep = b4 ? 2 : kGemvMR;
+    for (int64_t m0 = 0; m0 < M; m0 += mstep) {
       const float* xsm = xs.data() + 2 * G * m0;
-      const int64_t mr = std::min<int64_t>(kGemvMR, M - m0);
+      const int64_t mr = std::min<int64_t>(mstep, M - m0);
       const NextItemPrefetch* pfm = m0 == 0 && pf ? &*pf : nullptr;
 #if AQ_BF16DOT && defined(__AVX512VBMI__)
       if (b4) {
@@ -357,10 +357,8 @@ void gemv_path(const Ctx& c) {
       float* y = pr.y + m0 * pr.ldy + r0;
       if (mr == 1) gemv_rows<B, 1>(c, pan, cnt, sT, oT, x, xsm, y, rows, pfm);
       else if (mr == 2) gemv_rows<B, 2>(c, pan, cnt, sT, oT, x, xsm, y, rows, pfm);
-      else if constexpr (kGemvMR == 4) {
-        if (mr == 3) gemv_rows<B, 3>(c, pan, cnt, sT, oT, x, xsm, y, rows, pfm);
-        else gemv_rows<B, 4>(c, pan, cnt, sT, oT, x, xsm, y, rows, pfm);
-      }
+      else if (mr == 3) gemv_rows<B, 3>(c, pan, cnt, sT, oT, x, xsm, y, rows, pfm);
+      else gemv_rows<B, 4>(c, pan, cnt, sT, oT, x, xsm, y, rows, pfm);
     }
   });
 }
