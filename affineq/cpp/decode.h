@@ -157,58 +157,94 @@ AQ_INLINE void decode_unit_bytes(const uint8_t* p, uint8_t* out) {
 #if AQ_AVX512 && defined(__AVX512VBMI__)
 // Multi-plane widths with AVX-512 VBMI: the planes are combined in byte lanes of two zmm, z[h] holding the codes
 // of k = 2s + h (rows 0-15) in its 128-bit chunk s, 64 codes per op and no trip through memory; then one vpermb
-// per k zero-extends a chunk's 16 bytes into int32 lanes. Each plane's field is brought to its bit position by a
-// 32-bit rotate (per-chunk counts; a rotate by less than a byte's slack never mixes bytes under the mask) and
-// merged with one ternary-logic op. About 10 ops per unit where the ymm byte path below takes ~36 (see
-// benchmarks/README.md, kernel design measurements).
-template <int B, class F>
-AQ_INLINE void decode_unit_vbmi(const uint8_t* p, F&& f) {
+// per k moves a chunk's 16 bytes into int32 lanes. Each plane's field is brought to its bit position by a 32-bit
+// rotate (per-chunk counts; no field leaves its byte, so the mask never mixes bytes) and merged with one
+// ternary-logic op: about 10 ops per unit where the ymm byte path below takes ~36 (see benchmarks/README.md,
+// kernel design measurements). The codes land shifted left by S, with bit 7 set when Top (decode_unit_biased).
+template <int B, int S, bool Top>
+AQ_INLINE void combine_planes_vbmi(const uint8_t* p, __m512i (&z)[2]) {
   static_assert(B == 3 || B == 5 || B == 6 || B == 7);
-  constexpr int kSh2 = (B & 4) ? 4 : 0;            // bit position of the 2-bit plane's codes
+  constexpr int kSh2 = (B & 4) ? 4 : 0;            // bit position of the 2-bit plane's codes (before S)
   constexpr int kSh1 = kSh2 + ((B & 2) ? 2 : 0);  // bit position of the 1-bit plane's codes
   constexpr int kOff2 = (B & 4) ? 64 : 0, kOff1 = kOff2 + ((B & 2) ? 32 : 0);
   const auto bytes = [](int m) { return _mm512_set1_epi8(static_cast<char>(m)); };
   // Per-chunk rotation counts (mod 32: a right rotate by r is a left one by 32 - r).
-  const auto counts = [](int c0, int c1, int c2, int c3) {
+  const auto rot = [](__m512i v, int c0, int c1, int c2, int c3) {
     const auto m = [](int c) { return ((c % 32) + 32) % 32; };
-    return _mm512_setr_epi32(m(c0), m(c0), m(c0), m(c0), m(c1), m(c1), m(c1), m(c1), m(c2), m(c2), m(c2), m(c2),
-                             m(c3), m(c3), m(c3), m(c3));
+    return _mm512_rolv_epi32(v, _mm512_setr_epi32(m(c0), m(c0), m(c0), m(c0), m(c1), m(c1), m(c1), m(c1), m(c2),
+                                                   m(c2), m(c2), m(c2), m(c3), m(c3), m(c3), m(c3)));
   };
-  __m512i z[2];
+  bool first = true;  // the first plane writes z[h] (and sets bit 7 when Top), later ones OR into it
+  const auto merge = [&](int h, __m512i r, int mask) {
+    if (!first) z[h] = _mm512_ternarylogic_epi32(z[h], r, bytes(mask), 0xF8);          // a | (b & c)
+    else if (Top) z[h] = _mm512_ternarylogic_epi32(r, bytes(mask), bytes(0x80), 0xEA);  // (a & b) | c
+    else z[h] = _mm512_and_si512(r, bytes(mask));
+  };
   if constexpr ((B & 4) != 0) {
     const __m512i n = _mm512_loadu_si512(p);  // slot s: k = 2s (low nibbles), 2s + 1 (high)
-    z[0] = _mm512_and_si512(n, bytes(15));
-    z[1] = _mm512_and_si512(_mm512_srli_epi16(n, 4), bytes(15));
+    merge(0, S == 0 ? n : rot(n, S, S, S, S), 15 << S);
+    merge(1, S == 4 ? n : rot(n, S - 4, S - 4, S - 4, S - 4), 15 << S);
+    first = false;
   }
   if constexpr ((B & 2) != 0) {
     // chunks [slot 0, slot 0, slot 1, slot 1]: chunk s holds k = 2s + h in field 2 (s % 2) + h of slot s / 2
     const __m512i q = _mm512_permutexvar_epi64(
         _mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3),
         _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kOff2))));
-    sfor<2>([&](auto H) {
-      constexpr int h = AQ_CV(H);
-      const __m512i r = _mm512_rolv_epi32(q, counts(kSh2 - 2 * h, kSh2 - 2 * (2 + h), kSh2 - 2 * h,
-                                                    kSh2 - 2 * (2 + h)));
-      if constexpr ((B & 4) != 0) z[h] = _mm512_ternarylogic_epi32(z[h], r, bytes(3 << kSh2), 0xF8);  // a | (b & c)
-      else z[h] = _mm512_and_si512(r, bytes(3 << kSh2));
-    });
+    constexpr int c = S + kSh2;
+    merge(0, rot(q, c, c - 4, c, c - 4), 3 << c);
+    merge(1, rot(q, c - 2, c - 6, c - 2, c - 6), 3 << c);
+    first = false;
   }
   if constexpr ((B & 1) != 0) {
     const __m512i b = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kOff1)));
-    sfor<2>([&](auto H) {  // bit 2s + h of each byte -> bit kSh1
-      constexpr int h = AQ_CV(H);
-      const __m512i r = _mm512_rolv_epi32(b, counts(kSh1 - h, kSh1 - 2 - h, kSh1 - 4 - h, kSh1 - 6 - h));
-      z[h] = _mm512_ternarylogic_epi32(z[h], r, bytes(1 << kSh1), 0xF8);
-    });
+    constexpr int c = S + kSh1;  // bit 2s + h of each byte -> bit c
+    merge(0, rot(b, c, c - 2, c - 4, c - 6), 1 << c);
+    merge(1, rot(b, c - 1, c - 3, c - 5, c - 7), 1 << c);
   }
+}
+
+// vpermb's index for k-slot s: byte `at` of int32 lane j <- byte 16 s + j.
+template <int s, int at>
+AQ_INLINE __m512i chunk_to_lanes() {
+  const auto l = [](int j) { return (16 * s + j) << (8 * at); };
+  return _mm512_setr_epi32(l(0), l(1), l(2), l(3), l(4), l(5), l(6), l(7), l(8), l(9), l(10), l(11), l(12), l(13),
+                           l(14), l(15));
+}
+
+template <int B, class F>
+AQ_INLINE void decode_unit_vbmi(const uint8_t* p, F&& f) {
+  __m512i z[2];
+  combine_planes_vbmi<B, 0, false>(p, z);
   sfor<8>([&](auto T) {
-    constexpr int t = AQ_CV(T), s = t / 2;
-    const __m512i idx = _mm512_setr_epi32(16 * s, 16 * s + 1, 16 * s + 2, 16 * s + 3, 16 * s + 4, 16 * s + 5,
-                                          16 * s + 6, 16 * s + 7, 16 * s + 8, 16 * s + 9, 16 * s + 10, 16 * s + 11,
-                                          16 * s + 12, 16 * s + 13, 16 * s + 14, 16 * s + 15);
-    f(T, I16{_mm512_maskz_permutexvar_epi8(0x1111111111111111ull, idx, z[t % 2])});
+    constexpr int t = AQ_CV(T);
+    f(T, I16{_mm512_maskz_permutexvar_epi8(0x1111111111111111ull, chunk_to_lanes<t / 2, 0>(), z[t % 2])});
   });
 }
+
+// decode_unit_biased (the fp32 GEMV's multi-plane decoder): f(integral_constant<t>, w) with w = 2^B + u as fp32,
+// built without a conversion: the codes sit in their bytes shifted to the top mantissa bits (7 - B) under the
+// exponent's low bit, and one merge-masked vpermb per k drops that byte into byte 2 of each int32 lane of a
+// constant holding the rest of the exponent (byte 3): the fp32 bits of 2^B * (1 + u / 2^B), exact. One op per
+// 16 codes instead of vpermb + vcvtdq2ps; the caller takes the bias away through the group sums (y += scale *
+// (acc - 2^B * sum(x_g))), as the bf16-dot GEMV does with 16 + u.
+template <int B, class F>
+AQ_INLINE void decode_unit_biased(const uint8_t* p, F&& f) {
+  constexpr int kExp = 127 + B;
+  __m512i z[2];
+  combine_planes_vbmi<B, 7 - B, (kExp & 1) != 0>(p, z);
+  const __m512i e = _mm512_set1_epi32((kExp >> 1) << 24);
+  sfor<8>([&](auto T) {
+    constexpr int t = AQ_CV(T);
+    const __m512i v = _mm512_mask_permutexvar_epi8(e, 0x4444444444444444ull, chunk_to_lanes<t / 2, 2>(), z[t % 2]);
+    f(T, F16{_mm512_castsi512_ps(v)});
+  });
+}
+template <int B>
+constexpr bool biased_decode_ok() { return B == 3 || B == 5 || B == 6 || B == 7; }
+#else
+template <int B>
+constexpr bool biased_decode_ok() { return false; }
 #endif
 
 template <int B, class F>

@@ -46,11 +46,26 @@ void group_sums(const T* x, int64_t ldx, int64_t M, int64_t G, int64_t gs, float
     }
 }
 
+// The fp32 GEMV's decoder: w = 2^B + u for the multi-plane widths with VBMI (decode_unit_biased, one op per 16
+// codes; gemv_bias<B> leaves through the group sums), else the codes themselves.
+template <int B, class F>
+AQ_INLINE void decode_unit_gemv(const uint8_t* p, F&& f) {
+#if AQ_AVX512 && defined(__AVX512VBMI__)
+  if constexpr (biased_decode_ok<B>()) {
+    decode_unit_biased<B>(p, f);
+    return;
+  }
+#endif
+  decode_unit<B>(p, f);
+}
+template <int B>
+constexpr float gemv_bias() { return biased_decode_ok<B>() ? static_cast<float>(1 << B) : 0.f; }
+
 // Panels per tile (P) and split accumulators per panel (A) for MR rows of x: enough independent FMA
 // chains to hide latency without spilling (32 zmm / 16 ymm registers).
 #if AQ_AVX512
 constexpr int kItemPanels = 4;
-constexpr int gemv_P(int mr, int) { return mr <= 2 ? 4 : 2; }
+constexpr int gemv_P(int mr, int B) { return mr <= 2 ? 4 : (B == 3 || B == 5 || B == 6 || B == 7) ? 1 : 2; }
 constexpr int gemv_A(int mr) { return mr == 1 ? 2 : 1; }
 #elif AQ_AVX2
 constexpr int kItemPanels = 2;
@@ -148,7 +163,7 @@ void gemv_tile(const uint8_t* const* pan, const float* sT, const float* oT, int6
         for (int l = 0; l < 16 * bits_of(B); l += 64)
           __builtin_prefetch(pan[p] + (u + kPrefetchUnits) * (16 * bits_of(B)) + l, 0, 3);
 #endif
-        decode_unit<B>(pan[p] + u * (16 * bits_of(B)), [&](auto T, F16 w) {
+        decode_unit_gemv<B>(pan[p] + u * (16 * bits_of(B)), [&](auto T, F16 w) {
           constexpr int t = AQ_CV(T);
           sfor<MR>([&](auto M_) {
             constexpr int m = AQ_CV(M_);
@@ -288,8 +303,8 @@ void gemv_path(const Ctx& c) {
   else
 #endif
     group_sums(pr.x, pr.ldx, M, G, pr.group_size, xs.data(), 2 * G);
-  // The bf16-dot GEMV sees 16 + u for the codes u: bias 16, taken away through xs_a.
-  const float bias = b4 ? 16.f : 0.f;
+  // The bf16-dot GEMV sees 16 + u for the codes u, the biased decoder 2^B + u: the bias leaves through xs_a.
+  const float bias = b4 ? 16.f : gemv_bias<B>();
   // Without an offset array, offset = f * scale for one f (lowbit_kernels.h: scale * code_offset), so the whole
   // offset term rides on xs_a and no offset tile is loaded.
   // So do the signed k-quants' offsets (q3_k: -4 * scale, q6_k: -32 * scale; kquant_decode.h).
