@@ -253,10 +253,13 @@ def llama_imatrix_file(tok, sizes: dict, tools: str | None, llama_python: str | 
     naming build_llama_tools.sh, without the tool."""
     import tempfile
 
-    from _llama_cpp_quantize import TOOLS_HINT, LlamaCppUnavailable, find_llama_tool, llama_imatrix, llama_tokenize
+    import _llama_cpp_quantize as lq
 
-    if find_llama_tool("llama-imatrix", tools) is None:
-        print(f"# llama.cpp + imatrix rows skipped: llama-imatrix is not built; build it with {TOOLS_HINT}",
+    if lq.find_llama_python(llama_python) is None:  # its quantizer: the rows would be skipped anyway
+        print("# llama.cpp + imatrix rows skipped: no llama-cpp-python venv (see --llama-python)", flush=True)
+        return None
+    if lq.find_llama_tool("llama-imatrix", tools) is None:
+        print(f"# llama.cpp + imatrix rows skipped: llama-imatrix is not built; build it with {lq.TOOLS_HINT}",
               flush=True)
         return None
     n, length = sizes["calib_n"], sizes["calib_len"]
@@ -264,18 +267,18 @@ def llama_imatrix_file(tok, sizes: dict, tools: str | None, llama_python: str | 
     ids = torch.cat(windows, dim=1)[0]
     text = tok.decode(ids.tolist(), clean_up_tokenization_spaces=False)
     try:  # the ids llama.cpp will see (it drops one trailing newline of -f files)
-        theirs = llama_tokenize(M.smollm2_path(), text.removesuffix("\n"), llama_python)[: n * length]
+        theirs = lq.llama_tokenize(M.smollm2_path(), text.removesuffix("\n"), llama_python)[: n * length]
         differ = sum(a != b for a, b in zip(theirs, ids[: n * length].tolist(), strict=False))
         differ += abs(n * length - len(theirs))
         print(f"# llama.cpp's tokens of the calibration text: {differ} of {n * length} differ from the affineq "
               "rows' calibration ids", flush=True)
-    except LlamaCppUnavailable as e:
+    except lq.LlamaCppUnavailable as e:
         print(f"# (llama.cpp's tokens not checked: {e})", flush=True)
     with tempfile.TemporaryDirectory() as d:
         f = Path(d) / "calibration.txt"
         f.write_bytes(text.encode())
         start = time.perf_counter()
-        path, log = llama_imatrix(M.smollm2_path(), f, ctx=length, chunks=n, tools=tools)
+        path, log = lq.llama_imatrix(M.smollm2_path(), f, ctx=length, chunks=n, tools=tools)
     last = [x for x in log.splitlines() if "chunks" in x or "Final estimate" in x or "[" in x][-3:]
     print(f"# llama-imatrix: {path.name}, {n} chunks of {length} tokens, {time.perf_counter() - start:.0f} s; "
           + " | ".join(x.strip() for x in last), flush=True)
