@@ -279,7 +279,7 @@ def llama_imatrix_file(tok, sizes: dict, tools: str | None, llama_python: str | 
         f.write_bytes(text.encode())
         start = time.perf_counter()
         path, log = lq.llama_imatrix(M.smollm2_path(), f, ctx=length, chunks=n, tools=tools)
-    last = [x for x in log.splitlines() if "chunks" in x or "Final estimate" in x or "[" in x][-3:]
+    last = [x.split(" I ", 1)[-1] for x in log.splitlines() if "computing over" in x or "Final estimate" in x]
     print(f"# llama-imatrix: {path.name}, {n} chunks of {length} tokens, {time.perf_counter() - start:.0f} s; "
           + " | ".join(x.strip() for x in last), flush=True)
     return path
