@@ -206,6 +206,56 @@ def llama_imatrix(model: str | os.PathLike, text_file: str | os.PathLike, *, ctx
     return out, log.read_text()[-2000:]
 
 
+def _stat(text: str, label: str) -> float | None:
+    import re
+
+    m = re.search(re.escape(label) + r"\s*:\s*([-\d.]+)", text)
+    return float(m.group(1)) if m else None
+
+
+def llama_kld(model: str | os.PathLike, base: str | os.PathLike, text_file: str | os.PathLike, *, ctx: int = 512,
+              chunks: int | None = None, tools: str | os.PathLike | None = None, threads: int = 2,
+              timeout: float = 3600) -> dict:
+    """llama.cpp's own scores of GGUF `model` against GGUF `base` (``llama-perplexity --kl-divergence``): the
+    base's logits over `text_file` (``-c ctx [--chunks chunks] --kl-divergence-base``, cached), then `model` on
+    the same tokens. Returns {"ppl", "ppl_base", "mean_kld", "kld_p99", "top1_agreement"} as llama-perplexity
+    prints them (the second half of each chunk scored). No tool: LlamaCppUnavailable."""
+    exe = find_llama_tool("llama-perplexity", tools)
+    if exe is None:
+        raise LlamaCppUnavailable(f"llama.cpp's llama-perplexity is not built; build it with {TOOLS_HINT}")
+    base, model, text_file = Path(base).resolve(), Path(model).resolve(), Path(text_file)
+    cache = Path(os.environ.get("AFFINEQ_LLAMA_QUANT_CACHE") or Path.home() / ".cache/affineq/llama_quantize")
+    cache.mkdir(parents=True, exist_ok=True)
+    st = base.stat()
+    key = {"base": str(base), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctx": int(ctx), "chunks": chunks,
+           "text": hashlib.sha256(text_file.read_bytes()).hexdigest()}
+    logits = cache / f"kld-base-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}.bin"
+    common = ["-c", str(int(ctx)), "-t", str(int(threads))]
+    if not logits.exists():
+        tmp = logits.with_name(logits.stem + ".tmp.bin")
+        cmd = [str(exe), "-m", str(base), "-f", str(text_file), *common, "--kl-divergence-base", str(tmp)]
+        cmd += ["--chunks", str(int(chunks))] if chunks is not None else []
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            if r.returncode != 0 or not tmp.is_file():
+                raise RuntimeError(f"llama-perplexity (base logits) failed (exit {r.returncode}): {' '.join(cmd)}"
+                                   f"\n{(r.stderr + r.stdout)[-3000:]}")
+            os.replace(tmp, logits)
+        finally:
+            tmp.unlink(missing_ok=True)
+    cmd = [str(exe), "-m", str(model), *common, "--kl-divergence-base", str(logits), "--kl-divergence"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    out = r.stdout + r.stderr
+    stats = {"ppl": _stat(out, "Mean PPL(Q)"), "ppl_base": _stat(out, "Mean PPL(base)"),
+             "mean_kld": _stat(out, "Mean    KLD"), "kld_p99": _stat(out, "99.0%   KLD")}
+    top = _stat(out, "Same top p")
+    stats["top1_agreement"] = None if top is None else top / 100
+    if r.returncode != 0 or stats["mean_kld"] is None:
+        raise RuntimeError(f"llama-perplexity --kl-divergence failed (exit {r.returncode}): {' '.join(cmd)}\n"
+                           f"{out[-3000:]}")
+    return stats
+
+
 def llama_tokenize(model: str | os.PathLike, text: str, llama_python: str | os.PathLike | None = None,
                    timeout: float = 600) -> list[int]:
     """llama.cpp's token ids of `text` with GGUF `model`'s vocab, as llama-imatrix / llama-perplexity tokenize a

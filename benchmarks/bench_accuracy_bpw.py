@@ -114,12 +114,13 @@ def run(config_names: list[str], budgets: list[float], imatrix: bool, quick: boo
         sensitivity_items: int = 2, llama_ftypes: tuple[str, ...] = (), llama_python: str | None = None,
         hqq: bool = False, aq_candidates: list[str] | None = None, aq_calib: int | None = None,
         gptq: bool = False, aq_gptq: bool = False, llama_imatrix: bool = False,
-        llama_tools: str | None = None) -> list[dict]:
+        llama_tools: str | None = None, llama_kld_check: bool = False) -> list[dict]:
     sizes = QUICK if quick else FULL
     selected = decoder_linears(sizes["blocks"])
     model, tok = M.load_smollm2()
-    ids = torch.tensor(tok(M.eval_text(), add_special_tokens=False, verbose=False)["input_ids"], dtype=torch.int64)
-    ids = ids[: sizes["windows"] * sizes["window"]]
+    all_ids = torch.tensor(tok(M.eval_text(), add_special_tokens=False, verbose=False)["input_ids"],
+                           dtype=torch.int64)
+    ids = all_ids[: sizes["windows"] * sizes["window"]]
     reference = CachedLogits(model)
     compare = lambda m: aeval.compare(m, reference, ids, window=sizes["window"], progress=False)  # noqa: E731
     rows = [{"config": "float", "imatrix": False, "bpw": 32.0, **compare(reference)}]  # its cached logits
@@ -148,10 +149,14 @@ def run(config_names: list[str], budgets: list[float], imatrix: bool, quick: boo
             print(_line(row), flush=True)
             del q
     if llama_ftypes:
-        rows += llama_cpp_rows(compare, llama_ftypes, llama_python)
+        check = (LlamaKldCheck(tok, all_ids, sizes, llama_tools, llama_python)
+                 if llama_kld_check else None)
+        rows += llama_cpp_rows(compare, llama_ftypes, llama_python, check=check)
         if llama_imatrix:
             imat = llama_imatrix_file(tok, sizes, llama_tools, llama_python)
-            rows += llama_cpp_rows(compare, llama_ftypes, llama_python, imat) if imat is not None else []
+            rows += llama_cpp_rows(compare, llama_ftypes, llama_python, imat, check) if imat is not None else []
+        if check is not None:
+            check.close()
         # autoquant also at each file's size (rounded down: equal or fewer bits), from the same measurement
         budgets = budgets and sorted(set(budgets) | {math.floor(r["bpw"] * 100) / 100 for r in rows
                                          if r["config"].startswith("llama.cpp")})
@@ -285,7 +290,49 @@ def llama_imatrix_file(tok, sizes: dict, tools: str | None, llama_python: str | 
     return path
 
 
-def llama_cpp_rows(compare, ftypes, llama_python: str | None, imatrix: Path | None = None) -> list[dict]:
+class LlamaKldCheck:
+    """llama.cpp's own `llama-perplexity --kl-divergence` scores of a GGUF file on the rows' eval ids (a text
+    file of their decoded ids plus one spare window, `--chunks windows -c window`), against the shipped file
+    converted to F32 by llama.cpp (the fp32 model's weights); a cross-check of compare()'s numbers, which
+    differ by llama.cpp's arithmetic (it quantizes activations to 8 bits for its quantized dot products)."""
+
+    def __init__(self, tok, all_ids: torch.Tensor, sizes: dict, tools: str | None, llama_python: str | None):
+        import tempfile
+
+        import _llama_cpp_quantize as lq
+
+        self.tools, self.sizes, self.ok = tools, sizes, False
+        if lq.find_llama_tool("llama-perplexity", tools) is None or lq.find_llama_python(llama_python) is None:
+            print(f"# llama-perplexity cross-check skipped: not built ({lq.TOOLS_HINT}) or no llama.cpp venv",
+                  flush=True)
+            return
+        n = sizes["windows"] * sizes["window"]
+        text = tok.decode(all_ids[: n + sizes["window"]].tolist(), clean_up_tokenization_spaces=False)
+        theirs = lq.llama_tokenize(M.smollm2_path(), text.removesuffix("\n"), llama_python)[:n]
+        differ = sum(a != b for a, b in zip(theirs, all_ids[:n].tolist(), strict=False)) + abs(n - len(theirs))
+        print(f"# llama-perplexity cross-check: llama.cpp's tokens of the eval text: {differ} of {n} differ from "
+              "the rows' eval ids", flush=True)
+        self.dir = tempfile.TemporaryDirectory()
+        self.text = Path(self.dir.name) / "eval.txt"
+        self.text.write_bytes(text.encode())
+        self.base = lq.quantize_gguf(M.smollm2_path(), None, "F32", llama_python=llama_python)
+        self.ok = True
+
+    def __call__(self, path: Path) -> dict | None:
+        import _llama_cpp_quantize as lq
+
+        if not self.ok:
+            return None
+        return lq.llama_kld(path, self.base, self.text, ctx=self.sizes["window"], chunks=self.sizes["windows"],
+                            tools=self.tools)
+
+    def close(self) -> None:
+        if self.ok:
+            self.dir.cleanup()
+
+
+def llama_cpp_rows(compare, ftypes, llama_python: str | None, imatrix: Path | None = None,
+                   check: LlamaKldCheck | None = None) -> list[dict]:
     """llama.cpp's quantizer on the shipped SmolLM2 Q4_1 file (allow_requantize, embedding / output Q8_0; with
     `imatrix`, llama-imatrix's file, as llama-quantize --imatrix uses it), each file loaded with
     affineq.gguf.load_model (its codes exactly) and compared with the fp32 model on the same token ids as the
@@ -308,6 +355,11 @@ def llama_cpp_rows(compare, ftypes, llama_python: str | None, imatrix: Path | No
                      "imatrix": imatrix is not None, "bpw": bpw, "weights": n,
                      "ggml_types": types, **compare(model)})
         print(_line(rows[-1]) + f"  types {types}", flush=True)
+        if check is not None and (own := check(path)) is not None:
+            rows[-1]["llama_perplexity"] = own
+            print(f"{'':>14} llama-perplexity --kl-divergence: ppl {own['ppl']:.3f} (F32 base {own['ppl_base']:.3f})"
+                  f"  KLD {own['mean_kld']:.4f} (p99 {own['kld_p99']:.3f})  top1 {own['top1_agreement']:.3f}",
+                  flush=True)
         del model
     return rows
 
@@ -466,6 +518,9 @@ def main(argv=None) -> None:
                         "on the same calibration text; build it with benchmarks/build_llama_tools.sh)")
     p.add_argument("--llama-tools", default=None,
                    help="directory of the built llama.cpp tools (default $AFFINEQ_LLAMA_TOOLS or .llama-tools)")
+    p.add_argument("--llama-kld-check", action="store_true",
+                   help="each llama.cpp row also scored by llama.cpp itself (llama-perplexity --kl-divergence "
+                        "against the F32 file, same eval ids)")
     p.add_argument("--hqq", action="store_true", help="HQQ int4 g64 rows: the hqq library against affineq's HQQ")
     p.add_argument("--name", default=None, help="results file name (default bench_accuracy_bpw[_quick])")
     p.add_argument("--plot-from", nargs="*", default=None,
@@ -494,7 +549,7 @@ def main(argv=None) -> None:
     llama = [] if args.quick and args.llama == list(LLAMA_FTYPES) else args.llama
     rows = run(configs, budgets, not args.no_imatrix, args.quick, args.sensitivity_items, tuple(llama),
                args.llama_python, args.hqq, args.aq_candidates, args.aq_calib, args.gptq,
-               args.aq_gptq, args.llama_imatrix, args.llama_tools)
+               args.aq_gptq, args.llama_imatrix, args.llama_tools, args.llama_kld_check)
     table = markdown(rows)
     print()
     print(table)
