@@ -250,6 +250,10 @@ def llama_kld(model: str | os.PathLike, base: str | os.PathLike, text_file: str 
              "mean_kld": _stat(out, "Mean    KLD"), "kld_p99": _stat(out, "99.0%   KLD")}
     top = _stat(out, "Same top p")
     stats["top1_agreement"] = None if top is None else top / 100
+    chunk_lines = [x.split() for x in out.splitlines() if x.strip()[:1].isdigit() and x.count("±") == 5]
+    if stats["mean_kld"] is None and chunk_lines:  # under 100 scored tokens it prints only the running values
+        v = [float(x.rstrip("%")) for x in chunk_lines[-1] if x not in ("±", "%")]  # chunk, ppl, +-, ln, +-, ...
+        stats.update(ppl=v[1], mean_kld=v[5], top1_agreement=v[9] / 100)
     if r.returncode != 0 or stats["mean_kld"] is None:
         raise RuntimeError(f"llama-perplexity --kl-divergence failed (exit {r.returncode}): {' '.join(cmd)}\n"
                            f"{out[-3000:]}")

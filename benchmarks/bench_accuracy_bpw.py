@@ -357,9 +357,8 @@ def llama_cpp_rows(compare, ftypes, llama_python: str | None, imatrix: Path | No
         print(_line(rows[-1]) + f"  types {types}", flush=True)
         if check is not None and (own := check(path)) is not None:
             rows[-1]["llama_perplexity"] = own
-            print(f"{'':>14} llama-perplexity --kl-divergence: ppl {own['ppl']:.3f} (F32 base {own['ppl_base']:.3f})"
-                  f"  KLD {own['mean_kld']:.4f} (p99 {own['kld_p99']:.3f})  top1 {own['top1_agreement']:.3f}",
-                  flush=True)
+            print(f"{'':>14} llama-perplexity --kl-divergence: " + "  ".join(
+                f"{k} {v:.4f}" for k, v in own.items() if v is not None), flush=True)
         del model
     return rows
 
