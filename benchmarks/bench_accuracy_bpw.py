@@ -21,7 +21,9 @@ text so the last chunk is whole). llama-imatrix takes text, not ids: llama.cpp r
 SmolLM2's vocab adds none), so it sees 32 chunks of 512 tokens, each processed alone as a fresh context like
 the affineq calibration items; the run checks with llama.cpp's tokenizer that those are the same ids and prints
 how many differ. The imatrix goes to llama.cpp's quantizer (`quantize_gguf(..., imatrix=)`, as llama-quantize
---imatrix normalizes it); rows "llama.cpp <ftype> + imatrix".
+--imatrix normalizes it); rows "llama.cpp <ftype> + imatrix". `--llama-kld-check`: each llama.cpp row also
+scored by llama.cpp itself (`llama-perplexity --kl-divergence` against the shipped file converted to F32, on the
+same eval ids), stored as the row's "llama_perplexity".
 
 Eval: the first 4 x 512 tokens of `eval_text()` (the pydoc topics the package pins by hash), windows of 512, the
 second half of each scored (255 predictions per window, as llama.cpp). The importance matrix comes from
