@@ -20,8 +20,13 @@ llama-imatrix's GGUF file (``<tensor>.in_sum2`` / ``<tensor>.counts``, normalize
 does; read with the ``gguf`` package) or an ``.npz`` {GGUF tensor name: float32 [in_features] (or
 [experts * in_features]) mean of x^2 per input column}.
 
+llama.cpp's own importance matrix (``llama_imatrix``) comes from its ``llama-imatrix`` tool, which the pip
+package does not build: ``bash benchmarks/build_llama_tools.sh`` builds it from the llama-cpp-python sdist into
+``.llama-tools`` (or ``--llama-tools DIR`` / $AFFINEQ_LLAMA_TOOLS); it runs as a subprocess. ``llama_tokenize``
+tokenizes text with llama.cpp's tokenizer of a GGUF file (the venv, ``vocab_only``), as the tools do.
+
 Under the venv: ``python _llama_cpp_quantize.py '{"src": ..., "dst": ..., "ftype": ..., ...}'`` prints
-``DONE {json}``.
+``DONE {json}`` (``{"op": "tokenize", "model": ..., "text_file": ...}``: the token ids).
 """
 
 from __future__ import annotations
@@ -148,6 +153,134 @@ def quantize_gguf(src: str | os.PathLike, dst: str | os.PathLike | None, ftype: 
     return dst
 
 
+TOOLS_HINT = ("bash benchmarks/build_llama_tools.sh [llama_cpp_python-0.3.36.tar.gz] [DIR]  (default DIR "
+              ".llama-tools; then --llama-tools DIR or AFFINEQ_LLAMA_TOOLS=DIR)")
+
+
+def find_llama_tool(name: str, tools: str | os.PathLike | None = None) -> Path | None:
+    """llama.cpp's tool `name` (``llama-imatrix``, ``llama-perplexity``) in `tools`, else $AFFINEQ_LLAMA_TOOLS,
+    else .llama-tools in the repository root (DIR/bin/NAME or DIR/NAME, as build_llama_tools.sh leaves them)."""
+    d = Path(tools or os.environ.get("AFFINEQ_LLAMA_TOOLS") or HERE.parent / ".llama-tools")
+    for p in (d / "bin" / name, d / name):
+        if p.is_file() and os.access(p, os.X_OK):
+            return p
+    return None
+
+
+def llama_imatrix(model: str | os.PathLike, text_file: str | os.PathLike, *, ctx: int = 512,
+                  chunks: int | None = None, tools: str | os.PathLike | None = None, threads: int = 2,
+                  timeout: float = 3600) -> tuple[Path, str]:
+    """llama.cpp's importance matrix of GGUF `model` over the text in `text_file`: ``llama-imatrix -m model -f
+    text_file -c ctx [--chunks chunks] -o <cache>.gguf`` (its GGUF format: ``<tensor>.in_sum2`` / ``.counts``;
+    the tokens are llama.cpp's tokenization of the text, cut into ``ctx``-token chunks, a BOS written over each
+    chunk's first token only when the vocab adds one). Cached like quantize_gguf's outputs, keyed by the model's
+    path, size and mtime, the text's bytes and the arguments. Returns (the file, the tool's log tail). No tool:
+    LlamaCppUnavailable naming build_llama_tools.sh."""
+    exe = find_llama_tool("llama-imatrix", tools)
+    if exe is None:
+        raise LlamaCppUnavailable(f"llama.cpp's llama-imatrix is not built; build it with {TOOLS_HINT}")
+    model, text_file = Path(model).resolve(), Path(text_file)
+    cache = Path(os.environ.get("AFFINEQ_LLAMA_QUANT_CACHE") or Path.home() / ".cache/affineq/llama_quantize")
+    cache.mkdir(parents=True, exist_ok=True)
+    st = model.stat()
+    key = {"model": str(model), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctx": int(ctx),
+           "chunks": chunks, "text": hashlib.sha256(text_file.read_bytes()).hexdigest()}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    out = cache / f"imatrix-{model.stem}-{digest}.gguf"
+    log = out.with_suffix(".log")
+    if out.exists():
+        return out, (log.read_text()[-2000:] if log.exists() else "(cached)")
+    tmp = out.with_name(out.stem + ".tmp.gguf")
+    cmd = [str(exe), "-m", str(model), "-f", str(text_file), "-c", str(int(ctx)), "-t", str(int(threads)),
+           "-o", str(tmp), "--output-frequency", "1000000"]
+    cmd += ["--chunks", str(int(chunks))] if chunks is not None else []
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        if r.returncode != 0 or not tmp.is_file():
+            raise RuntimeError(f"llama-imatrix failed (exit {r.returncode}): {' '.join(cmd)}\n"
+                               f"{(r.stderr + r.stdout)[-3000:]}")
+        log.write_text(" ".join(cmd) + "\n" + r.stdout + r.stderr)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out, log.read_text()[-2000:]
+
+
+def _stat(text: str, label: str) -> float | None:
+    import re
+
+    m = re.search(re.escape(label) + r"\s*:\s*([-\d.]+)", text)
+    return float(m.group(1)) if m else None
+
+
+def llama_kld(model: str | os.PathLike, base: str | os.PathLike, text_file: str | os.PathLike, *, ctx: int = 512,
+              chunks: int | None = None, tools: str | os.PathLike | None = None, threads: int = 2,
+              timeout: float = 3600) -> dict:
+    """llama.cpp's own scores of GGUF `model` against GGUF `base` (``llama-perplexity --kl-divergence``): the
+    base's logits over `text_file` (``-c ctx [--chunks chunks] --kl-divergence-base``, cached), then `model` on
+    the same tokens. Returns {"ppl", "ppl_base", "mean_kld", "kld_p99", "top1_agreement"} as llama-perplexity
+    prints them (the second half of each chunk scored). No tool: LlamaCppUnavailable."""
+    exe = find_llama_tool("llama-perplexity", tools)
+    if exe is None:
+        raise LlamaCppUnavailable(f"llama.cpp's llama-perplexity is not built; build it with {TOOLS_HINT}")
+    base, model, text_file = Path(base).resolve(), Path(model).resolve(), Path(text_file)
+    cache = Path(os.environ.get("AFFINEQ_LLAMA_QUANT_CACHE") or Path.home() / ".cache/affineq/llama_quantize")
+    cache.mkdir(parents=True, exist_ok=True)
+    st = base.stat()
+    key = {"base": str(base), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctx": int(ctx), "chunks": chunks,
+           "text": hashlib.sha256(text_file.read_bytes()).hexdigest()}
+    logits = cache / f"kld-base-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}.bin"
+    common = ["-c", str(int(ctx)), "-t", str(int(threads))]
+    if not logits.exists():
+        tmp = logits.with_name(logits.stem + ".tmp.bin")
+        cmd = [str(exe), "-m", str(base), "-f", str(text_file), *common, "--kl-divergence-base", str(tmp)]
+        cmd += ["--chunks", str(int(chunks))] if chunks is not None else []
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            if r.returncode != 0 or not tmp.is_file():
+                raise RuntimeError(f"llama-perplexity (base logits) failed (exit {r.returncode}): {' '.join(cmd)}"
+                                   f"\n{(r.stderr + r.stdout)[-3000:]}")
+            os.replace(tmp, logits)
+        finally:
+            tmp.unlink(missing_ok=True)
+    cmd = [str(exe), "-m", str(model), *common, "--kl-divergence-base", str(logits), "--kl-divergence"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    out = r.stdout + r.stderr
+    stats = {"ppl": _stat(out, "Mean PPL(Q)"), "ppl_base": _stat(out, "Mean PPL(base)"),
+             "mean_kld": _stat(out, "Mean    KLD"), "kld_p99": _stat(out, "99.0%   KLD")}
+    top = _stat(out, "Same top p")
+    stats["top1_agreement"] = None if top is None else top / 100
+    chunk_lines = [x.split() for x in out.splitlines() if x.strip()[:1].isdigit() and x.count("±") == 5]
+    if stats["mean_kld"] is None and chunk_lines:  # under 100 scored tokens it prints only the running values
+        v = [float(x.rstrip("%")) for x in chunk_lines[-1] if x not in ("±", "%")]  # chunk, ppl, +-, ln, +-, ...
+        stats.update(ppl=v[1], mean_kld=v[5], top1_agreement=v[9] / 100)
+    if r.returncode != 0 or stats["mean_kld"] is None:
+        raise RuntimeError(f"llama-perplexity --kl-divergence failed (exit {r.returncode}): {' '.join(cmd)}\n"
+                           f"{out[-3000:]}")
+    return stats
+
+
+def llama_tokenize(model: str | os.PathLike, text: str, llama_python: str | os.PathLike | None = None,
+                   timeout: float = 600) -> list[int]:
+    """llama.cpp's token ids of `text` with GGUF `model`'s vocab, as llama-imatrix / llama-perplexity tokenize a
+    file (``add_special`` true: a BOS only when the vocab adds one; special tokens not parsed). Runs under the
+    llama-cpp-python venv; none: LlamaCppUnavailable."""
+    py = find_llama_python(llama_python)
+    if py is None:
+        raise LlamaCppUnavailable(f"llama.cpp's tokenizer needs the llama-cpp-python venv; create it ({VENV_HINT}) "
+                                  "or pass llama_python= / set AFFINEQ_LLAMA_PYTHON")
+    with tempfile.TemporaryDirectory() as d:
+        f = Path(d) / "text.txt"
+        f.write_bytes(text.encode())
+        job = {"op": "tokenize", "model": str(Path(model).resolve()), "text_file": str(f)}
+        r = subprocess.run([str(py), str(Path(__file__).resolve()), json.dumps(job)], capture_output=True, text=True,
+                           timeout=timeout)
+    done = [x for x in r.stdout.splitlines() if x.startswith("DONE ")]
+    if r.returncode != 0 or not done:
+        raise RuntimeError(f"llama.cpp's tokenizer failed (exit {r.returncode}):\n{(r.stderr + r.stdout)[-3000:]}")
+    return json.loads(done[-1][5:])["ids"]
+
+
 # -- the venv side ----------------------------------------------------------------------------------------------
 
 
@@ -186,5 +319,15 @@ def _run_in_venv(job: dict) -> dict:
             "llama_cpp_version": getattr(llama_cpp, "__version__", None)}
 
 
+def _tokenize_in_venv(job: dict) -> dict:
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=job["model"], vocab_only=True, verbose=False)
+    text = Path(job["text_file"]).read_bytes()
+    return {"ids": llm.tokenize(text, add_bos=True, special=False)}  # llama_tokenize(add_special=True, ...)
+
+
 if __name__ == "__main__":
-    print("DONE " + json.dumps(_run_in_venv(json.loads(sys.argv[1]))), flush=True)
+    _job = json.loads(sys.argv[1])
+    print("DONE " + json.dumps(_tokenize_in_venv(_job) if _job.get("op") == "tokenize" else _run_in_venv(_job)),
+          flush=True)

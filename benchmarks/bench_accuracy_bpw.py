@@ -9,6 +9,21 @@ each config plain round-to-nearest and with an importance matrix (`ImportanceWei
     python benchmarks/bench_accuracy_bpw.py --configs int4-g64 int3-g64 --no-imatrix
     python benchmarks/bench_accuracy_bpw.py --configs --budgets 3.5 4.5   # autoquant rows only
     python benchmarks/bench_accuracy_bpw.py --configs int3-g64 --gptq --budgets --llama   # + a GPTQ row
+    python benchmarks/bench_accuracy_bpw.py --configs --budgets --llama-imatrix   # llama.cpp with and without
+                                                                     # its own importance matrix
+
+llama.cpp's rows (`--llama`): its quantizer on the shipped Q4_1 file (the llama-cpp-python venv). With
+`--llama-imatrix`, the same file types again with llama.cpp's own importance matrix: `llama-imatrix` (built by
+benchmarks/build_llama_tools.sh from the llama-cpp-python sdist; `--llama-tools DIR` / $AFFINEQ_LLAMA_TOOLS,
+default .llama-tools) run with `-c 512 --chunks 32` on the same GGUF over a text file holding the decoded
+calibration ids of the affineq rows (`M.calibration_batches`, 32 x 512 in FULL sizes, plus one window of spare
+text so the last chunk is whole). llama-imatrix takes text, not ids: llama.cpp re-tokenizes the file (no BOS:
+SmolLM2's vocab adds none), so it sees 32 chunks of 512 tokens, each processed alone as a fresh context like
+the affineq calibration items; the run checks with llama.cpp's tokenizer that those are the same ids and prints
+how many differ. The imatrix goes to llama.cpp's quantizer (`quantize_gguf(..., imatrix=)`, as llama-quantize
+--imatrix normalizes it); rows "llama.cpp <ftype> + imatrix". `--llama-kld-check`: each llama.cpp row also
+scored by llama.cpp itself (`llama-perplexity --kl-divergence` against the shipped file converted to F32, on the
+same eval ids), stored as the row's "llama_perplexity".
 
 Eval: the first 4 x 512 tokens of `eval_text()` (the pydoc topics the package pins by hash), windows of 512, the
 second half of each scored (255 predictions per window, as llama.cpp). The importance matrix comes from
@@ -100,12 +115,14 @@ def bits_per_weight(model: nn.Module) -> tuple[float, int]:
 def run(config_names: list[str], budgets: list[float], imatrix: bool, quick: bool,
         sensitivity_items: int = 2, llama_ftypes: tuple[str, ...] = (), llama_python: str | None = None,
         hqq: bool = False, aq_candidates: list[str] | None = None, aq_calib: int | None = None,
-        gptq: bool = False, aq_gptq: bool = False) -> list[dict]:
+        gptq: bool = False, aq_gptq: bool = False, llama_imatrix: bool = False,
+        llama_tools: str | None = None, llama_kld_check: bool = False) -> list[dict]:
     sizes = QUICK if quick else FULL
     selected = decoder_linears(sizes["blocks"])
     model, tok = M.load_smollm2()
-    ids = torch.tensor(tok(M.eval_text(), add_special_tokens=False, verbose=False)["input_ids"], dtype=torch.int64)
-    ids = ids[: sizes["windows"] * sizes["window"]]
+    all_ids = torch.tensor(tok(M.eval_text(), add_special_tokens=False, verbose=False)["input_ids"],
+                           dtype=torch.int64)
+    ids = all_ids[: sizes["windows"] * sizes["window"]]
     reference = CachedLogits(model)
     compare = lambda m: aeval.compare(m, reference, ids, window=sizes["window"], progress=False)  # noqa: E731
     rows = [{"config": "float", "imatrix": False, "bpw": 32.0, **compare(reference)}]  # its cached logits
@@ -134,7 +151,14 @@ def run(config_names: list[str], budgets: list[float], imatrix: bool, quick: boo
             print(_line(row), flush=True)
             del q
     if llama_ftypes:
-        rows += llama_cpp_rows(compare, llama_ftypes, llama_python)
+        check = (LlamaKldCheck(tok, all_ids, sizes, llama_tools, llama_python)
+                 if llama_kld_check else None)
+        rows += llama_cpp_rows(compare, llama_ftypes, llama_python, check=check)
+        if llama_imatrix:
+            imat = llama_imatrix_file(tok, sizes, llama_tools, llama_python)
+            rows += llama_cpp_rows(compare, llama_ftypes, llama_python, imat, check) if imat is not None else []
+        if check is not None:
+            check.close()
         # autoquant also at each file's size (rounded down: equal or fewer bits), from the same measurement
         budgets = budgets and sorted(set(budgets) | {math.floor(r["bpw"] * 100) / 100 for r in rows
                                          if r["config"].startswith("llama.cpp")})
@@ -230,10 +254,91 @@ def gguf_block_bpw(path) -> tuple[float, int, dict[str, int]]:
     return bits / n, n, types
 
 
-def llama_cpp_rows(compare, ftypes, llama_python: str | None) -> list[dict]:
-    """llama.cpp's quantizer on the shipped SmolLM2 Q4_1 file (allow_requantize, embedding / output Q8_0, no
-    importance matrix), each file loaded with affineq.gguf.load_model (its codes exactly) and compared with the
-    fp32 model on the same token ids as the affineq rows. Skipped with a message without the llama.cpp venv."""
+def llama_imatrix_file(tok, sizes: dict, tools: str | None, llama_python: str | None) -> Path | None:
+    """llama.cpp's importance matrix (llama-imatrix's GGUF file) of the shipped SmolLM2 GGUF over the affineq
+    rows' calibration ids (`calib_n` x `calib_len`), as the module docstring says; None, with a printed message
+    naming build_llama_tools.sh, without the tool."""
+    import tempfile
+
+    import _llama_cpp_quantize as lq
+
+    if lq.find_llama_python(llama_python) is None:  # its quantizer: the rows would be skipped anyway
+        print("# llama.cpp + imatrix rows skipped: no llama-cpp-python venv (see --llama-python)", flush=True)
+        return None
+    if lq.find_llama_tool("llama-imatrix", tools) is None:
+        print(f"# llama.cpp + imatrix rows skipped: llama-imatrix is not built; build it with {lq.TOOLS_HINT}",
+              flush=True)
+        return None
+    n, length = sizes["calib_n"], sizes["calib_len"]
+    windows = M.calibration_batches(tok, n + 1, length)  # the rows' n windows, then spare text for the last chunk
+    ids = torch.cat(windows, dim=1)[0]
+    text = tok.decode(ids.tolist(), clean_up_tokenization_spaces=False)
+    try:  # the ids llama.cpp will see (it drops one trailing newline of -f files)
+        theirs = lq.llama_tokenize(M.smollm2_path(), text.removesuffix("\n"), llama_python)[: n * length]
+        differ = sum(a != b for a, b in zip(theirs, ids[: n * length].tolist(), strict=False))
+        differ += abs(n * length - len(theirs))
+        print(f"# llama.cpp's tokens of the calibration text: {differ} of {n * length} differ from the affineq "
+              "rows' calibration ids", flush=True)
+    except lq.LlamaCppUnavailable as e:
+        print(f"# (llama.cpp's tokens not checked: {e})", flush=True)
+    with tempfile.TemporaryDirectory() as d:
+        f = Path(d) / "calibration.txt"
+        f.write_bytes(text.encode())
+        start = time.perf_counter()
+        path, log = lq.llama_imatrix(M.smollm2_path(), f, ctx=length, chunks=n, tools=tools)
+    last = [x.split(" I ", 1)[-1] for x in log.splitlines() if "computing over" in x or "Final estimate" in x]
+    print(f"# llama-imatrix: {path.name}, {n} chunks of {length} tokens, {time.perf_counter() - start:.0f} s; "
+          + " | ".join(x.strip() for x in last), flush=True)
+    return path
+
+
+class LlamaKldCheck:
+    """llama.cpp's own `llama-perplexity --kl-divergence` scores of a GGUF file on the rows' eval ids (a text
+    file of their decoded ids plus one spare window, `--chunks windows -c window`), against the shipped file
+    converted to F32 by llama.cpp (the fp32 model's weights); a cross-check of compare()'s numbers, which
+    differ by llama.cpp's arithmetic (it quantizes activations to 8 bits for its quantized dot products)."""
+
+    def __init__(self, tok, all_ids: torch.Tensor, sizes: dict, tools: str | None, llama_python: str | None):
+        import tempfile
+
+        import _llama_cpp_quantize as lq
+
+        self.tools, self.sizes, self.ok = tools, sizes, False
+        if lq.find_llama_tool("llama-perplexity", tools) is None or lq.find_llama_python(llama_python) is None:
+            print(f"# llama-perplexity cross-check skipped: not built ({lq.TOOLS_HINT}) or no llama.cpp venv",
+                  flush=True)
+            return
+        n = sizes["windows"] * sizes["window"]
+        text = tok.decode(all_ids[: n + sizes["window"]].tolist(), clean_up_tokenization_spaces=False)
+        theirs = lq.llama_tokenize(M.smollm2_path(), text.removesuffix("\n"), llama_python)[:n]
+        differ = sum(a != b for a, b in zip(theirs, all_ids[:n].tolist(), strict=False)) + abs(n - len(theirs))
+        print(f"# llama-perplexity cross-check: llama.cpp's tokens of the eval text: {differ} of {n} differ from "
+              "the rows' eval ids", flush=True)
+        self.dir = tempfile.TemporaryDirectory()
+        self.text = Path(self.dir.name) / "eval.txt"
+        self.text.write_bytes(text.encode())
+        self.base = lq.quantize_gguf(M.smollm2_path(), None, "F32", llama_python=llama_python)
+        self.ok = True
+
+    def __call__(self, path: Path) -> dict | None:
+        import _llama_cpp_quantize as lq
+
+        if not self.ok:
+            return None
+        return lq.llama_kld(path, self.base, self.text, ctx=self.sizes["window"], chunks=self.sizes["windows"],
+                            tools=self.tools)
+
+    def close(self) -> None:
+        if self.ok:
+            self.dir.cleanup()
+
+
+def llama_cpp_rows(compare, ftypes, llama_python: str | None, imatrix: Path | None = None,
+                   check: LlamaKldCheck | None = None) -> list[dict]:
+    """llama.cpp's quantizer on the shipped SmolLM2 Q4_1 file (allow_requantize, embedding / output Q8_0; with
+    `imatrix`, llama-imatrix's file, as llama-quantize --imatrix uses it), each file loaded with
+    affineq.gguf.load_model (its codes exactly) and compared with the fp32 model on the same token ids as the
+    affineq rows. Skipped with a message without the llama.cpp venv."""
     from _llama_cpp_quantize import LlamaCppUnavailable, quantize_gguf
 
     from affineq.gguf import load_model
@@ -242,15 +347,20 @@ def llama_cpp_rows(compare, ftypes, llama_python: str | None) -> list[dict]:
     for ftype in ftypes:
         try:
             path = quantize_gguf(M.smollm2_path(), None, ftype, token_embedding_type="Q8_0",
-                                 output_tensor_type="Q8_0", llama_python=llama_python)
+                                 output_tensor_type="Q8_0", imatrix=imatrix, llama_python=llama_python)
         except LlamaCppUnavailable as e:
             print(f"# llama.cpp rows skipped: {e}", flush=True)
             return rows
         bpw, n, types = gguf_block_bpw(path)
         model = load_model(path)
-        rows.append({"config": f"llama.cpp {ftype}", "imatrix": False, "bpw": bpw, "weights": n,
+        rows.append({"config": f"llama.cpp {ftype}" + (" + imatrix" if imatrix is not None else ""),
+                     "imatrix": imatrix is not None, "bpw": bpw, "weights": n,
                      "ggml_types": types, **compare(model)})
         print(_line(rows[-1]) + f"  types {types}", flush=True)
+        if check is not None and (own := check(path)) is not None:
+            rows[-1]["llama_perplexity"] = own
+            print(f"{'':>14} llama-perplexity --kl-divergence: " + "  ".join(
+                f"{k} {v:.4f}" for k, v in own.items() if v is not None), flush=True)
         del model
     return rows
 
@@ -360,7 +470,10 @@ def plot(rows: list[dict], name: str) -> None:
               ("importance-weighted", "s--", "C1", [r for r in uniform if r["imatrix"]]),
               ("GPTQ", "^:", "C4", [r for r in uniform if r.get("gptq")]),
               ("autoquant", "*", "k", [r for r in rows if r["config"].startswith("autoquant")]),
-              ("llama.cpp files", "v", "C3", [r for r in rows if r["config"].startswith("llama.cpp")]),
+              ("llama.cpp files", "v", "C3", [r for r in rows if r["config"].startswith("llama.cpp")
+                                                and not r["imatrix"]]),
+              ("llama.cpp + imatrix", "^", "C5", [r for r in rows if r["config"].startswith("llama.cpp")
+                                                  and r["imatrix"]]),
               ("HQQ int4 g64", "D", "C2", [r for r in rows if "HQQ" in r["config"] or "hqq" in r["config"]]))
     for ax, key, label in ((axes[0], "ppl", "perplexity"), (axes[1], "mean_kld", "mean KLD vs float")):
         for glabel, style, color, grp in groups:
@@ -368,9 +481,10 @@ def plot(rows: list[dict], name: str) -> None:
             if pts:
                 ax.plot(*zip(*pts, strict=True), style.lstrip("k"), color=color, label=glabel,
                         markersize=11 if glabel == "autoquant" else 6)
-            if glabel == "llama.cpp files":
+            if glabel.startswith("llama.cpp"):
                 for r in grp:
-                    ax.annotate(r["config"].removeprefix("llama.cpp "), (r["bpw"], r[key]), fontsize=7,
+                    ax.annotate(r["config"].removeprefix("llama.cpp ").replace(" + imatrix", "+i"),
+                                (r["bpw"], r[key]), fontsize=7,
                                 xytext=(3, 3), textcoords="offset points")
         floats = [r for r in rows if r["config"] == "float"]
         if key == "ppl" and floats:
@@ -400,6 +514,14 @@ def main(argv=None) -> None:
                    help="llama.cpp file types to compare (none: no llama.cpp rows); needs the llama-cpp-python venv")
     p.add_argument("--llama-python", default=None,
                    help="the llama-cpp-python venv's python (default $AFFINEQ_LLAMA_PYTHON or .venv-llamacpp)")
+    p.add_argument("--llama-imatrix", action="store_true",
+                   help="also the --llama file types made with llama.cpp's own importance matrix (llama-imatrix "
+                        "on the same calibration text; build it with benchmarks/build_llama_tools.sh)")
+    p.add_argument("--llama-tools", default=None,
+                   help="directory of the built llama.cpp tools (default $AFFINEQ_LLAMA_TOOLS or .llama-tools)")
+    p.add_argument("--llama-kld-check", action="store_true",
+                   help="each llama.cpp row also scored by llama.cpp itself (llama-perplexity --kl-divergence "
+                        "against the F32 file, same eval ids)")
     p.add_argument("--hqq", action="store_true", help="HQQ int4 g64 rows: the hqq library against affineq's HQQ")
     p.add_argument("--name", default=None, help="results file name (default bench_accuracy_bpw[_quick])")
     p.add_argument("--plot-from", nargs="*", default=None,
@@ -428,7 +550,7 @@ def main(argv=None) -> None:
     llama = [] if args.quick and args.llama == list(LLAMA_FTYPES) else args.llama
     rows = run(configs, budgets, not args.no_imatrix, args.quick, args.sensitivity_items, tuple(llama),
                args.llama_python, args.hqq, args.aq_candidates, args.aq_calib, args.gptq,
-               args.aq_gptq)
+               args.aq_gptq, args.llama_imatrix, args.llama_tools, args.llama_kld_check)
     table = markdown(rows)
     print()
     print(table)
