@@ -97,23 +97,25 @@ def test_tinylm_tokens_equal_reference_loop(fuse):
     assert torch.equal(generate(model, ids, 16, compile=False, fuse_projections=fuse), ref)
 
 
-def test_fused_projections_match_separate_ones():
-    """q/k/v and gate/up run as one linear on concatenated int4 weights: the same numbers as three / two."""
+@pytest.mark.parametrize("copy", [True, False])
+def test_fused_projections_match_separate_ones(copy):
+    """q/k/v and gate/up run as one call on int4 weights (one shared kernel call, or with copy=True a
+    concatenation where sharing does not apply): the same numbers as three / two calls."""
     model = _llama(1)
     _int4(model)
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     x = torch.randn(3, 64)
-    q, k, v = static_decoder._fused([attn.q_proj, attn.k_proj, attn.v_proj])(x)
+    q, k, v = static_decoder._fused([attn.q_proj, attn.k_proj, attn.v_proj], copy)(x)
     torch.testing.assert_close(q, attn.q_proj(x), rtol=0, atol=0)
     torch.testing.assert_close(v, attn.v_proj(x), rtol=0, atol=0)
-    gate, up = static_decoder._fused([mlp.gate_proj, mlp.up_proj])(x)
+    gate, up = static_decoder._fused([mlp.gate_proj, mlp.up_proj], copy)(x)
     torch.testing.assert_close(up, mlp.up_proj(x), rtol=0, atol=0)
     # Different configs (int8 gate, int4 up) do not concatenate: run separately, no error.
     mixed = _llama(1)
     affineq.quantize_(mixed, affineq.Int8WeightOnlyConfig(), filter_fn=lambda m, n: n.endswith("gate_proj"))
     affineq.quantize_(mixed, affineq.Int4WeightOnlyConfig(group_size=32), filter_fn=lambda m, n: n.endswith("up_proj"))
     mlp = mixed.model.layers[0].mlp
-    assert static_decoder._fused([mlp.gate_proj, mlp.up_proj]) is None
+    assert static_decoder._fused([mlp.gate_proj, mlp.up_proj], True) is None
     ids = _prompt(1, 5)
     assert torch.equal(generate(mixed, ids, 8, compile=False, ignore_eos=True), _hf(mixed, ids, 8, min_new_tokens=8))
 

@@ -443,3 +443,29 @@ def _dequant_linear_fallback(x, packed, scale, offset, bits, group_size, n, k, c
 _lib.impl("lowbit_dequantize", _lowbit_dequantize_fallback, "CompositeExplicitAutograd")
 _lib.impl("dense_dequantize", dense_dequantize_reference, "CompositeExplicitAutograd")
 _lib.impl("dequant_linear", _dequant_linear_fallback, "CompositeExplicitAutograd")
+
+# Several dense weights on one input (q / k / v, gate / up) in one call: cat([lowbit_linear(x, packed[i],
+# scale[i], offset[i], ..., n[i], ...)], -1), every weight with the same bits, group_size, codes, code_offset and
+# qparam dtype. Where the fused GEMV serves them (small M), one pool of work items over all of their panels: one
+# call and one thread fork for all, no weight copied. Inference only (no autograd kernel).
+_lib.define(
+    "lowbit_linear_multi(Tensor x, Tensor[] packed, Tensor[] scale, Tensor?[] offset, int bits, int group_size,"
+    " int[] n, int k, int codes=0, int code_offset=0) -> Tensor"
+)
+
+
+@torch.library.register_fake("affineq::lowbit_linear_multi", lib=_lib)
+def _lowbit_linear_multi_fake(x, packed, scale, offset, bits, group_size, n, k, codes=CODES_UINT, code_offset=0):
+    for p, s, o, ni in zip(packed, scale, offset, n, strict=True):
+        _check_args(x, p, s, o, bits, group_size, ni, k, codes, code_offset)
+    return x.new_empty((*x.shape[:-1], sum(n)))
+
+
+def _lowbit_linear_multi_fallback(x, packed, scale, offset, bits, group_size, n, k, codes=CODES_UINT,
+                                  code_offset=0):
+    # The per-weight op (C++ where registered, else its own fallback), concatenated.
+    return torch.cat([torch.ops.affineq.lowbit_linear(x, p, s, o, bits, group_size, ni, k, codes, code_offset)
+                      for p, s, o, ni in zip(packed, scale, offset, n, strict=True)], -1)
+
+
+_lib.impl("lowbit_linear_multi", _lowbit_linear_multi_fallback, "CompositeExplicitAutograd")

@@ -30,6 +30,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 #include "common.h"
 #include "decode.h"
@@ -85,7 +87,7 @@ int path_for(const LowbitProblem& p, int force_path) {
 template <int B>
 void run(const Ctx& c, int force_path) {
   const int path = path_for(*c.p, force_path);
-  if (path == 1) gemv_path<B>(c);
+  if (path == 1) gemv_path<B>(&c, 1);
 #if AQ_VNNI
   else if (path == 3) {
     if constexpr (int16_ok(B)) qgemm_path<B>(c);
@@ -123,6 +125,40 @@ void lowbit_linear_f32(const LowbitProblem& p, int force_path) {
       else detail::run<8>(c, force_path);
       break;
     default: break;  // other values are rejected by the caller
+  }
+}
+
+void lowbit_linear_multi_f32(const LowbitProblem* ps, int64_t count, int force_path) {
+  if (count <= 0) return;
+  if (count == 1 || detail::path_for(ps[0], force_path) != 1) {  // the GEMMs gain nothing from sharing a call
+    for (int64_t i = 0; i < count; ++i) lowbit_linear_f32(ps[i], force_path);
+    return;
+  }
+  std::vector<detail::Ctx> cs;
+  for (int64_t i = 0; i < count; ++i) cs.push_back(detail::make_ctx(ps[i]));
+  const auto run = [&](auto B_) { detail::gemv_path<AQ_CV(B_)>(cs.data(), count); };
+  const LowbitProblem& p = ps[0];
+  switch (p.bits) {
+    case 1: run(std::integral_constant<int, 1>{}); break;
+    case 2: run(std::integral_constant<int, 2>{}); break;
+    case 3: run(std::integral_constant<int, 3>{}); break;
+    case 4:
+      if (p.codes == kCodesFp4E2M1) run(std::integral_constant<int, detail::kBF4>{});
+      else run(std::integral_constant<int, 4>{});
+      break;
+    case 5: run(std::integral_constant<int, 5>{}); break;
+    case 6:
+      if (p.codes == kCodesFp6E2M3) run(std::integral_constant<int, detail::kBF6A>{});
+      else if (p.codes == kCodesFp6E3M2) run(std::integral_constant<int, detail::kBF6B>{});
+      else run(std::integral_constant<int, 6>{});
+      break;
+    case 7: run(std::integral_constant<int, 7>{}); break;
+    case 8:
+      if (p.codes == kCodesE4M3) run(std::integral_constant<int, detail::kBE4M3>{});
+      else if (p.codes == kCodesE5M2) run(std::integral_constant<int, detail::kBE5M2>{});
+      else run(std::integral_constant<int, 8>{});
+      break;
+    default: break;
   }
 }
 

@@ -292,56 +292,69 @@ void gemv_rows(const Ctx& c, const uint8_t* const* pan, int64_t cnt, const float
 }  // namespace
 
 template <int B>
-void gemv_path(const Ctx& c) {
-  const LowbitProblem& pr = *c.p;
-  const int64_t G = c.G, M = c.M;
+void gemv_path(const Ctx* cs, int64_t count) {
+  // The problems share x, M, k and the weight configuration (dispatch.cpp's lowbit_linear_multi_f32): one set of
+  // group sums, one pool of work items over all of their panels.
+  const LowbitProblem& p0 = *cs[0].p;
+  const int64_t G = cs[0].G, M = cs[0].M;
   // Per-group sums of x for the offset term, xs [M][2][G]: the sums, then the multiple add_group needs.
   std::vector<float> xs(static_cast<size_t>(2 * M * G));
-  const bool b4 = use_b4bf16<B>(pr);  // then x is read as bf16 only (x_bf16), and y may be bf16 (y_bf16)
+  const bool b4 = use_b4bf16<B>(p0);  // then x is read as bf16 only (x_bf16), and y may be bf16 (y_bf16)
 #if AQ_AVX512
-  if (b4) group_sums(pr.x_bf16, pr.ldx, M, G, pr.group_size, xs.data(), 2 * G);
+  if (b4) group_sums(p0.x_bf16, p0.ldx, M, G, p0.group_size, xs.data(), 2 * G);
   else
 #endif
-    group_sums(pr.x, pr.ldx, M, G, pr.group_size, xs.data(), 2 * G);
+    group_sums(p0.x, p0.ldx, M, G, p0.group_size, xs.data(), 2 * G);
   // The bf16-dot GEMV sees 16 + u for the codes u, the biased decoder 2^B + u: the bias leaves through xs_a.
   const float bias = b4 ? 16.f : gemv_bias<B>();
   // Without an offset array, offset = f * scale for one f (lowbit_kernels.h: scale * code_offset), so the whole
-  // offset term rides on xs_a and no offset tile is loaded.
-  // So do the signed k-quants' offsets (q3_k: -4 * scale, q6_k: -32 * scale; kquant_decode.h).
-  const bool kq_signed = pr.qparams_kquant == 3 || pr.qparams_kquant == 6;
-  const bool scale_only = (pr.offset == nullptr && !pr.qparams_kquant && code_scale(B) == 1.f) || kq_signed;
-  const float f0 = kq_signed ? (pr.qparams_kquant == 3 ? -4.f : -32.f) : static_cast<float>(pr.code_offset);
+  // offset term rides on xs_a and no offset tile is loaded. So do the signed k-quants' offsets (q3_k: -4 * scale,
+  // q6_k: -32 * scale; kquant_decode.h).
+  const bool kq_signed = p0.qparams_kquant == 3 || p0.qparams_kquant == 6;
+  const bool scale_only = (p0.offset == nullptr && !p0.qparams_kquant && code_scale(B) == 1.f) || kq_signed;
+  const float f0 = kq_signed ? (p0.qparams_kquant == 3 ? -4.f : -32.f) : static_cast<float>(p0.code_offset);
   const float f = scale_only ? f0 - bias : -bias;
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < G; ++g) xs[2 * G * m + G + g] = f * xs[2 * G * m + g];
-  // Work items: blocks of kItemPanels full panels, then single leftover panels (incl. the tail panel).
-  const int64_t nblk = c.nfull / kItemPanels;
-  const int64_t nitems = nblk + (c.npan - nblk * kItemPanels);
-  const auto first_panel = [&](int64_t it) {
-    return it < nblk ? it * kItemPanels : nblk * kItemPanels + (it - nblk);
+  // Work items of each problem: blocks of kItemPanels full panels, then single leftover panels (incl. the tail
+  // panel); numbered problem after problem.
+  std::vector<int64_t> first_item(static_cast<size_t>(count + 1), 0);
+  for (int64_t w = 0; w < count; ++w) {
+    const int64_t nblk = cs[w].nfull / kItemPanels;
+    first_item[w + 1] = first_item[w] + nblk + (cs[w].npan - nblk * kItemPanels);
+  }
+  struct Item {
+    const Ctx* c;
+    int64_t p0, cnt, r0, rows;  // first panel, panels, first row, rows
   };
-  const auto row_range = [&](int64_t it) {  // {first row, rows} of item it
-    const int64_t r0 = 16 * first_panel(it);
-    return std::pair<int64_t, int64_t>{r0, std::min<int64_t>(16 * (it < nblk ? kItemPanels : 1), c.N - r0)};
+  const auto item = [&](int64_t it) {
+    int64_t w = 0;
+    while (it >= first_item[w + 1]) ++w;
+    const Ctx& c = cs[w];
+    const int64_t i = it - first_item[w], nblk = c.nfull / kItemPanels;
+    const int64_t p = i < nblk ? i * kItemPanels : nblk * kItemPanels + (i - nblk);
+    const int64_t cnt = i < nblk ? kItemPanels : 1, r0 = 16 * p;
+    return Item{&c, p, cnt, r0, std::min<int64_t>(16 * cnt, c.N - r0)};
   };
-  parallel_dynamic(nitems, grain_for(16 * kItemPanels * c.K8 * M), [&](int64_t it, int64_t next) {
-    const int64_t p0 = first_panel(it), cnt = it < nblk ? kItemPanels : 1;
-    const auto [r0, rows] = row_range(it);
+  const int64_t macs = 16 * kItemPanels * cs[0].K8 * M;
+  parallel_dynamic(first_item[count], grain_for(macs), [&](int64_t it, int64_t next) {
+    const Item ci = item(it);
+    const Ctx& c = *ci.c;
+    const LowbitProblem& pr = *c.p;
+    const int64_t cnt = ci.cnt, r0 = ci.r0, rows = ci.rows;
     const uint8_t* pan[kItemPanels];
-    for (int64_t q = 0; q < cnt; ++q) pan[q] = panel_ptr(c, p0 + q);
+    for (int64_t q = 0; q < cnt; ++q) pan[q] = panel_ptr(c, ci.p0 + q);
     float* sT = tl_scale.get<float>(G * 16 * cnt);
     float* oT = scale_only ? nullptr : tl_offset.get<float>(G * 16 * cnt);  // null: see add_group
     load_qparams(pr, false, code_scale(B), r0, rows, 16 * cnt, G, sT, 16 * cnt);
     if (oT != nullptr) load_qparams(pr, true, 1.f, r0, rows, 16 * cnt, G, oT, 16 * cnt);
     std::optional<NextItemPrefetch> pf;
     if (next >= 0) {
-      const auto [nr0, nrows] = row_range(next);
-      const int64_t np0 = first_panel(next);
+      const Item ni = item(next);
       const uint8_t* npan[kItemPanels];
       int64_t nq = 0;  // its full panels (panel_ptr would copy the tail panel now)
-      for (; nq < (next < nblk ? kItemPanels : 1) && np0 + nq < c.nfull; ++nq)
-        npan[nq] = pr.packed + (np0 + nq) * c.panel_bytes;
-      pf.emplace(pr, nr0, nrows, G, npan, nq, 16 * bits_of(B));
+      for (; nq < ni.cnt && ni.p0 + nq < ni.c->nfull; ++nq) npan[nq] = ni.c->p->packed + (ni.p0 + nq) * ni.c->panel_bytes;
+      pf.emplace(*ni.c->p, ni.r0, ni.rows, G, npan, nq, 16 * bits_of(B));
     }
     const int64_t mstep = b4 ? 2 : kGemvMR;
     for (int64_t m0 = 0; m0 < M; m0 += mstep) {
@@ -383,7 +396,7 @@ bool gemv_reads_bf16_only(const LowbitProblem& p) {
 }
 
 // The instantiations dispatch.cpp calls (declared in common.h).
-#define AQ_INSTANTIATE(B) template void gemv_path<B>(const Ctx& c);
+#define AQ_INSTANTIATE(B) template void gemv_path<B>(const Ctx* cs, int64_t count);
 AQ_FOR_EACH_WIDTH(AQ_INSTANTIATE)
 #undef AQ_INSTANTIATE
 

@@ -55,6 +55,10 @@ struct LowbitProblem {
 // 3 = dequant + int16 VNNI GEMM (AVX512-VNNI builds only; otherwise 2), 4 = dequant to bf16 + bf16 dot GEMM
 // (AVX512-BF16 builds and bf16 x only; otherwise 3 or 2).
 void lowbit_linear_f32(const LowbitProblem& p, int force_path = 0);
+// The same for `count` problems that share x (and m, k, ldx) and the weight configuration (bits, codes,
+// group_size, qparam kinds), each writing its own y: where the GEMV serves them, one pool of work items over all
+// of their weights (one call and one thread fork instead of `count`); otherwise one after the other.
+void lowbit_linear_multi_f32(const LowbitProblem* ps, int64_t count, int force_path = 0);
 
 // w[n, k] = scale[n, k / gs] * c(u[n, k]) + offset[n, k / gs] as fp32 [n, k] (portable code; used by backward).
 // qparams as in LowbitProblem (offset is null for e8m0 qparams).

@@ -94,9 +94,10 @@ bool check_qparams(const char* op, const at::Tensor& scale, const std::optional<
 
 namespace {
 
-at::Tensor lowbit_linear_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                              const std::optional<at::Tensor>& offset, int64_t bits, int64_t group_size, int64_t n,
-                              int64_t k, int64_t codes, int64_t path, int64_t code_offset) {
+// lowbit_linear's argument checks (also lowbit_linear_multi's, per weight).
+void check_lowbit_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                         const std::optional<at::Tensor>& offset, int64_t bits, int64_t group_size, int64_t n,
+                         int64_t k, int64_t codes, int64_t code_offset) {
   TORCH_CHECK(!g_disabled.load(),
               "affineq::lowbit_linear: the affineq C++ kernels are disabled (AFFINEQ_DISABLE_CPP_KERNELS=1 or "
               "affineq.kernels._set_disabled(True)); use affineq.kernels.lowbit_linear_reference instead");
@@ -116,7 +117,12 @@ at::Tensor lowbit_linear_impl(const at::Tensor& x, const at::Tensor& packed, con
   TORCH_CHECK(packed.numel() == packed_nbytes(n, k, bits), "affineq::lowbit_linear: packed must hold ",
               packed_nbytes(n, k, bits), " bytes for n=", n, ", k=", k, ", bits=", bits, ", got ", packed.numel());
   check_qparams("affineq::lowbit_linear", scale, offset, bits, codes, code_offset, n, k / group_size);
+}
 
+at::Tensor lowbit_linear_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                              const std::optional<at::Tensor>& offset, int64_t bits, int64_t group_size, int64_t n,
+                              int64_t k, int64_t codes, int64_t path, int64_t code_offset) {
+  check_lowbit_linear(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset);
   const at::Tensor pk = packed.contiguous(), sc = scale.contiguous();
   const bool has_offset = offset.has_value() && offset->defined();
   const at::Tensor of = has_offset ? offset->contiguous() : at::Tensor();
@@ -144,8 +150,10 @@ void set_weight(LowbitProblem& p, const void* packed, const void* scale, const v
   p.k = k;
 }
 
-at::Tensor run_weight_problem(const at::Tensor& x, LowbitProblem p, int64_t path) {
-  const int64_t n = p.n, k = p.k;
+at::Tensor run_weight_problems(const at::Tensor& x, std::vector<LowbitProblem> ps, int64_t path) {
+  const int64_t k = ps[0].k;
+  int64_t n = 0;
+  for (const LowbitProblem& p : ps) n += p.n;
   const auto xt = x.scalar_type();
   const at::Tensor x2 = x.reshape({-1, k});
   const int64_t M = x2.size(0);
@@ -158,28 +166,70 @@ at::Tensor run_weight_problem(const at::Tensor& x, LowbitProblem p, int64_t path
     return t;
   };
   at::Tensor xb;  // bf16 x as given, for the bf16 dot-product path
-  if (xt == at::kBFloat16) {
-    xb = padded(at::kBFloat16);
-    p.x_bf16 = reinterpret_cast<const uint16_t*>(xb.const_data_ptr());
+  if (xt == at::kBFloat16) xb = padded(at::kBFloat16);
+  for (LowbitProblem& p : ps) {
+    p.x_bf16 = xb.defined() ? reinterpret_cast<const uint16_t*>(xb.const_data_ptr()) : nullptr;
+    p.m = M;
+    p.ldx = K8;
+    p.allow_int16_x = allow_int16_x(xt);
   }
-  p.m = M;
-  p.ldx = K8;
-  p.allow_int16_x = allow_int16_x(xt);
-  // The bf16 paths read only x_bf16 and write y in bf16: no fp32 copy of x or y for them.
-  const bool bf16_path = lowbit_bf16_io(p, static_cast<int>(path));
+  // The bf16 paths read only x_bf16 and write y in bf16: no fp32 copy of x or y for them (the problems share a
+  // configuration, so a path).
+  const bool bf16_path = lowbit_bf16_io(ps[0], static_cast<int>(path));
   const at::Tensor xf = bf16_path ? at::Tensor() : padded(at::kFloat);
   at::Tensor y = at::empty({M, n}, x2.options().dtype(bf16_path ? at::kBFloat16 : at::kFloat));
   if (M > 0 && n > 0) {
-    p.x = xf.defined() ? xf.const_data_ptr<float>() : nullptr;
-    if (bf16_path) p.y_bf16 = reinterpret_cast<uint16_t*>(y.mutable_data_ptr());
-    else p.y = y.mutable_data_ptr<float>();
-    p.ldy = n;
-    lowbit_linear_f32(p, static_cast<int>(path));
+    int64_t col = 0;  // each problem writes its columns of y
+    for (LowbitProblem& p : ps) {
+      p.x = xf.defined() ? xf.const_data_ptr<float>() : nullptr;
+      if (bf16_path) p.y_bf16 = reinterpret_cast<uint16_t*>(y.mutable_data_ptr()) + col;
+      else p.y = y.mutable_data_ptr<float>() + col;
+      p.ldy = n;
+      col += p.n;
+    }
+    lowbit_linear_multi_f32(ps.data(), static_cast<int64_t>(ps.size()), static_cast<int>(path));
   }
   std::vector<int64_t> out_sizes = x.sizes().vec();
   out_sizes.back() = n;
   return y.to(xt).view(out_sizes);
 }
+
+at::Tensor run_weight_problem(const at::Tensor& x, LowbitProblem p, int64_t path) {
+  return run_weight_problems(x, {p}, path);
+}
+
+namespace {
+
+// lowbit_linear_multi: lowbit_linear's checks for each weight, then one run over all of them (dispatch.cpp's
+// lowbit_linear_multi_f32).
+at::Tensor lowbit_linear_multi_cpu(const at::Tensor& x, at::TensorList packed, at::TensorList scale,
+                                   const c10::List<std::optional<at::Tensor>>& offset, int64_t bits, int64_t group_size,
+                                   at::IntArrayRef n, int64_t k, int64_t codes, int64_t code_offset) {
+  const char* op = "affineq::lowbit_linear_multi";
+  const size_t count = packed.size();
+  TORCH_CHECK(count >= 1 && scale.size() == count && offset.size() == count && n.size() == count, op,
+              ": packed, scale, offset and n must have one entry per weight (at least one), got ", packed.size(),
+              ", ", scale.size(), ", ", offset.size(), ", ", n.size());
+  std::vector<at::Tensor> keep;  // contiguous copies (if any) live until the run ends
+  std::vector<LowbitProblem> ps(count);
+  for (size_t i = 0; i < count; ++i) {
+    const std::optional<at::Tensor> of = offset.get(i);
+    const bool has_offset = of.has_value() && of->defined();
+    check_lowbit_linear(x, packed[i], scale[i], of, bits, group_size, n[i], k, codes, code_offset);
+    TORCH_CHECK(scale[i].scalar_type() == scale[0].scalar_type() && has_offset == (offset.get(0).has_value() &&
+                offset.get(0)->defined()), op, ": every weight needs the same qparam dtype and offset presence");
+    keep.push_back(packed[i].contiguous());
+    keep.push_back(scale[i].contiguous());
+    keep.push_back(has_offset ? of->contiguous() : at::Tensor());
+    set_weight(ps[i], keep[3 * i].const_data_ptr(), keep[3 * i + 1].const_data_ptr(),
+               has_offset ? keep[3 * i + 2].const_data_ptr() : nullptr, scale[i].scalar_type(), code_offset, bits,
+               codes, group_size, n[i], k);
+  }
+  const at::AutoDispatchBelowADInplaceOrView below_autograd;  // an inference op: no derivative
+  return run_weight_problems(x.detach(), ps, 0);
+}
+
+}  // namespace
 
 namespace {
 
@@ -328,6 +378,7 @@ std::string isa() { return kernel_isa(); }
 
 TORCH_LIBRARY_IMPL(affineq, CPU, m) {
   m.impl("lowbit_linear", &affineq::lowbit_linear_cpu);
+  m.impl("lowbit_linear_multi", &affineq::lowbit_linear_multi_cpu);
   m.impl("lowbit_dequantize", &affineq::lowbit_dequantize_cpu);
   m.impl("int8_fake_quant", &affineq::int8_fake_quant_cpu);
   m.impl("int8_codes_linear", &affineq::int8_codes_linear_cpu);

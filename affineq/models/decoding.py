@@ -189,10 +189,11 @@ def generate(
     compiled with ``compile_prefill=True`` on prompts padded to a multiple of 64 (static shapes: one compile per
     padded length; benchmarks/README.md has the trade-off). ``cpp_wrapper=True`` has inductor emit the code that
     calls the step's kernels as C++ instead of Python (less per-token overhead; its first compile takes longer,
-    later processes load it from inductor's cache). ``fuse_projections=True`` runs q/k/v and gate/up each as
-    one linear where their weights concatenate (same format and config); that concatenation is a copy the decoder
-    keeps, so the default (None) fuses only while the copies total at most ``static_decoder.FUSE_COPY_LIMIT``
-    (256 MiB: SmolLM2-size models; a 1B-8B model keeps one copy of its weights); False never fuses.
+    later processes load it from inductor's cache). ``fuse_projections`` runs q/k/v and gate/up each as one
+    call: dense quantized weights of one config share one kernel call as they are (nothing copied; by default),
+    other weights of one format and config run as one linear over their concatenation, a copy the decoder keeps,
+    so the default (None) copies only while the copies total at most ``static_decoder.FUSE_COPY_LIMIT`` (256 MiB:
+    SmolLM2-size models) and True always; False never fuses.
 
     Errors (ValueError, before any work): ids outside the vocabulary, prompt length + ``max_new_tokens`` above the
     model's ``max_position_embeddings``, a mask of another shape or not left-padded, an unknown

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from affineq.tensor.shared_input import shared_input_linear
+
 from .attention_variants import AttentionSpec, attend_compiled, attend_eager_math, attend_sdpa, window_keys
 from .moe_block import experts_implementation, gated_mlp_forward, is_moe_block, moe_forward
 
@@ -31,10 +33,10 @@ _HF_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gpt_
 SUPPORTED_ARCHITECTURES = (*_HF_TYPES, "affineq TinyLM")
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 PREFILL_BLOCK = 64  # compiled prefill: prompts are padded to a multiple of this (static shapes, few graphs)
-# Fusing q/k/v and gate/up concatenates their weights: a copy the decoder holds next to the model's own. With
-# fuse=None the decoder fuses only while all copies together stay under this many bytes: a small model gains from
-# fewer linear calls per token, a 1B-8B one would double most of its weight memory for a gain that its weight
-# read time dwarfs (llama.cpp does not fuse either).
+# q/k/v and gate/up run as one call each: dense quantized weights share a kernel call as they are
+# (`shared_input_linear`), other weights are concatenated, a copy the decoder holds next to the model's own. With
+# fuse=None the decoder copies only while all copies together stay under this many bytes: a small model gains from
+# fewer linear calls per token, a 1B-8B one would double most of its weight memory.
 FUSE_COPY_LIMIT = 256 * 2**20
 
 
@@ -53,11 +55,16 @@ def _linear(mod: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     return mod
 
 
-def _fused(mods: list[nn.Module]) -> Callable[[torch.Tensor], list[torch.Tensor]] | None:
-    """One linear computing several (q/k/v, gate/up) on the same input, split after: None where the weights cannot
-    be concatenated (different configs or formats, non-Linear modules)."""
+def _fused(mods: list[nn.Module], copy: bool) -> Callable[[torch.Tensor], list[torch.Tensor]] | None:
+    """Several linears on the same input (q/k/v, gate/up) as one call: quantized weights that can share a kernel
+    call as they are (`shared_input_linear`: nothing copied), else, where `copy` allows, one linear over their
+    concatenated weights (a copy), split after; None where neither applies (different configs or formats,
+    non-Linear modules)."""
     if any(type(m) is not nn.Linear for m in mods) or len({type(m.weight) for m in mods}) != 1:
         return None
+    shared = shared_input_linear([m.weight for m in mods], [m.bias for m in mods])
+    if shared is not None or not copy:
+        return shared
     if any(m.bias is not None for m in mods) and any(m.bias is None for m in mods):
         return None
     try:
@@ -113,18 +120,21 @@ def _unfused(*mods: nn.Module) -> Callable[[torch.Tensor], list[torch.Tensor]]:
     return lambda x: [f(x) for f in fns]
 
 
-def _mlp(mlp: nn.Module, act, fuse: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+def _mlp(mlp: nn.Module, act, fuse: bool | None) -> Callable[[torch.Tensor], torch.Tensor]:
     if is_moe_block(mlp):
         return moe_forward(mlp)
-    gate_up = (fuse and _fused([mlp.gate_proj, mlp.up_proj])) or _unfused(mlp.gate_proj, mlp.up_proj)
+    gate_up = (fuse is not False and _fused([mlp.gate_proj, mlp.up_proj], bool(fuse))) or _unfused(mlp.gate_proj,
+                                                                                                  mlp.up_proj)
     return gated_mlp_forward(gate_up, _linear(mlp.down_proj), getattr(mlp, "act_fn", act))
 
 
-def _layers(blocks, act, fuse: bool, specs: list[AttentionSpec], ropes: list[int]) -> list[_Layer]:
+def _layers(blocks, act, fuse: bool | None, specs: list[AttentionSpec], ropes: list[int]) -> list[_Layer]:
+    """fuse: True (share a call, else copy), None (share a call only), False (never)."""
     out = []
     for blk, spec, rope in zip(blocks, specs, ropes, strict=True):
         at = blk.self_attn
-        qkv = (fuse and _fused([at.q_proj, at.k_proj, at.v_proj])) or _unfused(at.q_proj, at.k_proj, at.v_proj)
+        mods = [at.q_proj, at.k_proj, at.v_proj]
+        qkv = (fuse is not False and _fused(mods, bool(fuse))) or _unfused(*mods)
         sandwich = hasattr(blk, "pre_feedforward_layernorm")  # Gemma: post_attention_layernorm is on the output
         norm2 = blk.pre_feedforward_layernorm if sandwich else blk.post_attention_layernorm
         out.append(_Layer(blk.input_layernorm, qkv, _linear(at.o_proj), norm2, _mlp(blk.mlp, act, fuse), spec,
@@ -211,9 +221,9 @@ def _activation_dtype(model: nn.Module) -> torch.dtype:
 def _describe(model: nn.Module, fuse: bool | None) -> _Arch:
     from .tiny import TinyLM, _rope_angles
 
-    if fuse is None:
+    if fuse is None:  # copies only while small; sharing a call (no copy) always
         blocks = model.layers if isinstance(model, TinyLM) else getattr(getattr(model, "model", None), "layers", [])
-        fuse = fusion_copy_bytes(blocks) <= FUSE_COPY_LIMIT
+        fuse = True if fusion_copy_bytes(blocks) <= FUSE_COPY_LIMIT else None
     dtype = _activation_dtype(model)
     if isinstance(model, TinyLM):
         cfg = model.config
@@ -309,8 +319,10 @@ class StaticDecoder:
     """A model's decoder over a preallocated KV cache: ``forward(ids [B, S], pos [S]) -> logits [B, V]`` of the
     last position, writing keys/values of cache slots ``pos`` into the cache.
 
-    ``fuse``: run q/k/v and gate/up each as one linear over concatenated weights (a copy): True, False, or None
-    (fuse while the copies total at most ``FUSE_COPY_LIMIT`` bytes, ``fusion_copy_bytes``).
+    ``fuse``: run q/k/v and gate/up each as one call: dense quantized weights sharing one kernel call as they
+    are (``affineq.tensor.shared_input``), others as one linear over concatenated weights (a copy). True, False
+    (never), or None (share always; copy while the copies total at most ``FUSE_COPY_LIMIT`` bytes,
+    ``fusion_copy_bytes``).
 
     Cache: per layer keys and values [B, kv_heads, T, head_dim] (T = ``max_len``) in the model dtype, or int8 /
     int4 codes with scales (``kv_cache_dtype``, see ``affineq.models.kv_cache``). Each query attends to the slots
