@@ -332,6 +332,22 @@ void load_qparams(const LowbitProblem& p, bool offset, float mul, int64_t r0, in
   transpose_rows(src, G, rows, R, G, dst, ldd);
 }
 
+#if AQ_AVX512
+void load_scales16(const LowbitProblem& p, int64_t r0, int64_t R, int64_t G, uint16_t* dst, int64_t ldd) {
+  const uint16_t* s16 = static_cast<const uint16_t*>(p.scale) + r0 * G;
+  for (int64_t g0 = 0; g0 < G; g0 += 16)
+    for (int64_t rb = 0; rb < R; rb += 16) {
+      __m512i a[8];
+      load_transpose16w(s16 + rb * G + g0, G, a);
+      for (int k = 0; k < 8; ++k) {  // columns 2k, 2k + 1: the two halves of a[k]
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (g0 + 2 * k) * ldd + rb), _mm512_castsi512_si256(a[k]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (g0 + 2 * k + 1) * ldd + rb),
+                            _mm512_extracti64x4_epi64(a[k], 1));
+      }
+    }
+}
+#endif
+
 void load_tile_qparams(const LowbitProblem& p, float mul, int64_t r0, int64_t rows, int64_t R, int64_t G, float*& sT,
                        float*& oT) {
   sT = tl_scale.get<float>((G + 1) * R);

@@ -63,6 +63,12 @@ inline int64_t qparam_row_bytes(const LowbitProblem& p, int64_t G) {
 void load_qparams(const LowbitProblem& p, bool offset, float mul, int64_t r0, int64_t rows, int64_t R, int64_t G,
                   float* dst, int64_t ldd);
 
+#if AQ_AVX512
+// The 16-bit (bf16 / fp16) scales of rows [r0, r0 + R) as they are, transposed: dst[g * ldd + r] (R % 16 == 0,
+// G % 16 == 0, all R rows real). Half the work of load_qparams' fp32 tile; the caller widens per use.
+void load_scales16(const LowbitProblem& p, int64_t r0, int64_t R, int64_t G, uint16_t* dst, int64_t ldd);
+#endif
+
 // Transposed fp32 scales and offsets of rows [r0, r0 + rows) for the GEMM tiles (thread-local, R columns),
 // plus an all-zero group G that the padding columns k >= K point at (see group_of_k).
 void load_tile_qparams(const LowbitProblem& p, float mul, int64_t r0, int64_t rows, int64_t R, int64_t G, float*& sT,

@@ -121,17 +121,38 @@ struct NextItemPrefetch {
   }
 };
 
+// A scale tile as add_group reads it: fp32 (load_qparams), or the 16-bit scales as stored (load_scales16; the
+// bf16-dot GEMV without an offset tile), widened per use.
+struct Bf16Tile {
+  const uint16_t* p;
+  Bf16Tile operator+(int64_t i) const { return {p + i}; }
+};
+struct F16Tile {
+  const uint16_t* p;
+  F16Tile operator+(int64_t i) const { return {p + i}; }
+};
+AQ_INLINE F16 load_scales(const float* p) { return fload(p); }
+#if AQ_AVX512
+AQ_INLINE F16 load_scales(Bf16Tile t) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.p));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
+}
+AQ_INLINE F16 load_scales(F16Tile t) {
+  return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.p)))};
+}
+#endif
+
 // tot[m][p] += scale[g] * (sum_a acc[m][p][a] + xs_a) + offset[g] * xs_s: one group's contribution to 16 output
 // rows per vector (scale / offset tiles [G][lds]; xs [MR][2][G]: xs_s = sum(x[m] over group g), then xs_a, a
 // multiple of it). Without an offset tile (oT null: offset = f * scale with one f for every group) xs_a = f * xs_s
 // carries the whole offset term; with one, xs_a = -bias * xs_s takes away a bias the tile added to every code.
 // Either way no per-item pass over the tiles for it.
-template <int MR, int P, int A>
-AQ_INLINE void add_group(F16 (&tot)[MR][P], const F16 (&acc)[MR][P][A], const float* sT, const float* oT, int64_t lds,
+template <int MR, int P, int A, class ST>
+AQ_INLINE void add_group(F16 (&tot)[MR][P], const F16 (&acc)[MR][P][A], ST sT, const float* oT, int64_t lds,
                          const float* xs, int64_t G, int64_t g) {
   sfor<P>([&](auto P_) {
     constexpr int p = AQ_CV(P_);
-    const F16 s = fload(sT + g * lds + 16 * p);
+    const F16 s = load_scales(sT + (g * lds + 16 * p));
     sfor<MR>([&](auto M_) {
       constexpr int m = AQ_CV(M_);
       F16 a = acc[m][p][0];
@@ -213,8 +234,8 @@ struct B4Bf16 {
   }
 };
 
-template <int MR, int P>
-void gemv_tile_b4bf16(const B4Bf16& k4, const uint8_t* const* pan, const float* sT, const float* oT, int64_t lds,
+template <int MR, int P, class ST>
+void gemv_tile_b4bf16(const B4Bf16& k4, const uint8_t* const* pan, ST sT, const float* oT, int64_t lds,
                       const uint32_t* xw, int64_t ldx2, const float* xs, int64_t G, int64_t upg, float* y,
                       uint16_t* yb, int64_t ldy, int64_t nvalid, const NextItemPrefetch* pf) {
   F16 tot[MR][P];
@@ -344,9 +365,17 @@ void gemv_path(const Ctx* cs, int64_t count) {
     const int64_t cnt = ci.cnt, r0 = ci.r0, rows = ci.rows;
     const uint8_t* pan[kItemPanels];
     for (int64_t q = 0; q < cnt; ++q) pan[q] = panel_ptr(c, ci.p0 + q);
-    float* sT = tl_scale.get<float>(G * 16 * cnt);
+    // The bf16-dot GEMV without an offset tile reads 16-bit scales as stored (transposed, widened per group):
+    // half the qparam work per item of building the fp32 tile.
+    const bool s16 = b4 && scale_only && (pr.qparams_bf16 || pr.qparams_f16) && rows == 16 * cnt && G % 16 == 0;
+    uint16_t* sT16 = s16 ? tl_scale.get<uint16_t>(G * 16 * cnt) : nullptr;
+    float* sT = s16 ? nullptr : tl_scale.get<float>(G * 16 * cnt);
     float* oT = scale_only ? nullptr : tl_offset.get<float>(G * 16 * cnt);  // null: see add_group
-    load_qparams(pr, false, code_scale(B), r0, rows, 16 * cnt, G, sT, 16 * cnt);
+#if AQ_AVX512
+    if (s16) load_scales16(pr, r0, 16 * cnt, G, sT16, 16 * cnt);
+    else
+#endif
+      load_qparams(pr, false, code_scale(B), r0, rows, 16 * cnt, G, sT, 16 * cnt);
     if (oT != nullptr) load_qparams(pr, true, 1.f, r0, rows, 16 * cnt, G, oT, 16 * cnt);
     std::optional<NextItemPrefetch> pf;
     if (next >= 0) {
@@ -373,10 +402,16 @@ void gemv_path(const Ctx* cs, int64_t count) {
           const NextItemPrefetch* pq = q == 0 ? pfm : nullptr;
           float* yq = y ? y + 16 * q : nullptr;
           uint16_t* ybq = yb ? yb + 16 * q : nullptr;
-          const auto tile = mr == 1 ? (step == 4 ? &gemv_tile_b4bf16<1, 4> : &gemv_tile_b4bf16<1, 1>)
-                                    : (step == 4 ? &gemv_tile_b4bf16<2, 4> : &gemv_tile_b4bf16<2, 1>);
-          tile(k4, pan + q, sT + 16 * q, oT ? oT + 16 * q : nullptr, lds, xw, ldx2, xsm, G, upg, yq, ybq, pr.ldy,
-               rows - 16 * q, pq);
+          const auto run = [&](auto st) {  // st: the scale tile (fp32, bf16 or fp16)
+            using ST = decltype(st);
+            const auto tile = mr == 1 ? (step == 4 ? &gemv_tile_b4bf16<1, 4, ST> : &gemv_tile_b4bf16<1, 1, ST>)
+                                      : (step == 4 ? &gemv_tile_b4bf16<2, 4, ST> : &gemv_tile_b4bf16<2, 1, ST>);
+            tile(k4, pan + q, st + 16 * q, oT ? oT + 16 * q : nullptr, lds, xw, ldx2, xsm, G, upg, yq, ybq, pr.ldy,
+                 rows - 16 * q, pq);
+          };
+          if (!s16) run(static_cast<const float*>(sT));
+          else if (pr.qparams_bf16) run(Bf16Tile{sT16});
+          else run(F16Tile{sT16});
         }
         continue;
       }
