@@ -333,8 +333,15 @@ void load_qparams(const LowbitProblem& p, bool offset, float mul, int64_t r0, in
 }
 
 #if AQ_AVX512
-void load_scales16(const LowbitProblem& p, int64_t r0, int64_t R, int64_t G, uint16_t* dst, int64_t ldd) {
-  const uint16_t* s16 = static_cast<const uint16_t*>(p.scale) + r0 * G;
+void load_scales16(const LowbitProblem& p, bool offset, int64_t r0, int64_t rows, int64_t R, int64_t G,
+                   uint16_t* dst, int64_t ldd) {
+  const uint16_t* s16 = static_cast<const uint16_t*>(offset ? p.offset : p.scale) + r0 * G;
+  if (rows < R) {  // the tail panel: its rows padded with zeros first
+    uint16_t* t = tl_qconv.get<uint16_t>(R * G);
+    std::memcpy(t, s16, sizeof(uint16_t) * rows * G);
+    std::memset(t + rows * G, 0, sizeof(uint16_t) * (R - rows) * G);
+    s16 = t;
+  }
   for (int64_t g0 = 0; g0 < G; g0 += 16)
     for (int64_t rb = 0; rb < R; rb += 16) {
       __m512i a[8];

@@ -64,9 +64,11 @@ void load_qparams(const LowbitProblem& p, bool offset, float mul, int64_t r0, in
                   float* dst, int64_t ldd);
 
 #if AQ_AVX512
-// The 16-bit (bf16 / fp16) scales of rows [r0, r0 + R) as they are, transposed: dst[g * ldd + r] (R % 16 == 0,
-// G % 16 == 0, all R rows real). Half the work of load_qparams' fp32 tile; the caller widens per use.
-void load_scales16(const LowbitProblem& p, int64_t r0, int64_t R, int64_t G, uint16_t* dst, int64_t ldd);
+// The 16-bit (bf16 / fp16) scales (offset=false) or offset array entries of rows [r0, r0 + rows) as they are,
+// transposed: dst[g * ldd + r], zero for rows in [rows, R) (R % 16 == 0, G % 16 == 0). Half the work of
+// load_qparams' fp32 tile; the caller widens per use (and applies a bf16 offset's -2^(bits-1) * scale itself).
+void load_scales16(const LowbitProblem& p, bool offset, int64_t r0, int64_t rows, int64_t R, int64_t G,
+                   uint16_t* dst, int64_t ldd);
 #endif
 
 // Transposed fp32 scales and offsets of rows [r0, r0 + rows) for the GEMM tiles (thread-local, R columns),

@@ -132,6 +132,9 @@ struct F16Tile {
   F16Tile operator+(int64_t i) const { return {p + i}; }
 };
 AQ_INLINE F16 load_scales(const float* p) { return fload(p); }
+AQ_INLINE bool has_tile(const float* p) { return p != nullptr; }
+AQ_INLINE bool has_tile(Bf16Tile t) { return t.p != nullptr; }
+AQ_INLINE bool has_tile(F16Tile t) { return t.p != nullptr; }
 #if AQ_AVX512
 AQ_INLINE F16 load_scales(Bf16Tile t) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.p));
@@ -147,8 +150,8 @@ AQ_INLINE F16 load_scales(F16Tile t) {
 // multiple of it). Without an offset tile (oT null: offset = f * scale with one f for every group) xs_a = f * xs_s
 // carries the whole offset term; with one, xs_a = -bias * xs_s takes away a bias the tile added to every code.
 // Either way no per-item pass over the tiles for it.
-template <int MR, int P, int A, class ST>
-AQ_INLINE void add_group(F16 (&tot)[MR][P], const F16 (&acc)[MR][P][A], ST sT, const float* oT, int64_t lds,
+template <int MR, int P, int A, class ST, class OT>
+AQ_INLINE void add_group(F16 (&tot)[MR][P], const F16 (&acc)[MR][P][A], ST sT, OT oT, int64_t lds,
                          const float* xs, int64_t G, int64_t g) {
   sfor<P>([&](auto P_) {
     constexpr int p = AQ_CV(P_);
@@ -159,7 +162,7 @@ AQ_INLINE void add_group(F16 (&tot)[MR][P], const F16 (&acc)[MR][P][A], ST sT, c
       sfor<A - 1>([&](auto A_) { a = fadd(a, acc[m][p][AQ_CV(A_) + 1]); });
       const float* xm = xs + 2 * G * m;
       tot[m][p] = ffma(s, fadd(a, fset1(xm[G + g])), tot[m][p]);
-      if (oT != nullptr) tot[m][p] = ffma(fload(oT + g * lds + 16 * p), fset1(xm[g]), tot[m][p]);
+      if (has_tile(oT)) tot[m][p] = ffma(load_scales(oT + (g * lds + 16 * p)), fset1(xm[g]), tot[m][p]);
     });
   });
 }
@@ -235,7 +238,7 @@ struct B4Bf16 {
 };
 
 template <int MR, int P, class ST>
-void gemv_tile_b4bf16(const B4Bf16& k4, const uint8_t* const* pan, ST sT, const float* oT, int64_t lds,
+void gemv_tile_b4bf16(const B4Bf16& k4, const uint8_t* const* pan, ST sT, ST oT, int64_t lds,
                       const uint32_t* xw, int64_t ldx2, const float* xs, int64_t G, int64_t upg, float* y,
                       uint16_t* yb, int64_t ldy, int64_t nvalid, const NextItemPrefetch* pf) {
   F16 tot[MR][P];
@@ -334,7 +337,12 @@ void gemv_path(const Ctx* cs, int64_t count) {
   const bool kq_signed = p0.qparams_kquant == 3 || p0.qparams_kquant == 6;
   const bool scale_only = (p0.offset == nullptr && !p0.qparams_kquant && code_scale(B) == 1.f) || kq_signed;
   const float f0 = kq_signed ? (p0.qparams_kquant == 3 ? -4.f : -32.f) : static_cast<float>(p0.code_offset);
-  const float f = scale_only ? f0 - bias : -bias;
+  // The bf16-dot GEMV reads 16-bit qparams as stored (transposed 16-bit words, widened per group): half of
+  // load_qparams' work per item. A bf16 offset array holds the zero z of W = scale * (u - 2^(bits-1)) + z, so
+  // its -2^(bits-1) * scale rides on xs_a too.
+  const bool q16 = b4 && (p0.qparams_bf16 || p0.qparams_f16) && G % 16 == 0;
+  const float fz = q16 && p0.offset != nullptr && p0.qparams_bf16 ? -static_cast<float>(1 << (p0.bits - 1)) : 0.f;
+  const float f = scale_only ? f0 - bias : fz - bias;
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < G; ++g) xs[2 * G * m + G + g] = f * xs[2 * G * m + g];
   // Work items of each problem: blocks of kItemPanels full panels, then single leftover panels (incl. the tail
@@ -365,18 +373,26 @@ void gemv_path(const Ctx* cs, int64_t count) {
     const int64_t cnt = ci.cnt, r0 = ci.r0, rows = ci.rows;
     const uint8_t* pan[kItemPanels];
     for (int64_t q = 0; q < cnt; ++q) pan[q] = panel_ptr(c, ci.p0 + q);
-    // The bf16-dot GEMV without an offset tile reads 16-bit scales as stored (transposed, widened per group):
-    // half the qparam work per item of building the fp32 tile.
-    const bool s16 = b4 && scale_only && (pr.qparams_bf16 || pr.qparams_f16) && rows == 16 * cnt && G % 16 == 0;
-    uint16_t* sT16 = s16 ? tl_scale.get<uint16_t>(G * 16 * cnt) : nullptr;
-    float* sT = s16 ? nullptr : tl_scale.get<float>(G * 16 * cnt);
-    float* oT = scale_only ? nullptr : tl_offset.get<float>(G * 16 * cnt);  // null: see add_group
+    uint16_t *sT16 = nullptr, *oT16 = nullptr;  // the 16-bit tiles (q16)
+    float *sT = nullptr, *oT = nullptr;         // the fp32 tiles; no offset tile: see add_group
 #if AQ_AVX512
-    if (s16) load_scales16(pr, r0, 16 * cnt, G, sT16, 16 * cnt);
-    else
+    if (q16) {
+      sT16 = tl_scale.get<uint16_t>(G * 16 * cnt);
+      load_scales16(pr, false, r0, rows, 16 * cnt, G, sT16, 16 * cnt);
+      if (!scale_only) {
+        oT16 = tl_offset.get<uint16_t>(G * 16 * cnt);
+        load_scales16(pr, true, r0, rows, 16 * cnt, G, oT16, 16 * cnt);
+      }
+    } else
 #endif
+    {
+      sT = tl_scale.get<float>(G * 16 * cnt);
       load_qparams(pr, false, code_scale(B), r0, rows, 16 * cnt, G, sT, 16 * cnt);
-    if (oT != nullptr) load_qparams(pr, true, 1.f, r0, rows, 16 * cnt, G, oT, 16 * cnt);
+      if (!scale_only) {
+        oT = tl_offset.get<float>(G * 16 * cnt);
+        load_qparams(pr, true, 1.f, r0, rows, 16 * cnt, G, oT, 16 * cnt);
+      }
+    }
     std::optional<NextItemPrefetch> pf;
     if (next >= 0) {
       const Item ni = item(next);
@@ -402,16 +418,16 @@ void gemv_path(const Ctx* cs, int64_t count) {
           const NextItemPrefetch* pq = q == 0 ? pfm : nullptr;
           float* yq = y ? y + 16 * q : nullptr;
           uint16_t* ybq = yb ? yb + 16 * q : nullptr;
-          const auto run = [&](auto st) {  // st: the scale tile (fp32, bf16 or fp16)
+          const auto run = [&](auto st, auto ot) {  // the scale and offset tiles (fp32, bf16 or fp16; ot may be null)
             using ST = decltype(st);
             const auto tile = mr == 1 ? (step == 4 ? &gemv_tile_b4bf16<1, 4, ST> : &gemv_tile_b4bf16<1, 1, ST>)
                                       : (step == 4 ? &gemv_tile_b4bf16<2, 4, ST> : &gemv_tile_b4bf16<2, 1, ST>);
-            tile(k4, pan + q, st + 16 * q, oT ? oT + 16 * q : nullptr, lds, xw, ldx2, xsm, G, upg, yq, ybq, pr.ldy,
-                 rows - 16 * q, pq);
+            tile(k4, pan + q, st + 16 * q, has_tile(ot) ? ot + 16 * q : ot, lds, xw, ldx2, xsm, G, upg, yq, ybq,
+                 pr.ldy, rows - 16 * q, pq);
           };
-          if (!s16) run(static_cast<const float*>(sT));
-          else if (pr.qparams_bf16) run(Bf16Tile{sT16});
-          else run(F16Tile{sT16});
+          if (!q16) run(static_cast<const float*>(sT), static_cast<const float*>(oT));
+          else if (pr.qparams_bf16) run(Bf16Tile{sT16}, Bf16Tile{oT16});
+          else run(F16Tile{sT16}, F16Tile{oT16});
         }
         continue;
       }
