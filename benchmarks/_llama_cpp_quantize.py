@@ -194,16 +194,21 @@ def llama_imatrix(model: str | os.PathLike, text_file: str | os.PathLike, *, ctx
     cmd = [str(exe), "-m", str(model), "-f", str(text_file), "-c", str(int(ctx)), "-t", str(int(threads)),
            "-o", str(tmp), "--output-frequency", "1000000"]
     cmd += ["--chunks", str(int(chunks))] if chunks is not None else []
+    r = _run_into(cmd, tmp, out, "llama-imatrix", timeout)
+    log.write_text(" ".join(cmd) + "\n" + r.stdout + r.stderr)
+    return out, log.read_text()[-2000:]
+
+
+def _run_into(cmd: list[str], tmp: Path, dst: Path, what: str, timeout: float) -> subprocess.CompletedProcess:
+    """Run a llama.cpp tool that writes `tmp`, then move it to `dst` (never a half-written `dst`)."""
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         if r.returncode != 0 or not tmp.is_file():
-            raise RuntimeError(f"llama-imatrix failed (exit {r.returncode}): {' '.join(cmd)}\n"
-                               f"{(r.stderr + r.stdout)[-3000:]}")
-        log.write_text(" ".join(cmd) + "\n" + r.stdout + r.stderr)
-        os.replace(tmp, out)
+            raise RuntimeError(f"{what} failed (exit {r.returncode}): {' '.join(cmd)}\n{(r.stderr + r.stdout)[-3000:]}")
+        os.replace(tmp, dst)
+        return r
     finally:
         tmp.unlink(missing_ok=True)
-    return out, log.read_text()[-2000:]
 
 
 def _stat(text: str, label: str) -> float | None:
@@ -235,14 +240,7 @@ def llama_kld(model: str | os.PathLike, base: str | os.PathLike, text_file: str 
         tmp = logits.with_name(logits.stem + ".tmp.bin")
         cmd = [str(exe), "-m", str(base), "-f", str(text_file), *common, "--kl-divergence-base", str(tmp)]
         cmd += ["--chunks", str(int(chunks))] if chunks is not None else []
-        try:
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-            if r.returncode != 0 or not tmp.is_file():
-                raise RuntimeError(f"llama-perplexity (base logits) failed (exit {r.returncode}): {' '.join(cmd)}"
-                                   f"\n{(r.stderr + r.stdout)[-3000:]}")
-            os.replace(tmp, logits)
-        finally:
-            tmp.unlink(missing_ok=True)
+        _run_into(cmd, tmp, logits, "llama-perplexity (base logits)", timeout)
     cmd = [str(exe), "-m", str(model), *common, "--kl-divergence-base", str(logits), "--kl-divergence"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     out = r.stdout + r.stderr

@@ -212,16 +212,6 @@ AQ_INLINE __m512i chunk_to_lanes() {
                            l(14), l(15));
 }
 
-template <int B, class F>
-AQ_INLINE void decode_unit_vbmi(const uint8_t* p, F&& f) {
-  __m512i z[2];
-  combine_planes_vbmi<B, 0, false>(p, z);
-  sfor<8>([&](auto T) {
-    constexpr int t = AQ_CV(T);
-    f(T, I16{_mm512_maskz_permutexvar_epi8(0x1111111111111111ull, chunk_to_lanes<t / 2, 0>(), z[t % 2])});
-  });
-}
-
 // decode_unit_biased (the fp32 GEMV's multi-plane decoder): f(integral_constant<t>, w) with w = 2^B + u as fp32,
 // built without a conversion: the codes sit in their bytes shifted to the top mantissa bits (7 - B) under the
 // exponent's low bit, and one merge-masked vpermb per k drops that byte into byte 2 of each int32 lane of a
@@ -249,12 +239,7 @@ constexpr bool biased_decode_ok() { return false; }
 
 template <int B, class F>
 AQ_INLINE void decode_unit_i(const uint8_t* p, F&& f) {
-#if AQ_AVX512 && defined(__AVX512VBMI__)
-  if constexpr (B == 3 || B == 5 || B == 6 || B == 7) {
-    decode_unit_vbmi<B>(p, f);
-    return;
-  }
-#elif AQ_AVX2 || AQ_AVX512
+#if AQ_AVX2 || AQ_AVX512
   if constexpr (B == 3 || B == 5 || B == 6 || B == 7) {
     alignas(32) uint8_t buf[128];
     decode_unit_bytes<B>(p, buf);

@@ -102,30 +102,45 @@ void run(const Ctx& c, int force_path) {
 }  // namespace
 }  // namespace detail
 
+namespace detail {
+namespace {
+
+// fn(integral_constant<int, B>) for the template width B of p's (bits, codes): the one map from a problem to the
+// instantiated kernels (other bit widths are rejected by the callers).
+template <class F>
+void with_width(const LowbitProblem& p, F&& fn) {
+  const auto w = [&](auto B) { fn(B); };
+  using std::integral_constant;
+  switch (p.bits) {
+    case 1: w(integral_constant<int, 1>{}); break;
+    case 2: w(integral_constant<int, 2>{}); break;
+    case 3: w(integral_constant<int, 3>{}); break;
+    case 4:
+      if (p.codes == kCodesFp4E2M1) w(integral_constant<int, kBF4>{});
+      else w(integral_constant<int, 4>{});
+      break;
+    case 5: w(integral_constant<int, 5>{}); break;
+    case 6:
+      if (p.codes == kCodesFp6E2M3) w(integral_constant<int, kBF6A>{});
+      else if (p.codes == kCodesFp6E3M2) w(integral_constant<int, kBF6B>{});
+      else w(integral_constant<int, 6>{});
+      break;
+    case 7: w(integral_constant<int, 7>{}); break;
+    case 8:
+      if (p.codes == kCodesE4M3) w(integral_constant<int, kBE4M3>{});
+      else if (p.codes == kCodesE5M2) w(integral_constant<int, kBE5M2>{});
+      else w(integral_constant<int, 8>{});
+      break;
+    default: break;
+  }
+}
+
+}  // namespace
+}  // namespace detail
+
 void lowbit_linear_f32(const LowbitProblem& p, int force_path) {
   const detail::Ctx c = detail::make_ctx(p);
-  switch (p.bits) {
-    case 1: detail::run<1>(c, force_path); break;
-    case 2: detail::run<2>(c, force_path); break;
-    case 3: detail::run<3>(c, force_path); break;
-    case 4:
-      if (p.codes == kCodesFp4E2M1) detail::run<detail::kBF4>(c, force_path);
-      else detail::run<4>(c, force_path);
-      break;
-    case 5: detail::run<5>(c, force_path); break;
-    case 6:
-      if (p.codes == kCodesFp6E2M3) detail::run<detail::kBF6A>(c, force_path);
-      else if (p.codes == kCodesFp6E3M2) detail::run<detail::kBF6B>(c, force_path);
-      else detail::run<6>(c, force_path);
-      break;
-    case 7: detail::run<7>(c, force_path); break;
-    case 8:
-      if (p.codes == kCodesE4M3) detail::run<detail::kBE4M3>(c, force_path);
-      else if (p.codes == kCodesE5M2) detail::run<detail::kBE5M2>(c, force_path);
-      else detail::run<8>(c, force_path);
-      break;
-    default: break;  // other values are rejected by the caller
-  }
+  detail::with_width(p, [&](auto B) { detail::run<AQ_CV(B)>(c, force_path); });
 }
 
 void lowbit_linear_multi_f32(const LowbitProblem* ps, int64_t count, int force_path) {
@@ -136,30 +151,7 @@ void lowbit_linear_multi_f32(const LowbitProblem* ps, int64_t count, int force_p
   }
   std::vector<detail::Ctx> cs;
   for (int64_t i = 0; i < count; ++i) cs.push_back(detail::make_ctx(ps[i]));
-  const auto run = [&](auto B_) { detail::gemv_path<AQ_CV(B_)>(cs.data(), count); };
-  const LowbitProblem& p = ps[0];
-  switch (p.bits) {
-    case 1: run(std::integral_constant<int, 1>{}); break;
-    case 2: run(std::integral_constant<int, 2>{}); break;
-    case 3: run(std::integral_constant<int, 3>{}); break;
-    case 4:
-      if (p.codes == kCodesFp4E2M1) run(std::integral_constant<int, detail::kBF4>{});
-      else run(std::integral_constant<int, 4>{});
-      break;
-    case 5: run(std::integral_constant<int, 5>{}); break;
-    case 6:
-      if (p.codes == kCodesFp6E2M3) run(std::integral_constant<int, detail::kBF6A>{});
-      else if (p.codes == kCodesFp6E3M2) run(std::integral_constant<int, detail::kBF6B>{});
-      else run(std::integral_constant<int, 6>{});
-      break;
-    case 7: run(std::integral_constant<int, 7>{}); break;
-    case 8:
-      if (p.codes == kCodesE4M3) run(std::integral_constant<int, detail::kBE4M3>{});
-      else if (p.codes == kCodesE5M2) run(std::integral_constant<int, detail::kBE5M2>{});
-      else run(std::integral_constant<int, 8>{});
-      break;
-    default: break;
-  }
+  detail::with_width(ps[0], [&](auto B) { detail::gemv_path<AQ_CV(B)>(cs.data(), count); });
 }
 
 const char* kernel_isa() { return detail::kIsa; }
