@@ -9,7 +9,6 @@ which a decode step of a 1B model pays ~100 times per token). Otherwise f calls 
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 
 import torch
@@ -23,24 +22,6 @@ from affineq.tensor.linear_kernels import lowbit_weight_args
 __all__ = ["shared_input_linear"]
 
 _KERNEL = "affineq.lowbit_linear"
-
-
-# Weak references to the weights of every shared_input_linear, by index: _shares reads them (outside dynamo's
-# tracing); the callable holds the weights themselves.
-_GROUPS: list[list[weakref.ref]] = []
-
-
-@torch._dynamo.assume_constant_result
-def _shares(group: int, bucket: int, dtype: torch.dtype) -> bool:
-    """Whether each weight of the group would run `affineq.lowbit_linear` on an x of this dtype and row bucket (the
-    registry's preconditions read only these): run eagerly, a constant to torch.compile (the preconditions call
-    what dynamo does not trace)."""
-    weights = [r() for r in _GROUPS[group]]
-    if any(w is None for w in weights):
-        return False
-    x = torch.empty((1 << max(bucket - 1, 0), weights[0].spec.shape[1]), dtype=dtype)
-    return not computes_in_other_dtype(x, weights[0]) and all(
-        (kern := _select_cached(x, w)[0]) is not None and kern.name == _KERNEL for w in weights)
 
 
 def _weight_only_dense(w) -> bool:
@@ -68,11 +49,17 @@ def shared_input_linear(weights: list, biases: list[torch.Tensor | None]
     ns = [w.spec.shape[0] for w in weights]
     k = weights[0].spec.shape[1]
 
-    group = len(_GROUPS)
-    _GROUPS.append([weakref.ref(w) for w in weights])
+    @torch._dynamo.assume_constant_result
+    def shares(bucket: int, dtype: torch.dtype) -> bool:
+        """Whether each weight would run `affineq.lowbit_linear` on an x of this dtype and row bucket (the
+        registry's preconditions read only these): run eagerly, a constant to torch.compile (the preconditions
+        call what dynamo does not trace)."""
+        x = torch.empty((1 << max(bucket - 1, 0), k), dtype=dtype)
+        return not computes_in_other_dtype(x, weights[0]) and all(
+            (kern := _select_cached(x, w)[0]) is not None and kern.name == _KERNEL for w in weights)
 
     def run(x: torch.Tensor) -> list[torch.Tensor]:
-        if not _shares(group, rows_bucket(x), x.dtype):
+        if not shares(rows_bucket(x), x.dtype):
             return [F.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
         if not torch.compiler.is_compiling():  # dynamo cannot read the recorders' ContextVar; eager calls record
             for _ in weights:
