@@ -23,6 +23,8 @@ namespace {
 // bits_of(B) is the storage width.
 inline constexpr int kBE4M3 = 8 | 16, kBE5M2 = 8 | 32;
 constexpr int bits_of(int B) { return B & 15; }
+// Integer widths stored as several bit planes (4 + 2 + 1: the low bits in the widest).
+constexpr bool multi_plane(int B) { return B == 3 || B == 5 || B == 6 || B == 7; }
 constexpr bool is_fp8(int B) { return B == kBE4M3 || B == kBE5M2; }
 // Widths path 3 (exact int16 codes) serves: integers, and fp4 / fp6 times int16_mult (float8 values are not
 // small integers).
@@ -105,7 +107,7 @@ AQ_INLINE F16 fp8x16(const uint8_t* p) {
 // g(integral_constant<t>, c) for t = 0..3 with c = the byte codes of [k = t (rows 0-15) | k = 4 + t (rows 0-15)].
 template <int B, class G>
 AQ_INLINE void decode_unit_bytes_ymm(const uint8_t* p, G&& g) {
-  static_assert(B == 3 || B == 5 || B == 6 || B == 7);
+  static_assert(multi_plane(B));
   const auto mask = [](int m) { return _mm256_set1_epi8(static_cast<char>(m)); };
   const auto ld128 = [](const uint8_t* q) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)); };
   // Shift left by S >= 0 or right by -S in 16-bit lanes; callers mask to bits that stay within their byte.
@@ -163,7 +165,7 @@ AQ_INLINE void decode_unit_bytes(const uint8_t* p, uint8_t* out) {
 // kernel design measurements). The codes land shifted left by S, with bit 7 set when Top (decode_unit_biased).
 template <int B, int S, bool Top>
 AQ_INLINE void combine_planes_vbmi(const uint8_t* p, __m512i (&z)[2]) {
-  static_assert(B == 3 || B == 5 || B == 6 || B == 7);
+  static_assert(multi_plane(B));
   constexpr int kSh2 = (B & 4) ? 4 : 0;            // bit position of the 2-bit plane's codes (before S)
   constexpr int kSh1 = kSh2 + ((B & 2) ? 2 : 0);  // bit position of the 1-bit plane's codes
   constexpr int kOff2 = (B & 4) ? 64 : 0, kOff1 = kOff2 + ((B & 2) ? 32 : 0);
@@ -174,17 +176,16 @@ AQ_INLINE void combine_planes_vbmi(const uint8_t* p, __m512i (&z)[2]) {
     return _mm512_rolv_epi32(v, _mm512_setr_epi32(m(c0), m(c0), m(c0), m(c0), m(c1), m(c1), m(c1), m(c1), m(c2),
                                                    m(c2), m(c2), m(c2), m(c3), m(c3), m(c3), m(c3)));
   };
-  bool first = true;  // the first plane writes z[h] (and sets bit 7 when Top), later ones OR into it
-  const auto merge = [&](int h, __m512i r, int mask) {
+  // The widest plane writes z[h] (and sets bit 7 when Top), the others OR into it.
+  const auto merge = [&](int h, __m512i r, int mask, bool first) {
     if (!first) z[h] = _mm512_ternarylogic_epi32(z[h], r, bytes(mask), 0xF8);          // a | (b & c)
     else if (Top) z[h] = _mm512_ternarylogic_epi32(r, bytes(mask), bytes(0x80), 0xEA);  // (a & b) | c
     else z[h] = _mm512_and_si512(r, bytes(mask));
   };
   if constexpr ((B & 4) != 0) {
     const __m512i n = _mm512_loadu_si512(p);  // slot s: k = 2s (low nibbles), 2s + 1 (high)
-    merge(0, S == 0 ? n : rot(n, S, S, S, S), 15 << S);
-    merge(1, S == 4 ? n : rot(n, S - 4, S - 4, S - 4, S - 4), 15 << S);
-    first = false;
+    merge(0, S == 0 ? n : rot(n, S, S, S, S), 15 << S, true);
+    merge(1, S == 4 ? n : rot(n, S - 4, S - 4, S - 4, S - 4), 15 << S, true);
   }
   if constexpr ((B & 2) != 0) {
     // chunks [slot 0, slot 0, slot 1, slot 1]: chunk s holds k = 2s + h in field 2 (s % 2) + h of slot s / 2
@@ -192,15 +193,14 @@ AQ_INLINE void combine_planes_vbmi(const uint8_t* p, __m512i (&z)[2]) {
         _mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3),
         _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kOff2))));
     constexpr int c = S + kSh2;
-    merge(0, rot(q, c, c - 4, c, c - 4), 3 << c);
-    merge(1, rot(q, c - 2, c - 6, c - 2, c - 6), 3 << c);
-    first = false;
+    merge(0, rot(q, c, c - 4, c, c - 4), 3 << c, (B & 4) == 0);
+    merge(1, rot(q, c - 2, c - 6, c - 2, c - 6), 3 << c, (B & 4) == 0);
   }
   if constexpr ((B & 1) != 0) {
     const __m512i b = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kOff1)));
     constexpr int c = S + kSh1;  // bit 2s + h of each byte -> bit c
-    merge(0, rot(b, c, c - 2, c - 4, c - 6), 1 << c);
-    merge(1, rot(b, c - 1, c - 3, c - 5, c - 7), 1 << c);
+    merge(0, rot(b, c, c - 2, c - 4, c - 6), 1 << c, false);  // B = 1 has no biased decode
+    merge(1, rot(b, c - 1, c - 3, c - 5, c - 7), 1 << c, false);
   }
 }
 
@@ -231,7 +231,7 @@ AQ_INLINE void decode_unit_biased(const uint8_t* p, F&& f) {
   });
 }
 template <int B>
-constexpr bool biased_decode_ok() { return B == 3 || B == 5 || B == 6 || B == 7; }
+constexpr bool biased_decode_ok() { return multi_plane(B); }
 #else
 template <int B>
 constexpr bool biased_decode_ok() { return false; }
@@ -240,7 +240,7 @@ constexpr bool biased_decode_ok() { return false; }
 template <int B, class F>
 AQ_INLINE void decode_unit_i(const uint8_t* p, F&& f) {
 #if AQ_AVX2 || AQ_AVX512
-  if constexpr (B == 3 || B == 5 || B == 6 || B == 7) {
+  if constexpr (multi_plane(B)) {
     alignas(32) uint8_t buf[128];
     decode_unit_bytes<B>(p, buf);
     // Keep the round trip through memory: left to itself the compiler widens in registers (vmovq, vpsrldq,

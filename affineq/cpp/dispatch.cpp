@@ -99,37 +99,30 @@ void run(const Ctx& c, int force_path) {
   else gemm_path<B>(c);
 }
 
-}  // namespace
-}  // namespace detail
-
-namespace detail {
-namespace {
-
 // fn(integral_constant<int, B>) for the template width B of p's (bits, codes): the one map from a problem to the
 // instantiated kernels (other bit widths are rejected by the callers).
 template <class F>
 void with_width(const LowbitProblem& p, F&& fn) {
-  const auto w = [&](auto B) { fn(B); };
   using std::integral_constant;
   switch (p.bits) {
-    case 1: w(integral_constant<int, 1>{}); break;
-    case 2: w(integral_constant<int, 2>{}); break;
-    case 3: w(integral_constant<int, 3>{}); break;
+    case 1: fn(integral_constant<int, 1>{}); break;
+    case 2: fn(integral_constant<int, 2>{}); break;
+    case 3: fn(integral_constant<int, 3>{}); break;
     case 4:
-      if (p.codes == kCodesFp4E2M1) w(integral_constant<int, kBF4>{});
-      else w(integral_constant<int, 4>{});
+      if (p.codes == kCodesFp4E2M1) fn(integral_constant<int, kBF4>{});
+      else fn(integral_constant<int, 4>{});
       break;
-    case 5: w(integral_constant<int, 5>{}); break;
+    case 5: fn(integral_constant<int, 5>{}); break;
     case 6:
-      if (p.codes == kCodesFp6E2M3) w(integral_constant<int, kBF6A>{});
-      else if (p.codes == kCodesFp6E3M2) w(integral_constant<int, kBF6B>{});
-      else w(integral_constant<int, 6>{});
+      if (p.codes == kCodesFp6E2M3) fn(integral_constant<int, kBF6A>{});
+      else if (p.codes == kCodesFp6E3M2) fn(integral_constant<int, kBF6B>{});
+      else fn(integral_constant<int, 6>{});
       break;
-    case 7: w(integral_constant<int, 7>{}); break;
+    case 7: fn(integral_constant<int, 7>{}); break;
     case 8:
-      if (p.codes == kCodesE4M3) w(integral_constant<int, kBE4M3>{});
-      else if (p.codes == kCodesE5M2) w(integral_constant<int, kBE5M2>{});
-      else w(integral_constant<int, 8>{});
+      if (p.codes == kCodesE4M3) fn(integral_constant<int, kBE4M3>{});
+      else if (p.codes == kCodesE5M2) fn(integral_constant<int, kBE5M2>{});
+      else fn(integral_constant<int, 8>{});
       break;
     default: break;
   }

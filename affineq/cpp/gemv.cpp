@@ -65,7 +65,7 @@ constexpr float gemv_bias() { return biased_decode_ok<B>() ? static_cast<float>(
 // chains to hide latency without spilling (32 zmm / 16 ymm registers).
 #if AQ_AVX512
 constexpr int kItemPanels = 4;
-constexpr int gemv_P(int mr, int B) { return mr <= 2 ? 4 : (B == 3 || B == 5 || B == 6 || B == 7) ? 1 : 2; }
+constexpr int gemv_P(int mr, int B) { return mr <= 2 ? 4 : multi_plane(B) ? 1 : 2; }  // multi-plane: spills
 constexpr int gemv_A(int mr) { return mr == 1 ? 2 : 1; }
 #elif AQ_AVX2
 constexpr int kItemPanels = 2;
@@ -121,27 +121,23 @@ struct NextItemPrefetch {
   }
 };
 
-// A scale tile as add_group reads it: fp32 (load_qparams), or the 16-bit scales as stored (load_scales16; the
-// bf16-dot GEMV without an offset tile), widened per use.
-struct Bf16Tile {
+// A scale or offset tile as add_group reads it: fp32 (load_qparams), or the 16-bit qparams as stored
+// (load_scales16: bf16, or fp16 with kF16), widened per use; a null pointer: no tile.
+template <bool kF16>
+struct Tile16 {
   const uint16_t* p;
-  Bf16Tile operator+(int64_t i) const { return {p + i}; }
-};
-struct F16Tile {
-  const uint16_t* p;
-  F16Tile operator+(int64_t i) const { return {p + i}; }
+  Tile16 operator+(int64_t i) const { return {p + i}; }
 };
 AQ_INLINE F16 load_scales(const float* p) { return fload(p); }
 AQ_INLINE bool has_tile(const float* p) { return p != nullptr; }
-AQ_INLINE bool has_tile(Bf16Tile t) { return t.p != nullptr; }
-AQ_INLINE bool has_tile(F16Tile t) { return t.p != nullptr; }
+template <bool kF16>
+AQ_INLINE bool has_tile(Tile16<kF16> t) { return t.p != nullptr; }
 #if AQ_AVX512
-AQ_INLINE F16 load_scales(Bf16Tile t) {
+template <bool kF16>
+AQ_INLINE F16 load_scales(Tile16<kF16> t) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.p));
-  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
-}
-AQ_INLINE F16 load_scales(F16Tile t) {
-  return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.p)))};
+  if constexpr (kF16) return {_mm512_cvtph_ps(h)};
+  else return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
 }
 #endif
 
@@ -426,8 +422,8 @@ void gemv_path(const Ctx* cs, int64_t count) {
                  pr.ldy, rows - 16 * q, pq);
           };
           if (!q16) run(static_cast<const float*>(sT), static_cast<const float*>(oT));
-          else if (pr.qparams_bf16) run(Bf16Tile{sT16}, Bf16Tile{oT16});
-          else run(F16Tile{sT16}, F16Tile{oT16});
+          else if (pr.qparams_bf16) run(Tile16<false>{sT16}, Tile16<false>{oT16});
+          else run(Tile16<true>{sT16}, Tile16<true>{oT16});
         }
         continue;
       }
