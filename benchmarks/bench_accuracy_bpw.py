@@ -254,6 +254,21 @@ def gguf_block_bpw(path) -> tuple[float, int, dict[str, int]]:
     return bits / n, n, types
 
 
+def _llama_text(tok, ids: torch.Tensor, n: int, llama_python: str | None, what: str) -> str:
+    """The text of `ids` for a llama.cpp tool that reads text, and a printed count of how many of the first `n`
+    ids llama.cpp's tokenizer gives differently (it drops one trailing newline of -f files)."""
+    import _llama_cpp_quantize as lq
+
+    text = tok.decode(ids.tolist(), clean_up_tokenization_spaces=False)
+    try:
+        theirs = lq.llama_tokenize(M.smollm2_path(), text.removesuffix("\n"), llama_python)[:n]
+        differ = sum(a != b for a, b in zip(theirs, ids[:n].tolist(), strict=False)) + abs(n - len(theirs))
+        print(f"# llama.cpp's tokens of the {what} text: {differ} of {n} differ from the rows' {what} ids", flush=True)
+    except lq.LlamaCppUnavailable as e:
+        print(f"# (llama.cpp's tokens of the {what} text not checked: {e})", flush=True)
+    return text
+
+
 def llama_imatrix_file(tok, sizes: dict, tools: str | None, llama_python: str | None) -> Path | None:
     """llama.cpp's importance matrix (llama-imatrix's GGUF file) of the shipped SmolLM2 GGUF over the affineq
     rows' calibration ids (`calib_n` x `calib_len`), as the module docstring says; None, with a printed message
@@ -271,16 +286,7 @@ def llama_imatrix_file(tok, sizes: dict, tools: str | None, llama_python: str | 
         return None
     n, length = sizes["calib_n"], sizes["calib_len"]
     windows = M.calibration_batches(tok, n + 1, length)  # the rows' n windows, then spare text for the last chunk
-    ids = torch.cat(windows, dim=1)[0]
-    text = tok.decode(ids.tolist(), clean_up_tokenization_spaces=False)
-    try:  # the ids llama.cpp will see (it drops one trailing newline of -f files)
-        theirs = lq.llama_tokenize(M.smollm2_path(), text.removesuffix("\n"), llama_python)[: n * length]
-        differ = sum(a != b for a, b in zip(theirs, ids[: n * length].tolist(), strict=False))
-        differ += abs(n * length - len(theirs))
-        print(f"# llama.cpp's tokens of the calibration text: {differ} of {n * length} differ from the affineq "
-              "rows' calibration ids", flush=True)
-    except lq.LlamaCppUnavailable as e:
-        print(f"# (llama.cpp's tokens not checked: {e})", flush=True)
+    text = _llama_text(tok, torch.cat(windows, dim=1)[0], n * length, llama_python, "calibration")
     with tempfile.TemporaryDirectory() as d:
         f = Path(d) / "calibration.txt"
         f.write_bytes(text.encode())
@@ -309,11 +315,7 @@ class LlamaKldCheck:
                   flush=True)
             return
         n = sizes["windows"] * sizes["window"]
-        text = tok.decode(all_ids[: n + sizes["window"]].tolist(), clean_up_tokenization_spaces=False)
-        theirs = lq.llama_tokenize(M.smollm2_path(), text.removesuffix("\n"), llama_python)[:n]
-        differ = sum(a != b for a, b in zip(theirs, all_ids[:n].tolist(), strict=False)) + abs(n - len(theirs))
-        print(f"# llama-perplexity cross-check: llama.cpp's tokens of the eval text: {differ} of {n} differ from "
-              "the rows' eval ids", flush=True)
+        text = _llama_text(tok, all_ids[: n + sizes["window"]], n, llama_python, "eval")
         self.dir = tempfile.TemporaryDirectory()
         self.text = Path(self.dir.name) / "eval.txt"
         self.text.write_bytes(text.encode())
