@@ -54,6 +54,18 @@ class LlamaCppUnavailable(RuntimeError):
     """No llama-cpp-python venv: the llama.cpp side of a benchmark is skipped."""
 
 
+def _cache_dir() -> Path:
+    """Where llama.cpp's outputs are cached: $AFFINEQ_LLAMA_QUANT_CACHE, default ~/.cache/affineq/llama_quantize."""
+    cache = Path(os.environ.get("AFFINEQ_LLAMA_QUANT_CACHE") or Path.home() / ".cache/affineq/llama_quantize")
+    cache.mkdir(parents=True, exist_ok=True)
+    return cache
+
+
+def _digest(key: dict) -> str:
+    """A cache key's 16 hex digits (sha256 of its sorted JSON)."""
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def find_llama_python(llama_python: str | os.PathLike | None = None) -> Path | None:
     """The benchmark venv's python: the argument, else $AFFINEQ_LLAMA_PYTHON, else .venv-llamacpp/bin/python."""
     p = Path(llama_python or os.environ.get("AFFINEQ_LLAMA_PYTHON") or HERE.parent / ".venv-llamacpp/bin/python")
@@ -114,8 +126,7 @@ def quantize_gguf(src: str | os.PathLike, dst: str | os.PathLike | None, ftype: 
     if py is None:
         raise LlamaCppUnavailable(f"llama.cpp's quantizer needs the llama-cpp-python venv; create it ({VENV_HINT}) "
                                   "or pass llama_python= / set AFFINEQ_LLAMA_PYTHON")
-    cache = Path(os.environ.get("AFFINEQ_LLAMA_QUANT_CACHE") or Path.home() / ".cache/affineq/llama_quantize")
-    cache.mkdir(parents=True, exist_ok=True)
+    cache = _cache_dir()
     st = src.stat()
     key = {**args, "src": str(src), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "imatrix": None}
     if imatrix is not None:
@@ -124,7 +135,7 @@ def quantize_gguf(src: str | os.PathLike, dst: str | os.PathLike | None, ftype: 
             raise ValueError(f"quantize_gguf: imatrix={str(imatrix)!r} is not a file")
         key["imatrix"] = hashlib.sha256(imatrix.read_bytes()).hexdigest()
         args["imatrix"] = str(_imatrix_npz(imatrix, cache))
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    digest = _digest(key)
     out = cache / f"{src.stem}.{args['ftype']}.{digest}.gguf"
     if not out.exists():
         fd, tmp = tempfile.mkstemp(suffix=".gguf.tmp", dir=cache)
@@ -180,12 +191,11 @@ def llama_imatrix(model: str | os.PathLike, text_file: str | os.PathLike, *, ctx
     if exe is None:
         raise LlamaCppUnavailable(f"llama.cpp's llama-imatrix is not built; build it with {TOOLS_HINT}")
     model, text_file = Path(model).resolve(), Path(text_file)
-    cache = Path(os.environ.get("AFFINEQ_LLAMA_QUANT_CACHE") or Path.home() / ".cache/affineq/llama_quantize")
-    cache.mkdir(parents=True, exist_ok=True)
+    cache = _cache_dir()
     st = model.stat()
     key = {"model": str(model), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctx": int(ctx),
            "chunks": chunks, "text": hashlib.sha256(text_file.read_bytes()).hexdigest()}
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    digest = _digest(key)
     out = cache / f"imatrix-{model.stem}-{digest}.gguf"
     log = out.with_suffix(".log")
     if out.exists():
@@ -229,12 +239,11 @@ def llama_kld(model: str | os.PathLike, base: str | os.PathLike, text_file: str 
     if exe is None:
         raise LlamaCppUnavailable(f"llama.cpp's llama-perplexity is not built; build it with {TOOLS_HINT}")
     base, model, text_file = Path(base).resolve(), Path(model).resolve(), Path(text_file)
-    cache = Path(os.environ.get("AFFINEQ_LLAMA_QUANT_CACHE") or Path.home() / ".cache/affineq/llama_quantize")
-    cache.mkdir(parents=True, exist_ok=True)
+    cache = _cache_dir()
     st = base.stat()
     key = {"base": str(base), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctx": int(ctx), "chunks": chunks,
            "text": hashlib.sha256(text_file.read_bytes()).hexdigest()}
-    logits = cache / f"kld-base-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}.bin"
+    logits = cache / f"kld-base-{_digest(key)}.bin"
     common = ["-c", str(int(ctx)), "-t", str(int(threads))]
     if not logits.exists():
         tmp = logits.with_name(logits.stem + ".tmp.bin")
