@@ -120,21 +120,24 @@ def _unfused(*mods: nn.Module) -> Callable[[torch.Tensor], list[torch.Tensor]]:
     return lambda x: [f(x) for f in fns]
 
 
+def _projections(mods: list[nn.Module], fuse: bool | None) -> Callable[[torch.Tensor], list[torch.Tensor]]:
+    """The linears on one input as one call where `fuse` allows (True: share a call, else copy; None: share a call
+    only; False: never), else one call each."""
+    return (fuse is not False and _fused(mods, bool(fuse))) or _unfused(*mods)
+
+
 def _mlp(mlp: nn.Module, act, fuse: bool | None) -> Callable[[torch.Tensor], torch.Tensor]:
     if is_moe_block(mlp):
         return moe_forward(mlp)
-    gate_up = (fuse is not False and _fused([mlp.gate_proj, mlp.up_proj], bool(fuse))) or _unfused(mlp.gate_proj,
-                                                                                                  mlp.up_proj)
+    gate_up = _projections([mlp.gate_proj, mlp.up_proj], fuse)
     return gated_mlp_forward(gate_up, _linear(mlp.down_proj), getattr(mlp, "act_fn", act))
 
 
 def _layers(blocks, act, fuse: bool | None, specs: list[AttentionSpec], ropes: list[int]) -> list[_Layer]:
-    """fuse: True (share a call, else copy), None (share a call only), False (never)."""
     out = []
     for blk, spec, rope in zip(blocks, specs, ropes, strict=True):
         at = blk.self_attn
-        mods = [at.q_proj, at.k_proj, at.v_proj]
-        qkv = (fuse is not False and _fused(mods, bool(fuse))) or _unfused(*mods)
+        qkv = _projections([at.q_proj, at.k_proj, at.v_proj], fuse)
         sandwich = hasattr(blk, "pre_feedforward_layernorm")  # Gemma: post_attention_layernorm is on the output
         norm2 = blk.pre_feedforward_layernorm if sandwich else blk.post_attention_layernorm
         out.append(_Layer(blk.input_layernorm, qkv, _linear(at.o_proj), norm2, _mlp(blk.mlp, act, fuse), spec,
