@@ -332,6 +332,68 @@ void load_qparams(const LowbitProblem& p, bool offset, float mul, int64_t r0, in
   transpose_rows(src, G, rows, R, G, dst, ldd);
 }
 
+namespace {
+
+// dst[g * ldd + r] = src[r * lds + g] + add (mod 256) for r < rows, g < G; rows in [rows, R) are zero.
+void transpose_bytes(const uint8_t* src, int64_t lds, int64_t rows, int64_t R, int64_t G, uint8_t add, uint8_t* dst,
+                     int64_t ldd) {
+  int64_t g0 = 0;
+#if defined(__SSE2__)
+  if (rows == R && R % 16 == 0) {
+    const __m128i va = _mm_set1_epi8(static_cast<char>(add));
+    for (; g0 + 16 <= G; g0 += 16)
+      for (int64_t rb = 0; rb < R; rb += 16) {
+        __m128i x[16], t[16];
+        for (int i = 0; i < 16; ++i)
+          x[i] = _mm_add_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + (rb + i) * lds + g0)), va);
+        // Register i, byte j holds (row, column) with the 8 index bits (i, j). Interleaving registers i and i + 8
+        // rotates those bits left by one; four rounds swap the row and column halves: x[c], byte r = (r, c).
+        for (int round = 0; round < 4; ++round) {
+          for (int i = 0; i < 8; ++i) {
+            t[2 * i] = _mm_unpacklo_epi8(x[i], x[i + 8]);
+            t[2 * i + 1] = _mm_unpackhi_epi8(x[i], x[i + 8]);
+          }
+          for (int i = 0; i < 16; ++i) x[i] = t[i];
+        }
+        for (int i = 0; i < 16; ++i) _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (g0 + i) * ldd + rb), x[i]);
+      }
+  }
+#endif
+  for (int64_t g = g0; g < G; ++g) {
+    uint8_t* d = dst + g * ldd;
+    for (int64_t r = 0; r < rows; ++r) d[r] = static_cast<uint8_t>(src[r * lds + g] + add);
+    for (int64_t r = rows; r < R; ++r) d[r] = 0;
+  }
+}
+
+}  // namespace
+
+void load_kq_qparams(const LowbitProblem& p, int64_t r0, int64_t rows, int64_t R, int64_t G, uint8_t* scT,
+                     uint8_t* mnT, float* dT, int64_t ldd) {
+  const int kind = p.qparams_kquant;
+  const int64_t ns = kq_supers(kind), cols = p.k / kSuperBlock * ns;
+  const uint8_t add = kind == 3 ? static_cast<uint8_t>(256 - 32) : 0;  // q3_k's sub-scale is b - 32
+  transpose_bytes(static_cast<const uint8_t*>(p.scale) + r0 * G, G, rows, R, G, add, scT, ldd);
+  if (kind == 4 || kind == 5) transpose_bytes(static_cast<const uint8_t*>(p.offset) + r0 * G, G, rows, R, G, 0, mnT, ldd);
+  // d (and -dmin: the offset is -(dmin * m), exact either way) of every super-block, then transposed.
+  const uint16_t* sup = p.kq_super + r0 * cols;
+  float* t = tl_qconv.get<float>(rows * cols);
+  int64_t i = 0;
+#if defined(__F16C__) && (AQ_AVX2 || AQ_AVX512)
+  if (ns == 1) {  // 8 at a time (the scalar conversion does not vectorize)
+    for (; i + 8 <= rows * cols; i += 8)
+      _mm256_storeu_ps(t + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sup + i))));
+  } else {  // pairs (d, dmin): dmin negated
+    const __m256 sign = _mm256_castsi256_ps(_mm256_set_epi32(INT32_MIN, 0, INT32_MIN, 0, INT32_MIN, 0, INT32_MIN, 0));
+    for (; i + 8 <= rows * cols; i += 8)
+      _mm256_storeu_ps(t + i, _mm256_xor_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sup + i))),
+                                            sign));
+  }
+#endif
+  for (; i < rows * cols; ++i) t[i] = ns == 2 && i % 2 == 1 ? -f16_to_float(sup[i]) : f16_to_float(sup[i]);
+  transpose_rows(t, cols, rows, R, cols, dT, ldd);
+}
+
 #if AQ_AVX512
 void load_scales16(const LowbitProblem& p, bool offset, int64_t r0, int64_t rows, int64_t R, int64_t G,
                    uint16_t* dst, int64_t ldd) {

@@ -63,6 +63,13 @@ inline int64_t qparam_row_bytes(const LowbitProblem& p, int64_t G) {
 void load_qparams(const LowbitProblem& p, bool offset, float mul, int64_t r0, int64_t rows, int64_t R, int64_t G,
                   float* dst, int64_t ldd);
 
+// The k-quant qparams of rows [r0, r0 + rows) as the GEMV forms them per use (kquant_decode.h): sub-scale bytes
+// scT[g * ldd + r] (q3_k: b - 32 as int8), min bytes mnT[g * ldd + r] (q4_k / q5_k only), and per super-block
+// b the fp32 d and -dmin: dT[(b * kq_supers + s) * ldd + r]; rows in [rows, R) zero. A quarter of the bytes of
+// load_qparams' fp32 tiles, and no products formed for groups before their turn.
+void load_kq_qparams(const LowbitProblem& p, int64_t r0, int64_t rows, int64_t R, int64_t G, uint8_t* scT,
+                     uint8_t* mnT, float* dT, int64_t ldd);
+
 #if AQ_AVX512
 // The 16-bit (bf16 / fp16) scales (offset=false) or offset array entries of rows [r0, r0 + rows) as they are,
 // transposed: dst[g * ldd + r], zero for rows in [rows, R) (R % 16 == 0, G % 16 == 0). Half the work of

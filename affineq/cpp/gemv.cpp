@@ -141,32 +141,71 @@ AQ_INLINE F16 load_scales(Tile16<kF16> t) {
 }
 #endif
 
+// The qparams of a tile of output rows as add_group reads them: scale(g, p) and offset(g, p) for rows 16p ..
+// 16p + 15 of the tile, group g; has_offset() false: no offset term of its own (see add_group); shifted(q): the
+// same tile from panel q on.
+// Transposed tiles [G][lds]: fp32 (load_qparams), or the 16-bit qparams as stored (load_scales16).
+template <class T>
+struct TileQp {
+  T s, o;
+  int64_t lds;
+  TileQp shifted(int64_t q) const { return {s + 16 * q, has_tile(o) ? o + 16 * q : o, lds}; }
+  AQ_INLINE bool has_offset() const { return has_tile(o); }
+  AQ_INLINE F16 scale(int64_t g, int p) const { return load_scales(s + (g * lds + 16 * p)); }
+  AQ_INLINE F16 offset(int64_t g, int p) const { return load_scales(o + (g * lds + 16 * p)); }
+};
+
+// k-quant qparams from load_kq_qparams' byte tiles, kquant_decode.h's formulas formed per use (the same exact
+// fp32 values as load_qparams' tiles): scale = d * sub-scale, offset = -dmin * min (q2_k: both from one byte);
+// q3_k / q6_k scale only (their offset, -4 / -32 x the scale, rides on xs_a).
+template <int KIND>
+struct KqQp {
+  static constexpr int64_t kGpb = kSuperBlock / kq_group(KIND), kNs = kq_supers(KIND);
+  const uint8_t *sc, *mn;
+  const float* d;  // [super-block][d, -dmin][lds]
+  int64_t lds;
+  KqQp shifted(int64_t q) const { return {sc + 16 * q, mn + 16 * q, d + 16 * q, lds}; }
+  static constexpr bool has_offset() { return KIND == 2 || KIND == 4 || KIND == 5; }
+  AQ_INLINE F16 sup(int64_t g, int p, int s) const { return fload(d + (g / kGpb * kNs + s) * lds + 16 * p); }
+  AQ_INLINE F16 scale(int64_t g, int p) const {
+    const uint8_t* b = sc + g * lds + 16 * p;
+    I16 v;
+    if constexpr (KIND == 3 || KIND == 6) v = ld_s8x16(reinterpret_cast<const int8_t*>(b));
+    else if constexpr (KIND == 2) v = iand(ld_u8x16(b), 15);
+    else v = ld_u8x16(b);
+    return fmul(sup(g, p, 0), i2f(v));
+  }
+  AQ_INLINE F16 offset(int64_t g, int p) const {
+    const I16 m = KIND == 2 ? isrl<4>(ld_u8x16(sc + g * lds + 16 * p)) : ld_u8x16(mn + g * lds + 16 * p);
+    return fmul(sup(g, p, 1), i2f(m));
+  }
+};
+
 // tot[m][p] += scale[g] * (sum_a acc[m][p][a] + xs_a) + offset[g] * xs_s: one group's contribution to 16 output
-// rows per vector (scale / offset tiles [G][lds]; xs [MR][2][G]: xs_s = sum(x[m] over group g), then xs_a, a
-// multiple of it). Without an offset tile (oT null: offset = f * scale with one f for every group) xs_a = f * xs_s
-// carries the whole offset term; with one, xs_a = -bias * xs_s takes away a bias the tile added to every code.
-// Either way no per-item pass over the tiles for it.
-template <int MR, int P, int A, class ST, class OT>
-AQ_INLINE void add_group(F16 (&tot)[MR][P], const F16 (&acc)[MR][P][A], ST sT, OT oT, int64_t lds,
-                         const float* xs, int64_t G, int64_t g) {
+// rows per vector (xs [MR][2][G]: xs_s = sum(x[m] over group g), then xs_a, a multiple of it). Without an offset
+// term of its own (offset = f * scale with one f for every group) xs_a = f * xs_s carries the whole offset term;
+// with one, xs_a = -bias * xs_s takes away a bias the decoder added to every code. Either way no per-item pass
+// over the tiles for it.
+template <int MR, int P, int A, class QP>
+AQ_INLINE void add_group(F16 (&tot)[MR][P], const F16 (&acc)[MR][P][A], const QP& qp, const float* xs, int64_t G,
+                         int64_t g) {
   sfor<P>([&](auto P_) {
     constexpr int p = AQ_CV(P_);
-    const F16 s = load_scales(sT + (g * lds + 16 * p));
+    const F16 s = qp.scale(g, p);
     sfor<MR>([&](auto M_) {
       constexpr int m = AQ_CV(M_);
       F16 a = acc[m][p][0];
       sfor<A - 1>([&](auto A_) { a = fadd(a, acc[m][p][AQ_CV(A_) + 1]); });
       const float* xm = xs + 2 * G * m;
       tot[m][p] = ffma(s, fadd(a, fset1(xm[G + g])), tot[m][p]);
-      if (has_tile(oT)) tot[m][p] = ffma(load_scales(oT + (g * lds + 16 * p)), fset1(xm[g]), tot[m][p]);
+      if (qp.has_offset()) tot[m][p] = ffma(qp.offset(g, p), fset1(xm[g]), tot[m][p]);
     });
   });
 }
 
-template <int B, int MR, int P, int A>
-void gemv_tile(const uint8_t* const* pan, const float* sT, const float* oT, int64_t lds, const float* x,
-               int64_t ldx, const float* xs, int64_t G, int64_t upg, float* y, int64_t ldy, int64_t nvalid,
-               const NextItemPrefetch* pf) {
+template <int B, int MR, int P, int A, class QP>
+void gemv_tile(const uint8_t* const* pan, const QP& qp, const float* x, int64_t ldx, const float* xs, int64_t G,
+               int64_t upg, float* y, int64_t ldy, int64_t nvalid, const NextItemPrefetch* pf) {
   F16 tot[MR][P];
   sfor<MR>([&](auto M_) { sfor<P>([&](auto P_) { tot[AQ_CV(M_)][AQ_CV(P_)] = fzero(); }); });
   for (int64_t g = 0; g < G; ++g) {
@@ -192,7 +231,7 @@ void gemv_tile(const uint8_t* const* pan, const float* sT, const float* oT, int6
         });
       });
     }
-    add_group<MR, P, A>(tot, acc, sT, oT, lds, xs, G, g);
+    add_group<MR, P, A>(tot, acc, qp, xs, G, g);
   }
   sfor<MR>([&](auto M_) {
     constexpr int m = AQ_CV(M_);
@@ -233,10 +272,10 @@ struct B4Bf16 {
   }
 };
 
-template <int MR, int P, class ST>
-void gemv_tile_b4bf16(const B4Bf16& k4, const uint8_t* const* pan, ST sT, ST oT, int64_t lds,
-                      const uint32_t* xw, int64_t ldx2, const float* xs, int64_t G, int64_t upg, float* y,
-                      uint16_t* yb, int64_t ldy, int64_t nvalid, const NextItemPrefetch* pf) {
+template <int MR, int P, class QP>
+void gemv_tile_b4bf16(const B4Bf16& k4, const uint8_t* const* pan, const QP& qp, const uint32_t* xw, int64_t ldx2,
+                      const float* xs, int64_t G, int64_t upg, float* y, uint16_t* yb, int64_t ldy, int64_t nvalid,
+                      const NextItemPrefetch* pf) {
   F16 tot[MR][P];
   sfor<MR>([&](auto M_) { sfor<P>([&](auto P_) { tot[AQ_CV(M_)][AQ_CV(P_)] = fzero(); }); });
   for (int64_t g = 0; g < G; ++g) {
@@ -262,7 +301,7 @@ void gemv_tile_b4bf16(const B4Bf16& k4, const uint8_t* const* pan, ST sT, ST oT,
         });
       });
     }
-    add_group<MR, P, 2>(tot, acc, sT, oT, lds, xs, G, g);
+    add_group<MR, P, 2>(tot, acc, qp, xs, G, g);
   }
   sfor<MR>([&](auto M_) {
     constexpr int m = AQ_CV(M_);
@@ -291,23 +330,25 @@ bool use_b4bf16(const LowbitProblem& p) {
   return kB4Bf16 && B == 4 && p.x_bf16 != nullptr;
 }
 
-template <int B, int MR>
-void gemv_rows(const Ctx& c, const uint8_t* const* pan, int64_t cnt, const float* sT, const float* oT,
-               const float* x, const float* xs, float* y, int64_t nvalid, const NextItemPrefetch* pf) {
+template <int B, int MR, class QP>
+void gemv_rows(const Ctx& c, const uint8_t* const* pan, int64_t cnt, const QP& qp, const float* x, const float* xs,
+               float* y, int64_t nvalid, const NextItemPrefetch* pf) {
   constexpr int P = gemv_P(MR, B), A = gemv_A(MR);
   const LowbitProblem& pr = *c.p;
-  const int64_t lds = 16 * cnt, upg = pr.group_size / 8;
-  const auto oq = [oT](int64_t q) { return oT ? oT + 16 * q : nullptr; };  // no offset tile: see add_group
+  const int64_t upg = pr.group_size / 8;
   if (cnt % P == 0) {
     for (int64_t q = 0; q < cnt; q += P)
-      gemv_tile<B, MR, P, A>(pan + q, sT + 16 * q, oq(q), lds, x, pr.ldx, xs, c.G, upg, y + 16 * q, pr.ldy,
-                             nvalid - 16 * q, q == 0 ? pf : nullptr);
+      gemv_tile<B, MR, P, A>(pan + q, qp.shifted(q), x, pr.ldx, xs, c.G, upg, y + 16 * q, pr.ldy, nvalid - 16 * q,
+                             q == 0 ? pf : nullptr);
   } else {
     for (int64_t q = 0; q < cnt; ++q)
-      gemv_tile<B, MR, 1, (MR == 1 ? 2 : 1)>(pan + q, sT + 16 * q, oq(q), lds, x, pr.ldx, xs, c.G, upg, y + 16 * q,
-                                             pr.ldy, nvalid - 16 * q, q == 0 ? pf : nullptr);
+      gemv_tile<B, MR, 1, (MR == 1 ? 2 : 1)>(pan + q, qp.shifted(q), x, pr.ldx, xs, c.G, upg, y + 16 * q, pr.ldy,
+                                             nvalid - 16 * q, q == 0 ? pf : nullptr);
   }
 }
+
+// A per-item buffer of the k-quant GEMV: d and -dmin per super-block (load_kq_qparams).
+thread_local Scratch tl_kq_super;
 
 }  // namespace
 
@@ -330,6 +371,7 @@ void gemv_path(const Ctx* cs, int64_t count) {
   // Without an offset array, offset = f * scale for one f (lowbit_kernels.h: scale * code_offset), so the whole
   // offset term rides on xs_a and no offset tile is loaded. So do the signed k-quants' offsets (q3_k: -4 * scale,
   // q6_k: -32 * scale; kquant_decode.h).
+  const bool kq = p0.qparams_kquant != 0;  // the k-quant qparams, formed per use (KqQp)
   const bool kq_signed = p0.qparams_kquant == 3 || p0.qparams_kquant == 6;
   const bool scale_only = (p0.offset == nullptr && !p0.qparams_kquant && code_scale(B) == 1.f) || kq_signed;
   const float f0 = kq_signed ? (p0.qparams_kquant == 3 ? -4.f : -32.f) : static_cast<float>(p0.code_offset);
@@ -369,26 +411,43 @@ void gemv_path(const Ctx* cs, int64_t count) {
     const int64_t cnt = ci.cnt, r0 = ci.r0, rows = ci.rows;
     const uint8_t* pan[kItemPanels];
     for (int64_t q = 0; q < cnt; ++q) pan[q] = panel_ptr(c, ci.p0 + q);
+    const int64_t lds = 16 * cnt;
     uint16_t *sT16 = nullptr, *oT16 = nullptr;  // the 16-bit tiles (q16)
     float *sT = nullptr, *oT = nullptr;         // the fp32 tiles; no offset tile: see add_group
+    uint8_t *scT = nullptr, *mnT = nullptr;     // the k-quant byte tiles (kq), with d / -dmin in kdT
+    float* kdT = nullptr;
+    if (kq) {
+      scT = tl_scale.get<uint8_t>(G * lds);
+      mnT = tl_offset.get<uint8_t>(G * lds);
+      kdT = tl_kq_super.get<float>(pr.k / kSuperBlock * kq_supers(pr.qparams_kquant) * lds);
+      load_kq_qparams(pr, r0, rows, lds, G, scT, mnT, kdT, lds);
+    } else
 #if AQ_AVX512
     if (q16) {
-      sT16 = tl_scale.get<uint16_t>(G * 16 * cnt);
-      load_scales16(pr, false, r0, rows, 16 * cnt, G, sT16, 16 * cnt);
+      sT16 = tl_scale.get<uint16_t>(G * lds);
+      load_scales16(pr, false, r0, rows, lds, G, sT16, lds);
       if (!scale_only) {
-        oT16 = tl_offset.get<uint16_t>(G * 16 * cnt);
-        load_scales16(pr, true, r0, rows, 16 * cnt, G, oT16, 16 * cnt);
+        oT16 = tl_offset.get<uint16_t>(G * lds);
+        load_scales16(pr, true, r0, rows, lds, G, oT16, lds);
       }
     } else
 #endif
     {
-      sT = tl_scale.get<float>(G * 16 * cnt);
-      load_qparams(pr, false, code_scale(B), r0, rows, 16 * cnt, G, sT, 16 * cnt);
+      sT = tl_scale.get<float>(G * lds);
+      load_qparams(pr, false, code_scale(B), r0, rows, lds, G, sT, lds);
       if (!scale_only) {
-        oT = tl_offset.get<float>(G * 16 * cnt);
-        load_qparams(pr, true, 1.f, r0, rows, 16 * cnt, G, oT, 16 * cnt);
+        oT = tl_offset.get<float>(G * lds);
+        load_qparams(pr, true, 1.f, r0, rows, lds, G, oT, lds);
       }
     }
+    // f(qp) with the item's qparams as add_group reads them: k-quant bytes, or fp32 tiles (the bf16-dot GEMV also
+    // 16-bit ones: with_qp16).
+    const auto with_qp = [&](auto&& f) {
+      if constexpr (B >= 2 && B <= 6) {
+        if (kq) return f(KqQp<B>{scT, mnT, kdT, lds});
+      }
+      f(TileQp<const float*>{sT, oT, lds});
+    };
     std::optional<NextItemPrefetch> pf;
     if (next >= 0) {
       const Item ni = item(next);
@@ -408,32 +467,31 @@ void gemv_path(const Ctx* cs, int64_t count) {
         const uint32_t* xw = reinterpret_cast<const uint32_t*>(pr.x_bf16 + m0 * pr.ldx);
         float* y = pr.y_bf16 ? nullptr : pr.y + m0 * pr.ldy + r0;
         uint16_t* yb = pr.y_bf16 ? pr.y_bf16 + m0 * pr.ldy + r0 : nullptr;
-        const int64_t lds = 16 * cnt, upg = pr.group_size / 8, ldx2 = pr.ldx / 2;
+        const int64_t upg = pr.group_size / 8, ldx2 = pr.ldx / 2;
         const int step = cnt % 4 == 0 ? 4 : 1;
-        for (int64_t q = 0; q < cnt; q += step) {
-          const NextItemPrefetch* pq = q == 0 ? pfm : nullptr;
-          float* yq = y ? y + 16 * q : nullptr;
-          uint16_t* ybq = yb ? yb + 16 * q : nullptr;
-          const auto run = [&](auto st, auto ot) {  // the scale and offset tiles (fp32, bf16 or fp16; ot may be null)
-            using ST = decltype(st);
-            const auto tile = mr == 1 ? (step == 4 ? &gemv_tile_b4bf16<1, 4, ST> : &gemv_tile_b4bf16<1, 1, ST>)
-                                      : (step == 4 ? &gemv_tile_b4bf16<2, 4, ST> : &gemv_tile_b4bf16<2, 1, ST>);
-            tile(k4, pan + q, st + 16 * q, has_tile(ot) ? ot + 16 * q : ot, lds, xw, ldx2, xsm, G, upg, yq, ybq,
-                 pr.ldy, rows - 16 * q, pq);
-          };
-          if (!q16) run(static_cast<const float*>(sT), static_cast<const float*>(oT));
-          else if (pr.qparams_bf16) run(Tile16<false>{sT16}, Tile16<false>{oT16});
-          else run(Tile16<true>{sT16}, Tile16<true>{oT16});
-        }
+        const auto run = [&](const auto& qp) {
+          using QP = std::decay_t<decltype(qp)>;
+          for (int64_t q = 0; q < cnt; q += step) {
+            const auto tile = mr == 1 ? (step == 4 ? &gemv_tile_b4bf16<1, 4, QP> : &gemv_tile_b4bf16<1, 1, QP>)
+                                      : (step == 4 ? &gemv_tile_b4bf16<2, 4, QP> : &gemv_tile_b4bf16<2, 1, QP>);
+            tile(k4, pan + q, qp.shifted(q), xw, ldx2, xsm, G, upg, y ? y + 16 * q : nullptr,
+                 yb ? yb + 16 * q : nullptr, pr.ldy, rows - 16 * q, q == 0 ? pfm : nullptr);
+          }
+        };
+        if (!q16) with_qp(run);
+        else if (pr.qparams_bf16) run(TileQp<Tile16<false>>{{sT16}, {oT16}, lds});
+        else run(TileQp<Tile16<true>>{{sT16}, {oT16}, lds});
         continue;
       }
 #endif
       const float* x = pr.x + m0 * pr.ldx;
       float* y = pr.y + m0 * pr.ldy + r0;
-      if (mr == 1) gemv_rows<B, 1>(c, pan, cnt, sT, oT, x, xsm, y, rows, pfm);
-      else if (mr == 2) gemv_rows<B, 2>(c, pan, cnt, sT, oT, x, xsm, y, rows, pfm);
-      else if (mr == 3) gemv_rows<B, 3>(c, pan, cnt, sT, oT, x, xsm, y, rows, pfm);
-      else gemv_rows<B, 4>(c, pan, cnt, sT, oT, x, xsm, y, rows, pfm);
+      with_qp([&](const auto& qp) {
+        if (mr == 1) gemv_rows<B, 1>(c, pan, cnt, qp, x, xsm, y, rows, pfm);
+        else if (mr == 2) gemv_rows<B, 2>(c, pan, cnt, qp, x, xsm, y, rows, pfm);
+        else if (mr == 3) gemv_rows<B, 3>(c, pan, cnt, qp, x, xsm, y, rows, pfm);
+        else gemv_rows<B, 4>(c, pan, cnt, qp, x, xsm, y, rows, pfm);
+      });
     }
   });
 }

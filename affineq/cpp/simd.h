@@ -108,8 +108,12 @@ AQ_INLINE void fstore_n(float* p, F16 a, int w) { _mm512_mask_storeu_ps(p, (__mm
 AQ_INLINE F16 fset1(float s) { return {_mm512_set1_ps(s)}; }
 AQ_INLINE F16 ffma(F16 a, F16 b, F16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 AQ_INLINE F16 fadd(F16 a, F16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+AQ_INLINE F16 fmul(F16 a, F16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
 AQ_INLINE I16 ld_u8x16(const uint8_t* p) {
   return {_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
+}
+AQ_INLINE I16 ld_s8x16(const int8_t* p) {
+  return {_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
 }
 template <int S> AQ_INLINE I16 isrl(I16 a) {
   if constexpr (S == 0) return a; else return {_mm512_srli_epi32(a.v, S)};
@@ -141,9 +145,14 @@ AQ_INLINE void fstore_n(float* p, F16 x, int w) {
 AQ_INLINE F16 fset1(float s) { return {_mm256_set1_ps(s), _mm256_set1_ps(s)}; }
 AQ_INLINE F16 ffma(F16 x, F16 y, F16 z) { return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)}; }
 AQ_INLINE F16 fadd(F16 x, F16 y) { return {_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; }
+AQ_INLINE F16 fmul(F16 x, F16 y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
 AQ_INLINE I16 ld_u8x16(const uint8_t* p) {
   return {_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))),
           _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+AQ_INLINE I16 ld_s8x16(const int8_t* p) {
+  return {_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)))};
 }
 template <int S> AQ_INLINE I16 isrl(I16 x) {
   if constexpr (S == 0) return x; else return {_mm256_srli_epi32(x.a, S), _mm256_srli_epi32(x.b, S)};
@@ -178,7 +187,9 @@ AQ_INLINE void fstore_n(float* p, F16 a, int w) { for (int i = 0; i < w; ++i) p[
 AQ_INLINE F16 fset1(float s) { F16 r; AQ_L16 r.v[i] = s; return r; }
 AQ_INLINE F16 ffma(F16 a, F16 b, F16 c) { F16 r; AQ_L16 r.v[i] = a.v[i] * b.v[i] + c.v[i]; return r; }
 AQ_INLINE F16 fadd(F16 a, F16 b) { F16 r; AQ_L16 r.v[i] = a.v[i] + b.v[i]; return r; }
+AQ_INLINE F16 fmul(F16 a, F16 b) { F16 r; AQ_L16 r.v[i] = a.v[i] * b.v[i]; return r; }
 AQ_INLINE I16 ld_u8x16(const uint8_t* p) { I16 r; AQ_L16 r.v[i] = p[i]; return r; }
+AQ_INLINE I16 ld_s8x16(const int8_t* p) { I16 r; AQ_L16 r.v[i] = p[i]; return r; }
 template <int S> AQ_INLINE I16 isrl(I16 a) { I16 r; AQ_L16 r.v[i] = (int32_t)((uint32_t)a.v[i] >> S); return r; }
 template <int S> AQ_INLINE I16 isll(I16 a) { I16 r; AQ_L16 r.v[i] = (int32_t)((uint32_t)a.v[i] << S); return r; }
 AQ_INLINE I16 iand(I16 a, int m) { I16 r; AQ_L16 r.v[i] = a.v[i] & m; return r; }
