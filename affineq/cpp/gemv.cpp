@@ -66,17 +66,17 @@ constexpr float gemv_bias() { return biased_decode_ok<B>() ? static_cast<float>(
 #if AQ_AVX512
 constexpr int kItemPanels = 4;
 constexpr int gemv_P(int mr, int B) { return mr <= 2 ? 4 : multi_plane(B) ? 1 : 2; }  // multi-plane: spills
-constexpr int gemv_A(int mr) { return mr == 1 ? 2 : 1; }
+constexpr int gemv_A(int mr, int B) { return mr == 1 || (multi_plane(B) && mr <= 4) ? 2 : 1; }
 #elif AQ_AVX2
 constexpr int kItemPanels = 2;
 // Multi-plane and float8 decoding hold more registers: one panel per tile is faster for them. A = 1 at m = 1
 // was FMA-latency bound. Both tuned by measurement (see benchmarks/README.md, kernel design measurements).
 constexpr int gemv_P(int mr, int B) { return mr == 1 && (B == 1 || B == 2 || B == 4 || B == 8) ? 2 : 1; }
-constexpr int gemv_A(int mr) { return mr <= 2 ? 2 : 1; }
+constexpr int gemv_A(int mr, int) { return mr <= 2 ? 2 : 1; }
 #else
 constexpr int kItemPanels = 1;
 constexpr int gemv_P(int, int) { return 1; }
-constexpr int gemv_A(int) { return 1; }
+constexpr int gemv_A(int, int) { return 1; }
 #endif
 // Rows of x per pass over the weights (fp32 x reaches the GEMV up to m = 8 on every build: each pass decodes
 // the weights again, so 4 rows per pass; the bf16-dot 4-bit tiles take 2).
@@ -141,44 +141,18 @@ AQ_INLINE F16 load_scales(Tile16<kF16> t) {
 }
 #endif
 
-// The qparams of a tile of output rows as add_group reads them: scale(g, p) and offset(g, p) for rows 16p ..
-// 16p + 15 of the tile, group g; has_offset() false: no offset term of its own (see add_group); shifted(q): the
-// same tile from panel q on.
-// Transposed tiles [G][lds]: fp32 (load_qparams), or the 16-bit qparams as stored (load_scales16).
+// The qparams of a tile of output rows as for_groups reads them; shifted(q): the same tile from panel q on.
+// Transposed tiles [G][lds] (fp32 from load_qparams, or the 16-bit qparams as stored from load_scales16): group
+// g's scale and offset of rows 16p .. 16p + 15, applied per group (add_group).
 template <class T>
 struct TileQp {
+  static constexpr int64_t kBlock = 0;  // no super-blocks
   T s, o;
   int64_t lds;
   TileQp shifted(int64_t q) const { return {s + 16 * q, has_tile(o) ? o + 16 * q : o, lds}; }
   AQ_INLINE bool has_offset() const { return has_tile(o); }
   AQ_INLINE F16 scale(int64_t g, int p) const { return load_scales(s + (g * lds + 16 * p)); }
   AQ_INLINE F16 offset(int64_t g, int p) const { return load_scales(o + (g * lds + 16 * p)); }
-};
-
-// k-quant qparams from load_kq_qparams' byte tiles, kquant_decode.h's formulas formed per use (the same exact
-// fp32 values as load_qparams' tiles): scale = d * sub-scale, offset = -dmin * min (q2_k: both from one byte);
-// q3_k / q6_k scale only (their offset, -4 / -32 x the scale, rides on xs_a).
-template <int KIND>
-struct KqQp {
-  static constexpr int64_t kGpb = kSuperBlock / kq_group(KIND), kNs = kq_supers(KIND);
-  const uint8_t *sc, *mn;
-  const float* d;  // [super-block][d, -dmin][lds]
-  int64_t lds;
-  KqQp shifted(int64_t q) const { return {sc + 16 * q, mn + 16 * q, d + 16 * q, lds}; }
-  static constexpr bool has_offset() { return KIND == 2 || KIND == 4 || KIND == 5; }
-  AQ_INLINE F16 sup(int64_t g, int p, int s) const { return fload(d + (g / kGpb * kNs + s) * lds + 16 * p); }
-  AQ_INLINE F16 scale(int64_t g, int p) const {
-    const uint8_t* b = sc + g * lds + 16 * p;
-    I16 v;
-    if constexpr (KIND == 3 || KIND == 6) v = ld_s8x16(reinterpret_cast<const int8_t*>(b));
-    else if constexpr (KIND == 2) v = iand(ld_u8x16(b), 15);
-    else v = ld_u8x16(b);
-    return fmul(sup(g, p, 0), i2f(v));
-  }
-  AQ_INLINE F16 offset(int64_t g, int p) const {
-    const I16 m = KIND == 2 ? isrl<4>(ld_u8x16(sc + g * lds + 16 * p)) : ld_u8x16(mn + g * lds + 16 * p);
-    return fmul(sup(g, p, 1), i2f(m));
-  }
 };
 
 // tot[m][p] += scale[g] * (sum_a acc[m][p][a] + xs_a) + offset[g] * xs_s: one group's contribution to 16 output
@@ -203,17 +177,106 @@ AQ_INLINE void add_group(F16 (&tot)[MR][P], const F16 (&acc)[MR][P][A], const QP
   });
 }
 
-template <int B, int MR, int P, int A, class QP>
-void gemv_tile(const uint8_t* const* pan, const QP& qp, const float* x, int64_t ldx, const float* xs, int64_t G,
-               int64_t upg, float* y, int64_t ldy, int64_t nvalid, const NextItemPrefetch* pf) {
-  F16 tot[MR][P];
-  sfor<MR>([&](auto M_) { sfor<P>([&](auto P_) { tot[AQ_CV(M_)][AQ_CV(P_)] = fzero(); }); });
-  for (int64_t g = 0; g < G; ++g) {
+// k-quant qparams from load_kq_qparams' byte tiles (kquant_decode.h's formulas), applied per super-block of kBlock
+// groups: the integer sub-scales per group, d once per super-block,
+//     tot += d * sum_j sc_j * (acc_j + xs_a_j)   and   tot += -dmin * sum_j m_j * xs_j  (offsets(), ahead of the
+// codes: they depend on x alone). q3_k / q6_k have no offsets of their own (-4 / -32 x the scale: on xs_a).
+template <int KIND>
+struct KqQp {
+  static constexpr int64_t kBlock = kSuperBlock / kq_group(KIND), kNs = kq_supers(KIND);
+  static constexpr bool kMins = KIND == 2 || KIND == 4 || KIND == 5;
+  const uint8_t *sc, *mn;
+  const float* d;  // [super-block][d, -dmin][lds]
+  int64_t lds;
+  KqQp shifted(int64_t q) const { return {sc + 16 * q, mn + 16 * q, d + 16 * q, lds}; }
+  AQ_INLINE F16 sup(int64_t g, int p, int s) const { return fload(d + (g / kBlock * kNs + s) * lds + 16 * p); }
+  AQ_INLINE F16 sub_scale(int64_t g, int p) const {
+    const uint8_t* b = sc + g * lds + 16 * p;
+    if constexpr (KIND == 3 || KIND == 6) return i2f(ld_s8x16(reinterpret_cast<const int8_t*>(b)));
+    else if constexpr (KIND == 2) return i2f(iand(ld_u8x16(b), 15));
+    else return i2f(ld_u8x16(b));
+  }
+  // tot[m][p] = -sum_b dmin_b * sum_j m_bj * xs[m][j] (tot is zero before).
+  template <int MR, int P>
+  AQ_INLINE void offsets(F16 (&tot)[MR][P], const float* xs, int64_t G) const {
+    if constexpr (kMins) {
+      sfor<P>([&](auto P_) {
+        constexpr int p = AQ_CV(P_);
+        for (int64_t g0 = 0; g0 < G; g0 += kBlock) {
+          F16 t[MR];
+          sfor<MR>([&](auto M_) { t[AQ_CV(M_)] = fzero(); });
+          for (int64_t g = g0; g < g0 + kBlock; ++g) {
+            const uint8_t* b = (KIND == 2 ? sc : mn) + g * lds + 16 * p;
+            const F16 m = i2f(KIND == 2 ? isrl<4>(ld_u8x16(b)) : ld_u8x16(b));
+            sfor<MR>([&](auto M_) { t[AQ_CV(M_)] = ffma(m, fset1(xs[2 * G * AQ_CV(M_) + g]), t[AQ_CV(M_)]); });
+          }
+          const F16 ndmin = sup(g0, p, 1);
+          sfor<MR>([&](auto M_) { tot[AQ_CV(M_)][p] = ffma(ndmin, t[AQ_CV(M_)], tot[AQ_CV(M_)][p]); });
+        }
+      });
+    }
+  }
+  // tb[m][p] += sc_g * (sum_a acc[m][p][a] + xs_a): group g within its super-block.
+  template <int MR, int P, int A>
+  AQ_INLINE void add(F16 (&tb)[MR][P], const F16 (&acc)[MR][P][A], const float* xs, int64_t G, int64_t g) const {
+    sfor<P>([&](auto P_) {
+      constexpr int p = AQ_CV(P_);
+      const F16 s = sub_scale(g, p);
+      sfor<MR>([&](auto M_) {
+        constexpr int m = AQ_CV(M_);
+        F16 a = acc[m][p][0];
+        sfor<A - 1>([&](auto A_) { a = fadd(a, acc[m][p][AQ_CV(A_) + 1]); });
+        tb[m][p] = ffma(s, fadd(a, fset1(xs[2 * G * m + G + g])), tb[m][p]);
+      });
+    });
+  }
+  // tot[m][p] += d * tb[m][p] for the super-block from group g0.
+  template <int MR, int P>
+  AQ_INLINE void finish(F16 (&tot)[MR][P], const F16 (&tb)[MR][P], int64_t g0) const {
+    sfor<P>([&](auto P_) {
+      const F16 dv = sup(g0, AQ_CV(P_), 0);
+      sfor<MR>([&](auto M_) { tot[AQ_CV(M_)][AQ_CV(P_)] = ffma(dv, tb[AQ_CV(M_)][AQ_CV(P_)], tot[AQ_CV(M_)][AQ_CV(P_)]); });
+    });
+  }
+};
+
+// tot = the tile's result: body(g, acc) sums group g's dot products into acc (zeroed for it), and qp's rule adds
+// them up: per group (add_group), or per super-block (KqQp).
+template <int MR, int P, int A, class QP, class Body>
+AQ_INLINE void for_groups(F16 (&tot)[MR][P], const QP& qp, const float* xs, int64_t G, const NextItemPrefetch* pf,
+                          Body&& body) {
+  const auto zero = [](auto& arr) {
+    sfor<MR>([&](auto M_) { sfor<P>([&](auto P_) { arr[AQ_CV(M_)][AQ_CV(P_)] = fzero(); }); });
+  };
+  const auto group = [&](int64_t g, auto&& fold) AQ_INLINE_LAMBDA {
     if (pf) pf->group(g);
     F16 acc[MR][P][A];
     sfor<MR>([&](auto M_) {
       sfor<P>([&](auto P_) { sfor<A>([&](auto A_) { acc[AQ_CV(M_)][AQ_CV(P_)][AQ_CV(A_)] = fzero(); }); });
     });
+    body(g, acc);
+    fold(acc);
+  };
+  zero(tot);
+  if constexpr (QP::kBlock == 0) {
+    for (int64_t g = 0; g < G; ++g) group(g, [&](const auto& acc) AQ_INLINE_LAMBDA { add_group<MR, P, A>(tot, acc, qp, xs, G, g); });
+  } else {
+    qp.offsets(tot, xs, G);
+    for (int64_t g0 = 0; g0 < G; g0 += QP::kBlock) {
+      F16 tb[MR][P];
+      zero(tb);
+      for (int64_t g = g0; g < g0 + QP::kBlock; ++g)
+        group(g, [&](const auto& acc) AQ_INLINE_LAMBDA { qp.template add<MR, P, A>(tb, acc, xs, G, g); });
+      qp.finish(tot, tb, g0);
+    }
+  }
+}
+
+template <int B, int MR, int P, int A, class QP>
+void gemv_tile(const uint8_t* const* pan, const QP& qp, const float* x, int64_t ldx, const float* xs, int64_t G,
+               int64_t upg, float* y, int64_t ldy, int64_t nvalid, const NextItemPrefetch* pf) {
+  F16 tot[MR][P];
+  for_groups<MR, P, A>(tot, qp, xs, G, pf, [&](int64_t g, F16 (&acc)[MR][P][A]) AQ_INLINE_LAMBDA {
     for (int64_t u = g * upg, ue = u + upg; u < ue; ++u) {
       const float* xk = x + 8 * u;
       sfor<P>([&](auto P_) {
@@ -231,8 +294,7 @@ void gemv_tile(const uint8_t* const* pan, const QP& qp, const float* x, int64_t 
         });
       });
     }
-    add_group<MR, P, A>(tot, acc, qp, xs, G, g);
-  }
+  });
   sfor<MR>([&](auto M_) {
     constexpr int m = AQ_CV(M_);
     sfor<P>([&](auto P_) {
@@ -241,6 +303,45 @@ void gemv_tile(const uint8_t* const* pan, const QP& qp, const float* x, int64_t 
       if (w >= 16) fstore(y + m * ldy + 16 * p, tot[m][p]);
       else if (w > 0) fstore_n(y + m * ldy + 16 * p, tot[m][p], static_cast<int>(w));
     });
+  });
+}
+
+// The multi-plane widths at 5..8 rows of x (biased decoder): each unit decoded once into an L1 buffer of fp32
+// weights that every row reads. In registers the decoder's constants and 8 rows' accumulators spilled; as two
+// passes of 4 rows each unit was decoded twice.
+template <int B>
+constexpr bool gemv_buffered(int64_t mr) { return biased_decode_ok<B>() && mr > kGemvMR && mr <= 2 * kGemvMR; }
+
+template <int B, int MR, class QP>
+void gemv_tile_buffered(const uint8_t* pan, const QP& qp, const float* x, int64_t ldx, const float* xs, int64_t G,
+                        int64_t upg, float* y, int64_t ldy, int64_t nvalid, const NextItemPrefetch* pf) {
+  alignas(64) float buf[8 * 16];
+  F16 tot[MR][1];
+  for_groups<MR, 1, 1>(tot, qp, xs, G, pf, [&](int64_t g, F16 (&acc)[MR][1][1]) AQ_INLINE_LAMBDA {
+    for (int64_t u = g * upg, ue = u + upg; u < ue; ++u) {
+#if defined(__GNUC__)
+      for (int l = 0; l < 16 * bits_of(B); l += 64)
+        __builtin_prefetch(pan + (u + kPrefetchUnits) * (16 * bits_of(B)) + l, 0, 3);
+#endif
+      decode_unit_gemv<B>(pan + u * (16 * bits_of(B)), [&](auto T, F16 w) { fstore(buf + 16 * AQ_CV(T), w); });
+      const float* wb = buf;
+      AQ_OPAQUE(wb);  // read back from L1 (see decode_unit_i)
+      const float* xk = x + 8 * u;
+      sfor<8>([&](auto T) {
+        constexpr int t = AQ_CV(T);
+        const F16 w = fload(wb + 16 * t);
+        sfor<MR>([&](auto M_) {
+          constexpr int m = AQ_CV(M_);
+          acc[m][0][0] = ffma(fset1(xk[m * ldx + t]), w, acc[m][0][0]);
+        });
+      });
+    }
+  });
+  const int64_t w = std::min<int64_t>(nvalid, 16);
+  sfor<MR>([&](auto M_) {
+    constexpr int m = AQ_CV(M_);
+    if (w >= 16) fstore(y + m * ldy, tot[m][0]);
+    else if (w > 0) fstore_n(y + m * ldy, tot[m][0], static_cast<int>(w));
   });
 }
 
@@ -277,13 +378,7 @@ void gemv_tile_b4bf16(const B4Bf16& k4, const uint8_t* const* pan, const QP& qp,
                       const float* xs, int64_t G, int64_t upg, float* y, uint16_t* yb, int64_t ldy, int64_t nvalid,
                       const NextItemPrefetch* pf) {
   F16 tot[MR][P];
-  sfor<MR>([&](auto M_) { sfor<P>([&](auto P_) { tot[AQ_CV(M_)][AQ_CV(P_)] = fzero(); }); });
-  for (int64_t g = 0; g < G; ++g) {
-    if (pf) pf->group(g);
-    F16 acc[MR][P][2];
-    sfor<MR>([&](auto M_) {
-      sfor<P>([&](auto P_) { acc[AQ_CV(M_)][AQ_CV(P_)][0] = acc[AQ_CV(M_)][AQ_CV(P_)][1] = fzero(); });
-    });
+  for_groups<MR, P, 2>(tot, qp, xs, G, pf, [&](int64_t g, F16 (&acc)[MR][P][2]) AQ_INLINE_LAMBDA {
     for (int64_t u = g * upg, ue = u + upg; u < ue; ++u) {
       sfor<P>([&](auto P_) {
         constexpr int p = AQ_CV(P_);
@@ -301,8 +396,7 @@ void gemv_tile_b4bf16(const B4Bf16& k4, const uint8_t* const* pan, const QP& qp,
         });
       });
     }
-    add_group<MR, P, 2>(tot, acc, qp, xs, G, g);
-  }
+  });
   sfor<MR>([&](auto M_) {
     constexpr int m = AQ_CV(M_);
     sfor<P>([&](auto P_) {
@@ -333,10 +427,14 @@ bool use_b4bf16(const LowbitProblem& p) {
 template <int B, int MR, class QP>
 void gemv_rows(const Ctx& c, const uint8_t* const* pan, int64_t cnt, const QP& qp, const float* x, const float* xs,
                float* y, int64_t nvalid, const NextItemPrefetch* pf) {
-  constexpr int P = gemv_P(MR, B), A = gemv_A(MR);
+  constexpr int P = gemv_P(MR, B), A = gemv_A(MR, B);
   const LowbitProblem& pr = *c.p;
   const int64_t upg = pr.group_size / 8;
-  if (cnt % P == 0) {
+  if constexpr (gemv_buffered<B>(MR)) {
+    for (int64_t q = 0; q < cnt; ++q)
+      gemv_tile_buffered<B, MR>(pan[q], qp.shifted(q), x, pr.ldx, xs, c.G, upg, y + 16 * q, pr.ldy, nvalid - 16 * q,
+                                q == 0 ? pf : nullptr);
+  } else if (cnt % P == 0) {
     for (int64_t q = 0; q < cnt; q += P)
       gemv_tile<B, MR, P, A>(pan + q, qp.shifted(q), x, pr.ldx, xs, c.G, upg, y + 16 * q, pr.ldy, nvalid - 16 * q,
                              q == 0 ? pf : nullptr);
@@ -456,7 +554,7 @@ void gemv_path(const Ctx* cs, int64_t count) {
       for (; nq < ni.cnt && ni.p0 + nq < ni.c->nfull; ++nq) npan[nq] = ni.c->p->packed + (ni.p0 + nq) * ni.c->panel_bytes;
       pf.emplace(*ni.c->p, ni.r0, ni.rows, G, npan, nq, 16 * bits_of(B));
     }
-    const int64_t mstep = b4 ? 2 : kGemvMR;
+    const int64_t mstep = b4 ? 2 : gemv_buffered<B>(M) ? M : kGemvMR;
     for (int64_t m0 = 0; m0 < M; m0 += mstep) {
       const float* xsm = xs.data() + 2 * G * m0;
       const int64_t mr = std::min<int64_t>(mstep, M - m0);
@@ -490,7 +588,13 @@ void gemv_path(const Ctx* cs, int64_t count) {
         if (mr == 1) gemv_rows<B, 1>(c, pan, cnt, qp, x, xsm, y, rows, pfm);
         else if (mr == 2) gemv_rows<B, 2>(c, pan, cnt, qp, x, xsm, y, rows, pfm);
         else if (mr == 3) gemv_rows<B, 3>(c, pan, cnt, qp, x, xsm, y, rows, pfm);
-        else gemv_rows<B, 4>(c, pan, cnt, qp, x, xsm, y, rows, pfm);
+        else if (mr == 4) gemv_rows<B, 4>(c, pan, cnt, qp, x, xsm, y, rows, pfm);
+        else if constexpr (gemv_buffered<B>(2 * kGemvMR)) {
+          if (mr == 5) gemv_rows<B, 5>(c, pan, cnt, qp, x, xsm, y, rows, pfm);
+          else if (mr == 6) gemv_rows<B, 6>(c, pan, cnt, qp, x, xsm, y, rows, pfm);
+          else if (mr == 7) gemv_rows<B, 7>(c, pan, cnt, qp, x, xsm, y, rows, pfm);
+          else gemv_rows<B, 8>(c, pan, cnt, qp, x, xsm, y, rows, pfm);
+        }
       });
     }
   });

@@ -31,9 +31,11 @@
 
 #if defined(__GNUC__)
 #define AQ_INLINE inline __attribute__((always_inline))
+#define AQ_INLINE_LAMBDA __attribute__((always_inline))  // [&](args) AQ_INLINE_LAMBDA { ... }
 #define AQ_OPAQUE(ptr) asm("" : "+r"(ptr))  // the compiler forgets where ptr points (no store forwarding)
 #else
 #define AQ_INLINE inline
+#define AQ_INLINE_LAMBDA
 #define AQ_OPAQUE(ptr) (void)(ptr)
 #endif
 
