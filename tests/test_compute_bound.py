@@ -37,6 +37,7 @@ from affineq.tensor.compute_bound import (
     qlinear_run,
     set_min_rows,
 )
+from affineq.tensor.activation import fake_quantize_activation
 from affineq.tensor.kernel_registry import select_linear_kernel
 
 if not cpp.is_available():
@@ -168,7 +169,19 @@ def test_kernel_runs_from_the_threshold_on_and_says_why_not_below(dtype, pinned_
     assert any(r.startswith(f"{KERNEL}: M = 2 input rows < {THRESHOLD}") and cpu_kind() in r for r in reasons)
 
 
-def test_8da4w_fake_quantizes_the_input_first(pinned_threshold):
+@pytest.fixture
+def no_int8_codes_for_int4():
+    """The exact int8 kernel off for 4-bit weights (it would take 8da4w before the dequantizing one here)."""
+    previous = {d: set_min_rows(INT8_INT4, d, None) for d in ("fp32", "bf16")}
+    yield
+    for d, v in previous.items():
+        set_min_rows(INT8_INT4, d, v)
+
+
+INT8_INT4 = "affineq.int8_codes_linear:int4"
+
+
+def test_8da4w_fake_quantizes_the_input_first(pinned_threshold, no_int8_codes_for_int4):
     lin = quantized_linear(Int8DynamicActivationInt4WeightConfig(group_size=32), 48, 64)
     x = torch.randn(THRESHOLD, 64)
     with torch.no_grad(), record_kernels() as used:
@@ -177,6 +190,32 @@ def test_8da4w_fake_quantizes_the_input_first(pinned_threshold):
     with torch.no_grad():
         small = torch.cat([lin(x[i:i + 1]) for i in range(x.shape[0])])  # per token: the fused kernel, row by row
     assert (got - small).abs().max().item() <= 1e-5 * small.abs().max().item()
+
+
+@pytest.mark.skipif(not cpp.int8_codes_built(), reason="external: this build has no int8-codes kernel (AVX512-VNNI "
+                    "and VBMI)")
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_8da4w_takes_the_exact_int8_kernel_from_its_threshold(group_size):
+    # 4-bit weights x int8 activation codes summed in int32 (VNNI) from the row threshold on; below it the fused
+    # kernel on the fake-quantized x. Both are x_fake_quant @ W^T: equal within fp32 rounding, and equal to it
+    # computed in float64.
+    previous = set_min_rows(INT8_INT4, "fp32", 4)
+    try:
+        lin = quantized_linear(Int8DynamicActivationInt4WeightConfig(group_size=group_size), 80, 256, seed=3)
+        for m in (1, 3, 4, 37):
+            x = torch.randn(m, 256) * 3 + 0.5  # asymmetric per-token ranges: zero points
+            with torch.no_grad(), record_kernels() as used:
+                got = lin(x)
+            assert used == (["affineq.int8_codes_linear"] if m >= 4 else ["affineq.lowbit_linear"]), (m, used)
+            with torch.no_grad():
+                rows = torch.cat([lin(x[i:i + 1]) for i in range(m)])  # 1 row: the fused kernel
+                xq = fake_quantize_activation(x, lin.weight.spec.act_quant, lin.weight)
+                ref = xq.double() @ lin.weight.dequantize(torch.float32).double().T + lin.bias.double()
+            scale = ref.abs().max().item()
+            assert (got.double() - ref).abs().max().item() <= 2e-6 * scale, m
+            assert (got - rows).abs().max().item() <= 4e-6 * scale, m
+    finally:
+        set_min_rows(INT8_INT4, "fp32", previous)
 
 
 def test_the_table_decides_where_no_threshold_is_pinned():

@@ -8,7 +8,8 @@
 // of 4 consecutive-k bytes (the VNNI operand), reused by every row of x. Per group g of the weight:
 //   I[m, n] = sum_{k in g} c[m, k] * u[n, k] - zp[m] * sum_{k in g} u[n, k]     (int32, exact)
 //   S[m]    = sum_{k in g} c[m, k] - zp[m] * |g|                                 (int32, exact)
-//   y[m, n] += sx[m] * (scale[n, g] * I + offset[n, g] * S)                      (fp32)
+//   acc[m, n] += scale[n, g] * I + offset[n, g] * S                             (fp32, in registers)
+//   y[m, n] = sx[m] * acc[m, n]
 // which is sx * sum_k (c - zp) * (scale * u + offset), i.e. x_fake_quant @ W^T with exact code products.
 #include <ATen/Parallel.h>
 
@@ -33,16 +34,20 @@ struct Int8CodesGemm::State {
   int64_t n = 0, k = 0, gs = 0, G = 0;
   int bits = 8;  // 8, or 4: each item's panels are widened to the 8-bit layout first (widen_panels)
   const uint8_t* packed = nullptr;
+  LowbitProblem p;                // the weight (per_item: its qparams are read per work item)
+  bool per_item = false, zero_points = false;
   std::vector<float> sT, oT;      // [G][n]: scale / offset transposed, so 16 rows' values are one load
   std::vector<int32_t> usumT;     // [G][n]: sum of the codes of each group (only when zero points occur)
   std::vector<int8_t> codes;      // [m][k] per-run scratch
   std::vector<float> sx;          // [m]
   std::vector<int32_t> zp, csum;  // [m], [m][G]
+  std::vector<float> S;           // [m][G]: csum - zp * gs, as fp32 (exact: |S| < 2^24)
 };
 
 namespace {
-// Rows of x per register block. The tile is NP 16-row weight panels x MR rows of x: NP * MR int32
-// accumulators plus NP weight registers, a broadcast and the vpermb index must fit the 32 zmm registers.
+// Rows of x per register block. The tile is NP 16-row weight panels x MR rows of x: NP * MR int32 and as many
+// fp32 accumulators plus NP weight registers, a broadcast and the vpermb index must fit the 32 zmm registers:
+// NP * MR <= 12 (4 x 3, 2 x 6, 1 x 12).
 constexpr int kRows = 12;
 }  // namespace
 
@@ -63,11 +68,23 @@ inline __m512i quad_index() {
 // consecutive 16-row panels starting at panel p0 (weight rows 16 p0 ..); y rows have stride n. The NP * MR
 // accumulators are independent dependency chains, so even MR = 1 keeps the VNNI unit busy when NP = 4.
 // w0: panel p0's 8-bit codes ([k][16 rows] bytes per panel, the panels consecutive).
+// Qparams of the tile's panels: scale, offset and (zero points) code-sum rows [G][ld], 16 per panel, from the
+// tile's first panel on.
+struct TileQparams {
+  const float *sT, *oT;
+  const int32_t* us;
+  int64_t ld;
+  TileQparams shifted(int64_t panels) const { return {sT + 16 * panels, oT + 16 * panels, us ? us + 16 * panels : us, ld}; }
+};
+
 template <int NP, int MR>
-void tile(const Int8CodesGemm::State& s, const int8_t* q, const uint8_t* w0, int64_t p0, int64_t m0, float* y) {
+void tile(const Int8CodesGemm::State& s, const TileQparams& qp, const int8_t* q, const uint8_t* w0, int64_t p0,
+          int64_t m0, float* y) {
   // Four row pointers and one stride address the 12 rows with few registers.
   const int8_t* xr[4] = {q, q + 3 * s.k, q + 6 * s.k, q + 9 * s.k};
   const __m512i idx = quad_index();
+  __m512 facc[NP][MR];
+  sfor<NP>([&](auto J_) { sfor<MR>([&](auto I_) { facc[AQ_CV(J_)][AQ_CV(I_)] = _mm512_setzero_ps(); }); });
   for (int64_t g = 0; g < s.G; ++g) {
     __m512i acc[NP][MR];
     sfor<NP>([&](auto J_) {
@@ -91,38 +108,46 @@ void tile(const Int8CodesGemm::State& s, const int8_t* q, const uint8_t* w0, int
         });
       });
     }
+    // The group's epilogue stays in registers (a y read-modify-write per group cost more than the dot products
+    // of a group of 32).
     sfor<NP>([&](auto J_) {
       constexpr int j = AQ_CV(J_);
-      const int64_t n0 = (p0 + j) * 16;
-      const __m512 sc = _mm512_loadu_ps(s.sT.data() + g * s.n + n0);
-      const __m512 of = _mm512_loadu_ps(s.oT.data() + g * s.n + n0);
-      const __m512i us =
-          s.usumT.empty() ? _mm512_setzero_si512() : _mm512_loadu_si512(s.usumT.data() + g * s.n + n0);
+      const __m512 sc = _mm512_loadu_ps(qp.sT + g * qp.ld + 16 * j);
+      const __m512 of = _mm512_loadu_ps(qp.oT + g * qp.ld + 16 * j);
       sfor<MR>([&](auto I_) {
         constexpr int i = AQ_CV(I_);
         const int64_t m = m0 + i;
         const int32_t z = s.zp[m];
         __m512i prod = acc[j][i];
-        if (z != 0) prod = _mm512_sub_epi32(prod, _mm512_mullo_epi32(_mm512_set1_epi32(z), us));
-        const __m512 S = _mm512_set1_ps(static_cast<float>(s.csum[m * s.G + g] - z * static_cast<int32_t>(s.gs)));
-        const __m512 t = _mm512_fmadd_ps(of, S, _mm512_mul_ps(sc, _mm512_cvtepi32_ps(prod)));
-        float* yr = y + m * s.n + n0;
-        const __m512 f = _mm512_set1_ps(s.sx[m]);
-        _mm512_storeu_ps(yr, g == 0 ? _mm512_mul_ps(f, t) : _mm512_fmadd_ps(f, t, _mm512_loadu_ps(yr)));
+        if (z != 0)
+          prod = _mm512_sub_epi32(prod, _mm512_mullo_epi32(_mm512_set1_epi32(z),
+                                                           _mm512_loadu_si512(qp.us + g * qp.ld + 16 * j)));
+        facc[j][i] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(prod), facc[j][i]);
+        facc[j][i] = _mm512_fmadd_ps(of, _mm512_set1_ps(s.S[m * s.G + g]), facc[j][i]);
       });
     });
   }
+  sfor<NP>([&](auto J_) {
+    constexpr int j = AQ_CV(J_);
+    sfor<MR>([&](auto I_) {
+      constexpr int i = AQ_CV(I_);
+      const int64_t m = m0 + i;
+      _mm512_storeu_ps(y + m * s.n + (p0 + j) * 16, _mm512_mul_ps(_mm512_set1_ps(s.sx[m]), facc[j][i]));
+    });
+  });
 }
 
-using TileFn = void (*)(const Int8CodesGemm::State&, const int8_t*, const uint8_t*, int64_t, int64_t, float*);
+using TileFn = void (*)(const Int8CodesGemm::State&, const TileQparams&, const int8_t*, const uint8_t*, int64_t,
+                        int64_t, float*);
 template <int NP, int... Is>
 constexpr std::array<TileFn, sizeof...(Is)> tile_table(std::integer_sequence<int, Is...>) {
   return {&tile<NP, Is + 1>...};
 }
-// Row blocks of <= 6 rows take 4 panels at once (small batches: enough independent chains), larger blocks 2.
-constexpr int kWide = 6;
+// Row blocks of <= 3 rows take 4 panels at once (small batches: enough independent chains), larger ones 2
+// panels x 6 rows.
+constexpr int kWide = 3, kHalf = 6;
 constexpr auto kTiles4 = tile_table<4>(std::make_integer_sequence<int, kWide>{});
-constexpr auto kTiles2 = tile_table<2>(std::make_integer_sequence<int, kRows>{});
+constexpr auto kTiles2 = tile_table<2>(std::make_integer_sequence<int, kHalf>{});
 constexpr auto kTiles1 = tile_table<1>(std::make_integer_sequence<int, kRows>{});
 
 // np 4-bit panels (the dense layout: 64-byte units of 8 k x 16 rows, slot t of a unit holding k = 2t in the low
@@ -159,44 +184,60 @@ bool Int8CodesGemm::supported(const LowbitProblem& p) {
 #endif
 }
 
-Int8CodesGemm::Int8CodesGemm(const LowbitProblem& p, bool zero_points) : s_(new State) {
+namespace {
+
+// The fp32 scale and offset of w = scale * u + offset of panels [p0, p0 + np), transposed to [G][ld] (the dense
+// kernels' qparam loading), and with zero points the code sums us[g][16 p + j] of each row per group: per k of
+// an 8-bit panel (16 bytes), per unit of a 4-bit one (its 8 k are in one group: gs % 8 == 0).
+void load_panel_qparams(const Int8CodesGemm::State& s, int64_t p0, int64_t np, float* sT, float* oT, int32_t* us,
+                        int64_t ld) {
+  detail::load_qparams(s.p, false, 1.f, 16 * p0, 16 * np, 16 * np, s.G, sT, ld);
+  detail::load_qparams(s.p, true, 1.f, 16 * p0, 16 * np, 16 * np, s.G, oT, ld);
+  if (us == nullptr) return;
+#if AQ_INT8_CODES
+  for (int64_t g = 0; g < s.G; ++g) std::fill(us + g * ld, us + g * ld + 16 * np, 0);
+  const __m512i lo4 = _mm512_set1_epi8(15);
+  for (int64_t q = 0; q < np; ++q) {
+    const int64_t pn = p0 + q;
+    for (int64_t k0 = 0; k0 < s.k; k0 += 8) {
+      __m512i t;
+      if (s.bits == 8) {
+        t = _mm512_setzero_si512();
+        for (int64_t k = k0; k < k0 + 8; ++k)
+          t = _mm512_add_epi32(t, _mm512_cvtepu8_epi32(_mm_loadu_si128(
+                                      reinterpret_cast<const __m128i*>(s.packed + pn * 16 * s.k + 16 * k))));
+      } else {  // the 4 slots' low + high nibbles (<= 120 per row: bytes suffice), then widened
+        const __m512i unit = _mm512_loadu_si512(s.packed + pn * 8 * s.k + 8 * k0);
+        __m512i b = _mm512_add_epi8(_mm512_and_si512(unit, lo4), _mm512_and_si512(_mm512_srli_epi16(unit, 4), lo4));
+        b = _mm512_add_epi8(b, _mm512_shuffle_i64x2(b, b, 0x4E));  // slots 0 + 2, 1 + 3
+        b = _mm512_add_epi8(b, _mm512_shuffle_i64x2(b, b, 0xB1));  // all four
+        t = _mm512_cvtepu8_epi32(_mm512_castsi512_si128(b));
+      }
+      int32_t* dst = us + (k0 / s.gs) * ld + 16 * q;
+      _mm512_storeu_si512(dst, _mm512_add_epi32(_mm512_loadu_si512(dst), t));
+    }
+  }
+#endif
+}
+
+thread_local std::vector<float> tl_item_s, tl_item_o;  // per-item qparams (per_item)
+thread_local std::vector<int32_t> tl_item_us;
+
+}  // namespace
+
+Int8CodesGemm::Int8CodesGemm(const LowbitProblem& p, bool zero_points, bool per_item) : s_(new State) {
   if (!supported(p)) {
     delete s_;
     throw std::invalid_argument("Int8CodesGemm: unsupported weight (check Int8CodesGemm::supported first)");
   }
   State& s = *s_;
   s.n = p.n, s.k = p.k, s.gs = p.group_size, s.G = p.k / p.group_size, s.packed = p.packed, s.bits = p.bits;
+  s.p = p, s.per_item = per_item, s.zero_points = zero_points;
+  if (per_item) return;
   s.sT.resize(s.G * s.n);
   s.oT.resize(s.G * s.n);
-  // fp32 scale and offset of w = scale * u + offset, transposed to [G][n] (the dense kernels' qparam loading)
-  detail::load_qparams(p, false, 1.f, 0, s.n, s.n, s.G, s.sT.data(), s.n);
-  detail::load_qparams(p, true, 1.f, 0, s.n, s.n, s.G, s.oT.data(), s.n);
-  if (zero_points) {
-#if AQ_INT8_CODES
-    // usumT[g][16 p + j] = sum of row 16 p + j's codes in group g, 16 rows per vector: per k of an 8-bit panel
-    // (16 bytes), per unit of a 4-bit one (its 8 k are in one group: gs % 8 == 0).
-    s.usumT.assign(s.G * s.n, 0);
-    const __m512i lo4 = _mm512_set1_epi8(15);
-    for (int64_t pn = 0; pn < s.n / 16; ++pn)
-      for (int64_t k0 = 0; k0 < s.k; k0 += 8) {
-        __m512i t;
-        if (s.bits == 8) {
-          t = _mm512_setzero_si512();
-          for (int64_t k = k0; k < k0 + 8; ++k)
-            t = _mm512_add_epi32(t, _mm512_cvtepu8_epi32(_mm_loadu_si128(
-                                        reinterpret_cast<const __m128i*>(s.packed + pn * 16 * s.k + 16 * k))));
-        } else {  // the 4 slots' low + high nibbles (<= 120 per row: bytes suffice), then widened
-          const __m512i unit = _mm512_loadu_si512(s.packed + pn * 8 * s.k + 8 * k0);
-          __m512i b = _mm512_add_epi8(_mm512_and_si512(unit, lo4), _mm512_and_si512(_mm512_srli_epi16(unit, 4), lo4));
-          b = _mm512_add_epi8(b, _mm512_shuffle_i64x2(b, b, 0x4E));  // slots 0 + 2, 1 + 3
-          b = _mm512_add_epi8(b, _mm512_shuffle_i64x2(b, b, 0xB1));  // all four
-          t = _mm512_cvtepu8_epi32(_mm512_castsi512_si128(b));
-        }
-        int32_t* dst = s.usumT.data() + (k0 / s.gs) * s.n + 16 * pn;
-        _mm512_storeu_si512(dst, _mm512_add_epi32(_mm512_loadu_si512(dst), t));
-      }
-#endif
-  }
+  if (zero_points) s.usumT.resize(s.G * s.n);
+  load_panel_qparams(s, 0, s.n / 16, s.sT.data(), s.oT.data(), zero_points ? s.usumT.data() : nullptr, s.n);
 }
 
 Int8CodesGemm::~Int8CodesGemm() { delete s_; }
@@ -209,6 +250,10 @@ void Int8CodesGemm::run(const float* x, int64_t m, bool per_token, int mode, flo
   s.csum.resize(m * s.G);
   int8_quantize_rows(x, m, s.k, per_token, mode, eps, s.codes.data(), s.sx.data(), s.zp.data(), s.csum.data(),
                      s.gs);
+  s.S.resize(m * s.G);
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t g = 0; g < s.G; ++g)
+      s.S[r * s.G + g] = static_cast<float>(s.csum[r * s.G + g] - s.zp[r] * static_cast<int32_t>(s.gs));
 #if AQ_INT8_CODES
   // Work items: groups of 4 panels (64 weight rows); the panels past the last full group go one by one.
   const int64_t npan = s.n / 16, nquad = npan / 4, items = nquad + npan % 4;
@@ -218,6 +263,16 @@ void Int8CodesGemm::run(const float* x, int64_t m, bool per_token, int mode, flo
     for (int64_t it = i0; it < i1; ++it) {
       const int64_t p0 = it < nquad ? 4 * it : 4 * nquad + (it - nquad), np = it < nquad ? 4 : 1;
       const uint8_t* w0 = s.packed + p0 * 16 * s.k;
+      TileQparams qp;
+      if (s.per_item) {
+        const int64_t ld = 16 * np;
+        tl_item_s.resize(s.G * ld), tl_item_o.resize(s.G * ld), tl_item_us.resize(s.zero_points ? s.G * ld : 0);
+        qp = {tl_item_s.data(), tl_item_o.data(), s.zero_points ? tl_item_us.data() : nullptr, ld};
+        load_panel_qparams(s, p0, np, tl_item_s.data(), tl_item_o.data(), s.zero_points ? tl_item_us.data() : nullptr,
+                           ld);
+      } else {
+        qp = {s.sT.data() + 16 * p0, s.oT.data() + 16 * p0, s.zero_points ? s.usumT.data() + 16 * p0 : nullptr, s.n};
+      }
       if (s.bits == 4) {
         wide.resize(np * 16 * s.k);
         widen_panels(s.packed + p0 * 8 * s.k, np, s.k, wide.data());
@@ -227,12 +282,15 @@ void Int8CodesGemm::run(const float* x, int64_t m, bool per_token, int mode, flo
         const int64_t mr = std::min<int64_t>(kRows, m - m0);
         const int8_t* q = s.codes.data() + m0 * s.k;
         if (it >= nquad) {
-          kTiles1[mr - 1](s, q, w0, p0, m0, y);
+          kTiles1[mr - 1](s, qp, q, w0, p0, m0, y);
         } else if (mr <= kWide) {
-          kTiles4[mr - 1](s, q, w0, p0, m0, y);
+          kTiles4[mr - 1](s, qp, q, w0, p0, m0, y);
         } else {
-          kTiles2[mr - 1](s, q, w0, p0, m0, y);
-          kTiles2[mr - 1](s, q, w0 + 2 * 16 * s.k, p0 + 2, m0, y);
+          for (int64_t h0 = 0; h0 < mr; h0 += kHalf) {
+            const int64_t hr = std::min<int64_t>(kHalf, mr - h0);
+            kTiles2[hr - 1](s, qp, q + h0 * s.k, w0, p0, m0 + h0, y);
+            kTiles2[hr - 1](s, qp.shifted(2), q + h0 * s.k, w0 + 2 * 16 * s.k, p0 + 2, m0 + h0, y);
+          }
         }
       }
     }

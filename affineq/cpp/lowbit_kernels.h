@@ -87,7 +87,9 @@ class Int8CodesGemm {
   // codes, fp32 / bf16 / fp16 qparams (offset array or code_offset), n a multiple of 16, group_size of 8.
   static bool supported(const LowbitProblem& p);
   static bool built();  // whether this build has the kernel at all
-  Int8CodesGemm(const LowbitProblem& p, bool zero_points);  // zero_points: rows may have zp != 0
+  // zero_points: rows may have zp != 0; per_item: each work item reads its panels' qparams when it runs (a call
+  // that runs once), instead of all of them transposed here (a recurrence that runs many times).
+  Int8CodesGemm(const LowbitProblem& p, bool zero_points, bool per_item = false);
   ~Int8CodesGemm();
   Int8CodesGemm(const Int8CodesGemm&) = delete;
   Int8CodesGemm& operator=(const Int8CodesGemm&) = delete;

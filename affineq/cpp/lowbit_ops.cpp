@@ -361,7 +361,7 @@ at::Tensor int8_codes_linear_cpu(const at::Tensor& x, const at::Tensor& packed, 
               "affineq::lowbit_linear");
   at::Tensor y = at::empty({x.size(0), n}, x.options());
   if (x.size(0) > 0 && n > 0) {
-    Int8CodesGemm gemm(p, mode == 2);
+    Int8CodesGemm gemm(p, mode == 2, /*per_item=*/true);
     gemm.run(xc.const_data_ptr<float>(), x.size(0), per_token, static_cast<int>(mode), static_cast<float>(eps),
              y.mutable_data_ptr<float>());
   }

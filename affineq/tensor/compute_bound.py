@@ -64,6 +64,15 @@ MIN_ROWS: dict[str, dict[str, dict[str, int | None]]] = {
         "avx2": {},
         "scalar": {},
     },
+    # 4-bit weights (8da4w) on our int8-codes kernel (VNNI, exact int32 sums; 8-bit weights take it at every M):
+    # from a few rows it beats the fused fp32 GEMV on the fake-quantized x, from 16 the bf16-dot one. AMX CPUs keep
+    # bf16 tiles (dequant_linear).
+    "affineq.int8_codes_linear:int4": {
+        "amx": {},
+        "avx512": {"fp32": 4, "bf16": 16},
+        "avx2": {},
+        "scalar": {},
+    },
     "onednn.qlinear": {  # the activation is quantized to int8 whatever its dtype; also needs exact_int8_gemm()
         "amx": dict.fromkeys(_ANY, 16),
         "avx512": {},  # oneDNN takes a slow int8 path on the AVX-512 Zen 5 (benchmarks/README.md): aten._int_mm there

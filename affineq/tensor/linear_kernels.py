@@ -2,7 +2,8 @@
 
 | kernel                            | format    | weight / activation                                          |
 |-----------------------------------|-----------|--------------------------------------------------------------|
-| affineq.int8_codes_linear (C++)   | dense     | 8-bit integer weight x dynamic int8 activation (VNNI, int32) |
+| affineq.int8_codes_linear (C++)   | dense     | 8-bit (any M) / 4-bit (M >= a threshold) integer weight x     |
+|                                   |           | dynamic int8 activation (VNNI, exact int32 sums)             |
 | affineq.dequant_linear (C++)      | dense     | M >= a per-CPU threshold: cached W blocks x torch's GEMM     |
 | affineq.lowbit_linear (our C++)   | dense     | 1-8 bit, fp8/fp6/fp4 (e8m0 too); int8 activations fake-quant |
 | affineq.kquant_linear (our C++)   | q2_k-q6_k | llama.cpp k-quant super-blocks read as stored, weight-only   |
@@ -41,6 +42,7 @@ from affineq.tensor.compute_bound import (
     qlinear_run,
     qlinear_static_check,
     qlinear_static_run,
+    rows_check,
 )
 from affineq.tensor.formats import dense_code_offset
 from affineq.tensor.kernel_registry import Check, Run, register_linear_kernel
@@ -116,7 +118,8 @@ _INT8_CODES_QP = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _int8_codes_check(x, w):
-    """The int8 codes of x times the 8-bit weight codes, summed exactly in int32 (VNNI), where the build has it;
+    """The int8 codes of x times the 8- or 4-bit weight codes (4-bit: from `MIN_ROWS` rows), summed exactly in int32
+    (VNNI), where the build has it;
     the same values as `affineq.lowbit_linear` on the fake-quantized x, whose fp32 sums it replaces. bf16 x: its
     codes and scale are computed in fp32 either way (`activation.int8_activation`), so x is widened first and
     the products use the codes themselves, as `aten._int_mm`'s route does (not the bf16-rounded code * scale)."""
@@ -128,10 +131,11 @@ def _int8_codes_check(x, w):
         return "needs a float32 or bfloat16 CPU input"
     if mode is None:
         return "needs a dynamic int8 activation quantization"
-    # The op also reads 4-bit weights (8da4w, exact int32 sums), but its per-group epilogue makes it slower
-    # than the fused kernels there (benchmarks/README.md), so it serves 8-bit weights only.
-    if spec.target.bits != 8 or _cpp.codes_kind(spec.target) != _cpp.CODES_UINT or w._scale.dtype not in _INT8_CODES_QP:
-        return "needs 8-bit integer codes with float32 / bfloat16 / float16 qparams"
+    bits = spec.target.bits
+    if bits not in (8, 4) or _cpp.codes_kind(spec.target) != _cpp.CODES_UINT or w._scale.dtype not in _INT8_CODES_QP:
+        return "needs 8- or 4-bit integer codes with float32 / bfloat16 / float16 qparams"
+    if bits == 4 and (why := rows_check("affineq.int8_codes_linear:int4", x)) is not None:
+        return why
     if n % 16 or group_size % 8:
         return f"needs out_features % 16 == 0 and group_size % 8 == 0 (got {n}, {group_size})"
     if not _cpp.int8_codes_built():
