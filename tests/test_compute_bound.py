@@ -27,6 +27,7 @@ from affineq import (
     quantize_,
     record_kernels,
 )
+from affineq.tensor.activation import fake_quantize_activation
 from affineq.tensor.compute_bound import (
     _PREPACKED,
     MIN_ROWS,
@@ -37,8 +38,8 @@ from affineq.tensor.compute_bound import (
     qlinear_run,
     set_min_rows,
 )
-from affineq.tensor.activation import fake_quantize_activation
 from affineq.tensor.kernel_registry import select_linear_kernel
+from affineq.tensor.linear_kernels import lowbit_weight_args
 
 if not cpp.is_available():
     pytest.skip(f"external: the affineq C++ kernels did not build here ({cpp.unavailable_reason()})",
@@ -196,24 +197,30 @@ def test_8da4w_fake_quantizes_the_input_first(pinned_threshold, no_int8_codes_fo
                     "and VBMI)")
 @pytest.mark.parametrize("group_size", [32, 128])
 def test_8da4w_takes_the_exact_int8_kernel_from_its_threshold(group_size):
-    # 4-bit weights x int8 activation codes summed in int32 (VNNI) from the row threshold on; below it the fused
-    # kernel on the fake-quantized x. Both are x_fake_quant @ W^T: equal within fp32 rounding, and equal to it
-    # computed in float64.
+    # 4-bit weights x int8 activation codes summed in int32 (VNNI) from the row threshold on; below it the same op
+    # runs the fused GEMV on the fake-quantized x (one op at every M: a graph with a symbolic M runs what eager
+    # runs). Both are x_fake_quant @ W^T: equal within fp32 rounding, and equal to it computed in float64.
     previous = set_min_rows(INT8_INT4, "fp32", 4)
     try:
         lin = quantized_linear(Int8DynamicActivationInt4WeightConfig(group_size=group_size), 80, 256, seed=3)
+        w = lin.weight
         for m in (1, 3, 4, 37):
             x = torch.randn(m, 256) * 3 + 0.5  # asymmetric per-token ranges: zero points
             with torch.no_grad(), record_kernels() as used:
                 got = lin(x)
-            assert used == (["affineq.int8_codes_linear"] if m >= 4 else ["affineq.lowbit_linear"]), (m, used)
+            assert used == ["affineq.int8_codes_linear"], (m, used)
             with torch.no_grad():
-                rows = torch.cat([lin(x[i:i + 1]) for i in range(m)])  # 1 row: the fused kernel
-                xq = fake_quantize_activation(x, lin.weight.spec.act_quant, lin.weight)
-                ref = xq.double() @ lin.weight.dequantize(torch.float32).double().T + lin.bias.double()
+                xq = fake_quantize_activation(x, w.spec.act_quant, w)
+                packed, scale, offset, bits, gs, codes, co = lowbit_weight_args(w)
+                fused = torch.ops.affineq.lowbit_linear(xq, packed, scale, offset, bits, gs, 80, 256, codes, co)
+                ref = xq.double() @ w.dequantize(torch.float32).double().T
+            fused = fused + lin.bias
+            ref = ref + lin.bias.double()
+            if m < 4:  # the fused GEMV inside the op: the same values as the fused kernel
+                assert torch.equal(got, fused), m
             scale = ref.abs().max().item()
             assert (got.double() - ref).abs().max().item() <= 2e-6 * scale, m
-            assert (got - rows).abs().max().item() <= 4e-6 * scale, m
+            assert (got - fused).abs().max().item() <= 4e-6 * scale, m
     finally:
         set_min_rows(INT8_INT4, "fp32", previous)
 

@@ -5,7 +5,8 @@ python tutorials/05_export_a_quantized_block.py --aoti     # also compile it ahe
 
 Uses SmolLM2-135M's first decoder block (`pip install "affineq[models]"` provides it offline); without it, a
 block of affineq's seeded TinyLM. The exported program keeps affineq's packed kernels as graph ops
-(`affineq.lowbit_linear` for int4 and 8da4w on CPU), not a dequantize-then-matmul.
+(`affineq.lowbit_linear` for int4; for 8da4w on CPU `affineq.int8_codes_linear` where the build has VNNI + VBMI,
+else `affineq.lowbit_linear` after `affineq.int8_fake_quant`), not a dequantize-then-matmul.
 """
 
 import argparse

@@ -333,16 +333,18 @@ _lib.define(
 # int8_fake_quant(x) @ W^T with the code products summed exactly in int32 (cpp/gemm_int8_codes.cpp): x float32
 # [M, K], W an 8- or 4-bit integer dense-format weight [n, k] (fp32 / bf16 / fp16 qparams, code_offset as
 # lowbit_linear's); mode as int8_fake_quant. CPU kernel only, on builds where int8_codes_built() (AVX512-VNNI +
-# VBMI); n % 16 == 0, group_size % 8 == 0.
+# VBMI); n % 16 == 0, group_size % 8 == 0. With fewer than min_rows rows of x it returns
+# lowbit_linear(int8_fake_quant(x), ...) instead (the fused GEMV is faster there): one op whatever M, so a graph
+# with a symbolic M runs what eager runs.
 _lib.define(
     "int8_codes_linear(Tensor x, Tensor packed, Tensor scale, Tensor? offset, int group_size, int n, int k,"
-    " bool per_token, int mode, float eps, int bits=8, int code_offset=0) -> Tensor"
+    " bool per_token, int mode, float eps, int bits=8, int code_offset=0, int min_rows=0) -> Tensor"
 )
 
 
 @torch.library.register_fake("affineq::int8_codes_linear", lib=_lib)
 def _int8_codes_linear_fake(x, packed, scale, offset, group_size, n, k, per_token, mode, eps, bits=8,
-                            code_offset=0):
+                            code_offset=0, min_rows=0):
     return x.new_empty((x.shape[0], n))
 
 

@@ -338,7 +338,8 @@ int64_t lowbit_path_for(const at::Tensor& x, int64_t group_size, int64_t codes, 
 // through Int8CodesGemm (exact int32 sums of the code products, gemm_int8_codes.cpp).
 at::Tensor int8_codes_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                                  const std::optional<at::Tensor>& offset, int64_t group_size, int64_t n, int64_t k,
-                                 bool per_token, int64_t mode, double eps, int64_t bits, int64_t code_offset) {
+                                 bool per_token, int64_t mode, double eps, int64_t bits, int64_t code_offset,
+                                 int64_t min_rows) {
   const char* op = "affineq::int8_codes_linear";
   TORCH_CHECK(!g_disabled.load(), op, ": the affineq C++ kernels are disabled");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.scalar_type() == at::kFloat && x.device().is_cpu(), op,
@@ -359,6 +360,9 @@ at::Tensor int8_codes_linear_cpu(const at::Tensor& x, const at::Tensor& packed, 
   TORCH_CHECK(Int8CodesGemm::supported(p), op, ": this build or weight is not one the kernel reads (AVX512-VNNI "
               "and VBMI builds; fp32 / bf16 / fp16 qparams, n % 16 == 0, group_size % 8 == 0); use "
               "affineq::lowbit_linear");
+  if (x.size(0) < min_rows)  // the fused GEMV on the fake-quantized x: the same product, faster at few rows
+    return lowbit_linear_cpu(int8_fake_quant_cpu(xc, per_token, mode, eps), packed, scale, offset, bits, group_size,
+                             n, k, kCodesUint, code_offset);
   at::Tensor y = at::empty({x.size(0), n}, x.options());
   if (x.size(0) > 0 && n > 0) {
     Int8CodesGemm gemm(p, mode == 2, /*per_item=*/true);

@@ -65,8 +65,9 @@ MIN_ROWS: dict[str, dict[str, dict[str, int | None]]] = {
         "scalar": {},
     },
     # 4-bit weights (8da4w) on our int8-codes kernel (VNNI, exact int32 sums; 8-bit weights take it at every M):
-    # from a few rows it beats the fused fp32 GEMV on the fake-quantized x, from 16 the bf16-dot one. AMX CPUs keep
-    # bf16 tiles (dequant_linear).
+    # from a few rows it beats the fused fp32 GEMV on the fake-quantized x, from 16 the bf16-dot one. The op
+    # compares M itself (below: the fused GEMV inside it), so an exported graph runs what eager runs at every M.
+    # AMX CPUs keep bf16 tiles (dequant_linear).
     "affineq.int8_codes_linear:int4": {
         "amx": {},
         "avx512": {"fp32": 4, "bf16": 16},
@@ -126,6 +127,11 @@ def native_bf16_gemm() -> bool:
 def input_rows(x: torch.Tensor):
     """M: the number of rows F.linear multiplies (product of all but the last dim; an int or a SymInt)."""
     return math.prod(x.shape[:-1])
+
+
+def min_rows(kernel: str, dtype: torch.dtype) -> int | None:
+    """The kernel's `MIN_ROWS` for this CPU kind and input `dtype` (None: never)."""
+    return MIN_ROWS[kernel][cpu_kind()].get(_DTYPE_NAMES.get(dtype, str(dtype)))
 
 
 def rows_check(kernel: str, x: torch.Tensor) -> str | None:

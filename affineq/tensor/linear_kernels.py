@@ -38,11 +38,11 @@ from affineq.tensor.activation import (
 from affineq.tensor.compute_bound import (
     dequant_linear_check,
     dequant_linear_run,
+    min_rows,
     qlinear_check,
     qlinear_run,
     qlinear_static_check,
     qlinear_static_run,
-    rows_check,
 )
 from affineq.tensor.formats import dense_code_offset
 from affineq.tensor.kernel_registry import Check, Run, register_linear_kernel
@@ -115,11 +115,12 @@ def lowbit_weight_args(w) -> tuple:
 # -- kernel: affineq::int8_codes_linear (our C++), dense 8-bit weight x dynamic int8 activation ----------------
 
 _INT8_CODES_QP = (torch.float32, torch.bfloat16, torch.float16)
+INT8_CODES_INT4 = "affineq.int8_codes_linear:int4"  # its row threshold (`compute_bound.MIN_ROWS`)
 
 
 def _int8_codes_check(x, w):
-    """The int8 codes of x times the 8- or 4-bit weight codes (4-bit: from `MIN_ROWS` rows), summed exactly in int32
-    (VNNI), where the build has it;
+    """The int8 codes of x times the 8- or 4-bit weight codes (4-bit: from `MIN_ROWS` rows, the fused GEMV on the
+    fake-quantized x below them, inside the op), summed exactly in int32 (VNNI), where the build has it;
     the same values as `affineq.lowbit_linear` on the fake-quantized x, whose fp32 sums it replaces. bf16 x: its
     codes and scale are computed in fp32 either way (`activation.int8_activation`), so x is widened first and
     the products use the codes themselves, as `aten._int_mm`'s route does (not the bf16-rounded code * scale)."""
@@ -134,8 +135,8 @@ def _int8_codes_check(x, w):
     bits = spec.target.bits
     if bits not in (8, 4) or _cpp.codes_kind(spec.target) != _cpp.CODES_UINT or w._scale.dtype not in _INT8_CODES_QP:
         return "needs 8- or 4-bit integer codes with float32 / bfloat16 / float16 qparams"
-    if bits == 4 and (why := rows_check("affineq.int8_codes_linear:int4", x)) is not None:
-        return why
+    if bits == 4 and min_rows(INT8_CODES_INT4, x.dtype) is None:
+        return f"not used for 4-bit weights with {x.dtype} input on this CPU ({INT8_CODES_INT4} in MIN_ROWS)"
     if n % 16 or group_size % 8:
         return f"needs out_features % 16 == 0 and group_size % 8 == 0 (got {n}, {group_size})"
     if not _cpp.int8_codes_built():
@@ -147,8 +148,10 @@ def _int8_codes_run(x, w, bias):
     aq = w.spec.act_quant
     n, k = w.spec.shape
     packed, scale, offset, bits, group_size, _, code_offset = lowbit_weight_args(w)
+    least = min_rows(INT8_CODES_INT4, x.dtype) if bits == 4 else 0  # below it the op runs the fused GEMV
     out = torch.ops.affineq.int8_codes_linear(_flat(x).float().contiguous(), packed, scale, offset, group_size, n, k,
-                                              aq.per_token, fused_int8_mode(aq), act_eps(x, aq), bits, code_offset)
+                                              aq.per_token, fused_int8_mode(aq), act_eps(x, aq), bits, code_offset,
+                                              least)
     return _finish(out, x, bias)
 
 
