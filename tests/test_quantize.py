@@ -67,12 +67,15 @@ WITHOUT_CPP = {"int4_g128": "aten._weight_int4pack_mm_for_cpu", "int8": "aten._w
 
 
 def _expected_kernel(name, kernel, dtype=torch.float32):
+    from affineq.tensor.compute_bound import min_rows
     from affineq.tensor.kernel_registry import int8_codes_preferred
 
     dense = name == "int8_dyn_dense" or (name == "int8_dyn" and cpp.is_available() and (
         not _int_mm_is_fast() or int8_codes_preferred((256, 256))))  # "auto": dense where faster here
     if dense and cpp.int8_codes_built():
         return "affineq.int8_codes_linear"  # exact int32 code products where the build has VNNI + VBMI
+    if name == "8da4w" and cpp.int8_codes_built() and min_rows("affineq.int8_codes_linear:int4", dtype) is not None:
+        return "affineq.int8_codes_linear"  # 4-bit weights too, where MIN_ROWS has a threshold for this CPU
     if dense:
         return LOWBIT
     if kernel == LOWBIT and not cpp.is_available():
