@@ -77,14 +77,17 @@ struct TileQparams {
   TileQparams shifted(int64_t panels) const { return {sT + 16 * panels, oT + 16 * panels, us ? us + 16 * panels : us, ld}; }
 };
 
-template <int NP, int MR>
+// kOne: one group (a per-channel weight): y is written straight from the int32 sums, with no fp32 accumulators
+// (more rows per tile: NP * MR <= 24).
+template <int NP, int MR, bool kOne>
 void tile(const Int8CodesGemm::State& s, const TileQparams& qp, const int8_t* q, const uint8_t* w0, int64_t p0,
           int64_t m0, float* y) {
   // Four row pointers and one stride address the 12 rows with few registers.
   const int8_t* xr[4] = {q, q + 3 * s.k, q + 6 * s.k, q + 9 * s.k};
   const __m512i idx = quad_index();
-  __m512 facc[NP][MR];
-  sfor<NP>([&](auto J_) { sfor<MR>([&](auto I_) { facc[AQ_CV(J_)][AQ_CV(I_)] = _mm512_setzero_ps(); }); });
+  __m512 facc[kOne ? 1 : NP][kOne ? 1 : MR];
+  if constexpr (!kOne)
+    sfor<NP>([&](auto J_) { sfor<MR>([&](auto I_) { facc[AQ_CV(J_)][AQ_CV(I_)] = _mm512_setzero_ps(); }); });
   for (int64_t g = 0; g < s.G; ++g) {
     __m512i acc[NP][MR];
     sfor<NP>([&](auto J_) {
@@ -122,33 +125,48 @@ void tile(const Int8CodesGemm::State& s, const TileQparams& qp, const int8_t* q,
         if (z != 0)
           prod = _mm512_sub_epi32(prod, _mm512_mullo_epi32(_mm512_set1_epi32(z),
                                                            _mm512_loadu_si512(qp.us + g * qp.ld + 16 * j)));
-        facc[j][i] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(prod), facc[j][i]);
-        facc[j][i] = _mm512_fmadd_ps(of, _mm512_set1_ps(s.S[m * s.G + g]), facc[j][i]);
+        const __m512 S = _mm512_set1_ps(s.S[m * s.G + g]);
+        if constexpr (kOne) {
+          const __m512 t = _mm512_fmadd_ps(of, S, _mm512_mul_ps(sc, _mm512_cvtepi32_ps(prod)));
+          _mm512_storeu_ps(y + m * s.n + (p0 + j) * 16, _mm512_mul_ps(_mm512_set1_ps(s.sx[m]), t));
+        } else {
+          facc[j][i] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(prod), facc[j][i]);
+          facc[j][i] = _mm512_fmadd_ps(of, S, facc[j][i]);
+        }
       });
     });
   }
-  sfor<NP>([&](auto J_) {
-    constexpr int j = AQ_CV(J_);
-    sfor<MR>([&](auto I_) {
-      constexpr int i = AQ_CV(I_);
-      const int64_t m = m0 + i;
-      _mm512_storeu_ps(y + m * s.n + (p0 + j) * 16, _mm512_mul_ps(_mm512_set1_ps(s.sx[m]), facc[j][i]));
+  if constexpr (!kOne)
+    sfor<NP>([&](auto J_) {
+      constexpr int j = AQ_CV(J_);
+      sfor<MR>([&](auto I_) {
+        constexpr int i = AQ_CV(I_);
+        const int64_t m = m0 + i;
+        _mm512_storeu_ps(y + m * s.n + (p0 + j) * 16, _mm512_mul_ps(_mm512_set1_ps(s.sx[m]), facc[j][i]));
+      });
     });
-  });
 }
 
 using TileFn = void (*)(const Int8CodesGemm::State&, const TileQparams&, const int8_t*, const uint8_t*, int64_t,
                         int64_t, float*);
-template <int NP, int... Is>
+template <int NP, bool kOne, int... Is>
 constexpr std::array<TileFn, sizeof...(Is)> tile_table(std::integer_sequence<int, Is...>) {
-  return {&tile<NP, Is + 1>...};
+  return {&tile<NP, Is + 1, kOne>...};
 }
-// Row blocks of <= 3 rows take 4 panels at once (small batches: enough independent chains), larger ones 2
-// panels x 6 rows.
-constexpr int kWide = 3, kHalf = 6;
-constexpr auto kTiles4 = tile_table<4>(std::make_integer_sequence<int, kWide>{});
-constexpr auto kTiles2 = tile_table<2>(std::make_integer_sequence<int, kHalf>{});
-constexpr auto kTiles1 = tile_table<1>(std::make_integer_sequence<int, kRows>{});
+// Row blocks: grouped weights (fp32 accumulators) 4 panels x <= 3 rows, else 2 panels x <= 6 rows; one group
+// 4 panels x <= 6 rows, else 2 panels x <= 12. Single panels: up to 12 rows.
+struct TileSet {
+  int wide, half;  // rows of the 4-panel and the 2-panel tiles
+  const TileFn *t4, *t2, *t1;
+};
+constexpr auto kTiles4 = tile_table<4, false>(std::make_integer_sequence<int, 3>{});
+constexpr auto kTiles2 = tile_table<2, false>(std::make_integer_sequence<int, 6>{});
+constexpr auto kTiles1 = tile_table<1, false>(std::make_integer_sequence<int, kRows>{});
+constexpr auto kOneTiles4 = tile_table<4, true>(std::make_integer_sequence<int, 6>{});
+constexpr auto kOneTiles2 = tile_table<2, true>(std::make_integer_sequence<int, kRows>{});
+constexpr auto kOneTiles1 = tile_table<1, true>(std::make_integer_sequence<int, kRows>{});
+constexpr TileSet kGrouped{3, 6, kTiles4.data(), kTiles2.data(), kTiles1.data()};
+constexpr TileSet kOneGroup{6, kRows, kOneTiles4.data(), kOneTiles2.data(), kOneTiles1.data()};
 
 // np 4-bit panels (the dense layout: 64-byte units of 8 k x 16 rows, slot t of a unit holding k = 2t in the low
 // nibbles and 2t + 1 in the high ones) as 8-bit panels ([k][16 rows] bytes): the codes unchanged.
@@ -281,15 +299,16 @@ void Int8CodesGemm::run(const float* x, int64_t m, bool per_token, int mode, flo
       for (int64_t m0 = 0; m0 < m; m0 += kRows) {
         const int64_t mr = std::min<int64_t>(kRows, m - m0);
         const int8_t* q = s.codes.data() + m0 * s.k;
+        const TileSet& ts = s.G == 1 ? kOneGroup : kGrouped;
         if (it >= nquad) {
-          kTiles1[mr - 1](s, qp, q, w0, p0, m0, y);
-        } else if (mr <= kWide) {
-          kTiles4[mr - 1](s, qp, q, w0, p0, m0, y);
+          ts.t1[mr - 1](s, qp, q, w0, p0, m0, y);
+        } else if (mr <= ts.wide) {
+          ts.t4[mr - 1](s, qp, q, w0, p0, m0, y);
         } else {
-          for (int64_t h0 = 0; h0 < mr; h0 += kHalf) {
-            const int64_t hr = std::min<int64_t>(kHalf, mr - h0);
-            kTiles2[hr - 1](s, qp, q + h0 * s.k, w0, p0, m0 + h0, y);
-            kTiles2[hr - 1](s, qp.shifted(2), q + h0 * s.k, w0 + 2 * 16 * s.k, p0 + 2, m0 + h0, y);
+          for (int64_t h0 = 0; h0 < mr; h0 += ts.half) {
+            const int64_t hr = std::min<int64_t>(ts.half, mr - h0);
+            ts.t2[hr - 1](s, qp, q + h0 * s.k, w0, p0, m0 + h0, y);
+            ts.t2[hr - 1](s, qp.shifted(2), q + h0 * s.k, w0 + 2 * 16 * s.k, p0 + 2, m0 + h0, y);
           }
         }
       }
