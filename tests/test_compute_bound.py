@@ -195,20 +195,22 @@ def test_8da4w_fake_quantizes_the_input_first(pinned_threshold, no_int8_codes_fo
 
 @pytest.mark.skipif(not cpp.int8_codes_built(), reason="external: this build has no int8-codes kernel (AVX512-VNNI "
                     "and VBMI)")
-@pytest.mark.parametrize("group_size", [32, 128])
-def test_8da4w_takes_the_exact_int8_kernel_from_its_threshold(group_size):
+@pytest.mark.parametrize("group_size,dtype", [(32, torch.float32), (128, torch.float32), (32, torch.bfloat16)])
+def test_8da4w_takes_the_exact_int8_kernel_from_its_threshold(group_size, dtype):
     # 4-bit weights x int8 activation codes summed in int32 (VNNI) from the row threshold on; below it the same op
-    # runs the fused GEMV on the fake-quantized x (one op at every M: a graph with a symbolic M runs what eager
-    # runs). Both are x_fake_quant @ W^T: equal within fp32 rounding, and equal to it computed in float64.
-    previous = set_min_rows(INT8_INT4, "fp32", 4)
+    # runs the fused kernel on the fake-quantized x, in x's dtype (one op at every M: a graph with a symbolic M runs
+    # what eager runs). Both are x_fake_quant @ W^T: equal within the output dtype's rounding, and to it in float64.
+    name = "fp32" if dtype == torch.float32 else "bf16"
+    previous = set_min_rows(INT8_INT4, name, 4)
     try:
-        lin = quantized_linear(Int8DynamicActivationInt4WeightConfig(group_size=group_size), 80, 256, seed=3)
+        lin = quantized_linear(Int8DynamicActivationInt4WeightConfig(group_size=group_size), 80, 256, dtype, seed=3)
         w = lin.weight
+        tol = 2e-6 if dtype == torch.float32 else 2**-7  # bf16 y: one rounding of the output
         for m in (1, 3, 4, 37):
-            x = torch.randn(m, 256) * 3 + 0.5  # asymmetric per-token ranges: zero points
+            x = (torch.randn(m, 256) * 3 + 0.5).to(dtype)  # asymmetric per-token ranges: zero points
             with torch.no_grad(), record_kernels() as used:
                 got = lin(x)
-            assert used == ["affineq.int8_codes_linear"], (m, used)
+            assert used == ["affineq.int8_codes_linear"] and got.dtype == dtype, (m, used)
             with torch.no_grad():
                 xq = fake_quantize_activation(x, w.spec.act_quant, w)
                 packed, scale, offset, bits, gs, codes, co = lowbit_weight_args(w)
@@ -216,13 +218,13 @@ def test_8da4w_takes_the_exact_int8_kernel_from_its_threshold(group_size):
                 ref = xq.double() @ w.dequantize(torch.float32).double().T
             fused = fused + lin.bias
             ref = ref + lin.bias.double()
-            if m < 4:  # the fused GEMV inside the op: the same values as the fused kernel
+            if m < 4:  # the fused kernel inside the op: the same values as the fused route
                 assert torch.equal(got, fused), m
-            scale = ref.abs().max().item()
-            assert (got.double() - ref).abs().max().item() <= 2e-6 * scale, m
-            assert (got - fused).abs().max().item() <= 4e-6 * scale, m
+            scale_ = ref.abs().max().item()
+            assert (got.double() - ref).abs().max().item() <= tol * scale_, m
+            assert (got.double() - fused.double()).abs().max().item() <= 2 * tol * scale_, m
     finally:
-        set_min_rows(INT8_INT4, "fp32", previous)
+        set_min_rows(INT8_INT4, name, previous)
 
 
 def test_the_table_decides_where_no_threshold_is_pinned():

@@ -342,8 +342,10 @@ at::Tensor int8_codes_linear_cpu(const at::Tensor& x, const at::Tensor& packed, 
                                  int64_t min_rows) {
   const char* op = "affineq::int8_codes_linear";
   TORCH_CHECK(!g_disabled.load(), op, ": the affineq C++ kernels are disabled");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.scalar_type() == at::kFloat && x.device().is_cpu(), op,
-              ": x must be a float32 CPU tensor [m, k=", k, "], got ", x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                  x.device().is_cpu(),
+              op, ": x must be a float32 or bfloat16 CPU tensor [m, k=", k, "], got ", x.scalar_type(), " ",
+              x.sizes());
   TORCH_CHECK(mode >= 0 && mode <= 2, op, ": mode must be an int8_fake_quant mode (0, 1 or 2), got ", mode);
   TORCH_CHECK(group_size > 0 && k % group_size == 0, op, ": group_size must divide k, got group_size=",
               group_size, ", k=", k);
@@ -352,7 +354,9 @@ at::Tensor int8_codes_linear_cpu(const at::Tensor& x, const at::Tensor& packed, 
               ": packed must be uint8 with ", packed_nbytes(n, k, bits), " elements (", bits, "-bit codes)");
   check_qparams(op, scale, offset, bits, kCodesUint, code_offset, n, k / group_size);
   const bool has_offset = offset.has_value() && offset->defined();
-  const at::Tensor pk = packed.contiguous(), sc = scale.contiguous(), xc = x.contiguous();
+  // The int8 path quantizes x in fp32 (bf16 x widened: the same codes as int8_fake_quant computes) and rounds y
+  // to x's dtype at the end; the fused fallback below min_rows runs in x's dtype.
+  const at::Tensor pk = packed.contiguous(), sc = scale.contiguous(), xc = x.to(at::kFloat).contiguous();
   const at::Tensor of = has_offset ? offset->contiguous() : at::Tensor();
   LowbitProblem p;
   set_weight(p, pk.const_data_ptr(), sc.const_data_ptr(), has_offset ? of.const_data_ptr() : nullptr,
@@ -361,15 +365,15 @@ at::Tensor int8_codes_linear_cpu(const at::Tensor& x, const at::Tensor& packed, 
               "and VBMI builds; fp32 / bf16 / fp16 qparams, n % 16 == 0, group_size % 8 == 0); use "
               "affineq::lowbit_linear");
   if (x.size(0) < min_rows)  // the fused GEMV on the fake-quantized x: the same product, faster at few rows
-    return lowbit_linear_cpu(int8_fake_quant_cpu(xc, per_token, mode, eps), packed, scale, offset, bits, group_size,
+    return lowbit_linear_cpu(int8_fake_quant_cpu(x, per_token, mode, eps), packed, scale, offset, bits, group_size,
                              n, k, kCodesUint, code_offset);
-  at::Tensor y = at::empty({x.size(0), n}, x.options());
+  at::Tensor y = at::empty({x.size(0), n}, xc.options());
   if (x.size(0) > 0 && n > 0) {
     Int8CodesGemm gemm(p, mode == 2, /*per_item=*/true);
     gemm.run(xc.const_data_ptr<float>(), x.size(0), per_token, static_cast<int>(mode), static_cast<float>(eps),
              y.mutable_data_ptr<float>());
   }
-  return y;
+  return y.to(x.scalar_type());
 }
 
 bool int8_codes_built() { return Int8CodesGemm::built(); }
