@@ -157,17 +157,26 @@ def test_dequant_linear_of_a_3d_input_and_many_panels_per_thread():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_runs_from_the_threshold_on_and_says_why_not_below(dtype, pinned_threshold):
+def test_kernel_runs_from_the_threshold_on_and_the_fused_kernel_below(dtype, pinned_threshold):
+    # The op compares M with its threshold itself (a graph with a symbolic M runs what eager runs): below it the
+    # fused kernel's values bit for bit, from it on the dequantized GEMM's.
     lin = quantized_linear(Int4WeightOnlyConfig(group_size=32), 64, 128)
     w = lin.weight
-    for m in (1, THRESHOLD - 1, THRESHOLD, 2 * THRESHOLD + 1, THRESHOLD - 1, 1):  # the cache switches back
+    packed, scale, offset, bits, gs, codes, co = lowbit_weight_args(w)
+    for m in (1, THRESHOLD - 1, THRESHOLD, 2 * THRESHOLD + 1, THRESHOLD - 1, 1):
         x = torch.randn(m, 128, dtype=dtype)
         with torch.no_grad(), record_kernels() as used:
-            lin(x)
-        assert used == ([KERNEL] if m >= THRESHOLD else ["affineq.lowbit_linear"]), (m, used)
-    kernel, reasons = select_linear_kernel(torch.randn(2, 128, dtype=dtype), w)
-    assert kernel.name == "affineq.lowbit_linear"
-    assert any(r.startswith(f"{KERNEL}: M = 2 input rows < {THRESHOLD}") and cpu_kind() in r for r in reasons)
+            got = lin(x)
+            fused = torch.ops.affineq.lowbit_linear(x, packed, scale, offset, bits, gs, 64, 128, codes, co) + lin.bias
+        assert used == [KERNEL], (m, used)
+        if m < THRESHOLD:
+            assert torch.equal(got, fused), m
+        else:
+            ref = F.linear(x.float(), w.dequantize(torch.float32), lin.bias.float())
+            tol = 1e-5 if dtype == torch.float32 else 2**-6
+            assert (got.float() - ref).abs().max().item() <= tol * ref.abs().max().item(), m
+    kernel, _ = select_linear_kernel(torch.randn(2, 128, dtype=dtype), w)
+    assert kernel.name == KERNEL
 
 
 @pytest.fixture
@@ -268,10 +277,15 @@ def test_eager_equals_compiled_and_export_keeps_the_kernel(pinned_threshold):
     targets = [n.target for n in ep.graph.nodes if n.op == "call_function"]
     assert targets.count(torch.ops.affineq.dequant_linear.default) == 2, targets
     assert torch.equal(ep.module()(x), ref)
-    # a dynamic M keeps the fused kernel in the graph (no guard on M), which is right for every M
+    # a dynamic M keeps the same op (it compares M itself, no guard on M): the exported program equals eager on
+    # both sides of the threshold
     ep = torch.export.export(model, (x,), dynamic_shapes=({0: torch.export.Dim("batch", max=4096)},))
     targets = [n.target for n in ep.graph.nodes if n.op == "call_function"]
-    assert targets.count(torch.ops.affineq.lowbit_linear.default) == 2, targets
+    assert targets.count(torch.ops.affineq.dequant_linear.default) == 2, targets
+    for m in (1, THRESHOLD - 1, THRESHOLD + 9):
+        xm = torch.randn(m, 64)
+        with torch.no_grad():
+            assert torch.equal(ep.module()(xm), model(xm)), m
 
 
 # -- W8A8: oneDNN's int8 GEMM on a prepacked weight ------------------------------------------------------------

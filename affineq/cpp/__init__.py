@@ -402,10 +402,12 @@ _lib.define(
     " int codes, int code_offset, bool canonical, bool bf16) -> Tensor"
 )
 # x @ W^T with W dequantized in cached row blocks and multiplied by torch's GEMM (cpp/dequant_gemm.cpp): fp32
-# products of x.float() and the fp32 W, or (bf16_weight=True, bf16 x) the bf16 GEMM of x and W.to(bf16).
+# products of x.float() and the fp32 W, or (bf16_weight=True, bf16 x) the bf16 GEMM of x and W.to(bf16). With
+# fewer than min_rows rows of x it returns lowbit_linear(x, ...) instead (the fused kernels are faster there): one
+# op whatever M, so a graph with a symbolic M runs what eager runs.
 _lib.define(
     "dequant_linear(Tensor x, Tensor packed, Tensor scale, Tensor? offset, int bits, int group_size, int n, int k,"
-    " int codes, int code_offset, bool canonical, bool bf16_weight) -> Tensor"
+    " int codes, int code_offset, bool canonical, bool bf16_weight, int min_rows=0) -> Tensor"
 )
 
 
@@ -415,7 +417,8 @@ def _dense_dequantize_fake(packed, scale, offset, bits, group_size, n, k, codes,
 
 
 @torch.library.register_fake("affineq::dequant_linear", lib=_lib)
-def _dequant_linear_fake(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset, canonical, bf16_weight):
+def _dequant_linear_fake(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset, canonical, bf16_weight,
+                         min_rows=0):
     return x.new_empty((*x.shape[:-1], n))
 
 
@@ -435,8 +438,10 @@ def dense_dequantize_reference(packed: torch.Tensor, scale: torch.Tensor, offset
 
 
 def _dequant_linear_fallback(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset, canonical,
-                             bf16_weight):
+                             bf16_weight, min_rows=0):
     # Runs only while no C++ CPU kernel is registered (e.g. a graph compiled while the kernels were available).
+    if x.numel() // k < min_rows:
+        return torch.ops.affineq.lowbit_linear(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset)
     w = dense_dequantize_reference(packed, scale, offset, bits, group_size, n, k, codes, code_offset, canonical,
                                    bf16_weight)
     return F.linear(x.to(w.dtype), w).to(x.dtype)

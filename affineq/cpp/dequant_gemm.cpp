@@ -319,8 +319,20 @@ bool weight_transposed() {
 
 at::Tensor dequant_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                               const std::optional<at::Tensor>& offset, int64_t bits, int64_t group_size, int64_t n,
-                              int64_t k, int64_t codes, int64_t code_offset, bool canonical, bool bf16_weight) {
+                              int64_t k, int64_t codes, int64_t code_offset, bool canonical, bool bf16_weight,
+                              int64_t min_rows) {
   const auto xt = x.scalar_type();
+  if (x.dim() >= 1 && x.size(-1) == k && x.numel() / k < min_rows) {
+    // Fewer rows than the threshold: the fused kernels (affineq::lowbit_linear), decided here so that a graph with
+    // a symbolic M runs what eager runs.
+    static auto lowbit = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("affineq::lowbit_linear", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                               const std::optional<at::Tensor>&, int64_t, int64_t, int64_t, int64_t,
+                                               int64_t, int64_t)>();
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return lowbit.call(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset);
+  }
   TORCH_CHECK(xt == at::kFloat || xt == at::kBFloat16 || xt == at::kHalf, kDl,
               ": x must be float32, bfloat16 or float16, got ", xt);
   TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1 && x.size(-1) == k, kDl, ": x must be a CPU tensor [..., k=", k,

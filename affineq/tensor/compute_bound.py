@@ -1,9 +1,11 @@
 """Linear kernels for compute-bound calls (many input rows M), chosen by the CPU's kind at run time.
 
 At large M a linear's time is its arithmetic, and torch's float GEMM (oneDNN / MKL, which pick AMX tiles,
-AVX-512 or AVX2 by themselves) can run it faster than a fused dequantizing kernel. Each kernel's precondition
-is "M >= the threshold for this CPU kind and input dtype" (`MIN_ROWS`, one small table); below it the fused
-kernels of `linear_kernels` run.
+AVX-512 or AVX2 by themselves) can run it faster than a fused dequantizing kernel. Each kernel runs from the
+threshold for this CPU kind and input dtype on (`MIN_ROWS`, one small table); below it the fused kernels of
+`linear_kernels`. `affineq.dequant_linear` (and 8da4w's `affineq.int8_codes_linear`) compare M inside the op
+(`min_rows`), so a graph with a symbolic M runs what eager runs; `onednn.qlinear`'s precondition compares it
+(`rows_check`: a symbolic M takes the fused kernels).
 
 | kernel                 | format | what runs                                                                   |
 |------------------------|--------|-----------------------------------------------------------------------------|
@@ -170,7 +172,10 @@ def dequant_linear_check(x: torch.Tensor, w) -> str | None:
         return f"input dtype {x.dtype} is not fp32/bf16"
     if not _cpp.is_available():
         return f"the affineq C++ kernels are unavailable ({_cpp.unavailable_reason()})"
-    return rows_check("affineq.dequant_linear", x)
+    if min_rows("affineq.dequant_linear", x.dtype) is None:  # else the op compares M itself (min_rows)
+        return (f"not used for {_DTYPE_NAMES.get(x.dtype, str(x.dtype))} input on a {cpu_kind()} CPU (the fused "
+                "kernels are faster there)")
+    return None
 
 
 def dequant_linear_run(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
@@ -182,7 +187,7 @@ def dequant_linear_run(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.T
     out = torch.ops.affineq.dequant_linear(
         x, w._qdata, w._scale, offset, spec.target.bits, spec.block_size[1], n, k, _cpp.codes_kind(spec.target),
         dense_code_offset(spec, offset is not None), dense_is_canonical(w._scale, spec, offset is not None),
-        x.dtype == torch.bfloat16 and native_bf16_gemm(),
+        x.dtype == torch.bfloat16 and native_bf16_gemm(), min_rows("affineq.dequant_linear", x.dtype) or 0,
     )
     return out if bias is None else out + bias
 
