@@ -354,9 +354,7 @@ at::Tensor int8_codes_linear_cpu(const at::Tensor& x, const at::Tensor& packed, 
               ": packed must be uint8 with ", packed_nbytes(n, k, bits), " elements (", bits, "-bit codes)");
   check_qparams(op, scale, offset, bits, kCodesUint, code_offset, n, k / group_size);
   const bool has_offset = offset.has_value() && offset->defined();
-  // The int8 path quantizes x in fp32 (bf16 x widened: the same codes as int8_fake_quant computes) and rounds y
-  // to x's dtype at the end; the fused fallback below min_rows runs in x's dtype.
-  const at::Tensor pk = packed.contiguous(), sc = scale.contiguous(), xc = x.to(at::kFloat).contiguous();
+  const at::Tensor pk = packed.contiguous(), sc = scale.contiguous();
   const at::Tensor of = has_offset ? offset->contiguous() : at::Tensor();
   LowbitProblem p;
   set_weight(p, pk.const_data_ptr(), sc.const_data_ptr(), has_offset ? of.const_data_ptr() : nullptr,
@@ -367,6 +365,9 @@ at::Tensor int8_codes_linear_cpu(const at::Tensor& x, const at::Tensor& packed, 
   if (x.size(0) < min_rows)  // the fused GEMV on the fake-quantized x: the same product, faster at few rows
     return lowbit_linear_cpu(int8_fake_quant_cpu(x, per_token, mode, eps), packed, scale, offset, bits, group_size,
                              n, k, kCodesUint, code_offset);
+  // The int8 path quantizes x in fp32 (bf16 x widened: the same codes as int8_fake_quant computes) and rounds y
+  // to x's dtype at the end; the fallback above runs in x's dtype.
+  const at::Tensor xc = x.to(at::kFloat).contiguous();
   at::Tensor y = at::empty({x.size(0), n}, xc.options());
   if (x.size(0) > 0 && n > 0) {
     Int8CodesGemm gemm(p, mode == 2, /*per_item=*/true);

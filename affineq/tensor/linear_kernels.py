@@ -149,7 +149,7 @@ def _int8_codes_run(x, w, bias):
     n, k = w.spec.shape
     packed, scale, offset, bits, group_size, _, code_offset = lowbit_weight_args(w)
     least = min_rows(INT8_CODES_INT4, x.dtype) if bits == 4 else 0  # below it the op runs the fused GEMV
-    out = torch.ops.affineq.int8_codes_linear(_flat(x).contiguous(), packed, scale, offset, group_size, n, k,
+    out = torch.ops.affineq.int8_codes_linear(_flat(x), packed, scale, offset, group_size, n, k,
                                               aq.per_token, fused_int8_mode(aq), act_eps(x, aq), bits, code_offset,
                                               least)
     return _finish(out, x, bias)
