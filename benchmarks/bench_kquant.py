@@ -48,7 +48,7 @@ def random_blocks(kind: str, n: int, k: int) -> torch.Tensor:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default="4096x4096,11008x4096", help="NxK list (N = out_features, K % 256 == 0)")
+    ap.add_argument("--shapes", default="4096x4096,11008x4096", help="NxK list (N = out_features, K %% 256 == 0)")
     ap.add_argument("--m", default="1,4,8,32,128", help="rows of x (k-quant paths: GEMV to 4, tile GEMM to 256)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--budget", type=float, default=0.3, help="seconds per candidate per (shape, M)")

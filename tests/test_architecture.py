@@ -309,3 +309,25 @@ def test_every_moved_name_still_imports_with_a_warning_naming_its_new_place():
         warnings.simplefilter("always")
         from affineq import PerTensor  # noqa: F401  (the `from` spelling goes through __getattr__ too)
     assert "affineq.granularity.PerTensor" in str(caught[0].message)
+
+
+class _AnyKey(dict):
+    def __missing__(self, key: str) -> str:
+        return ""
+
+
+def test_every_command_line_help_formats():
+    """argparse expands each help string with `%` (so `--help` of a script whose help says "K % 256" raised
+    ValueError): every literal help= in the package, the benchmarks and the tutorials must survive that."""
+    bad = []
+    for path in sorted([*PKG.rglob("*.py"), *(ROOT / "benchmarks").glob("*.py"), *(ROOT / "tutorials").glob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument"):
+                continue
+            for kw in node.keywords:
+                if kw.arg == "help" and isinstance(kw.value, ast.Constant) and isinstance(kw.value.value, str):
+                    try:
+                        kw.value.value % _AnyKey()
+                    except (ValueError, TypeError) as e:
+                        bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: {e}")
+    assert bad == [], bad
