@@ -761,6 +761,34 @@ def test_int8_codes_kernel_sums_exact_products(n: int, k: int, gs: int, bits: in
                 assert bool((err <= bound).all()), (m, mode, per_token, (err / bound).max().item())
 
 
+@pytest.mark.parametrize("n", [576, 192, 80])
+def test_int8_codes_kernel_bf16_io_and_thread_split_change_no_bit(n: int) -> None:
+    # bf16 x is quantized from its widened values and y rounded to bf16 as the tile stores it: bit-equal to the
+    # fp32 run rounded afterwards. On 2 threads x's rows are split too when the weight's groups of 4 panels cannot
+    # be shared evenly (n = 576: 9 groups; 192: 3; 80: 1 group + 1 panel): every output is the same sum however
+    # the work is split.
+    _needs_kernels()
+    if not K.int8_codes_built():
+        assert not {"avx512_vnni", "avx512vbmi"} <= _cpu_flags(), "the kernel must be built on this CPU"
+        pytest.skip("the int8-codes kernel needs AVX512-VNNI and VBMI")
+    k, gs = 96, 32
+    _, packed, scale, _ = _problem(4, n, k, gs, seed=n)
+    x = (torch.randn(100, k, generator=torch.Generator().manual_seed(n)) * 3).bfloat16()
+
+    def op(x, threads):
+        old = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return torch.ops.affineq.int8_codes_linear(x, packed, scale.bfloat16(), None, gs, n, k, True, 2, 1e-12, 4,
+                                                       -8)
+        finally:
+            torch.set_num_threads(old)
+
+    y1, y2 = op(x, 1), op(x, 2)
+    assert y1.dtype == torch.bfloat16 and torch.equal(y1.view(torch.int16), y2.view(torch.int16))
+    assert torch.equal(y2.view(torch.int16), op(x.float(), 2).bfloat16().view(torch.int16))
+
+
 def test_int8_codes_kernel_refuses_what_it_cannot_read() -> None:
     _needs_kernels()
     if not K.int8_codes_built():

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 #include <ATen/Parallel.h>
 
@@ -141,27 +142,68 @@ void int8_fake_quant_f32(const float* x, int64_t m, int64_t k, bool per_token, i
   });
 }
 
+namespace {
+
+// Row r's codes (and group sums) with qparams q: one row of int8_quantize_rows.
+void quantize_row(const float* xr, int64_t k, Qp q, int8_t* codes, int32_t* csum, int64_t gs) {
+  const float inv = 1.f / q.scale;
+  int64_t i0 = 0;
+#if AQ_AVX512
+  const __m512 vinv = _mm512_set1_ps(inv), vzp = _mm512_set1_ps(q.zp);
+  for (; i0 + 16 <= k; i0 += 16)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i0),
+                     _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(codes16(_mm512_loadu_ps(xr + i0), vinv, vzp))));
+#endif
+  for (int64_t i = i0; i < k; ++i) codes[i] = static_cast<int8_t>(code_of(xr[i], inv, q.zp));
+  if (csum != nullptr)
+    for (int64_t g = 0; g < k / gs; ++g) {
+      int32_t t = 0;
+      for (int64_t i = g * gs; i < (g + 1) * gs; ++i) t += codes[i];  // vectorizes (int8 -> int32)
+      csum[g] = t;
+    }
+}
+
+// dst[0, n) = the bf16 values src[0, n) as fp32 (exact).
+void widen_bf16(const uint16_t* src, int64_t n, float* dst) {
+  int64_t i = 0;
+#if AQ_AVX512
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_si512(dst + i, _mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                     _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))), 16));
+#endif
+  for (; i < n; ++i) dst[i] = detail::bf16_to_float(src[i]);
+}
+
+}  // namespace
+
 void int8_quantize_rows(const float* x, int64_t m, int64_t k, bool per_token, int mode, float eps, int8_t* codes,
                         float* scale, int32_t* zp, int32_t* csum, int64_t gs) {
   const Qp all = per_token ? Qp{} : qparams(x, m * k, mode, eps);
   at::parallel_for(0, m, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(k, 1)), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const Qp q = per_token ? qparams(x + r * k, k, mode, eps) : all;
-      const float inv = 1.f / q.scale;
-      int64_t i0 = 0;
-#if AQ_AVX512
-      const __m512 vinv = _mm512_set1_ps(inv), vzp = _mm512_set1_ps(q.zp);
-      for (; i0 + 16 <= k; i0 += 16)
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + r * k + i0),
-                         _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(codes16(_mm512_loadu_ps(x + r * k + i0), vinv, vzp))));
-#endif
-      for (int64_t i = i0; i < k; ++i) codes[r * k + i] = static_cast<int8_t>(code_of(x[r * k + i], inv, q.zp));
-      if (csum != nullptr)
-        for (int64_t g = 0; g < k / gs; ++g) {
-          int32_t t = 0;
-          for (int64_t i = g * gs; i < (g + 1) * gs; ++i) t += codes[r * k + i];  // vectorizes (int8 -> int32)
-          csum[r * (k / gs) + g] = t;
-        }
+      quantize_row(x + r * k, k, q, codes + r * k, csum ? csum + r * (k / gs) : nullptr, gs);
+      scale[r] = q.scale;
+      zp[r] = static_cast<int32_t>(q.zp);
+    }
+  });
+}
+
+void int8_quantize_rows_bf16(const uint16_t* x, int64_t m, int64_t k, bool per_token, int mode, float eps,
+                             int8_t* codes, float* scale, int32_t* zp, int32_t* csum, int64_t gs) {
+  if (!per_token) {  // one range for all of x: widened whole
+    std::vector<float> w(static_cast<size_t>(m * k));
+    widen_bf16(x, m * k, w.data());
+    int8_quantize_rows(w.data(), m, k, per_token, mode, eps, codes, scale, zp, csum, gs);
+    return;
+  }
+  at::parallel_for(0, m, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(k, 1)), [&](int64_t r0, int64_t r1) {
+    thread_local std::vector<float> row;  // row r widened: the fp32 values x.to(float32) holds
+    row.resize(static_cast<size_t>(k));
+    for (int64_t r = r0; r < r1; ++r) {
+      widen_bf16(x + r * k, k, row.data());
+      const Qp q = qparams(row.data(), k, mode, eps);
+      quantize_row(row.data(), k, q, codes + r * k, csum ? csum + r * (k / gs) : nullptr, gs);
       scale[r] = q.scale;
       zp[r] = static_cast<int32_t>(q.zp);
     }

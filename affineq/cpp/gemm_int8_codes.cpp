@@ -42,6 +42,7 @@ struct Int8CodesGemm::State {
   std::vector<float> sx;          // [m]
   std::vector<int32_t> zp, csum;  // [m], [m][G]
   std::vector<float> S;           // [m][G]: csum - zp * gs, as fp32 (exact: |S| < 2^24)
+  uint16_t* yb = nullptr;         // y as bf16 when the run writes bf16 (then the tiles' y is null)
 };
 
 namespace {
@@ -76,6 +77,15 @@ struct TileQparams {
   int64_t ld;
   TileQparams shifted(int64_t panels) const { return {sT + 16 * panels, oT + 16 * panels, us ? us + 16 * panels : us, ld}; }
 };
+
+// y[m, 16 c .. 16 c + 15] = v, as fp32 or (s.yb) rounded to bf16.
+AQ_INLINE void store_y(const Int8CodesGemm::State& s, float* y, int64_t m, int64_t c, __m512 v) {
+  if (s.yb != nullptr) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(s.yb + m * s.n + 16 * c), detail::bf16_bits(v));
+  } else {
+    _mm512_storeu_ps(y + m * s.n + 16 * c, v);
+  }
+}
 
 // kOne: one group (a per-channel weight): y is written straight from the int32 sums, with no fp32 accumulators
 // (more rows per tile: NP * MR <= 24).
@@ -128,7 +138,7 @@ void tile(const Int8CodesGemm::State& s, const TileQparams& qp, const int8_t* q,
         const __m512 S = _mm512_set1_ps(s.S[m * s.G + g]);
         if constexpr (kOne) {
           const __m512 t = _mm512_fmadd_ps(of, S, _mm512_mul_ps(sc, _mm512_cvtepi32_ps(prod)));
-          _mm512_storeu_ps(y + m * s.n + (p0 + j) * 16, _mm512_mul_ps(_mm512_set1_ps(s.sx[m]), t));
+          store_y(s, y, m, p0 + j, _mm512_mul_ps(_mm512_set1_ps(s.sx[m]), t));
         } else {
           facc[j][i] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(prod), facc[j][i]);
           facc[j][i] = _mm512_fmadd_ps(of, S, facc[j][i]);
@@ -142,7 +152,7 @@ void tile(const Int8CodesGemm::State& s, const TileQparams& qp, const int8_t* q,
       sfor<MR>([&](auto I_) {
         constexpr int i = AQ_CV(I_);
         const int64_t m = m0 + i;
-        _mm512_storeu_ps(y + m * s.n + (p0 + j) * 16, _mm512_mul_ps(_mm512_set1_ps(s.sx[m]), facc[j][i]));
+        store_y(s, y, m, p0 + j, _mm512_mul_ps(_mm512_set1_ps(s.sx[m]), facc[j][i]));
       });
     });
 }
@@ -261,54 +271,71 @@ Int8CodesGemm::Int8CodesGemm(const LowbitProblem& p, bool zero_points, bool per_
 Int8CodesGemm::~Int8CodesGemm() { delete s_; }
 
 void Int8CodesGemm::run(const float* x, int64_t m, bool per_token, int mode, float eps, float* y) {
+  run(x, nullptr, m, per_token, mode, eps, y, nullptr);
+}
+
+void Int8CodesGemm::run(const float* x, const uint16_t* x_bf16, int64_t m, bool per_token, int mode, float eps,
+                        float* y, uint16_t* y_bf16) {
   State& s = *s_;
   s.codes.resize(m * s.k);
   s.sx.resize(m);
   s.zp.resize(m);
   s.csum.resize(m * s.G);
-  int8_quantize_rows(x, m, s.k, per_token, mode, eps, s.codes.data(), s.sx.data(), s.zp.data(), s.csum.data(),
-                     s.gs);
+  s.yb = y_bf16;
+  if (x_bf16 != nullptr) {
+    int8_quantize_rows_bf16(x_bf16, m, s.k, per_token, mode, eps, s.codes.data(), s.sx.data(), s.zp.data(),
+                            s.csum.data(), s.gs);
+  } else {
+    int8_quantize_rows(x, m, s.k, per_token, mode, eps, s.codes.data(), s.sx.data(), s.zp.data(), s.csum.data(),
+                       s.gs);
+  }
   s.S.resize(m * s.G);
   for (int64_t r = 0; r < m; ++r)
     for (int64_t g = 0; g < s.G; ++g)
       s.S[r * s.G + g] = static_cast<float>(s.csum[r * s.G + g] - s.zp[r] * static_cast<int32_t>(s.gs));
 #if AQ_INT8_CODES
-  // Work items: groups of 4 panels (64 weight rows); the panels past the last full group go one by one.
-  const int64_t npan = s.n / 16, nquad = npan / 4, items = nquad + npan % 4;
-  at::parallel_for(0, items, std::max<int64_t>(1, (1 << 17) / std::max<int64_t>(1, 64 * s.k * m)),
+  // Work items: groups of 4 panels (64 weight rows; the panels past the last full group go one by one), shared
+  // among the threads as the tiled paths share their tiles (split_gemm: x's rows split too when the groups alone
+  // cannot be shared evenly, e.g. 9 groups of a 576-row weight on 2 threads).
+  const int64_t npan = s.n / 16, nquad = npan / 4;
+  const detail::GemmSplit sp = detail::split_gemm(nquad + npan % 4, m, kRows);
+  const int64_t item_macs = 64 * s.k * sp.rows_per_part * ((sp.ntiles + sp.nblocks - 1) / sp.nblocks);
+  at::parallel_for(0, sp.items(), std::max<int64_t>(1, (1 << 17) / std::max<int64_t>(1, item_macs)),
                    [&](int64_t i0, int64_t i1) {
     thread_local std::vector<uint8_t> wide;  // this item's panels in the 8-bit layout (4-bit weights)
     for (int64_t it = i0; it < i1; ++it) {
-      const int64_t p0 = it < nquad ? 4 * it : 4 * nquad + (it - nquad), np = it < nquad ? 4 : 1;
-      const uint8_t* w0 = s.packed + p0 * 16 * s.k;
-      TileQparams qp;
-      if (s.per_item) {
-        const int64_t ld = 16 * np;
-        tl_item_s.resize(s.G * ld), tl_item_o.resize(s.G * ld), tl_item_us.resize(s.zero_points ? s.G * ld : 0);
-        qp = {tl_item_s.data(), tl_item_o.data(), s.zero_points ? tl_item_us.data() : nullptr, ld};
-        load_panel_qparams(s, p0, np, tl_item_s.data(), tl_item_o.data(), s.zero_points ? tl_item_us.data() : nullptr,
-                           ld);
-      } else {
-        qp = {s.sT.data() + 16 * p0, s.oT.data() + 16 * p0, s.zero_points ? s.usumT.data() + 16 * p0 : nullptr, s.n};
-      }
-      if (s.bits == 4) {
-        wide.resize(np * 16 * s.k);
-        widen_panels(s.packed + p0 * 8 * s.k, np, s.k, wide.data());
-        w0 = wide.data();
-      }
-      for (int64_t m0 = 0; m0 < m; m0 += kRows) {
-        const int64_t mr = std::min<int64_t>(kRows, m - m0);
-        const int8_t* q = s.codes.data() + m0 * s.k;
-        const TileSet& ts = s.G == 1 ? kOneGroup : kGrouped;
-        if (it >= nquad) {
-          ts.t1[mr - 1](s, qp, q, w0, p0, m0, y);
-        } else if (mr <= ts.wide) {
-          ts.t4[mr - 1](s, qp, q, w0, p0, m0, y);
+      for (int64_t pi = sp.tile0(it); pi < sp.tile0(it) + sp.tiles(it); ++pi) {
+        const int64_t p0 = pi < nquad ? 4 * pi : 4 * nquad + (pi - nquad), np = pi < nquad ? 4 : 1;
+        const uint8_t* w0 = s.packed + p0 * 16 * s.k;
+        TileQparams qp;
+        if (s.per_item) {
+          const int64_t ld = 16 * np;
+          tl_item_s.resize(s.G * ld), tl_item_o.resize(s.G * ld), tl_item_us.resize(s.zero_points ? s.G * ld : 0);
+          qp = {tl_item_s.data(), tl_item_o.data(), s.zero_points ? tl_item_us.data() : nullptr, ld};
+          load_panel_qparams(s, p0, np, tl_item_s.data(), tl_item_o.data(), s.zero_points ? tl_item_us.data() : nullptr,
+                             ld);
         } else {
-          for (int64_t h0 = 0; h0 < mr; h0 += ts.half) {
-            const int64_t hr = std::min<int64_t>(ts.half, mr - h0);
-            ts.t2[hr - 1](s, qp, q + h0 * s.k, w0, p0, m0 + h0, y);
-            ts.t2[hr - 1](s, qp.shifted(2), q + h0 * s.k, w0 + 2 * 16 * s.k, p0 + 2, m0 + h0, y);
+          qp = {s.sT.data() + 16 * p0, s.oT.data() + 16 * p0, s.zero_points ? s.usumT.data() + 16 * p0 : nullptr, s.n};
+        }
+        if (s.bits == 4) {
+          wide.resize(np * 16 * s.k);
+          widen_panels(s.packed + p0 * 8 * s.k, np, s.k, wide.data());
+          w0 = wide.data();
+        }
+        for (int64_t m0 = sp.row0(it), me = sp.row1(it); m0 < me; m0 += kRows) {
+          const int64_t mr = std::min<int64_t>(kRows, me - m0);
+          const int8_t* q = s.codes.data() + m0 * s.k;
+          const TileSet& ts = s.G == 1 ? kOneGroup : kGrouped;
+          if (pi >= nquad) {
+            ts.t1[mr - 1](s, qp, q, w0, p0, m0, y);
+          } else if (mr <= ts.wide) {
+            ts.t4[mr - 1](s, qp, q, w0, p0, m0, y);
+          } else {
+            for (int64_t h0 = 0; h0 < mr; h0 += ts.half) {
+              const int64_t hr = std::min<int64_t>(ts.half, mr - h0);
+              ts.t2[hr - 1](s, qp, q + h0 * s.k, w0, p0, m0 + h0, y);
+              ts.t2[hr - 1](s, qp.shifted(2), q + h0 * s.k, w0 + 2 * 16 * s.k, p0 + 2, m0 + h0, y);
+            }
           }
         }
       }

@@ -346,32 +346,53 @@ void gemv_tile_buffered(const uint8_t* pan, const QP& qp, const float* x, int64_
 }
 
 #if AQ_BF16DOT && defined(__AVX512VBMI__)
-// 4-bit codes with bf16 x (m <= 2): bf16 dot products instead of int -> float conversions and fp32 FMAs. A
-// unit's byte (row j, slot s) holds the k-pair (2s, 2s + 1) of row j, which is just what vdpbf16ps multiplies
-// with x's pair: vpermb copies it into both 16-bit halves of lane j, a shift per half and one ternary-logic op
-// make each half the bf16 bits of 16 + u (exponent of 16, u in the top mantissa bits: exact), so
-//     acc[j] += x[2s] * (16 + u[j, 2s]) + x[2s + 1] * (16 + u[j, 2s + 1])   (exact products, fp32 sums)
+// 4-bit codes with bf16 x (m <= 2): bf16 dot products instead of int -> float conversions and fp32 FMAs. One
+// vpermb gathers row j's four bytes of a unit (byte (s, j) holds the k-pair (2s, 2s + 1) of row j) into lane j, so
+// lane j's low 16 bits hold row j's codes k = 0..3 and its high 16 bits k = 4..7, a nibble each. Vector n
+// (n = 0..3) takes nibble n of each half into the top mantissa bits of a bf16 16.0: 16 + u exactly (n = 0 by a
+// table lookup, n > 0 by a shift and one ternary-logic op), so with x's pair (x[n], x[n + 4]) (xpairs)
+//     acc[j] += x[n] * (16 + u[j, n]) + x[n + 4] * (16 + u[j, n + 4])   (exact products, fp32 sums)
 // and the bias leaves through the offset: y = scale * acc + (offset - 16 * scale) * sum(x_g).
 struct B4Bf16 {
-  __m512i idx[4], shift, mask, bias;
+  __m512i idx, lut, hi, mask, bias;
   B4Bf16() {
-    alignas(64) uint8_t t[4][64];
-    for (int s = 0; s < 4; ++s)
-      for (int j = 0; j < 16; ++j) {  // lane j = bytes [0, d, d, 0] with d = byte j of slot s
-        t[s][4 * j] = t[s][4 * j + 3] = 0;
-        t[s][4 * j + 1] = t[s][4 * j + 2] = static_cast<uint8_t>(16 * s + j);
-      }
-    for (int s = 0; s < 4; ++s) idx[s] = _mm512_load_si512(t[s]);
-    shift = _mm512_set1_epi32(5 | 1 << 16);  // low half: (d << 8) >> 5 = u_lo << 3; high half: d >> 1 = u_hi << 3
-    mask = _mm512_set1_epi32(0x00780078);    // bits 3..6 of each half: the mantissa's top 4 bits
-    bias = _mm512_set1_epi32(0x41804180);    // bf16 16.0 in each half
+    alignas(64) uint8_t t[64], l[64];
+    for (int j = 0; j < 16; ++j)
+      for (int s = 0; s < 4; ++s) t[4 * j + s] = static_cast<uint8_t>(16 * s + j);
+    for (int i = 0; i < 64; ++i) l[i] = static_cast<uint8_t>(0x80 | (i & 15) << 3);  // bf16 low byte of 16 + u
+    idx = _mm512_load_si512(t);
+    lut = _mm512_load_si512(l);
+    hi = _mm512_set1_epi16(0x4100);  // bf16 high byte of 16 + u
+    mask = _mm512_set1_epi32(0x00780078);  // bits 3..6 of each half: the mantissa's top 4 bits
+    bias = _mm512_set1_epi32(0x41804180);  // bf16 16.0 in each half
   }
-  // The bf16 pairs of slot s of a 64-byte unit.
-  AQ_INLINE __m512i pairs(__m512i unit, int s) const {
-    const __m512i d = _mm512_maskz_permutexvar_epi8(0x6666666666666666ull, idx[s], unit);
-    return _mm512_ternarylogic_epi32(_mm512_srlv_epi16(d, shift), mask, bias, 0xEA);  // (a & b) | c
+  // Row j's bytes of a 64-byte unit in lane j.
+  AQ_INLINE __m512i rows(__m512i unit) const { return _mm512_permutexvar_epi8(idx, unit); }
+  // The bf16 pairs (u[j, n], u[j, n + 4]) of rows(unit) = r.
+  template <int N>
+  AQ_INLINE __m512i pairs(__m512i r) const {
+    if constexpr (N == 0) {
+      return _mm512_mask_permutexvar_epi8(hi, 0x5555555555555555ull, r, lut);  // the even bytes' low nibbles
+    } else {
+      return _mm512_ternarylogic_epi32(_mm512_srli_epi32(r, 4 * N - 3), mask, bias, 0xEA);  // (a & b) | c
+    }
   }
 };
+
+// xp[m][4u + n] = the bf16 pair (x[m, 8u + n], x[m, 8u + n + 4]) that B4Bf16's vector n of unit u multiplies, for
+// U units of each of M rows of x (row stride ldx).
+void xpairs(const uint16_t* x, int64_t ldx, int64_t M, int64_t U, uint32_t* xp) {
+  alignas(64) uint16_t t[32];
+  for (int i = 0; i < 32; ++i) t[i] = static_cast<uint16_t>(i / 8 * 8 + i % 8 / 2 + 4 * (i % 2));
+  const __m512i idx = _mm512_load_si512(t);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t e = 0; e < 8 * U; e += 32) {
+      const int64_t n = std::min<int64_t>(32, 8 * U - e);
+      const __mmask32 k = n == 32 ? ~0u : (1u << n) - 1;
+      const __m512i v = _mm512_maskz_loadu_epi16(k, x + m * ldx + e);
+      _mm512_mask_storeu_epi16(xp + m * 4 * U + e / 2, k, _mm512_permutexvar_epi16(idx, v));
+    }
+}
 
 template <int MR, int P, class QP>
 void gemv_tile_b4bf16(const B4Bf16& k4, const uint8_t* const* pan, const QP& qp, const uint32_t* xw, int64_t ldx2,
@@ -383,13 +404,13 @@ void gemv_tile_b4bf16(const B4Bf16& k4, const uint8_t* const* pan, const QP& qp,
       sfor<P>([&](auto P_) {
         constexpr int p = AQ_CV(P_);
         __builtin_prefetch(pan[p] + (u + kPrefetchUnits) * 64, 0, 3);
-        const __m512i unit = _mm512_loadu_si512(pan[p] + u * 64);
+        const __m512i r = k4.rows(_mm512_loadu_si512(pan[p] + u * 64));
         sfor<4>([&](auto S) {
           constexpr int s = AQ_CV(S);
-          const __m512bh w = reinterpret_cast<__m512bh>(k4.pairs(unit, s));
+          const __m512bh w = reinterpret_cast<__m512bh>(k4.pairs<s>(r));
           sfor<MR>([&](auto M_) {
             constexpr int m = AQ_CV(M_);
-            const int xp = static_cast<int>(xw[m * ldx2 + 4 * u + s]);  // x's k-pair (2s, 2s + 1) of unit u
+            const int xp = static_cast<int>(xw[m * ldx2 + 4 * u + s]);  // x's pair (s, s + 4) of unit u (xpairs)
             const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(xp));
             acc[m][p][s % 2].v = _mm512_dpbf16_ps(acc[m][p][s % 2].v, w, xv);
           });
@@ -479,6 +500,13 @@ void gemv_path(const Ctx* cs, int64_t count) {
   const bool q16 = b4 && (p0.qparams_bf16 || p0.qparams_f16) && G % 16 == 0;
   const float fz = q16 && p0.offset != nullptr && p0.qparams_bf16 ? -static_cast<float>(1 << (p0.bits - 1)) : 0.f;
   const float f = scale_only ? f0 - bias : fz - bias;
+  std::vector<uint32_t> xp;  // x's bf16 pairs as the bf16-dot GEMV multiplies them
+#if AQ_BF16DOT && defined(__AVX512VBMI__)
+  if (b4) {
+    xp.resize(static_cast<size_t>(4 * M * cs[0].U));
+    xpairs(p0.x_bf16, p0.ldx, M, cs[0].U, xp.data());
+  }
+#endif
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < G; ++g) xs[2 * G * m + G + g] = f * xs[2 * G * m + g];
   // Work items of each problem: blocks of kItemPanels full panels, then single leftover panels (incl. the tail
@@ -562,10 +590,10 @@ void gemv_path(const Ctx* cs, int64_t count) {
 #if AQ_BF16DOT && defined(__AVX512VBMI__)
       if (b4) {
         static const B4Bf16 k4;
-        const uint32_t* xw = reinterpret_cast<const uint32_t*>(pr.x_bf16 + m0 * pr.ldx);
+        const uint32_t* xw = xp.data() + m0 * 4 * c.U;
         float* y = pr.y_bf16 ? nullptr : pr.y + m0 * pr.ldy + r0;
         uint16_t* yb = pr.y_bf16 ? pr.y_bf16 + m0 * pr.ldy + r0 : nullptr;
-        const int64_t upg = pr.group_size / 8, ldx2 = pr.ldx / 2;
+        const int64_t upg = pr.group_size / 8, ldx2 = 4 * c.U;
         const int step = cnt % 4 == 0 ? 4 : 1;
         const auto run = [&](const auto& qp) {
           using QP = std::decay_t<decltype(qp)>;

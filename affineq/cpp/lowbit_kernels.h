@@ -77,6 +77,9 @@ void int8_fake_quant_f32(const float* x, int64_t m, int64_t k, bool per_token, i
 // csum[m, g] = the sum of row m's codes over k in [g * gs, (g + 1) * gs) (gs divides k).
 void int8_quantize_rows(const float* x, int64_t m, int64_t k, bool per_token, int mode, float eps, int8_t* codes,
                         float* scale, int32_t* zp, int32_t* csum = nullptr, int64_t gs = 0);
+// The same for bf16 x (its values widened to fp32: the codes of x.to(float32)).
+void int8_quantize_rows_bf16(const uint16_t* x, int64_t m, int64_t k, bool per_token, int mode, float eps,
+                             int8_t* codes, float* scale, int32_t* zp, int32_t* csum = nullptr, int64_t gs = 0);
 
 // y[m, n] = sx[m] * sum_k (c[m, k] - zp[m]) * W[n, k] for int8 activation codes c and a dense 8-bit integer
 // weight (fp32 qparams), with the code products summed exactly in int32 (VNNI u8 x s8 dot products). Built
@@ -95,6 +98,10 @@ class Int8CodesGemm {
   Int8CodesGemm& operator=(const Int8CodesGemm&) = delete;
   // x [m, k] fp32 (row stride k) is quantized as int8_quantize_rows does; y [m, n] (row stride n) is overwritten.
   void run(const float* x, int64_t m, bool per_token, int mode, float eps, float* y);
+  // The same with x and / or y as bf16 (x_bf16 / y_bf16 set, x / y null): x's values widened to fp32, y rounded
+  // to bf16 (nearest even) as it is stored; bit-equal to widening x and rounding the fp32 y afterwards.
+  void run(const float* x, const uint16_t* x_bf16, int64_t m, bool per_token, int mode, float eps, float* y,
+           uint16_t* y_bf16);
 
   struct State;  // defined in gemm_int8_codes.cpp
 

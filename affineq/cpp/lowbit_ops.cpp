@@ -365,16 +365,19 @@ at::Tensor int8_codes_linear_cpu(const at::Tensor& x, const at::Tensor& packed, 
   if (x.size(0) < min_rows)  // the fused GEMV on the fake-quantized x: the same product, faster at few rows
     return lowbit_linear_cpu(int8_fake_quant_cpu(x, per_token, mode, eps), packed, scale, offset, bits, group_size,
                              n, k, kCodesUint, code_offset);
-  // The int8 path quantizes x in fp32 (bf16 x widened: the same codes as int8_fake_quant computes) and rounds y
-  // to x's dtype at the end; the fallback above runs in x's dtype.
-  const at::Tensor xc = x.to(at::kFloat).contiguous();
+  // The int8 path quantizes x in fp32 (bf16 x widened row by row: the same codes as int8_fake_quant computes)
+  // and rounds y to x's dtype as it stores it; the fallback above runs in x's dtype.
+  const at::Tensor xc = x.contiguous();
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
   at::Tensor y = at::empty({x.size(0), n}, xc.options());
   if (x.size(0) > 0 && n > 0) {
     Int8CodesGemm gemm(p, mode == 2, /*per_item=*/true);
-    gemm.run(xc.const_data_ptr<float>(), x.size(0), per_token, static_cast<int>(mode), static_cast<float>(eps),
-             y.mutable_data_ptr<float>());
+    const auto* xb = bf16 ? reinterpret_cast<const uint16_t*>(xc.const_data_ptr()) : nullptr;
+    auto* yb = bf16 ? reinterpret_cast<uint16_t*>(y.mutable_data_ptr()) : nullptr;
+    gemm.run(bf16 ? nullptr : xc.const_data_ptr<float>(), xb, x.size(0), per_token, static_cast<int>(mode),
+             static_cast<float>(eps), bf16 ? nullptr : y.mutable_data_ptr<float>(), yb);
   }
-  return y.to(x.scalar_type());
+  return y;
 }
 
 bool int8_codes_built() { return Int8CodesGemm::built(); }
