@@ -210,9 +210,9 @@ def _gguf_bytes_per_token(path) -> int:
 def _prompt_ids() -> list[int]:
     """Our tokenizer's ids of PROMPT, without loading the model (the tokenizer is built from the GGUF)."""
     from affineq.models._gguf import GGUFFile
-    from affineq.models.loaders import _gguf_tokenizer
+    from affineq.models.loaders import smollm_tokenizer
 
-    return _gguf_tokenizer(GGUFFile(M.smollm2_path()).metadata)(PROMPT)["input_ids"]
+    return smollm_tokenizer(GGUFFile(M.smollm2_path()).metadata)(PROMPT)["input_ids"]
 
 
 def _run_sub(cmd: list[str], label: str) -> dict | None:

@@ -230,7 +230,7 @@ def load_tokenizer(path: str | os.PathLike):
     """The transformers tokenizer a GGUF file describes.
 
     transformers' GGUF conversion, except for the byte-level "smollm" pre-tokenizer, which it converts without
-    llama.cpp's digit split (`affineq.models.smollm_tokenizer` builds that one as llama.cpp tokenizes). The
+    llama.cpp's digit split (`affineq.models.loaders.smollm_tokenizer` builds that one as llama.cpp tokenizes). The
     tokenizer keeps the file's `tokenizer.*` metadata as `gguf_metadata`, which `save_model` writes back as is.
     """
     contents = reader.read(path)
