@@ -122,8 +122,9 @@ def _int8_codes_check(x, w):
     """The int8 codes of x times the 8- or 4-bit weight codes (4-bit: from `MIN_ROWS` rows, the fused GEMV on the
     fake-quantized x below them, inside the op), summed exactly in int32 (VNNI), where the build has it;
     the same values as `affineq.lowbit_linear` on the fake-quantized x, whose fp32 sums it replaces. bf16 x: its
-    codes and scale are computed in fp32 either way (`activation.int8_activation`), so x is widened first and
-    the products use the codes themselves, as `aten._int_mm`'s route does (not the bf16-rounded code * scale)."""
+    codes and scale are computed in fp32 either way (`activation.int8_activation`): the op widens each row as it
+    quantizes it, the products use the codes themselves, as `aten._int_mm`'s route does (not the bf16-rounded
+    code * scale), and y is rounded to bf16 once, as it is stored."""
     spec = w.spec
     mode = None if spec.act_quant is None else fused_int8_mode(spec.act_quant)
     n, k = spec.shape
