@@ -163,15 +163,34 @@ void quantize_row(const float* xr, int64_t k, Qp q, int8_t* codes, int32_t* csum
     }
 }
 
-// dst[0, n) = the bf16 values src[0, n) as fp32 (exact).
-void widen_bf16(const uint16_t* src, int64_t n, float* dst) {
+// Row xr of k values as fp32: fp32 rows as they are, bf16 rows widened into buf (exact).
+const float* row_f32(const float* xr, int64_t, std::vector<float>&) { return xr; }
+const float* row_f32(const uint16_t* xr, int64_t k, std::vector<float>& buf) {
+  buf.resize(static_cast<size_t>(k));
   int64_t i = 0;
 #if AQ_AVX512
-  for (; i + 16 <= n; i += 16)
-    _mm512_storeu_si512(dst + i, _mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                                     _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))), 16));
+  for (; i + 16 <= k; i += 16)
+    _mm512_storeu_si512(buf.data() + i, _mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + i))), 16));
 #endif
-  for (; i < n; ++i) dst[i] = detail::bf16_to_float(src[i]);
+  for (; i < k; ++i) buf[i] = detail::bf16_to_float(xr[i]);
+  return buf.data();
+}
+
+// int8_quantize_rows for fp32 or bf16 rows; `all`: the qparams of the whole of x when not per_token.
+template <class T>
+void quantize_rows(const T* x, int64_t m, int64_t k, bool per_token, Qp all, int mode, float eps, int8_t* codes,
+                   float* scale, int32_t* zp, int32_t* csum, int64_t gs) {
+  at::parallel_for(0, m, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(k, 1)), [&](int64_t r0, int64_t r1) {
+    thread_local std::vector<float> buf;  // a bf16 row widened
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = row_f32(x + r * k, k, buf);
+      const Qp q = per_token ? qparams(xr, k, mode, eps) : all;
+      quantize_row(xr, k, q, codes + r * k, csum ? csum + r * (k / gs) : nullptr, gs);
+      scale[r] = q.scale;
+      zp[r] = static_cast<int32_t>(q.zp);
+    }
+  });
 }
 
 }  // namespace
@@ -179,35 +198,17 @@ void widen_bf16(const uint16_t* src, int64_t n, float* dst) {
 void int8_quantize_rows(const float* x, int64_t m, int64_t k, bool per_token, int mode, float eps, int8_t* codes,
                         float* scale, int32_t* zp, int32_t* csum, int64_t gs) {
   const Qp all = per_token ? Qp{} : qparams(x, m * k, mode, eps);
-  at::parallel_for(0, m, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(k, 1)), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const Qp q = per_token ? qparams(x + r * k, k, mode, eps) : all;
-      quantize_row(x + r * k, k, q, codes + r * k, csum ? csum + r * (k / gs) : nullptr, gs);
-      scale[r] = q.scale;
-      zp[r] = static_cast<int32_t>(q.zp);
-    }
-  });
+  quantize_rows(x, m, k, per_token, all, mode, eps, codes, scale, zp, csum, gs);
 }
 
 void int8_quantize_rows_bf16(const uint16_t* x, int64_t m, int64_t k, bool per_token, int mode, float eps,
                              int8_t* codes, float* scale, int32_t* zp, int32_t* csum, int64_t gs) {
   if (!per_token) {  // one range for all of x: widened whole
-    std::vector<float> w(static_cast<size_t>(m * k));
-    widen_bf16(x, m * k, w.data());
-    int8_quantize_rows(w.data(), m, k, per_token, mode, eps, codes, scale, zp, csum, gs);
+    std::vector<float> w;
+    int8_quantize_rows(row_f32(x, m * k, w), m, k, per_token, mode, eps, codes, scale, zp, csum, gs);
     return;
   }
-  at::parallel_for(0, m, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(k, 1)), [&](int64_t r0, int64_t r1) {
-    thread_local std::vector<float> row;  // row r widened: the fp32 values x.to(float32) holds
-    row.resize(static_cast<size_t>(k));
-    for (int64_t r = r0; r < r1; ++r) {
-      widen_bf16(x + r * k, k, row.data());
-      const Qp q = qparams(row.data(), k, mode, eps);
-      quantize_row(row.data(), k, q, codes + r * k, csum ? csum + r * (k / gs) : nullptr, gs);
-      scale[r] = q.scale;
-      zp[r] = static_cast<int32_t>(q.zp);
-    }
-  });
+  quantize_rows(x, m, k, per_token, Qp{}, mode, eps, codes, scale, zp, csum, gs);
 }
 
 }  // namespace affineq
