@@ -1,7 +1,8 @@
 """`compute_dtype=torch.bfloat16` on weight-only configs: a float32 input is rounded to bf16 once, runs the bf16
 kernels, and the bf16 result comes back widened to float32 with the float32 bias added. Checked bit for bit
 against the same weight fed the rounded input, against the exact float32 path within bf16's rounding, through
-save / load, torch.compile, the grouped MoE kernel, and for every refusal."""
+save / load, torch.compile, the grouped MoE kernel, and for every refusal. The C++ op takes the float32 x itself
+(`compute_dtype=`): its bf16 kernels read x rounded and write y widened, bit for bit the rounded route's values."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from conftest import assert_unchanged, save_load, snapshot_model
 from torch import nn
 
+import affineq.cpp as K
 from affineq import (
     Float8WeightOnlyConfig,
     Int4WeightOnlyConfig,
@@ -26,6 +28,7 @@ from affineq import (
     record_kernels,
 )
 from affineq.tensor.grouped import grouped_linear
+from affineq.tensor.linear_kernels import lowbit_weight_args
 
 BF16 = torch.bfloat16
 CONFIGS = {
@@ -64,6 +67,73 @@ def test_float32_input_runs_the_bf16_path_bit_for_bit(name, m):
     exact = plain(x)
     scale = (x.abs() @ plain.weight.dequantize().abs().T).max()
     assert (y - exact).abs().max() <= 3 * 2**-8 * scale
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32)
+
+
+@pytest.mark.parametrize("name,k", [("int4-g32", 96), ("int8", 100), ("int3-g32", 96), ("fp8", 100)])
+def test_op_rounds_float32_x_itself_on_every_path(name, k):
+    # affineq::lowbit_linear(x, ..., compute_dtype=bf16) on float32 x: bit-equal to the op on x.to(bf16), widened,
+    # on every path (forced: 1 GEMV, 2 fp32 GEMM, 3 int16 VNNI GEMM, 4 bf16 dot GEMM; the ones this build lacks
+    # fall back), with x's columns padded (k = 100) and a NaN row; the reference implementation agrees.
+    if not K.is_available():
+        pytest.skip(f"the C++ kernels are unavailable: {K.unavailable_reason()}")
+    fast, _ = _pair(name, k=k)
+    packed, scale, offset, bits, gs, codes, code_offset = lowbit_weight_args(fast.weight)
+    n = fast.weight.shape[0]
+    for m in (1, 2, 3, 17, 64):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
+        if m > 3:
+            x[1] = float("nan")
+        for path in range(5):
+            run = lambda x, **kw: torch.ops.affineq_cpp.lowbit_linear_path(  # noqa: E731
+                x, packed, scale, offset, bits, gs, n, k, codes, path, code_offset, **kw)
+            y = run(x, compute_dtype=BF16)
+            assert y.dtype == torch.float32 and torch.equal(_bits(y), _bits(run(x.to(BF16)).float())), (m, path)
+        y = torch.ops.affineq.lowbit_linear(x, packed, scale, offset, bits, gs, n, k, codes, code_offset,
+                                            compute_dtype=BF16)
+        ref = K.lowbit_linear_reference(x, packed, scale, offset, bits, gs, n, k, codes, code_offset, BF16)
+        assert torch.equal(_bits(ref), _bits(K.lowbit_linear_reference(x.to(BF16), packed, scale, offset, bits, gs,
+                                                                       n, k, codes, code_offset).float()))
+        assert torch.equal(_bits(y.nan_to_num()), _bits(torch.ops.affineq.lowbit_linear(
+            x.to(BF16), packed, scale, offset, bits, gs, n, k, codes, code_offset).float().nan_to_num()))
+    for bad_dtype, x in ((torch.float16, torch.randn(2, k)), (BF16, torch.randn(2, k, dtype=torch.float16))):
+        for op in (torch.ops.affineq.lowbit_linear, K.lowbit_linear_reference):
+            with pytest.raises((RuntimeError, ValueError), match="compute_dtype must be None or torch.bfloat16"):
+                op(x, packed, scale, offset, bits, gs, n, k, codes, code_offset, compute_dtype=bad_dtype)
+
+
+def test_module_call_makes_no_bf16_copies_unless_autograd_needs_them():
+    # Eager F.linear on float32 x hands x to the op as it is (the kernel rounds it) and gets float32 y back: no
+    # aten casts around the call. With autograd recording, the casts stay (their backward converts the gradient).
+    if not K.is_available():
+        pytest.skip(f"the C++ kernels are unavailable: {K.unavailable_reason()}")
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    fast, plain = _pair("int4-g32")
+    x = torch.randn(40, 96)
+    fast(x)  # the first call of a row bucket selects the kernel (for an empty bf16 tensor of x's shape)
+    with torch.no_grad(), Ops() as seen:
+        y = fast(x)
+    assert seen.ops == ["affineq.lowbit_linear", "aten.add"]
+    assert torch.equal(y, F.linear(x.to(BF16), plain.weight).float() + plain.bias)
+    xg = x.clone().requires_grad_()
+    with Ops() as seen:
+        yg = fast(xg)
+    assert "aten._to_copy" in seen.ops and torch.equal(yg.detach(), y)
+    yg.sum().backward()
+    assert xg.grad is not None and xg.grad.dtype == torch.float32
 
 
 def test_bf16_input_is_unchanged_and_3d_inputs_keep_their_shape():

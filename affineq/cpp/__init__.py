@@ -35,6 +35,10 @@ Kernels (chosen per call; x of any float dtype is converted to fp32 first, the o
   enables it for fp32 x too (faster at larger m, ~80 dB SQNR instead of fp32-exact; see benchmarks/README.md,
   kernel design measurements), ``=0`` disables it.
 
+``compute_dtype=torch.bfloat16`` with float32 x (a weight whose ``QuantSpec.compute_dtype`` is bf16): the result
+of ``x.to(torch.bfloat16)`` cast back to float32, bit for bit; where the bf16 kernels run (bf16 dot-product GEMM,
+4-bit bf16 GEMV) they write the widened bf16 values themselves, with no bf16 copy of y.
+
 The C++ library is compiled on first use (see ``_build.py``; every ``*.cpp`` here is one translation unit):
 ``dispatch.cpp`` holds the entry points and the path choice (``path_for``), ``gemv.cpp``, ``gemm_f32.cpp``,
 ``gemm_int16.cpp`` and ``gemm_bf16.cpp`` one path each, over the shared headers ``simd.h`` (SIMD shims),
@@ -129,9 +133,14 @@ _cpp_disabled_flag: bool | None = None  # last value pushed to the C++ kill swit
 # Reference implementation and argument checks
 # --------------------------------------------------------------------------------------------------------
 def _check_args(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, bits: int,
-                group_size: int, n: int, k: int, codes: int = CODES_UINT, code_offset: int = 0) -> None:
+                group_size: int, n: int, k: int, codes: int = CODES_UINT, code_offset: int = 0,
+                compute_dtype: torch.dtype | None = None) -> None:
     """Same rules as the C++ binding (ValueError naming the offending argument)."""
     check_bits(bits)
+    if compute_dtype is not None and (compute_dtype != torch.bfloat16 or x.dtype not in (torch.float32,
+                                                                                         torch.bfloat16)):
+        raise ValueError(f"lowbit_linear: compute_dtype must be None or torch.bfloat16 with a float32 or bfloat16 "
+                         f"x, got {compute_dtype} with {x.dtype}")
     if codes != CODES_UINT and _CODE_BITS.get(codes) != bits:
         raise ValueError(f"lowbit_linear: codes must be 0 (unsigned integers), 1 (float8_e4m3fn) or 2 (float8_e5m2, "
                          f"both with bits=8), 3 (fp4_e2m1, bits=4), 4 (fp6_e2m3) or 5 (fp6_e3m2, both bits=6), got "
@@ -195,11 +204,13 @@ def _dequantize(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor 
 
 def lowbit_linear_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
                             bits: int, group_size: int, n: int, k: int, codes: int = CODES_UINT,
-                            code_offset: int = 0) -> torch.Tensor:
-    """Pure-PyTorch ``lowbit_linear``: unpack, dequantize to fp32, ``F.linear`` in fp32, cast to ``x.dtype``."""
-    _check_args(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset)
+                            code_offset: int = 0, compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Pure-PyTorch ``lowbit_linear``: unpack, dequantize to fp32, ``F.linear`` in fp32, cast to ``x.dtype``.
+    compute_dtype=torch.bfloat16: the result for ``x.to(torch.bfloat16)``, cast back to ``x.dtype``."""
+    _check_args(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset, compute_dtype)
     w = _dequantize(packed, scale, offset, bits, group_size, n, k, codes, code_offset)
-    return F.linear(x.float(), w).to(x.dtype)
+    xc = x if compute_dtype is None else x.to(compute_dtype)
+    return F.linear(xc.float(), w).to(xc.dtype).to(x.dtype)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -308,7 +319,7 @@ def kernel_info() -> dict[str, Any]:
 _lib = torch.library.Library("affineq", "FRAGMENT")
 _lib.define(
     "lowbit_linear(Tensor x, Tensor packed, Tensor scale, Tensor? offset, int bits, int group_size, int n, int k,"
-    " int codes=0, int code_offset=0) -> Tensor"
+    " int codes=0, int code_offset=0, ScalarType? compute_dtype=None) -> Tensor"
 )
 _lib.define(
     "lowbit_dequantize(Tensor packed, Tensor scale, Tensor? offset, int bits, int group_size, int n, int k,"
@@ -362,8 +373,9 @@ def _int8_fake_quant_fake(x, per_token, mode, eps):
 
 
 @torch.library.register_fake(_OP, lib=_lib)
-def _lowbit_linear_fake(x, packed, scale, offset, bits, group_size, n, k, codes=CODES_UINT, code_offset=0):
-    _check_args(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset)
+def _lowbit_linear_fake(x, packed, scale, offset, bits, group_size, n, k, codes=CODES_UINT, code_offset=0,
+                        compute_dtype=None):
+    _check_args(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset, compute_dtype)
     return x.new_empty((*x.shape[:-1], n))
 
 
@@ -372,7 +384,8 @@ def _lowbit_dequantize_fake(packed, scale, offset, bits, group_size, n, k, codes
     return scale.new_empty((n, k), dtype=torch.float32)
 
 
-def _lowbit_linear_fallback(x, packed, scale, offset, bits, group_size, n, k, codes=CODES_UINT, code_offset=0):
+def _lowbit_linear_fallback(x, packed, scale, offset, bits, group_size, n, k, codes=CODES_UINT, code_offset=0,
+                            compute_dtype=None):
     # Runs only while no C++ CPU kernel is registered: load it, then dispatch again to reach it.
     if x.device.type != "cpu":
         raise NotImplementedError(f"affineq::lowbit_linear only supports CPU tensors, got x on {x.device}")
@@ -382,10 +395,12 @@ def _lowbit_linear_fallback(x, packed, scale, offset, bits, group_size, n, k, co
         from affineq.tensor.fallback import announce_fallback
 
         announce_fallback("dense", f"the affineq C++ kernels are unavailable ({unavailable_reason()})")
-        return lowbit_linear_reference(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset)
+        return lowbit_linear_reference(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset,
+                                       compute_dtype)
     if not torch._C._dispatch_has_kernel_for_dispatch_key(_OP, "CPU"):
         raise RuntimeError(f"affineq: {_lib_path} loaded but did not register a CPU kernel for {_OP}")
-    return torch.ops.affineq.lowbit_linear(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset)
+    return torch.ops.affineq.lowbit_linear(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset,
+                                           compute_dtype)
 
 
 def _lowbit_dequantize_fallback(packed, scale, offset, bits, group_size, n, k, codes=CODES_UINT, code_offset=0):

@@ -396,8 +396,8 @@ void xpairs(const uint16_t* x, int64_t ldx, int64_t M, int64_t U, uint32_t* xp) 
 
 template <int MR, int P, class QP>
 void gemv_tile_b4bf16(const B4Bf16& k4, const uint8_t* const* pan, const QP& qp, const uint32_t* xw, int64_t ldx2,
-                      const float* xs, int64_t G, int64_t upg, float* y, uint16_t* yb, int64_t ldy, int64_t nvalid,
-                      const NextItemPrefetch* pf) {
+                      const float* xs, int64_t G, int64_t upg, float* y, uint16_t* yb, bool y_round, int64_t ldy,
+                      int64_t nvalid, const NextItemPrefetch* pf) {
   F16 tot[MR][P];
   for_groups<MR, P, 2>(tot, qp, xs, G, pf, [&](int64_t g, F16 (&acc)[MR][P][2]) AQ_INLINE_LAMBDA {
     for (int64_t u = g * upg, ue = u + upg; u < ue; ++u) {
@@ -426,11 +426,8 @@ void gemv_tile_b4bf16(const B4Bf16& k4, const uint8_t* const* pan, const QP& qp,
       if (w <= 0) return;
       const __mmask16 keep = static_cast<__mmask16>(w >= 16 ? 0xFFFF : (1u << w) - 1);
       const __m512 t = tot[m][p].v;
-      if (yb == nullptr) {
-        _mm512_mask_storeu_ps(y + m * ldy + 16 * p, keep, t);
-      } else {
-        _mm256_mask_storeu_epi16(yb + m * ldy + 16 * p, keep, bf16_bits(t));
-      }
+      if (yb != nullptr) _mm256_mask_storeu_epi16(yb + m * ldy + 16 * p, keep, bf16_bits(t));
+      else _mm512_mask_storeu_ps(y + m * ldy + 16 * p, keep, y_round ? bf16_widen(bf16_bits(t)) : t);
     });
   });
 }
@@ -601,7 +598,7 @@ void gemv_path(const Ctx* cs, int64_t count) {
             const auto tile = mr == 1 ? (step == 4 ? &gemv_tile_b4bf16<1, 4, QP> : &gemv_tile_b4bf16<1, 1, QP>)
                                       : (step == 4 ? &gemv_tile_b4bf16<2, 4, QP> : &gemv_tile_b4bf16<2, 1, QP>);
             tile(k4, pan + q, qp.shifted(q), xw, ldx2, xsm, G, upg, y ? y + 16 * q : nullptr,
-                 yb ? yb + 16 * q : nullptr, pr.ldy, rows - 16 * q, q == 0 ? pfm : nullptr);
+                 yb ? yb + 16 * q : nullptr, pr.y_bf16_values, pr.ldy, rows - 16 * q, q == 0 ? pfm : nullptr);
           }
         };
         if (!q16) with_qp(run);

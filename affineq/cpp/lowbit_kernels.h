@@ -49,6 +49,8 @@ struct LowbitProblem {
                                      // enables the bf16 dot-product path (AVX512-BF16)
   uint16_t* y_bf16 = nullptr;  // where lowbit_bf16_io: write y there as bf16 [m, n] (row stride ldy; rounded to
                                // nearest even, NaN as 0x7FC0: torch's float -> bf16) instead of into y
+  bool y_bf16_values = false;  // where lowbit_bf16_io and y_bf16 is null: write y (fp32) as those bf16 values
+                               // widened back (a float32 caller computing in bf16: no bf16 copy of y)
 };
 
 // Runs on torch's intra-op thread pool. force_path: 0 = heuristic, 1 = fused GEMV, 2 = dequant + fp32 GEMM,

@@ -121,7 +121,13 @@ void check_lowbit_linear(const at::Tensor& x, const at::Tensor& packed, const at
 
 at::Tensor lowbit_linear_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                               const std::optional<at::Tensor>& offset, int64_t bits, int64_t group_size, int64_t n,
-                              int64_t k, int64_t codes, int64_t path, int64_t code_offset) {
+                              int64_t k, int64_t codes, int64_t path, int64_t code_offset,
+                              std::optional<at::ScalarType> compute_dtype) {
+  const bool bf16_compute = compute_dtype.has_value();
+  TORCH_CHECK(!bf16_compute || (*compute_dtype == at::kBFloat16 &&
+                                (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16)),
+              "affineq::lowbit_linear: compute_dtype must be None or torch.bfloat16 with a float32 or bfloat16 x, "
+              "got ", compute_dtype.value_or(at::kFloat), " with ", x.scalar_type());
   check_lowbit_linear(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset);
   const at::Tensor pk = packed.contiguous(), sc = scale.contiguous();
   const bool has_offset = offset.has_value() && offset->defined();
@@ -129,7 +135,7 @@ at::Tensor lowbit_linear_impl(const at::Tensor& x, const at::Tensor& packed, con
   LowbitProblem p;
   set_weight(p, pk.const_data_ptr(), sc.const_data_ptr(), has_offset ? of.const_data_ptr() : nullptr,
              sc.scalar_type(), code_offset, bits, codes, group_size, n, k);
-  return run_weight_problem(x, p, path);
+  return run_weight_problem(x, p, path, bf16_compute);
 }
 
 }  // namespace
@@ -150,13 +156,26 @@ void set_weight(LowbitProblem& p, const void* packed, const void* scale, const v
   p.k = k;
 }
 
-at::Tensor run_weight_problems(const at::Tensor& x, std::vector<LowbitProblem> ps, int64_t path) {
+at::Tensor run_weight_problems(const at::Tensor& x, std::vector<LowbitProblem> ps, int64_t path,
+                               bool bf16_compute = false) {
   const int64_t k = ps[0].k;
   int64_t n = 0;
   for (const LowbitProblem& p : ps) n += p.n;
   const auto xt = x.scalar_type();
   const at::Tensor x2 = x.reshape({-1, k});
   const int64_t M = x2.size(0);
+  // float32 x computed in bf16: the bf16 paths read x rounded (one bf16 copy) and write y's bf16 values widened
+  // (no bf16 copy of y); any other path runs bf16 x as the caller's x.to(bf16) would, y widened after.
+  const bool round_x = bf16_compute && xt == at::kFloat;
+  if (round_x) {
+    static const uint16_t dummy = 0;
+    LowbitProblem probe = ps[0];
+    probe.m = M;
+    probe.x_bf16 = &dummy;
+    probe.allow_int16_x = allow_int16_x(at::kBFloat16);
+    if (!lowbit_bf16_io(probe, static_cast<int>(path)))
+      return run_weight_problems(x.to(at::kBFloat16), std::move(ps), path).to(at::kFloat);
+  }
   const int64_t K8 = (k + 7) / 8 * 8;
   // The kernels read whole 8-column units: x is zero-padded to K8 columns instead of special-casing the tail.
   const auto padded = [&](at::ScalarType dt) {
@@ -165,24 +184,26 @@ at::Tensor run_weight_problems(const at::Tensor& x, std::vector<LowbitProblem> p
     t.narrow(1, 0, k).copy_(x2);
     return t;
   };
-  at::Tensor xb;  // bf16 x as given, for the bf16 dot-product path
-  if (xt == at::kBFloat16) xb = padded(at::kBFloat16);
+  at::Tensor xb;  // bf16 x as given (or rounded: round_x), for the bf16 dot-product path
+  if (xt == at::kBFloat16 || round_x) xb = padded(at::kBFloat16);
   for (LowbitProblem& p : ps) {
     p.x_bf16 = xb.defined() ? reinterpret_cast<const uint16_t*>(xb.const_data_ptr()) : nullptr;
     p.m = M;
     p.ldx = K8;
-    p.allow_int16_x = allow_int16_x(xt);
+    p.allow_int16_x = allow_int16_x(round_x ? at::kBFloat16 : xt);
   }
-  // The bf16 paths read only x_bf16 and write y in bf16: no fp32 copy of x or y for them (the problems share a
-  // configuration, so a path).
+  // The bf16 paths read only x_bf16 and write y in bf16 (round_x: its values as fp32): no fp32 copy of x or y for
+  // them (the problems share a configuration, so a path).
   const bool bf16_path = lowbit_bf16_io(ps[0], static_cast<int>(path));
+  const bool y_bf16 = bf16_path && !round_x;
   const at::Tensor xf = bf16_path ? at::Tensor() : padded(at::kFloat);
-  at::Tensor y = at::empty({M, n}, x2.options().dtype(bf16_path ? at::kBFloat16 : at::kFloat));
+  at::Tensor y = at::empty({M, n}, x2.options().dtype(y_bf16 ? at::kBFloat16 : at::kFloat));
   if (M > 0 && n > 0) {
     int64_t col = 0;  // each problem writes its columns of y
     for (LowbitProblem& p : ps) {
       p.x = xf.defined() ? xf.const_data_ptr<float>() : nullptr;
-      if (bf16_path) p.y_bf16 = reinterpret_cast<uint16_t*>(y.mutable_data_ptr()) + col;
+      p.y_bf16_values = round_x;
+      if (y_bf16) p.y_bf16 = reinterpret_cast<uint16_t*>(y.mutable_data_ptr()) + col;
       else p.y = y.mutable_data_ptr<float>() + col;
       p.ldy = n;
       col += p.n;
@@ -194,8 +215,8 @@ at::Tensor run_weight_problems(const at::Tensor& x, std::vector<LowbitProblem> p
   return y.to(xt).view(out_sizes);
 }
 
-at::Tensor run_weight_problem(const at::Tensor& x, LowbitProblem p, int64_t path) {
-  return run_weight_problems(x, {p}, path);
+at::Tensor run_weight_problem(const at::Tensor& x, LowbitProblem p, int64_t path, bool bf16_compute) {
+  return run_weight_problems(x, {p}, path, bf16_compute);
 }
 
 namespace {
@@ -273,8 +294,9 @@ at::Tensor int8_fake_quant_cpu(const at::Tensor& x, bool per_token, int64_t mode
 
 at::Tensor lowbit_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                              const std::optional<at::Tensor>& offset, int64_t bits, int64_t group_size, int64_t n,
-                             int64_t k, int64_t codes, int64_t code_offset) {
-  return lowbit_linear_impl(x, packed, scale, offset, bits, group_size, n, k, codes, 0, code_offset);
+                             int64_t k, int64_t codes, int64_t code_offset,
+                             std::optional<at::ScalarType> compute_dtype) {
+  return lowbit_linear_impl(x, packed, scale, offset, bits, group_size, n, k, codes, 0, code_offset, compute_dtype);
 }
 
 // dL/dx = dL/dy @ W (W dequantized to fp32); codes, scale and offset get no gradient.
@@ -283,17 +305,18 @@ class LowbitLinearFunction : public torch::autograd::Function<LowbitLinearFuncti
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& packed,
                             const at::Tensor& scale, const std::optional<at::Tensor>& offset, int64_t bits,
-                            int64_t group_size, int64_t n, int64_t k, int64_t codes, int64_t code_offset) {
+                            int64_t group_size, int64_t n, int64_t k, int64_t codes, int64_t code_offset,
+                            std::optional<at::ScalarType> compute_dtype) {
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("affineq::lowbit_linear", "")
                          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                            const std::optional<at::Tensor>&, int64_t, int64_t, int64_t, int64_t,
-                                           int64_t, int64_t)>();
+                                           int64_t, int64_t, std::optional<at::ScalarType>)>();
     ctx->save_for_backward({packed, scale, offset.value_or(at::Tensor())});  // undefined: e8m0 (no offset)
     ctx->saved_data["meta"] = std::vector<int64_t>{bits, group_size, n, k, codes, code_offset};
     ctx->saved_data["dtype"] = static_cast<int64_t>(x.scalar_type());
     at::AutoDispatchBelowADInplaceOrView guard;
-    return op.call(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset);
+    return op.call(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset, compute_dtype);
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -311,15 +334,17 @@ class LowbitLinearFunction : public torch::autograd::Function<LowbitLinearFuncti
       const at::Tensor w = deq.call(saved[0], saved[1], off, meta[0], meta[1], meta[2], meta[3], meta[4], meta[5]);
       gx = grads[0].to(at::kFloat).matmul(w).to(dtype);
     }
-    return {gx,           at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+    return {gx,           at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
             at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 at::Tensor lowbit_linear_autograd(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                                   const std::optional<at::Tensor>& offset, int64_t bits, int64_t group_size,
-                                  int64_t n, int64_t k, int64_t codes, int64_t code_offset) {
-  return LowbitLinearFunction::apply(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset);
+                                  int64_t n, int64_t k, int64_t codes, int64_t code_offset,
+                                  std::optional<at::ScalarType> compute_dtype) {
+  return LowbitLinearFunction::apply(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset,
+                                     compute_dtype);
 }
 
 // Which path lowbit_linear would run for x (tests assert it; the kernel itself decides in lowbit_path).
@@ -364,7 +389,7 @@ at::Tensor int8_codes_linear_cpu(const at::Tensor& x, const at::Tensor& packed, 
               "affineq::lowbit_linear");
   if (x.size(0) < min_rows)  // the fused GEMV on the fake-quantized x: the same product, faster at few rows
     return lowbit_linear_cpu(int8_fake_quant_cpu(x, per_token, mode, eps), packed, scale, offset, bits, group_size,
-                             n, k, kCodesUint, code_offset);
+                             n, k, kCodesUint, code_offset, std::nullopt);
   // The int8 path quantizes x in fp32 (bf16 x widened row by row: the same codes as int8_fake_quant computes)
   // and rounds y to x's dtype as it stores it; the fallback above runs in x's dtype.
   const at::Tensor xc = x.contiguous();
@@ -405,7 +430,7 @@ TORCH_LIBRARY(affineq_cpp, m) {
   m.def("set_disabled(bool flag) -> ()", &affineq::set_disabled);
   m.def("isa() -> str", &affineq::isa);
   m.def("lowbit_linear_path(Tensor x, Tensor packed, Tensor scale, Tensor? offset, int bits, int group_size, "
-        "int n, int k, int codes, int path, int code_offset=0) -> Tensor",
+        "int n, int k, int codes, int path, int code_offset=0, ScalarType? compute_dtype=None) -> Tensor",
         &affineq::lowbit_linear_impl);
   m.def("lowbit_path_for(Tensor x, int group_size, int codes, int path) -> int", &affineq::lowbit_path_for);
   m.def("int8_codes_built() -> bool", &affineq::int8_codes_built);

@@ -31,7 +31,8 @@ void set_weight(LowbitProblem& p, const void* packed, const void* scale, const v
 
 // The weight-only kernels (lowbit_linear_f32) on x [..., k] (float32 / bfloat16 / float16, CPU) for the weight
 // problem p (its x / y fields unset): x is padded to whole 8-column units; returns [..., n] in x's dtype. `path`
-// is lowbit_linear_f32's force_path.
-at::Tensor run_weight_problem(const at::Tensor& x, LowbitProblem p, int64_t path);
+// is lowbit_linear_f32's force_path. bf16_compute with float32 x: the values of x.to(bf16) run, then .to(float32),
+// where the bf16 paths read the rounded x and write the widened y themselves.
+at::Tensor run_weight_problem(const at::Tensor& x, LowbitProblem p, int64_t path, bool bf16_compute = false);
 
 }  // namespace affineq

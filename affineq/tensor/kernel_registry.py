@@ -41,16 +41,20 @@ class LinearKernel:
     formats: tuple[str, ...]
     check: Check
     run: Run
+    #: run also takes float32 x for a weight with a `compute_dtype` and returns, in float32, exactly its result
+    #: for x.to(compute_dtype) (reading x rounded and writing y widened itself: no copies of x and y around it)
+    rounds_input: bool = False
 
 
 LINEAR_KERNELS: list[LinearKernel] = []
 
 
-def register_linear_kernel(name: str, formats: tuple[str, ...], check: Check, run: Run) -> None:
+def register_linear_kernel(name: str, formats: tuple[str, ...], check: Check, run: Run,
+                           rounds_input: bool = False) -> None:
     """Append a kernel; earlier registrations win when several preconditions hold."""
     if any(k.name == name for k in LINEAR_KERNELS):
         raise ValueError(f"a linear kernel named {name!r} is already registered")
-    LINEAR_KERNELS.append(LinearKernel(name, formats, check, run))
+    LINEAR_KERNELS.append(LinearKernel(name, formats, check, run, rounds_input))
     _selected.clear()
 
 
@@ -117,6 +121,10 @@ def _linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
             f"[..., {shape[-1]}]"
         )
     if computes_in_other_dtype(x, w):  # float32 x, bf16 compute: x rounded once, the bf16 result widened
+        kernel = _rounding_kernel(x, w)
+        if kernel is not None:  # it rounds x and widens y itself
+            fallback.record(kernel.name)
+            return kernel.run(x, w, bias)
         out = _linear(x.to(w.spec.compute_dtype), w, None).to(x.dtype)
         return out if bias is None else out + bias
     x, w = reduce_input_ranges(prepare_input(x, w), w)
@@ -132,6 +140,19 @@ def _linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
         return finish_output(kernel.run(x, w, bias), w)
     fallback.announce_fallback(w.spec.fmt, "; ".join(reasons))
     return finish_output(dequantize_linear(x, w, bias), w)
+
+
+def _rounding_kernel(x: torch.Tensor, w) -> LinearKernel | None:
+    """The kernel x.to(w.spec.compute_dtype) selects, where it takes the float32 x itself (`rounds_input`) and
+    nothing else touches x or y in the compute dtype: no activation tensors, no autograd, not traced (a graph
+    fuses the casts into its neighbours)."""
+    if (torch.compiler.is_compiling() or (x.requires_grad and torch.is_grad_enabled()) or w.spec.transposed
+            or "act_pre_scale" in w._names or "act_out_scale" in w._names):
+        return None
+    cd = w.spec.compute_dtype
+    hit = _selected.get((id(w.spec), x.device.type, cd, _cpp.is_available(), rows_bucket(x)))
+    kernel = hit[1] if hit is not None and hit[0] is w.spec else _select_cached(x.new_empty(x.shape, dtype=cd), w)[0]
+    return kernel if kernel is not None and kernel.rounds_input else None
 
 
 class _KernelLinear(torch.autograd.Function):

@@ -28,6 +28,7 @@ from affineq import cpp as _cpp
 from affineq.primitives import MappingType, ZeroPointDomain
 from affineq.tensor.activation import (
     act_eps,
+    computes_in_other_dtype,
     fake_quantize_activation,
     fused_int8_mode,
     int8_activation,
@@ -168,11 +169,13 @@ def _lowbit_run(x, w, bias):
         x = fake_quantize_activation(x, spec.act_quant, w)
     n, k = spec.shape
     packed, scale, offset, bits, group_size, codes, code_offset = lowbit_weight_args(w)
-    out = torch.ops.affineq.lowbit_linear(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset)
+    compute = spec.compute_dtype if computes_in_other_dtype(x, w) else None  # the op rounds x, widens y
+    out = torch.ops.affineq.lowbit_linear(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset,
+                                          compute_dtype=compute)
     return out if bias is None else out + bias
 
 
-register_linear_kernel("affineq.lowbit_linear", ("dense",), _lowbit_check, _lowbit_run)
+register_linear_kernel("affineq.lowbit_linear", ("dense",), _lowbit_check, _lowbit_run, rounds_input=True)
 register_linear_kernel("affineq.kquant_linear", ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k"), kquant_linear_check,
                        kquant_linear_run)
 
