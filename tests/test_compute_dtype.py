@@ -88,7 +88,7 @@ def test_op_rounds_float32_x_itself_on_every_path(name, k):
         if m > 3:
             x[1] = float("nan")
         for path in range(5):
-            run = lambda x, **kw: torch.ops.affineq_cpp.lowbit_linear_path(  # noqa: E731
+            run = lambda x, path=path, **kw: torch.ops.affineq_cpp.lowbit_linear_path(  # noqa: E731
                 x, packed, scale, offset, bits, gs, n, k, codes, path, code_offset, **kw)
             y = run(x, compute_dtype=BF16)
             assert y.dtype == torch.float32 and torch.equal(_bits(y), _bits(run(x.to(BF16)).float())), (m, path)
