@@ -75,7 +75,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("name,k", [("int4-g32", 96), ("int8", 100), ("int3-g32", 96), ("fp8", 100)])
 def test_op_rounds_float32_x_itself_on_every_path(name, k):
-    # affineq::lowbit_linear(x, ..., compute_dtype=bf16) on float32 x: bit-equal to the op on x.to(bf16), widened,
+    # affineq::lowbit_linear_bf16_compute on float32 x: bit-equal to lowbit_linear on x.to(bf16), widened,
     # on every path (forced: 1 GEMV, 2 fp32 GEMM, 3 int16 VNNI GEMM, 4 bf16 dot GEMM; the ones this build lacks
     # fall back), with x's columns padded (k = 100) and a NaN row; the reference implementation agrees.
     if not K.is_available():
@@ -92,17 +92,21 @@ def test_op_rounds_float32_x_itself_on_every_path(name, k):
                 x, packed, scale, offset, bits, gs, n, k, codes, path, code_offset, **kw)
             y = run(x, compute_dtype=BF16)
             assert y.dtype == torch.float32 and torch.equal(_bits(y), _bits(run(x.to(BF16)).float())), (m, path)
-        y = torch.ops.affineq.lowbit_linear(x, packed, scale, offset, bits, gs, n, k, codes, code_offset,
-                                            compute_dtype=BF16)
+        y = torch.ops.affineq.lowbit_linear_bf16_compute(x, packed, scale, offset, bits, gs, n, k, codes, code_offset)
         ref = K.lowbit_linear_reference(x, packed, scale, offset, bits, gs, n, k, codes, code_offset, BF16)
         assert torch.equal(_bits(ref), _bits(K.lowbit_linear_reference(x.to(BF16), packed, scale, offset, bits, gs,
                                                                        n, k, codes, code_offset).float()))
         assert torch.equal(_bits(y.nan_to_num()), _bits(torch.ops.affineq.lowbit_linear(
             x.to(BF16), packed, scale, offset, bits, gs, n, k, codes, code_offset).float().nan_to_num()))
-    for bad_dtype, x in ((torch.float16, torch.randn(2, k)), (BF16, torch.randn(2, k, dtype=torch.float16))):
-        for op in (torch.ops.affineq.lowbit_linear, K.lowbit_linear_reference):
-            with pytest.raises((RuntimeError, ValueError), match="compute_dtype must be None or torch.bfloat16"):
-                op(x, packed, scale, offset, bits, gs, n, k, codes, code_offset, compute_dtype=bad_dtype)
+    x16 = torch.randn(2, k, dtype=torch.float16)
+    for call in (lambda: torch.ops.affineq.lowbit_linear_bf16_compute(x16, packed, scale, offset, bits, gs, n, k,
+                                                                       codes, code_offset),
+                 lambda: K.lowbit_linear_reference(x16, packed, scale, offset, bits, gs, n, k, codes, code_offset,
+                                                   BF16),
+                 lambda: K.lowbit_linear_reference(x, packed, scale, offset, bits, gs, n, k, codes, code_offset,
+                                                   torch.float16)):
+        with pytest.raises((RuntimeError, ValueError), match="compute_dtype must be None or torch.bfloat16"):
+            call()
 
 
 def test_module_call_makes_no_bf16_copies_unless_autograd_needs_them():
@@ -126,7 +130,7 @@ def test_module_call_makes_no_bf16_copies_unless_autograd_needs_them():
     fast(x)  # the first call of a row bucket selects the kernel (for an empty bf16 tensor of x's shape)
     with torch.no_grad(), Ops() as seen:
         y = fast(x)
-    assert seen.ops == ["affineq.lowbit_linear", "aten.add"]
+    assert seen.ops == ["affineq.lowbit_linear_bf16_compute", "aten.add"]
     assert torch.equal(y, F.linear(x.to(BF16), plain.weight).float() + plain.bias)
     xg = x.clone().requires_grad_()
     with Ops() as seen:

@@ -35,9 +35,10 @@ Kernels (chosen per call; x of any float dtype is converted to fp32 first, the o
   enables it for fp32 x too (faster at larger m, ~80 dB SQNR instead of fp32-exact; see benchmarks/README.md,
   kernel design measurements), ``=0`` disables it.
 
-``compute_dtype=torch.bfloat16`` with float32 x (a weight whose ``QuantSpec.compute_dtype`` is bf16): the result
-of ``x.to(torch.bfloat16)`` cast back to float32, bit for bit; where the bf16 kernels run (bf16 dot-product GEMM,
-4-bit bf16 GEMV) they write the widened bf16 values themselves, with no bf16 copy of y.
+``affineq::lowbit_linear_bf16_compute`` (float32 x of a weight whose ``QuantSpec.compute_dtype`` is bf16): the
+result of ``lowbit_linear(x.to(torch.bfloat16))`` cast back to float32, bit for bit; where the bf16 kernels run
+(bf16 dot-product GEMM, 4-bit bf16 GEMV) they read x rounded and write the widened bf16 values themselves, with no
+bf16 copy of y.
 
 The C++ library is compiled on first use (see ``_build.py``; every ``*.cpp`` here is one translation unit):
 ``dispatch.cpp`` holds the entry points and the path choice (``path_for``), ``gemv.cpp``, ``gemm_f32.cpp``,
@@ -55,6 +56,7 @@ otherwise.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from typing import Any
@@ -319,7 +321,14 @@ def kernel_info() -> dict[str, Any]:
 _lib = torch.library.Library("affineq", "FRAGMENT")
 _lib.define(
     "lowbit_linear(Tensor x, Tensor packed, Tensor scale, Tensor? offset, int bits, int group_size, int n, int k,"
-    " int codes=0, int code_offset=0, ScalarType? compute_dtype=None) -> Tensor"
+    " int codes=0, int code_offset=0) -> Tensor"
+)
+# lowbit_linear for x.to(bfloat16), cast back to x's dtype (float32 or bfloat16): the bf16 kernels read float32 x
+# rounded and write y widened themselves. A separate op, not an argument of lowbit_linear: a changed schema breaks
+# the graphs torch.compile cached calling the old one (tests/test_op_schemas.py pins them).
+_lib.define(
+    "lowbit_linear_bf16_compute(Tensor x, Tensor packed, Tensor scale, Tensor? offset, int bits, int group_size,"
+    " int n, int k, int codes=0, int code_offset=0) -> Tensor"
 )
 _lib.define(
     "lowbit_dequantize(Tensor packed, Tensor scale, Tensor? offset, int bits, int group_size, int n, int k,"
@@ -373,9 +382,15 @@ def _int8_fake_quant_fake(x, per_token, mode, eps):
 
 
 @torch.library.register_fake(_OP, lib=_lib)
-def _lowbit_linear_fake(x, packed, scale, offset, bits, group_size, n, k, codes=CODES_UINT, code_offset=0,
-                        compute_dtype=None):
-    _check_args(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset, compute_dtype)
+def _lowbit_linear_fake(x, packed, scale, offset, bits, group_size, n, k, codes=CODES_UINT, code_offset=0):
+    _check_args(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset)
+    return x.new_empty((*x.shape[:-1], n))
+
+
+@torch.library.register_fake("affineq::lowbit_linear_bf16_compute", lib=_lib)
+def _lowbit_linear_bf16_compute_fake(x, packed, scale, offset, bits, group_size, n, k, codes=CODES_UINT,
+                                     code_offset=0):
+    _check_args(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset, torch.bfloat16)
     return x.new_empty((*x.shape[:-1], n))
 
 
@@ -386,7 +401,8 @@ def _lowbit_dequantize_fake(packed, scale, offset, bits, group_size, n, k, codes
 
 def _lowbit_linear_fallback(x, packed, scale, offset, bits, group_size, n, k, codes=CODES_UINT, code_offset=0,
                             compute_dtype=None):
-    # Runs only while no C++ CPU kernel is registered: load it, then dispatch again to reach it.
+    # Runs only while no C++ CPU kernel is registered (compute_dtype: lowbit_linear_bf16_compute's): load it,
+    # then dispatch again to reach it.
     if x.device.type != "cpu":
         raise NotImplementedError(f"affineq::lowbit_linear only supports CPU tensors, got x on {x.device}")
     if not is_available():
@@ -399,8 +415,10 @@ def _lowbit_linear_fallback(x, packed, scale, offset, bits, group_size, n, k, co
                                        compute_dtype)
     if not torch._C._dispatch_has_kernel_for_dispatch_key(_OP, "CPU"):
         raise RuntimeError(f"affineq: {_lib_path} loaded but did not register a CPU kernel for {_OP}")
-    return torch.ops.affineq.lowbit_linear(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset,
-                                           compute_dtype)
+    if compute_dtype is not None:
+        return torch.ops.affineq.lowbit_linear_bf16_compute(x, packed, scale, offset, bits, group_size, n, k, codes,
+                                                            code_offset)
+    return torch.ops.affineq.lowbit_linear(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset)
 
 
 def _lowbit_dequantize_fallback(packed, scale, offset, bits, group_size, n, k, codes=CODES_UINT, code_offset=0):
@@ -409,6 +427,8 @@ def _lowbit_dequantize_fallback(packed, scale, offset, bits, group_size, n, k, c
 
 
 _lib.impl("lowbit_linear", _lowbit_linear_fallback, "CompositeExplicitAutograd")
+_lib.impl("lowbit_linear_bf16_compute", functools.partial(_lowbit_linear_fallback, compute_dtype=torch.bfloat16),
+          "CompositeExplicitAutograd")
 
 # The dense weight as float at memory speed (cpp/dequant_gemm.cpp): W [n, k] with the values of
 # `formats.Dense.dequantize` bit for bit (see dense_dequantize_reference), float32 or (bf16=True) bfloat16.

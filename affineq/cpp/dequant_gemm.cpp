@@ -329,9 +329,9 @@ at::Tensor dequant_linear_cpu(const at::Tensor& x, const at::Tensor& packed, con
                              .findSchemaOrThrow("affineq::lowbit_linear", "")
                              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                const std::optional<at::Tensor>&, int64_t, int64_t, int64_t, int64_t,
-                                               int64_t, int64_t, std::optional<at::ScalarType>)>();
+                                               int64_t, int64_t)>();
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return lowbit.call(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset, std::nullopt);
+    return lowbit.call(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset);
   }
   TORCH_CHECK(xt == at::kFloat || xt == at::kBFloat16 || xt == at::kHalf, kDl,
               ": x must be float32, bfloat16 or float16, got ", xt);

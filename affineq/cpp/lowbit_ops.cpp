@@ -294,9 +294,19 @@ at::Tensor int8_fake_quant_cpu(const at::Tensor& x, bool per_token, int64_t mode
 
 at::Tensor lowbit_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                              const std::optional<at::Tensor>& offset, int64_t bits, int64_t group_size, int64_t n,
-                             int64_t k, int64_t codes, int64_t code_offset,
-                             std::optional<at::ScalarType> compute_dtype) {
-  return lowbit_linear_impl(x, packed, scale, offset, bits, group_size, n, k, codes, 0, code_offset, compute_dtype);
+                             int64_t k, int64_t codes, int64_t code_offset) {
+  return lowbit_linear_impl(x, packed, scale, offset, bits, group_size, n, k, codes, 0, code_offset, std::nullopt);
+}
+
+// lowbit_linear for x.to(bf16), widened back to x's dtype: float32 x is rounded and y widened by the bf16 kernels
+// themselves (run_weight_problems). Its own op: a changed lowbit_linear schema would break graphs that
+// torch.compile cached calling the old one.
+at::Tensor lowbit_linear_bf16_compute_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                                          const std::optional<at::Tensor>& offset, int64_t bits, int64_t group_size,
+                                          int64_t n, int64_t k, int64_t codes, int64_t code_offset) {
+  const at::AutoDispatchBelowADInplaceOrView below_autograd;  // an inference op: no derivative
+  return lowbit_linear_impl(x.detach(), packed, scale, offset, bits, group_size, n, k, codes, 0, code_offset,
+                            at::kBFloat16);
 }
 
 // dL/dx = dL/dy @ W (W dequantized to fp32); codes, scale and offset get no gradient.
@@ -305,18 +315,17 @@ class LowbitLinearFunction : public torch::autograd::Function<LowbitLinearFuncti
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& packed,
                             const at::Tensor& scale, const std::optional<at::Tensor>& offset, int64_t bits,
-                            int64_t group_size, int64_t n, int64_t k, int64_t codes, int64_t code_offset,
-                            std::optional<at::ScalarType> compute_dtype) {
+                            int64_t group_size, int64_t n, int64_t k, int64_t codes, int64_t code_offset) {
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("affineq::lowbit_linear", "")
                          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                            const std::optional<at::Tensor>&, int64_t, int64_t, int64_t, int64_t,
-                                           int64_t, int64_t, std::optional<at::ScalarType>)>();
+                                           int64_t, int64_t)>();
     ctx->save_for_backward({packed, scale, offset.value_or(at::Tensor())});  // undefined: e8m0 (no offset)
     ctx->saved_data["meta"] = std::vector<int64_t>{bits, group_size, n, k, codes, code_offset};
     ctx->saved_data["dtype"] = static_cast<int64_t>(x.scalar_type());
     at::AutoDispatchBelowADInplaceOrView guard;
-    return op.call(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset, compute_dtype);
+    return op.call(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset);
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -334,17 +343,15 @@ class LowbitLinearFunction : public torch::autograd::Function<LowbitLinearFuncti
       const at::Tensor w = deq.call(saved[0], saved[1], off, meta[0], meta[1], meta[2], meta[3], meta[4], meta[5]);
       gx = grads[0].to(at::kFloat).matmul(w).to(dtype);
     }
-    return {gx,           at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+    return {gx,           at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
             at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 at::Tensor lowbit_linear_autograd(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                                   const std::optional<at::Tensor>& offset, int64_t bits, int64_t group_size,
-                                  int64_t n, int64_t k, int64_t codes, int64_t code_offset,
-                                  std::optional<at::ScalarType> compute_dtype) {
-  return LowbitLinearFunction::apply(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset,
-                                     compute_dtype);
+                                  int64_t n, int64_t k, int64_t codes, int64_t code_offset) {
+  return LowbitLinearFunction::apply(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset);
 }
 
 // Which path lowbit_linear would run for x (tests assert it; the kernel itself decides in lowbit_path).
@@ -389,7 +396,7 @@ at::Tensor int8_codes_linear_cpu(const at::Tensor& x, const at::Tensor& packed, 
               "affineq::lowbit_linear");
   if (x.size(0) < min_rows)  // the fused GEMV on the fake-quantized x: the same product, faster at few rows
     return lowbit_linear_cpu(int8_fake_quant_cpu(x, per_token, mode, eps), packed, scale, offset, bits, group_size,
-                             n, k, kCodesUint, code_offset, std::nullopt);
+                             n, k, kCodesUint, code_offset);
   // The int8 path quantizes x in fp32 (bf16 x widened row by row: the same codes as int8_fake_quant computes)
   // and rounds y to x's dtype as it stores it; the fallback above runs in x's dtype.
   const at::Tensor xc = x.contiguous();
@@ -415,6 +422,7 @@ std::string isa() { return kernel_isa(); }
 
 TORCH_LIBRARY_IMPL(affineq, CPU, m) {
   m.impl("lowbit_linear", &affineq::lowbit_linear_cpu);
+  m.impl("lowbit_linear_bf16_compute", &affineq::lowbit_linear_bf16_compute_cpu);
   m.impl("lowbit_linear_multi", &affineq::lowbit_linear_multi_cpu);
   m.impl("lowbit_dequantize", &affineq::lowbit_dequantize_cpu);
   m.impl("int8_fake_quant", &affineq::int8_fake_quant_cpu);

@@ -169,9 +169,10 @@ def _lowbit_run(x, w, bias):
         x = fake_quantize_activation(x, spec.act_quant, w)
     n, k = spec.shape
     packed, scale, offset, bits, group_size, codes, code_offset = lowbit_weight_args(w)
-    compute = spec.compute_dtype if computes_in_other_dtype(x, w) else None  # the op rounds x, widens y
-    out = torch.ops.affineq.lowbit_linear(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset,
-                                          compute_dtype=compute)
+    # float32 x computing in bf16 (`rounds_input`): the op rounds x and widens y itself
+    ops = torch.ops.affineq
+    op = ops.lowbit_linear_bf16_compute if computes_in_other_dtype(x, w) else ops.lowbit_linear
+    out = op(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset)
     return out if bias is None else out + bias
 
 
