@@ -156,9 +156,9 @@ inline constexpr int64_t kNCB = 8;   // micro-tiles dequantized together per k-s
 // row stride (often 16 KiB) would make all rows alias to the same cache sets.
 inline constexpr int64_t kMC = 240;
 // Rows per pass for m rows: at most kMC, split evenly (a multiple of `mult`) so no pass is a small remainder.
-inline int64_t row_chunk(int64_t m, int64_t mult) {
-  const int64_t passes = (m + kMC - 1) / kMC;
-  return std::min(kMC, ((m + passes - 1) / passes + mult - 1) / mult * mult);
+inline int64_t row_chunk(int64_t m, int64_t mult, int64_t most = kMC) {
+  const int64_t passes = (m + most - 1) / most;
+  return std::min(most, ((m + passes - 1) / passes + mult - 1) / mult * mult);
 }
 
 // How a tiled GEMM path (2, 3, 4) shares its work among the threads: the N tiles in `nblocks` blocks of at most

@@ -18,7 +18,14 @@ namespace affineq::detail {
 namespace {
 
 constexpr int kBMR = 12;  // x rows per micro-tile: 24 fp32 accumulators + 2 weight vectors + a broadcast
-static_assert(kMC % kBMR == 0, "row chunks must hold whole bf16 row blocks");
+// Rows of x per pass: each pass dequantizes the item's tiles again, so 512 rows take one pass (the accumulators,
+// 8 tiles x 516 rows x 32 fp32 = 528 KiB, stay in L2).
+constexpr int64_t kBMC = 516;
+static_assert(kBMC % kBMR == 0, "row chunks must hold whole bf16 row blocks");
+// Longest k-slice of a dequantized tile (288 x 32 bf16 = 18 KiB, in L1); K is cut into equal slices (576 = 2 x 288,
+// not 256 + 256 + 64: every slice reloads and stores the 24 accumulators, which a short slice does not amortise).
+// Slicing never changes a sum: each accumulator continues in k order across slices.
+constexpr int64_t kBKC = 288;
 
 // wb[(kp - 4 * u0) * 32 + 16 * p + j] = bf16(W[row j of panel p, 2 kp]) | bf16(W[row j, 2 kp + 1]) << 16
 template <int B>
@@ -136,20 +143,21 @@ void bgemm_path(const Ctx& c) {
       load_tile_qparams(pr, code_scale(B), r0, rows, R, G, sT, oT);
       const uint8_t* pan[2 * kNCB];
       for (int64_t q = 0; q < nt * 2; ++q) pan[q] = panel_ptr(c, t0 * 2 + q);
-      uint32_t* wb = tl_wbuf.get<uint32_t>(kKC / 2 * TW);
-      const int64_t mcs = row_chunk(mhi - mlo, kBMR);
+      const int64_t slices = (K8 + kBKC - 1) / kBKC, kcs = ((K8 + slices - 1) / slices + 7) / 8 * 8;
+      uint32_t* wb = tl_wbuf.get<uint32_t>(kcs / 2 * TW);
+      const int64_t mcs = row_chunk(mhi - mlo, kBMR, kBMC);
       for (int64_t mc0 = mlo; mc0 < mhi; mc0 += mcs) {
         const int64_t mc = std::min(mcs, mhi - mc0);
         float* cbuf = tl_cbuf.get<float>(nt * mc * TW);
-        for (int64_t k0 = 0; k0 < K8; k0 += kKC) {
-          const int64_t kc = std::min(kKC, K8 - k0);
-          for (int64_t t = 0; t < nt; ++t) {  // tile-outer: the 16 KiB bf16 tile stays in L1 for all rows
+        for (int64_t k0 = 0; k0 < K8; k0 += kcs) {
+          const int64_t kc = std::min(kcs, K8 - k0);
+          for (int64_t t = 0; t < nt; ++t) {  // tile-outer: the bf16 tile (<= 18 KiB) stays in L1 for all rows
             if (t * TW >= rows) break;
             dequant_bf16_pairs<B>(pan + 2 * t, sT + t * TW, oT + t * TW, R, kg.data(), k0 / 8, kc / 8, wb);
             if (t + 1 < nt && (t + 1) * TW < rows)
               prefetch_units(pan + 2 * (t + 1), 2, k0 / 8, kc / 8, c.B);
             else if (k0 + kc < K8)
-              prefetch_units(pan, 2, (k0 + kc) / 8, std::min(kKC, K8 - k0 - kc) / 8, c.B);
+              prefetch_units(pan, 2, (k0 + kc) / 8, std::min(kcs, K8 - k0 - kc) / 8, c.B);
             for (int64_t m0 = mc0; m0 < mc0 + mc; m0 += kBMR) {
               const BMicroFn fn = kBMicro[std::min<int64_t>(kBMR, mc0 + mc - m0) - 1];
               fn(xw + m0 * ldx2 + k0 / 2, ldx2, wb, kc / 2, cbuf + (t * mc + (m0 - mc0)) * TW, k0 == 0);
