@@ -1,6 +1,6 @@
-// Path 4: dequant to bf16 + bf16 dot GEMM (AVX512-BF16, bf16 x, m >= 3). Each [256 x 32] tile of W is
-// dequantized once in fp32 (w = scale * c(u) + offset), rounded to bf16 and stored as k-pairs; vdpbf16ps
-// multiplies the pairs with bf16 x pairs (x as given) and accumulates in fp32. The result is that of
+// Path 4: dequant to bf16 + bf16 dot GEMM (AVX512-BF16, bf16 x, m >= 3). Each [<= 288 x 32] tile of W is
+// dequantized once per pass in fp32 (w = scale * c(u) + offset), rounded to bf16 and stored as k-pairs;
+// vdpbf16ps multiplies the pairs of two tiles at a time with bf16 x pairs (x as given) and accumulates in fp32. The result is that of
 // dequantize-to-bf16 then a bf16 matmul with fp32 accumulation (F.linear on the dequantized bf16 weight), at
 // the CPU's bf16 dot-product rate; no per-group rescaling in the inner loop, so small groups cost no more than
 // large ones. Compiles to nothing without AVX512-BF16 (path_for then never picks path 4).
@@ -22,7 +22,7 @@ constexpr int kBMR = 12;  // x rows per micro-tile: 24 fp32 accumulators + 2 wei
 // 8 tiles x 516 rows x 32 fp32 = 528 KiB, stay in L2).
 constexpr int64_t kBMC = 516;
 static_assert(kBMC % kBMR == 0, "row chunks must hold whole bf16 row blocks");
-// Longest k-slice of a dequantized tile (288 x 32 bf16 = 18 KiB, in L1); K is cut into equal slices (576 = 2 x 288,
+// Longest k-slice of a dequantized tile (288 x 32 bf16 = 18 KiB; two in L1); K is cut into equal slices (576 = 2 x 288,
 // not 256 + 256 + 64: every slice reloads and stores the 24 accumulators, which a short slice does not amortise).
 // Slicing never changes a sum: each accumulator continues in k order across slices.
 constexpr int64_t kBKC = 288;
@@ -104,6 +104,58 @@ void bmicro(const uint32_t* x, int64_t ldx2, const uint32_t* w, int64_t kc2, flo
 }
 #undef AQ_B_ROWS
 
+// The same for two tiles at once: c_a / c_b (+)= x[MR x 2 kc2] @ w_a / w_b, MR <= 6: 24 accumulators, 4 weight
+// vectors and one broadcast of x per k-pair for 24 dot products (the 12-row tile above broadcasts twice as often).
+#define AQ_P_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
+template <int MR>
+void bmicro_pair(const uint32_t* x, int64_t ldx2, const uint32_t* wa, const uint32_t* wb, int64_t kc2, float* ca,
+                 float* cb, bool init) {
+  static_assert(MR >= 1 && MR <= 6, "bmicro_pair handles up to 6 rows");
+#define AQ_DECL(i)                                                                                             \
+  __m512 acc##i##0 = _mm512_setzero_ps(), acc##i##1 = _mm512_setzero_ps(), acc##i##2 = _mm512_setzero_ps(),    \
+         acc##i##3 = _mm512_setzero_ps();                                                                      \
+  if constexpr (MR > i) {                                                                                      \
+    if (!init) {                                                                                               \
+      acc##i##0 = _mm512_loadu_ps(ca + (i) * 32);                                                              \
+      acc##i##1 = _mm512_loadu_ps(ca + (i) * 32 + 16);                                                         \
+      acc##i##2 = _mm512_loadu_ps(cb + (i) * 32);                                                              \
+      acc##i##3 = _mm512_loadu_ps(cb + (i) * 32 + 16);                                                         \
+    }                                                                                                          \
+  }
+  AQ_P_ROWS(AQ_DECL)
+#undef AQ_DECL
+  const uint32_t* xr[2] = {x, x + 3 * ldx2};
+#pragma GCC unroll 2
+  for (int64_t kp = 0; kp < kc2; ++kp, wa += 32, wb += 32) {
+    const __m512i a0 = _mm512_loadu_si512(wa), a1 = _mm512_loadu_si512(wa + 16);
+    const __m512i b0 = _mm512_loadu_si512(wb), b1 = _mm512_loadu_si512(wb + 16);
+#define AQ_STEP(i)                                                                              \
+  if constexpr (MR > i) {                                                                       \
+    const __m512i xv = _mm512_set1_epi32(static_cast<int>(xr[(i) / 3][((i) % 3) * ldx2 + kp])); \
+    AQ_DPBF16(acc##i##0, xv, a0);                                                               \
+    AQ_DPBF16(acc##i##1, xv, a1);                                                               \
+    AQ_DPBF16(acc##i##2, xv, b0);                                                               \
+    AQ_DPBF16(acc##i##3, xv, b1);                                                               \
+  }
+    AQ_P_ROWS(AQ_STEP)
+#undef AQ_STEP
+  }
+#define AQ_STORE(i)                                \
+  if constexpr (MR > i) {                          \
+    _mm512_storeu_ps(ca + (i) * 32, acc##i##0);      \
+    _mm512_storeu_ps(ca + (i) * 32 + 16, acc##i##1); \
+    _mm512_storeu_ps(cb + (i) * 32, acc##i##2);      \
+    _mm512_storeu_ps(cb + (i) * 32 + 16, acc##i##3); \
+  }
+  AQ_P_ROWS(AQ_STORE)
+#undef AQ_STORE
+}
+#undef AQ_P_ROWS
+
+using BPairFn = void (*)(const uint32_t*, int64_t, const uint32_t*, const uint32_t*, int64_t, float*, float*, bool);
+constexpr BPairFn kBPair[6] = {&bmicro_pair<1>, &bmicro_pair<2>, &bmicro_pair<3>,
+                               &bmicro_pair<4>, &bmicro_pair<5>, &bmicro_pair<6>};
+
 using BMicroFn = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, float*, bool);
 template <int... Is>
 constexpr std::array<BMicroFn, sizeof...(Is)> bmicro_table(std::integer_sequence<int, Is...>) {
@@ -144,15 +196,33 @@ void bgemm_path(const Ctx& c) {
       const uint8_t* pan[2 * kNCB];
       for (int64_t q = 0; q < nt * 2; ++q) pan[q] = panel_ptr(c, t0 * 2 + q);
       const int64_t slices = (K8 + kBKC - 1) / kBKC, kcs = ((K8 + slices - 1) / slices + 7) / 8 * 8;
-      uint32_t* wb = tl_wbuf.get<uint32_t>(kcs / 2 * TW);
+      uint32_t* wb = tl_wbuf.get<uint32_t>(kcs * TW);  // two tiles
+      uint32_t* wb2 = wb + kcs / 2 * TW;
       const int64_t mcs = row_chunk(mhi - mlo, kBMR, kBMC);
       for (int64_t mc0 = mlo; mc0 < mhi; mc0 += mcs) {
         const int64_t mc = std::min(mcs, mhi - mc0);
         float* cbuf = tl_cbuf.get<float>(nt * mc * TW);
         for (int64_t k0 = 0; k0 < K8; k0 += kcs) {
           const int64_t kc = std::min(kcs, K8 - k0);
-          for (int64_t t = 0; t < nt; ++t) {  // tile-outer: the bf16 tile (<= 18 KiB) stays in L1 for all rows
+          // tile-outer: two bf16 tiles (<= 36 KiB) stay in L1 for all rows; a last odd tile runs alone
+          for (int64_t t = 0; t < nt; ++t) {
             if (t * TW >= rows) break;
+            if (t + 1 < nt && (t + 1) * TW < rows) {
+              dequant_bf16_pairs<B>(pan + 2 * t, sT + t * TW, oT + t * TW, R, kg.data(), k0 / 8, kc / 8, wb);
+              dequant_bf16_pairs<B>(pan + 2 * t + 2, sT + (t + 1) * TW, oT + (t + 1) * TW, R, kg.data(), k0 / 8,
+                                    kc / 8, wb2);
+              if (t + 2 < nt && (t + 2) * TW < rows)
+                prefetch_units(pan + 2 * (t + 2), std::min<int64_t>(4, 2 * (nt - t - 2)), k0 / 8, kc / 8, c.B);
+              else if (k0 + kc < K8)
+                prefetch_units(pan, 4, (k0 + kc) / 8, std::min(kcs, K8 - k0 - kc) / 8, c.B);
+              for (int64_t m0 = mc0; m0 < mc0 + mc; m0 += 6) {
+                const BPairFn fn = kBPair[std::min<int64_t>(6, mc0 + mc - m0) - 1];
+                fn(xw + m0 * ldx2 + k0 / 2, ldx2, wb, wb2, kc / 2, cbuf + (t * mc + (m0 - mc0)) * TW,
+                   cbuf + ((t + 1) * mc + (m0 - mc0)) * TW, k0 == 0);
+              }
+              ++t;
+              continue;
+            }
             dequant_bf16_pairs<B>(pan + 2 * t, sT + t * TW, oT + t * TW, R, kg.data(), k0 / 8, kc / 8, wb);
             if (t + 1 < nt && (t + 1) * TW < rows)
               prefetch_units(pan + 2 * (t + 1), 2, k0 / 8, kc / 8, c.B);
