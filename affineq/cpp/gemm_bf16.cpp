@@ -1,7 +1,8 @@
 // Path 4: dequant to bf16 + bf16 dot GEMM (AVX512-BF16, bf16 x, m >= 3). Each [<= 288 x 32] tile of W is
 // dequantized once per pass in fp32 (w = scale * c(u) + offset), rounded to bf16 and stored as k-pairs;
-// vdpbf16ps multiplies the pairs of two tiles at a time with bf16 x pairs (x as given) and accumulates in fp32. The result is that of
-// dequantize-to-bf16 then a bf16 matmul with fp32 accumulation (F.linear on the dequantized bf16 weight), at
+// vdpbf16ps multiplies the pairs of one tile, or two at a time in long passes, with bf16 x pairs (x as given) and
+// accumulates in fp32. The result is that of dequantize-to-bf16 then a bf16 matmul with fp32 accumulation
+// (F.linear on the dequantized bf16 weight), at
 // the CPU's bf16 dot-product rate; no per-group rescaling in the inner loop, so small groups cost no more than
 // large ones. Compiles to nothing without AVX512-BF16 (path_for then never picks path 4).
 #include "simd.h"  // defines AQ_BF16DOT
@@ -26,6 +27,10 @@ static_assert(kBMC % kBMR == 0, "row chunks must hold whole bf16 row blocks");
 // not 256 + 256 + 64: every slice reloads and stores the 24 accumulators, which a short slice does not amortise).
 // Slicing never changes a sum: each accumulator continues in k order across slices.
 constexpr int64_t kBKC = 288;
+// Passes of at least this many rows multiply two tiles per micro-kernel call (bmicro_pair); shorter ones one tile
+// at a time with 12-row blocks. Cold 4096 x 4096 weights, 2 threads: the pair kernel is 3% faster at 512 rows,
+// even at 256, and 1-18% slower at 8-128 rows (benchmarks/README.md).
+constexpr int64_t kBPairRows = 256;
 
 // wb[(kp - 4 * u0) * 32 + 16 * p + j] = bf16(W[row j of panel p, 2 kp]) | bf16(W[row j, 2 kp + 1]) << 16
 template <int B>
@@ -204,10 +209,10 @@ void bgemm_path(const Ctx& c) {
         float* cbuf = tl_cbuf.get<float>(nt * mc * TW);
         for (int64_t k0 = 0; k0 < K8; k0 += kcs) {
           const int64_t kc = std::min(kcs, K8 - k0);
-          // tile-outer: two bf16 tiles (<= 36 KiB) stay in L1 for all rows; a last odd tile runs alone
+          // tile-outer: the bf16 tiles (one or two, <= 36 KiB) stay in L1 for all rows of the pass
           for (int64_t t = 0; t < nt; ++t) {
             if (t * TW >= rows) break;
-            if (t + 1 < nt && (t + 1) * TW < rows) {
+            if (mc >= kBPairRows && t + 1 < nt && (t + 1) * TW < rows) {
               dequant_bf16_pairs<B>(pan + 2 * t, sT + t * TW, oT + t * TW, R, kg.data(), k0 / 8, kc / 8, wb);
               dequant_bf16_pairs<B>(pan + 2 * t + 2, sT + (t + 1) * TW, oT + (t + 1) * TW, R, kg.data(), k0 / 8,
                                     kc / 8, wb2);
