@@ -99,13 +99,16 @@ def test_op_rounds_float32_x_itself_on_every_path(name, k):
         assert torch.equal(_bits(y.nan_to_num()), _bits(torch.ops.affineq.lowbit_linear(
             x.to(BF16), packed, scale, offset, bits, gs, n, k, codes, code_offset).float().nan_to_num()))
     x16 = torch.randn(2, k, dtype=torch.float16)
-    for call in (lambda: torch.ops.affineq.lowbit_linear_bf16_compute(x16, packed, scale, offset, bits, gs, n, k,
-                                                                       codes, code_offset),
-                 lambda: K.lowbit_linear_reference(x16, packed, scale, offset, bits, gs, n, k, codes, code_offset,
+    op = torch.ops.affineq.lowbit_linear_bf16_compute
+    with pytest.raises(RuntimeError, match="x must be float32 or bfloat16 .it is computed in bfloat16., got Half"):
+        op(x16, packed, scale, offset, bits, gs, n, k, codes, code_offset)
+    with pytest.raises(RuntimeError, match="an inference op .no derivative.: for a gradient call"):
+        op(x.clone().requires_grad_(), packed, scale, offset, bits, gs, n, k, codes, code_offset)
+    for call in (lambda: K.lowbit_linear_reference(x16, packed, scale, offset, bits, gs, n, k, codes, code_offset,
                                                    BF16),
                  lambda: K.lowbit_linear_reference(x, packed, scale, offset, bits, gs, n, k, codes, code_offset,
                                                    torch.float16)):
-        with pytest.raises((RuntimeError, ValueError), match="compute_dtype must be None or torch.bfloat16"):
+        with pytest.raises(ValueError, match="compute_dtype must be None or torch.bfloat16"):
             call()
 
 

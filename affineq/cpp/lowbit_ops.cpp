@@ -304,8 +304,13 @@ at::Tensor lowbit_linear_cpu(const at::Tensor& x, const at::Tensor& packed, cons
 at::Tensor lowbit_linear_bf16_compute_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                                           const std::optional<at::Tensor>& offset, int64_t bits, int64_t group_size,
                                           int64_t n, int64_t k, int64_t codes, int64_t code_offset) {
-  const at::AutoDispatchBelowADInplaceOrView below_autograd;  // an inference op: no derivative
-  return lowbit_linear_impl(x.detach(), packed, scale, offset, bits, group_size, n, k, codes, 0, code_offset,
+  const char* op = "affineq::lowbit_linear_bf16_compute";
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
+              ": x must be float32 or bfloat16 (it is computed in bfloat16), got ", x.scalar_type());
+  TORCH_CHECK(!(x.requires_grad() && at::GradMode::is_enabled()), op,
+              ": an inference op (no derivative): for a gradient call affineq::lowbit_linear on x.to(torch.bfloat16)");
+  const at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return lowbit_linear_impl(x, packed, scale, offset, bits, group_size, n, k, codes, 0, code_offset,
                             at::kBFloat16);
 }
 
