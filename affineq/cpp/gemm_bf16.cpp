@@ -209,34 +209,29 @@ void bgemm_path(const Ctx& c) {
         float* cbuf = tl_cbuf.get<float>(nt * mc * TW);
         for (int64_t k0 = 0; k0 < K8; k0 += kcs) {
           const int64_t kc = std::min(kcs, K8 - k0);
-          // tile-outer: the bf16 tiles (one or two, <= 36 KiB) stay in L1 for all rows of the pass
-          for (int64_t t = 0; t < nt; ++t) {
-            if (t * TW >= rows) break;
-            if (mc >= kBPairRows && t + 1 < nt && (t + 1) * TW < rows) {
-              dequant_bf16_pairs<B>(pan + 2 * t, sT + t * TW, oT + t * TW, R, kg.data(), k0 / 8, kc / 8, wb);
-              dequant_bf16_pairs<B>(pan + 2 * t + 2, sT + (t + 1) * TW, oT + (t + 1) * TW, R, kg.data(), k0 / 8,
-                                    kc / 8, wb2);
-              if (t + 2 < nt && (t + 2) * TW < rows)
-                prefetch_units(pan + 2 * (t + 2), std::min<int64_t>(4, 2 * (nt - t - 2)), k0 / 8, kc / 8, c.B);
-              else if (k0 + kc < K8)
-                prefetch_units(pan, 4, (k0 + kc) / 8, std::min(kcs, K8 - k0 - kc) / 8, c.B);
-              for (int64_t m0 = mc0; m0 < mc0 + mc; m0 += 6) {
-                const BPairFn fn = kBPair[std::min<int64_t>(6, mc0 + mc - m0) - 1];
-                fn(xw + m0 * ldx2 + k0 / 2, ldx2, wb, wb2, kc / 2, cbuf + (t * mc + (m0 - mc0)) * TW,
-                   cbuf + ((t + 1) * mc + (m0 - mc0)) * TW, k0 == 0);
-              }
-              ++t;
-              continue;
-            }
-            dequant_bf16_pairs<B>(pan + 2 * t, sT + t * TW, oT + t * TW, R, kg.data(), k0 / 8, kc / 8, wb);
-            if (t + 1 < nt && (t + 1) * TW < rows)
-              prefetch_units(pan + 2 * (t + 1), 2, k0 / 8, kc / 8, c.B);
+          // tile-outer: the bf16 tiles of a step (one, or two in long passes; <= 36 KiB) stay in L1 for all rows
+          for (int64_t t = 0; t < nt && t * TW < rows;) {
+            const int64_t nd = mc >= kBPairRows && t + 1 < nt && (t + 1) * TW < rows ? 2 : 1;
+            for (int64_t d = 0; d < nd; ++d)
+              dequant_bf16_pairs<B>(pan + 2 * (t + d), sT + (t + d) * TW, oT + (t + d) * TW, R, kg.data(), k0 / 8,
+                                    kc / 8, d == 0 ? wb : wb2);
+            const int64_t tn = t + nd;  // the next step's tiles, or the next k-slice's first ones: prefetched
+            if (tn < nt && tn * TW < rows)
+              prefetch_units(pan + 2 * tn, static_cast<int>(std::min(2 * nd, 2 * (nt - tn))), k0 / 8, kc / 8, c.B);
             else if (k0 + kc < K8)
-              prefetch_units(pan, 2, (k0 + kc) / 8, std::min(kcs, K8 - k0 - kc) / 8, c.B);
-            for (int64_t m0 = mc0; m0 < mc0 + mc; m0 += kBMR) {
-              const BMicroFn fn = kBMicro[std::min<int64_t>(kBMR, mc0 + mc - m0) - 1];
-              fn(xw + m0 * ldx2 + k0 / 2, ldx2, wb, kc / 2, cbuf + (t * mc + (m0 - mc0)) * TW, k0 == 0);
+              prefetch_units(pan, static_cast<int>(2 * nd), (k0 + kc) / 8, std::min(kcs, K8 - k0 - kc) / 8, c.B);
+            float* ct = cbuf + t * mc * TW;  // the accumulators of tile t (of tile t + 1: mc rows further)
+            if (nd == 2) {
+              for (int64_t m0 = mc0; m0 < mc0 + mc; m0 += 6)
+                kBPair[std::min<int64_t>(6, mc0 + mc - m0) - 1](xw + m0 * ldx2 + k0 / 2, ldx2, wb, wb2, kc / 2,
+                                                                 ct + (m0 - mc0) * TW, ct + (mc + m0 - mc0) * TW,
+                                                                 k0 == 0);
+            } else {
+              for (int64_t m0 = mc0; m0 < mc0 + mc; m0 += kBMR)
+                kBMicro[std::min<int64_t>(kBMR, mc0 + mc - m0) - 1](xw + m0 * ldx2 + k0 / 2, ldx2, wb, kc / 2,
+                                                                     ct + (m0 - mc0) * TW, k0 == 0);
             }
+            t = tn;
           }
         }
         for (int64_t t = 0; t < nt && t * TW < rows; ++t) {

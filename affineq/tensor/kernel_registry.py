@@ -65,16 +65,19 @@ def register_linear_kernel(name: str, formats: tuple[str, ...], check: Check, ru
 _selected: dict[tuple, tuple] = {}
 
 
-def _select_cached(x: torch.Tensor, w) -> tuple[LinearKernel | None, list[str]]:
+def _select_cached(x: torch.Tensor, w, dtype: torch.dtype | None = None) -> tuple[LinearKernel | None, list[str]]:
+    """select_linear_kernel(x, w), cached; dtype: the choice for x.to(dtype) (without converting x)."""
+    dtype = x.dtype if dtype is None else dtype
     if torch.compiler.is_compiling():  # traced once anyway; keep dynamo away from the dict
-        return select_linear_kernel(x, w)
+        return select_linear_kernel(x if dtype == x.dtype else x.new_empty(x.shape, dtype=dtype), w)
     spec = w.spec
-    key = (id(spec), x.device.type, x.dtype, _cpp.is_available(), rows_bucket(x))
+    key = (id(spec), x.device.type, dtype, _cpp.is_available(), rows_bucket(x))
     hit = _selected.get(key)
     if hit is None or hit[0] is not spec:
         if len(_selected) > 4096:
             _selected.clear()
-        hit = _selected[key] = (spec, *select_linear_kernel(x, w))
+        probe = x if dtype == x.dtype else x.new_empty(x.shape, dtype=dtype)  # the checks read dtype and shape
+        hit = _selected[key] = (spec, *select_linear_kernel(probe, w))
     return hit[1], hit[2]
 
 
@@ -149,9 +152,7 @@ def _rounding_kernel(x: torch.Tensor, w) -> LinearKernel | None:
     if (torch.compiler.is_compiling() or (x.requires_grad and torch.is_grad_enabled()) or w.spec.transposed
             or "act_pre_scale" in w._names or "act_out_scale" in w._names):
         return None
-    cd = w.spec.compute_dtype
-    hit = _selected.get((id(w.spec), x.device.type, cd, _cpp.is_available(), rows_bucket(x)))
-    kernel = hit[1] if hit is not None and hit[0] is w.spec else _select_cached(x.new_empty(x.shape, dtype=cd), w)[0]
+    kernel = _select_cached(x, w, w.spec.compute_dtype)[0]
     return kernel if kernel is not None and kernel.rounds_input else None
 
 
