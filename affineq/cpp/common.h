@@ -97,9 +97,14 @@ inline void prefetch_units(const uint8_t* const* pan, int np, int64_t u0, int64_
 #endif
 }
 
-// y[m, c] = cbuf[m * ldc + c] for c < cols (writes back a dense accumulator tile).
-inline void store_tile(const float* cbuf, int64_t ldc, int64_t rows, int64_t cols, float* y, int64_t ldy) {
-  for (int64_t m = 0; m < rows; ++m) std::memcpy(y + m * ldy, cbuf + m * ldc, sizeof(float) * cols);
+// y[m, c] = cbuf[(c / tw * rows + m) * tw + c % tw] for m < rows, c < cols: a pass's accumulators, tile-major
+// [tile][row][tw], stored row by row, so each row of y is written as one contiguous run (tile by tile, a wide y
+// gets one line per row and tile and a new page every row). store(c, m, c0, n) writes n <= tw columns of row m
+// from c (n floats) at y column c0.
+template <class Store>
+inline void store_tiles_by_row(const float* cbuf, int64_t tw, int64_t rows, int64_t cols, Store store) {
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t c0 = 0; c0 < cols; c0 += tw) store(cbuf + (c0 / tw * rows + m) * tw, m, c0, std::min(tw, cols - c0));
 }
 
 // Grain for at::parallel_for: enough items that one chunk carries >= ~2^17 multiply-adds, so small layers

@@ -168,17 +168,16 @@ constexpr std::array<BMicroFn, sizeof...(Is)> bmicro_table(std::integer_sequence
 }
 constexpr auto kBMicro = bmicro_table(std::make_integer_sequence<int, kBMR>{});
 
-// y[m, c] = bf16(cbuf[m * 32 + c]) for c < cols: torch's float -> bf16 (nearest even; every NaN as 0x7FC0), stored
-// as bf16 bits (yb) or widened back to fp32 (yf: the same values, LowbitProblem::y_bf16_values).
-void store_tile_bf16(const float* cbuf, int64_t rows, int64_t cols, uint16_t* yb, float* yf, int64_t ldy) {
+// y[c] = bf16(cr[c]) for c < cols (<= 32): torch's float -> bf16 (nearest even; every NaN as 0x7FC0), stored as
+// bf16 bits (yb) or widened back to fp32 (yf: the same values, LowbitProblem::y_bf16_values).
+void store_row_bf16(const float* cr, int64_t cols, uint16_t* yb, float* yf) {
   const __mmask16 lo = static_cast<__mmask16>(cols >= 16 ? 0xFFFF : (1u << cols) - 1);
   const __mmask16 hi = static_cast<__mmask16>(cols <= 16 ? 0 : cols >= 32 ? 0xFFFF : (1u << (cols - 16)) - 1);
-  for (int64_t m = 0; m < rows; ++m)
-    for (int h = 0; h < 2; ++h) {
-      const __m256i b = bf16_bits(_mm512_loadu_ps(cbuf + m * 32 + 16 * h));
-      if (yb != nullptr) _mm256_mask_storeu_epi16(yb + m * ldy + 16 * h, h ? hi : lo, b);
-      else _mm512_mask_storeu_ps(yf + m * ldy + 16 * h, h ? hi : lo, bf16_widen(b));
-    }
+  for (int h = 0; h < 2; ++h) {
+    const __m256i b = bf16_bits(_mm512_loadu_ps(cr + 16 * h));
+    if (yb != nullptr) _mm256_mask_storeu_epi16(yb + 16 * h, h ? hi : lo, b);
+    else _mm512_mask_storeu_ps(yf + 16 * h, h ? hi : lo, bf16_widen(b));
+  }
 }
 
 }  // namespace
@@ -234,12 +233,13 @@ void bgemm_path(const Ctx& c) {
             t = tn;
           }
         }
-        for (int64_t t = 0; t < nt && t * TW < rows; ++t) {
-          const int64_t cols = std::min(TW, rows - t * TW), y0 = mc0 * pr.ldy + r0 + t * TW;
-          if (pr.y_bf16 != nullptr) store_tile_bf16(cbuf + t * mc * TW, mc, cols, pr.y_bf16 + y0, nullptr, pr.ldy);
-          else if (pr.y_bf16_values) store_tile_bf16(cbuf + t * mc * TW, mc, cols, nullptr, pr.y + y0, pr.ldy);
-          else store_tile(cbuf + t * mc * TW, TW, mc, cols, pr.y + y0, pr.ldy);
-        }
+        const int64_t y0 = mc0 * pr.ldy + r0;
+        store_tiles_by_row(cbuf, TW, mc, rows, [&](const float* cm, int64_t m, int64_t c0, int64_t n) {
+          const int64_t yo = y0 + m * pr.ldy + c0;
+          if (pr.y_bf16 != nullptr) store_row_bf16(cm, n, pr.y_bf16 + yo, nullptr);
+          else if (pr.y_bf16_values) store_row_bf16(cm, n, nullptr, pr.y + yo);
+          else std::memcpy(pr.y + yo, cm, sizeof(float) * n);
+        });
       }
     }
   });

@@ -125,9 +125,10 @@ void gemm_path(const Ctx& c) {
             }
           }
         }
-        for (int64_t t = 0; t < nt && t * TW < rows; ++t)
-          store_tile(cbuf + t * mc * TW, TW, mc, std::min(TW, rows - t * TW), pr.y + mc0 * pr.ldy + r0 + t * TW,
-                     pr.ldy);
+        float* yp = pr.y + mc0 * pr.ldy + r0;
+        store_tiles_by_row(cbuf, TW, mc, rows, [&](const float* c, int64_t m, int64_t c0, int64_t n) {
+          std::memcpy(yp + m * pr.ldy + c0, c, sizeof(float) * n);
+        });
       }
     }
   });
