@@ -16,6 +16,15 @@ def _fresh_state():
     fallback.set_strict(False)
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
 def sqnr(ref: torch.Tensor, approx: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio in dB."""
     ref, approx = ref.double(), approx.double()

@@ -4,7 +4,7 @@ PyTorch reference (affineq.cpp.grouped_ops) and ``affineq.tensor.grouped.grouped
 The contract: every row equals ``torch.ops.affineq.lowbit_linear`` run on its expert's rows, bit for bit (the same
 per-expert kernel, the same decode and accumulation order), whatever the order of the ids, with experts that get
 no rows, for every code kind and qparam convention the dense format stores. The scalar and AVX2 builds run the
-op in tests/test_cpp_kernels.py::test_other_isa_build_matches (one build each for all ops)."""
+op in tests/test_cpp_builds.py::test_other_isa_build_matches (one build each for all ops)."""
 
 from __future__ import annotations
 
