@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import cpu_flags
 
 import affineq.cpp as K
 from affineq.cpp import _build
-from conftest import cpu_flags
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import cpu_flags
 
 import affineq.cpp as K
-from conftest import cpu_flags
 
 # (n, k, group_size): ragged n (tail panel), group sizes 32/64/128/per-channel, groups that are not a multiple
 # of 8 (fp32 GEMM fallback), k not a multiple of 8 (padded units).
