@@ -234,12 +234,14 @@ void bgemm_path(const Ctx& c) {
           }
         }
         const int64_t y0 = mc0 * pr.ldy + r0;
-        store_tiles_by_row(cbuf, TW, mc, rows, [&](const float* cm, int64_t m, int64_t c0, int64_t n) {
-          const int64_t yo = y0 + m * pr.ldy + c0;
-          if (pr.y_bf16 != nullptr) store_row_bf16(cm, n, pr.y_bf16 + yo, nullptr);
-          else if (pr.y_bf16_values) store_row_bf16(cm, n, nullptr, pr.y + yo);
-          else std::memcpy(pr.y + yo, cm, sizeof(float) * n);
-        });
+        if (pr.y_bf16 == nullptr && !pr.y_bf16_values) {
+          store_tiles_f32(cbuf, TW, mc, rows, pr.y + y0, pr.ldy);
+        } else {
+          store_tiles_by_row(cbuf, TW, mc, rows, [&](const float* cm, int64_t m, int64_t c0, int64_t n) {
+            const int64_t yo = y0 + m * pr.ldy + c0;
+            store_row_bf16(cm, n, pr.y_bf16 ? pr.y_bf16 + yo : nullptr, pr.y_bf16 ? nullptr : pr.y + yo);
+          });
+        }
       }
     }
   });

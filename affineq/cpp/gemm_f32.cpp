@@ -125,10 +125,7 @@ void gemm_path(const Ctx& c) {
             }
           }
         }
-        float* yp = pr.y + mc0 * pr.ldy + r0;
-        store_tiles_by_row(cbuf, TW, mc, rows, [&](const float* acc, int64_t m, int64_t c0, int64_t n) {
-          std::memcpy(yp + m * pr.ldy + c0, acc, sizeof(float) * n);
-        });
+        store_tiles_f32(cbuf, TW, mc, rows, pr.y + mc0 * pr.ldy + r0, pr.ldy);
       }
     }
   });

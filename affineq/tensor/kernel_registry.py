@@ -68,16 +68,19 @@ _selected: dict[tuple, tuple] = {}
 def _select_cached(x: torch.Tensor, w, dtype: torch.dtype | None = None) -> tuple[LinearKernel | None, list[str]]:
     """select_linear_kernel(x, w), cached; dtype: the choice for x.to(dtype) (without converting x)."""
     dtype = x.dtype if dtype is None else dtype
+
+    def probe() -> torch.Tensor:  # x as the checks see it: they read only dtype and shape
+        return x if dtype == x.dtype else x.new_empty(x.shape, dtype=dtype)
+
     if torch.compiler.is_compiling():  # traced once anyway; keep dynamo away from the dict
-        return select_linear_kernel(x if dtype == x.dtype else x.new_empty(x.shape, dtype=dtype), w)
+        return select_linear_kernel(probe(), w)
     spec = w.spec
     key = (id(spec), x.device.type, dtype, _cpp.is_available(), rows_bucket(x))
     hit = _selected.get(key)
     if hit is None or hit[0] is not spec:
         if len(_selected) > 4096:
             _selected.clear()
-        probe = x if dtype == x.dtype else x.new_empty(x.shape, dtype=dtype)  # the checks read dtype and shape
-        hit = _selected[key] = (spec, *select_linear_kernel(probe, w))
+        hit = _selected[key] = (spec, *select_linear_kernel(probe(), w))
     return hit[1], hit[2]
 
 
