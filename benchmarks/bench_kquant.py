@@ -6,11 +6,13 @@
 
 Issue 33 asks the k-quant kernels to reach the int4 g32 path's speed at M = 1. The weights are random valid
 blocks (every code and sub-scale drawn from its range, written by kquant_encode: the speed does not depend on
-the values, and quantize_kquant of large weights takes minutes on few cores); the int4 g32 row is uint4 with
-fp32 scale and offset per 32 (6 bits per weight stored, the format the `dense` kernels read), asymmetric as
-q4_k. Candidates are timed round-robin in one process (medians; compare ratios), each with its own weight copy
-so that none finds its weights left in cache by another. Columns: ms per call, "x i4" = int4-g32 time / this
-row's time (> 1: faster), bpw = stored bits per weight, GB/s = weight bytes streamed per second at M = 1.
+the values, and quantize_kquant of large weights takes minutes on few cores). Two int4 g32 rows, uint4
+asymmetric as q4_k, on the same `dense` kernels: `int4-g32` with fp32 scale and offset per 32 (6 bits per
+weight stored) and `int4-g32-bf16` with bf16 ones (5 bits per weight: what `Int4WeightOnlyConfig(group_size=32)`
+stores). Candidates are timed round-robin in one process (medians; compare ratios), each with its own weight
+copy so that none finds its weights left in cache by another. Columns: ms per call, "x i4" / "x i4b" =
+int4-g32 / int4-g32-bf16 time over this row's time (> 1: faster), bpw = stored bits per weight, GB/s = weight
+bytes streamed per second at M = 1, "GB/s vs i4b" = that over int4-g32-bf16's (per byte: > 1 streams faster).
 Writes results/bench_kquant.json.
 """
 
@@ -60,7 +62,7 @@ def main() -> None:
         args.shapes, args.m, args.budget = "1024x1024", "1", 0.02
 
     import affineq.cpp as K
-    from affineq.tensor.format_kquant import KQUANT_TYPES, from_blocks
+    from affineq.tensor.format_kquant import from_blocks
 
     if not K.is_available():
         sys.exit(f"affineq C++ kernels unavailable: {K.unavailable_reason()}")
@@ -74,22 +76,27 @@ def main() -> None:
         u = torch.randint(0, 16, (n, k), dtype=torch.uint8)
         scale = torch.rand(n, k // 32) * 0.01 + 1e-3
         i4 = (K.pack_codes(u, 4), scale, -8 * scale)
+        i4b = (K.pack_codes(u, 4), scale.bfloat16(), (-8 * scale).bfloat16())
         nbytes = {"int4-g32": sum(t.numel() * t.element_size() for t in i4), "fp32": 4 * n * k,
-                  **{kind: sum(v.numel() for v in t.values()) for kind, t in stored.items()}}
+                  "int4-g32-bf16": sum(t.numel() * t.element_size() for t in i4b),
+                  **{kind: sum(v.numel() * v.element_size() for v in t.values()) for kind, t in stored.items()}}
         for m in (int(v) for v in args.m.split(",")):
             x = torch.randn(m, k)
             cands = {"fp32": partial(F.linear, x, w),
-                     "int4-g32": partial(torch.ops.affineq.lowbit_linear, x, *i4, 4, 32, n, k)}
+                     "int4-g32": partial(torch.ops.affineq.lowbit_linear, x, *i4, 4, 32, n, k),
+                     "int4-g32-bf16": partial(torch.ops.affineq.lowbit_linear, x, *i4b, 4, 32, n, k)}
             for kind, t in stored.items():
                 cands[kind] = partial(torch.ops.affineq.kquant_linear, x, t["qdata"], t["scales"], t.get("mins"),
                                       t["d"], int(kind[1]), n, k)
             t = round_robin_ms(cands, budget_s=args.budget)
+            gbs_i4b = nbytes["int4-g32-bf16"] / t["int4-g32-bf16"]
             for name, ms in t.items():
-                bpw = 32 if name == "fp32" else 6 if name == "int4-g32" else KQUANT_TYPES[name].type_size * 8 / 256
                 rows.append({"shape": shape, "m": m, "kernel": name, "ms": round(ms, 4),
-                             "x i4": round(t["int4-g32"] / ms, 2), "bpw": bpw,
-                             "GB/s": round(nbytes[name] / ms / 1e6, 1) if m == 1 else ""})
-    print(table(rows, ["shape", "m", "kernel", "ms", "x i4", "bpw", "GB/s"]))
+                             "x i4": round(t["int4-g32"] / ms, 2), "x i4b": round(t["int4-g32-bf16"] / ms, 2),
+                             "bpw": round(nbytes[name] * 8 / (n * k), 4),
+                             "GB/s": round(nbytes[name] / ms / 1e6, 1) if m == 1 else "",
+                             "GB/s vs i4b": round(nbytes[name] / ms / gbs_i4b, 2) if m == 1 else ""})
+    print(table(rows, ["shape", "m", "kernel", "ms", "x i4", "x i4b", "bpw", "GB/s", "GB/s vs i4b"]))
     if not args.quick:
         save_json("bench_kquant", {"rows": rows})
 

@@ -2,7 +2,8 @@
 // straight into fp32 registers, 16 output rows per vector, and multiplied (FMA) against broadcast x; scale and
 // offset are applied once per group:
 //     y[n] = sum_g scale[n, g] * dot(x_g, u[n, g]) + offset[n, g] * sum(x_g).
-// Memory-bound at m = 1: the packed weights are streamed once, with software prefetch.
+// Memory-bound at m = 1: the packed weights are streamed once, with software prefetch. 4-bit codes take bf16 dot
+// products instead (gemv_tile_b4bf16): with bf16 x, and with fp32 x at m = 1 split into three bf16 rows (split_x3).
 #include <optional>
 #include <type_traits>
 #include <utility>
@@ -394,7 +395,8 @@ void xpairs(const uint16_t* x, int64_t ldx, int64_t M, int64_t U, uint32_t* xp) 
     }
 }
 
-template <int MR, int P, class QP>
+// kSum: the MR rows are split_x3's parts of one fp32 row; their results are added (smallest first) into y's row 0.
+template <int MR, int P, class QP, bool kSum = false>
 void gemv_tile_b4bf16(const B4Bf16& k4, const uint8_t* const* pan, const QP& qp, const uint32_t* xw, int64_t ldx2,
                       const float* xs, int64_t G, int64_t upg, float* y, uint16_t* yb, bool y_round, int64_t ldy,
                       int64_t nvalid, const NextItemPrefetch* pf) {
@@ -418,7 +420,14 @@ void gemv_tile_b4bf16(const B4Bf16& k4, const uint8_t* const* pan, const QP& qp,
       });
     }
   });
-  sfor<MR>([&](auto M_) {
+  if constexpr (kSum) {
+    static_assert(MR == 3, "split_x3 gives three rows");
+    sfor<P>([&](auto P_) {
+      constexpr int p = AQ_CV(P_);
+      tot[0][p] = fadd(fadd(tot[2][p], tot[1][p]), tot[0][p]);
+    });
+  }
+  sfor<kSum ? 1 : MR>([&](auto M_) {
     constexpr int m = AQ_CV(M_);
     sfor<P>([&](auto P_) {
       constexpr int p = AQ_CV(P_);
@@ -441,6 +450,37 @@ template <int B>
 bool use_b4bf16(const LowbitProblem& p) {
   return kB4Bf16 && B == 4 && p.x_bf16 != nullptr;
 }
+
+#if AQ_BF16DOT && defined(__AVX512VBMI__)
+// One fp32 row of x as three bf16 rows whose sum is x exactly: hi = bf16(x), mid = bf16(x - hi), lo = x - hi - mid
+// (each remainder is exact in fp32, and after two roundings to 8 significant bits the last one has at most 8).
+// Every product of a part with a code is exact in the bf16 dot product's fp32 sums, so the 4-bit GEMV serves
+// fp32 x at m = 1 with exact products (three dot products per weight pair instead of an int -> float
+// conversion and an FMA per weight). vdpbf16ps reads bf16 subnormals as zero: parts below 2^-126, which only
+// inputs below ~2^-110 in magnitude have, are dropped. x3 [3][k8]; false (x3 untouched) when x holds a
+// non-finite value (inf - inf would turn it into NaN).
+bool split_x3(const float* x, int64_t k8, uint16_t* x3) {
+  __mmask16 bad = 0;
+  for (int64_t i = 0; i < k8; i += 16) {
+    const __mmask16 k = static_cast<__mmask16>(k8 - i >= 16 ? 0xFFFF : (1u << (k8 - i)) - 1);
+    const __m512 v = _mm512_maskz_loadu_ps(k, x + i);
+    bad |= static_cast<__mmask16>(~_mm512_cmp_ps_mask(_mm512_sub_ps(v, v), _mm512_setzero_ps(), _CMP_EQ_OQ) & k);
+  }
+  if (bad) return false;
+  for (int64_t i = 0; i < k8; i += 16) {
+    const __mmask16 k = static_cast<__mmask16>(k8 - i >= 16 ? 0xFFFF : (1u << (k8 - i)) - 1);
+    const __m512 v = _mm512_maskz_loadu_ps(k, x + i);
+    const __m256i hi = bf16_bits(v);
+    const __m512 r = _mm512_sub_ps(v, bf16_widen(hi));
+    const __m256i mid = bf16_bits(r);
+    const __m256i lo = bf16_bits(_mm512_sub_ps(r, bf16_widen(mid)));
+    _mm256_mask_storeu_epi16(x3 + i, k, hi);
+    _mm256_mask_storeu_epi16(x3 + k8 + i, k, mid);
+    _mm256_mask_storeu_epi16(x3 + 2 * k8 + i, k, lo);
+  }
+  return true;
+}
+#endif
 
 template <int B, int MR, class QP>
 void gemv_rows(const Ctx& c, const uint8_t* const* pan, int64_t cnt, const QP& qp, const float* x, const float* xs,
@@ -474,11 +514,24 @@ void gemv_path(const Ctx* cs, int64_t count) {
   // group sums, one pool of work items over all of their panels.
   const LowbitProblem& p0 = *cs[0].p;
   const int64_t G = cs[0].G, M = cs[0].M;
-  // Per-group sums of x for the offset term, xs [M][2][G]: the sums, then the multiple add_group needs.
-  std::vector<float> xs(static_cast<size_t>(2 * M * G));
-  const bool b4 = use_b4bf16<B>(p0);  // then x is read as bf16 only (x_bf16), and y may be bf16 (y_bf16)
+  [[maybe_unused]] const int64_t K8 = cs[0].K8;
+  // 4-bit codes with fp32 x at m = 1: x as three bf16 rows (split_x3) through the bf16-dot GEMV, summed at the end.
+  std::vector<uint16_t> x3;
+#if AQ_BF16DOT && defined(__AVX512VBMI__)
+  if (kB4Bf16 && B == 4 && p0.x_bf16 == nullptr && M == 1 && p0.y_bf16 == nullptr) {
+    x3.resize(static_cast<size_t>(3 * K8));
+    if (!split_x3(p0.x, K8, x3.data())) x3.clear();
+  }
+#endif
+  const bool split = !x3.empty();
+  const int64_t MX = split ? 3 : M;  // rows of x the tiles see
+  const uint16_t* xb = split ? x3.data() : p0.x_bf16;
+  const int64_t ldxb = split ? K8 : p0.ldx;
+  // Per-group sums of x for the offset term, xs [MX][2][G]: the sums, then the multiple add_group needs.
+  std::vector<float> xs(static_cast<size_t>(2 * MX * G));
+  const bool b4 = use_b4bf16<B>(p0) || split;  // then x is read as bf16 only (xb), and y may be bf16 (y_bf16)
 #if AQ_AVX512
-  if (b4) group_sums(p0.x_bf16, p0.ldx, M, G, p0.group_size, xs.data(), 2 * G);
+  if (b4) group_sums(xb, ldxb, MX, G, p0.group_size, xs.data(), 2 * G);
   else
 #endif
     group_sums(p0.x, p0.ldx, M, G, p0.group_size, xs.data(), 2 * G);
@@ -500,11 +553,11 @@ void gemv_path(const Ctx* cs, int64_t count) {
   std::vector<uint32_t> xp;  // x's bf16 pairs as the bf16-dot GEMV multiplies them
 #if AQ_BF16DOT && defined(__AVX512VBMI__)
   if (b4) {
-    xp.resize(static_cast<size_t>(4 * M * cs[0].U));
-    xpairs(p0.x_bf16, p0.ldx, M, cs[0].U, xp.data());
+    xp.resize(static_cast<size_t>(4 * MX * cs[0].U));
+    xpairs(xb, ldxb, MX, cs[0].U, xp.data());
   }
 #endif
-  for (int64_t m = 0; m < M; ++m)
+  for (int64_t m = 0; m < MX; ++m)
     for (int64_t g = 0; g < G; ++g) xs[2 * G * m + G + g] = f * xs[2 * G * m + g];
   // Work items of each problem: blocks of kItemPanels full panels, then single leftover panels (incl. the tail
   // panel); numbered problem after problem.
@@ -579,10 +632,10 @@ void gemv_path(const Ctx* cs, int64_t count) {
       for (; nq < ni.cnt && ni.p0 + nq < ni.c->nfull; ++nq) npan[nq] = ni.c->p->packed + (ni.p0 + nq) * ni.c->panel_bytes;
       pf.emplace(*ni.c->p, ni.r0, ni.rows, G, npan, nq, 16 * bits_of(B));
     }
-    const int64_t mstep = b4 ? 2 : gemv_buffered<B>(M) ? M : kGemvMR;
-    for (int64_t m0 = 0; m0 < M; m0 += mstep) {
+    const int64_t mstep = split ? 3 : b4 ? 2 : gemv_buffered<B>(M) ? M : kGemvMR;
+    for (int64_t m0 = 0; m0 < MX; m0 += mstep) {
       const float* xsm = xs.data() + 2 * G * m0;
-      const int64_t mr = std::min<int64_t>(mstep, M - m0);
+      const int64_t mr = std::min<int64_t>(mstep, MX - m0);
       const NextItemPrefetch* pfm = m0 == 0 && pf ? &*pf : nullptr;
 #if AQ_BF16DOT && defined(__AVX512VBMI__)
       if (b4) {
@@ -591,12 +644,15 @@ void gemv_path(const Ctx* cs, int64_t count) {
         float* y = pr.y_bf16 ? nullptr : pr.y + m0 * pr.ldy + r0;
         uint16_t* yb = pr.y_bf16 ? pr.y_bf16 + m0 * pr.ldy + r0 : nullptr;
         const int64_t upg = pr.group_size / 8, ldx2 = 4 * c.U;
-        const int step = cnt % 4 == 0 ? 4 : 1;
+        // Three split rows hold 2 panels' accumulators without spilling.
+        const int step = split ? (cnt % 2 == 0 ? 2 : 1) : cnt % 4 == 0 ? 4 : 1;
         const auto run = [&](const auto& qp) {
           using QP = std::decay_t<decltype(qp)>;
           for (int64_t q = 0; q < cnt; q += step) {
-            const auto tile = mr == 1 ? (step == 4 ? &gemv_tile_b4bf16<1, 4, QP> : &gemv_tile_b4bf16<1, 1, QP>)
-                                      : (step == 4 ? &gemv_tile_b4bf16<2, 4, QP> : &gemv_tile_b4bf16<2, 1, QP>);
+            const auto tile =
+                split     ? (step == 2 ? &gemv_tile_b4bf16<3, 2, QP, true> : &gemv_tile_b4bf16<3, 1, QP, true>)
+                : mr == 1 ? (step == 4 ? &gemv_tile_b4bf16<1, 4, QP> : &gemv_tile_b4bf16<1, 1, QP>)
+                          : (step == 4 ? &gemv_tile_b4bf16<2, 4, QP> : &gemv_tile_b4bf16<2, 1, QP>);
             tile(k4, pan + q, qp.shifted(q), xw, ldx2, xsm, G, upg, y ? y + 16 * q : nullptr,
                  yb ? yb + 16 * q : nullptr, pr.y_bf16_values, pr.ldy, rows - 16 * q, q == 0 ? pfm : nullptr);
           }
