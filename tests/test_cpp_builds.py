@@ -104,6 +104,18 @@ def test_other_isa_build_matches(tmp_path: Path, march: str, isa: str, needs: se
         "        x = torch.randn(m, k)\n"
         "        err = (torch.ops.affineq.kquant_linear(x, *args).double() - x.double() @ w.double().T).abs()\n"
         "        assert bool((err <= k * EPS * (x.double().abs() @ terms.T)).all()), (name, m)\n"
+        # the quantized-KV attention (cpp/attention.cpp's fast path through simd.h) against its PyTorch reference
+        "from affineq.cpp import kv_attention as kva\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "kv_cases = [('int8', 32, 32, 64), ('int4', 16, 32, 64), ('int4', 32, 64, 128), ('int8', 16, 80, 80)]\n"
+        "for kind, gk, gv, d in kv_cases:\n"
+        "    kc, ks = kva.quantize_kv(torch.randn(2, 2, 300, d, generator=g), kind, gk)\n"
+        "    vc, vs = kva.quantize_kv(torch.randn(2, 2, 300, d, generator=g), kind, gv)\n"
+        "    valid = torch.ones(2, 300, dtype=torch.bool)\n"
+        "    valid[1, :20] = False\n"
+        "    args = (torch.randn(2, 6, 2, d, generator=g), kc, ks, vc, vs, torch.tensor([299, 100]), valid)\n"
+        "    err = (torch.ops.affineq_cpp.kv_attention_path(*args, 0) - kva.kv_attention_reference(*args)).abs()\n"
+        "    assert float(err.max()) <= 2e-5, (kind, d, float(err.max()))\n"
         "print('ok')\n"
     )
     # -O1: the same IEEE results as -O3 (no fast-math), in a fraction of the compile time

@@ -1,6 +1,7 @@
 """The quantized KV cache: quantize / dequantize against an independent reference, the C++ attention op
-(affineq::kv_attention, AVX2 and scalar paths) against the PyTorch reference, cache bytes per token, and greedy
-decoding with an int8 / int4 cache against the float cache (eager, compiled, padded batches)."""
+(affineq::kv_attention, fast and scalar paths; its fast path's branches: test_kv_attention_kernel.py) against the
+PyTorch reference, cache bytes per token, and greedy decoding with an int8 / int4 cache against the float cache
+(eager, compiled, padded batches)."""
 
 import pytest
 import torch

@@ -1,0 +1,102 @@
+"""The fast path of affineq::kv_attention (cpp/attention.cpp): query heads of a kv head in blocks of 4, 16 dims of
+a slot decoded at a time, softmax chunks of 256 slots folded in slot order. Checked against a float64 reference
+built from the dequantized cache, over the shapes that pick its branches: GQA groups of 1-9 heads (blocks of 4 and
+a remainder), head sizes 64 / 128 (unrolled) and 80 / 256 (the loop), every supported group layout, slots past one
+chunk, padding inside a chunk, whole chunks of padding, several queries with their own positions; and its result
+does not depend on the thread count (chunks folded in one order whether run by one item or split over threads)."""
+
+import pytest
+import torch
+
+from affineq import cpp
+from affineq.cpp import kv_attention as kva
+
+pytestmark = pytest.mark.skipif(not cpp.is_available(), reason="the affineq C++ kernels do not build here")
+
+
+def _cache(kind, b, kvh, t, d, gk, gv, gen):
+    k = torch.randn(b, kvh, t, d, generator=gen) * 2
+    v = torch.randn(b, kvh, t, d, generator=gen) + 0.5
+    return (*kva.quantize_kv(k, kind, gk), *kva.quantize_kv(v, kind, gv))
+
+
+def _reference64(q, kc, ks, vc, vs, pos, valid):
+    """float64 attention over the dequantized cache (the values the kernel reads, exactly)."""
+    k, v = kva.dequantize_kv(kc, ks).double(), kva.dequantize_kv(vc, vs).double()
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    keep = (torch.arange(k.shape[2])[None, None, :] <= pos[None, :, None]) & valid[:, None, :]
+    scores = (q.double() @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
+    p = scores.masked_fill(~keep[:, None], float("-inf")).softmax(-1).nan_to_num(0.0)
+    return p @ v
+
+
+CASES = [  # kind, H, KVH, D, key group, value group, T
+    ("int8", 4, 1, 64, 32, 32, 700),
+    ("int8", 9, 3, 64, 64, 64, 300),
+    ("int8", 6, 1, 128, 16, 32, 520),
+    ("int8", 2, 2, 80, 16, 80, 260),
+    ("int4", 4, 1, 64, 16, 32, 700),
+    ("int4", 6, 2, 128, 32, 64, 300),
+    ("int4", 5, 1, 256, 16, 32, 270),
+    ("int4", 1, 1, 64, 64, 16, 513),
+]
+
+
+@pytest.mark.parametrize("kind,h,kvh,d,gk,gv,t", CASES)
+def test_fast_path_against_a_float64_reference(kind, h, kvh, d, gk, gv, t):
+    gen = torch.Generator().manual_seed(h * 1000 + t)
+    b, s = 2, 3
+    kc, ks, vc, vs = _cache(kind, b, kvh, t, d, gk, gv, gen)
+    q = torch.randn(b, h, s, d, generator=gen)
+    pos = torch.tensor([t - 1, 255, 256])  # past a chunk, a chunk's last slot, the next chunk's first
+    valid = torch.ones(b, t, dtype=torch.bool)
+    valid[1, :260] = False  # row 1: a whole chunk of padding and more; its queries at 255 / 256 see no key
+    valid[0, 100:140] = False  # padding inside a chunk
+    args = (q, kc, ks, vc, vs, pos, valid)
+    out = torch.ops.affineq_cpp.kv_attention_path(*args, 0)
+    ref = _reference64(*args)
+    # fp32 products and sums over up to 700 slots of O(1) values: |err| <= 2e-5 (measured ~1e-6)
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-5)
+    assert torch.equal(out[1, :, 1:], torch.zeros(h, 2, d))  # no key: 0, as sdpa
+    # the scalar loop (path 1) computes the same attention
+    torch.testing.assert_close(out, torch.ops.affineq_cpp.kv_attention_path(*args, 1), rtol=0, atol=2e-5)
+
+
+def test_result_does_not_depend_on_the_thread_count():
+    gen = torch.Generator().manual_seed(3)
+    kc, ks, vc, vs = _cache("int8", 1, 3, 1100, 64, 32, 32, gen)
+    q = torch.randn(1, 9, 2, 64, generator=gen)
+    args = (q, kc, ks, vc, vs, torch.tensor([1099, 700]), torch.ones(1, 1100, dtype=torch.bool))
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 4):  # 6 (b, kv head, query) items: one item per query, or chunks split over threads
+            torch.set_num_threads(n)
+            outs.append(torch.ops.affineq.kv_attention(*args))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_nan_query_gives_nan_and_large_scores_stay_finite(kind):
+    gen = torch.Generator().manual_seed(5)
+    kc, ks, vc, vs = _cache(kind, 1, 1, 300, 64, 32, 32, gen)
+    pos, valid = torch.tensor([299]), torch.ones(1, 300, dtype=torch.bool)
+    q = torch.randn(1, 2, 1, 64, generator=gen) * 40  # scores in the hundreds: exp of large negative gaps
+    q[0, 1, 0, 3] = float("nan")
+    out = torch.ops.affineq.kv_attention(q, kc, ks, vc, vs, pos, valid)
+    assert out[0, 1].isnan().all()  # as the reference's softmax gives
+    torch.testing.assert_close(out[0, 0].double(), _reference64(q, kc, ks, vc, vs, pos, valid)[0, 0], rtol=0,
+                               atol=2e-5)
+
+
+def test_bfloat16_queries_round_the_fp32_result():
+    gen = torch.Generator().manual_seed(6)
+    kc, ks, vc, vs = _cache("int4", 1, 2, 400, 64, 16, 32, gen)
+    q = torch.randn(1, 8, 1, 64, generator=gen).bfloat16()
+    args = (q, kc, ks, vc, vs, torch.tensor([399]), torch.ones(1, 400, dtype=torch.bool))
+    out = torch.ops.affineq.kv_attention(*args)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, torch.ops.affineq.kv_attention(q.float(), *args[1:]).bfloat16())
