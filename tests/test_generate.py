@@ -135,6 +135,12 @@ def test_compiled_matches_and_never_recompiles_across_positions():
         out = generate(model, ids, n, ignore_eos=True)
         assert torch.equal(out, _hf(model, ids, n, min_new_tokens=n))
     assert stats["unique_graphs"] - before == 1
+    # The compiled step attends over the float cache through affineq::float_kv_attention where the C++ kernels
+    # build (head size 16 here): it reads the slots <= pos.
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        generate(model, _prompt(1, 5, seed=5), 3, ignore_eos=True)
+    names = {e.name for e in prof.events()}
+    assert ("affineq::float_kv_attention" in names) == affineq.cpp.is_available(), sorted(names)[:40]
 
 
 def test_compiled_prefill_pads_prompts_to_one_graph_per_block():

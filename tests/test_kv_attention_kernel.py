@@ -100,3 +100,49 @@ def test_bfloat16_queries_round_the_fp32_result():
     out = torch.ops.affineq.kv_attention(*args)
     assert out.dtype == torch.bfloat16
     assert torch.equal(out, torch.ops.affineq.kv_attention(q.float(), *args[1:]).bfloat16())
+
+
+FLOAT_CASES = [  # H, KVH, D, T
+    (4, 1, 64, 700),
+    (9, 3, 128, 300),
+    (6, 2, 80, 520),
+    (5, 5, 16, 260),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("h,kvh,d,t", FLOAT_CASES)
+def test_float_cache_kernel_against_a_float64_reference(dtype, h, kvh, d, t):
+    """affineq::float_kv_attention (the compiled decoder's float-cache attention): the same fast path over float
+    values, logits (q . k) * scale."""
+    gen = torch.Generator().manual_seed(d + t)
+    k, v = (torch.randn(2, kvh, t, d, generator=gen).to(dtype) for _ in range(2))
+    q = torch.randn(2, h, 3, d, generator=gen).to(dtype)
+    pos = torch.tensor([t - 1, 255, 256])
+    valid = torch.ones(2, t, dtype=torch.bool)
+    valid[1, :260] = False
+    valid[0, 100:140] = False
+    out = torch.ops.affineq.float_kv_attention(q, k, v, pos, valid, 0.37)
+    assert out.dtype == dtype
+    ref = kva.float_kv_attention_reference(q.double(), k.double(), v.double(), pos, valid, 0.37)
+    atol = 2e-5 if dtype == torch.float32 else 2e-2  # bf16 / fp16 output: one rounding of the fp32 result
+    torch.testing.assert_close(out.double(), ref, rtol=0 if dtype == torch.float32 else 2**-7, atol=atol)
+    assert torch.equal(out[1, :, 1:], torch.zeros(h, 2, d, dtype=dtype))
+    if dtype != torch.float32:  # exactly the fp32 computation, rounded once
+        assert torch.equal(out, torch.ops.affineq.float_kv_attention(q.float(), k, v, pos, valid, 0.37).to(dtype))
+
+
+def test_float_cache_kernel_checks_its_arguments():
+    q, k = torch.randn(1, 4, 1, 64), torch.randn(1, 2, 10, 64)
+    pos, valid = torch.tensor([9]), torch.ones(1, 10, dtype=torch.bool)
+    op = torch.ops.affineq.float_kv_attention
+    with pytest.raises(RuntimeError, match="v must match k"):
+        op(q, k, k.bfloat16(), pos, valid, 0.125)
+    with pytest.raises(RuntimeError, match="head size must be a multiple of 16, got 24"):
+        op(q[..., :24], k[..., :24], k[..., :24], pos, valid, 0.125)
+    with pytest.raises(RuntimeError, match="k must be float32, bfloat16 or float16"):
+        op(q, k.to(torch.int8), k.to(torch.int8), pos, valid, 0.125)
+    with pytest.raises(RuntimeError, match="KVH dividing H"):
+        op(q, torch.randn(1, 3, 10, 64), torch.randn(1, 3, 10, 64), pos, valid, 0.125)
+    with pytest.raises(RuntimeError, match=r"pos\[0\] = 10 is outside the cache"):
+        op(q, k, k, torch.tensor([10]), valid, 0.125)

@@ -35,6 +35,7 @@ affineq::dense_dequantize(Tensor packed, Tensor scale, Tensor? offset, int bits,
     int codes, int code_offset, bool canonical, bool bf16) -> Tensor
 affineq::dequant_linear(Tensor x, Tensor packed, Tensor scale, Tensor? offset, int bits, int group_size, int
     n, int k, int codes, int code_offset, bool canonical, bool bf16_weight, int min_rows=0) -> Tensor
+affineq::float_kv_attention(Tensor q, Tensor k, Tensor v, Tensor pos, Tensor valid, float scale) -> Tensor
 affineq::grouped_float_linear(Tensor x, Tensor expert_ids, Tensor weight) -> Tensor
 affineq::grouped_lowbit_linear(Tensor x, Tensor expert_ids, Tensor packed, Tensor scale, Tensor? offset, int
     bits, int group_size, int n, int k, int codes=0, int code_offset=0) -> Tensor

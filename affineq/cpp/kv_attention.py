@@ -24,6 +24,10 @@ row). The C++ kernel (cpp/attention.cpp) reads the codes directly with fp32 prod
 of a kv head share each decoded slot, softmax chunks of 256 slots are folded in slot order (the result does
 not depend on the thread count); ``kv_attention_reference`` dequantizes and runs the same math in PyTorch; they
 agree to ~1e-6 (outputs of size ~1).
+
+``float_kv_attention(q, k, v, pos, valid, scale)``: the same kernel over a float cache (k / v [B, KVH, T, D] float32
+/ bfloat16 / float16, D a multiple of 16), logits ``(q . k) * scale``; the compiled decode step's attention over
+``StaticDecoder``'s float cache (it reads the slots <= pos, not all T).
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ import torch
 
 from . import is_available
 
-__all__ = ["KV_BITS", "KV_DEFAULT_GROUP", "quantize_kv", "dequantize_kv", "kv_attention", "kv_attention_reference"]
+__all__ = ["KV_BITS", "KV_DEFAULT_GROUP", "quantize_kv", "dequantize_kv", "kv_attention", "kv_attention_reference",
+           "float_kv_attention_reference"]
 
 #: Storage kinds and their code bits.
 KV_BITS = {"int8": 8, "int4": 4}
@@ -111,6 +116,17 @@ def kv_attention_reference(q, k_codes, k_scale, v_codes, v_scale, pos, valid) ->
     return (p @ v).to(q.dtype)
 
 
+def float_kv_attention_reference(q, k, v, pos, valid, scale: float) -> torch.Tensor:
+    """PyTorch ``float_kv_attention``: the same masked softmax attention over a float cache k / v [B, KVH, T, D]
+    (logits (q . k) * scale), in fp32, returned in q's dtype."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.float().repeat_interleave(rep, 1), v.float().repeat_interleave(rep, 1)
+    keep = (torch.arange(k.shape[2], device=q.device)[None, None, :] <= pos[None, :, None]) & valid[:, None, :]
+    scores = (q.float() * scale) @ k.transpose(-1, -2)
+    p = scores.masked_fill(~keep[:, None], float("-inf")).softmax(-1).masked_fill(~keep[:, None], 0.0)
+    return (p @ v).to(q.dtype)
+
+
 def kv_attention(q, k_codes, k_scale, v_codes, v_scale, pos, valid) -> torch.Tensor:
     """The C++ kernel where the affineq kernels build, else the reference (same numbers to ~1e-6)."""
     if is_available():
@@ -128,5 +144,17 @@ def _kv_attention_fake(q, k_codes, k_scale, v_codes, v_scale, pos, valid):
     return q.new_empty(q.shape)
 
 
-# Runs only until the C++ library registers its CPU kernel (then that kernel wins the dispatch).
+# float_kv_attention(q, k, v, pos, valid, scale): the same attention over a float cache (k / v [B, KVH, T, D]
+# float32 / bfloat16 / float16, D % 16 == 0 for the C++ kernel), logits (q . k) * scale: the compiled decode step's
+# float-cache attention (reads slots <= pos only, where the compiled PyTorch loops read all T).
+_lib.define("float_kv_attention(Tensor q, Tensor k, Tensor v, Tensor pos, Tensor valid, float scale) -> Tensor")
+
+
+@torch.library.register_fake("affineq::float_kv_attention", lib=_lib)
+def _float_kv_attention_fake(q, k, v, pos, valid, scale):
+    return q.new_empty(q.shape)
+
+
+# Run only until the C++ library registers its CPU kernels (then those win the dispatch).
 _lib.impl("kv_attention", kv_attention_reference, "CompositeExplicitAutograd")
+_lib.impl("float_kv_attention", float_kv_attention_reference, "CompositeExplicitAutograd")
