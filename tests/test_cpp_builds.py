@@ -116,6 +116,11 @@ def test_other_isa_build_matches(tmp_path: Path, march: str, isa: str, needs: se
         "    args = (torch.randn(2, 6, 2, d, generator=g), kc, ks, vc, vs, torch.tensor([299, 100]), valid)\n"
         "    err = (torch.ops.affineq_cpp.kv_attention_path(*args, 0) - kva.kv_attention_reference(*args)).abs()\n"
         "    assert float(err.max()) <= 2e-5, (kind, d, float(err.max()))\n"
+        "for dt in (torch.float32, torch.bfloat16, torch.float16):\n"
+        "    k, v = (torch.randn(2, 2, 300, 80, generator=g).to(dt) for _ in range(2))\n"
+        "    args = (torch.randn(2, 6, 2, 80, generator=g), k, v, torch.tensor([299, 100]), valid, 0.2)\n"
+        "    err = (torch.ops.affineq.float_kv_attention(*args) - kva.float_kv_attention_reference(*args)).abs()\n"
+        "    assert float(err.max()) <= 2e-5, (dt, float(err.max()))\n"
         "print('ok')\n"
     )
     # -O1: the same IEEE results as -O3 (no fast-math), in a fraction of the compile time
