@@ -51,9 +51,11 @@ The C++ library is compiled on first use (see ``_build.py``; every ``*.cpp`` her
 8-bit weight codes, summed exactly in int32 by VNNI ``vpdpbusd``; AVX512-VNNI + VBMI builds);
 ``lowbit_ops.cpp`` binds them to the torch ops (argument rules shared with the other bindings: ``op_checks.h``);
 ``grouped.cpp`` runs the same kernels per expert of a 3-D weight for mixture-of-experts layers
-(``affineq::grouped_lowbit_linear``, defined with its reference in ``grouped_ops.py``). ``is_available()`` says
-whether the build worked; callers fall back to ``lowbit_linear_reference``-style dequantize + ``F.linear``
-otherwise.
+(``affineq::grouped_lowbit_linear``, defined with its reference in ``grouped_ops.py``); ``attention.cpp`` and
+``attention_kernel.cpp`` the KV-cache attention (``affineq::kv_attention`` over int8 / int4 codes,
+``affineq::float_kv_attention`` over a float cache; schemas and references in ``kv_attention.py``).
+``is_available()`` says whether the build worked; callers fall back to ``lowbit_linear_reference``-style
+dequantize + ``F.linear`` otherwise.
 """
 
 from __future__ import annotations
