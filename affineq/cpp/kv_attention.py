@@ -20,10 +20,10 @@ An all-constant group has scale 0 (codes 0, the value back exactly up to the min
 float16; H a multiple of KVH, query head h reads kv head h // (H / KVH)), ``pos`` int64 [S] the cache slot of each
 query, ``valid`` bool [B, T]; query s of row b attends to the slots t <= pos[s] with valid[b, t], softmax(q . k /
 sqrt(D)), and returns [B, H, S, D] in q's dtype (a query with no slot gives 0, as sdpa does for a fully masked
-row). The C++ kernel (cpp/attention.cpp, attention_kernel.cpp) reads the codes directly with fp32 products and sums: the query heads
-of a kv head share each decoded slot, softmax chunks of 256 slots are folded in slot order (the result does
-not depend on the thread count); ``kv_attention_reference`` dequantizes and runs the same math in PyTorch; they
-agree to ~1e-6 (outputs of size ~1).
+row). The C++ kernel (cpp/attention.cpp, attention_kernel.cpp) reads the codes directly with fp32 products and
+sums: the query heads of a kv head share each decoded slot, softmax chunks of 256 slots are folded in slot order
+(the result does not depend on the thread count); ``kv_attention_reference`` dequantizes and runs the same math in
+PyTorch; they agree to ~1e-6 (outputs of size ~1).
 
 ``float_kv_attention(q, k, v, pos, valid, scale)``: the same kernel over a float cache (k / v [B, KVH, T, D] float32
 / bfloat16 / float16, D a multiple of 16), logits ``(q . k) * scale``; the compiled decode step's attention over
