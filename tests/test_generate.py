@@ -135,10 +135,19 @@ def test_compiled_matches_and_never_recompiles_across_positions():
         out = generate(model, ids, n, ignore_eos=True)
         assert torch.equal(out, _hf(model, ids, n, min_new_tokens=n))
     assert stats["unique_graphs"] - before == 1
-    # The compiled step attends over the float cache through affineq::float_kv_attention where the C++ kernels
-    # build (head size 16 here): it reads the slots <= pos.
+
+
+def test_compiled_float_cache_attention_through_the_kernel(monkeypatch):
+    """A float cache of FLOAT_KERNEL_MIN_SLOTS or more slots is attended by affineq::float_kv_attention in the
+    compiled step (where the C++ kernels build; head size 16 here), with transformers' tokens; shorter ones keep
+    the compiled loops."""
+    assert static_decoder.StaticDecoder(_llama(1), 1, 128, compile=False).float_kernel is False
+    monkeypatch.setattr(static_decoder, "FLOAT_KERNEL_MIN_SLOTS", 128)
+    model = _llama(1)
+    ids = _prompt(1, 9, seed=4)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        generate(model, _prompt(1, 5, seed=5), 3, ignore_eos=True)
+        out = generate(model, ids, 20, ignore_eos=True, cpp_wrapper=False)
+    assert torch.equal(out, _hf(model, ids, 20, min_new_tokens=20))
     names = {e.name for e in prof.events()}
     assert ("affineq::float_kv_attention" in names) == affineq.cpp.is_available(), sorted(names)[:40]
 

@@ -92,6 +92,8 @@ void axpy_scalar(float p, Row r, float* out, int64_t D, int64_t G, bool int4) {
 using DotFn = float (*)(const float*, const float*, Row, int64_t, int64_t, bool);
 using AxpyFn = void (*)(float, Row, float*, int64_t, int64_t, bool);
 
+int qtype_of(at::ScalarType t) { return t == at::kFloat ? kv::kQF32 : t == at::kBFloat16 ? kv::kQBF16 : kv::kQF16; }
+
 // The checks both ops share: q [B, H, S, D] float32 / bfloat16 / float16, pos int64 [S] inside [0, T), valid bool
 // [B, T], every tensor on the CPU.
 void check_common(const char* op, const at::Tensor& q, const at::Tensor& pos, const at::Tensor& valid, int64_t T,
@@ -148,20 +150,15 @@ at::Tensor kv_attention_impl(const at::Tensor& q, const at::Tensor& k_codes, con
               " and ", Gv);
   check_common(op, q, pos, valid, T, {&q, &k_codes, &k_scale, &v_codes, &v_scale, &pos, &valid});
 
-  const at::Tensor qf = q.to(at::kFloat).contiguous();
   const at::Tensor kc = k_codes.contiguous(), vc = v_codes.contiguous();
   const at::Tensor ks = k_scale.contiguous(), vs = v_scale.contiguous();
   const at::Tensor ps = pos.contiguous(), vl = valid.contiguous();
   const int64_t* P = ps.data_ptr<int64_t>();
-  at::Tensor out = at::empty({B, H, S, D}, qf.options());
-
   const int64_t row_bytes = int4 ? D / 2 : D, rep = H / KVH;
   const int64_t ksw = ngk * per_group, vsw = ngv * per_group;  // scale words per slot
   const auto* kcp = static_cast<const uint8_t*>(kc.data_ptr());
   const auto* vcp = static_cast<const uint8_t*>(vc.data_ptr());
   const bool* V = vl.data_ptr<bool>();
-  const float* Q = qf.data_ptr<float>();
-  float* O = out.data_ptr<float>();
   const float sm = 1.f / std::sqrt(float(D));
   // One slot's scales (and int4 mins) as fp32 pointers: int8 reads the tensor, int4 converts its pairs into buf.
   const float* ksf = int4 ? nullptr : ks.data_ptr<float>();
@@ -172,10 +169,15 @@ at::Tensor kv_attention_impl(const at::Tensor& q, const at::Tensor& k_codes, con
     const int kind = int4 ? kv::kI4 : kv::kI8;
     const kv::Side kside{kcp, row_bytes, ksf, ksh, ksw, kv::chunk_table(kind, D, Gk)};
     const kv::Side vside{vcp, row_bytes, vsf, vsh, vsw, kv::chunk_table(kind, D, Gv)};
-    at::Tensor qsc = qf.mul(sm);  // the queries scaled once: scores are q . k / sqrt(D), as the scalar loop's
-    kv::attend_fast(kind, kside, vside, qsc.data_ptr<float>(), P, V, B, H, KVH, S, T, D, O);
-    return qt == at::kFloat ? out : out.to(qt);
+    const at::Tensor qc = q.contiguous();
+    at::Tensor y = at::empty({B, H, S, D}, qc.options());  // scores q . k / sqrt(D), as the scalar loop's
+    kv::attend_fast(kind, kside, vside, qc.data_ptr(), qtype_of(qt), sm, P, V, B, H, KVH, S, T, D, y.data_ptr());
+    return y;
   }
+  const at::Tensor qf = q.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({B, H, S, D}, qf.options());
+  const float* Q = qf.data_ptr<float>();
+  float* O = out.data_ptr<float>();
   DotFn dot = dot_scalar;
   AxpyFn axpy = axpy_scalar;
   auto slot_row = [&](const uint8_t* codes, const float* sf, const at::Half* sh, int64_t words, int64_t ng,
@@ -247,16 +249,17 @@ at::Tensor float_kv_attention_cpu(const at::Tensor& q, const at::Tensor& k, cons
               " (other sizes: scaled_dot_product_attention)");
   const int64_t KVH = k.size(1), T = k.size(2);
   check_common(op, q, pos, valid, T, {&q, &k, &v, &pos, &valid});
-  const at::Tensor qs = q.to(at::kFloat).mul(scale).contiguous();
+  const at::Tensor qc = q.contiguous();
   const at::Tensor kc = k.contiguous(), vc = v.contiguous(), ps = pos.contiguous(), vl = valid.contiguous();
-  at::Tensor out = at::empty({B, H, S, D}, qs.options());
+  at::Tensor out = at::empty({B, H, S, D}, qc.options());
   const int kind = kt == at::kFloat ? kv::kF32 : kt == at::kBFloat16 ? kv::kBF16 : kv::kF16;
   const int64_t row_bytes = D * k.element_size();
-  const kv::Side kside{static_cast<const uint8_t*>(kc.data_ptr()), row_bytes, nullptr, nullptr, 0, kv::chunk_table(kind, D, D)};
-  const kv::Side vside{static_cast<const uint8_t*>(vc.data_ptr()), row_bytes, nullptr, nullptr, 0, kv::chunk_table(kind, D, D)};
-  kv::attend_fast(kind, kside, vside, qs.data_ptr<float>(), ps.data_ptr<int64_t>(), vl.data_ptr<bool>(), B, H, KVH, S, T,
-              D, out.data_ptr<float>());
-  return q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
+  const auto table = kv::chunk_table(kind, D, D);
+  const kv::Side kside{static_cast<const uint8_t*>(kc.data_ptr()), row_bytes, nullptr, nullptr, 0, table};
+  const kv::Side vside{static_cast<const uint8_t*>(vc.data_ptr()), row_bytes, nullptr, nullptr, 0, table};
+  kv::attend_fast(kind, kside, vside, qc.data_ptr(), qtype_of(q.scalar_type()), float(scale), ps.data_ptr<int64_t>(),
+                  vl.data_ptr<bool>(), B, H, KVH, S, T, D, out.data_ptr());
+  return out;
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 #include "attention_kernel.h"
 
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 
 #include <algorithm>
 #include <cmath>
@@ -204,6 +205,22 @@ void block_values(const Side& v, int64_t t0, int64_t nt, const float* sc, const 
   });
 }
 
+// dst[d] = float(q[i + d]) * scale, d < D, q float32 / bfloat16 / float16 (qtype: kQF32 / kQBF16 / kQF16).
+void load_row(const void* q, int qtype, int64_t i, int64_t D, float scale, float* dst) {
+  for (int64_t d = 0; d < D; ++d)
+    dst[d] = (qtype == kQF32    ? static_cast<const float*>(q)[i + d]
+              : qtype == kQBF16 ? float(static_cast<const c10::BFloat16*>(q)[i + d])
+                                : float(static_cast<const c10::Half*>(q)[i + d])) * scale;
+}
+// out[i + d] = src[d] in out's type (rounded to nearest even, as Tensor.to does).
+void store_row(const float* src, int64_t D, void* out, int qtype, int64_t i) {
+  for (int64_t d = 0; d < D; ++d) {
+    if (qtype == kQF32) static_cast<float*>(out)[i + d] = src[d];
+    else if (qtype == kQBF16) static_cast<c10::BFloat16*>(out)[i + d] = c10::BFloat16(src[d]);
+    else static_cast<c10::Half*>(out)[i + d] = c10::Half(src[d]);
+  }
+}
+
 thread_local detail::Scratch tl_kv_s, tl_kv_ks, tl_kv_vs;  // scores, key and value scales of a chunk
 
 // The partial softmax of RB queries q over slots [t0, t1) of one (b, kv head) (t: absolute cache rows, ok:
@@ -313,16 +330,18 @@ const float* Side::scales(int64_t t, int64_t nt, detail::Scratch& buf) const {
   return f;
 }
 
-void attend_fast(int kind, const Side& k, const Side& v, const float* qs, const int64_t* P, const bool* V,
-                 int64_t B, int64_t H, int64_t KVH, int64_t S, int64_t T, int64_t D, float* out) {
+void attend_fast(int kind, const Side& k, const Side& v, const void* q, int qtype, float scale, const int64_t* P,
+                 const bool* V, int64_t B, int64_t H, int64_t KVH, int64_t S, int64_t T, int64_t D, void* out) {
   constexpr float kNone = -std::numeric_limits<float>::infinity();
   const int64_t rep = H / KVH, items = B * KVH * S, w = D + 2;  // a partial: m, l, o[D]
   const int nrb = int((rep + kRB - 1) / kRB);
   int64_t maxn = 0;
   for (int64_t s = 0; s < S; ++s) maxn = std::max(maxn, P[s] + 1);
   const int64_t nch = (maxn + kChunk - 1) / kChunk;
-  // Chunks as items of their own only when the (b, kv head, query) items cannot keep the threads busy.
+  // Chunks as items of their own only when the (b, kv head, query) items cannot keep the threads busy; a call
+  // too small to pay a fork / join (a short cache) runs on the calling thread.
   const bool split = nch > 1 && items < 4 * at::get_num_threads();
+  const int64_t grain = detail::grain_for(2 * rep * std::min(maxn, split ? kChunk : maxn) * D);
   std::vector<float> part(split ? items * nch * rep * w : 0);
   // The partial softmax (m, l, o) of chunk c of item `it` for each of its query heads into dst (rep x w).
   auto run = [&](int64_t it, int64_t c, float* dst) {
@@ -333,8 +352,8 @@ void attend_fast(int kind, const Side& k, const Side& v, const float* qs, const 
       float m[kRB], l[kRB];
       thread_local std::vector<float> qb, ob;
       qb.resize(kRB * D), ob.resize(kRB * D);
-      for (int64_t r = 0; r < nr; ++r)
-        std::copy_n(qs + ((b * H + kv * rep + r0 + r) * S + s) * D, D, qb.data() + r * D);
+      for (int64_t r = 0; r < nr; ++r)  // the query row in fp32, times scale (as q.float() * scale)
+        load_row(q, qtype, ((b * H + kv * rep + r0 + r) * S + s) * D, D, scale, qb.data() + r * D);
       std::fill(m, m + kRB, kNone);
       if (t0 < t1)
         chunk_fn(kind, int(nr))(k, v, base + t0, base + t1, V + b * T + t0, qb.data(), D, m, l, ob.data());
@@ -355,23 +374,22 @@ void attend_fast(int kind, const Side& k, const Side& v, const float* qs, const 
         const float* pc = src(c) + r * w;
         fold(acc[0], acc[1], acc.data() + 2, pc[0], pc[1], pc + 2, D);
       }
-      float* y = out + ((b * H + kv * rep + r) * S + s) * D;
-      if (acc[0] == kNone) {  // no slot: 0, as sdpa gives a fully masked row
-        std::fill(y, y + D, 0.f);
-        continue;
-      }
-      const float inv = 1.f / acc[1];
-      for (int64_t d = 0; d < D; ++d) y[d] = acc[2 + d] * inv;
+      const int64_t y = ((b * H + kv * rep + r) * S + s) * D;
+      const bool none = acc[0] == kNone;  // no slot: 0, as sdpa gives a fully masked row
+      const float inv = none ? 0.f : 1.f / acc[1];
+      for (int64_t d = 0; d < D; ++d) acc[2 + d] = none ? 0.f : acc[2 + d] * inv;
+      store_row(acc.data() + 2, D, out, qtype, y);
     }
   };
   if (split) {
-    detail::parallel_dynamic(items * nch, 1, [&](int64_t i, int64_t) { run(i / nch, i % nch, &part[i * rep * w]); });
-    detail::parallel_dynamic(items, 1, [&](int64_t it, int64_t) {
+    detail::parallel_dynamic(items * nch, grain,
+                             [&](int64_t i, int64_t) { run(i / nch, i % nch, &part[i * rep * w]); });
+    detail::parallel_dynamic(items, items, [&](int64_t it, int64_t) {  // the folds: D floats per chunk, inline
       finish(it, nch, [&](int64_t c) { return &part[(it * nch + c) * rep * w]; });
     });
     return;
   }
-  detail::parallel_dynamic(items, 1, [&](int64_t it, int64_t) {
+  detail::parallel_dynamic(items, grain, [&](int64_t it, int64_t) {
     const int64_t n = P[it % S] + 1, count = (n + kChunk - 1) / kChunk;
     thread_local std::vector<float> buf;
     buf.resize(count * rep * w);

@@ -52,10 +52,14 @@ struct Side {
   const float* scales(int64_t t, int64_t nt, detail::Scratch& buf) const;
 };
 
-// out [B, H, S, D] fp32 = attention of the scaled fp32 queries qs [B, H, S, D] (logits qs . k) over the cache sides
-// k / v [B, KVH, T, ...]: query s of batch row b reads the slots t <= P[s] with V[b * T + t]; a query with no
-// slot gives 0.
-void attend_fast(int kind, const Side& k, const Side& v, const float* qs, const int64_t* P, const bool* V, int64_t B,
-                 int64_t H, int64_t KVH, int64_t S, int64_t T, int64_t D, float* out);
+// Query / output element types of attend_fast.
+enum QType : int { kQF32, kQBF16, kQF16 };
+
+// out [B, H, S, D] (q's type) = attention of the queries q [B, H, S, D] (float32 / bfloat16 / float16, qtype), each
+// taken to fp32 and times `scale` (logits (q . k) * scale), over the cache sides k / v [B, KVH, T, ...]: query s of
+// batch row b reads the slots t <= P[s] with V[b * T + t]; a query with no slot gives 0. fp32 products and sums,
+// the output rounded once to q's type.
+void attend_fast(int kind, const Side& k, const Side& v, const void* q, int qtype, float scale, const int64_t* P,
+                 const bool* V, int64_t B, int64_t H, int64_t KVH, int64_t S, int64_t T, int64_t D, void* out);
 
 }  // namespace affineq::kv

@@ -27,7 +27,7 @@ PyTorch; they agree to ~1e-6 (outputs of size ~1).
 
 ``float_kv_attention(q, k, v, pos, valid, scale)``: the same kernel over a float cache (k / v [B, KVH, T, D] float32
 / bfloat16 / float16, D a multiple of 16), logits ``(q . k) * scale``; the compiled decode step's attention over
-``StaticDecoder``'s float cache (it reads the slots <= pos, not all T).
+``StaticDecoder``'s float cache of ``FLOAT_KERNEL_MIN_SLOTS`` or more (it reads the slots <= pos, not all T).
 """
 
 from __future__ import annotations

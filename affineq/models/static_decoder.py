@@ -301,6 +301,12 @@ _GLOBAL_GUARDS = frozenset({"GRAD_MODE", "DETERMINISTIC_ALGORITHMS", "GLOBAL_STA
                             "DEFAULT_DEVICE", "SHAPE_ENV", "AUTOGRAD_SAVED_TENSORS_HOOKS"})
 
 
+#: Float caches of at least this many slots are attended by ``affineq::float_kv_attention`` in compiled decode
+#: steps (below it the fused loops cost about as much as the op call: SmolLM2 at 128 slots was no faster with the
+#: op; at 4096 slots the loops took ~40% of a 1B step; benchmarks/README.md, KV-cache attention).
+FLOAT_KERNEL_MIN_SLOTS = 512
+
+
 def _cpp_available() -> bool:
     from affineq import cpp
 
@@ -369,9 +375,11 @@ class StaticDecoder:
         self.windows = sorted({layer.attn.window for layer in a.layers} - {None})
         # The quantized-cache kernel scales logits by D^-0.5: queries carry the rest of the model's scale.
         self.q_rescale = [layer.attn.scaling * a.head_dim**0.5 for layer in a.layers]
-        # Compiled decode steps attend over the float cache with affineq::float_kv_attention (the slots <= pos,
-        # where the compiled PyTorch loops read all max_len); chosen here, not while tracing.
-        self.float_kernel = kind is None and dev.type == "cpu" and a.head_dim % 16 == 0 and _cpp_available()
+        # Compiled decode steps attend over a float cache of FLOAT_KERNEL_MIN_SLOTS or more with
+        # affineq::float_kv_attention (the slots <= pos, where the compiled PyTorch loops read all max_len; below,
+        # the loops cost about an op call); chosen here, not while tracing.
+        self.float_kernel = (kind is None and dev.type == "cpu" and a.head_dim % 16 == 0
+                             and max_len >= FLOAT_KERNEL_MIN_SLOTS and _cpp_available())
         self.slots = torch.arange(max_len, device=dev)
         self.valid = torch.ones(batch, max_len, dtype=torch.bool, device=dev)
         self.shift = torch.zeros(batch, 1, dtype=torch.int64, device=dev)
@@ -517,11 +525,11 @@ class StaticDecoder:
 
     def _attend(self, q, kc, vc, pos, mask, spec: AttentionSpec):
         """Attention of q [B, H, S, D] over the cache (a row with no key, a pad query, gives 0 as sdpa does).
-        Compiled: a decode step over the float cache through ``affineq::float_kv_attention`` (the slots <= pos,
-        fp32 products and sums; not for attention sinks), else over all T slots under mask [B, S, T]. Eager: over
-        exactly the keys transformers' dynamic cache holds (a sliding layer's decode step: the last ``window``
-        slots), with the same sdpa call or eager formula, so that eager results equal model.generate's bit for
-        bit."""
+        Compiled: a decode step over a float cache of FLOAT_KERNEL_MIN_SLOTS or more through
+        ``affineq::float_kv_attention`` (the slots <= pos, fp32 products and sums; not for attention sinks), else
+        over all T slots under mask [B, S, T]. Eager: over exactly the keys transformers' dynamic cache holds (a
+        sliding layer's decode step: the last ``window`` slots), with the same sdpa call or eager formula, so that
+        eager results equal model.generate's bit for bit."""
         if torch.compiler.is_compiling():
             if self.float_kernel and q.shape[2] == 1 and spec.sinks is None and kc.shape[2] == self.max_len:
                 valid = self.valid if spec.window is None else self.valid & (self.slots > pos[0] - spec.window)[None]
