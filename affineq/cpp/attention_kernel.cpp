@@ -367,7 +367,8 @@ void attend_fast(int kind, const Side& k, const Side& v, const void* q, int qtyp
   // Fold the chunks of item `it` (chunk c's partial at src(c)) in slot order and write its output rows.
   auto finish = [&](int64_t it, int64_t count, auto src) {
     const int64_t s = it % S, kv = (it / S) % KVH, b = it / (S * KVH);
-    std::vector<float> acc(w);
+    thread_local std::vector<float> acc;
+    acc.resize(w);
     for (int64_t r = 0; r < rep; ++r) {
       acc[0] = kNone, acc[1] = 0.f;
       for (int64_t c = 0; c < count; ++c) {

@@ -457,19 +457,14 @@ bool use_b4bf16(const LowbitProblem& p) {
 // Every product of a part with a code is exact in the bf16 dot product's fp32 sums, so the 4-bit GEMV serves
 // fp32 x at m = 1 with exact products (three dot products per weight pair instead of an int -> float
 // conversion and an FMA per weight). vdpbf16ps reads bf16 subnormals as zero: parts below 2^-126, which only
-// inputs below ~2^-110 in magnitude have, are dropped. x3 [3][k8]; false (x3 untouched) when x holds a
-// non-finite value (inf - inf would turn it into NaN).
+// inputs below ~2^-110 in magnitude have, are dropped. x3 [3][k8]; false (x3 then meaningless) when x holds a
+// non-finite value (inf - inf would turn it into NaN). One pass over x: the check rides on the split.
 bool split_x3(const float* x, int64_t k8, uint16_t* x3) {
-  __mmask16 bad = 0;
+  __mmask16 bad = 0;  // lanes whose x - x is not 0: inf or NaN
   for (int64_t i = 0; i < k8; i += 16) {
     const __mmask16 k = static_cast<__mmask16>(k8 - i >= 16 ? 0xFFFF : (1u << (k8 - i)) - 1);
     const __m512 v = _mm512_maskz_loadu_ps(k, x + i);
     bad |= static_cast<__mmask16>(~_mm512_cmp_ps_mask(_mm512_sub_ps(v, v), _mm512_setzero_ps(), _CMP_EQ_OQ) & k);
-  }
-  if (bad) return false;
-  for (int64_t i = 0; i < k8; i += 16) {
-    const __mmask16 k = static_cast<__mmask16>(k8 - i >= 16 ? 0xFFFF : (1u << (k8 - i)) - 1);
-    const __m512 v = _mm512_maskz_loadu_ps(k, x + i);
     const __m256i hi = bf16_bits(v);
     const __m512 r = _mm512_sub_ps(v, bf16_widen(hi));
     const __m256i mid = bf16_bits(r);
@@ -478,7 +473,7 @@ bool split_x3(const float* x, int64_t k8, uint16_t* x3) {
     _mm256_mask_storeu_epi16(x3 + k8 + i, k, mid);
     _mm256_mask_storeu_epi16(x3 + 2 * k8 + i, k, lo);
   }
-  return true;
+  return bad == 0;
 }
 #endif
 

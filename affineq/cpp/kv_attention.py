@@ -103,17 +103,10 @@ def dequantize_kv(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def kv_attention_reference(q, k_codes, k_scale, v_codes, v_scale, pos, valid) -> torch.Tensor:
-    """PyTorch ``kv_attention``: dequantize the cache to fp32, masked softmax attention in fp32."""
-    b, h, s, d = q.shape
+    """PyTorch ``kv_attention``: dequantize the cache to fp32, then ``float_kv_attention_reference`` (scale
+    D^-0.5)."""
     k, v = dequantize_kv(k_codes, k_scale), dequantize_kv(v_codes, v_scale)
-    rep = h // k.shape[1]
-    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    t = k.shape[2]
-    keep = (torch.arange(t, device=q.device)[None, None, :] <= pos[None, :, None]) & valid[:, None, :]
-    keep = keep[:, None]  # [B, 1, S, T]
-    scores = (q.float() @ k.transpose(-1, -2)) / d**0.5
-    p = scores.masked_fill(~keep, float("-inf")).softmax(-1).masked_fill(~keep, 0.0)
-    return (p @ v).to(q.dtype)
+    return float_kv_attention_reference(q, k, v, pos, valid, q.shape[-1] ** -0.5)
 
 
 def float_kv_attention_reference(q, k, v, pos, valid, scale: float) -> torch.Tensor:
