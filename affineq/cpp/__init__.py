@@ -358,7 +358,7 @@ _lib.define(
 # or bfloat16 [M, K] (quantized in fp32, y in x's dtype), W an 8- or 4-bit integer dense-format weight [n, k]
 # (fp32 / bf16 / fp16 qparams, code_offset as lowbit_linear's); mode as int8_fake_quant. CPU kernel only, on
 # builds where int8_codes_built() (AVX512-VNNI + VBMI); n % 16 == 0, group_size % 8 == 0. With fewer than
-# min_rows rows of x it returns lowbit_linear(int8_fake_quant(x), ...) instead (the fused GEMV is faster there):
+# min_rows rows of x it returns lowbit_linear(int8_fake_quant(x), ...) instead (where the fused GEMV is faster):
 # one op whatever M, so a graph with a symbolic M runs what eager runs.
 _lib.define(
     "int8_codes_linear(Tensor x, Tensor packed, Tensor scale, Tensor? offset, int group_size, int n, int k,"

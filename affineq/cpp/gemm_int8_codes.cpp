@@ -11,6 +11,8 @@
 //   acc[m, n] += scale[n, g] * I + offset[n, g] * S                             (fp32, in registers)
 //   y[m, n] = sx[m] * acc[m, n]
 // which is sx * sum_k (c - zp) * (scale * u + offset), i.e. x_fake_quant @ W^T with exact code products.
+// 4-bit weights: up to kFewRowsMax rows of x, gemv4 reads the packed 4-bit units in place; more rows share a
+// widened 8-bit copy of each work item's panels (widen_panels) with the tiles above.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -39,6 +41,7 @@ struct Int8CodesGemm::State {
   std::vector<float> sT, oT;      // [G][n]: scale / offset transposed, so 16 rows' values are one load
   std::vector<int32_t> usumT;     // [G][n]: sum of the codes of each group (only when zero points occur)
   std::vector<int8_t> codes;      // [m][k] per-run scratch
+  std::vector<int8_t> codes4;     // [m][k] codes in gemv4's even / odd order (4-bit weights, few rows)
   std::vector<float> sx;          // [m]
   std::vector<int32_t> zp, csum;  // [m], [m][G]
   std::vector<float> S;           // [m][G]: csum - zp * gs, as fp32 (exact: |S| < 2^24)
@@ -87,6 +90,48 @@ AQ_INLINE void store_y(const Int8CodesGemm::State& s, float* y, int64_t m, int64
   }
 }
 
+// Group g's epilogue for NP panels x MR rows of int32 sums (us(j): panel j's code sums of the group, asked for
+// only by rows with a zero point): I = acc - zp * usum, then facc += scale * I + offset * S, or (kOne) y written.
+// It stays in registers (a y read-modify-write per group cost more than the dot products of a group of 32).
+template <int NP, int MR, bool kOne, class Usum>
+AQ_INLINE void group_epilogue(const Int8CodesGemm::State& s, const TileQparams& qp, int64_t g, int64_t p0,
+                              int64_t m0, float* y, const __m512i (&acc)[NP][MR],
+                              __m512 (&facc)[kOne ? 1 : NP][kOne ? 1 : MR], Usum us) {
+  sfor<NP>([&](auto J_) {
+    constexpr int j = AQ_CV(J_);
+    const __m512 sc = _mm512_loadu_ps(qp.sT + g * qp.ld + 16 * j);
+    const __m512 of = _mm512_loadu_ps(qp.oT + g * qp.ld + 16 * j);
+    sfor<MR>([&](auto I_) {
+      constexpr int i = AQ_CV(I_);
+      const int64_t m = m0 + i;
+      const int32_t z = s.zp[m];
+      __m512i prod = acc[j][i];
+      if (z != 0) prod = _mm512_sub_epi32(prod, _mm512_mullo_epi32(_mm512_set1_epi32(z), us(j)));
+      const __m512 S = _mm512_set1_ps(s.S[m * s.G + g]);
+      if constexpr (kOne) {
+        const __m512 t = _mm512_fmadd_ps(of, S, _mm512_mul_ps(sc, _mm512_cvtepi32_ps(prod)));
+        store_y(s, y, m, p0 + j, _mm512_mul_ps(_mm512_set1_ps(s.sx[m]), t));
+      } else {
+        facc[j][i] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(prod), facc[j][i]);
+        facc[j][i] = _mm512_fmadd_ps(of, S, facc[j][i]);
+      }
+    });
+  });
+}
+
+// y = sx * facc for the tile's rows (several groups).
+template <int NP, int MR>
+AQ_INLINE void store_tile(const Int8CodesGemm::State& s, int64_t p0, int64_t m0, float* y, const __m512 (&facc)[NP][MR]) {
+  sfor<NP>([&](auto J_) {
+    constexpr int j = AQ_CV(J_);
+    sfor<MR>([&](auto I_) {
+      constexpr int i = AQ_CV(I_);
+      const int64_t m = m0 + i;
+      store_y(s, y, m, p0 + j, _mm512_mul_ps(_mm512_set1_ps(s.sx[m]), facc[j][i]));
+    });
+  });
+}
+
 // kOne: one group (a per-channel weight): y is written straight from the int32 sums, with no fp32 accumulators
 // (more rows per tile: NP * MR <= 24).
 template <int NP, int MR, bool kOne>
@@ -121,40 +166,64 @@ void tile(const Int8CodesGemm::State& s, const TileQparams& qp, const int8_t* q,
         });
       });
     }
-    // The group's epilogue stays in registers (a y read-modify-write per group cost more than the dot products
-    // of a group of 32).
-    sfor<NP>([&](auto J_) {
-      constexpr int j = AQ_CV(J_);
-      const __m512 sc = _mm512_loadu_ps(qp.sT + g * qp.ld + 16 * j);
-      const __m512 of = _mm512_loadu_ps(qp.oT + g * qp.ld + 16 * j);
-      sfor<MR>([&](auto I_) {
-        constexpr int i = AQ_CV(I_);
-        const int64_t m = m0 + i;
-        const int32_t z = s.zp[m];
-        __m512i prod = acc[j][i];
-        if (z != 0)
-          prod = _mm512_sub_epi32(prod, _mm512_mullo_epi32(_mm512_set1_epi32(z),
-                                                           _mm512_loadu_si512(qp.us + g * qp.ld + 16 * j)));
-        const __m512 S = _mm512_set1_ps(s.S[m * s.G + g]);
-        if constexpr (kOne) {
-          const __m512 t = _mm512_fmadd_ps(of, S, _mm512_mul_ps(sc, _mm512_cvtepi32_ps(prod)));
-          store_y(s, y, m, p0 + j, _mm512_mul_ps(_mm512_set1_ps(s.sx[m]), t));
-        } else {
-          facc[j][i] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(prod), facc[j][i]);
-          facc[j][i] = _mm512_fmadd_ps(of, S, facc[j][i]);
-        }
-      });
-    });
+    group_epilogue<NP, MR, kOne>(s, qp, g, p0, m0, y, acc, facc,
+                                 [&](int j) { return _mm512_loadu_si512(qp.us + g * qp.ld + 16 * j); });
   }
+  if constexpr (!kOne) store_tile<NP, MR>(s, p0, m0, y, facc);
+}
+
+// 4-bit weights at few rows of x (MR <= 3: one widened copy per item would cost as much as the dot products):
+// the dense 4-bit units are read in place. A unit is 64 bytes, 8 k x 16 rows, its slot t holding k = 2t in the
+// low nibbles and 2t + 1 in the high ones; one vpermb gives lane j row j's four slot bytes, whose low and high
+// nibbles are two VNNI operands against x's even-k and odd-k quads (q4: each row's codes with every 8 k ordered
+// 0 2 4 6 1 3 5 7, `even_odd_codes`). The code sums a zero point needs come from one more dot product per unit
+// (low + high nibbles against ones) instead of a pass over the codes. The int32 sums and the epilogue are the
+// widened tile's, so the outputs are bit-identical to it.
+template <int NP, int MR, bool kOne>
+void gemv4(const Int8CodesGemm::State& s, const TileQparams& qp, const int8_t* q4, const uint8_t* w0, int64_t p0,
+           int64_t m0, float* y) {
+  const __m512i idx = quad_index(), lo4 = _mm512_set1_epi8(15), ones = _mm512_set1_epi8(1);
+  bool zero_point = false;
+  for (int i = 0; i < MR; ++i) zero_point |= s.zp[m0 + i] != 0;
+  __m512 facc[kOne ? 1 : NP][kOne ? 1 : MR];
   if constexpr (!kOne)
+    sfor<NP>([&](auto J_) { sfor<MR>([&](auto I_) { facc[AQ_CV(J_)][AQ_CV(I_)] = _mm512_setzero_ps(); }); });
+  for (int64_t g = 0; g < s.G; ++g) {
+    __m512i acc[NP][MR], us[NP];
     sfor<NP>([&](auto J_) {
-      constexpr int j = AQ_CV(J_);
-      sfor<MR>([&](auto I_) {
-        constexpr int i = AQ_CV(I_);
-        const int64_t m = m0 + i;
-        store_y(s, y, m, p0 + j, _mm512_mul_ps(_mm512_set1_ps(s.sx[m]), facc[j][i]));
-      });
+      us[AQ_CV(J_)] = _mm512_setzero_si512();
+      sfor<MR>([&](auto I_) { acc[AQ_CV(J_)][AQ_CV(I_)] = _mm512_setzero_si512(); });
     });
+    for (int64_t u = g * s.gs / 8, u1 = u + s.gs / 8; u < u1; ++u) {
+      sfor<NP>([&](auto J_) {
+        constexpr int j = AQ_CV(J_);
+        const __m512i w = _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(w0 + j * 8 * s.k + 64 * u));
+        const __m512i lo = _mm512_and_si512(w, lo4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), lo4);
+        if (zero_point) us[j] = _mm512_dpbusd_epi32(us[j], _mm512_add_epi8(lo, hi), ones);
+        sfor<MR>([&](auto I_) {
+          constexpr int i = AQ_CV(I_);
+          int32_t even, odd;
+          std::memcpy(&even, q4 + i * s.k + 8 * u, sizeof(even));
+          std::memcpy(&odd, q4 + i * s.k + 8 * u + 4, sizeof(odd));
+          acc[j][i] = _mm512_dpbusd_epi32(acc[j][i], lo, _mm512_set1_epi32(even));
+          acc[j][i] = _mm512_dpbusd_epi32(acc[j][i], hi, _mm512_set1_epi32(odd));
+        });
+      });
+    }
+    group_epilogue<NP, MR, kOne>(s, qp, g, p0, m0, y, acc, facc, [&](int j) { return us[j]; });
+  }
+  if constexpr (!kOne) store_tile<NP, MR>(s, p0, m0, y, facc);
+}
+
+// x's codes [m][k] with every 8 k reordered 0 2 4 6 1 3 5 7 (gemv4's even / odd quads); k % 8 == 0.
+void even_odd_codes(const int8_t* codes, int64_t m, int64_t k, int8_t* out) {
+  alignas(64) uint8_t idx[64];
+  for (int b = 0; b < 64; ++b) idx[b] = static_cast<uint8_t>((b & ~7) + (b % 8 < 4 ? 2 * (b % 4) : 2 * (b % 4) + 1));
+  const __m512i perm = _mm512_load_si512(idx);
+  const int64_t total = m * k, full = total / 64 * 64;  // rows are 8-aligned, so 64-byte blocks never split an 8
+  for (int64_t i = 0; i < full; i += 64)
+    _mm512_storeu_si512(out + i, _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(codes + i)));
+  for (int64_t i = full; i < total; ++i) out[i] = codes[(i & ~int64_t{7}) + idx[i % 8]];
 }
 
 using TileFn = void (*)(const Int8CodesGemm::State&, const TileQparams&, const int8_t*, const uint8_t*, int64_t,
@@ -177,6 +246,21 @@ constexpr auto kOneTiles2 = tile_table<2, true>(std::make_integer_sequence<int, 
 constexpr auto kOneTiles1 = tile_table<1, true>(std::make_integer_sequence<int, kRows>{});
 constexpr TileSet kGrouped{3, 6, kTiles4.data(), kTiles2.data(), kTiles1.data()};
 constexpr TileSet kOneGroup{6, kRows, kOneTiles4.data(), kOneTiles2.data(), kOneTiles1.data()};
+
+// gemv4 for 1..kFewRows4 rows: 4 panels x <= 2 rows, 2 panels x <= 4, single panels x <= 6 (the int32 and fp32
+// accumulators, the panels' code sums, the decoded unit and the constants within the 32 zmm registers).
+// Tables [kOne][rows - 1].
+constexpr int kFewRows4 = 6;
+// Up to this many rows of x, 4-bit weights take gemv4 (in blocks of kFewRows4 rows); from there on the rows of an
+// item share one widened copy of its panels (the dot products then outweigh the decode).
+constexpr int64_t kFewRowsMax = 8;
+template <int NP, bool kOne, int... Is>
+constexpr std::array<TileFn, sizeof...(Is)> gemv4_table(std::integer_sequence<int, Is...>) {
+  return {&gemv4<NP, Is + 1, kOne>...};
+}
+template <int NP, int R>
+constexpr std::array<TileFn, R> kGemv4[2] = {gemv4_table<NP, false>(std::make_integer_sequence<int, R>{}),
+                                             gemv4_table<NP, true>(std::make_integer_sequence<int, R>{})};
 
 // np 4-bit panels (the dense layout: 64-byte units of 8 k x 16 rows, slot t of a unit holding k = 2t in the low
 // nibbles and 2t + 1 in the high ones) as 8-bit panels ([k][16 rows] bytes): the codes unchanged.
@@ -298,7 +382,13 @@ void Int8CodesGemm::run(const float* x, const uint16_t* x_bf16, int64_t m, bool 
   // among the threads as the tiled paths share their tiles (split_gemm: x's rows split too when the groups alone
   // cannot be shared evenly, e.g. 9 groups of a 576-row weight on 2 threads).
   const int64_t npan = s.n / 16, nquad = npan / 4;
-  const detail::GemmSplit sp = detail::split_gemm(nquad + npan % 4, m, kRows);
+  // 4-bit weights at few rows read their units in place (gemv4); more rows share a widened copy per item.
+  const bool few4 = s.bits == 4 && m <= kFewRowsMax;
+  if (few4) {
+    s.codes4.resize(m * s.k);
+    even_odd_codes(s.codes.data(), m, s.k, s.codes4.data());
+  }
+  const detail::GemmSplit sp = detail::split_gemm(nquad + npan % 4, m, few4 ? kFewRows4 : kRows);
   const int64_t item_macs = 64 * s.k * sp.rows_per_part * ((sp.ntiles + sp.nblocks - 1) / sp.nblocks);
   at::parallel_for(0, sp.items(), std::max<int64_t>(1, (1 << 17) / std::max<int64_t>(1, item_macs)),
                    [&](int64_t i0, int64_t i1) {
@@ -312,10 +402,28 @@ void Int8CodesGemm::run(const float* x, const uint16_t* x_bf16, int64_t m, bool 
           const int64_t ld = 16 * np;
           tl_item_s.resize(s.G * ld), tl_item_o.resize(s.G * ld), tl_item_us.resize(s.zero_points ? s.G * ld : 0);
           qp = {tl_item_s.data(), tl_item_o.data(), s.zero_points ? tl_item_us.data() : nullptr, ld};
-          load_panel_qparams(s, p0, np, tl_item_s.data(), tl_item_o.data(), s.zero_points ? tl_item_us.data() : nullptr,
-                             ld);
+          load_panel_qparams(s, p0, np, tl_item_s.data(), tl_item_o.data(),
+                             s.zero_points && !few4 ? tl_item_us.data() : nullptr, ld);  // gemv4 sums its own
         } else {
           qp = {s.sT.data() + 16 * p0, s.oT.data() + 16 * p0, s.zero_points ? s.usumT.data() + 16 * p0 : nullptr, s.n};
+        }
+        if (few4) {
+          const uint8_t* w4 = s.packed + p0 * 8 * s.k;
+          const int one = s.G == 1;
+          for (int64_t m0 = sp.row0(it), me = sp.row1(it); m0 < me; m0 += kFewRows4) {
+            const int64_t mr = std::min<int64_t>(kFewRows4, me - m0);
+            const int8_t* q = s.codes4.data() + m0 * s.k;
+            if (pi >= nquad) {
+              kGemv4<1, kFewRows4>[one][mr - 1](s, qp, q, w4, p0, m0, y);
+            } else if (mr <= 2) {
+              kGemv4<4, 2>[one][mr - 1](s, qp, q, w4, p0, m0, y);
+            } else {  // the quad's panels 2 or 1 at a time
+              const int per = mr <= 4 ? 2 : 1;
+              const TileFn f = per == 2 ? kGemv4<2, 4>[one][mr - 1] : kGemv4<1, kFewRows4>[one][mr - 1];
+              for (int h = 0; h < 4; h += per) f(s, qp.shifted(h), q, w4 + h * 8 * s.k, p0 + h, m0, y);
+            }
+          }
+          continue;
         }
         if (s.bits == 4) {
           wide.resize(np * 16 * s.k);
