@@ -172,8 +172,8 @@ void tile(const Int8CodesGemm::State& s, const TileQparams& qp, const int8_t* q,
   if constexpr (!kOne) store_tile<NP, MR>(s, p0, m0, y, facc);
 }
 
-// 4-bit weights at few rows of x (MR <= 3: one widened copy per item would cost as much as the dot products):
-// the dense 4-bit units are read in place. A unit is 64 bytes, 8 k x 16 rows, its slot t holding k = 2t in the
+// 4-bit weights at few rows of x (up to kFewRowsMax, MR <= 6 per call: a widened copy per item would cost more
+// than the dot products): the dense 4-bit units are read in place. A unit is 64 bytes, 8 k x 16 rows, its slot t holding k = 2t in the
 // low nibbles and 2t + 1 in the high ones; one vpermb gives lane j row j's four slot bytes, whose low and high
 // nibbles are two VNNI operands against x's even-k and odd-k quads (q4: each row's codes with every 8 k ordered
 // 0 2 4 6 1 3 5 7, `even_odd_codes`). The code sums a zero point needs come from one more dot product per unit
