@@ -86,6 +86,11 @@ void load_tile_qparams(const LowbitProblem& p, float mul, int64_t r0, int64_t ro
 // Group index of each of the K8 (padded) columns; padding columns get the extra all-zero group G.
 std::vector<int32_t> group_of_k(const LowbitProblem& p, int64_t K8, int64_t G);
 
+// Software prefetch distance of the GEMVs (units ahead on each panel stream; gemv.cpp, gemm_int8_codes.cpp's
+// gemv4): at few rows they stream the weights from DRAM and the hardware prefetchers alone left part of the
+// bandwidth unused. Tuned by measurement (see benchmarks/README.md, kernel design measurements).
+inline constexpr int64_t kPrefetchUnits = 24;
+
 // Prefetch units [u0, u0 + nu) of `np` panels into L2 (null panels skipped).
 inline void prefetch_units(const uint8_t* const* pan, int np, int64_t u0, int64_t nu, int B) {
 #if defined(__GNUC__)

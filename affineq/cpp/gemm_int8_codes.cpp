@@ -197,7 +197,9 @@ void gemv4(const Int8CodesGemm::State& s, const TileQparams& qp, const int8_t* q
     for (int64_t u = g * s.gs / 8, u1 = u + s.gs / 8; u < u1; ++u) {
       sfor<NP>([&](auto J_) {
         constexpr int j = AQ_CV(J_);
-        const __m512i w = _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(w0 + j * 8 * s.k + 64 * u));
+        const uint8_t* unit = w0 + j * 8 * s.k + 64 * u;
+        __builtin_prefetch(unit + 64 * detail::kPrefetchUnits, 0, 3);  // cold weights: the panel's stream ahead
+        const __m512i w = _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(unit));
         const __m512i lo = _mm512_and_si512(w, lo4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), lo4);
         if (zero_point) us[j] = _mm512_dpbusd_epi32(us[j], _mm512_add_epi8(lo, hi), ones);
         sfor<MR>([&](auto I_) {

@@ -83,11 +83,6 @@ constexpr int gemv_A(int, int) { return 1; }
 // the weights again, so 4 rows per pass; the bf16-dot 4-bit tiles take 2).
 constexpr int kGemvMR = 4;
 
-// Software prefetch distance (units ahead on each panel stream): at m = 1 the kernel streams the weights from
-// DRAM and the hardware prefetchers alone left part of the bandwidth unused. Tuned by measurement (see
-// benchmarks/README.md, kernel design measurements).
-constexpr int64_t kPrefetchUnits = 24;
-
 // Prefetches what the next work item starts with, a few cache lines per group of the current one: its raw
 // qparams (without this load_qparams read them from DRAM through 16..32 strided streams, a large share of a
 // small-group GEMV's time on AVX2) and the first kPrefetchUnits units of each of its full panels (the tile's own
