@@ -91,6 +91,43 @@ std::vector<int32_t> group_of_k(const LowbitProblem& p, int64_t K8, int64_t G);
 // bandwidth unused. Tuned by measurement (see benchmarks/README.md, kernel design measurements).
 inline constexpr int64_t kPrefetchUnits = 24;
 
+// Most panels a GEMV work item holds (gemv.cpp's kItemPanels on each build; gemm_int8_codes.cpp's quads).
+inline constexpr int kMaxItemPanels = 4;
+
+// Prefetches what the next work item starts with (gemv.cpp; gemm_int8_codes.cpp's gemv4), a few cache lines
+// per group of the current one: its raw qparams (without this load_qparams read them from DRAM through 16..32
+// strided streams, a large share of a small-group GEMV's time on AVX2) and the first kPrefetchUnits units of
+// each of its full panels (the tile's own prefetch runs that far ahead within a panel, so each new panel would
+// otherwise start with as many demand misses). Spread over the groups: issued in one burst, these prefetches filled the miss queue and stalled the
+// core (see benchmarks/README.md, kernel design measurements).
+struct NextItemPrefetch {
+  const char* src[2] = {nullptr, nullptr};  // scale and offset rows of the next item (contiguous)
+  const char* pan[kMaxItemPanels] = {};     // its full panels (null: none, or the tail panel)
+  int64_t bytes = 0, lines_per_group = 0, panel_lines = 0, panel_lines_per_group = 0;
+  NextItemPrefetch(const LowbitProblem& p, int64_t r0, int64_t rows, int64_t G, const uint8_t* const* panels,
+                   int64_t npanels, int64_t unit_bytes) {
+    const int64_t row_bytes = qparam_row_bytes(p, G);
+    src[0] = static_cast<const char*>(p.scale) + r0 * row_bytes;
+    src[1] = p.offset != nullptr ? static_cast<const char*>(p.offset) + r0 * row_bytes : src[0];  // none
+    bytes = rows * row_bytes;
+    lines_per_group = ((bytes + 63) / 64 + G - 1) / G;
+    for (int64_t q = 0; q < npanels; ++q) pan[q] = reinterpret_cast<const char*>(panels[q]);
+    panel_lines = kPrefetchUnits * unit_bytes / 64;
+    panel_lines_per_group = (panel_lines + G - 1) / G;
+  }
+  AQ_INLINE void group(int64_t g) const {
+#if defined(__GNUC__)
+    for (int64_t l = g * lines_per_group, e = std::min(l + lines_per_group, (bytes + 63) / 64); l < e; ++l) {
+      __builtin_prefetch(src[0] + 64 * l, 0, 2);
+      __builtin_prefetch(src[1] + 64 * l, 0, 2);
+    }
+    for (int64_t l = g * panel_lines_per_group, e = std::min(l + panel_lines_per_group, panel_lines); l < e; ++l)
+      for (const char* q : pan)
+        if (q != nullptr) __builtin_prefetch(q + 64 * l, 0, 3);
+#endif
+  }
+};
+
 // Prefetch units [u0, u0 + nu) of `np` panels into L2 (null panels skipped).
 inline void prefetch_units(const uint8_t* const* pan, int np, int64_t u0, int64_t nu, int B) {
 #if defined(__GNUC__)

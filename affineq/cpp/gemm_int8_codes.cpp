@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <optional>
 #include <stdexcept>
 #include <utility>
 #include <vector>
@@ -179,9 +180,10 @@ void tile(const Int8CodesGemm::State& s, const TileQparams& qp, const int8_t* q,
 // 0 2 4 6 1 3 5 7, `even_odd_codes`). The code sums a zero point needs come from one more dot product per unit
 // (low + high nibbles against ones) instead of a pass over the codes. The int32 sums and the epilogue are the
 // widened tile's, so the outputs are bit-identical to it.
+// pf (or null): what the thread's next work item starts with, prefetched a little per group.
 template <int NP, int MR, bool kOne>
 void gemv4(const Int8CodesGemm::State& s, const TileQparams& qp, const int8_t* q4, const uint8_t* w0, int64_t p0,
-           int64_t m0, float* y) {
+           int64_t m0, float* y, const detail::NextItemPrefetch* pf) {
   const __m512i idx = quad_index(), lo4 = _mm512_set1_epi8(15), ones = _mm512_set1_epi8(1);
   bool zero_point = false;
   for (int i = 0; i < MR; ++i) zero_point |= s.zp[m0 + i] != 0;
@@ -189,6 +191,7 @@ void gemv4(const Int8CodesGemm::State& s, const TileQparams& qp, const int8_t* q
   if constexpr (!kOne)
     sfor<NP>([&](auto J_) { sfor<MR>([&](auto I_) { facc[AQ_CV(J_)][AQ_CV(I_)] = _mm512_setzero_ps(); }); });
   for (int64_t g = 0; g < s.G; ++g) {
+    if (pf) pf->group(g);
     __m512i acc[NP][MR], us[NP];
     sfor<NP>([&](auto J_) {
       us[AQ_CV(J_)] = _mm512_setzero_si512();
@@ -256,12 +259,14 @@ constexpr int kFewRows4 = 6;
 // Up to this many rows of x, 4-bit weights take gemv4 (in blocks of kFewRows4 rows); from there on the rows of an
 // item share one widened copy of its panels (the dot products then outweigh the decode).
 constexpr int64_t kFewRowsMax = 8;
+using Gemv4Fn = void (*)(const Int8CodesGemm::State&, const TileQparams&, const int8_t*, const uint8_t*, int64_t,
+                         int64_t, float*, const detail::NextItemPrefetch*);
 template <int NP, bool kOne, int... Is>
-constexpr std::array<TileFn, sizeof...(Is)> gemv4_table(std::integer_sequence<int, Is...>) {
+constexpr std::array<Gemv4Fn, sizeof...(Is)> gemv4_table(std::integer_sequence<int, Is...>) {
   return {&gemv4<NP, Is + 1, kOne>...};
 }
 template <int NP, int R>
-constexpr std::array<TileFn, R> kGemv4[2] = {gemv4_table<NP, false>(std::make_integer_sequence<int, R>{}),
+constexpr std::array<Gemv4Fn, R> kGemv4[2] = {gemv4_table<NP, false>(std::make_integer_sequence<int, R>{}),
                                              gemv4_table<NP, true>(std::make_integer_sequence<int, R>{})};
 
 // np 4-bit panels (the dense layout: 64-byte units of 8 k x 16 rows, slot t of a unit holding k = 2t in the low
@@ -412,17 +417,29 @@ void Int8CodesGemm::run(const float* x, const uint16_t* x_bf16, int64_t m, bool 
         if (few4) {
           const uint8_t* w4 = s.packed + p0 * 8 * s.k;
           const int one = s.G == 1;
+          // The tile this thread runs next (within this item, else the next item of its range): cold weights
+          // would start its qparams and each panel's stream with demand misses.
+          const int64_t next = pi + 1 < sp.tile0(it) + sp.tiles(it) ? pi + 1 : it + 1 < i1 ? sp.tile0(it + 1) : -1;
+          std::optional<detail::NextItemPrefetch> pf;
+          if (next >= 0 && next != pi) {
+            const int64_t n0 = next < nquad ? 4 * next : 4 * nquad + (next - nquad), nn = next < nquad ? 4 : 1;
+            const uint8_t* npan[detail::kMaxItemPanels];
+            for (int64_t h = 0; h < nn; ++h) npan[h] = s.packed + (n0 + h) * 8 * s.k;
+            pf.emplace(s.p, 16 * n0, 16 * nn, s.G, npan, nn, 64);
+          }
           for (int64_t m0 = sp.row0(it), me = sp.row1(it); m0 < me; m0 += kFewRows4) {
             const int64_t mr = std::min<int64_t>(kFewRows4, me - m0);
             const int8_t* q = s.codes4.data() + m0 * s.k;
+            const detail::NextItemPrefetch* pfm = m0 == sp.row0(it) && pf ? &*pf : nullptr;
             if (pi >= nquad) {
-              kGemv4<1, kFewRows4>[one][mr - 1](s, qp, q, w4, p0, m0, y);
+              kGemv4<1, kFewRows4>[one][mr - 1](s, qp, q, w4, p0, m0, y, pfm);
             } else if (mr <= 2) {
-              kGemv4<4, 2>[one][mr - 1](s, qp, q, w4, p0, m0, y);
+              kGemv4<4, 2>[one][mr - 1](s, qp, q, w4, p0, m0, y, pfm);
             } else {  // the quad's panels 2 or 1 at a time
               const int per = mr <= 4 ? 2 : 1;
-              const TileFn f = per == 2 ? kGemv4<2, 4>[one][mr - 1] : kGemv4<1, kFewRows4>[one][mr - 1];
-              for (int h = 0; h < 4; h += per) f(s, qp.shifted(h), q, w4 + h * 8 * s.k, p0 + h, m0, y);
+              const Gemv4Fn f = per == 2 ? kGemv4<2, 4>[one][mr - 1] : kGemv4<1, kFewRows4>[one][mr - 1];
+              for (int h = 0; h < 4; h += per)
+                f(s, qp.shifted(h), q, w4 + h * 8 * s.k, p0 + h, m0, y, h == 0 ? pfm : nullptr);
             }
           }
           continue;

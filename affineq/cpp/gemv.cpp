@@ -66,6 +66,7 @@ constexpr float gemv_bias() { return biased_decode_ok<B>() ? static_cast<float>(
 // chains to hide latency without spilling (32 zmm / 16 ymm registers).
 #if AQ_AVX512
 constexpr int kItemPanels = 4;
+static_assert(kItemPanels <= kMaxItemPanels);
 constexpr int gemv_P(int mr, int B) { return mr <= 2 ? 4 : multi_plane(B) ? 1 : 2; }  // multi-plane: spills
 constexpr int gemv_A(int mr, int B) { return mr == 1 || (multi_plane(B) && mr <= 4) ? 2 : 1; }
 #elif AQ_AVX2
@@ -82,40 +83,6 @@ constexpr int gemv_A(int, int) { return 1; }
 // Rows of x per pass over the weights (fp32 x reaches the GEMV up to m = 8 on every build: each pass decodes
 // the weights again, so 4 rows per pass; the bf16-dot 4-bit tiles take 2).
 constexpr int kGemvMR = 4;
-
-// Prefetches what the next work item starts with, a few cache lines per group of the current one: its raw
-// qparams (without this load_qparams read them from DRAM through 16..32 strided streams, a large share of a
-// small-group GEMV's time on AVX2) and the first kPrefetchUnits units of each of its full panels (the tile's own
-// prefetch runs that far ahead within a panel, so each new panel would otherwise start with as many demand
-// misses). Spread over the groups: issued in one burst, these prefetches filled the miss queue and stalled the
-// core (see benchmarks/README.md, kernel design measurements).
-struct NextItemPrefetch {
-  const char* src[2] = {nullptr, nullptr};  // scale and offset rows of the next item (contiguous)
-  const char* pan[kItemPanels] = {};        // its full panels (null: none, or the tail panel)
-  int64_t bytes = 0, lines_per_group = 0, panel_lines = 0, panel_lines_per_group = 0;
-  NextItemPrefetch(const LowbitProblem& p, int64_t r0, int64_t rows, int64_t G, const uint8_t* const* panels,
-                   int64_t npanels, int64_t unit_bytes) {
-    const int64_t row_bytes = qparam_row_bytes(p, G);
-    src[0] = static_cast<const char*>(p.scale) + r0 * row_bytes;
-    src[1] = p.offset != nullptr ? static_cast<const char*>(p.offset) + r0 * row_bytes : src[0];  // none
-    bytes = rows * row_bytes;
-    lines_per_group = ((bytes + 63) / 64 + G - 1) / G;
-    for (int64_t q = 0; q < npanels; ++q) pan[q] = reinterpret_cast<const char*>(panels[q]);
-    panel_lines = kPrefetchUnits * unit_bytes / 64;
-    panel_lines_per_group = (panel_lines + G - 1) / G;
-  }
-  AQ_INLINE void group(int64_t g) const {
-#if defined(__GNUC__)
-    for (int64_t l = g * lines_per_group, e = std::min(l + lines_per_group, (bytes + 63) / 64); l < e; ++l) {
-      __builtin_prefetch(src[0] + 64 * l, 0, 2);
-      __builtin_prefetch(src[1] + 64 * l, 0, 2);
-    }
-    for (int64_t l = g * panel_lines_per_group, e = std::min(l + panel_lines_per_group, panel_lines); l < e; ++l)
-      for (const char* q : pan)
-        if (q != nullptr) __builtin_prefetch(q + 64 * l, 0, 3);
-#endif
-  }
-};
 
 // A scale or offset tile as add_group reads it: fp32 (load_qparams), or the 16-bit qparams as stored
 // (load_scales16: bf16, or fp16 with kF16), widened per use; a null pointer: no tile.
