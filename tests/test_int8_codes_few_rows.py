@@ -2,7 +2,8 @@
 units are read in place instead of through a widened 8-bit copy. Its int32 sums and epilogue are the widened
 tile's, so per-token rows must come out bit for bit as the same rows do inside a batch of 12 or more (which takes
 the widened tile): zero points (code sums from the kernel's own dot product), one group per row (per-channel),
-panels past the last group of four, row blocks of 6 + 1 and 6 + 2, bf16 input and output, 1 and 2 threads."""
+panels past the last group of four, row blocks of 6 + 1 and 6 + 2, bf16 input and output, 1 and 2 threads; and
+16-bit scales kept 16-bit in the per-item tiles give the values of their fp32 widening."""
 
 from __future__ import annotations
 
@@ -76,3 +77,28 @@ def test_few_rows_property(panels: int, groups: int, gs: int, m: int, seed: int,
     x = torch.randn(m + 12, k, generator=torch.Generator().manual_seed(seed)) * 2 - 0.5
     batch = _run(x, w, n, k, gs, mode)
     assert torch.equal(_rows(_run(x[:m].contiguous(), w, n, k, gs, mode)), _rows(batch[:m]))
+
+
+@pytest.mark.parametrize("sdtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("code_offset", [-8, 0])
+@pytest.mark.parametrize("n,k,gs", [(64, 512, 32), (80, 2048, 128), (144, 256, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_16bit_scales_equal_their_fp32_widening(sdtype: torch.dtype, code_offset: int, n: int, k: int, gs: int,
+                                                dtype: torch.dtype) -> None:
+    # 16-bit scales without an offset array and groups in multiples of 16 keep their per-item tile 16-bit
+    # (TileQparams::s16, offset = scale * code_offset formed per group): the same values as the fp32 tiles the
+    # same scales widened to fp32 (and their offset array) take, in gemv4 (1-8 rows) and in the widened tile (13 rows)
+    _needs_int8_codes()
+    g = torch.Generator().manual_seed(n + k)
+    packed = K.pack_codes(torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g), 4)
+    scale = ((torch.rand(n, k // gs, generator=g) * 0.02 + 0.005) * torch.randn(n, k // gs, generator=g).sign())
+    scale = scale.to(sdtype)
+    x = (torch.randn(13, k, generator=g) * 3 + 0.2).to(dtype)
+    ref_offset = scale.float() * code_offset if code_offset else None  # exact; fp32 scales take the fp32 tiles
+    for mode in (1, 2):
+        for m in (1, 2, 5, 8, 13):
+            for threads in (1, 2):
+                xm = x[:m].contiguous()
+                y16 = _run(xm, (packed, scale, None, code_offset), n, k, gs, mode, threads)
+                y32 = _run(xm, (packed, scale.float(), ref_offset, 0), n, k, gs, mode, threads)
+                assert torch.equal(_rows(y16), _rows(y32)), (mode, m, threads)

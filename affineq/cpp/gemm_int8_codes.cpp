@@ -75,11 +75,30 @@ inline __m512i quad_index() {
 // w0: panel p0's 8-bit codes ([k][16 rows] bytes per panel, the panels consecutive).
 // Qparams of the tile's panels: scale, offset and (zero points) code-sum rows [G][ld], 16 per panel, from the
 // tile's first panel on.
+// s16 (per-item tiles of a weight with 16-bit scales and no offset array): the scales as stored, transposed
+// (load_scales16), widened per use, and offset = scale * code_offset, the values load_qparams would have written
+// (both exact), at half its bytes and without the offset tile.
 struct TileQparams {
   const float *sT, *oT;
   const int32_t* us;
   int64_t ld;
-  TileQparams shifted(int64_t panels) const { return {sT + 16 * panels, oT + 16 * panels, us ? us + 16 * panels : us, ld}; }
+  const uint16_t* s16 = nullptr;
+  bool f16 = false;
+  float code_offset = 0.f;
+  TileQparams shifted(int64_t panels) const {
+    return {sT ? sT + 16 * panels : sT, oT ? oT + 16 * panels : oT, us ? us + 16 * panels : us, ld,
+            s16 ? s16 + 16 * panels : s16, f16, code_offset};
+  }
+  // The scales and offsets of group g's rows in panel j (16 lanes).
+  AQ_INLINE __m512 scale(int64_t g, int j) const {
+    if (s16 == nullptr) return _mm512_loadu_ps(sT + g * ld + 16 * j);
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s16 + g * ld + 16 * j));
+    return f16 ? _mm512_cvtph_ps(h) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  AQ_INLINE __m512 offset(int64_t g, int j, __m512 sc) const {
+    if (s16 == nullptr) return _mm512_loadu_ps(oT + g * ld + 16 * j);
+    return code_offset == 0.f ? _mm512_setzero_ps() : _mm512_mul_ps(sc, _mm512_set1_ps(code_offset));
+  }
 };
 
 // y[m, 16 c .. 16 c + 15] = v, as fp32 or (s.yb) rounded to bf16.
@@ -100,8 +119,7 @@ AQ_INLINE void group_epilogue(const Int8CodesGemm::State& s, const TileQparams& 
                               __m512 (&facc)[kOne ? 1 : NP][kOne ? 1 : MR], Usum us) {
   sfor<NP>([&](auto J_) {
     constexpr int j = AQ_CV(J_);
-    const __m512 sc = _mm512_loadu_ps(qp.sT + g * qp.ld + 16 * j);
-    const __m512 of = _mm512_loadu_ps(qp.oT + g * qp.ld + 16 * j);
+    const __m512 sc = qp.scale(g, j), of = qp.offset(g, j, sc);
     sfor<MR>([&](auto I_) {
       constexpr int i = AQ_CV(I_);
       const int64_t m = m0 + i;
@@ -305,14 +323,20 @@ bool Int8CodesGemm::supported(const LowbitProblem& p) {
 
 namespace {
 
+void load_code_sums(const Int8CodesGemm::State& s, int64_t p0, int64_t np, int32_t* us, int64_t ld);
+
 // The fp32 scale and offset of w = scale * u + offset of panels [p0, p0 + np), transposed to [G][ld] (the dense
-// kernels' qparam loading), and with zero points the code sums us[g][16 p + j] of each row per group: per k of
-// an 8-bit panel (16 bytes), per unit of a 4-bit one (its 8 k are in one group: gs % 8 == 0).
+// kernels' qparam loading), and with zero points (us not null) the code sums (load_code_sums).
 void load_panel_qparams(const Int8CodesGemm::State& s, int64_t p0, int64_t np, float* sT, float* oT, int32_t* us,
                         int64_t ld) {
   detail::load_qparams(s.p, false, 1.f, 16 * p0, 16 * np, 16 * np, s.G, sT, ld);
   detail::load_qparams(s.p, true, 1.f, 16 * p0, 16 * np, 16 * np, s.G, oT, ld);
-  if (us == nullptr) return;
+  if (us != nullptr) load_code_sums(s, p0, np, us, ld);
+}
+
+// us[g][16 q + j]: the sum of the codes of row j of panel p0 + q in group g (zero points' term), per k of an
+// 8-bit panel (16 bytes), per unit of a 4-bit one (its 8 k are in one group: gs % 8 == 0).
+void load_code_sums(const Int8CodesGemm::State& s, int64_t p0, int64_t np, int32_t* us, int64_t ld) {
 #if AQ_INT8_CODES
   for (int64_t g = 0; g < s.G; ++g) std::fill(us + g * ld, us + g * ld + 16 * np, 0);
   const __m512i lo4 = _mm512_set1_epi8(15);
@@ -336,11 +360,19 @@ void load_panel_qparams(const Int8CodesGemm::State& s, int64_t p0, int64_t np, f
       _mm512_storeu_si512(dst, _mm512_add_epi32(_mm512_loadu_si512(dst), t));
     }
   }
+#else
+  (void)s, (void)p0, (void)np, (void)us, (void)ld;
 #endif
 }
 
 thread_local std::vector<float> tl_item_s, tl_item_o;  // per-item qparams (per_item)
 thread_local std::vector<int32_t> tl_item_us;
+thread_local std::vector<uint16_t> tl_item_s16;         // per-item 16-bit scales (TileQparams::s16)
+
+// Whether per-item tiles can keep the scales 16-bit (TileQparams::s16; load_scales16 needs G % 16 == 0).
+bool scales16_ok(const LowbitProblem& p, int64_t G) {
+  return (p.qparams_bf16 || p.qparams_f16) && p.offset == nullptr && G % 16 == 0;
+}
 
 }  // namespace
 
@@ -395,6 +427,7 @@ void Int8CodesGemm::run(const float* x, const uint16_t* x_bf16, int64_t m, bool 
     s.codes4.resize(m * s.k);
     even_odd_codes(s.codes.data(), m, s.k, s.codes4.data());
   }
+  const bool scales16 = s.per_item && scales16_ok(s.p, s.G);
   const detail::GemmSplit sp = detail::split_gemm(nquad + npan % 4, m, few4 ? kFewRows4 : kRows);
   const int64_t item_macs = 64 * s.k * sp.rows_per_part * ((sp.ntiles + sp.nblocks - 1) / sp.nblocks);
   at::parallel_for(0, sp.items(), std::max<int64_t>(1, (1 << 17) / std::max<int64_t>(1, item_macs)),
@@ -405,7 +438,14 @@ void Int8CodesGemm::run(const float* x, const uint16_t* x_bf16, int64_t m, bool 
         const int64_t p0 = pi < nquad ? 4 * pi : 4 * nquad + (pi - nquad), np = pi < nquad ? 4 : 1;
         const uint8_t* w0 = s.packed + p0 * 16 * s.k;
         TileQparams qp;
-        if (s.per_item) {
+        if (s.per_item && scales16) {
+          const int64_t ld = 16 * np;
+          tl_item_s16.resize(s.G * ld), tl_item_us.resize(s.zero_points && !few4 ? s.G * ld : 0);
+          detail::load_scales16(s.p, false, 16 * p0, 16 * np, ld, s.G, tl_item_s16.data(), ld);
+          if (s.zero_points && !few4) load_code_sums(s, p0, np, tl_item_us.data(), ld);  // gemv4 sums its own
+          qp = {nullptr, nullptr, s.zero_points ? tl_item_us.data() : nullptr, ld, tl_item_s16.data(),
+                s.p.qparams_f16, static_cast<float>(s.p.code_offset)};
+        } else if (s.per_item) {
           const int64_t ld = 16 * np;
           tl_item_s.resize(s.G * ld), tl_item_o.resize(s.G * ld), tl_item_us.resize(s.zero_points ? s.G * ld : 0);
           qp = {tl_item_s.data(), tl_item_o.data(), s.zero_points ? tl_item_us.data() : nullptr, ld};
