@@ -44,10 +44,12 @@ def _exact(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: to
     return x.double() @ w.view(n, k).T
 
 
-def _reference(x: torch.Tensor, path: int, gs: int, codes: int, exact: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """What the op must match for x: `exact` (fp64 W), or x @ bf16(W) when the bf16 dot path runs (it computes
-    dequantize-to-bf16 then a bf16 matmul with fp32 accumulation, like F.linear on the bf16 weight)."""
-    if torch.ops.affineq_cpp.lowbit_path_for(x, gs, codes, path) == 4:
+def _reference(x: torch.Tensor, path: int, gs: int, codes: int, exact: torch.Tensor, w: torch.Tensor,
+               bits: int) -> torch.Tensor:
+    """What the op must match for x and a `bits`-bit weight: `exact` (fp64 W), or x @ bf16(W) when the bf16 dot
+    path runs (it computes dequantize-to-bf16 then a bf16 matmul with fp32 accumulation, like F.linear on the
+    bf16 weight)."""
+    if torch.ops.affineq_cpp.lowbit_path_for(x, gs, codes, path, bits) == 4:
         return x.double() @ w.bfloat16().double().T
     return exact
 
@@ -149,13 +151,13 @@ def test_lowbit_linear_half_inputs(bits: int, dtype: torch.dtype) -> None:
     path_op = torch.ops.affineq_cpp.lowbit_linear_path
     for n, k, gs in CASES[:4]:
         codes, packed, scale, offset = _problem(bits, n, k, gs)
-        for m in (1, 3, 33):
+        for m in (1, 3, 5, 8, 9, 33):  # the GEMV's rows for bf16 x (4, or 8 for 4-bit codes), then the GEMM's
             x = torch.randn(m, k).to(dtype)
             exact = _exact(x, codes, scale, offset, gs)  # from the rounded x: the op must not round it further
             w = K._dequantize(packed, scale, offset, bits, gs, n, k)
             for path in PATHS:
                 out = path_op(x, packed, scale, offset, bits, gs, n, k, 0, path)
-                _assert_close(out, _reference(x, path, gs, 0, exact, w), dtype,
+                _assert_close(out, _reference(x, path, gs, 0, exact, w, bits), dtype,
                               f"{dtype} path {path} bits={bits} {n}x{k} m={m}")
 
 
@@ -192,7 +194,7 @@ def test_gemm_paths_share_tiles_and_rows(threads: int) -> None:
                     for path in (2, 3, 4):
                         out = torch.ops.affineq_cpp.lowbit_linear_path(x, packed, scale, offset, 4, gs, n, k, 0,
                                                                        path)
-                        _assert_close(out, _reference(x, path, gs, 0, exact, w), dtype,
+                        _assert_close(out, _reference(x, path, gs, 0, exact, w, 4), dtype,
                                       f"{threads} threads path {path} {dtype} {n}x{k} m={m}")
     finally:
         torch.set_num_threads(previous)
@@ -282,7 +284,7 @@ def test_lowbit_linear_16bit_qparams(bits: int, qdtype: torch.dtype, with_offset
             exact = x.double() @ exact_w.T
             for path in PATHS:
                 _assert_close(path_op(x, packed, scale, offset, bits, gs, n, k, 0, path, co),
-                              _reference(x, path, gs, 0, exact, w), dtype,
+                              _reference(x, path, gs, 0, exact, w, bits), dtype,
                               f"{qdtype} qparams (offset {with_offset}) path {path} bits={bits} {n}x{k} m={m}")
     x = torch.randn(2, k)
     for args, msg in (((x, packed, scale.float(), None, bits, gs, n, k, 0, co or -4), "16-bit or e8m0"),
@@ -313,7 +315,7 @@ def test_lowbit_linear_bf16_qparams(bits: int) -> None:
             exact = _exact(x, codes, scale.double(), offset64, gs)
             for path in PATHS:
                 _assert_close(path_op(x, packed, scale, zero, bits, gs, n, k, 0, path),
-                              _reference(x, path, gs, 0, exact, w), dtype,
+                              _reference(x, path, gs, 0, exact, w, bits), dtype,
                               f"bf16 qparams path {path} bits={bits} {n}x{k} gs={gs} m={m}")
 
 
@@ -345,7 +347,7 @@ def test_lowbit_linear_float8_codes(codes_kind: int, fp8: torch.dtype) -> None:
             w = exact_w.view(n, k).float()
             for path in PATHS:
                 _assert_close(path_op(x, packed, scale, offset, 8, gs, n, k, codes_kind, path),
-                              _reference(x, path, gs, codes_kind, exact, w), dtype,
+                              _reference(x, path, gs, codes_kind, exact, w, 8), dtype,
                               f"{fp8} path {path} {n}x{k} gs={gs} m={m}")
             _assert_close(K.lowbit_linear_reference(x, packed, scale, offset, 8, gs, n, k, codes_kind), exact,
                           dtype, f"{fp8} reference")
@@ -360,16 +362,22 @@ def test_lowbit_linear_float8_codes(codes_kind: int, fp8: torch.dtype) -> None:
 
 
 def test_path_choice() -> None:
-    # fp32 x never leaves fp32 arithmetic by default; bf16 x takes the bf16 dot GEMM from 3 rows where the CPU has
-    # it; float8 codes and groups that are not a multiple of 8 never take the int16 path.
+    # fp32 x never leaves fp32 arithmetic by default; bf16 x takes the bf16 dot GEMM where the CPU has it, from 5
+    # rows (9 for 4-bit codes, which the GEMV reads with bf16 dot products where VBMI is present too); float8
+    # codes and groups that are not a multiple of 8 never take the int16 path.
     _needs_kernels()
     choice = torch.ops.affineq_cpp.lowbit_path_for
     has_bf16 = choice(torch.zeros(8, 64, dtype=torch.bfloat16), 32, 0, 4) == 4
-    for m in (1, 2, 3, 8, 33):
+    b4_gemv = has_bf16 and "avx512vbmi" in cpu_flags()
+    for m in (1, 2, 3, 4, 5, 8, 9, 33):
         assert choice(torch.zeros(m, 64), 32, 0, 0) == (1 if m <= 8 else 2)
         assert choice(torch.zeros(m, 64), 30, 0, 0) == 2
-        expected = (4,) if has_bf16 and m >= 3 else (1, 2, 3)
-        assert choice(torch.zeros(m, 64, dtype=torch.bfloat16), 32, 0, 0) in expected
+        xb = torch.zeros(m, 64, dtype=torch.bfloat16)
+        if has_bf16:
+            assert choice(xb, 32, 0, 0, 8) == (1 if m <= 4 else 4)
+            assert choice(xb, 32, 0, 0, 4) == (1 if m <= (8 if b4_gemv else 4) else 4)
+        else:
+            assert choice(xb, 32, 0, 0, 8) in (1, 2, 3)
         assert choice(torch.zeros(m, 64, dtype=torch.float16), 30, 0, 3) == 2
         assert choice(torch.zeros(m, 64, dtype=torch.float16), 32, K.CODES_E4M3, 3) == 2
     assert choice(torch.zeros(8, 64), 32, 0, 4) == 2  # fp32 x: exact fp32 GEMM, never bf16

@@ -123,15 +123,15 @@ def test_relayout_keeps_the_file_bytes(name):
 
 @pytest.mark.parametrize("name", KINDS)
 def test_kquant_linear_within_fp32_rounding(name):
-    """Odd n, m from 1 (GEMV) through 5..65 (tile GEMM) to 257 (blocks x torch's GEMM), fp32 and bf16 x, against
-    float64 x @ W^T."""
+    """Odd n, m from 1 (GEMV: up to 8 rows, with bf16 x up to 4 or, q4_k, 8) through 5..65 (tile GEMM) to 257
+    (blocks x torch's GEMM), fp32 and bf16 x, against float64 x @ W^T."""
     _needs_kernels()
     n, k = 37, 512
     blocks = _random_blocks(name, n, k, seed=3)
     args = _op_args(name, blocks)
     w = _gguf_values(name, blocks, n).double()
     terms = _terms(name, blocks)
-    for m in (1, 2, 3, 4, 5, 17, 65, 257):
+    for m in (1, 2, 3, 4, 5, 8, 9, 17, 65, 257):
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(m, k).to(dtype)
             y = torch.ops.affineq.kquant_linear(x, *args)
