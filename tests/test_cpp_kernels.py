@@ -49,7 +49,7 @@ def _reference(x: torch.Tensor, path: int, gs: int, codes: int, exact: torch.Ten
     """What the op must match for x and a `bits`-bit weight: `exact` (fp64 W), or x @ bf16(W) when the bf16 dot
     path runs (it computes dequantize-to-bf16 then a bf16 matmul with fp32 accumulation, like F.linear on the
     bf16 weight)."""
-    if torch.ops.affineq_cpp.lowbit_path_for(x, gs, codes, path, bits) == 4:
+    if torch.ops.affineq_cpp.lowbit_path_for(x, gs, codes, path, bits, w.shape[0]) == 4:
         return x.double() @ w.bfloat16().double().T
     return exact
 
@@ -159,6 +159,19 @@ def test_lowbit_linear_half_inputs(bits: int, dtype: torch.dtype) -> None:
                 out = path_op(x, packed, scale, offset, bits, gs, n, k, 0, path)
                 _assert_close(out, _reference(x, path, gs, 0, exact, w, bits), dtype,
                               f"{dtype} path {path} bits={bits} {n}x{k} m={m}")
+
+
+def test_bf16_x_on_a_large_4bit_weight_up_to_16_rows() -> None:
+    # 2^21 weights or more: the bf16-dot GEMV serves bf16 x up to 16 rows (8 passes of 2), the GEMM from 17
+    _needs_kernels()
+    n, k, gs = 1024, 2048, 32
+    codes, packed, scale, offset = _problem(4, n, k, gs)
+    w = K._dequantize(packed, scale, offset, 4, gs, n, k)
+    for m in (9, 16, 17):
+        x = torch.randn(m, k).bfloat16()
+        out = torch.ops.affineq.lowbit_linear(x, packed, scale, offset, 4, gs, n, k)
+        exact = _exact(x, codes, scale, offset, gs)
+        _assert_close(out, _reference(x, 0, gs, 0, exact, w, 4), torch.bfloat16, f"m={m}")
 
 
 @pytest.mark.parametrize("bits,gs", [(4, 128), (8, 1024), (2, 64), (5, 32)])
@@ -363,19 +376,23 @@ def test_lowbit_linear_float8_codes(codes_kind: int, fp8: torch.dtype) -> None:
 
 def test_path_choice() -> None:
     # fp32 x never leaves fp32 arithmetic by default; bf16 x takes the bf16 dot GEMM where the CPU has it, from 5
-    # rows (9 for 4-bit codes, which the GEMV reads with bf16 dot products where VBMI is present too); float8
-    # codes and groups that are not a multiple of 8 never take the int16 path.
+    # rows (9 for 4-bit codes, which the GEMV reads with bf16 dot products where VBMI is present too, 17 on a
+    # weight of 2^21 weights or more); float8 codes and groups that are not a multiple of 8 never take the int16
+    # path.
     _needs_kernels()
     choice = torch.ops.affineq_cpp.lowbit_path_for
     has_bf16 = choice(torch.zeros(8, 64, dtype=torch.bfloat16), 32, 0, 4) == 4
     b4_gemv = has_bf16 and "avx512vbmi" in cpu_flags()
-    for m in (1, 2, 3, 4, 5, 8, 9, 33):
+    for m in (1, 2, 3, 4, 5, 8, 9, 16, 17, 33):
         assert choice(torch.zeros(m, 64), 32, 0, 0) == (1 if m <= 8 else 2)
         assert choice(torch.zeros(m, 64), 30, 0, 0) == 2
         xb = torch.zeros(m, 64, dtype=torch.bfloat16)
         if has_bf16:
             assert choice(xb, 32, 0, 0, 8) == (1 if m <= 4 else 4)
             assert choice(xb, 32, 0, 0, 4) == (1 if m <= (8 if b4_gemv else 4) else 4)
+            big = torch.zeros(m, 2048, dtype=torch.bfloat16)  # [1024, 2048]: 2^21 weights
+            assert choice(big, 32, 0, 0, 4, 1024) == (1 if m <= (16 if b4_gemv else 4) else 4)
+            assert choice(big, 32, 0, 0, 4, 1023) == (1 if m <= (8 if b4_gemv else 4) else 4)
         else:
             assert choice(xb, 32, 0, 0, 8) in (1, 2, 3)
         assert choice(torch.zeros(m, 64, dtype=torch.float16), 30, 0, 3) == 2

@@ -10,7 +10,7 @@
 // code_offset).
 //
 // Four paths (chosen in path_for below), one file each:
-//  1. gemv.cpp: fused GEMV (m <= 2 before path 3, 4 or 8 before path 4, 8 before path 2; group_size % 8 == 0):
+//  1. gemv.cpp: fused GEMV (m <= 2 before path 3, 4 / 8 / 16 before path 4, 8 before path 2; group_size % 8 == 0):
 //     decode codes straight into fp32 registers, 16 output rows per vector, FMA against broadcast x; scale/offset applied
 //     once per group. Memory-bound at m = 1: the packed weights are streamed once, with software prefetch.
 //     4-bit codes: bf16 dot products (bf16 x; fp32 x at m = 1 as three bf16 rows, gemv.cpp split_x3).
@@ -20,7 +20,7 @@
 //  3. gemm_int16.cpp: dequant + int16 VNNI GEMM (AVX512-VNNI, m >= 3, only if the caller allows rounding x: by
 //     default for fp16 x, and bf16 x without AVX512-BF16): like 2 but with exact int16 code pairs and x
 //     rounded to 16-bit fixed point per block; vpdpwssd does two MACs per lane at the issue rate of an fp32 FMA.
-//  4. gemm_bf16.cpp: dequant to bf16 + bf16 dot GEMM (AVX512-BF16, bf16 x, m >= 5 or 9): like 2 but the tile
+//  4. gemm_bf16.cpp: dequant to bf16 + bf16 dot GEMM (AVX512-BF16, bf16 x, past the GEMV's rows): like 2 but the tile
 //     holds W rounded to bf16 (scale and offset already applied) and vdpbf16ps multiplies it with x as given: no
 //     per-group rescaling in the inner loop, so small groups cost no more than large ones.
 // Shared code: simd.h (ISA shims), decode.h / decode_fpx.h (code decoders), common.h / common.cpp (scratch buffers, qparam
@@ -77,10 +77,11 @@ int path_for(const LowbitProblem& p, int force_path) {
   int path = force_path;
   // Rows up to which the fused GEMV runs before the GEMM path: it streams the packed weights (one pass per 1-4
   // rows of x), where a GEMM first widens every weight, a fixed cost that fewer rows do not amortize. With bf16
-  // x the bf16-dot 4-bit GEMV (2 rows per pass) stays ahead of the bf16 GEMM up to 8 rows, the others up to 4;
-  // the int16 GEMM (fp16 x) from 3 rows. Tuned by measurement (see benchmarks/README.md, kernel design
-  // measurements).
-  const int64_t gemv_rows = big == 2 ? 8 : big == 3 ? 2 : gemv_reads_bf16_only(p) ? 8 : 4;
+  // x the bf16-dot 4-bit GEMV (2 rows per pass) stays ahead of the bf16 GEMM up to 8 rows (16 on weights of 2M
+  // weights or more), the others up to 4; the int16 GEMM (fp16 x) from 3 rows. Tuned by measurement (see
+  // benchmarks/README.md, kernel design measurements).
+  const int64_t b4_rows = p.n * p.k >= (int64_t{1} << 21) ? 16 : 8;
+  const int64_t gemv_rows = big == 2 ? 8 : big == 3 ? 2 : gemv_reads_bf16_only(p) ? b4_rows : 4;
   if (path == 0) path = !gemv_ok ? big : p.m <= gemv_rows ? 1 : big;
   if (path == 4 && !use_bf16) path = use_vnni ? 3 : 2;
   if (path == 3 && !(kHasVnni && int16_codes && gemv_ok)) path = 2;

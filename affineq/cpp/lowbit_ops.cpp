@@ -359,11 +359,14 @@ at::Tensor lowbit_linear_autograd(const at::Tensor& x, const at::Tensor& packed,
   return LowbitLinearFunction::apply(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset);
 }
 
-// Which path lowbit_linear would run for x and a `bits`-bit weight (tests assert it; the kernel itself decides
-// in lowbit_path).
-int64_t lowbit_path_for(const at::Tensor& x, int64_t group_size, int64_t codes, int64_t path, int64_t bits) {
+// Which path lowbit_linear would run for x and a `bits`-bit [n, x.size(-1)] weight (tests assert it; the kernel
+// itself decides in lowbit_path).
+int64_t lowbit_path_for(const at::Tensor& x, int64_t group_size, int64_t codes, int64_t path, int64_t bits,
+                        int64_t n) {
   LowbitProblem p;
   p.bits = static_cast<int>(bits);
+  p.n = n;
+  p.k = x.size(-1);
   p.m = x.numel() / std::max<int64_t>(1, x.size(-1));
   p.group_size = group_size;
   p.codes = static_cast<int>(codes);
@@ -447,7 +450,7 @@ TORCH_LIBRARY(affineq_cpp, m) {
   m.def("lowbit_linear_path(Tensor x, Tensor packed, Tensor scale, Tensor? offset, int bits, int group_size, "
         "int n, int k, int codes, int path, int code_offset=0, ScalarType? compute_dtype=None) -> Tensor",
         &affineq::lowbit_linear_impl);
-  m.def("lowbit_path_for(Tensor x, int group_size, int codes, int path, int bits=8) -> int",
+  m.def("lowbit_path_for(Tensor x, int group_size, int codes, int path, int bits=8, int n=16) -> int",
         &affineq::lowbit_path_for);
   m.def("int8_codes_built() -> bool", &affineq::int8_codes_built);
 }
