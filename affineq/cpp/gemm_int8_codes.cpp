@@ -438,13 +438,14 @@ void Int8CodesGemm::run(const float* x, const uint16_t* x_bf16, int64_t m, bool 
         const int64_t p0 = pi < nquad ? 4 * pi : 4 * nquad + (pi - nquad), np = pi < nquad ? 4 : 1;
         const uint8_t* w0 = s.packed + p0 * 16 * s.k;
         TileQparams qp;
-        if (s.per_item && scales16) {
+        if (scales16) {
           const int64_t ld = 16 * np;
-          tl_item_s16.resize(s.G * ld), tl_item_us.resize(s.zero_points && !few4 ? s.G * ld : 0);
+          const bool sums = s.zero_points && !few4;  // gemv4 sums its own
+          tl_item_s16.resize(s.G * ld), tl_item_us.resize(sums ? s.G * ld : 0);
           detail::load_scales16(s.p, false, 16 * p0, 16 * np, ld, s.G, tl_item_s16.data(), ld);
-          if (s.zero_points && !few4) load_code_sums(s, p0, np, tl_item_us.data(), ld);  // gemv4 sums its own
-          qp = {nullptr, nullptr, s.zero_points ? tl_item_us.data() : nullptr, ld, tl_item_s16.data(),
-                s.p.qparams_f16, static_cast<float>(s.p.code_offset)};
+          if (sums) load_code_sums(s, p0, np, tl_item_us.data(), ld);
+          qp = {nullptr, nullptr, sums ? tl_item_us.data() : nullptr, ld, tl_item_s16.data(), s.p.qparams_f16,
+                static_cast<float>(s.p.code_offset)};
         } else if (s.per_item) {
           const int64_t ld = 16 * np;
           tl_item_s.resize(s.G * ld), tl_item_o.resize(s.G * ld), tl_item_us.resize(s.zero_points ? s.G * ld : 0);
