@@ -70,6 +70,11 @@ void load_qparams(const LowbitProblem& p, bool offset, float mul, int64_t r0, in
 void load_kq_qparams(const LowbitProblem& p, int64_t r0, int64_t rows, int64_t R, int64_t G, uint8_t* scT,
                      uint8_t* mnT, float* dT, int64_t ldd);
 
+// Whether load_scales16 can transpose p's qparams: 16-bit (bf16 / fp16) and G % 16 == 0.
+inline bool scales16_tiles(const LowbitProblem& p, int64_t G) {
+  return (p.qparams_bf16 || p.qparams_f16) && G % 16 == 0;
+}
+
 #if AQ_AVX512
 // The 16-bit (bf16 / fp16) scales (offset=false) or offset array entries of rows [r0, r0 + rows) as they are,
 // transposed: dst[g * ldd + r], zero for rows in [rows, R) (R % 16 == 0, G % 16 == 0). Half the work of
@@ -98,8 +103,8 @@ inline constexpr int kMaxItemPanels = 4;
 // per group of the current one: its raw qparams (without this load_qparams read them from DRAM through 16..32
 // strided streams, a large share of a small-group GEMV's time on AVX2) and the first kPrefetchUnits units of
 // each of its full panels (the tile's own prefetch runs that far ahead within a panel, so each new panel would
-// otherwise start with as many demand misses). Spread over the groups: issued in one burst, these prefetches filled the miss queue and stalled the
-// core (see benchmarks/README.md, kernel design measurements).
+// otherwise start with as many demand misses). Spread over the groups: issued in one burst, these prefetches
+// filled the miss queue and stalled the core (see benchmarks/README.md, kernel design measurements).
 struct NextItemPrefetch {
   const char* src[2] = {nullptr, nullptr};  // scale and offset rows of the next item (contiguous)
   const char* pan[kMaxItemPanels] = {};     // its full panels (null: none, or the tail panel)

@@ -369,10 +369,6 @@ thread_local std::vector<float> tl_item_s, tl_item_o;  // per-item qparams (per_
 thread_local std::vector<int32_t> tl_item_us;
 thread_local std::vector<uint16_t> tl_item_s16;         // per-item 16-bit scales (TileQparams::s16)
 
-// Whether per-item tiles can keep the scales 16-bit (TileQparams::s16; load_scales16 needs G % 16 == 0).
-bool scales16_ok(const LowbitProblem& p, int64_t G) {
-  return (p.qparams_bf16 || p.qparams_f16) && p.offset == nullptr && G % 16 == 0;
-}
 
 }  // namespace
 
@@ -427,7 +423,8 @@ void Int8CodesGemm::run(const float* x, const uint16_t* x_bf16, int64_t m, bool 
     s.codes4.resize(m * s.k);
     even_odd_codes(s.codes.data(), m, s.k, s.codes4.data());
   }
-  const bool scales16 = s.per_item && scales16_ok(s.p, s.G);
+  // Per-item tiles keep 16-bit scales 16-bit (TileQparams::s16) where the weight has no offset array.
+  const bool scales16 = s.per_item && s.p.offset == nullptr && detail::scales16_tiles(s.p, s.G);
   const detail::GemmSplit sp = detail::split_gemm(nquad + npan % 4, m, few4 ? kFewRows4 : kRows);
   const int64_t item_macs = 64 * s.k * sp.rows_per_part * ((sp.ntiles + sp.nblocks - 1) / sp.nblocks);
   at::parallel_for(0, sp.items(), std::max<int64_t>(1, (1 << 17) / std::max<int64_t>(1, item_macs)),

@@ -504,7 +504,7 @@ void gemv_path(const Ctx* cs, int64_t count) {
   // The bf16-dot GEMV reads 16-bit qparams as stored (transposed 16-bit words, widened per group): half of
   // load_qparams' work per item. A bf16 offset array holds the zero z of W = scale * (u - 2^(bits-1)) + z, so
   // its -2^(bits-1) * scale rides on xs_a too.
-  const bool q16 = b4 && (p0.qparams_bf16 || p0.qparams_f16) && G % 16 == 0;
+  const bool q16 = b4 && scales16_tiles(p0, G);
   const float fz = q16 && p0.offset != nullptr && p0.qparams_bf16 ? -static_cast<float>(1 << (p0.bits - 1)) : 0.f;
   const float f = scale_only ? f0 - bias : fz - bias;
   std::vector<uint32_t> xp;  // x's bf16 pairs as the bf16-dot GEMV multiplies them
