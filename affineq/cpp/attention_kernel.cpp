@@ -44,7 +44,7 @@ AQ_INLINE I16 nibbles_g16(const uint8_t* p) {
 AQ_INLINE F16 ld_bf16x16(const uint8_t* p) {
 #if AQ_AVX512
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
+  return {detail::bf16_widen(h)};
 #elif AQ_AVX2
   auto half = [](const uint8_t* q) {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));

@@ -270,7 +270,7 @@ void load_qparams(const LowbitProblem& p, bool offset, float mul, int64_t r0, in
     const uint16_t* z16 = static_cast<const uint16_t*>(p.offset) + r0 * G;
     const bool bf = p.qparams_bf16;
     const auto f32 = [bf](__m256i h) {  // 16 qparams as fp32 (exact)
-      return bf ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)) : _mm512_cvtph_ps(h);
+      return bf ? bf16_widen(h) : _mm512_cvtph_ps(h);
     };
     const __m512 half = _mm512_set1_ps(static_cast<float>(1 << (p.bits - 1))), vm = _mm512_set1_ps(mul);
     const bool zs = offset && bf;  // bf16 offsets come as z - 2^(b-1) s: both blocks are needed

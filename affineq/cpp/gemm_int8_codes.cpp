@@ -93,7 +93,7 @@ struct TileQparams {
   AQ_INLINE __m512 scale(int64_t g, int j) const {
     if (s16 == nullptr) return _mm512_loadu_ps(sT + g * ld + 16 * j);
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s16 + g * ld + 16 * j));
-    return f16 ? _mm512_cvtph_ps(h) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return f16 ? _mm512_cvtph_ps(h) : detail::bf16_widen(h);
   }
   AQ_INLINE __m512 offset(int64_t g, int j, __m512 sc) const {
     if (s16 == nullptr) return _mm512_loadu_ps(oT + g * ld + 16 * j);

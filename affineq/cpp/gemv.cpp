@@ -25,7 +25,7 @@ void group_sums(const T* x, int64_t ldx, int64_t M, int64_t G, int64_t gs, float
     } else {
 #if AQ_AVX512
       const __m256i h = _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), q);
-      return F16{_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
+      return F16{bf16_widen(h)};
 #else
       static_assert(std::is_same_v<T, float>, "bf16 group sums are built for AVX-512 only");
       return fzero();
@@ -100,7 +100,7 @@ template <bool kF16>
 AQ_INLINE F16 load_scales(Tile16<kF16> t) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.p));
   if constexpr (kF16) return {_mm512_cvtph_ps(h)};
-  else return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
+  else return {bf16_widen(h)};
 }
 #endif
 

@@ -51,6 +51,8 @@ AQ_INLINE __m256i bf16_bits(__m512 v) {
   const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
   return _mm256_mask_mov_epi16(h, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm256_set1_epi16(0x7FC0));
 }
+#endif
+#if AQ_AVX512
 // The fp32 values of 16 bf16 bits (exact).
 AQ_INLINE __m512 bf16_widen(__m256i b) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)); }
 #endif
