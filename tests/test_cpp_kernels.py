@@ -145,13 +145,15 @@ def test_lowbit_linear_all_paths(bits: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("bits", range(1, 9))
 def test_lowbit_linear_half_inputs(bits: int, dtype: torch.dtype) -> None:
+    # bf16 x: the GEMV's bf16 tiles (4-bit codes from 1 row, the others from 3, in passes of 4 rows) must give
+    # the exact products of the codes with x, as the fp32 GEMV does, for every width's decoder
     _needs_kernels()
     path_op = torch.ops.affineq_cpp.lowbit_linear_path
-    for n, k, gs in CASES[:4]:
+    for n, k, gs in CASES[:4] + CASES[6:]:
         codes, packed, scale, offset = _problem(bits, n, k, gs)
-        for m in (1, 3, 5, 8, 9, 33):  # the GEMV's rows for bf16 x (4, or 8 for 4-bit codes), then the GEMM's
+        for m in (1, 2, 3, 5, 8, 9, 33):  # the GEMV's rows for bf16 x (4, or 8 for 4 / 8-bit codes), then the GEMM's
             x = torch.randn(m, k).to(dtype)
             exact = _exact(x, codes, scale, offset, gs)  # from the rounded x: the op must not round it further
             w = K._dequantize(packed, scale, offset, bits, gs, n, k)
@@ -376,23 +378,24 @@ def test_lowbit_linear_float8_codes(codes_kind: int, fp8: torch.dtype) -> None:
 
 def test_path_choice() -> None:
     # fp32 x never leaves fp32 arithmetic by default; bf16 x takes the bf16 dot GEMM where the CPU has it, from 5
-    # rows (9 for 4-bit codes, which the GEMV reads with bf16 dot products where VBMI is present too, 17 on a
-    # weight of 2^21 weights or more); float8 codes and groups that are not a multiple of 8 never take the int16
-    # path.
+    # rows (9 for 4- and 8-bit integer codes, whose GEMV tiles take bf16 dot products too, 17 on a weight of 2^21
+    # weights or more); float8 codes and groups that are not a multiple of 8 never take the int16 path.
     _needs_kernels()
     choice = torch.ops.affineq_cpp.lowbit_path_for
     has_bf16 = choice(torch.zeros(8, 64, dtype=torch.bfloat16), 32, 0, 4) == 4
-    b4_gemv = has_bf16 and "avx512vbmi" in cpu_flags()
     for m in (1, 2, 3, 4, 5, 8, 9, 16, 17, 33):
         assert choice(torch.zeros(m, 64), 32, 0, 0) == (1 if m <= 8 else 2)
         assert choice(torch.zeros(m, 64), 30, 0, 0) == 2
         xb = torch.zeros(m, 64, dtype=torch.bfloat16)
         if has_bf16:
-            assert choice(xb, 32, 0, 0, 8) == (1 if m <= 4 else 4)
-            assert choice(xb, 32, 0, 0, 4) == (1 if m <= (8 if b4_gemv else 4) else 4)
+            for bits in (3, 5, 6):
+                assert choice(xb, 32, 0, 0, bits) == (1 if m <= 4 else 4)
+            assert choice(xb, 32, K.CODES_E4M3, 0, 8) == (1 if m <= 4 else 4)
             big = torch.zeros(m, 2048, dtype=torch.bfloat16)  # [1024, 2048]: 2^21 weights
-            assert choice(big, 32, 0, 0, 4, 1024) == (1 if m <= (16 if b4_gemv else 4) else 4)
-            assert choice(big, 32, 0, 0, 4, 1023) == (1 if m <= (8 if b4_gemv else 4) else 4)
+            for bits in (4, 8):
+                assert choice(xb, 32, 0, 0, bits) == (1 if m <= 8 else 4)
+                assert choice(big, 32, 0, 0, bits, 1024) == (1 if m <= 16 else 4)
+                assert choice(big, 32, 0, 0, bits, 1023) == (1 if m <= 8 else 4)
         else:
             assert choice(xb, 32, 0, 0, 8) in (1, 2, 3)
         assert choice(torch.zeros(m, 64, dtype=torch.float16), 30, 0, 3) == 2

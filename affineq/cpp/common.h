@@ -258,7 +258,8 @@ inline GemmSplit split_gemm(int64_t ntiles, int64_t M, int64_t mult) {
 // ---------------------------------------------------------------------------------------------
 // 1: fused GEMV (gemv.cpp) over `count` problems that share x and the weight configuration, in one pool of items
 template <int B> void gemv_path(const Ctx* cs, int64_t count);
-// Whether path 1 runs the 4-bit bf16-dot GEMV for p: it reads x_bf16 alone and writes y_bf16 when that is set.
+// Whether path 1 runs bf16 tiles for p (the 4-bit bf16-dot GEMV, or the bf16-pair one from 3 rows of bf16 x):
+// it reads x_bf16 alone and writes y_bf16 when that is set.
 bool gemv_reads_bf16_only(const LowbitProblem& p);
 template <int B> void gemm_path(const Ctx& c);   // 2: dequant + fp32 GEMM (gemm_f32.cpp)
 #if AQ_VNNI

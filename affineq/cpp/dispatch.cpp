@@ -13,7 +13,8 @@
 //  1. gemv.cpp: fused GEMV (m <= 2 before path 3, 4 / 8 / 16 before path 4, 8 before path 2; group_size % 8 == 0):
 //     decode codes straight into fp32 registers, 16 output rows per vector, FMA against broadcast x; scale/offset applied
 //     once per group. Memory-bound at m = 1: the packed weights are streamed once, with software prefetch.
-//     4-bit codes: bf16 dot products (bf16 x; fp32 x at m = 1 as three bf16 rows, gemv.cpp split_x3).
+//     bf16 dot products instead for 4-bit codes (bf16 x; fp32 x at m = 1 as three bf16 rows, gemv.cpp split_x3)
+//     and, from 3 rows of bf16 x, for the other widths but float8 (decoded values as bf16 pairs).
 //  2. gemm_f32.cpp: dequant + fp32 GEMM (any group_size; the large-m path where VNNI is missing): dequantize
 //     a [256 x 32] slice of W^T into an L1-resident fp32 tile and run a 12x32 (AVX-512) / 6x16 (AVX2)
 //     outer-product micro-kernel over all m rows, so each dequantized tile is reused m times.
@@ -77,11 +78,12 @@ int path_for(const LowbitProblem& p, int force_path) {
   int path = force_path;
   // Rows up to which the fused GEMV runs before the GEMM path: it streams the packed weights (one pass per 1-4
   // rows of x), where a GEMM first widens every weight, a fixed cost that fewer rows do not amortize. With bf16
-  // x the bf16-dot 4-bit GEMV (2 rows per pass) stays ahead of the bf16 GEMM up to 8 rows (16 on weights of 2M
-  // weights or more), the others up to 4; the int16 GEMM (fp16 x) from 3 rows. Tuned by measurement (see
-  // benchmarks/README.md, kernel design measurements).
-  const int64_t b4_rows = p.n * p.k >= (int64_t{1} << 21) ? 16 : 8;
-  const int64_t gemv_rows = big == 2 ? 8 : big == 3 ? 2 : gemv_reads_bf16_only(p) ? b4_rows : 4;
+  // x the GEMV's bf16 tiles for 4-bit and 8-bit integer codes (2 / 4 rows per pass) stay ahead of the bf16 GEMM
+  // up to 8 rows (16 on weights of 2M weights or more), the other widths up to 4; the int16 GEMM (fp16 x) from
+  // 3 rows. Tuned by measurement (see benchmarks/README.md, kernel design measurements).
+  const bool bf16_tiles_ahead = p.codes == kCodesUint && (p.bits == 4 || p.bits == 8) && gemv_reads_bf16_only(p);
+  const int64_t many_rows = p.n * p.k >= (int64_t{1} << 21) ? 16 : 8;
+  const int64_t gemv_rows = big == 2 ? 8 : big == 3 ? 2 : bf16_tiles_ahead ? many_rows : 4;
   if (path == 0) path = !gemv_ok ? big : p.m <= gemv_rows ? 1 : big;
   if (path == 4 && !use_bf16) path = use_vnni ? 3 : 2;
   if (path == 3 && !(kHasVnni && int16_codes && gemv_ok)) path = 2;

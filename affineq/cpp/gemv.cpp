@@ -1,9 +1,11 @@
-// Path 1: fused GEMV (m <= 2 where path 3 or 4 applies, else m <= 8; group_size % 8 == 0). Codes are decoded
+// Path 1: fused GEMV (up to the rows dispatch.cpp's path_for gives it; group_size % 8 == 0). Codes are decoded
 // straight into fp32 registers, 16 output rows per vector, and multiplied (FMA) against broadcast x; scale and
 // offset are applied once per group:
 //     y[n] = sum_g scale[n, g] * dot(x_g, u[n, g]) + offset[n, g] * sum(x_g).
 // Memory-bound at m = 1: the packed weights are streamed once, with software prefetch. 4-bit codes take bf16 dot
-// products instead (gemv_tile_b4bf16): with bf16 x, and with fp32 x at m = 1 split into three bf16 rows (split_x3).
+// products instead (gemv_tile_b4bf16): with bf16 x, and with fp32 x at m = 1 split into three bf16 rows (split_x3);
+// so do the other widths but float8 from 3 rows of bf16 x (gemv_tile_bf16w).
+#include <cstring>
 #include <optional>
 #include <type_traits>
 #include <utility>
@@ -81,8 +83,10 @@ constexpr int gemv_P(int, int) { return 1; }
 constexpr int gemv_A(int, int) { return 1; }
 #endif
 // Rows of x per pass over the weights (fp32 x reaches the GEMV up to m = 8 on every build: each pass decodes
-// the weights again, so 4 rows per pass; the bf16-dot 4-bit tiles take 2).
+// the weights again, so 4 rows per pass; the bf16-dot 4-bit tiles take 2, the bf16-pair tiles kBf16wMR: 8 rows
+// in one pass held more accumulators than registers and ran slower than two passes of 4).
 constexpr int kGemvMR = 4;
+constexpr int kBf16wMR = 4;
 
 // A scale or offset tile as add_group reads it: fp32 (load_qparams), or the 16-bit qparams as stored
 // (load_scales16: bf16, or fp16 with kF16), widened per use; a null pointer: no tile.
@@ -308,6 +312,90 @@ void gemv_tile_buffered(const uint8_t* pan, const QP& qp, const float* x, int64_
   });
 }
 
+#if AQ_BF16DOT
+// The first MR rows of a bf16 tile's results to y: fp32 (y_round: as their bf16 values), or bf16 into yb when set.
+template <int MR, int P, int R>
+AQ_INLINE void store_rows(const F16 (&tot)[R][P], float* y, uint16_t* yb, bool y_round, int64_t ldy, int64_t nvalid) {
+  sfor<MR>([&](auto M_) {
+    constexpr int m = AQ_CV(M_);
+    sfor<P>([&](auto P_) {
+      constexpr int p = AQ_CV(P_);
+      const int64_t w = nvalid - 16 * p;
+      if (w <= 0) return;
+      const __mmask16 keep = static_cast<__mmask16>(w >= 16 ? 0xFFFF : (1u << w) - 1);
+      const __m512 t = tot[m][p].v;
+      if (yb != nullptr) _mm256_mask_storeu_epi16(yb + m * ldy + 16 * p, keep, bf16_bits(t));
+      else _mm512_mask_storeu_ps(y + m * ldy + 16 * p, keep, y_round ? bf16_widen(bf16_bits(t)) : t);
+    });
+  });
+}
+
+// Any width with bf16 x, up to kBf16wMR rows per pass (gemv_tile_bf16w): each unit decoded once into fp32
+// vectors as the fp32 GEMV decodes it, each pair of them (k = 2s, 2s + 1) rounded to one vector of bf16 pairs,
+// lane j = (w[j, 2s], w[j, 2s + 1]) -- exact: every decoded value (codes, 2^B + u, float8 / fp6 / fp4 values)
+// has at most 8 significant bits -- and multiplied with x's pair (x[2s], x[2s + 1]) by vdpbf16ps: one dot
+// product per 32 weights and row where the fp32 GEMV issues two FMAs, so more rows share each decode.
+template <int B, int MR, int P, int A, class QP>
+void gemv_tile_bf16w(const uint8_t* const* pan, const QP& qp, const uint16_t* x, int64_t ldx, const float* xs,
+                     int64_t G, int64_t upg, float* y, uint16_t* yb, bool y_round, int64_t ldy, int64_t nvalid,
+                     const NextItemPrefetch* pf) {
+  alignas(64) uint16_t t[32];
+  for (int j = 0; j < 16; ++j) t[2 * j] = static_cast<uint16_t>(j), t[2 * j + 1] = static_cast<uint16_t>(16 + j);
+  const __m512i pairs = _mm512_load_si512(t);  // [k even rows 0-15 | k odd rows 0-15] -> (even, odd) per row
+  F16 tot[MR][P];
+  for_groups<MR, P, A>(tot, qp, xs, G, pf, [&](int64_t g, F16 (&acc)[MR][P][A]) AQ_INLINE_LAMBDA {
+    for (int64_t u = g * upg, ue = u + upg; u < ue; ++u) {
+      sfor<P>([&](auto P_) {
+        constexpr int p = AQ_CV(P_);
+        for (int l = 0; l < 16 * bits_of(B); l += 64)
+          __builtin_prefetch(pan[p] + (u + kPrefetchUnits) * (16 * bits_of(B)) + l, 0, 3);
+        F16 even;
+        decode_unit_gemv<B>(pan[p] + u * (16 * bits_of(B)), [&](auto T, F16 w) {
+          constexpr int k = AQ_CV(T);
+          if constexpr (k % 2 == 0) {
+            even = w;
+          } else {
+            const __m512bh wp = reinterpret_cast<__m512bh>(
+                _mm512_permutexvar_epi16(pairs, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(w.v, even.v))));
+            sfor<MR>([&](auto M_) {
+              constexpr int m = AQ_CV(M_);
+              uint32_t xp;  // x's bf16 pair (k - 1, k) of row m
+              std::memcpy(&xp, x + m * ldx + 8 * u + k - 1, sizeof xp);
+              acc[m][p][k / 2 % A].v = _mm512_dpbf16_ps(acc[m][p][k / 2 % A].v, wp,
+                                                        reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(xp))));
+            });
+          }
+        });
+      });
+    }
+  });
+  store_rows<MR, P>(tot, y, yb, y_round, ldy, nvalid);
+}
+
+// gemv_tile_bf16w over an item's cnt panels for mr (1 .. kBf16wMR) rows of x.
+template <int B, class QP>
+void gemv_rows_bf16w(const uint8_t* const* pan, int64_t cnt, const QP& qp, const uint16_t* x, int64_t ldx, int64_t mr,
+                     const float* xs, int64_t G, int64_t upg, float* y, uint16_t* yb, bool y_round, int64_t ldy,
+                     int64_t nvalid, const NextItemPrefetch* pf) {
+  static_assert(kBf16wMR == 4, "gemv_rows_bf16w instantiates 1 to 4 rows");
+  const auto rows = [&](auto MR_) {
+    constexpr int MR = AQ_CV(MR_), P = MR <= 2 ? 4 : 2;  // accumulators and totals: 3 * MR * P zmm, at most 24
+    const int64_t step = cnt % P == 0 ? P : 1;
+    for (int64_t q = 0; q < cnt; q += step) {
+      const auto tile = step == P ? &gemv_tile_bf16w<B, MR, P, 2, QP> : &gemv_tile_bf16w<B, MR, 1, 2, QP>;
+      tile(pan + q, qp.shifted(q), x, ldx, xs, G, upg, y ? y + 16 * q : nullptr, yb ? yb + 16 * q : nullptr, y_round,
+           ldy, nvalid - 16 * q, q == 0 ? pf : nullptr);
+    }
+  };
+  switch (mr) {
+    case 1: rows(std::integral_constant<int, 1>{}); break;
+    case 2: rows(std::integral_constant<int, 2>{}); break;
+    case 3: rows(std::integral_constant<int, 3>{}); break;
+    default: rows(std::integral_constant<int, 4>{}); break;
+  }
+}
+#endif
+
 #if AQ_BF16DOT && defined(__AVX512VBMI__)
 // 4-bit codes with bf16 x (m <= 2): bf16 dot products instead of int -> float conversions and fp32 FMAs. One
 // vpermb gathers row j's four bytes of a unit (byte (s, j) holds the k-pair (2s, 2s + 1) of row j) into lane j, so
@@ -389,18 +477,7 @@ void gemv_tile_b4bf16(const B4Bf16& k4, const uint8_t* const* pan, const QP& qp,
       tot[0][p] = fadd(fadd(tot[2][p], tot[1][p]), tot[0][p]);
     });
   }
-  sfor<kSum ? 1 : MR>([&](auto M_) {
-    constexpr int m = AQ_CV(M_);
-    sfor<P>([&](auto P_) {
-      constexpr int p = AQ_CV(P_);
-      const int64_t w = nvalid - 16 * p;
-      if (w <= 0) return;
-      const __mmask16 keep = static_cast<__mmask16>(w >= 16 ? 0xFFFF : (1u << w) - 1);
-      const __m512 t = tot[m][p].v;
-      if (yb != nullptr) _mm256_mask_storeu_epi16(yb + m * ldy + 16 * p, keep, bf16_bits(t));
-      else _mm512_mask_storeu_ps(y + m * ldy + 16 * p, keep, y_round ? bf16_widen(bf16_bits(t)) : t);
-    });
-  });
+  store_rows<kSum ? 1 : MR, P>(tot, y, yb, y_round, ldy, nvalid);
 }
 constexpr bool kB4Bf16 = true;
 #else
@@ -411,6 +488,21 @@ constexpr bool kB4Bf16 = false;
 template <int B>
 bool use_b4bf16(const LowbitProblem& p) {
   return kB4Bf16 && B == 4 && p.x_bf16 != nullptr;
+}
+
+// Whether the bf16-pair GEMV (gemv_tile_bf16w) serves p: bf16 x of kBf16wMinRows rows or more, any width the 4-bit
+// bf16-dot GEMV does not take but float8. At 1-2 rows the fp32 GEMV issues as few operations per weight (the
+// pair's rounding and interleave cost what its second FMA saves); float8's decoder (fp16 bits, then a
+// conversion) dominates either way, and measured a few percent slower through the pairs.
+#if AQ_BF16DOT
+constexpr bool kBf16w = true;
+#else
+constexpr bool kBf16w = false;
+#endif
+constexpr int64_t kBf16wMinRows = 3;
+template <int B>
+bool use_bf16w(const LowbitProblem& p) {
+  return kBf16w && !use_b4bf16<B>(p) && !is_fp8(B) && p.x_bf16 != nullptr && p.m >= kBf16wMinRows;
 }
 
 #if AQ_BF16DOT && defined(__AVX512VBMI__)
@@ -487,8 +579,9 @@ void gemv_path(const Ctx* cs, int64_t count) {
   // Per-group sums of x for the offset term, xs [MX][2][G]: the sums, then the multiple add_group needs.
   std::vector<float> xs(static_cast<size_t>(2 * MX * G));
   const bool b4 = use_b4bf16<B>(p0) || split;  // then x is read as bf16 only (xb), and y may be bf16 (y_bf16)
+  const bool bw = use_bf16w<B>(p0);             // likewise
 #if AQ_AVX512
-  if (b4) group_sums(xb, ldxb, MX, G, p0.group_size, xs.data(), 2 * G);
+  if (b4 || bw) group_sums(xb, ldxb, MX, G, p0.group_size, xs.data(), 2 * G);
   else
 #endif
     group_sums(p0.x, p0.ldx, M, G, p0.group_size, xs.data(), 2 * G);
@@ -589,7 +682,7 @@ void gemv_path(const Ctx* cs, int64_t count) {
       for (; nq < ni.cnt && ni.p0 + nq < ni.c->nfull; ++nq) npan[nq] = ni.c->p->packed + (ni.p0 + nq) * ni.c->panel_bytes;
       pf.emplace(*ni.c->p, ni.r0, ni.rows, G, npan, nq, 16 * bits_of(B));
     }
-    const int64_t mstep = split ? 3 : b4 ? 2 : gemv_buffered<B>(M) ? M : kGemvMR;
+    const int64_t mstep = split ? 3 : b4 ? 2 : bw ? kBf16wMR : gemv_buffered<B>(M) ? M : kGemvMR;
     for (int64_t m0 = 0; m0 < MX; m0 += mstep) {
       const float* xsm = xs.data() + 2 * G * m0;
       const int64_t mr = std::min<int64_t>(mstep, MX - m0);
@@ -620,6 +713,17 @@ void gemv_path(const Ctx* cs, int64_t count) {
         continue;
       }
 #endif
+#if AQ_BF16DOT
+      if (bw) {
+        float* y = pr.y_bf16 ? nullptr : pr.y + m0 * pr.ldy + r0;
+        uint16_t* yb = pr.y_bf16 ? pr.y_bf16 + m0 * pr.ldy + r0 : nullptr;
+        with_qp([&](const auto& qp) {
+          gemv_rows_bf16w<B>(pan, cnt, qp, pr.x_bf16 + m0 * pr.ldx, pr.ldx, mr, xsm, G, pr.group_size / 8, y, yb,
+                             pr.y_bf16_values, pr.ldy, rows, pfm);
+        });
+        continue;
+      }
+#endif
       const float* x = pr.x + m0 * pr.ldx;
       float* y = pr.y + m0 * pr.ldy + r0;
       with_qp([&](const auto& qp) {
@@ -638,8 +742,10 @@ void gemv_path(const Ctx* cs, int64_t count) {
   });
 }
 
-bool gemv_reads_bf16_only(const LowbitProblem& p) {
-  return p.bits == 4 && p.codes == kCodesUint && use_b4bf16<4>(p);
+bool gemv_reads_bf16_only(const LowbitProblem& p) {  // use_b4bf16 or use_bf16w for p's width
+  if (p.x_bf16 == nullptr) return false;
+  if (p.bits == 4 && p.codes == kCodesUint && kB4Bf16) return true;
+  return kBf16w && p.codes != kCodesE4M3 && p.codes != kCodesE5M2 && p.m >= kBf16wMinRows;
 }
 
 // The instantiations dispatch.cpp calls (declared in common.h).

@@ -111,10 +111,10 @@ class Int8CodesGemm {
   State* s_;
 };
 
-// The path lowbit_linear_f32 takes for p (reads only m, group_size, codes, allow_int16_x, x_bf16).
+// The path lowbit_linear_f32 takes for p (reads only m, n, k, bits, group_size, codes, allow_int16_x, x_bf16).
 int lowbit_path(const LowbitProblem& p, int force_path = 0);
-// Whether that path reads x_bf16 alone (x may be null) and honours y_bf16: path 4, and path 1's 4-bit bf16-dot
-// GEMV (reads bits and codes too).
+// Whether that path reads x_bf16 alone (x may be null) and honours y_bf16: path 4, and path 1's bf16 tiles (the
+// 4-bit bf16-dot GEMV; the other widths but float8 from 3 rows).
 bool lowbit_bf16_io(const LowbitProblem& p, int force_path = 0);
 
 // "avx512", "avx2" or "scalar": which SIMD path this build compiled.
