@@ -23,10 +23,11 @@ Packed layout: ``affineq.bitpack`` (``pack_codes``; panels of 16 rows of bit pla
 
 Kernels (chosen per call; x of any float dtype is converted to fp32 first, the output is cast back):
 
-* small m (<= 2 where the int16 path below applies, else <= 8): fused GEMV, codes decoded into fp32
-  registers, scale and offset applied once per group; streams the packed weights once (memory-bound).
-  4-bit codes with bf16 x, and with fp32 x at m = 1 (x as three bf16 rows summing to x exactly), use bf16 dot
-  products of the codes instead: exact products, fp32 sums.
+* small m (<= 2 where the int16 path below applies, else <= 4 to 16 by width and dtype): fused GEMV, codes
+  decoded into fp32 registers, scale and offset applied once per group; streams the packed weights once
+  (memory-bound). 4-bit codes with bf16 x, and with fp32 x at m = 1 (x as three bf16 rows summing to x
+  exactly), use bf16 dot products of the codes instead: exact products, fp32 sums; so do the other widths
+  but float8 from 3 rows of bf16 x (the decoded values, at most 8 significant bits, as exact bf16 pairs).
 * larger m: a [256 x 32] tile of W is expanded into L1 and reused by all rows of x; an fp32 FMA micro-kernel
   runs on it. fp32 products, fp32 accumulation: results match ``lowbit_linear_reference`` to ~1e-6.
 * larger m, AVX512-VNNI CPUs, bf16/fp16 x (by default; integer, fp4 and fp6 codes: the latter as the exact
@@ -39,7 +40,7 @@ Kernels (chosen per call; x of any float dtype is converted to fp32 first, the o
 
 ``affineq::lowbit_linear_bf16_compute`` (float32 x of a weight whose ``QuantSpec.compute_dtype`` is bf16): the
 result of ``lowbit_linear(x.to(torch.bfloat16))`` cast back to float32, bit for bit; where the bf16 kernels run
-(bf16 dot-product GEMM, 4-bit bf16 GEMV) they read x rounded and write the widened bf16 values themselves, with no
+(bf16 dot-product GEMM, the GEMV's bf16 tiles) they read x rounded and write the widened bf16 values themselves, with no
 bf16 copy of y.
 
 The C++ library is compiled on first use (see ``_build.py``; every ``*.cpp`` here is one translation unit):
