@@ -484,10 +484,9 @@ constexpr bool kB4Bf16 = true;
 constexpr bool kB4Bf16 = false;
 #endif
 
-// Whether the 4-bit bf16-dot GEMV serves p (all of its passes: at most 2 rows each).
-template <int B>
+// Whether the 4-bit bf16-dot GEMV serves p (all of its passes: at most 2 rows each): 4-bit integer codes, bf16 x.
 bool use_b4bf16(const LowbitProblem& p) {
-  return kB4Bf16 && B == 4 && p.x_bf16 != nullptr;
+  return kB4Bf16 && p.bits == 4 && p.codes == kCodesUint && p.x_bf16 != nullptr;
 }
 
 // Whether the bf16-pair GEMV (gemv_tile_bf16w) serves p: bf16 x of kBf16wMinRows rows or more, any width the 4-bit
@@ -500,9 +499,9 @@ constexpr bool kBf16w = true;
 constexpr bool kBf16w = false;
 #endif
 constexpr int64_t kBf16wMinRows = 3;
-template <int B>
 bool use_bf16w(const LowbitProblem& p) {
-  return kBf16w && !use_b4bf16<B>(p) && !is_fp8(B) && p.x_bf16 != nullptr && p.m >= kBf16wMinRows;
+  return kBf16w && !use_b4bf16(p) && p.codes != kCodesE4M3 && p.codes != kCodesE5M2 && p.x_bf16 != nullptr &&
+         p.m >= kBf16wMinRows;
 }
 
 #if AQ_BF16DOT && defined(__AVX512VBMI__)
@@ -578,8 +577,8 @@ void gemv_path(const Ctx* cs, int64_t count) {
   const int64_t ldxb = split ? K8 : p0.ldx;
   // Per-group sums of x for the offset term, xs [MX][2][G]: the sums, then the multiple add_group needs.
   std::vector<float> xs(static_cast<size_t>(2 * MX * G));
-  const bool b4 = use_b4bf16<B>(p0) || split;  // then x is read as bf16 only (xb), and y may be bf16 (y_bf16)
-  const bool bw = use_bf16w<B>(p0);             // likewise
+  const bool b4 = use_b4bf16(p0) || split;  // then x is read as bf16 only (xb), and y may be bf16 (y_bf16)
+  const bool bw = use_bf16w(p0);             // likewise
 #if AQ_AVX512
   if (b4 || bw) group_sums(xb, ldxb, MX, G, p0.group_size, xs.data(), 2 * G);
   else
@@ -742,11 +741,7 @@ void gemv_path(const Ctx* cs, int64_t count) {
   });
 }
 
-bool gemv_reads_bf16_only(const LowbitProblem& p) {  // use_b4bf16 or use_bf16w for p's width
-  if (p.x_bf16 == nullptr) return false;
-  if (p.bits == 4 && p.codes == kCodesUint && kB4Bf16) return true;
-  return kBf16w && p.codes != kCodesE4M3 && p.codes != kCodesE5M2 && p.m >= kBf16wMinRows;
-}
+bool gemv_reads_bf16_only(const LowbitProblem& p) { return use_b4bf16(p) || use_bf16w(p); }
 
 // The instantiations dispatch.cpp calls (declared in common.h).
 #define AQ_INSTANTIATE(B) template void gemv_path<B>(const Ctx* cs, int64_t count);
