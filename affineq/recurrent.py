@@ -95,7 +95,7 @@ def _fused_layer(gi, steps, h, c, w_hh, b_hh, cell: str, reverse: bool):
     out, h_n, c_n = torch.ops.affineq.lowbit_rnn_layer(
         gi, steps, h, c, None if b_hh is None else b_hh.float(), *lowbit_weight_args(w_hh), _act_mode(w_hh),
         aq is not None and aq.per_token, act_eps(gi, aq) if aq is not None else 0.0,
-        _CELL_CODES[cell], reverse)
+        _CELL_CODES[cell], reverse, w_hh.spec.compute_dtype == torch.bfloat16)
     return out, h_n, (c_n if cell == "LSTM" else None)
 
 

@@ -10,6 +10,8 @@ noisy machine. SQNR is of the output sequence against the fp32 module. Rows:
   torch.ao int8 dyn  torch.ao.quantization.quantize_dynamic(..., dtype=torch.qint8) (fbgemm, per-tensor act)
   affineq int8 dyn   quantize_(Int8DynamicActivationInt8WeightConfig()): int8 per-token activations
   affineq int4 g32   quantize_(Int4WeightOnlyConfig(group_size=32)): 4-bit weights, fp32 activations
+  ..., bf16 compute  Int8WeightOnlyConfig / Int4WeightOnlyConfig(group_size=32) with compute_dtype=torch.bfloat16:
+                     the fp32 model's products computed in bf16 (x and each product rounded to bf16)
 Writes benchmarks/results/bench_recurrent.json.
 """
 
@@ -28,7 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, machine_line, round_robin_ms, save_json, table  # noqa: E402
 
 import affineq  # noqa: E402
-from affineq import Int4WeightOnlyConfig, Int8DynamicActivationInt8WeightConfig, quantize_  # noqa: E402
+from affineq import (  # noqa: E402
+    Int4WeightOnlyConfig,
+    Int8DynamicActivationInt8WeightConfig,
+    Int8WeightOnlyConfig,
+    quantize_,
+)
 from affineq.recurrent import RECURRENT_TYPES  # noqa: E402
 
 SEQ = 50
@@ -52,6 +59,11 @@ def _variants(model: nn.Module) -> dict[str, tuple[nn.Module, torch.dtype]]:
                                        filter_fn=select), torch.float32),
         "affineq int4 g32": (quantize_(copy.deepcopy(model), Int4WeightOnlyConfig(group_size=32),
                                        filter_fn=select), torch.float32),
+        # the same weights computed in bf16 (float32 model and input; x and the products rounded to bf16)
+        "affineq int8, bf16 compute": (quantize_(copy.deepcopy(model), Int8WeightOnlyConfig(
+            compute_dtype=torch.bfloat16), filter_fn=select), torch.float32),
+        "affineq int4 g32, bf16 compute": (quantize_(copy.deepcopy(model), Int4WeightOnlyConfig(
+            group_size=32, compute_dtype=torch.bfloat16), filter_fn=select), torch.float32),
     }
 
 

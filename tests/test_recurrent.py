@@ -1,6 +1,7 @@
 """Quantized nn.LSTM / GRU / RNN and their cells through quantize_ (affineq/recurrent.py, cpp/recurrent.cpp)."""
 
 import copy
+import dataclasses
 import warnings
 
 import pytest
@@ -13,6 +14,7 @@ import affineq
 import affineq.recurrent as R
 from affineq import (
     AffineQuantizedTensor,
+    Float8WeightOnlyConfig,
     FqnToConfig,
     Int4WeightOnlyConfig,
     Int8DynamicActivationInt8WeightConfig,
@@ -178,6 +180,45 @@ def test_cpp_recurrence_matches_the_python_loop(make, config, monkeypatch):
             assert sqnr(loop, fused) > 55
         else:
             torch.testing.assert_close(fused, loop, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("config", [Int4WeightOnlyConfig(group_size=16, compute_dtype=torch.bfloat16),
+                                    Int8WeightOnlyConfig(compute_dtype=torch.bfloat16),
+                                    Float8WeightOnlyConfig(compute_dtype=torch.bfloat16)],
+                         ids=["int4", "int8", "float8"])
+def test_cpp_recurrence_computes_in_the_weights_compute_dtype(config, monkeypatch):
+    """compute_dtype=bf16 reaches the recurrent product too: h rounded to bf16, the product's bf16 values. A relu RNN
+    without biases adds in the same order on both routes, so the fused recurrence equals the Python loop (each step
+    through F.linear, i.e. lowbit_linear_bf16_compute) bit for bit, over steps of 3, 2 and 1 rows (the bf16
+    kernels' own rounding and the fp32 kernels on bf16 values, rounded after)."""
+    if not affineq.cpp.is_available():
+        pytest.skip(f"the affineq C++ kernels are unavailable here: {affineq.cpp.unavailable_reason()}")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.RNN(16, 32, nonlinearity="relu", bias=False, bidirectional=True))
+    q = quantize_(copy.deepcopy(model), config, filter_fn=RECURRENT)
+    exact = quantize_(copy.deepcopy(model), dataclasses.replace(config, compute_dtype=None), filter_fn=RECURRENT)
+    x = torch.randn(9, 3, 16)
+    for args in [(x,), (pack_padded_sequence(x, torch.tensor([9, 4, 6]), enforce_sorted=False),)]:
+        with torch.no_grad(), affineq.record_kernels() as used:
+            fused = _flat(q(*args))
+            fused_exact = _flat(exact(*args))
+        assert "affineq.lowbit_rnn_layer" in used
+        monkeypatch.setattr(R, "_fused_ok", lambda *a: False)
+        with torch.no_grad():
+            loop = _flat(q(*args))
+        monkeypatch.undo()
+        assert torch.equal(fused, loop)
+        assert 25 < sqnr(fused_exact, fused) < 60  # bf16 rounding: neither exact nor far off
+
+
+def test_cpp_recurrence_refuses_bf16_compute_with_int8_h():
+    if not affineq.cpp.is_available():
+        pytest.skip(f"the affineq C++ kernels are unavailable here: {affineq.cpp.unavailable_reason()}")
+    h = torch.zeros(1, 8)
+    packed = torch.zeros(8 * 8 // 8 * 8, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="bf16_compute is for float h"):
+        torch.ops.affineq.lowbit_rnn_layer(torch.zeros(1, 8), [1], h, None, None, packed, torch.ones(8, 1), None, 8,
+                                           8, 0, -128, 0, True, 1e-5, 2, False, True)
 
 
 def test_gradient_flows_to_the_input():

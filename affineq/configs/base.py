@@ -223,7 +223,8 @@ class QuantConfig:
     torch.bfloat16, for weight-only configs: a float32 input is rounded to bf16 (round to nearest even), multiplied
     by the weight dequantized to bf16 with float32 sums, the bf16 result widened back to float32 and the float32
     bias added; i.e. `F.linear(x.bfloat16(), W.bfloat16()).float() + b`. This runs the bf16 kernels (several times
-    faster at M >= 32 than the exact float32 path). Recorded in each weight's spec, so it survives save / load.
+    faster at M >= 32 than the exact float32 path). A recurrent module's products (input and recurrent, every
+    step) compute so too. Recorded in each weight's spec, so it survives save / load.
     """
 
     modules: ClassVar[tuple[type[nn.Module], ...]] = (nn.Linear,)

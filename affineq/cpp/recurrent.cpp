@@ -3,11 +3,13 @@
 // paths), optionally on the int8 fake-quantized h (dynamic activation quantization, as linear does), and the
 // cell's pointwise math runs in one fused pass; the input projection of all steps (gi) was computed before
 // by one batched quantized matmul. Doing the loop here removes ~10 eager op calls per step, which dominate
-// at small batch and hidden sizes. Rows follow the PackedSequence convention: step t updates the first
+// at small batch and hidden sizes. A weight computed in bf16 (bf16_compute: QuantSpec.compute_dtype) multiplies
+// h rounded to bf16 and yields the product's bf16 values, as affineq::lowbit_linear_bf16_compute does. Rows follow the PackedSequence convention: step t updates the first
 // batch_sizes[t] rows of the state (padded input is the case of equal batch sizes).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -94,14 +96,38 @@ void cell_row(int cell, int64_t H, const float* g, const float* y, const float* 
   }
 }
 
+// v[i] = float(bf16(v[i])): torch's rounding (nearest even; NaN stays NaN).
+void round_to_bf16_values(float* v, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) v[i] = static_cast<float>(c10::BFloat16(v[i]));
+}
+
+// The x fields of p (p.m rows, p.y set) for h [m, H] computed in bf16: xb = bf16(h) (torch's rounding). Where the
+// kernel's path reads bf16 x alone, it writes y's bf16 values itself (y_bf16_values); otherwise it runs on xb's
+// values widened into xf, and the caller rounds y (round_to_bf16_values): either way y = float(bf16(h @ W^T)) as
+// run_weight_problem's bf16_compute gives it for float32 x.
+void bf16_x(LowbitProblem& p, const float* h, int64_t m, int64_t H, uint16_t* xb, float* xf) {
+  for (int64_t i = 0; i < m * H; ++i) xb[i] = c10::BFloat16(h[i]).x;
+  p.x_bf16 = xb;
+  p.allow_int16_x = allow_int16_x(at::kBFloat16);
+  p.y_bf16_values = lowbit_bf16_io(p, 0);
+  if (p.y_bf16_values) {
+    p.x = nullptr;
+    return;
+  }
+  for (int64_t i = 0; i < m * H; ++i) xf[i] = static_cast<float>(c10::BFloat16(xb[i], c10::BFloat16::from_bits()));
+  p.x = xf;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> lowbit_rnn_layer_cpu(
     const at::Tensor& gi, at::IntArrayRef batch_sizes, const at::Tensor& h0, const std::optional<at::Tensor>& c0,
     const std::optional<at::Tensor>& bias_hh, const at::Tensor& packed, const at::Tensor& scale,
     const std::optional<at::Tensor>& offset, int64_t bits, int64_t group_size, int64_t codes, int64_t code_offset,
-    int64_t act_mode, bool act_per_token, double act_eps, int64_t cell, bool reverse) {
+    int64_t act_mode, bool act_per_token, double act_eps, int64_t cell, bool reverse, bool bf16_compute) {
   const char* op = "affineq::lowbit_rnn_layer";
   TORCH_CHECK(cell >= 0 && cell <= 3, op, ": cell must be 0 (LSTM), 1 (GRU), 2 (RNN tanh) or 3 (RNN relu)");
   TORCH_CHECK(act_mode >= -1 && act_mode <= 2, op, ": act_mode must be -1 (float h) or an int8_fake_quant mode");
+  TORCH_CHECK(!(bf16_compute && act_mode >= 0), op,
+              ": bf16_compute is for float h (weight-only configs); dynamic int8 h takes act_mode alone");
   const int64_t gates = cell == kCellLstm ? 4 : cell == kCellGru ? 3 : 1;
   TORCH_CHECK(h0.dim() == 2 && h0.scalar_type() == at::kFloat && h0.device().is_cpu(), op,
               ": h0 must be a float32 CPU tensor [batch, hidden]");
@@ -132,7 +158,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lowbit_rnn_layer_cpu(
   at::Tensor c = lstm ? c0->contiguous().clone() : at::empty({0}, h0.options());
   at::Tensor out = at::empty({total, H}, h0.options());
   at::Tensor y = at::empty({B, n}, h0.options());
-  at::Tensor xq = at::empty({act_mode >= 0 ? B : 0, H}, h0.options());
+  at::Tensor xq = at::empty({act_mode >= 0 || bf16_compute ? B : 0, H}, h0.options());
+  at::Tensor xb = at::empty({bf16_compute ? B : 0, H}, h0.options().dtype(at::kBFloat16));
   at::Tensor tmp = at::empty({B, n}, h0.options());
   std::vector<int64_t> starts(batch_sizes.size());
   for (size_t t = 0, s = 0; t < batch_sizes.size(); s += batch_sizes[t], ++t) starts[t] = static_cast<int64_t>(s);
@@ -162,11 +189,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lowbit_rnn_layer_cpu(
       int8_fake_quant_f32(hp, b, H, act_per_token, static_cast<int>(act_mode), static_cast<float>(act_eps),
                           std::numeric_limits<float>::max(), xq.mutable_data_ptr<float>());
       p.x = xq.const_data_ptr<float>();
+    } else if (bf16_compute) {
+      p.m = b;
+      bf16_x(p, hp, b, H, reinterpret_cast<uint16_t*>(xb.mutable_data_ptr()), xq.mutable_data_ptr<float>());
     } else {
       p.x = hp;
     }
     p.m = b;
     if (!i8) lowbit_linear_f32(p, 0);
+    if (bf16_compute && !p.y_bf16_values) round_to_bf16_values(p.y, b * n);
     const float* yp = p.y;
     at::parallel_for(0, b, std::max<int64_t>(1, 8192 / n), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r)
