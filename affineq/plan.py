@@ -79,6 +79,10 @@ class FqnToConfig(QuantConfig):
     fqn_to_config: dict = field(default_factory=dict)
 
     def __post_init__(self):
+        for name in ("compute_dtype", "param_names"):  # per-layer settings: they belong to the mapped configs
+            if getattr(self, name) is not None:
+                raise ValueError(f"FqnToConfig({name}=...): set {name} on the configs it maps to, e.g. "
+                                 f"{{'_default': Int4WeightOnlyConfig({name}=...)}}; FqnToConfig only chooses them")
         if not isinstance(self.fqn_to_config, dict):
             raise ValueError(f"FqnToConfig(fqn_to_config=...) must be a dict of name -> config, got "
                              f"{type(self.fqn_to_config).__name__}")
@@ -135,6 +139,12 @@ class FqnToConfig(QuantConfig):
 class ModelConfig(QuantConfig):
     """A config that plans over the whole model: `quantize_` calls `to_fqn_config(model)` first and runs the
     `FqnToConfig` it returns (e.g. `affineq.quark_config.Config`)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.compute_dtype is not None:  # the per-layer configs it plans build every weight's spec
+            raise ValueError(f"{type(self).__name__}.compute_dtype: this config plans a config per layer; set "
+                             "compute_dtype on those (e.g. its base config), not on the plan")
 
     def to_fqn_config(self, model: nn.Module) -> FqnToConfig:
         raise NotImplementedError

@@ -415,6 +415,16 @@ CASES = [
     pytest.param(lambda: _q8().to_format("int4_cpu"), ValueError,
                  r"packing_format='int4_cpu' cannot hold this tensor: .*4-bit codes.*choose another packing_format",
                  id="to-format"),
+    # integer inputs and dtypes: dequantizing to an integer dtype would truncate every weight silently
+    pytest.param(lambda: F.linear(torch.randint(-3, 4, (2, 64)), _q8()), TypeError,
+                 r"linear: the input of a quantized weight must be floating point, got torch\.int64; pass x\.float\(\)",
+                 id="linear-int-input"),
+    pytest.param(lambda: _q8().dequantize(torch.int8), TypeError,
+                 r"dequantize: output_dtype must be a floating-point torch\.dtype .* got torch\.int8",
+                 id="dequantize-int"),
+    pytest.param(lambda: _q8().dequantize("float32"), TypeError,
+                 r"dequantize: output_dtype must be a floating-point torch\.dtype .* got 'float32'",
+                 id="dequantize-str"),
     # strict mode
     pytest.param(lambda: set_strict("False"), TypeError,
                  r"strict flag must be True or False, got 'False' \(str\)", id="set-strict-str"),

@@ -7,6 +7,7 @@ save / load, torch.compile, the grouped MoE kernel, and for every refusal. The C
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -16,17 +17,27 @@ from torch import nn
 
 import affineq.cpp as K
 from affineq import (
+    AWQConfig,
     Float8WeightOnlyConfig,
+    FqnToConfig,
+    GPTQConfig,
+    HQQConfig,
     Int4WeightOnlyConfig,
     Int8DynamicActivationInt8WeightConfig,
     Int8WeightOnlyConfig,
     IntxWeightOnlyConfig,
+    KernelFallbackWarning,
+    MicroexpWeightOnlyConfig,
     PerGroup,
+    QATConfig,
     QuantSpec,
+    SmoothQuantConfig,
     config_from_dict,
     quantize_,
     record_kernels,
 )
+from affineq.configs.kquant import KQuantConfig
+from affineq.gguf.block_quant import GGUFBlockConfig
 from affineq.tensor.grouped import grouped_linear
 from affineq.tensor.linear_kernels import lowbit_weight_args
 
@@ -204,3 +215,40 @@ def test_refusals_name_the_setting_and_change_nothing():
     with pytest.raises(ValueError, match="compute_dtype=torch.bfloat16 applies to linear layers"):
         quantize_(emb, Int8WeightOnlyConfig(compute_dtype=BF16), filter_fn=lambda m, fqn: isinstance(m, nn.Embedding))
     assert_unchanged(emb, snap)
+
+
+@pytest.mark.parametrize("make", [lambda: KQuantConfig(kind="q4_k", compute_dtype=BF16),
+                                  lambda: GGUFBlockConfig("Q4_0", compute_dtype=BF16),
+                                  lambda: MicroexpWeightOnlyConfig("mx9", compute_dtype=BF16)],
+                         ids=["kquant", "gguf-block", "microexp"])
+def test_configs_that_build_their_own_tensor_carry_it_too(make):
+    """k-quants, GGUF blocks and shared micro-exponents build their tensors without weight_spec: the setting
+    must reach them as well (it was dropped), so the linear computes as F.linear in bf16."""
+    torch.manual_seed(0)
+    lin = nn.Linear(256, 64, bias=False)
+    quantize_(lin, make())
+    w = lin.weight
+    assert w.spec.compute_dtype is BF16
+    x = torch.randn(3, 256)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", KernelFallbackWarning)  # microexp has no packed kernel
+        y = lin(x)
+    assert y.dtype == torch.float32 and torch.equal(y, y.to(BF16).float())  # the bf16 result, widened
+    want = F.linear(x.to(BF16), w.dequantize(BF16)).float()  # another summation order: 1 bf16 ulp apart at most
+    assert (y - want).abs().max() <= 2**-7 * want.abs().max()
+
+
+@pytest.mark.parametrize("make", [
+    lambda: GPTQConfig(Int4WeightOnlyConfig(group_size=32), compute_dtype=BF16),
+    lambda: HQQConfig(Int4WeightOnlyConfig(group_size=32), compute_dtype=BF16),
+    lambda: AWQConfig(Int4WeightOnlyConfig(group_size=32), compute_dtype=BF16),
+    lambda: SmoothQuantConfig(Int8DynamicActivationInt8WeightConfig(), compute_dtype=BF16),
+    lambda: FqnToConfig({"_default": Int4WeightOnlyConfig()}, compute_dtype=BF16),
+    lambda: FqnToConfig({"_default": Int4WeightOnlyConfig()}, param_names=("bias",)),
+    lambda: QATConfig(Int4WeightOnlyConfig(group_size=32), compute_dtype=BF16),
+], ids=["gptq", "hqq", "awq", "smoothquant", "fqn", "fqn-param-names", "qat"])
+def test_wrappers_refuse_a_setting_their_inner_configs_own(make):
+    """Algorithm wrappers, FqnToConfig and QATConfig build no spec themselves: a compute_dtype (or param_names)
+    set on them was silently dropped; it is refused and the message says where it goes."""
+    with pytest.raises(ValueError, match=r"(compute_dtype|param_names).*(base config|configs it maps to|on those)"):
+        make()

@@ -31,6 +31,7 @@ CONFIGS = {
     "int4-plain": affineq.Int4WeightOnlyConfig(group_size=32, packing_format="plain"),
     "int8": affineq.Int8WeightOnlyConfig(),
     "int8-plain-g32": affineq.Int8WeightOnlyConfig(group_size=32, packing_format="plain"),
+    "int8-plain": affineq.Int8WeightOnlyConfig(packing_format="plain"),  # aten._weight_int8pack_mm
     "int3-g32": affineq.IntxWeightOnlyConfig(torch.int3, affineq.PerGroup(32)),
     "uint2-asym-fp32": affineq.IntxWeightOnlyConfig(torch.uint2, affineq.PerGroup(16), affineq.MappingType.ASYMMETRIC,
                                                     scale_dtype=torch.float32),
@@ -102,6 +103,22 @@ def test_round_trip_bit_exact(name, tmp_path):
     n = struct.unpack("<Q", raw[:8])[0]
     header = json.loads(raw[8:8 + n])
     assert header["__metadata__"]["format"] == "pt" and b"\x80\x04" not in raw[:2]
+
+
+def test_int8pack_codes_are_realigned():
+    """aten's _weight_int8pack_mm reads the codes with 16-byte aligned loads (safetensors aligns to 8): a view at
+    another offset is copied once when the tensor is built, and the kernel op copies any other it is given."""
+    w = _quantized("int8-plain")[0].weight
+    buf = torch.empty(w._qdata.numel() + 8, dtype=torch.int8)
+    view = buf[8:].view(w._qdata.shape)
+    view.copy_(w._qdata)
+    assert view.data_ptr() % 16 == 8
+    back = affineq.AffineQuantizedTensor.from_tensors({**w.tensors, "qdata": view}, w.spec)
+    assert back._qdata.data_ptr() % 16 == 0 and torch.equal(back._qdata, w._qdata)
+    x = torch.randn(3, 128, dtype=torch.bfloat16)
+    scale = w._scale.reshape(-1).to(torch.bfloat16)
+    want = torch.ops.aten._weight_int8pack_mm(x, w._qdata, scale)
+    assert torch.equal(torch.ops.affineq.weight_int8pack_mm(x, view, scale), want)
 
 
 def test_int4_cpu_is_stored_portably_and_repacked(tmp_path):

@@ -54,6 +54,10 @@ class AlgorithmConfig(QuantConfig):
         if isinstance(self.base_config, type):
             raise ValueError(f"{name}(base_config=...) must be a config instance, got the class "
                              f"{self.base_config.__name__}; call it, e.g. {self.base_config.__name__}()")
+        if self.compute_dtype is not None:  # the base config builds every weight's spec
+            raise ValueError(f"{name}.compute_dtype: the base config builds every weight's spec; set compute_dtype "
+                             "there (weight-only bases), e.g. GPTQConfig(Int4WeightOnlyConfig(compute_dtype="
+                             "torch.bfloat16))")
         if self.base_config is None:
             return  # a template: Config(algo_config=...) supplies the base of each layer
         if not isinstance(self.base_config, QuantConfig) or isinstance(self.base_config, AlgorithmConfig):

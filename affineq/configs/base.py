@@ -162,18 +162,33 @@ def config_from_dict(d: dict) -> QuantConfig:
 _NO_MATMUL_MODULES = (nn.Embedding, nn.EmbeddingBag, nn.modules.conv._ConvNd)
 
 
+def _spec_with_compute_dtype(config, spec: QuantSpec) -> QuantSpec:
+    """`spec` with `config.compute_dtype` recorded (weight-only configs only)."""
+    if config.compute_dtype is None or spec.compute_dtype == config.compute_dtype:
+        return spec
+    if spec.act_quant is not None:
+        raise ValueError(f"{type(config).__name__}.compute_dtype={config.compute_dtype} applies to weight-only "
+                         "configs; this one quantizes activations (its kernels compute on the quantized input): "
+                         "leave compute_dtype None")
+    return spec.replace(compute_dtype=config.compute_dtype)
+
+
 def _with_compute_dtype(weight_spec):
-    """A config's `weight_spec` with its `compute_dtype` recorded in the spec (weight-only configs only)."""
+    """A config's `weight_spec` with its `compute_dtype` recorded in the spec."""
     @functools.wraps(weight_spec)
     def wrapped(self, weight, module):
-        spec = weight_spec(self, weight, module)
-        if self.compute_dtype is None or spec.compute_dtype == self.compute_dtype:
-            return spec
-        if spec.act_quant is not None:
-            raise ValueError(f"{type(self).__name__}.compute_dtype={self.compute_dtype} applies to weight-only "
-                             "configs; this one quantizes activations (its kernels compute on the quantized input): "
-                             "leave compute_dtype None")
-        return spec.replace(compute_dtype=self.compute_dtype)
+        return _spec_with_compute_dtype(self, weight_spec(self, weight, module))
+    return wrapped
+
+
+def _quantizing_with_compute_dtype(quantize_weight):
+    """A config's own `quantize_weight` (one that builds its tensor without `weight_spec`: k-quants, GGUF blocks,
+    shared micro-exponents) whose result carries the config's `compute_dtype` too."""
+    @functools.wraps(quantize_weight)
+    def wrapped(self, weight, module):
+        w = quantize_weight(self, weight, module)
+        spec = _spec_with_compute_dtype(self, w.spec)
+        return w if spec is w.spec else AffineQuantizedTensor.from_tensors(w.tensors, spec)
     return wrapped
 
 # Field name -> the type every config field of that name must have (checked at construction).
@@ -239,6 +254,8 @@ class QuantConfig:
         _CONFIGS[cls.__name__] = cls
         if "weight_spec" in cls.__dict__:  # every route asks weight_spec: compute_dtype reaches all of them here
             cls.weight_spec = _with_compute_dtype(cls.__dict__["weight_spec"])
+        if "quantize_weight" in cls.__dict__:  # and the tensors a config builds itself
+            cls.quantize_weight = _quantizing_with_compute_dtype(cls.__dict__["quantize_weight"])
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -86,6 +86,17 @@ def _check_act_tensors(t: dict[str, torch.Tensor], spec: QuantSpec) -> None:
                              f"{'needs' if needs_zp else 'takes no'} act_zero_point")
 
 
+def _aligned_int8_codes(tensors: dict[str, torch.Tensor], spec: QuantSpec) -> dict[str, torch.Tensor]:
+    """`tensors` with plain int8 CPU codes copied once when they are not 16-byte aligned: aten's
+    `_weight_int8pack_mm` reads them with aligned loads and crashes on such a view (safetensors files align
+    tensors to 8 bytes only)."""
+    q = tensors.get("qdata")
+    if spec.fmt == "plain" and q is not None and q.dtype == torch.int8 and q.device.type == "cpu" \
+            and q.data_ptr() % 16:
+        tensors["qdata"] = q.clone()
+    return tensors
+
+
 def _check_finite_qparams(scale: torch.Tensor, zero_point: torch.Tensor | None) -> None:
     """ValueError for inf / NaN qparams (e.g. a finite tensor whose range max - min overflows the scale
     dtype): they would dequantize to NaN. Skipped while tracing and on meta tensors."""
@@ -334,7 +345,7 @@ class AffineQuantizedTensor(torch.Tensor):
         fmt = format_of(spec)
         fmt.validate({k: v for k, v in tensors.items() if not k.startswith("act_")}, spec)
         _check_act_tensors(tensors, spec)
-        return cls(dict(tensors), spec)
+        return cls(_aligned_int8_codes(dict(tensors), spec), spec)
 
     @staticmethod
     def _as_spec(shape, dtype, spec, target, spec_args: dict) -> QuantSpec:
@@ -457,6 +468,9 @@ class AffineQuantizedTensor(torch.Tensor):
         """The float tensor these codes stand for, shape `self.shape`, dtype `output_dtype or self.dtype`.
 
         Activation tensors are not folded in: they transform the input of `linear`, not the weight."""
+        if output_dtype is not None and not (isinstance(output_dtype, torch.dtype) and output_dtype.is_floating_point):
+            raise TypeError(f"dequantize: output_dtype must be a floating-point torch.dtype (torch.float32, "
+                            f"torch.bfloat16, torch.float16) or None, got {output_dtype!r}")
         out = format_of(self.spec).dequantize(self.tensors, self.spec, output_dtype or self.dtype)
         return out.transpose(-2, -1) if self.spec.transposed else out
 

@@ -126,6 +126,9 @@ def _linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
             f"{shape}: the input's last dim must be in_features={shape[-1]}; pass an input of shape "
             f"[..., {shape[-1]}]"
         )
+    if not x.dtype.is_floating_point:  # dequantizing to an integer dtype would truncate every weight to 0 / +-1
+        raise TypeError(f"linear: the input of a quantized weight must be floating point, got {x.dtype}; pass "
+                        f"x.float() (or x.bfloat16() / x.half())")
     if computes_in_other_dtype(x, w):  # float32 x, bf16 compute: x rounded once, the bf16 result widened
         kernel = _rounding_kernel(x, w)
         if kernel is not None:  # it rounds x and widens y itself

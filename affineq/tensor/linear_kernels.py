@@ -320,6 +320,10 @@ def _int8pack_check(x, w):
 @torch.library.custom_op("affineq::weight_int8pack_mm", mutates_args=())
 def _weight_int8pack_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """aten._weight_int8pack_mm behind an opaque op: inductor's own lowering of it rejects fused inputs."""
+    if w.device.type == "cpu" and w.data_ptr() % 16:
+        # The CPU kernel reads the codes with 16-byte aligned loads and crashes on a view at another offset
+        # (safetensors aligns tensors to 8 bytes); AffineQuantizedTensor.from_tensors realigns those once.
+        w = w.clone()
     return torch.ops.aten._weight_int8pack_mm(x, w, scale)
 
 
