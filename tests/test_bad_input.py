@@ -425,6 +425,17 @@ CASES = [
     pytest.param(lambda: _q8().dequantize("float32"), TypeError,
                  r"dequantize: output_dtype must be a floating-point torch\.dtype .* got 'float32'",
                  id="dequantize-str"),
+    pytest.param(lambda: F.linear(torch.randn(2, 64), _q8(), torch.zeros(64)), RuntimeError,
+                 r"linear: bias of shape \(64,\) does not fit the quantized weight of shape \(32, 64\): pass a bias of "
+                 r"shape \(32,\)", id="linear-bias-shape"),
+    # the kernel registry's extension API
+    pytest.param(lambda: affineq.kernels.register_linear_kernel("mine", "dense", lambda x, w: None, lambda x, w, b: x),
+                 TypeError, r"formats must be a tuple of packing format names, e\.g\. \('dense',\), got 'dense'",
+                 id="register-kernel-formats-str"),
+    pytest.param(lambda: affineq.kernels.register_linear_kernel("mine", ("dense",), None, lambda x, w, b: x),
+                 TypeError, r"register_linear_kernel\('mine'\): check must be callable", id="register-kernel-check"),
+    pytest.param(lambda: affineq.kernels.select_linear_kernel(torch.randn(2, 64), torch.randn(32, 64)), TypeError,
+                 r"w an AffineQuantizedTensor, got Tensor and Tensor", id="select-kernel-plain-weight"),
     # strict mode
     pytest.param(lambda: set_strict("False"), TypeError,
                  r"strict flag must be True or False, got 'False' \(str\)", id="set-strict-str"),

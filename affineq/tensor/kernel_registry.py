@@ -52,9 +52,18 @@ LINEAR_KERNELS: list[LinearKernel] = []
 def register_linear_kernel(name: str, formats: tuple[str, ...], check: Check, run: Run,
                            rounds_input: bool = False) -> None:
     """Append a kernel; earlier registrations win when several preconditions hold."""
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"register_linear_kernel: name must be a non-empty str, got {name!r}")
+    if isinstance(formats, str) or not isinstance(formats, (tuple, list)) or not formats \
+            or not all(isinstance(f, str) for f in formats):
+        raise TypeError(f"register_linear_kernel({name!r}): formats must be a tuple of packing format names, e.g. "
+                        f"('dense',), got {formats!r}")
+    for arg, fn in (("check", check), ("run", run)):
+        if not callable(fn):
+            raise TypeError(f"register_linear_kernel({name!r}): {arg} must be callable, got {fn!r}")
     if any(k.name == name for k in LINEAR_KERNELS):
         raise ValueError(f"a linear kernel named {name!r} is already registered")
-    LINEAR_KERNELS.append(LinearKernel(name, formats, check, run, rounds_input))
+    LINEAR_KERNELS.append(LinearKernel(name, tuple(formats), check, run, rounds_input))
     _selected.clear()
 
 
@@ -98,6 +107,9 @@ def rows_bucket(x: torch.Tensor) -> int:
 
 def select_linear_kernel(x: torch.Tensor, w) -> tuple[LinearKernel | None, list[str]]:
     """The first kernel whose precondition holds for F.linear(x, w), and the reasons the others gave."""
+    if not isinstance(x, torch.Tensor) or not hasattr(w, "spec"):
+        raise TypeError(f"select_linear_kernel(x, w): x must be a tensor and w an AffineQuantizedTensor, got "
+                        f"{type(x).__name__} and {type(w).__name__}")
     reasons = []
     for k in LINEAR_KERNELS:
         if w.spec.fmt not in k.formats:
@@ -126,6 +138,9 @@ def _linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
             f"{shape}: the input's last dim must be in_features={shape[-1]}; pass an input of shape "
             f"[..., {shape[-1]}]"
         )
+    if bias is not None and len(shape) == 2 and tuple(bias.shape) != (shape[0],):
+        raise RuntimeError(f"linear: bias of shape {tuple(bias.shape)} does not fit the quantized weight of shape "
+                           f"{shape}: pass a bias of shape ({shape[0]},) (out_features) or None")
     if not x.dtype.is_floating_point:  # dequantizing to an integer dtype would truncate every weight to 0 / +-1
         raise TypeError(f"linear: the input of a quantized weight must be floating point, got {x.dtype}; pass "
                         f"x.float() (or x.bfloat16() / x.half())")
