@@ -63,6 +63,7 @@ from torch import nn
 
 from affineq.algorithms import AlgorithmConfig, GPTQConfig, ImportanceMatrix, ImportanceWeightedConfig
 from affineq.configs import Int4WeightOnlyConfig, Int8WeightOnlyConfig, IntxWeightOnlyConfig, QuantConfig
+from affineq.eval import _eval_mode
 from affineq.granularity import PerGroup
 from affineq.primitives import MappingType, ZeroPointDomain
 from affineq.quantize import FqnToConfig
@@ -123,7 +124,8 @@ def autoquant(model: nn.Module, budget_bits: float | Sequence[float], calibratio
               gptq: bool = False) -> FqnToConfig | list[FqnToConfig]:
     """A config per selected linear of `model` minimising the summed output error (module docstring) with at
     most `budget_bits` bits per weight on average over those layers' weights, bits counted from each candidate's
-    stored tensors. The model is not changed. A sequence of budgets gives a list of plans, one per budget, from
+    stored tensors. The model is not changed (it runs in eval mode, its modules' training flags restored
+    after). A sequence of budgets gives a list of plans, one per budget, from
     one measurement (the cost is in the measurement; the knapsack takes milliseconds).
 
     calibration_data: model inputs (a tensor: model(x), tuple: model(*x), dict: model(**x)), as for quantize_.
@@ -158,17 +160,20 @@ def autoquant(model: nn.Module, budget_bits: float | Sequence[float], calibratio
     if not isinstance(gptq, bool):
         raise ValueError(f"autoquant: gptq={gptq!r} must be True or False")
     layers = _select(model, filter_fn, candidates)
-    hessians, tokens = _input_covariances(model, layers, calibration_data, progress)
-    if any(_wants_importance(c) for c in candidates):  # the calibration data's importance matrix: diag(H)
-        imatrix = ImportanceMatrix({f: h.diagonal().float() for f, h in hessians.items()}, tokens)
-        candidates = tuple(dataclasses.replace(c, importance=imatrix) if _wants_importance(c) else c
-                           for c in candidates)
-    items = list(calibration_data)[:sensitivity_items]
-    fisher = _fisher(model, layers, items) if sensitivity == "fisher" else {}
-    choices = [_measure(model, fqn, layers[fqn], hessians.pop(fqn), candidates, fisher.get(fqn))
-               for fqn in _bar(list(layers), progress, "autoquant: layer errors")]
-    if sensitivity not in ("layer", "fisher"):
-        choices = _in_model_units(model, layers, choices, candidates, items, sensitivity, progress)
+    # Measured in eval mode: a plan is for inference, and a module in training mode would change as it runs
+    # (BatchNorm's running stats, dropout); every module's training flag is restored after, also on an error.
+    with _eval_mode(model):
+        hessians, tokens = _input_covariances(model, layers, calibration_data, progress)
+        if any(_wants_importance(c) for c in candidates):  # the calibration data's importance matrix: diag(H)
+            imatrix = ImportanceMatrix({f: h.diagonal().float() for f, h in hessians.items()}, tokens)
+            candidates = tuple(dataclasses.replace(c, importance=imatrix) if _wants_importance(c) else c
+                               for c in candidates)
+        items = list(calibration_data)[:sensitivity_items]
+        fisher = _fisher(model, layers, items) if sensitivity == "fisher" else {}
+        choices = [_measure(model, fqn, layers[fqn], hessians.pop(fqn), candidates, fisher.get(fqn))
+                   for fqn in _bar(list(layers), progress, "autoquant: layer errors")]
+        if sensitivity not in ("layer", "fisher"):
+            choices = _in_model_units(model, layers, choices, candidates, items, sensitivity, progress)
     if report is not None:
         report.extend(choices)
     plans = []
@@ -266,12 +271,22 @@ def _input_covariances(model, layers, calibration_data, progress) -> tuple[dict[
     sums = {f: torch.zeros(m.in_features, m.in_features, dtype=torch.float64) for f, m in layers.items()}
     tokens = dict.fromkeys(layers, 0)
     last: list = [None, None]  # (the input tensor last seen, its X^T X)
+    run: list = [0, None]  # (index of the first calibration item of the forward running, the items' sizes)
 
     def hook(fqn):
-        def add(_module, args):
+        def add(module, args):
+            # checked here, where each layer's input width is known: the model's input need not be a Linear's
+            width = args[0].shape[-1] if args[0].dim() else None
+            if width != module.in_features:
+                raise ValueError(f"autoquant: calibration item {run[0]} gives layer '{fqn}' inputs of width {width}, "
+                                 f"expected in_features={module.in_features}; pass the inputs the model takes")
             if args[0] is not last[0]:
                 x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
                 last[0], last[1] = args[0], (x.T @ x).to("cpu", torch.float64)
+                if not bool(torch.isfinite(last[1]).all()):  # H would make every loss of the layers it feeds NaN
+                    raise ValueError(f"autoquant: calibration item {_non_finite_item(args[0], *run)} gives layer "
+                                     f"'{fqn}' non-finite inputs (NaN or inf, or too large for float32); check "
+                                     "the calibration data and the model's float forward on it")
             sums[fqn] += last[1]
             tokens[fqn] += args[0].numel() // args[0].shape[-1]
         return add
@@ -282,7 +297,8 @@ def _input_covariances(model, layers, calibration_data, progress) -> tuple[dict[
         handles.append(blocks[0][max(blocks[1].values())].register_forward_hook(_stop))
     try:
         with torch.inference_mode():
-            for index, item, _sizes in _bar(_stacked(items, _BATCH), progress, "autoquant: calibration"):
+            for index, item, sizes in _bar(_stacked(items, _BATCH), progress, "autoquant: calibration"):
+                run[0], run[1] = index, sizes
                 try:
                     _call(model, item, index)
                 except _Stop:
@@ -296,6 +312,17 @@ def _input_covariances(model, layers, calibration_data, progress) -> tuple[dict[
         raise ValueError(f"autoquant: no calibration input reached {missing}; pass inputs that run them, or leave "
                          "them out with filter_fn")
     return {f: sums[f] / tokens[f] for f in layers}, tokens
+
+
+def _non_finite_item(x: torch.Tensor, first: int, sizes: list[int] | None) -> int:
+    """Index of the calibration item whose rows of a stacked layer input `x` hold NaN / inf (`first`, the run's
+    first item, when the rows cannot be told apart or none does: then the X^T X product overflowed)."""
+    if sizes is None or len(sizes) == 1 or x.dim() < 2 or x.shape[0] != sum(sizes):
+        return first
+    for i, part in enumerate(x.split(sizes)):
+        if not bool(torch.isfinite(part).all()):
+            return first + i
+    return first
 
 
 #: calibration items stacked into one forward (equal shapes only)
@@ -387,6 +414,10 @@ def _measure(model: nn.Module, fqn: str, layer: nn.Linear, h: torch.Tensor, cand
         bits.append(int(qw.storage_bytes()) * 8)
         rows = ((d @ h32) * d).sum(1, dtype=torch.float64)
         loss.append(float(rows.sum() if fisher is None else (rows * fisher).sum()))
+        if not math.isfinite(loss[-1]):  # H is finite (checked where it is summed): the weight or fisher is not
+            raise ValueError(f"autoquant: layer '{fqn}' gets a non-finite loss ({loss[-1]}) with candidate {c!r}: "
+                             "its weight error, or its Fisher weights (sensitivity='fisher'), overflow float32; "
+                             "check the layer's weight for huge values")
     return LayerChoice(fqn, w.numel(), tuple(bits), tuple(loss))
 
 
@@ -446,6 +477,11 @@ def _fisher(model: nn.Module, layers, items: list) -> dict[str, torch.Tensor]:
     if missing:
         raise ValueError(f"autoquant: sensitivity='fisher' found no gradient reaching {missing} (their output does "
                          "not reach the model's output); pass sensitivity='layer' or leave them out with filter_fn")
+    bad = [f for f, v in sums.items() if not bool(torch.isfinite(v).all())]
+    if bad:
+        raise ValueError(f"autoquant: sensitivity='fisher' got NaN or inf gradients at layer '{bad[0]}' from "
+                         f"calibration items 0..{len(items) - 1} (the model's output or its gradient overflows); "
+                         "check the model's float forward on them, or pass sensitivity='layer'")
     return {f: factor * sums[f] / rows[f] for f in layers}
 
 
@@ -497,6 +533,11 @@ def _in_model_units(model, layers, choices, candidates, items: list, sensitivity
                     out = _split(_output(_call(model, item, k), sensitivity), sizes)
                     divs += [_divergence(ref, o) for ref, o in zip(reference[r], out, strict=True)]
             div = sum(divs) / len(divs)
+            if not math.isfinite(div):
+                raise ValueError(f"autoquant: sensitivity={sensitivity!r} measured a non-finite divergence ({div}) "
+                                 f"with layer '{c.fqn}' quantized on calibration items 0..{len(items) - 1}: the "
+                                 "model's output is NaN or inf; check its float forward, or pass "
+                                 "sensitivity='layer'")
         finally:
             layer.weight.data = w
             for b, f in zip(skipped, saved, strict=True):

@@ -155,9 +155,10 @@ def _window_logits(m: Callable, name: str, x: torch.Tensor, window: int) -> torc
     if out.dim() != 2 or out.shape[0] != window:
         raise ValueError(f"compare: {name} returned logits of shape {tuple(out.shape)} for ids [1, {window}]; a "
                          "causal LM must return [1, T, V] (or an output whose .logits is)")
-    if torch.isnan(out).any():
-        raise ValueError(f"compare: {name} returned NaN logits; its weights or kernels are broken (check it with "
-                         "a float forward)")
+    if not bool(torch.isfinite(out).all()):  # inf as much as NaN: either makes every statistic NaN or inf
+        kind = "NaN" if bool(torch.isnan(out).any()) else "infinite"
+        raise ValueError(f"compare: {name} returned {kind} logits; its weights or kernels are broken (check it "
+                         "with a float forward)")
     return out if out.dtype == torch.float64 else out.float()
 
 

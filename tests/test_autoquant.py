@@ -367,3 +367,78 @@ def test_gptq_true_wraps_the_chosen_configs_in_gptq():
     assert {k: v.storage_bytes() for k, v in a.items()} == {k: v.storage_bytes() for k, v in b.items()}
     with pytest.raises(ValueError, match="gptq=1 must be True or False"):
         autoquant(tiny(), 4.0, DATA, candidates=cands, progress=False, gptq=1)
+
+
+def _mlp(training: bool = True) -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64), torch.nn.Linear(64, 64)).train(
+        training)
+
+
+def _flags(model: torch.nn.Module) -> list[bool]:
+    return [m.training for m in model.modules()]
+
+
+@pytest.mark.parametrize("sensitivity", ["fisher", "mse", "layer"])
+def test_a_model_in_training_mode_is_left_exactly_as_it_was(sensitivity):
+    """autoquant used to run the model in training mode: BatchNorm's running stats moved with every pass."""
+    model = _mlp()
+    model[2].eval()  # mixed flags: each is restored as it was
+    before, flags = copy.deepcopy(model.state_dict()), _flags(model)
+    data = [torch.randn(8, 64, generator=torch.Generator().manual_seed(i)) * 3 + 1 for i in range(3)]
+    autoquant(model, 6.0, data, candidates=CANDIDATES, progress=False, sensitivity=sensitivity)
+    after = model.state_dict()
+    assert set(after) == set(before) and all(torch.equal(before[k], after[k]) for k in before)
+    assert _flags(model) == flags
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_calibration_data_is_named(value):
+    """NaN / inf calibration data used to give a plan built on NaN losses."""
+    model = _mlp()
+    data = [torch.randn(8, 64, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    data[1][2, 5] = value  # stacked with the others into one forward: the item is still named
+    before, flags = copy.deepcopy(model.state_dict()), _flags(model)
+    with pytest.raises(ValueError, match=r"calibration item 1 gives layer '0' non-finite inputs \(NaN or inf"):
+        autoquant(model, 6.0, data, candidates=CANDIDATES, progress=False)
+    assert _flags(model) == flags and all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+class _Overflow(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 1e39  # past float32's range: +-inf
+
+
+@pytest.mark.parametrize("sensitivity, match", [
+    ("fisher", r"sensitivity='fisher' got NaN or inf gradients at layer '0' from calibration items 0..1"),
+    ("mse", r"sensitivity='mse' measured a non-finite divergence \(nan\) with layer '0' quantized"),
+], ids=["fisher", "mse"])
+def test_a_non_finite_model_output_is_named(sensitivity, match):
+    """Finite layer inputs, but an output that overflows: the sensitivity passes used to give NaN losses."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64), _Overflow())
+    data = [torch.randn(8, 64) for _ in range(2)]
+    with pytest.raises(ValueError, match=match):
+        autoquant(model, 6.0, data, candidates=CANDIDATES, progress=False, sensitivity=sensitivity)
+
+
+def test_a_loss_overflowing_float32_is_named():
+    model = _mlp(training=False)
+    with torch.no_grad():
+        model[2].weight.mul_(1e30)  # finite, but its quantization error squared is not in float32
+    with pytest.raises(ValueError, match=r"layer '2' gets a non-finite loss \((nan|inf)\) with candidate"):
+        autoquant(model, 6.0, [torch.randn(8, 64)], candidates=CANDIDATES, progress=False, sensitivity="layer")
+
+
+def test_calibration_data_of_the_wrong_width_is_named():
+    """Inputs of another width used to fail with a raw shape error from inside autoquant's own hook."""
+    model = _mlp()
+    with pytest.raises(ValueError, match=r"calibration item 2 gives layer '0' inputs of width 32, expected "
+                                         r"in_features=64"):
+        autoquant(model, 6.0, [torch.randn(8, 64), torch.randn(8, 64), torch.randn(8, 32)], candidates=CANDIDATES,
+                  progress=False)
+    # a layer deeper in the model, behind a module that changes the width: named where its input arrives
+    deep = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.Linear(64, 64))
+    with pytest.raises(ValueError, match=r"calibration item 0 gives layer '1' inputs of width 48, expected "
+                                         r"in_features=64"):
+        autoquant(deep, 6.0, [torch.randn(8, 64)], candidates=CANDIDATES, progress=False)

@@ -162,3 +162,21 @@ def test_bad_models():
         aeval.compare(broken, ref, ids, window=32, progress=False)
     with pytest.raises(ValueError, match="logits of shape"):
         aeval.compare(lambda x: torch.zeros(5), ref, ids, window=32, progress=False)
+
+
+@pytest.mark.parametrize("value, kind", [(float("inf"), "infinite"), (float("-inf"), "infinite"),
+                                         (float("nan"), "NaN")])
+@pytest.mark.parametrize("which", ["model", "reference"])
+def test_non_finite_logits_are_named(value, kind, which):
+    """+-inf logits used to pass the NaN check and give NaN / inf statistics."""
+    _, ref = tiny_pair()
+    ids = torch.zeros(32, dtype=torch.int64)
+
+    def broken(x):
+        out = ref(x).clone()
+        out[..., 5, 3] = value
+        return out
+
+    pair = (broken, ref) if which == "model" else (ref, broken)
+    with pytest.raises(ValueError, match=rf"compare: {which} returned {kind} logits"):
+        aeval.compare(*pair, ids, window=32, progress=False)

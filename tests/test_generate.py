@@ -267,3 +267,80 @@ def test_out_of_vocabulary_ids_are_named():
     with pytest.raises(ValueError, match="vocabulary of 512 ids"):
         generate(tiny, torch.tensor([[3, 512]]), 4, compile=False)
     assert model not in generate_module._decoders and tiny not in generate_module._decoders
+
+
+def _g(model, ids, n, **kw):
+    return generate(model, ids, n, compile=False, **kw)
+
+
+@pytest.mark.parametrize("bad", ["127", 127.0, True, [1, "2"], {127}, torch.tensor([127, 3]), torch.tensor(127.0)])
+def test_eos_token_id_of_another_type_is_refused(bad):
+    """eos_token_id="127" used to become the ids [1, 2, 7] (its characters); 127.0 gave a raw TypeError."""
+    model = _llama(1)
+    with pytest.raises(ValueError, match=r"eos_token_id must be an int or a list of ints in \[0, vocab_size\) = "
+                                         r"\[0, 128\), got"):
+        _g(model, _prompt(), 3, eos_token_id=bad)
+    assert model not in generate_module._decoders  # refused before any work
+
+
+@pytest.mark.parametrize("bad", [-1, 128, 100000, [2, -1]])
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_eos_token_id_outside_the_vocabulary_is_refused(bad, ignore_eos):
+    """An eos of -1 with ignore_eos=True used to ban the last vocabulary token; 100000 raised an IndexError;
+    without ignore_eos they never matched."""
+    model = _llama(1)
+    with pytest.raises(ValueError, match=r"eos_token_id must be .*\[0, 128\), got"):
+        _g(model, _prompt(), 3, eos_token_id=bad, ignore_eos=ignore_eos)
+
+
+def test_eos_token_id_accepts_numpy_and_0d_tensor_integers():
+    np = pytest.importorskip("numpy")
+    model = _llama(1)
+    ids = _prompt()
+    free = _g(model, ids, 12, ignore_eos=True)
+    eos = int(free[0, ids.shape[1] + 3])  # the token emitted at step 3
+    ref = _g(model, ids, 12, eos_token_id=eos, pad_token_id=0)
+    assert ref.shape[1] < free.shape[1]  # it stopped at eos
+    for same in (np.int64(eos), torch.tensor(eos), [np.int32(eos)], (torch.tensor(eos),)):
+        assert torch.equal(_g(model, ids, 12, eos_token_id=same, pad_token_id=torch.tensor(0)), ref)
+    # ignore_eos bans exactly the id given
+    banned = _g(model, ids, 12, eos_token_id=eos, ignore_eos=True)
+    assert eos not in banned[0, ids.shape[1]:].tolist()
+
+
+def test_a_bad_eos_in_the_generation_config_is_named():
+    model = _llama(1)
+    model.generation_config.eos_token_id = 500
+    with pytest.raises(ValueError, match=r"got 500 from the model's generation_config.eos_token_id; pass "
+                                         "eos_token_id explicitly"):
+        _g(model, _prompt(), 3)
+    assert _g(model, _prompt(), 3, eos_token_id=[]).shape == (1, 10)  # [] = no end-of-sequence id
+
+
+@pytest.mark.parametrize("bad", [99999, 128, -1, "x", 0.0, True])
+def test_pad_token_id_is_checked_up_front(bad):
+    """pad_token_id=99999 used to crash mid-decode in the embedding; "x" with a masked_fill TypeError."""
+    model = _llama(1)
+    with pytest.raises(ValueError, match=r"pad_token_id must be an int in \[0, vocab_size\) = \[0, 128\) or None"):
+        _g(model, _prompt(), 3, pad_token_id=bad)
+    assert model not in generate_module._decoders
+
+
+def test_kv_group_size_without_a_quantized_cache_is_refused():
+    """kv_group_size=7 with the float cache used to be ignored silently."""
+    model = _llama(1)
+    with pytest.raises(ValueError, match=r"kv_group_size applies to a quantized KV cache \(kv_cache_dtype='int8' "
+                                         r"or 'int4'\); drop it or pass kv_cache_dtype"):
+        _g(model, _prompt(), 3, kv_group_size=7)
+    assert model not in generate_module._decoders
+    for bad in (True, 0, -8, 8.0):
+        with pytest.raises(ValueError, match="kv_group_size must be a positive int"):
+            _g(model, _prompt(), 3, kv_cache_dtype="int8", kv_group_size=bad)
+    assert _g(model, _prompt(), 3, kv_cache_dtype="int8", kv_group_size=8, ignore_eos=True).shape == (1, 10)
+
+
+def test_an_empty_batch_is_refused():
+    """A [0, S] input_ids used to crash inside torch (min() of an empty tensor)."""
+    model = _llama(1)
+    with pytest.raises(ValueError, match="input_ids has batch size 0: pass at least one prompt"):
+        _g(model, torch.zeros(0, 4, dtype=torch.long), 3)

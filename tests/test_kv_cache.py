@@ -250,6 +250,8 @@ def test_bad_kv_cache_dtype_names_the_options():
             generate(model, ids, 4, compile=False, kv_cache_dtype=bad)
     with pytest.raises(ValueError, match="kv_group_size must divide the head dimension 32"):
         generate(model, ids, 4, compile=False, kv_cache_dtype="int4", kv_group_size=12)
+    with pytest.raises(ValueError, match="kv_group_size applies to a quantized KV cache"):  # built directly too
+        StaticDecoder(model, 1, 64, compile=False, kv_group_size=16)
 
 
 def _sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:

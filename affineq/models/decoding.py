@@ -21,12 +21,14 @@ experts modules (whatever ``experts_implementation`` the model runs; the ``"eage
 
 from __future__ import annotations
 
+import numbers
 import weakref
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from .kv_cache import kv_cache_kind
+from .kv_cache import check_kv_group_size, kv_cache_kind
 from .static_decoder import SUPPORTED_ARCHITECTURES, StaticDecoder, model_limits, padded_prompt_length
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "generate", "StaticDecoder"]
@@ -62,13 +64,48 @@ def _decoder(model: nn.Module, batch: int, length: int, compile: bool, compile_p
     return dec
 
 
-def _eos_ids(model: nn.Module, eos_token_id) -> list[int]:
+def _token_id(value) -> int | None:
+    """`value` as a token id: a Python or numpy integer, or a 0-d integer tensor (what indexing a tokenizer's
+    tensor output gives); None for anything else (bool, float, str, ...: never read as an id)."""
+    if isinstance(value, torch.Tensor):
+        dt = value.dtype
+        ok = value.dim() == 0 and not (dt.is_floating_point or dt.is_complex or dt == torch.bool)
+        return int(value) if ok else None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # np.int64 is Integral, np.bool_ not
+        return None
+    return int(value)
+
+
+def _eos_ids(model: nn.Module, eos_token_id, vocab: int) -> list[int]:
+    """End-of-sequence ids: `eos_token_id`, or the model's generation_config's when None; each in [0, vocab).
+    An empty list means none (decode max_new_tokens; nothing banned with ignore_eos)."""
+    source = "eos_token_id"
     if eos_token_id is None:
         gen = getattr(model, "generation_config", None)
         eos_token_id = getattr(gen, "eos_token_id", None)
+        source = "the model's generation_config.eos_token_id"
     if eos_token_id is None:
         return []
-    return [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(e) for e in eos_token_id]
+    one = _token_id(eos_token_id)
+    # a str is iterable too: it must not be read as its characters' ids
+    ids = [one] if one is not None else [_token_id(e) for e in eos_token_id] if isinstance(
+        eos_token_id, (list, tuple)) else [None]
+    if any(i is None or not 0 <= i < vocab for i in ids):
+        raise ValueError(f"eos_token_id must be an int or a list of ints in [0, vocab_size) = [0, {vocab}), got "
+                         f"{eos_token_id!r}" + ("" if source == "eos_token_id" else f" from {source}; pass "
+                                                "eos_token_id explicitly"))
+    return ids
+
+
+def _pad_id(pad_token_id, vocab: int) -> int | None:
+    """`pad_token_id` checked: None or an int in [0, vocab) (it is fed back to the model as a token)."""
+    if pad_token_id is None:
+        return None
+    pad = _token_id(pad_token_id)
+    if pad is None or not 0 <= pad < vocab:
+        raise ValueError(f"pad_token_id must be an int in [0, vocab_size) = [0, {vocab}) or None (the first eos id), "
+                         f"got {pad_token_id!r}")
+    return pad
 
 
 def _choose(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: int | None, top_p: float | None,
@@ -97,6 +134,8 @@ def _check(input_ids, max_new_tokens, do_sample, temperature, top_k, top_p) -> N
         raise ValueError("input_ids must be an int64 tensor [batch, prompt_length] (prompts of different lengths: "
                          f"left-padded, with attention_mask); got {getattr(input_ids, 'dtype', type(input_ids))} "
                          f"{tuple(getattr(input_ids, 'shape', ()))}")
+    if input_ids.shape[0] == 0:  # before anything reduces over the ids (min() of an empty tensor raises)
+        raise ValueError("input_ids has batch size 0: pass at least one prompt")
     if input_ids.shape[1] == 0:
         raise ValueError("input_ids is empty: pass at least one prompt token")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
@@ -109,8 +148,9 @@ def _check(input_ids, max_new_tokens, do_sample, temperature, top_k, top_p) -> N
         raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
 
 
-def _check_against_model(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int) -> None:
-    """Token ids inside the vocabulary, prompt + new tokens inside max_position_embeddings (before any work)."""
+def _check_against_model(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int) -> int:
+    """Token ids inside the vocabulary, prompt + new tokens inside max_position_embeddings (before any work);
+    returns the vocabulary size."""
     vocab, max_positions = model_limits(model)
     lo, hi = int(input_ids.min()), int(input_ids.max())
     if lo < 0 or hi >= vocab:
@@ -123,6 +163,7 @@ def _check_against_model(model: nn.Module, input_ids: torch.Tensor, max_new_toke
         raise ValueError(f"prompt length {s} + max_new_tokens {max_new_tokens} = {s + max_new_tokens} exceeds the "
                          f"model's max_position_embeddings {max_positions}; pass max_new_tokens <= "
                          f"{max(max_positions - s, 0)} or a shorter prompt")
+    return vocab
 
 
 def _check_mask(attention_mask, input_ids: torch.Tensor) -> torch.Tensor | None:
@@ -157,7 +198,7 @@ def generate(
     fuse_projections: bool | None = None,
     kv_cache_dtype: torch.dtype | str | None = None,
     kv_group_size: int | None = None,
-    eos_token_id: int | list[int] | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
     ignore_eos: bool = False,
     pad_token_id: int | None = None,
     do_sample: bool = False,
@@ -174,8 +215,10 @@ def generate(
     token at 0) and never attends to its pads. It stops when every row has produced an end-of-sequence token
     (``eos_token_id``, default the model's generation_config; ``ignore_eos=True`` bans those ids instead, as
     transformers' ``min_new_tokens`` and llama.cpp's ``ignore_eos`` do, and always decodes ``max_new_tokens``); rows
-    that finished earlier are filled with ``pad_token_id`` (default: the first eos id). ``do_sample=True``
-    samples with ``temperature``, ``top_k``, ``top_p`` (``generator`` for reproducibility).
+    that finished earlier are filled with ``pad_token_id`` (default: the first eos id). Token ids
+    (``eos_token_id``: one or a list, ``[]`` for none; ``pad_token_id``) are ints in [0, vocab_size): Python or
+    numpy integers or 0-d integer tensors. ``do_sample=True`` samples with ``temperature``, ``top_k``, ``top_p``
+    (``generator`` for reproducibility).
 
     ``kv_cache_dtype``: None keeps the KV cache in the model dtype; ``torch.int8`` (or ``"int8"``) stores int8
     codes with one fp32 scale per ``kv_group_size`` elements of a head and token (default 32, llama.cpp q8_0's
@@ -195,15 +238,18 @@ def generate(
     so the default (None) copies only while the copies total at most ``static_decoder.FUSE_COPY_LIMIT`` (256 MiB:
     SmolLM2-size models) and True always; False never fuses.
 
-    Errors (ValueError, before any work): ids outside the vocabulary, prompt length + ``max_new_tokens`` above the
-    model's ``max_position_embeddings``, a mask of another shape or not left-padded, an unknown
-    ``kv_cache_dtype``, a quantized KV cache on a model with attention sinks (gpt-oss), ``compile=True`` on MoE
-    experts set to transformers' ``"eager"`` loop.
+    Errors (ValueError, before any work): an empty batch, ids outside the vocabulary (prompt, ``eos_token_id``,
+    ``pad_token_id``), prompt length + ``max_new_tokens`` above the model's ``max_position_embeddings``, a mask of
+    another shape or not left-padded, an unknown ``kv_cache_dtype``, ``kv_group_size`` without a quantized KV
+    cache, a quantized KV cache on a model with attention sinks (gpt-oss), ``compile=True`` on MoE experts set to
+    transformers' ``"eager"`` loop.
     """
     _check(input_ids, max_new_tokens, do_sample, temperature, top_k, top_p)
-    _check_against_model(model, input_ids, max_new_tokens)
+    vocab = _check_against_model(model, input_ids, max_new_tokens)
     mask = _check_mask(attention_mask, input_ids)
-    kv_cache_kind(kv_cache_dtype)
+    check_kv_group_size(kv_cache_kind(kv_cache_dtype), kv_group_size)
+    eos = _eos_ids(model, eos_token_id, vocab)
+    pad_token_id = _pad_id(pad_token_id, vocab)
     b, s = input_ids.shape
     if max_new_tokens == 0:
         return input_ids.clone()
@@ -211,7 +257,6 @@ def generate(
     dec = _decoder(model, b, length, compile, compile_prefill, cpp_wrapper, fuse_projections, kv_cache_dtype,
                    kv_group_size)
     dev = dec.slots.device
-    eos = _eos_ids(model, eos_token_id)
     eos_t = torch.tensor(eos, dtype=torch.int64, device=dev)
     banned, eos = (eos_t, []) if ignore_eos and eos else (None, eos)
     pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)

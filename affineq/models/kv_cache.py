@@ -40,7 +40,7 @@ import math
 import torch
 
 __all__ = ["KV_CACHE_DTYPES", "INT8_GROUP", "INT4_KEY_GROUP", "INT4_VALUE_GROUP", "kv_cache_kind",
-           "hadamard_rotation", "QuantizedKVCache"]
+           "check_kv_group_size", "hadamard_rotation", "QuantizedKVCache"]
 
 KV_CACHE_DTYPES = ("None (model dtype)", "torch.int8", "'int8'", "'int4'")
 #: Default group sizes along the head dimension (capped at the largest common divisor with it): int8 keys and
@@ -72,6 +72,19 @@ def hadamard_rotation(d: int) -> torch.Tensor:
     return torch.block_diag(*[h * n**-0.5] * (d // n))
 
 
+def check_kv_group_size(kind: str | None, group_size: int | None) -> None:
+    """ValueError for a ``kv_group_size`` that cannot apply: given for a float cache (``kind`` None, where it
+    would be ignored), or not a positive int. Whether it divides the head dimension is ``_groups``' check."""
+    if group_size is None:
+        return
+    if kind is None:
+        raise ValueError("kv_group_size applies to a quantized KV cache (kv_cache_dtype='int8' or 'int4'); drop it "
+                         f"or pass kv_cache_dtype (got kv_group_size={group_size!r} with kv_cache_dtype=None)")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
+        raise ValueError(f"kv_group_size must be a positive int dividing the head dimension (or None for the "
+                         f"default groups), got {group_size!r}")
+
+
 def _groups(kind: str, d: int, group_size: int | None) -> tuple[int, int]:
     """(key, value) group sizes; ValueError unless each divides d (and is even for int4)."""
     if group_size is None:
@@ -80,6 +93,7 @@ def _groups(kind: str, d: int, group_size: int | None) -> tuple[int, int]:
         else:
             gk, gv = math.gcd(d, INT4_KEY_GROUP), math.gcd(d, INT4_VALUE_GROUP)
     else:
+        check_kv_group_size(kind, group_size)  # a bool is an int to isinstance: True must not mean groups of 1
         gk = gv = group_size
     for g in (gk, gv):
         if not isinstance(g, int) or g <= 0 or d % g or (kind == "int4" and g % 2):

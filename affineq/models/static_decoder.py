@@ -353,9 +353,10 @@ class StaticDecoder:
     def __init__(self, model: nn.Module, batch: int, max_len: int, *, compile: bool = True,
                  compile_prefill: bool = False, cpp_wrapper: bool = True, fuse: bool | None = None,
                  kv_cache_dtype: str | torch.dtype | None = None, kv_group_size: int | None = None):
-        from .kv_cache import QuantizedKVCache, kv_cache_kind
+        from .kv_cache import QuantizedKVCache, check_kv_group_size, kv_cache_kind
 
         kind = kv_cache_kind(kv_cache_dtype)
+        check_kv_group_size(kind, kv_group_size)
         self.arch = a = _describe(model, fuse)
         _check_options(model, a, kind, compile)
         self.batch, self.max_len = batch, max_len
