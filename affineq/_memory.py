@@ -14,7 +14,10 @@ import torch
 __all__ = ["release_float_copy", "trim_heap", "status_bytes"]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-_MADV_DONTNEED = 4
+# Never MADV_DONTNEED (4) here: on a private (copy-on-write) file mapping, which is what safetensors' load_file
+# gives, it discards the pages the user wrote to and a later read sees the file again. MADV_PAGEOUT (Linux 5.4)
+# reclaims clean pages (the file still holds them) and swaps out, or leaves resident, dirty ones: never loses data.
+_MADV_PAGEOUT = 21
 _libc = None
 
 
@@ -36,15 +39,16 @@ def _get_libc():
     return _libc
 
 
-def _mapped_file(ptr: int) -> str | None:
-    """Path of the file mapping that holds address `ptr`, or None (anonymous memory, or not Linux)."""
+def _mapping(ptr: int) -> tuple[str, str] | None:
+    """(path, range) of the file mapping that holds address `ptr` (range: its "lo-hi" field of /proc/self/maps,
+    naming one mapping), or None (anonymous memory, or not Linux)."""
     try:
         with open("/proc/self/maps") as f:
             for line in f:
                 parts = line.split(maxsplit=5)
                 lo, hi = (int(x, 16) for x in parts[0].split("-"))
                 if lo <= ptr < hi:
-                    return parts[5].strip() if len(parts) == 6 and parts[5].startswith("/") else None
+                    return (parts[5].strip(), parts[0]) if len(parts) == 6 and parts[5].startswith("/") else None
     except OSError:
         return None
     return None
@@ -55,17 +59,20 @@ def release_float_copy(t: torch.Tensor) -> None:
 
     A weight read from safetensors may be a view of the memory-mapped file, and the mapping may stay open
     (other tensors of the file keep viewing it), so every page read while quantizing would stay resident:
-    drop those pages (MADV_DONTNEED on a read-only file mapping only forgets the cached copy; a later read
-    fetches the file again). Then return freed quantization temporaries to the OS (malloc_trim), which glibc
-    would otherwise keep as heap fragments."""
+    reclaim those pages with MADV_PAGEOUT. It is safe whatever the caller still does with `t` (a failed call
+    that keeps the float weight, an alias the user holds): the mapping is private copy-on-write, so pages the
+    user edited are anonymous memory that PAGEOUT swaps out or keeps, never drops (MADV_DONTNEED would revert
+    them to the file's content); clean pages are read from the file again when next touched. Kernels older than
+    5.4 reject PAGEOUT (EINVAL): then nothing is released. Then return freed quantization temporaries to the OS
+    (malloc_trim), which glibc would otherwise keep as heap fragments."""
     libc = _get_libc()
     if not libc or t.device.type != "cpu" or not t.is_contiguous():
         return
     ptr, n = t.data_ptr(), t.numel() * t.element_size()
     lo, hi = -(-ptr // _PAGE) * _PAGE, (ptr + n) // _PAGE * _PAGE
-    path = _mapped_file(ptr) if hi > lo else None
-    if path is not None and path.endswith(".safetensors") and _mapped_file(hi - 1) == path:
-        libc.madvise(lo, hi - lo, _MADV_DONTNEED)
+    where = _mapping(ptr) if hi > lo else None
+    if where is not None and where[0].endswith(".safetensors") and _mapping(hi - 1) == where:
+        libc.madvise(lo, hi - lo, _MADV_PAGEOUT)
     trim_heap()
 
 

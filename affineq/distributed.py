@@ -210,28 +210,54 @@ def dcp_load(model: nn.Module, checkpoint_id: str | Path) -> nn.Module:
     """Load a `dcp_save` checkpoint into `model`, quantized with the same config and sharded at any world size (or
     not sharded, in one process). Quantized weights are rebuilt from the saved codes and qparams and copied into
     the model's weights (in place, their own packing format); a weight saved with another target, range or
-    activation quantization is a ValueError naming it."""
+    activation quantization is a ValueError naming it.
+
+    All or nothing: everything is read into new tensors and every quantized weight is rebuilt and checked against
+    the model's before the first value is copied in, so a failing load leaves the model as it was (peak memory:
+    the model plus one copy of what the checkpoint holds)."""
     import torch.distributed.checkpoint as dcp
 
     metadata = dcp.FileSystemReader(str(checkpoint_id)).read_metadata().state_dict_metadata
     weights = _quantized_weights(model)
-    sd = dict(model.state_dict())
-    _check_shapes(sd, weights, metadata)  # before anything is read into the model
+    targets = dict(model.state_dict())
+    _check_shapes(targets, weights, metadata)  # before anything is read
+    # dcp.load copies into the tensors it is given: give it new ones, not the model's (a later check may fail)
+    sd = {k: torch.empty_like(t) if isinstance(t, torch.Tensor) else t for k, t in targets.items() if k not in weights}
     for fqn, w in weights.items():
         local, dt = _local(w)
-        del sd[fqn]
         sd[f"{fqn}.{_SPEC}"] = ""
         for name in _saved_part_names(metadata, fqn):
             meta = metadata[f"{fqn}.aq_{name}"]
             shape, placements = _load_layout(name, meta.size, dt, fqn)
             sd[f"{fqn}.aq_{name}"] = _global(torch.empty(shape, dtype=meta.properties.dtype), name, dt, placements)
     dcp.load(sd, checkpoint_id=str(checkpoint_id))
+    rebuilt = {}
     for fqn, w in weights.items():
         local, _ = _local(w)
-        saved = QuantSpec.from_dict(json.loads(sd[f"{fqn}.{_SPEC}"]))
-        parts = {n: _local(sd[f"{fqn}.aq_{n}"])[0] for n in _saved_part_names(metadata, fqn)}
-        local.copy_(_rebuild(local, tuple(w.shape), saved, parts, fqn))
+        saved = QuantSpec.from_dict(json.loads(sd.pop(f"{fqn}.{_SPEC}")))
+        parts = {n: _local(sd.pop(f"{fqn}.aq_{n}"))[0] for n in _saved_part_names(metadata, fqn)}
+        rebuilt[fqn] = _rebuild(local, tuple(w.shape), saved, parts, fqn)
+        _check_fits(local, rebuilt[fqn], fqn)
+    # nothing below can fail on the checkpoint's content: only now is the model written
+    with torch.no_grad():
+        for key, t in sd.items():
+            if isinstance(t, torch.Tensor) and isinstance(targets.get(key), torch.Tensor):
+                targets[key].copy_(t)
+        for fqn, w in weights.items():
+            _local(w)[0].copy_(rebuilt[fqn])
     return model
+
+
+def _check_fits(local: AQT, new: AQT, fqn: str) -> None:
+    """ValueError unless `new` can be copied into `local` (what AffineQuantizedTensor.copy_ requires: the same
+    spec and stored tensors), checked for every weight before any is copied."""
+    def layout(t: AQT) -> list:
+        return [(n, x.dtype, tuple(x.shape)) for n, x in t.tensors.items()]
+
+    if new.spec != local.spec or layout(new) != layout(local):
+        raise ValueError(f"dcp_load: {fqn}: the checkpoint's weight {new!r} does not match the model's {local!r} "
+                         "(another config, or qparams stored in another dtype); quantize the model with the config "
+                         "the checkpoint was saved with (nothing was loaded)")
 
 
 def _check_shapes(sd: dict, weights: dict, metadata) -> None:

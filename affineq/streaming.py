@@ -21,7 +21,6 @@ module's weight, and the module's config then checks it as `quantize_` would). T
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 import shutil
@@ -33,6 +32,17 @@ import torch
 from torch import nn
 
 from affineq import safetensors as _st
+from affineq._checkpoint_writer import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    ShardWriter,
+    check_dst,
+    commit,
+    nbytes,
+    side_files,
+    source_hf_config,
+    write_side_files,
+)
 from affineq._memory import release_float_copy, trim_heap
 from affineq._meta_buffers import meta_tensors, plan_meta_buffers
 from affineq._untrusted import inside, read_json
@@ -44,6 +54,7 @@ from affineq.plan import (
     FqnToConfig,
     ModelConfig,
     QuantizationError,
+    Snapshot,
     handler_for,
     parameter_owners,
     plan,
@@ -53,12 +64,11 @@ from affineq.plan import (
 from affineq.quantize import replace_parameters
 from affineq.recurrent import RECURRENT_TYPES
 from affineq.tensor.affine import AffineQuantizedTensor
+from affineq.tensor.spec import QuantSpec
 
 __all__ = ["quantize_checkpoint", "load_quantized", "is_linear_weight", "QuantizedCheckpoint"]
 
 SelectFn = Callable[[str, tuple[int, ...]], bool]
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 # The shard being filled is held in memory until written: it bounds quantize_checkpoint's peak (an 8B model at
 # int4 g32: ~0.6 GB above the interpreter with 512 MiB shards, over 2 GB with 2 GiB ones).
 DEFAULT_MAX_SHARD_BYTES = 512 * 2**20
@@ -304,131 +314,6 @@ def quantize_weight(config: QuantConfig, weight: torch.Tensor, module: nn.Module
     return AffineQuantizedTensor.from_spec(weight, spec, config.qparam_options(), chunk_rows=rows)
 
 
-# -- writing shards -------------------------------------------------------------------------------------------
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.storage_bytes() if isinstance(t, AffineQuantizedTensor) else t.numel() * t.element_size()
-
-
-class _ShardWriter:
-    """Collects tensors and writes them with `affineq.safetensors.save_file` once the next one would take the
-    shard past `max_bytes`; `close()` names the shards as transformers does and writes the index."""
-
-    def __init__(self, dst: Path, max_bytes: int) -> None:
-        self.dst, self.max_bytes = dst, max_bytes
-        self.pending: dict[str, torch.Tensor] = {}
-        self.size = 0
-        self.written: list[Path] = []
-        self.dst_bytes = 0
-
-    def add(self, key: str, t: torch.Tensor) -> None:
-        n = _nbytes(t)
-        if self.pending and self.size + n > self.max_bytes:
-            self.flush()
-        self.pending[key] = t
-        self.size += n
-
-    def flush(self) -> None:
-        path = self.dst / f".model-{len(self.written) + 1:05d}.safetensors.part"
-        _st.save_file(self.pending, path)
-        for t in self.pending.values():  # float tensors passed through are views of the source's mapping
-            if not isinstance(t, AffineQuantizedTensor):
-                release_float_copy(t)
-        self.dst_bytes += self.size
-        self.written.append(path)
-        self.pending, self.size = {}, 0
-        trim_heap()
-
-    def close(self) -> list[tuple[Path, Path]]:
-        """Write the last shard and the index, all under hidden names; returns (written, final name) pairs
-        that `_commit` renames into place (shards named as transformers names them)."""
-        if self.pending or not self.written:
-            self.flush()
-        n = len(self.written)
-        if n == 1:
-            final = [self.dst / SINGLE_FILE]
-        else:
-            final = [self.dst / f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
-        moves = list(zip(self.written, final, strict=True))
-        if n > 1:
-            weight_map = {}
-            for part, path in moves:
-                with _st.open_file(part) as f:
-                    weight_map.update({k: path.name for k in f.keys()})
-            index = {"metadata": {"total_size": self.dst_bytes, "format": "affineq"}, "weight_map": weight_map}
-            moves.append((self.hidden(INDEX_FILE, json.dumps(index, indent=2)), self.dst / INDEX_FILE))
-        return moves
-
-    def hidden(self, name: str, text: str) -> Path:
-        """Write `text` to a hidden part file for `name` (removed again if quantize_checkpoint fails)."""
-        part = self.dst / f".{name}.part"
-        self.written.append(part)
-        part.write_text(text)
-        return part
-
-
-def _commit(moves: list[tuple[Path, Path]], done: list[Path]) -> None:
-    """Rename every written part into place (appending each to `done`), the shards last: a checkpoint is only
-    loadable once complete."""
-    for part, final in sorted(moves, key=lambda m: m[1].suffix == ".safetensors"):
-        os.replace(part, final)
-        done.append(final)
-
-
-def _check_dst(src_files: list[Path], dst: Path) -> None:
-    if dst.exists() and not dst.is_dir():
-        raise ValueError(f"dst_dir={os.fspath(dst)!r} is a file; pass a directory (it is created if missing)")
-    if dst.is_dir() and (list(dst.glob("*.safetensors")) or (dst / INDEX_FILE).exists()):
-        raise ValueError(f"dst_dir={os.fspath(dst)!r} already holds a safetensors checkpoint; pass an empty or new "
-                         "directory (mixing shards of two checkpoints would load the wrong weights)")
-    if any(f.resolve().parent == dst.resolve() for f in src_files):
-        raise ValueError("dst_dir must differ from the source directory")
-
-
-def _hf_config(src: Path) -> dict | None:
-    """The checkpoint directory's transformers config.json, or None; ValueError if it is already quantized."""
-    path = src / "config.json"
-    if not path.is_file():
-        return None
-    cfg = read_json(inside(src, "config.json", os.fspath(path)))
-    if not isinstance(cfg, dict):
-        return None
-    if cfg.get("quantization_config"):
-        method = cfg["quantization_config"].get("quant_method") if isinstance(cfg["quantization_config"], dict) else "?"
-        raise ValueError(f"{path} says the checkpoint is already quantized (quant_method {method!r}); "
-                         "quantize_checkpoint reads float checkpoints")
-    return cfg
-
-
-_OTHER_WEIGHTS = (".safetensors", ".gguf")  # the float weights again (a GGUF of the same model): not copied
-
-
-def _side_files(src: Path) -> list[Path]:
-    """Every other file of the source directory (tokenizer, generation config...), each inside it."""
-    return [inside(src, f.name, f"{src}: {f.name}") for f in sorted(src.iterdir())
-            if f.is_file() and f.suffix not in _OTHER_WEIGHTS and f.name not in (INDEX_FILE, "config.json")]
-
-
-def _write_side_files(src: Path, writer: _ShardWriter, hf_config: dict | None, config: QuantConfig,
-                      quantized: list[str]) -> list[tuple[Path, Path]]:
-    """The source's other files, and config.json marked quantized as `affineq.hf.AffineqConfig` writes it
-    (with `quantized`, the manifest of the quantized weights a load checks), so that transformers'
-    `from_pretrained(dst)` loads the quantized checkpoint; as hidden parts, (part, final name) pairs."""
-    moves = []
-    for f in _side_files(src):
-        part = writer.dst / f".{f.name}.part"
-        writer.written.append(part)
-        shutil.copy2(f, part)
-        moves.append((part, writer.dst / f.name))
-    if hf_config is not None:
-        quant = {"quant_method": "affineq", "quant_config": config.to_dict(), "modules_to_not_convert": None,
-                 "quantized_weights": sorted(quantized)}
-        text = json.dumps({**hf_config, "quantization_config": quant}, indent=2) + "\n"
-        moves.append((writer.hidden("config.json", text), writer.dst / "config.json"))
-    return moves
-
-
 def _named(key: str, source: _Source, e: ValueError) -> ValueError:
     """`e` again, naming the checkpoint tensor it came from."""
     msg = f"tensor {key!r} of {source.keys[key][0]}: {e}"
@@ -490,20 +375,19 @@ def quantize_checkpoint(
         raise QuantizationError(f"{type(config).__name__} selects no weight of {os.fspath(src_dir)!r} (no 2-D *.weight "
                                 "outside embeddings, or filter_fn / model= chose none); the output would be the input")
     src = Path(src_dir)
-    hf_config = _hf_config(src) if src.is_dir() else None
+    hf_config = source_hf_config(src) if src.is_dir() else None
     if src.is_dir():
-        _side_files(src)  # refuse links leading outside before anything is written
+        side_files(src)  # refuse links leading outside before anything is written
     dst = Path(dst_dir)
-    _check_dst(source.files, dst)
+    check_dst(source.files, dst)
     made_dst = not dst.exists()
     dst.mkdir(parents=True, exist_ok=True)
-    writer = _ShardWriter(dst, max_shard_bytes)
+    writer = ShardWriter(dst, max_shard_bytes)
     quantized = [k for k in source.keys if k in targets]
     float_bytes = quantized_bytes = src_bytes = 0
-    done: list[Path] = []
     try:
         for key, t in _read(source):
-            src_bytes += _nbytes(t)
+            src_bytes += nbytes(t)
             target = targets.get(key)
             if target is None:
                 writer.add(key, t)
@@ -512,26 +396,27 @@ def quantize_checkpoint(
                 q = quantize_weight(target.config, t, target.module)
             except ValueError as e:  # NaN / inf weights
                 raise _named(key, source, e) from None
-            float_bytes += _nbytes(t)
-            quantized_bytes += _nbytes(q)
+            float_bytes += nbytes(t)
+            quantized_bytes += nbytes(q)
             release_float_copy(t)
             del t
             writer.add(key, q)
         moves = writer.close()
         shards = [final for _, final in moves]
         if src.is_dir():
-            moves += _write_side_files(src, writer, hf_config, config, quantized)
-        _commit(moves, done)
+            moves += write_side_files(src, writer, hf_config, config, quantized)
+        commit(moves)  # all or nothing: a failing commit has put back every file it replaced
     except BaseException as e:  # leave nothing a later load could take for a checkpoint
         for part in writer.written:
             part.unlink(missing_ok=True)
-        for final in done:
-            final.unlink(missing_ok=True)
         if made_dst:
             shutil.rmtree(dst, ignore_errors=True)
         if isinstance(e, OSError):
-            raise OSError(f"quantize_checkpoint: writing {os.fspath(dst)!r} failed ({e}); nothing was left there (is "
-                          "the disk full?)") from None
+            err = OSError(f"quantize_checkpoint: writing {os.fspath(dst)!r} failed ({e}); it was left as it was "
+                          "(is the disk full?)")
+            for note in getattr(e, "__notes__", ()):  # a backup commit could not move back: where it is
+                err.add_note(note)
+            raise err from None
         raise
     files = [f for f in shards if f.suffix == ".safetensors"]
     return QuantizedCheckpoint(tuple(str(f) for f in files), tuple(quantized), float_bytes, quantized_bytes,
@@ -563,6 +448,10 @@ def load_quantized(
     is refused unless `allow_unchecked=True`: transformers' save_pretrained checksums quantized weights only),
     and every weight config.json's `quantized_weights` lists must be stored quantized. Every file must lie
     inside `src` after resolving symlinks.
+
+    All or nothing: shapes are checked from the headers before anything is read, and a load that fails later (a
+    checksum, a NaN weight while quantizing, a buffer nothing fills) puts back every parameter and buffer it
+    replaced, so the model is left as it was.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"load_quantized(model, ...): model must be an nn.Module, got {type(model).__name__}")
@@ -586,7 +475,31 @@ def load_quantized(
         raise ValueError(f"load_quantized: non-persistent buffers {impossible} are on the meta device and neither the "
                          "checkpoint (which never holds them) nor their module's initialisation can fill them; build "
                          "those modules on the CPU")
+    _check_shapes(source, entries, slots)  # before anything is read or placed
     owners = parameter_owners(model)
+    # A checksum, a NaN weight (quantizing while loading) or a buffer initialiser can still fail after some tensors
+    # are placed: put every replaced parameter and buffer back then. _place only ever assigns new tensors (never
+    # copies into the model's), so restoring the references restores every value too.
+    snapshot = Snapshot(model)
+    try:
+        _place_all(source, entries, targets, slots, owners, src)
+        buffers.run()
+        left = meta_tensors(model)
+        if left:
+            raise ValueError(f"load_quantized: {left} are still on the meta device after loading; fill them (or build "
+                             "their modules on the CPU) before running the model")
+    except BaseException:
+        snapshot.restore()
+        raise
+    trim_heap()
+    use_affineq_experts(model)  # quantized MoE expert weights run through grouped_linear
+    return model
+
+
+def _place_all(source: _Source, entries: dict, targets: dict[str, _Target], slots: dict, owners,
+               src: str | os.PathLike) -> None:
+    """Read every tensor of the checkpoint and place it in its slot: quantized entries rebuilt (checksums verified)
+    once all their tensors are read, selected float weights quantized with their config, the rest as they are."""
     partial: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in _read(source):
         name, _, inner = key.partition(_st.SEP)
@@ -613,14 +526,39 @@ def load_quantized(
     if partial:
         raise ValueError(f"{os.fspath(src)!r}: quantized entries {sorted(partial)[:5]} lack some of their tensors; the "
                          "checkpoint is truncated or was edited")
-    buffers.run()
-    left = meta_tensors(model)
-    if left:
-        raise ValueError(f"load_quantized: {left} are still on the meta device after loading; fill them (or build "
-                         "their modules on the CPU) before running the model")
-    trim_heap()
-    use_affineq_experts(model)  # quantized MoE expert weights run through grouped_linear
-    return model
+
+
+def _check_shapes(source: _Source, entries: dict, slots: dict) -> None:
+    """ValueError naming every model tensor whose shape differs from what the checkpoint's header says it holds
+    (a quantized entry: its spec's shape), before anything is read. An entry whose spec cannot be read is left
+    to `build_entry`, which names what is wrong with it."""
+    problems = []
+    for key, (_, shape, _) in source.keys.items():
+        name, _, inner = key.partition(_st.SEP)
+        if name in entries and inner:
+            continue
+        if key in slots:
+            problems += _shape_problem(key, slots[key], shape)
+    for name, entry in entries.items():
+        if name not in slots:
+            continue
+        try:
+            shape = QuantSpec.from_dict(entry["spec"]).logical_shape
+        except (ValueError, KeyError, TypeError):
+            continue
+        problems += _shape_problem(name, slots[name], shape)
+    if problems:
+        raise ValueError("load_quantized: {} tensor(s) of the model have other shapes than the checkpoint's:\n{}\n"
+                         "Build the model with the checkpoint's configuration (nothing was loaded)".format(
+                             len(problems), "\n".join(problems)))
+
+
+def _shape_problem(name: str, slot: tuple[nn.Module, str, torch.Tensor], shape) -> list[str]:
+    module, attr, old = slot
+    if tuple(shape) == tuple(old.shape):
+        return []
+    return [f"  - {name} ({type(module).__name__}.{attr}): the checkpoint's tensor has shape {tuple(shape)}, the "
+            f"model's {tuple(old.shape)}"]
 
 
 def _slots(model: nn.Module) -> dict[str, tuple[nn.Module, str, torch.Tensor]]:
