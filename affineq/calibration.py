@@ -14,6 +14,7 @@ fake-quantized input; convolutions run the announced dequantize fallback on the 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -43,26 +44,33 @@ OBSERVERS: dict[str, type] = {
 _OBSERVER_ATTR = "affineq_input_observer"  # the submodule prepare_ adds (saved in the state_dict)
 _OUTPUT_OBSERVER_ATTR = "affineq_output_observer"  # with quantize_output
 _STATE_ATTR = "_affineq_calibration"  # ([hook handles], config) on a prepared module; gone after convert_
+# While quantize_ calibrates: the ids of the modules it prepared. Observers the user attached with prepare_
+# to other modules must not record quantize_'s calibration data (their calibration is the user's own).
+_OBSERVING: ContextVar[frozenset[int] | None] = ContextVar("affineq_observing", default=None)
 
 
 def quantize_with_calibration(model: nn.Module, config: QuantConfig, filter_fn, steps, calibration_data,
                               device=None) -> nn.Module:
     """The calibration workflow of `quantize_`: prepare_, run the calibration data, then one all-or-nothing
-    quantize_ of every selected layer (static layers with their calibrated qparams). Observers never outlive
-    the call."""
+    quantize_ of every selected layer (static layers with their calibrated qparams). Only the layers `steps`
+    selected are prepared, calibrated and converted: layers the user prepared earlier keep their observers,
+    untouched (they do not record this data). Our observers never outlive the call; on failure the model is
+    as before and a failing calibration forward raises QuantizationError (the model's error chained)."""
     if calibration_data is None:
         raise QuantizationError(
             f"{type(config).__name__} quantizes activations statically and needs calibration: pass "
             "calibration_data=<an iterable of model inputs>, or call affineq.prepare_(model, config), run "
             "batches, then affineq.convert_(model)"
         )
-    prepare_(model, config, filter_fn)
+    mine = _attach_observers(config, steps)
+    token = _OBSERVING.set(frozenset(id(m) for m in mine.values()))
     try:
-        run_calibration(model, calibration_data)
+        _calibrate(model, calibration_data, progress=True, wrap_errors=True)
         others = {s.fqn: s.config for s in steps if not _needs_calibration(s.config)}
-        return convert_(model, others=others)
+        return _convert(model, mine, others)
     finally:
-        unprepare_(model)
+        _OBSERVING.reset(token)
+        _detach_observers(mine.values())
 
 
 #: How `quantize_` runs a config that `needs_calibration` (its `workflow`).
@@ -178,6 +186,13 @@ def prepare_(model: nn.Module, config: QuantConfig, filter_fn=None) -> nn.Module
     QuantizationError, changing nothing, when a selected layer cannot be quantized."""
     steps, problems = plan(model, config, filter_fn)
     raise_problems(config, problems)
+    _attach_observers(config, steps)
+    return model
+
+
+def _attach_observers(config: QuantConfig, steps) -> dict[str, nn.Module]:
+    """prepare_ of the static layers among `steps`: {fqn: module} of the layers it prepared. Checks all of them
+    before changing any."""
     static = [s for s in steps if _needs_calibration(s.config)]
     if not static:
         raise QuantizationError(f"{type(config).__name__} quantizes no layer statically: nothing to calibrate; "
@@ -192,16 +207,21 @@ def prepare_(model: nn.Module, config: QuantConfig, filter_fn=None) -> nn.Module
             step.module.add_module(_OUTPUT_OBSERVER_ATTR, step.config.make_observer(output=True))
             handles.append(step.module.register_forward_hook(_observe_output))
         setattr(step.module, _STATE_ATTR, (handles, step.config))
-    return model
+    return {s.fqn: s.module for s in static}
+
+
+def _observing(module: nn.Module) -> bool:
+    only = _OBSERVING.get()
+    return only is None or id(module) in only
 
 
 def _observe_input(module: nn.Module, args) -> None:
-    if args and isinstance(args[0], torch.Tensor):
+    if args and isinstance(args[0], torch.Tensor) and _observing(module):
         getattr(module, _OBSERVER_ATTR)(args[0])
 
 
 def _observe_output(module: nn.Module, args, out) -> None:
-    if isinstance(out, torch.Tensor):
+    if isinstance(out, torch.Tensor) and _observing(module):
         getattr(module, _OUTPUT_OBSERVER_ATTR)(out)
 
 
@@ -211,14 +231,30 @@ def first_value(t: torch.Tensor | None):
 
 def run_calibration(model: nn.Module, data: Iterable, progress: bool = True) -> int:
     """Run `model` on every item of `data` (tensor: model(x); tuple: model(*x); dict: model(**x)) without
-    gradients; returns the number of items. Shows a progress bar when tqdm is installed and `progress`."""
-    from affineq.algorithms._capture import call_model
+    gradients and in eval mode (every module's training flag is restored afterwards, also on errors: the
+    observers calibrate inference behaviour, and BatchNorm running statistics stay as they are); returns the
+    number of items. Shows a progress bar when tqdm is installed and `progress`."""
+    return _calibrate(model, data, progress=progress, wrap_errors=False)
+
+
+def _calibrate(model: nn.Module, data: Iterable, *, progress: bool, wrap_errors: bool) -> int:
+    """run_calibration; `wrap_errors`: a failing forward raises QuantizationError naming the item (quantize_'s
+    convention for failures; an item that is no tensor / tuple / dict still raises TypeError)."""
+    from affineq.algorithms._capture import as_call, describe_item, eval_mode
     from affineq.algorithms._capture import progress as _progress
 
     n = 0
-    with torch.no_grad():
+    with torch.no_grad(), eval_mode(model):
         for item in _progress(data, "calibrating", progress, unit="batch"):
-            call_model(model, item, n)
+            args, kwargs = as_call(item, n)
+            try:
+                model(*args, **kwargs)
+            except Exception as e:
+                if not wrap_errors:
+                    raise
+                raise QuantizationError(
+                    f"calibrating on {describe_item(item, n)} failed in {type(model).__name__} (the model was left "
+                    f"unchanged): {type(e).__name__}: {e}; pass the inputs the model takes") from e
             n += 1
     return n
 
@@ -227,11 +263,18 @@ def convert_(model: nn.Module, *, others: dict[str, QuantConfig] | None = None) 
     """Quantize every prepared layer with its observer's calibrated qparams and remove the observers; returns
     `model`. All or nothing (one `quantize_`, with `others`: more layers by name and their configs); a
     layer whose observer saw no data raises QuantizationError naming it, and the model stays prepared."""
-    from affineq.quantize import FqnToConfig, quantize_
-
     prepared = {fqn: m for fqn, m in model.named_modules() if hasattr(m, _STATE_ATTR)}
     if not prepared:
         raise QuantizationError("convert_: no prepared layer in this model; call prepare_(model, config) first")
+    return _convert(model, prepared, others)
+
+
+def _convert(model: nn.Module, prepared: dict[str, nn.Module], others: dict[str, QuantConfig] | None
+             ) -> nn.Module:
+    """convert_ of the prepared layers `prepared` ({fqn: module}) only: other prepared layers keep their
+    observers."""
+    from affineq.quantize import FqnToConfig, quantize_
+
     configs = dict(others or {})
     for fqn, m in prepared.items():
         obs = getattr(m, _OBSERVER_ATTR)
@@ -246,17 +289,22 @@ def convert_(model: nn.Module, *, others: dict[str, QuantConfig] | None = None) 
                                    act_zero_point=first_value(zp), out_scale=first_value(out_scale),
                                    out_zero_point=first_value(out_zp))
     quantize_(model, FqnToConfig(configs), filter_fn=lambda module, fqn: fqn in configs)
-    unprepare_(model)
+    _detach_observers(prepared.values())
     return model
 
 
 def unprepare_(model: nn.Module) -> nn.Module:
     """Remove every observer and hook `prepare_` added to `model` (nothing else changes)."""
-    for m in model.modules():
+    _detach_observers(model.modules())
+    return model
+
+
+def _detach_observers(modules: Iterable[nn.Module]) -> None:
+    """Remove the observers and hooks prepare_ added to each of `modules`."""
+    for m in modules:
         state = m.__dict__.pop(_STATE_ATTR, None)
         for handle in state[0] if state is not None else ():
             handle.remove()
         for attr in (_OBSERVER_ATTR, _OUTPUT_OBSERVER_ATTR):
             if attr in m._modules:
                 delattr(m, attr)
-    return model

@@ -123,15 +123,26 @@ def _auto_groups(model: nn.Module) -> list[list[str]]:
 def fuse_modules_(model: nn.Module, groups: list[list[str]] | None = None) -> list[list[str]]:
     """Fuse `groups` of module names in place (None: every known pattern of adjacent modules inside an
     nn.Sequential) and return the groups fused. All or nothing: every group is checked and fused before the
-    model changes. Raises ValueError naming the group for an unknown name, an unsupported pattern or a
-    BatchNorm in training mode."""
+    model changes. Raises ValueError naming the group for an unknown name, an unsupported pattern, a
+    BatchNorm in training mode, or a module named in two groups."""
     if groups is None:
         groups = _auto_groups(model)
+    groups = list(groups)  # walked twice (checks, then fusion): a generator would be used up by the checks
     modules = dict(model.named_modules())
-    fused = []
-    for group in groups:
+    owner: dict[str, int] = {}  # module name -> index of the first group naming it
+    for i, group in enumerate(groups):
         if not isinstance(group, (list, tuple)) or len(group) < 2 or not all(isinstance(n, str) for n in group):
             raise ValueError(f"each group must be a list of two or three module names, got {group!r}")
+        # each group's fusion replaces its modules; a module in two groups would be fused twice, the first
+        # result silently overwritten (a folded BatchNorm lost), so overlapping groups are refused up front
+        for name in group:
+            j = owner.setdefault(name, i)
+            if j != i:
+                raise ValueError(f"fuse_modules_: module {name!r} is in two groups, {list(groups[j])} and "
+                                 f"{list(group)}; each module can be fused once: pass disjoint groups, e.g. one "
+                                 "group of three for conv + BatchNorm + ReLU")
+    fused = []
+    for group in groups:
         missing = [n for n in group if n not in modules]
         if missing:
             raise ValueError(f"fuse_modules_: the model has no modules {missing} (group {group}); names are those "

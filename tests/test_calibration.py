@@ -5,7 +5,7 @@ import io
 
 import pytest
 import torch
-from conftest import sqnr
+from conftest import assert_unchanged, snapshot_model, sqnr
 from torch import nn
 
 import affineq
@@ -144,3 +144,66 @@ def test_folded_cnn_calibrated_statically():
             out = m(x)
     assert used == ["dequantize:conv", "aten._int_mm:static"]
     assert sqnr(ref, out) > 30
+
+
+def _user_prepared():
+    """A model whose layer "0" the user prepared (and calibrated on one batch) before quantize_ calibrates "2"."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64)).eval()
+    prepare_(m, _static(), filter_fn=lambda mod, fqn: fqn == "0")
+    m(torch.randn(4, 64))
+    return m
+
+
+def test_quantize_with_calibration_leaves_the_users_prepared_layers_alone():
+    m = _user_prepared()
+    before, keys, hooks = snapshot_model(m), list(m.state_dict()), dict(m[0]._forward_pre_hooks)
+    # a calibration forward that fails: QuantizationError naming the item, the model's error chained
+    with pytest.raises(QuantizationError, match=r"calibration item 1 \(\[0\] \(4, 65\)\).*left unchanged") as info:
+        quantize_(m, _static(), filter_fn=lambda mod, fqn: fqn == "2",
+                  calibration_data=[torch.randn(4, 64), torch.randn(4, 65)])
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert_unchanged(m, before)  # "0"'s observer kept, and it recorded none of quantize_'s data
+    assert list(m.state_dict()) == keys and dict(m[0]._forward_pre_hooks) == hooks
+    # valid data: only the layer filter_fn selected is quantized; "0" stays float and prepared, its observer
+    # untouched, and the user's own convert_ still works on it
+    before0 = snapshot_model(m[0])
+    quantize_(m, _static(), filter_fn=lambda mod, fqn: fqn == "2", calibration_data=[torch.randn(4, 64) * 5])
+    assert isinstance(m[2].weight, AffineQuantizedTensor) and not isinstance(m[0].weight, AffineQuantizedTensor)
+    assert not hasattr(m[2], "affineq_input_observer")
+    assert_unchanged(m[0], before0)
+    assert dict(m[0]._forward_pre_hooks) == hooks
+    convert_(m)
+    assert m[0].weight.act_quant.static and not hasattr(m[0], "affineq_input_observer")
+
+
+def _bn_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.Linear(64, 64))  # training mode
+
+
+def _bn_data(bad_last: bool):
+    g = torch.Generator().manual_seed(3)
+    data = [torch.randn(8, 64, generator=g) for _ in range(3)]
+    return data + [torch.randn(8, 65, generator=g)] if bad_last else data
+
+
+def test_static_calibration_runs_in_eval_mode_and_keeps_batchnorm_statistics():
+    m = _bn_model()
+    m[2].eval()  # a mixed model: each module's own flag comes back
+    modes = [x.training for x in m.modules()]
+    before = snapshot_model(m)
+    flt = lambda mod, fqn: isinstance(mod, nn.Linear)  # noqa: E731
+    with pytest.raises(QuantizationError, match="calibration item 3"):
+        quantize_(m, _static(), filter_fn=flt, calibration_data=_bn_data(bad_last=True))
+    assert_unchanged(m, before)  # running_mean / running_var / num_batches_tracked included
+    assert [x.training for x in m.modules()] == modes
+    prepare_(m, _static(), filter_fn=flt)
+    affineq.run_calibration(m, _bn_data(bad_last=False), progress=False)  # the public step, too
+    affineq.calibration.unprepare_(m)
+    assert_unchanged(m, before)
+    assert [x.training for x in m.modules()] == modes
+    quantize_(m, _static(), filter_fn=flt, calibration_data=_bn_data(bad_last=False))
+    assert torch.equal(m[1].running_mean, before["buffers"]["1.running_mean"][1])
+    assert int(m[1].num_batches_tracked) == 0
+    assert [x.training for x in m.modules()] == modes

@@ -110,3 +110,24 @@ def test_static_activation_quantization_on_a_conv():
     with pytest.warns(affineq.KernelFallbackWarning):
         out = F.conv2d(x, qw, padding=1)
     torch.testing.assert_close(out, F.conv2d(x_fq, qw.dequantize(), padding=1), rtol=0, atol=0)
+
+
+def test_overlapping_groups_are_refused_and_change_nothing():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU()).eval()
+    with torch.no_grad():
+        m[1].running_mean.uniform_(-0.5, 0.5)
+        m[1].running_var.uniform_(0.5, 2.0)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        ref = m(x)
+    mods = list(m)
+    with pytest.raises(ValueError, match=r"module '0' is in two groups, \['0', '1'\] and \['0', '2'\]"):
+        fuse_modules_(m, [["0", "1"], ["0", "2"]])
+    assert list(m) == mods
+    with pytest.raises(ValueError, match=r"module '1' is in two groups"):
+        fuse_modules_(m, (g for g in [["0", "1"], ["1", "2"]]))  # a generator of groups is checked too
+    assert list(m) == mods
+    assert fuse_modules_(m, (g for g in [["0", "1"]])) == [["0", "1"]]  # linear + BatchNorm (+ the ReLU after)
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), ref, rtol=1e-5, atol=1e-6)

@@ -523,3 +523,33 @@ def test_save_file_metadata_types_and_refusals(tmp_path):
     with pytest.raises(ValueError, match=r"a: GGUF stores float tensors as float32, float16 or bfloat16"):
         ag.save_file({"a": torch.ones(2, dtype=torch.float64)}, tmp_path / "bad.gguf", arch="llama")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+
+
+def test_save_file_refuses_what_load_file_cannot_read(tmp_path):
+    """GGUF tensors have 1 to 4 dims and at least one element, and values are torch.Tensors: anything else is
+    refused up front, naming the tensor, with nothing written (a 0-d tensor would load back as shape [1])."""
+    path = tmp_path / "t.gguf"
+    cases = [(ValueError, r"tensor 'e' has shape \(0, 32\), no elements; GGUF tensors have at least one",
+              torch.ones(0, 32)),
+             (ValueError, r"tensor 'e' has 5 dims .*GGUF tensors have 1 to 4 dims", torch.ones(1, 1, 1, 1, 2)),
+             (ValueError, r"tensor 'e' has 0 dims .*reshape it \(a scalar as shape \[1\]\)", torch.tensor(2.0)),
+             (TypeError, r"tensor 'e': GGUF values must be torch.Tensors, got list", [1, 2])]
+    for error, match, value in cases:
+        with pytest.raises(error, match=match):
+            ag.save_file({"ok": torch.ones(4), "e": value}, path, arch="llama")
+    assert list(tmp_path.iterdir()) == []
+    ag.save_file({"a": torch.ones(1), "b": torch.ones(1, 2, 1, 32)}, path, arch="llama")
+    assert {k: tuple(v.shape) for k, v in ag.load_file(path).items()} == {"a": (1,), "b": (1, 2, 1, 32)}
+
+
+def test_load_model_names_the_missing_metadata_key(tmp_path):
+    path = tmp_path / "min.gguf"
+    ag.save_file({"token_embd.weight": torch.randn(8, 16)}, path, arch="llama")
+    with pytest.raises(ValueError, match=r"min.gguf: not a complete llama GGUF: its metadata has no "
+                                         r"'llama.vocab_size'") as info:
+        ag.load_model(path)
+    assert isinstance(info.value.__cause__, KeyError)
+    ag.save_file({"token_embd.weight": torch.randn(8, 16)}, path, arch="llama", metadata={"llama.vocab_size": 8})
+    with pytest.raises(ValueError, match=r"not a complete llama GGUF: its metadata has no "
+                                         r"'llama.attention.head_count'"):
+        ag.load_model(path)

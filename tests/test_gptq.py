@@ -338,3 +338,40 @@ def test_fqn_to_config_mixes_gptq_with_plain_configs_and_float_layers():
     q = mods["layers.0.mlp.down_proj"]
     assert not torch.equal(q.weight.dequantize(), Int4WeightOnlyConfig(group_size=32).quantize_weight(
         _anisotropic_tiny_lm().layers[0].mlp.down_proj.weight.detach(), q).dequantize())
+
+
+class _BNBlocks(nn.Module):
+    """BatchNorm before and inside ModuleList blocks: GPTQ's block path (capture_inputs, run_block)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.BatchNorm1d(64)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.Linear(64, 64))
+                                    for _ in range(2))
+
+    def forward(self, x):
+        x = self.norm(x)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("blocks", [False, True])
+def test_gptq_calibrates_in_eval_mode_and_keeps_batchnorm_statistics(blocks):
+    torch.manual_seed(0)
+    model = _BNBlocks() if blocks else nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.Linear(64, 64))
+    modes = [m.training for m in model.modules()]  # training mode, as the user left it
+    assert all(modes)
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randn(8, 64, generator=g) for _ in range(3)]
+    cfg = GPTQConfig(Int4WeightOnlyConfig(group_size=32), progress=False)
+    before = snapshot_model(model)
+    with pytest.raises(QuantizationError, match="left unchanged"):
+        affineq.quantize_(model, cfg, calibration_data=[*data, torch.randn(8, 65, generator=g)])
+    assert_unchanged(model, before)  # running_mean / running_var / num_batches_tracked included
+    assert [m.training for m in model.modules()] == modes
+    affineq.quantize_(model, cfg, calibration_data=data)
+    assert any("running_mean" in n for n in before["buffers"])
+    for name, (_, value) in before["buffers"].items():
+        assert torch.equal(model.get_buffer(name), value), name
+    assert [m.training for m in model.modules()] == modes

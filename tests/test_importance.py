@@ -286,3 +286,14 @@ def test_hqq_with_importance():
     with pytest.raises(QuantizationError, match="no entry for 'lm_head'"):
         quantize_(copy.deepcopy(model), HQQConfig(base32, importance={k: v for k, v in mat.items() if k != "lm_head"},
                                                   progress=False))
+
+
+def test_collect_importance_runs_in_eval_mode_and_keeps_batchnorm_statistics():
+    from conftest import assert_unchanged, snapshot_model
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 8))  # training mode
+    before = snapshot_model(m)
+    collect_importance(m, [torch.randn(4, 8) for _ in range(3)], progress_bar=False)
+    assert_unchanged(m, before)  # "the model is not changed": running statistics included
+    assert all(x.training for x in m.modules())

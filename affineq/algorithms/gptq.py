@@ -35,6 +35,7 @@ from affineq.algorithms._capture import (
     Stop,
     call_model,
     capture_inputs,
+    eval_mode,
     find_blocks,
     progress,
     record_linear_inputs,
@@ -351,7 +352,8 @@ class _GPTQRun:
 
     def run(self, data: list) -> dict[str, QuantConfig]:
         try:
-            with torch.no_grad():
+            # eval mode: the calibration forwards must not update BatchNorm statistics (or run dropout)
+            with torch.no_grad(), eval_mode(self.model):
                 self._run(data)
         finally:
             for fqn, p in self.originals.items():

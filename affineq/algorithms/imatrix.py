@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 from torch import nn
 
-from affineq.algorithms._capture import call_model, progress, record_linear_inputs
+from affineq.algorithms._capture import call_model, eval_mode, progress, record_linear_inputs
 
 __all__ = ["ImportanceMatrix", "collect_importance", "checked_importance", "importance_of", "json_safe_importance",
            "resolve_importance"]
@@ -108,7 +108,8 @@ def collect_importance(model: nn.Module, calibration_data, *,
     tuple: model(*x), dict: model(**x)) and average x^2 per input column over all tokens each linear receives.
 
     filter_fn(module, fqn): which modules (default every nn.Linear); or `layers`, {fqn: module} directly.
-    A layer no item reaches is left out with a warning. The model is not changed."""
+    A layer no item reaches is left out with a warning. The model is not changed (it runs in eval mode;
+    each module's training flag is restored)."""
     if layers is None:
         layers = {fqn: m for fqn, m in model.named_modules()
                   if isinstance(m, nn.Linear) and (filter_fn is None or filter_fn(m, fqn))}
@@ -127,7 +128,8 @@ def collect_importance(model: nn.Module, calibration_data, *,
         sums[fqn] += x.float().pow(2).sum(0).to("cpu", torch.float64)
         tokens[fqn] += x.shape[0]
 
-    with record_linear_inputs(dict(layers), add), torch.no_grad():
+    # eval mode: "the model is not changed" includes BatchNorm running statistics (and dropout stays off)
+    with record_linear_inputs(dict(layers), add), torch.no_grad(), eval_mode(model):
         for i, item in enumerate(progress(items, "importance", progress_bar)):
             call_model(model, item, i)
     missing = [f for f, t in tokens.items() if t == 0]

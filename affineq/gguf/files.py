@@ -58,12 +58,19 @@ def save_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike, *, a
     """Write `tensors` (GGUF names -> float tensors or quantized weights) and `metadata` to GGUF file `path`.
 
     Each tensor is stored as the GGUF type that holds it exactly (`affineq.gguf.types.from_tensor`); a tensor no
-    type holds is a ValueError naming it, raised before anything is written. `arch` is
-    `general.architecture`. `row_order[name]` (int64 [rows]): write row `row_order[name][i]` of that 2-D tensor as
-    row i (exact for every type: a row's blocks are independent; llama.cpp's q/k permutation). The file appears
-    only once completely written (a temporary file is renamed).
+    type holds, or one GGUF cannot hold (not 1 to 4 dims, or no elements; a 0-d tensor: reshape it to [1]), is a
+    ValueError naming it, and a value that is not a torch.Tensor a TypeError, raised before anything is written.
+    `arch` is `general.architecture`. `row_order[name]` (int64 [rows]): write row `row_order[name][i]` of that 2-D
+    tensor as row i (exact for every type: a row's blocks are independent; llama.cpp's q/k permutation). The file
+    appears only once completely written (a temporary file is renamed).
     """
     gguf = reader.require_gguf()
+    if not isinstance(tensors, Mapping):
+        raise TypeError(f"save_file(tensors, ...): tensors must be a mapping of GGUF names to torch.Tensors, got "
+                        f"{type(tensors).__name__}")
+    for name in tensors:
+        if not isinstance(name, str):
+            raise TypeError(f"save_file: tensor names must be str (GGUF names), got {name!r}")
     encoded = [(name, *types.from_tensor(name, t)) for name, t in tensors.items()]
     for i, (name, kind, data, shape) in enumerate(encoded):
         if row_order and name in row_order:

@@ -139,7 +139,8 @@ def _is_norm(gguf_name: str) -> bool:
 def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
                widen_kquants: bool = False) -> nn.Module:
     """The transformers model (eval mode, CPU) of GGUF file `path`: Llama family (Llama, SmolLM2, Mistral),
-    Qwen2 or Gemma 3; another architecture is a ValueError naming the supported ones.
+    Qwen2 or Gemma 3; another architecture is a ValueError naming the supported ones, and a damaged or incomplete
+    file (metadata without a key the config needs, tensors that do not match it) a ValueError naming the file.
 
     Quantized tensors become `AffineQuantizedTensor` parameters with the file's codes and scales (logical dtype
     `dtype`; `widen_kquants` as in `load_file`), float tensors are cast to `dtype`. The model is built on the meta
@@ -153,9 +154,7 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
         raise _unsupported_arch(arch_name, os.fspath(path))
     arch = _ARCHS[arch_name]
     entries = {e.name: e for e in contents.tensors}
-    tokens = meta.get("tokenizer.ggml.tokens")
-    vocab = len(tokens) if tokens is not None else int(meta[f"{arch_name}.vocab_size"])
-    cls, config = arch.build(meta, vocab, "output.weight" not in entries)
+    cls, config = _build(arch_name, arch, meta, "output.weight" not in entries, os.fspath(path))
     with torch.device("meta"):
         model = cls(config)
     names = _gguf_names(model, arch_name)
@@ -185,6 +184,22 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
     del contents, entries
     trim_heap()  # the decoding temporaries, freed but kept by glibc's heap, back to the OS (resident ~ tensors)
     return model.eval()
+
+
+def _build(arch_name: str, arch: _Arch, meta: dict[str, Any], tied: bool, where: str) -> tuple[type, Any]:
+    """(model class, config) from the file's metadata; ValueError naming the file and the key when the metadata
+    lacks one the config needs or holds an unusable value (a damaged or incomplete file, not a bug to report)."""
+    try:
+        tokens = meta.get("tokenizer.ggml.tokens")
+        vocab = len(tokens) if tokens is not None else int(meta[f"{arch_name}.vocab_size"])
+        return arch.build(meta, vocab, tied)
+    except KeyError as e:
+        raise ValueError(f"{where}: not a complete {arch_name} GGUF: its metadata has no {e.args[0]!r}, which the "
+                         "model config needs; write the file with affineq.gguf.save_model or llama.cpp's "
+                         "converter") from e
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise ValueError(f"{where}: not a valid {arch_name} GGUF: its metadata does not describe a model "
+                         f"({type(e).__name__}: {e})") from e
 
 
 def _model_tensor(entry: GGUFEntry, arch: _Arch, config, dtype: torch.dtype, widen: bool) -> torch.Tensor:

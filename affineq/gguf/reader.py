@@ -20,11 +20,11 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["GGUFEntry", "GGUFContents", "INSTALL_HINT", "read", "require_gguf"]
+__all__ = ["GGUFEntry", "GGUFContents", "INSTALL_HINT", "MAX_DIMS", "read", "require_gguf"]
 
 INSTALL_HINT = "pip install 'affineq[gguf]' (or: pip install gguf)"
 _MAGIC = b"GGUF"
-_MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_DIMS = 4  # GGML_MAX_DIMS
 _MAX_DEPTH = 8  # nested metadata arrays
 # GGUF metadata value types: scalars by id (8 = string, 9 = array)
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -133,8 +133,8 @@ def read(path: str | os.PathLike) -> GGUFContents:
     for i in range(n_tensors):
         name = cur.string(f"tensor name {i}")
         n_dims = cur.scalar("<I", f"the rank of tensor {name!r}")
-        if not 1 <= n_dims <= _MAX_DIMS:
-            raise ValueError(f"{path}: tensor {name!r} has {n_dims} dims (GGUF allows 1 to {_MAX_DIMS}); the header "
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise ValueError(f"{path}: tensor {name!r} has {n_dims} dims (GGUF allows 1 to {MAX_DIMS}); the header "
                              "is damaged")
         ne = [cur.scalar("<Q", f"the shape of tensor {name!r}") for _ in range(n_dims)]
         infos.append((name, tuple(reversed(ne)), cur.scalar("<I", f"the type of {name!r}"),

@@ -30,7 +30,7 @@ import torch
 
 from affineq.bitpack import PANEL_ROWS, pack_codes, unpack_codes
 from affineq.gguf import blocks
-from affineq.gguf.reader import GGUFEntry
+from affineq.gguf.reader import MAX_DIMS, GGUFEntry
 from affineq.primitives import MappingType, ZeroPointDomain
 from affineq.tensor.affine import AffineQuantizedTensor
 from affineq.tensor.format_kquant import KQUANT_TYPES, dense_tensors, from_blocks, kquant_spec
@@ -143,7 +143,8 @@ def _mxfp4(entry: GGUFEntry, data: torch.Tensor) -> AffineQuantizedTensor:
 
 def from_tensor(name: str, t: torch.Tensor) -> tuple[str, np.ndarray, tuple[int, ...]]:
     """(GGUF type name, bytes uint8 [rows, row_bytes], torch-order shape) of tensor `t` named `name`, exactly;
-    ValueError naming the tensor when no GGUF type holds it exactly."""
+    ValueError naming the tensor when no GGUF type holds it exactly, or when GGUF cannot hold its shape."""
+    check_shape(name, t)
     if not isinstance(t, AffineQuantizedTensor):
         return _float_bytes(name, t)
     s = t.spec
@@ -227,13 +228,28 @@ def _mxfp4_bytes(name: str, t: AffineQuantizedTensor, w: torch.Tensor) -> tuple[
     return "MXFP4", data.numpy()
 
 
+def check_shape(name: str, t: object) -> None:
+    """TypeError unless `t` is a torch.Tensor; ValueError unless it has 1 to 4 dims and at least one element:
+    what a GGUF file (and llama.cpp, and `load_file`) accepts. A 0-d tensor is refused rather than written as
+    shape [1]: it would not load back as it was saved."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"tensor {name!r}: GGUF values must be torch.Tensors, got {type(t).__name__}; pass "
+                        "torch.tensor(value)")
+    if not 1 <= t.dim() <= MAX_DIMS:
+        raise ValueError(f"tensor {name!r} has {t.dim()} dims (shape {tuple(t.shape)}); GGUF tensors have 1 to "
+                         f"{MAX_DIMS} dims: reshape it (a scalar as shape [1])")
+    if t.numel() == 0:
+        raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}, no elements; GGUF tensors have at least one "
+                         "element: leave it out")
+
+
 def _float_bytes(name: str, t: torch.Tensor) -> tuple[str, np.ndarray, tuple[int, ...]]:
     t = t.detach().cpu().contiguous()
     kind = next((k for k, dt in FLOAT_TYPES.items() if dt == t.dtype), None)
     if kind is None:
         raise ValueError(f"{name}: GGUF stores float tensors as float32, float16 or bfloat16, got {t.dtype}; "
                          "cast it first")
-    shape = tuple(t.shape) or (1,)
+    shape = tuple(t.shape)
     return kind, t.reshape(shape).view(torch.uint8).numpy(), shape  # [*shape[:-1], row bytes]
 
 
