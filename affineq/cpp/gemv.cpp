@@ -83,10 +83,12 @@ constexpr int gemv_P(int, int) { return 1; }
 constexpr int gemv_A(int, int) { return 1; }
 #endif
 // Rows of x per pass over the weights (fp32 x reaches the GEMV up to m = 8 on every build: each pass decodes
-// the weights again, so 4 rows per pass; the bf16-dot 4-bit tiles take 2, the bf16-pair tiles kBf16wMR: 8 rows
-// in one pass held more accumulators than registers and ran slower than two passes of 4).
+// the weights again, so 4 rows per pass; the bf16-dot 4-bit tiles take 2, or 3 from 5 rows (kB4MR3From: fewer
+// passes over the weights at 8-16 rows; 4 rows ran as fast in two passes of 2), the bf16-pair tiles
+// kBf16wMR: 8 rows in one pass held more accumulators than registers and ran slower than two passes of 4).
 constexpr int kGemvMR = 4;
 constexpr int kBf16wMR = 4;
+constexpr int kB4MR3From = 5;
 
 // A scale or offset tile as add_group reads it: fp32 (load_qparams), or the 16-bit qparams as stored
 // (load_scales16: bf16, or fp16 with kF16), widened per use; a null pointer: no tile.
@@ -681,7 +683,8 @@ void gemv_path(const Ctx* cs, int64_t count) {
       for (; nq < ni.cnt && ni.p0 + nq < ni.c->nfull; ++nq) npan[nq] = ni.c->p->packed + (ni.p0 + nq) * ni.c->panel_bytes;
       pf.emplace(*ni.c->p, ni.r0, ni.rows, G, npan, nq, 16 * bits_of(B));
     }
-    const int64_t mstep = split ? 3 : b4 ? 2 : bw ? kBf16wMR : gemv_buffered<B>(M) ? M : kGemvMR;
+    const int64_t b4_rows = M >= kB4MR3From ? 3 : 2;
+    const int64_t mstep = split ? 3 : b4 ? b4_rows : bw ? kBf16wMR : gemv_buffered<B>(M) ? M : kGemvMR;
     for (int64_t m0 = 0; m0 < MX; m0 += mstep) {
       const float* xsm = xs.data() + 2 * G * m0;
       const int64_t mr = std::min<int64_t>(mstep, MX - m0);
@@ -693,14 +696,15 @@ void gemv_path(const Ctx* cs, int64_t count) {
         float* y = pr.y_bf16 ? nullptr : pr.y + m0 * pr.ldy + r0;
         uint16_t* yb = pr.y_bf16 ? pr.y_bf16 + m0 * pr.ldy + r0 : nullptr;
         const int64_t upg = pr.group_size / 8, ldx2 = 4 * c.U;
-        // Three split rows hold 2 panels' accumulators without spilling.
-        const int step = split ? (cnt % 2 == 0 ? 2 : 1) : cnt % 4 == 0 ? 4 : 1;
+        // Three rows (split or not) hold 2 panels' accumulators without spilling.
+        const int step = split || mr == 3 ? (cnt % 2 == 0 ? 2 : 1) : cnt % 4 == 0 ? 4 : 1;
         const auto run = [&](const auto& qp) {
           using QP = std::decay_t<decltype(qp)>;
           for (int64_t q = 0; q < cnt; q += step) {
             const auto tile =
                 split     ? (step == 2 ? &gemv_tile_b4bf16<3, 2, QP, true> : &gemv_tile_b4bf16<3, 1, QP, true>)
                 : mr == 1 ? (step == 4 ? &gemv_tile_b4bf16<1, 4, QP> : &gemv_tile_b4bf16<1, 1, QP>)
+                : mr == 3 ? (step == 2 ? &gemv_tile_b4bf16<3, 2, QP> : &gemv_tile_b4bf16<3, 1, QP>)
                           : (step == 4 ? &gemv_tile_b4bf16<2, 4, QP> : &gemv_tile_b4bf16<2, 1, QP>);
             tile(k4, pan + q, qp.shifted(q), xw, ldx2, xsm, G, upg, y ? y + 16 * q : nullptr,
                  yb ? yb + 16 * q : nullptr, pr.y_bf16_values, pr.ldy, rows - 16 * q, q == 0 ? pfm : nullptr);
