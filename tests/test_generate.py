@@ -210,6 +210,15 @@ def test_unsupported_models_and_bad_arguments_are_named():
         generate(model, _prompt(), -1)
     with pytest.raises(ValueError, match="temperature"):
         generate(model, _prompt(), 4, do_sample=True, temperature=0.0)
+    # checked whether or not sampling is on: a bad value is a mistake either way (0 with greedy is greedy)
+    for kw, name in (({"temperature": -1.0}, "temperature"), ({"temperature": "1"}, "temperature"),
+                     ({"top_p": "0.5"}, "top_p"), ({"top_k": True}, "top_k"), ({"do_sample": 1}, "do_sample")):
+        with pytest.raises(ValueError, match=name):
+            generate(model, _prompt(), 4, compile=False, **kw)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(model, _prompt(), True, compile=False)
+    assert torch.equal(generate(model, _prompt(), 3, compile=False, temperature=0),
+                       generate(model, _prompt(), 3, compile=False))
     with pytest.raises(ValueError, match="top_p"):
         generate(model, _prompt(), 4, do_sample=True, top_p=1.5)
     assert torch.equal(generate(model, _prompt(), 0), _prompt())

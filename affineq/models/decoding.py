@@ -138,14 +138,18 @@ def _check(input_ids, max_new_tokens, do_sample, temperature, top_k, top_p) -> N
         raise ValueError("input_ids has batch size 0: pass at least one prompt")
     if input_ids.shape[1] == 0:
         raise ValueError("input_ids is empty: pass at least one prompt token")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    if do_sample and not temperature > 0:
-        raise ValueError(f"temperature must be > 0 when do_sample=True, got {temperature}")
-    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+    if not isinstance(do_sample, bool):
+        raise ValueError(f"do_sample must be True or False, got {do_sample!r}")
+    # The sampling settings are checked whether or not do_sample is on (a bad value is a mistake either way)
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+            temperature > 0 or (temperature == 0 and not do_sample)):  # 0: greedy, as other APIs spell it
+        raise ValueError(f"temperature must be a number > 0 (or 0 with do_sample=False: greedy), got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p must be a number in (0, 1] or None, got {top_p!r}")
 
 
 def _check_against_model(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int) -> int:
