@@ -47,8 +47,8 @@ def compare(
         have the same vocabulary V. Modules in training mode are put in eval mode for the call and restored.
     token_ids: int tensor [N] or [1, N] (or a list of ints), each in [0, V).
     window: tokens per window (llama.cpp's n_ctx, 512); N // window windows are scored, the tail is dropped.
-    context: leading positions of each window that are not scored (None: window // 2, llama.cpp's choice;
-        0 scores every prediction, window - 1 per window).
+    context: leading positions of each window that are not scored (None: window // 2, llama.cpp's choice, and 0
+        for window 2; 0 scores every prediction, window - 1 per window).
     progress: a tqdm bar over the windows on stderr when tqdm is installed (else none).
 
     Returns {"ppl", "ppl_reference", "mean_kld", "kld_p99", "top1_agreement", "tokens"} (the module
@@ -102,10 +102,10 @@ def _check_window(window: Any, context: Any) -> tuple[int, int]:
     if isinstance(window, bool) or not isinstance(window, int) or window < 2:
         raise ValueError(f"compare: window={window!r} must be an int >= 2 (tokens per window; llama.cpp uses 512)")
     if context is None:
-        context = window // 2
+        context = min(window // 2, window - 2)  # window 2: no context (window // 2 would leave nothing scored)
     if isinstance(context, bool) or not isinstance(context, int) or not 0 <= context <= window - 2:
         raise ValueError(f"compare: context={context!r} must be an int in [0, window - 2] = [0, {window - 2}] "
-                         "(leading positions of a window that are not scored), or None for window // 2")
+                         "(leading positions of a window that are not scored), or None for min(window // 2, window - 2)")
     return window, context
 
 

@@ -79,6 +79,15 @@ def test_identical_models_give_zero_kld():
     assert aeval.compare(twin, ref, ids, window=40, progress=False) == out
 
 
+def test_the_default_context_fits_every_window():
+    """window // 2 leaves nothing to score at window 2: the default context is 0 there (it raised on a context
+    the caller never passed)."""
+    _, ref = tiny_pair()
+    ids = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(3))
+    out = aeval.compare(ref, ref, ids, window=2, progress=False)
+    assert out["tokens"] == 20 and out["mean_kld"] == 0.0
+
+
 class FixedLogits(nn.Module):
     """Ignores the ids: logits [1, T, 2] whose softmax at position t is (p_t, 1 - p_t)."""
 
