@@ -63,7 +63,7 @@ from torch import nn
 
 from affineq.algorithms import AlgorithmConfig, GPTQConfig, ImportanceMatrix, ImportanceWeightedConfig
 from affineq.configs import Int4WeightOnlyConfig, Int8WeightOnlyConfig, IntxWeightOnlyConfig, QuantConfig
-from affineq.eval import _eval_mode
+from affineq.eval import eval_mode
 from affineq.granularity import PerGroup
 from affineq.primitives import MappingType, ZeroPointDomain
 from affineq.quantize import FqnToConfig
@@ -162,7 +162,7 @@ def autoquant(model: nn.Module, budget_bits: float | Sequence[float], calibratio
     layers = _select(model, filter_fn, candidates)
     # Measured in eval mode: a plan is for inference, and a module in training mode would change as it runs
     # (BatchNorm's running stats, dropout); every module's training flag is restored after, also on an error.
-    with _eval_mode(model):
+    with eval_mode(model):
         hessians, tokens = _input_covariances(model, layers, calibration_data, progress)
         if any(_wants_importance(c) for c in candidates):  # the calibration data's importance matrix: diag(H)
             imatrix = ImportanceMatrix({f: h.diagonal().float() for f, h in hessians.items()}, tokens)

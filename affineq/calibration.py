@@ -240,8 +240,9 @@ def run_calibration(model: nn.Module, data: Iterable, progress: bool = True) -> 
 def _calibrate(model: nn.Module, data: Iterable, *, progress: bool, wrap_errors: bool) -> int:
     """run_calibration; `wrap_errors`: a failing forward raises QuantizationError naming the item (quantize_'s
     convention for failures; an item that is no tensor / tuple / dict still raises TypeError)."""
-    from affineq.algorithms._capture import as_call, describe_item, eval_mode
+    from affineq.algorithms._capture import as_call, describe_item
     from affineq.algorithms._capture import progress as _progress
+    from affineq.eval import eval_mode
 
     n = 0
     with torch.no_grad(), eval_mode(model):

@@ -69,7 +69,7 @@ def compare(
         _check_vocab(name, _declared_vocab(m), max_id)
 
     nll_q, nll_ref, klds, same_top = [], [], [], []
-    with _eval_mode(model), _eval_mode(reference), torch.inference_mode():
+    with eval_mode(model), eval_mode(reference), torch.inference_mode():
         for w in _progress(range(n_windows), progress):
             x = ids[w : w + 1]
             lq = _window_logits(model, "model", x, window)
@@ -105,7 +105,8 @@ def _check_window(window: Any, context: Any) -> tuple[int, int]:
         context = min(window // 2, window - 2)  # window 2: no context (window // 2 would leave nothing scored)
     if isinstance(context, bool) or not isinstance(context, int) or not 0 <= context <= window - 2:
         raise ValueError(f"compare: context={context!r} must be an int in [0, window - 2] = [0, {window - 2}] "
-                         "(leading positions of a window that are not scored), or None for min(window // 2, window - 2)")
+                         "(leading positions of a window that are not scored), or None for min(window // 2, "
+                         "window - 2)")
     return window, context
 
 
@@ -173,8 +174,11 @@ def _is_hf(m: Callable) -> bool:
 
 
 @contextlib.contextmanager
-def _eval_mode(m: Callable) -> Iterator[None]:
-    """`m` (an nn.Module) in eval mode for the block, every submodule's training flag restored after."""
+def eval_mode(m: Callable) -> Iterator[None]:
+    """`m` (an nn.Module; any other callable is left alone) in eval mode for the block, every submodule's own
+    training flag given back after, also when the block raises. Measuring or calibrating forwards must see
+    inference behaviour and leave the model as it was: in training mode BatchNorm updates its running
+    statistics and dropout randomises the outputs (calibration, GPTQ, importance matrices, autoquant use it)."""
     if not isinstance(m, nn.Module):
         yield
         return

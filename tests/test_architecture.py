@@ -242,8 +242,6 @@ ALLOWED_PRIVATE = {
         "both for these helpers is still to be made",
     ("affineq.calibration", "affineq.algorithms._capture.progress"): "as as_call (the progress bar)",
     ("affineq.calibration", "affineq.algorithms._capture.describe_item"): "as as_call (an item in messages)",
-    ("affineq.calibration", "affineq.algorithms._capture.eval_mode"):
-        "as as_call: calibration forwards run in eval mode with training flags restored, as the algorithms' do",
     ("affineq.qat.fake_quantizer", "affineq._primitive_checks._Blocks"):
         "the blocked view that qparams broadcast over, shared by the primitives, the tensor and QAT's fake "
         "quantizers: the numerics layer's helper, below all three",

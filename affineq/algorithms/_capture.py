@@ -71,21 +71,6 @@ def check_calibration_items(data: list) -> None:
                              f"{first[w]}; every item must have the shape layout the model takes")
 
 
-@contextlib.contextmanager
-def eval_mode(model: nn.Module) -> Iterator[None]:
-    """Run the body with every module of `model` in eval mode, then give each module back its own training
-    flag (also when the body raises). Calibration forwards must see inference behaviour and leave the model
-    alone: in training mode BatchNorm would update its running statistics and dropout would randomise what the
-    observers and Hessians see."""
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for m, training in modes:
-            m.training = training
-
-
 def call_model(model: nn.Module, item, index: int = 0):
     """Run `model` on one calibration item (see `as_call`)."""
     args, kwargs = as_call(item, index)

@@ -35,7 +35,6 @@ from affineq.algorithms._capture import (
     Stop,
     call_model,
     capture_inputs,
-    eval_mode,
     find_blocks,
     progress,
     record_linear_inputs,
@@ -45,6 +44,7 @@ from affineq.algorithms._routed import as_rows_by_input, capture_routed, down_in
 from affineq.configs import (
     QuantConfig,
 )
+from affineq.eval import eval_mode
 from affineq.expert_weights import expert_parameter_names, experts_transposed, is_expert_module, stack_experts
 from affineq.tensor.affine import AffineQuantizedTensor
 from affineq.tensor.spec import QParamOptions, QuantSpec
