@@ -92,10 +92,12 @@ def _fused_layer(gi, steps, h, c, w_hh, b_hh, cell: str, reverse: bool):
     aq = w_hh.spec.act_quant
     if not torch.compiler.is_compiling():  # dynamo cannot trace the recorder's ContextVar
         fallback.record("affineq.lowbit_rnn_layer")
-    out, h_n, c_n = torch.ops.affineq.lowbit_rnn_layer(
+    op = (torch.ops.affineq.lowbit_rnn_layer_bf16_compute if w_hh.spec.compute_dtype == torch.bfloat16
+          else torch.ops.affineq.lowbit_rnn_layer)
+    out, h_n, c_n = op(
         gi, steps, h, c, None if b_hh is None else b_hh.float(), *lowbit_weight_args(w_hh), _act_mode(w_hh),
         aq is not None and aq.per_token, act_eps(gi, aq) if aq is not None else 0.0,
-        _CELL_CODES[cell], reverse, w_hh.spec.compute_dtype == torch.bfloat16)
+        _CELL_CODES[cell], reverse)
     return out, h_n, (c_n if cell == "LSTM" else None)
 
 

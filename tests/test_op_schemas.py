@@ -65,4 +65,7 @@ affineq::lowbit_linear_multi(Tensor x, Tensor[] packed, Tensor[] scale, Tensor?[
 affineq::lowbit_rnn_layer(Tensor gi, int[] batch_sizes, Tensor h0, Tensor? c0, Tensor? bias_hh, Tensor packed,
     Tensor scale, Tensor? offset, int bits, int group_size, int codes, int code_offset, int act_mode, bool
     act_per_token, float act_eps, int cell, bool reverse) -> (Tensor, Tensor, Tensor)
+affineq::lowbit_rnn_layer_bf16_compute(Tensor gi, int[] batch_sizes, Tensor h0, Tensor? c0, Tensor? bias_hh,
+    Tensor packed, Tensor scale, Tensor? offset, int bits, int group_size, int codes, int code_offset, int
+    act_mode, bool act_per_token, float act_eps, int cell, bool reverse) -> (Tensor, Tensor, Tensor)
 affineq::weight_int8pack_mm(Tensor x, Tensor w, Tensor scale) -> Tensor""")

@@ -217,8 +217,8 @@ def test_cpp_recurrence_refuses_bf16_compute_with_int8_h():
     h = torch.zeros(1, 8)
     packed = torch.zeros(8 * 8 // 8 * 8, dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="bf16_compute is for float h"):
-        torch.ops.affineq.lowbit_rnn_layer(torch.zeros(1, 8), [1], h, None, None, packed, torch.ones(8, 1), None, 8,
-                                           8, 0, -128, 0, True, 1e-5, 2, False, True)
+        torch.ops.affineq.lowbit_rnn_layer_bf16_compute(torch.zeros(1, 8), [1], h, None, None, packed,
+                                                        torch.ones(8, 1), None, 8, 8, 0, -128, 0, True, 1e-5, 2, False)
 
 
 def test_gradient_flows_to_the_input():

@@ -346,14 +346,20 @@ _lib.define("int8_fake_quant(Tensor x, bool per_token, int mode, float eps) -> T
 
 # One direction of one recurrent layer over all timesteps (affineq.recurrent): gi [N, G*H] is the input projection
 # of every step, batch_sizes the rows of each step; the recurrent weight [G*H, H] is a dense-format weight.
-# cell 0 LSTM, 1 GRU, 2 RNN tanh, 3 RNN relu; act_mode -1 (float h) or an int8_fake_quant mode; bf16_compute (float
-# h only): each step's product as lowbit_linear_bf16_compute gives it (h rounded to bf16, y's bf16 values). Returns
+# cell 0 LSTM, 1 GRU, 2 RNN tanh, 3 RNN relu; act_mode -1 (float h) or an int8_fake_quant mode. Returns
 # (output [N, H], h_n [B, H], c_n [B, H] for an LSTM, else an empty tensor). CPU kernel only.
 _lib.define(
     "lowbit_rnn_layer(Tensor gi, int[] batch_sizes, Tensor h0, Tensor? c0, Tensor? bias_hh, Tensor packed,"
     " Tensor scale, Tensor? offset, int bits, int group_size, int codes, int code_offset, int act_mode,"
-    " bool act_per_token, float act_eps, int cell, bool reverse, bool bf16_compute=False)"
-    " -> (Tensor, Tensor, Tensor)"
+    " bool act_per_token, float act_eps, int cell, bool reverse) -> (Tensor, Tensor, Tensor)"
+)
+# The same for a weight computed in bf16 (QuantSpec.compute_dtype): each step's product as
+# lowbit_linear_bf16_compute gives it (h rounded to bf16, y's bf16 values). Float h only (act_mode -1). Its own op:
+# a schema never changes (tests/test_op_schemas.py).
+_lib.define(
+    "lowbit_rnn_layer_bf16_compute(Tensor gi, int[] batch_sizes, Tensor h0, Tensor? c0, Tensor? bias_hh,"
+    " Tensor packed, Tensor scale, Tensor? offset, int bits, int group_size, int codes, int code_offset,"
+    " int act_mode, bool act_per_token, float act_eps, int cell, bool reverse) -> (Tensor, Tensor, Tensor)"
 )
 
 
@@ -375,12 +381,15 @@ def _int8_codes_linear_fake(x, packed, scale, offset, group_size, n, k, per_toke
     return x.new_empty((x.shape[0], n))
 
 
-@torch.library.register_fake("affineq::lowbit_rnn_layer", lib=_lib)
 def _lowbit_rnn_layer_fake(gi, batch_sizes, h0, c0, bias_hh, packed, scale, offset, bits, group_size, codes,
-                           code_offset, act_mode, act_per_token, act_eps, cell, reverse, bf16_compute=False):
+                           code_offset, act_mode, act_per_token, act_eps, cell, reverse):
     hidden = h0.shape[1]
     c_n = h0.new_empty(h0.shape) if cell == 0 else h0.new_empty((0,))
     return gi.new_empty((gi.shape[0], hidden)), h0.new_empty(h0.shape), c_n
+
+
+for _name in ("lowbit_rnn_layer", "lowbit_rnn_layer_bf16_compute"):
+    torch.library.register_fake(f"affineq::{_name}", _lowbit_rnn_layer_fake, lib=_lib)
 
 
 @torch.library.register_fake("affineq::int8_fake_quant", lib=_lib)

@@ -118,12 +118,12 @@ void bf16_x(LowbitProblem& p, const float* h, int64_t m, int64_t H, uint16_t* xb
   p.x = xf;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> lowbit_rnn_layer_cpu(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rnn_layer(
     const at::Tensor& gi, at::IntArrayRef batch_sizes, const at::Tensor& h0, const std::optional<at::Tensor>& c0,
     const std::optional<at::Tensor>& bias_hh, const at::Tensor& packed, const at::Tensor& scale,
     const std::optional<at::Tensor>& offset, int64_t bits, int64_t group_size, int64_t codes, int64_t code_offset,
     int64_t act_mode, bool act_per_token, double act_eps, int64_t cell, bool reverse, bool bf16_compute) {
-  const char* op = "affineq::lowbit_rnn_layer";
+  const char* op = bf16_compute ? "affineq::lowbit_rnn_layer_bf16_compute" : "affineq::lowbit_rnn_layer";
   TORCH_CHECK(cell >= 0 && cell <= 3, op, ": cell must be 0 (LSTM), 1 (GRU), 2 (RNN tanh) or 3 (RNN relu)");
   TORCH_CHECK(act_mode >= -1 && act_mode <= 2, op, ": act_mode must be -1 (float h) or an int8_fake_quant mode");
   TORCH_CHECK(!(bf16_compute && act_mode >= 0), op,
@@ -209,7 +209,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lowbit_rnn_layer_cpu(
   return {out, h, c};
 }
 
+// The two ops (their schemas never change: a new argument is a new op).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> lowbit_rnn_layer_cpu(
+    const at::Tensor& gi, at::IntArrayRef batch_sizes, const at::Tensor& h0, const std::optional<at::Tensor>& c0,
+    const std::optional<at::Tensor>& bias_hh, const at::Tensor& packed, const at::Tensor& scale,
+    const std::optional<at::Tensor>& offset, int64_t bits, int64_t group_size, int64_t codes, int64_t code_offset,
+    int64_t act_mode, bool act_per_token, double act_eps, int64_t cell, bool reverse) {
+  return rnn_layer(gi, batch_sizes, h0, c0, bias_hh, packed, scale, offset, bits, group_size, codes, code_offset,
+                   act_mode, act_per_token, act_eps, cell, reverse, false);
+}
+std::tuple<at::Tensor, at::Tensor, at::Tensor> lowbit_rnn_layer_bf16_compute_cpu(
+    const at::Tensor& gi, at::IntArrayRef batch_sizes, const at::Tensor& h0, const std::optional<at::Tensor>& c0,
+    const std::optional<at::Tensor>& bias_hh, const at::Tensor& packed, const at::Tensor& scale,
+    const std::optional<at::Tensor>& offset, int64_t bits, int64_t group_size, int64_t codes, int64_t code_offset,
+    int64_t act_mode, bool act_per_token, double act_eps, int64_t cell, bool reverse) {
+  return rnn_layer(gi, batch_sizes, h0, c0, bias_hh, packed, scale, offset, bits, group_size, codes, code_offset,
+                   act_mode, act_per_token, act_eps, cell, reverse, true);
+}
+
 }  // namespace
 }  // namespace affineq
 
-TORCH_LIBRARY_IMPL(affineq, CPU, m) { m.impl("lowbit_rnn_layer", &affineq::lowbit_rnn_layer_cpu); }
+TORCH_LIBRARY_IMPL(affineq, CPU, m) {
+  m.impl("lowbit_rnn_layer", &affineq::lowbit_rnn_layer_cpu);
+  m.impl("lowbit_rnn_layer_bf16_compute", &affineq::lowbit_rnn_layer_bf16_compute_cpu);
+}
