@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -151,6 +152,10 @@ def quantize_(
         config = config.to_fqn_config(model)  # raises QuantizationError before anything changes
     steps, problems = plan(model, config, filter_fn)
     raise_problems(config, problems)
+    if not steps:  # a silent no-op hides a wrong filter or config (quantize_checkpoint raises here)
+        warnings.warn(f"quantize_: {type(config).__name__} selected no module of {type(model).__name__}, so nothing "
+                      "was quantized; the default filter_fn takes nn.Linear and MoE experts modules: pass filter_fn "
+                      "(or name the modules in an FqnToConfig) to select others", UserWarning, stacklevel=2)
     workflow = workflow_of(steps)  # an algorithm or calibration runs first; it calls quantize_ again
     if workflow is not None:
         return workflow.run(model, config, filter_fn, steps, calibration_data, device)

@@ -3,6 +3,7 @@
 import copy
 import gc
 import json
+import warnings
 import weakref
 
 import pytest
@@ -490,3 +491,16 @@ def test_int8_dynamic_kernel_matches_the_primitives(mapping, granularity):
             out = torch.nn.functional.linear(x, qw)
         assert used == ["aten._int_mm"]
         torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_selecting_nothing_warns_and_changes_nothing():
+    """A config or filter that selects no module used to return silently (quantize_checkpoint raises there)."""
+    m = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU())
+    before = {n: p for n, p in m.named_parameters()}
+    with pytest.warns(UserWarning, match=r"Int8WeightOnlyConfig selected no module of Sequential, so nothing was "
+                                         r"quantized.*pass filter_fn"):
+        quantize_(m, Int8WeightOnlyConfig())
+    assert all(p is before[n] for n, p in m.named_parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a call that selects something says nothing
+        quantize_(nn.Sequential(nn.Linear(64, 64)), Int8WeightOnlyConfig())
