@@ -345,7 +345,10 @@ class AffineQuantizedTensor(torch.Tensor):
         fmt = format_of(spec)
         fmt.validate({k: v for k, v in tensors.items() if not k.startswith("act_")}, spec)
         _check_act_tensors(tensors, spec)
-        return cls(_aligned_int8_codes(dict(tensors), spec), spec)
+        # kernels (aten's int4 / int8 packed matmuls) read the stored bytes in order, ignoring strides: a strided
+        # view is copied once here (a no-op for the contiguous tensors every writer stores)
+        tensors = {k: v.contiguous() for k, v in tensors.items()}
+        return cls(_aligned_int8_codes(tensors, spec), spec)
 
     @staticmethod
     def _as_spec(shape, dtype, spec, target, spec_args: dict) -> QuantSpec:
@@ -538,6 +541,10 @@ class AffineQuantizedTensor(torch.Tensor):
             _check_act_tensors(tensors, spec)
         except ValueError as e:
             raise ValueError(f"cannot unpickle an AffineQuantizedTensor: {e}") from None
+        # as from_tensors: a strided view (torch.save keeps views) is copied to the contiguous layout the kernels
+        # read, and plain int8 codes to an aligned one; contiguous, aligned tensors are kept as loaded
+        attrs.update({"_" + n: t for n, t in _aligned_int8_codes({n: t.contiguous() for n, t in tensors.items()},
+                                                                  spec).items()})
         torch._utils._set_obj_state(self, state)
 
     def _stable_hash_for_caching(self) -> str:

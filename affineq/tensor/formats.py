@@ -79,7 +79,9 @@ class PackingFormat:
         raise NotImplementedError
 
     def validate(self, t: Tensors, spec: QuantSpec) -> None:
-        """Raise ValueError unless `t` has exactly the names, shapes and dtypes `layout(spec)` declares."""
+        """Raise ValueError unless `t` has exactly the names, shapes and dtypes `layout(spec)` declares. Strides are
+        not checked: the loaders (`AffineQuantizedTensor.from_tensors`, unpickling) copy a strided tensor to the
+        contiguous layout the kernels read."""
         why = self.check(spec)
         if why is not None:
             raise ValueError(f"packing_format={self.name!r} cannot hold this spec: {why}")

@@ -19,7 +19,7 @@ from affineq.dtypes import QType, check_quant_range, qtype
 from affineq.granularity import Granularity, PerGroup, PerTensor, PerToken
 from affineq.mx import SCALE_MODES as _SCALE_MODES
 from affineq.mx import mx_element
-from affineq.primitives import MappingType, ZeroPointDomain
+from affineq.primitives import MappingType, ZeroPointDomain, _check_eps
 
 __all__ = ["ActivationQuant", "QParamOptions", "QuantSpec", "SPEC_VERSION"]
 
@@ -36,6 +36,8 @@ _KEYS = {"version", "shape", "dtype", "target", "block_size", "quant_min", "quan
          "mapping_type", "format", "transposed", "act_quant", "scale_type"}
 #: Keys newer than version 1's first writers, written only when set (so older files and readers still agree).
 _OPTIONAL_KEYS = {"compute_dtype": None}
+#: The keys `ActivationQuant.to_dict` writes ("block_size" / "scale_mode" for MX only).
+_ACT_KEYS = {"dtype", "mapping_type", "granularity", "zero_point_domain", "eps", "static", "block_size", "scale_mode"}
 #: The dtypes a linear may compute in instead of its input's (`QuantSpec.compute_dtype`).
 COMPUTE_DTYPES = (torch.bfloat16,)
 
@@ -132,6 +134,11 @@ class ActivationQuant:
         object.__setattr__(self, "dtype", mx_element(self.dtype, "ActivationQuant.dtype") if mx else qtype(self.dtype))
         _check_enum("ActivationQuant.mapping_type", self.mapping_type, MappingType)
         _check_enum("ActivationQuant.zero_point_domain", self.zero_point_domain, ZeroPointDomain)
+        if self.eps is not None:  # the activation scales are float32: choose_qparams_affine's rule for them
+            object.__setattr__(self, "eps", _check_eps("ActivationQuant", self.eps, torch.float32))
+        if not isinstance(self.static, bool):
+            raise ValueError(f"ActivationQuant.static={self.static!r}: must be a bool (True: calibrated per-tensor "
+                             "act_scale / act_zero_point, False: dynamic)")
         if self.static and not isinstance(self.granularity, PerTensor):
             raise ValueError("ActivationQuant(static=True) needs granularity=PerTensor() ('per_tensor': one calibrated "
                              "scale)")
@@ -210,9 +217,10 @@ class ActivationQuant:
         if not isinstance(d, dict):
             raise ValueError(f"act_quant must be a dict from ActivationQuant.to_dict() or None, got {d!r}")
         missing = [k for k in ("dtype", "mapping_type", "granularity", "zero_point_domain") if k not in d]
-        if missing:
-            raise ValueError(f"act_quant dict is missing keys {missing}; pass the dict ActivationQuant.to_dict() "
-                             "wrote")
+        unknown = sorted(set(d) - _ACT_KEYS, key=str)
+        if missing or unknown:
+            raise ValueError(f"act_quant dict: missing keys {missing}, unknown keys {unknown}; pass the dict "
+                             "ActivationQuant.to_dict() wrote")
         try:
             dtype = qtype(d["dtype"])
         except ValueError as e:
@@ -288,6 +296,9 @@ class QuantSpec:
                 raise bad(name, f"must be a tuple of ints >= {low}")
         if len(self.block_size) != len(self.shape):
             raise bad("block_size", f"must have one entry per dim of shape {self.shape}")
+        if any(n % b for n, b in zip(self.shape, self.block_size, strict=True)):
+            raise bad("block_size", f"each entry must divide its dim of shape {self.shape} (quantize_affine's rule: "
+                      "whole blocks only)")
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise bad("dtype", "must be the logical floating-point torch dtype (torch.float32, torch.bfloat16, ...)")
         if not isinstance(self.target, QType):
@@ -418,6 +429,13 @@ class QuantSpec:
         if not all(b >= 1 for b in d["block_size"]) or not all(n >= 0 for n in d["shape"]):
             raise ValueError(f"QuantSpec dict: block_size {d['block_size']!r} must be positive and shape "
                              f"{d['shape']!r} non-negative; the spec was edited or corrupted")
+        if not isinstance(d["transposed"], bool):  # bool("false") is True: no coercion of stored values
+            raise ValueError(f"QuantSpec dict: transposed must be a JSON bool (true / false), got "
+                             f"{d['transposed']!r}")
+        for key in ("quant_min", "quant_max"):  # to_dict always writes the filled range: null is not "full"
+            if isinstance(d[key], bool) or not isinstance(d[key], (int, float)):
+                raise ValueError(f"QuantSpec dict: {key} must be a number (the code range to_dict wrote), got "
+                                 f"{d[key]!r}")
         try:
             return cls.create(
                 tuple(d["shape"]), dtype, d["target"], tuple(d["block_size"]),
@@ -425,7 +443,7 @@ class QuantSpec:
                 zero_point_domain=_enum_member("zero_point_domain", d["zero_point_domain"], ZeroPointDomain),
                 quant_min=d["quant_min"], quant_max=d["quant_max"], packing_format=d["format"],
                 act_quant=None if d["act_quant"] is None else ActivationQuant.from_dict(d["act_quant"]),
-                scale_type=d["scale_type"], transposed=bool(d["transposed"]),
+                scale_type=d["scale_type"], transposed=d["transposed"],
             ).replace(compute_dtype=_compute_dtype_of(d.get("compute_dtype")))
         except ValueError as e:
             raise ValueError(f"QuantSpec dict: {e}") from None
