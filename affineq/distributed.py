@@ -18,7 +18,9 @@ at another (or in one process without a process group) into a model quantized wi
 from __future__ import annotations
 
 import fnmatch
+import io
 import json
+import pickle
 from pathlib import Path
 
 import torch
@@ -214,10 +216,14 @@ def dcp_load(model: nn.Module, checkpoint_id: str | Path) -> nn.Module:
 
     All or nothing: everything is read into new tensors and every quantized weight is rebuilt and checked against
     the model's before the first value is copied in, so a failing load leaves the model as it was (peak memory:
-    the model plus one copy of what the checkpoint holds)."""
+    the model plus one copy of what the checkpoint holds).
+
+    Nothing in the checkpoint runs code: its `.metadata` (a pickle) is read with an allow-list of the classes torch
+    writes there (ValueError naming any other), and its non-tensor entries with `torch.load(weights_only=True)`."""
     import torch.distributed.checkpoint as dcp
 
-    metadata = dcp.FileSystemReader(str(checkpoint_id)).read_metadata().state_dict_metadata
+    reader = _checked_reader(checkpoint_id)  # .metadata unpickled with an allow-list, not pickle.load
+    metadata = reader.read_metadata().state_dict_metadata
     weights = _quantized_weights(model)
     targets = dict(model.state_dict())
     _check_shapes(targets, weights, metadata)  # before anything is read
@@ -230,11 +236,22 @@ def dcp_load(model: nn.Module, checkpoint_id: str | Path) -> nn.Module:
             meta = metadata[f"{fqn}.aq_{name}"]
             shape, placements = _load_layout(name, meta.size, dt, fqn)
             sd[f"{fqn}.aq_{name}"] = _global(torch.empty(shape, dtype=meta.properties.dtype), name, dt, placements)
-    dcp.load(sd, checkpoint_id=str(checkpoint_id))
+    try:
+        dcp.load(sd, checkpoint_id=str(checkpoint_id), storage_reader=reader, planner=_bytes_planner())
+    except dcp.api.CheckpointException as e:  # one rank's ValueError (a refused entry) as itself
+        errs = [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
+        first = next((x for x in errs if isinstance(x, ValueError)), None)
+        if first is None:
+            raise
+        raise ValueError(str(first)) from None
     rebuilt = {}
     for fqn, w in weights.items():
         local, _ = _local(w)
-        saved = QuantSpec.from_dict(json.loads(sd.pop(f"{fqn}.{_SPEC}")))
+        text = sd.pop(f"{fqn}.{_SPEC}")
+        if not isinstance(text, str):
+            raise ValueError(f"dcp_load: {fqn}: the checkpoint's {_SPEC} is a {type(text).__name__}, not the spec's "
+                             "JSON; the checkpoint was edited (nothing was loaded)")
+        saved = QuantSpec.from_dict(json.loads(text))
         parts = {n: _local(sd.pop(f"{fqn}.aq_{n}"))[0] for n in _saved_part_names(metadata, fqn)}
         rebuilt[fqn] = _rebuild(local, tuple(w.shape), saved, parts, fqn)
         _check_fits(local, rebuilt[fqn], fqn)
@@ -246,6 +263,107 @@ def dcp_load(model: nn.Module, checkpoint_id: str | Path) -> nn.Module:
         for fqn, w in weights.items():
             _local(w)[0].copy_(rebuilt[fqn])
     return model
+
+
+# -- reading a checkpoint's pickles with an allow-list ----------------------------------------------------------
+
+_DCP_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "TensorProperties",
+                                              "ChunkStorageMetadata", "BytesStorageMetadata", "MetadataIndex",
+                                              "StorageMeta", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a DCP `.metadata` file: only the classes torch's checkpoint metadata holds (and torch dtypes)."""
+
+    def __init__(self, file, where: str):
+        super().__init__(file)
+        self.where = where
+
+    def find_class(self, module: str, name: str):
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if name in _DCP_CLASSES.get(module, ()):
+            return super().find_class(module, name)
+        raise ValueError(f"dcp_load: {self.where} refers to {module}.{name}, which a checkpoint's metadata never "
+                         "holds (only torch.distributed.checkpoint's metadata classes, torch.Size, dtypes, layouts "
+                         "and paths are allowed): the file was crafted or corrupted; nothing was loaded")
+
+    def persistent_load(self, pid):
+        raise ValueError(f"dcp_load: {self.where} holds a persistent reference, which checkpoint metadata never "
+                         "does: the file was crafted or corrupted; nothing was loaded")
+
+
+def _load_metadata(data: bytes, where: str):
+    """The `Metadata` a DCP `.metadata` file holds, unpickled with `_MetadataUnpickler` and checked."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    try:
+        md = _MetadataUnpickler(io.BytesIO(data), where).load()
+    except ValueError:
+        raise
+    except Exception as e:  # truncated pickle, wrong arguments to an allowed class, unknown layout name
+        raise ValueError(f"dcp_load: {where} is not a readable checkpoint metadata file ({type(e).__name__}: {e}); "
+                         "nothing was loaded") from None
+    if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict):
+        raise ValueError(f"dcp_load: {where} holds a {type(md).__name__}, not torch.distributed.checkpoint's "
+                         "Metadata; nothing was loaded")
+    for info in (md.storage_data or {}).values():
+        rel = getattr(info, "relative_path", None)
+        if not isinstance(rel, str) or not rel or rel in (".", "..") or "/" in rel or "\\" in rel:
+            raise ValueError(f"dcp_load: {where} names the data file {rel!r}, which is not a file name inside the "
+                             "checkpoint directory; nothing was loaded")
+    return md
+
+
+def _checked_reader(checkpoint_id):
+    """A `FileSystemReader` of `checkpoint_id` whose `read_metadata` (called by dcp_load and again by dcp.load)
+    unpickles with the allow-list."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class _Reader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            get_path = getattr(self, "_get_metadata_path", None)
+            path = get_path(kwargs.get("rank")) if get_path else self.fs.concat_path(self.path, ".metadata")
+            with self.fs.create_stream(path, "rb") as f:
+                md = _load_metadata(f.read(), str(path))
+            if getattr(md, "storage_meta", None) is None:
+                md.storage_meta = StorageMeta()
+            md.storage_meta.load_id = self.load_id
+            return md
+
+    return _Reader(str(checkpoint_id))
+
+
+def _bytes_planner():
+    """torch's DefaultLoadPlanner, reading non-tensor entries (the specs' JSON) with weights_only=True (torch's
+    own unpickles them with weights_only=False: a crafted entry would run code)."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class _Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):
+            try:
+                obj = torch.load(value, weights_only=True)
+            except Exception as e:
+                raise ValueError(f"dcp_load: the checkpoint's entry {read_item.dest_index.fqn!r} is not a plain "
+                                 f"value ({type(e).__name__}: {str(e)[:200]}); nothing was loaded") from None
+            super().load_bytes(read_item, _saved(obj))
+
+    return _Planner()
+
+
+def _saved(obj) -> io.BytesIO:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return buf
 
 
 def _check_fits(local: AQT, new: AQT, fqn: str) -> None:

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from affineq._untrusted import parse_json
+from affineq.bitpack import unpack_codes
 from affineq.tensor.affine import AffineQuantizedTensor
 from affineq.tensor.formats import get_format
 from affineq.tensor.spec import QuantSpec
@@ -268,16 +269,28 @@ def check_manifest(manifest: list[str] | None, entries, where: str) -> None:
 
 
 def _check_values(w: AffineQuantizedTensor, name: str) -> None:
-    """Cheap checks on values: integer codes of `plain` inside [quant_min, quant_max]; finite float qparams."""
+    """Cheap checks on values: integer codes of `plain` and `dense` inside [quant_min, quant_max]; finite float
+    qparams; no NaN (0xFF) among e8m0 scale bytes."""
     s = w.spec
-    if s.fmt == "plain" and not s.target.is_float and w.qdata.numel():
-        lo, hi = int(w.qdata.min()), int(w.qdata.max())
+    codes = None
+    if not s.target.is_float and w.qdata.numel():
+        if s.fmt == "plain":
+            codes = w.qdata
+        elif s.fmt == "dense" and s.quant_max - s.quant_min < 2 ** s.target.bits - 1:
+            # dense stores u = q - quant_min in `bits` bits: a narrower spec range can be exceeded
+            u = unpack_codes(w.qdata, s.target.bits, *s.shape)
+            codes = u.to(torch.int32) + s.quant_min
+    if codes is not None:
+        lo, hi = int(codes.min()), int(codes.max())
         if lo < s.quant_min or hi > s.quant_max:
             raise ValueError(f"{name}: codes span [{lo}, {hi}], outside the spec's range [{s.quant_min}, "
                              f"{s.quant_max}]; the file was edited or corrupted")
     for inner, t in w.tensors.items():
         if inner != "qdata" and t.dtype.is_floating_point and t.numel() and not bool(torch.isfinite(t).all()):
             raise ValueError(f"{name}: {inner} holds inf or NaN; the file was edited or corrupted")
+        if (s.scale_type is not None and inner in ("scale", "shared_exp") and t.dtype == torch.uint8 and t.numel()
+                and bool((t == 0xFF).any())):
+            raise ValueError(f"{name}: {inner} holds the e8m0 byte 0xFF (NaN); the file was edited or corrupted")
 
 
 def build_entry(name: str, entry: dict, tensors: dict[str, torch.Tensor], where: str) -> AffineQuantizedTensor:
@@ -331,6 +344,9 @@ def unflatten_state_dict(tensors: dict[str, torch.Tensor], meta: dict | None, wh
             continue
         if SEP in k and k.partition(SEP)[0] in meta["quantized"]:
             raise ValueError(f"{where}: unexpected tensor {k!r}; the file was edited")
+        if k in meta["quantized"]:
+            raise ValueError(f"{where}: {k!r} is stored both as a plain tensor and as a quantized entry; the file "
+                             "was edited (save_file never writes both)")
         out[k] = t
     return out
 
@@ -344,7 +360,13 @@ def load_file(path: str | os.PathLike, device: str | torch.device = "cpu", *,
     st = _import_safetensors()
     where = os.fspath(path)
     try:
-        with open_file(where, device=str(torch.device(device))) as f:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"load_file({where!r}): device={device!r} is not a torch device ({e})") from None
+    if dev.type == "cpu":
+        dev = torch.device("cpu")  # safetensors takes "cpu" only, not "cpu:0"
+    try:
+        with open_file(where, device=str(dev)) as f:
             header = f.metadata()
             meta = parse_metadata(header, where)  # before any tensor is read
             tensors = {k: f.get_tensor(k) for k in f.keys()}

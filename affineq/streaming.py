@@ -460,6 +460,10 @@ def load_quantized(
         _st.check_coverage(source.keys, source.meta["checksums"], os.fspath(src), allow_unchecked=allow_unchecked)
     entries = (source.meta or {}).get("quantized", {})
     _st.check_manifest(_manifest(src), entries, os.fspath(src))
+    both = sorted(k for k in source.keys if k in entries)
+    if both:
+        raise ValueError(f"load_quantized: {os.fspath(src)!r} stores {both[:5]} both as plain tensors and as quantized "
+                         "entries; the checkpoint was edited (affineq never writes both)")
     targets = {} if config is None else _targets(source, config, model, filter_fn)
     slots = _slots(model)
     names = {k.partition(_st.SEP)[0] if k.partition(_st.SEP)[0] in entries else k for k in source.keys}
@@ -513,6 +517,8 @@ def _place_all(source: _Source, entries: dict, targets: dict[str, _Target], slot
             _st.verify_checksums({f"{name}{_st.SEP}{i}": v for i, v in got.items()}, source.meta["checksums"], where)
             _place(slots[name], owners, _st.build_entry(name, entries[name], got, where), quantized=True)
             continue
+        if source.meta is not None:  # a plain tensor (float weight, norm, bias): its checksum too, before placing
+            _st.verify_checksums({key: t}, source.meta["checksums"], str(source.keys[key][0]))
         if key in targets:
             try:
                 q = quantize_weight(targets[key].config, t, targets[key].module)
