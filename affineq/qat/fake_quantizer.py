@@ -49,8 +49,10 @@ def _round_ste(t: torch.Tensor, rounding: str = "half_even") -> torch.Tensor:
 
 
 def _grad_scale(t: torch.Tensor, g: float) -> torch.Tensor:
-    """t in the forward pass, g * grad in the backward pass."""
-    return t * g + (t - t * g).detach()
+    """t in the forward pass, exactly (convert stores the qparams the forward used: t*g + (t - t*g) can differ
+    from t by an ulp in fp32), g * grad in the backward pass."""
+    tg = t * g
+    return t.detach() + (tg - tg.detach())
 
 
 def _as_rows(x: torch.Tensor, block: tuple[int, ...]) -> torch.Tensor:
