@@ -156,7 +156,11 @@ def test_reader_agrees_with_gguf_reader(typed_file, smollm2_file):
         fields = {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
         assert ours.metadata.keys() == fields.keys()
         for k, v in fields.items():
-            same = np.float32(v) == np.float32(ours.metadata[k]) if isinstance(v, float) else ours.metadata[k] == v
+            got = ours.metadata[k]
+            if isinstance(got, np.ndarray):  # numeric arrays stay numpy (memory as in the file)
+                same = np.array_equal(got, np.asarray(v, dtype=got.dtype))
+            else:
+                same = np.float32(v) == np.float32(got) if isinstance(v, float) else got == v
             assert same, k
         assert [(t.name, t.ggml_type) for t in ours.tensors] == [(t.name, t.tensor_type.name) for t in theirs.tensors]
         for a, b in zip(ours.tensors, theirs.tensors, strict=True):
@@ -553,3 +557,113 @@ def test_load_model_names_the_missing_metadata_key(tmp_path):
     with pytest.raises(ValueError, match=r"not a complete llama GGUF: its metadata has no "
                                          r"'llama.attention.head_count'"):
         ag.load_model(path)
+
+
+def _llama_file(path, **config) -> dict:
+    """A 2-block float Llama GGUF at `path`; its metadata (without general.architecture)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    ag.save_model(LlamaForCausalLM(LlamaConfig(**{**cfg, **config})).eval(), path)
+    return {k: v for k, v in ag.reader.read(path).metadata.items() if k != "general.architecture"}
+
+
+def test_load_model_checks_the_block_count_against_the_tensors_before_building(tmp_path):
+    """A block count no tensors back (20000 layers in a few hundred bytes) is refused before any config or model
+    is built from it (it took 30 s and 2 GB); so is one that disagrees with the file's blk.N tensors."""
+    import time
+    path = tmp_path / "big_layers.gguf"
+    _write(path, {"token_embd.weight": (np.zeros((4, 8), np.float32), "F32")}, **{
+        "llama.attention.head_count": 1, "llama.embedding_length": 8, "llama.feed_forward_length": 8,
+        "llama.context_length": 16, "llama.vocab_size": 4, "llama.block_count": 20000})
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"big_layers.gguf: metadata 'llama.block_count' is 20000, but the file's "
+                                         r"tensors hold no blk.N tensors"):
+        ag.load_model(path)
+    assert time.perf_counter() - start < 2
+    meta = _llama_file(tmp_path / "ok.gguf")
+    tensors = ag.load_file(tmp_path / "ok.gguf")
+    for count in (1, 3, 2**62):
+        ag.save_file(tensors, path, arch="llama", metadata={**meta, "llama.block_count": count})
+        with pytest.raises(ValueError, match=rf"'llama.block_count' is {count}, but the file's tensors hold blocks "
+                                             r"0 to 1 \(2 distinct\)"):
+            ag.load_model(path)
+    ag.save_file({k: v for k, v in tensors.items() if not k.startswith("blk.0.")}, path, arch="llama", metadata=meta)
+    with pytest.raises(ValueError, match=r"hold blocks 1 to 1 \(1 distinct\)"):
+        ag.load_model(path)
+
+
+def test_load_model_checks_every_tensor_against_the_metadata_before_building(tmp_path, monkeypatch):
+    """Head counts, widths and vocabulary are checked against the tensors' shapes, and every block must hold
+    all its tensors, on a one-block meta model, before the whole model is built: ValueError naming the tensor."""
+    meta = _llama_file(tmp_path / "ok.gguf")
+    tensors = ag.load_file(tmp_path / "ok.gguf")
+    path = tmp_path / "bad.gguf"
+    built = []
+    real = ag.models._gguf_names
+    monkeypatch.setattr(ag.models, "_gguf_names", lambda m, a: built.append(m.config.num_hidden_layers) or real(m, a))
+    cases = [({"llama.attention.head_count": 8}, r"tensor 'blk.0.attn_q.weight' has shape \(64, 64\), but the "
+                                                 r"model its metadata describes needs \(128, 64\)"),
+             ({"llama.attention.head_count_kv": 4}, r"'blk.0.attn_k.weight' has shape \(32, 64\), but .* \(64, 64\)"),
+             ({"llama.embedding_length": 2**40}, r"tensor 'token_embd.weight' has shape \(32, 64\), but .* needs "
+                                                 r"\(32, 1099511627776\)"),
+             ({"llama.vocab_size": 2**40}, r"'token_embd.weight' has shape \(32, 64\), but .* \(1099511627776, 64\)"),
+             ({"llama.feed_forward_length": 3}, r"'blk.0.ffn_gate.weight' has shape \(64, 64\), but .* \(3, 64\)")]
+    for edit, match in cases:
+        ag.save_file(tensors, path, arch="llama", metadata={**meta, **edit})
+        with pytest.raises(ValueError, match=match):
+            ag.load_model(path)
+    ag.save_file({k: v for k, v in tensors.items() if k != "blk.1.ffn_up.weight"}, path, arch="llama", metadata=meta)
+    with pytest.raises(ValueError, match=r"missing \['blk.1.ffn_up.weight'\], unexpected \[\]"):
+        ag.load_model(path)
+    assert set(built) <= {1}  # only the one-block probe was ever built
+    assert ag.load_model(tmp_path / "ok.gguf").config.num_hidden_layers == 2
+
+
+def test_load_model_checks_q_rows_before_permuting_them(tmp_path):
+    """A q weight with the wrong row count is a ValueError naming it and both shapes, not the RuntimeError of the
+    rotary row permutation (`shape '[4, 7, 2]' is invalid for input of size 60`); a head size the rotary pairs
+    cannot split is a ValueError naming the file (transformers' own config check raises a non-ValueError)."""
+    meta = _llama_file(tmp_path / "ok.gguf")
+    tensors = ag.load_file(tmp_path / "ok.gguf")
+    path = tmp_path / "badq.gguf"
+    ag.save_file({**tensors, "blk.0.attn_q.weight": torch.randn(60, 64)}, path, arch="llama", metadata=meta)
+    with pytest.raises(ValueError, match=r"badq.gguf: tensor 'blk.0.attn_q.weight' has shape \(60, 64\), but the "
+                                         r"model its metadata describes needs \(64, 64\)"):
+        ag.load_model(path)
+    odd = {**tensors, **{f"blk.{i}.attn_{n}.weight": torch.randn(h * 7, 64) for i in range(2)
+                         for n, h in (("q", 4), ("k", 2), ("v", 2))},
+           **{f"blk.{i}.attn_output.weight": torch.randn(64, 28) for i in range(2)}}
+    ag.save_file(odd, path, arch="llama", metadata={**meta, "llama.attention.key_length": 7})
+    with pytest.raises(ValueError, match=r"(?s)badq.gguf: not a valid llama GGUF: its metadata does not describe a "
+                                         r"model .*even rotary dimension"):
+        ag.load_model(path)
+
+
+def test_reader_keeps_numeric_metadata_arrays_numpy(tmp_path):
+    """A numeric metadata array is read as a numpy array of the file's type (as many bytes as the file holds, not
+    a list of Python numbers: 38 MiB of float32 took +422 MiB), and written back as the same type."""
+    path = tmp_path / "arr.gguf"
+    n = 1_000_000
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_array("x.floats", [0.5] * n)
+    w.add_array("x.types", [1, 3, 1])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tracemalloc.start()
+    try:
+        meta = ag.reader.read(path).metadata
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    floats = meta["x.floats"]
+    assert isinstance(floats, np.ndarray) and floats.dtype == np.float32 and floats.shape == (n,)
+    assert (floats == 0.5).all() and peak < 2 * 4 * n
+    assert meta["x.types"].tolist() == [1, 3, 1]
+    ag.save_file({"a": torch.ones(2)}, tmp_path / "back.gguf", arch="llama", metadata=meta)
+    fields = gguf.GGUFReader(str(tmp_path / "back.gguf")).fields
+    assert [t.name for t in fields["x.floats"].types] == ["ARRAY", "FLOAT32"]
+    assert [t.name for t in fields["x.types"].types] == ["ARRAY", "INT32"] and fields["x.types"].contents() == [1, 3, 1]

@@ -7,6 +7,7 @@ import tempfile
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from affineq.gguf import reader, types
@@ -41,6 +42,12 @@ def _value_type(gguf, key: str, value: Any):
         return vt.FLOAT32, None
     if isinstance(value, str):
         return vt.STRING, None
+    if isinstance(value, np.ndarray) and value.ndim == 1 and value.size:  # a numeric array as `reader` reads it
+        kind = {"b": vt.BOOL, "u1": vt.UINT8, "i1": vt.INT8, "u2": vt.UINT16, "i2": vt.INT16, "u4": vt.UINT32,
+                "i4": vt.INT32, "u8": vt.UINT64, "i8": vt.INT64, "f4": vt.FLOAT32, "f8": vt.FLOAT64}
+        sub = kind.get(value.dtype.kind + str(value.dtype.itemsize) if value.dtype.kind != "b" else "b")
+        if sub is not None:
+            return vt.ARRAY, sub
     if isinstance(value, (list, tuple)) and value:
         sub = {_value_type(gguf, key, v)[0] for v in value}
         if sub <= {vt.INT32, vt.UINT32}:  # integer arrays are int32 in llama.cpp's files (token types)
@@ -50,7 +57,7 @@ def _value_type(gguf, key: str, value: Any):
         if len(sub) == 1 and vt.ARRAY not in sub:
             return vt.ARRAY, sub.pop()
     raise ValueError(f"metadata {key!r}: cannot store {type(value).__name__} value {value!r:.60} in GGUF; use bool, "
-                     "int, float, str or a non-empty list of one of those")
+                     "int, float, str or a non-empty list of one of those (or a 1-D numeric numpy array)")
 
 
 def save_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike, *, arch: str,
@@ -82,7 +89,7 @@ def save_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike, *, a
     try:
         w = gguf.GGUFWriter(tmp, arch)  # writes general.architecture itself
         for k, v, vtype, sub in kv:
-            w.add_key_value(k, v, vtype, sub)
+            w.add_key_value(k, v.tolist() if isinstance(v, np.ndarray) else v, vtype, sub)
         for name, kind, data, _shape in encoded:
             w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=gguf.GGMLQuantizationType[kind])
         w.write_header_to_file()

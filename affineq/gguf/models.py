@@ -12,7 +12,9 @@ float copy). `save_model(model, path)` writes the inverse. Names map through the
 
 from __future__ import annotations
 
+import copy
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -154,7 +156,10 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
         raise _unsupported_arch(arch_name, os.fspath(path))
     arch = _ARCHS[arch_name]
     entries = {e.name: e for e in contents.tensors}
-    cls, config = _build(arch_name, arch, meta, "output.weight" not in entries, os.fspath(path))
+    where = os.fspath(path)
+    _check_block_count(arch_name, meta, entries, where)  # before any config: its layer count is the file's
+    cls, config = _build(arch_name, arch, meta, "output.weight" not in entries, where)
+    _check_tensors(arch_name, cls, config, entries, where)  # every size the metadata gives against the tensors
     with torch.device("meta"):
         model = cls(config)
     names = _gguf_names(model, arch_name)
@@ -165,18 +170,16 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
                                                                  else set()))
     unexpected = sorted(set(entries) - set(by_gguf))
     if missing or unexpected:
-        raise ValueError(f"{os.fspath(path)}: its tensors do not match a {cls.__name__} of its metadata: missing "
+        raise ValueError(f"{where}: its tensors do not match a {cls.__name__} of its metadata: missing "
                          f"{missing[:5]}, unexpected {unexpected[:5]}")
     slots = _slots(model)
     for g, entry in entries.items():
-        value = _model_tensor(entry, arch, config, dtype, widen_kquants)
-        param = nn.Parameter(value, requires_grad=False)
+        for hf in by_gguf[g]:  # shapes first: the q/k row permutation needs the row count it describes
+            module, attr = slots[hf]
+            _check_shape(where, g, entry.shape, tuple(module._parameters[attr].shape))
+        param = nn.Parameter(_model_tensor(entry, arch, config, dtype, widen_kquants), requires_grad=False)
         for hf in by_gguf[g]:
             module, attr = slots[hf]
-            want = tuple(module._parameters[attr].shape)
-            if tuple(param.shape) != want:
-                raise ValueError(f"{os.fspath(path)}: tensor {g!r} has shape {tuple(param.shape)}, but the model its "
-                                 f"metadata describes needs {want} for {hf}; the file's metadata is inconsistent")
             module._parameters[attr] = param
     if config.tie_word_embeddings:
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
@@ -184,6 +187,12 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
     del contents, entries
     trim_heap()  # the decoding temporaries, freed but kept by glibc's heap, back to the OS (resident ~ tensors)
     return model.eval()
+
+
+try:  # transformers' config validation (an odd rotary head size...) raises huggingface_hub's, not a ValueError
+    from huggingface_hub.errors import StrictDataclassError as _ConfigError
+except ImportError:  # pragma: no cover - an older huggingface_hub validates nothing
+    _ConfigError = ValueError
 
 
 def _build(arch_name: str, arch: _Arch, meta: dict[str, Any], tied: bool, where: str) -> tuple[type, Any]:
@@ -197,9 +206,66 @@ def _build(arch_name: str, arch: _Arch, meta: dict[str, Any], tied: bool, where:
         raise ValueError(f"{where}: not a complete {arch_name} GGUF: its metadata has no {e.args[0]!r}, which the "
                          "model config needs; write the file with affineq.gguf.save_model or llama.cpp's "
                          "converter") from e
-    except (TypeError, ValueError, ZeroDivisionError) as e:
+    except (TypeError, ValueError, ZeroDivisionError, _ConfigError) as e:
         raise ValueError(f"{where}: not a valid {arch_name} GGUF: its metadata does not describe a model "
                          f"({type(e).__name__}: {e})") from e
+
+
+_BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+def _check_block_count(arch_name: str, meta: dict[str, Any], entries: dict[str, GGUFEntry], where: str) -> None:
+    """`{arch}.block_count` against the blocks the file holds (`blk.0.` ... `blk.{n-1}.`), before the config or
+    the model is built from it: a count no tensors back (20000 layers in 544 bytes) is refused in no time. A
+    missing key is left to `_build`, which names it."""
+    key = f"{arch_name}.block_count"
+    if key not in meta:
+        return
+    count = meta[key]
+    held = {int(m.group(1)) for m in map(_BLOCK.fullmatch, entries) if m}
+    # distinct indices >= 0: n of them whose largest is n - 1 are exactly 0..n-1 (no range(count) is built)
+    if not isinstance(count, int) or isinstance(count, bool) or len(held) != count or (held and max(held) != count - 1):
+        shown = f"blocks {min(held)} to {max(held)} ({len(held)} distinct)" if held else "no blk.N tensors"
+        raise ValueError(f"{where}: metadata {key!r} is {count!r}, but the file's tensors hold {shown}; its "
+                         f"metadata and tensors are inconsistent (a damaged or edited file)")
+
+
+def _check_tensors(arch_name: str, cls: type, config, entries: dict[str, GGUFEntry], where: str) -> None:
+    """Every tensor name and shape against a one-block model of `config` (built on the meta device: the sizes of
+    the metadata, heads, vocabulary, widths, allocate nothing), before the whole model is: ValueError naming the
+    tensor, its shape and the one the metadata implies; or the tensors missing or unexpected."""
+    probe_config = copy.copy(config)
+    probe_config.num_hidden_layers = min(1, config.num_hidden_layers)
+    if getattr(config, "layer_types", None) is not None:
+        probe_config.layer_types = config.layer_types[:probe_config.num_hidden_layers]
+    with torch.device("meta"):
+        probe = cls(probe_config)
+    state = probe.state_dict(keep_vars=True)
+    want = {g: tuple(state[hf].shape) for hf, g in _gguf_names(probe, arch_name).items()}
+    unexpected = []
+    for name, entry in entries.items():
+        m = _BLOCK.fullmatch(name)
+        generic = f"blk.0.{m.group(2)}" if m else name
+        if generic not in want:
+            unexpected.append(name)
+        else:
+            _check_shape(where, name, entry.shape, want[generic])
+    optional = {"output.weight"} if config.tie_word_embeddings else set()
+    per_block = [g[len("blk.0."):] for g in want if g.startswith("blk.0.")]
+    missing = [g for g in want if not g.startswith("blk.") and g not in entries and g not in optional]
+    for i in range(config.num_hidden_layers):  # no more than the file's blk.N tensors (`_check_block_count`)
+        missing += [f"blk.{i}.{s}" for s in per_block if f"blk.{i}.{s}" not in entries]
+        if len(missing) > 5:
+            break
+    if missing or unexpected:
+        raise ValueError(f"{where}: its tensors do not match a {cls.__name__} of its metadata: missing "
+                         f"{missing[:5]}, unexpected {sorted(unexpected)[:5]}")
+
+
+def _check_shape(where: str, name: str, shape: tuple[int, ...], want: tuple[int, ...]) -> None:
+    if tuple(shape) != want:
+        raise ValueError(f"{where}: tensor {name!r} has shape {tuple(shape)}, but the model its metadata describes "
+                         f"needs {want}; the file's metadata and tensors are inconsistent")
 
 
 def _model_tensor(entry: GGUFEntry, arch: _Arch, config, dtype: torch.dtype, widen: bool) -> torch.Tensor:

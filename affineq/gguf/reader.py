@@ -2,10 +2,12 @@
 
 The header is parsed here, in one pass over the memory-mapped file, with every length checked against the bytes
 left before anything is read: a file cut short or with an edited header is a ValueError naming the file and the
-byte, and no count read from the header allocates more than the file holds. ggml-org's `gguf` package supplies
-the tensor type table (`GGMLQuantizationType`, `GGML_QUANT_SIZES`) and writes files (`affineq.gguf.files`); its
-own `GGUFReader` is the tests' reference. (It is not used to load: it builds a numpy array per metadata element,
-which takes seconds on a 49k-token vocabulary where this parser takes a fraction of one.)
+byte, and no count read from the header allocates more than the file holds. Numeric metadata arrays stay numpy
+arrays (a copy of their bytes: as much memory as the file holds), never lists of Python numbers (8 to 30 times
+the bytes). ggml-org's `gguf` package supplies the tensor type table (`GGMLQuantizationType`, `GGML_QUANT_SIZES`)
+and writes files (`affineq.gguf.files`); its own `GGUFReader` is the tests' reference. (It is not used to load:
+it builds a numpy array per metadata element, which takes seconds on a 49k-token vocabulary where this parser
+takes a fraction of one.)
 
 Tensors are then checked against the file: a known ggml type, positive dims with the innermost a whole number of
 blocks, and bytes inside the file.
@@ -53,7 +55,8 @@ class GGUFEntry:
 
 @dataclass
 class GGUFContents:
-    """A parsed file: its path, `metadata` (key -> Python value; arrays as lists) and `tensors` in file order."""
+    """A parsed file: its path, `metadata` (key -> Python value; arrays of numbers as 1-D numpy arrays of the
+    file's element type, arrays of strings or arrays as lists) and `tensors` in file order."""
 
     path: str
     metadata: dict[str, Any]
@@ -98,12 +101,12 @@ class _Cursor:
             raise ValueError(f"{self.path}: {what} has value type {vtype}, which GGUF does not define (or arrays "
                              f"nested deeper than {_MAX_DEPTH}); the header is damaged")
         etype, count = self.scalar("<I", what), self.scalar("<Q", what)
-        if etype in _SCALARS:  # numeric arrays in one numpy call
+        if etype in _SCALARS:  # numeric arrays in one numpy call, kept numpy: as many bytes as the file's
             dt = np.dtype(_SCALARS[etype])
             self.need(count * dt.itemsize, what)
             arr = np.frombuffer(self.buf, dtype=dt, count=count, offset=self.pos)
             self.pos += count * dt.itemsize
-            return arr.tolist()
+            return arr.astype(dt.newbyteorder("="))  # a native-order copy: no view keeps the file mapped
         self.need(count * 8, what)  # every string or array element takes at least 8 bytes: bounds the loop
         return [self.value(etype, what, depth + 1) for _ in range(count)]
 
