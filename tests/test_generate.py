@@ -353,3 +353,31 @@ def test_an_empty_batch_is_refused():
     model = _llama(1)
     with pytest.raises(ValueError, match="input_ids has batch size 0: pass at least one prompt"):
         _g(model, torch.zeros(0, 4, dtype=torch.long), 3)
+
+
+def test_in_place_weight_changes_rebuild_the_fused_copies():
+    """The decoder's fused q/k/v and gate/up copies are rebuilt when a weight changes in place (they were keyed
+    by parameter identity only, so generate kept decoding with the old values)."""
+    model = _llama(1)
+    ids = _prompt()
+    generate(model, ids, 6, compile=False, ignore_eos=True)  # builds and caches a decoder with fused copies
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.mul_(5)
+        model.model.layers[0].self_attn.k_proj.weight.mul_(5)
+    assert torch.equal(generate(model, ids, 6, compile=False, ignore_eos=True),
+                       generate(model, ids, 6, compile=False, ignore_eos=True, fuse_projections=False))
+
+
+def test_fusion_never_merges_weights_of_different_compute_dtypes():
+    """torch.cat of quantized weights refuses different compute dtypes (it kept the first's), so generate's
+    copied q/k/v fusion falls back to separate calls instead of dropping a layer's compute_dtype."""
+    from affineq import Int4WeightOnlyConfig, quantize_
+
+    q, k = torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(64, 32, bias=False)
+    quantize_(q, Int4WeightOnlyConfig(group_size=32))
+    quantize_(k, Int4WeightOnlyConfig(group_size=32, compute_dtype=torch.bfloat16))
+    with pytest.raises((RuntimeError, ValueError, NotImplementedError, TypeError)):
+        torch.cat([q.weight, k.weight], 0)
+    from affineq.models.static_decoder import _fused
+
+    assert _fused([q, k], copy=True) is None

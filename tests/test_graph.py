@@ -416,3 +416,13 @@ def test_tutorial_06_graph_mode():
                           text=True, timeout=300, cwd=root)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "graph mode equals eager static quantization: True" in done.stdout, done.stdout
+
+
+def test_graph_mode_refuses_param_names_it_cannot_honour():
+    """Graph mode rewrites weight uses: a config quantizing other parameters left the whole layer float, with a
+    warning that listed the parameter it said was missing."""
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match=r"param_names=\('weight', 'bias'\)\): graph mode quantizes each layer's "
+                                         r"weight only"):
+        affineq.graph.prepare(nn.Sequential(nn.Linear(64, 64)), Int8WeightOnlyConfig(param_names=("weight", "bias")),
+                              (x,))

@@ -330,7 +330,8 @@ class QuantConfig:
         if w is None:
             if isinstance(getattr(module, name, None), AffineQuantizedTensor):
                 return _ALREADY.format(name=name)
-            return f"it has no parameter {name!r} (parameters: {list(module._parameters)})"
+            present = [n for n, v in module._parameters.items() if v is not None]  # a None bias is no parameter
+            return f"it has no parameter {name!r} (parameters: {present})"
         if isinstance(w, AffineQuantizedTensor):
             return _ALREADY.format(name=name)
         if not w.dtype.is_floating_point:

@@ -95,6 +95,9 @@ def _check_config(cfg: QuantConfig, where: str) -> None:
     if handler_for(cfg) is not replace_parameters:
         raise ValueError(f"{where}: {type(cfg).__name__} swaps modules (its own quantize_ handler); graph mode "
                          "replaces weights only: use affineq.quantize_ for it")
+    if cfg.param_names not in (None, ("weight",)):  # graph mode rewrites weight uses; other parameters stay float
+        raise ValueError(f"{where}: {type(cfg).__name__}(param_names={cfg.param_names!r}): graph mode quantizes "
+                         "each layer's weight only; leave param_names None, or quantize with affineq.quantize_")
 
 
 def prepare(model: nn.Module, config: QuantConfig, example_inputs, *, dynamic_shapes=None) -> fx.GraphModule:

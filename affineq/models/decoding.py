@@ -40,13 +40,20 @@ _CACHE_BLOCK = 128  # cache lengths are rounded up to a multiple of this: one co
 _decoders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def _version(p: torch.Tensor) -> int:
+    try:
+        return p._version
+    except RuntimeError:  # an inference tensor tracks no version (it cannot be changed in place outside one)
+        return 0
+
+
 def _weights_key(model: nn.Module) -> tuple:
-    """Identity of every parameter, and the attention / experts implementations the model is set to: a decoder
-    built before quantize_ (or any weight swap, or ``set_attn_implementation`` / ``set_experts_implementation``)
-    is stale after it."""
+    """Identity and version of every parameter, and the attention / experts implementations the model is set
+    to: a decoder built before quantize_ (or any weight swap, an in-place change its fused copies would miss, or
+    ``set_attn_implementation`` / ``set_experts_implementation``) is stale after it."""
     cfg = getattr(model, "config", None)
     impls = (getattr(cfg, "_attn_implementation", None), getattr(cfg, "_experts_implementation", None))
-    return (*impls, *(id(p) for p in model.parameters()))
+    return (*impls, *((id(p), _version(p)) for p in model.parameters()))
 
 
 def _decoder(model: nn.Module, batch: int, length: int, compile: bool, compile_prefill: bool, cpp_wrapper: bool,

@@ -364,7 +364,8 @@ def _family(t: AQT):
     spec = t.spec
     static = {n: v for n, v in t.act_tensors.items() if n != "act_pre_scale"}
     return (spec.target, spec.quant_min, spec.quant_max, spec.zero_point_domain, spec.fmt, spec.dtype,
-            spec.act_quant, spec.scale_type, tuple((n, tuple(v.tolist())) for n, v in sorted(static.items())))
+            spec.act_quant, spec.scale_type, spec.compute_dtype,
+            tuple((n, tuple(v.tolist())) for n, v in sorted(static.items())))
 
 
 def expand_blocks(q: torch.Tensor, block: tuple[int, ...]) -> torch.Tensor:
