@@ -99,7 +99,8 @@ def default_eps(scale_dtype: torch.dtype) -> float:
     return max(torch.finfo(scale_dtype).tiny, torch.finfo(torch.float32).tiny)
 
 
-def _check_eps(fn: str, eps, scale_dtype: torch.dtype) -> float:
+def check_eps(fn: str, eps, scale_dtype: torch.dtype) -> float:
+    """`eps` as a float when it is a valid smallest scale for `scale_dtype`; ValueError naming `fn` otherwise."""
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not math.isfinite(eps) or eps <= 0:
         raise ValueError(
             f"{fn}: eps must be a positive finite number (the smallest scale allowed), got {eps!r}; "
@@ -312,7 +313,7 @@ def choose_qparams_affine(
         zero_point_dtype = torch.int32 if domain is ZeroPointDomain.INT else scale_dtype
     elif domain is not ZeroPointDomain.NONE:
         _check_zero_point_dtype(fn, zero_point_dtype, domain, qmin, qmax)
-    eps = default_eps(scale_dtype) if eps is None else _check_eps(fn, eps, scale_dtype)
+    eps = default_eps(scale_dtype) if eps is None else check_eps(fn, eps, scale_dtype)
 
     # Block extremes in the input's own dtype: exact, and rounding them to float32 afterwards gives the
     # extremes of the float32-rounded input (rounding is monotonic).

@@ -378,7 +378,9 @@ def _tampered_spec(spec, **fields):
     (lambda w: w.__dict__.update(spec=_tampered_spec(w.spec, block_size=(1, 0))), r"QuantSpec\.block_size"),
     (lambda w: w.__dict__.update(spec=_tampered_spec(w.spec, quant_max=1000)), r"quant_max"),
     (lambda w: w.__dict__.update(spec=_tampered_spec(w.spec, target="int8")), r"QuantSpec\.target='int8'"),
-    (lambda w: w.__dict__.update(spec=_tampered_spec(w.spec, shape=(64, 32))), r"spec describes"),
+    (lambda w: w.__dict__.update(spec=_tampered_spec(w.spec, shape=(64, 64))), r"spec describes"),
+    (lambda w: w.__dict__.update(spec=_tampered_spec(w.spec, shape=(64, 32))), r"block_size=\(1, 64\): each entry "
+                                                                              r"must divide its dim"),
 ])
 def test_a_tampered_weights_only_pickle_fails_at_load(tamper, match):
     w = _q8()

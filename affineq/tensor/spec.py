@@ -19,7 +19,7 @@ from affineq.dtypes import QType, check_quant_range, qtype
 from affineq.granularity import Granularity, PerGroup, PerTensor, PerToken
 from affineq.mx import SCALE_MODES as _SCALE_MODES
 from affineq.mx import mx_element
-from affineq.primitives import MappingType, ZeroPointDomain, _check_eps
+from affineq.primitives import MappingType, ZeroPointDomain, check_eps
 
 __all__ = ["ActivationQuant", "QParamOptions", "QuantSpec", "SPEC_VERSION"]
 
@@ -135,7 +135,7 @@ class ActivationQuant:
         _check_enum("ActivationQuant.mapping_type", self.mapping_type, MappingType)
         _check_enum("ActivationQuant.zero_point_domain", self.zero_point_domain, ZeroPointDomain)
         if self.eps is not None:  # the activation scales are float32: choose_qparams_affine's rule for them
-            object.__setattr__(self, "eps", _check_eps("ActivationQuant", self.eps, torch.float32))
+            object.__setattr__(self, "eps", check_eps("ActivationQuant", self.eps, torch.float32))
         if not isinstance(self.static, bool):
             raise ValueError(f"ActivationQuant.static={self.static!r}: must be a bool (True: calibrated per-tensor "
                              "act_scale / act_zero_point, False: dynamic)")
@@ -218,9 +218,12 @@ class ActivationQuant:
             raise ValueError(f"act_quant must be a dict from ActivationQuant.to_dict() or None, got {d!r}")
         missing = [k for k in ("dtype", "mapping_type", "granularity", "zero_point_domain") if k not in d]
         unknown = sorted(set(d) - _ACT_KEYS, key=str)
-        if missing or unknown:
-            raise ValueError(f"act_quant dict: missing keys {missing}, unknown keys {unknown}; pass the dict "
-                             "ActivationQuant.to_dict() wrote")
+        if missing:
+            raise ValueError(f"act_quant dict is missing keys {missing}; pass the dict ActivationQuant.to_dict() "
+                             "wrote")
+        if unknown:
+            raise ValueError(f"act_quant dict has unknown keys {unknown}; pass the dict ActivationQuant.to_dict() "
+                             "wrote")
         try:
             dtype = qtype(d["dtype"])
         except ValueError as e:
