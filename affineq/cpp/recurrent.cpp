@@ -209,28 +209,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rnn_layer(
   return {out, h, c};
 }
 
-// The two ops (their schemas never change: a new argument is a new op).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> lowbit_rnn_layer_cpu(
+// The two ops (their schemas never change: a new argument is a new op), kBf16: lowbit_rnn_layer_bf16_compute.
+template <bool kBf16>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rnn_layer_op(
     const at::Tensor& gi, at::IntArrayRef batch_sizes, const at::Tensor& h0, const std::optional<at::Tensor>& c0,
     const std::optional<at::Tensor>& bias_hh, const at::Tensor& packed, const at::Tensor& scale,
     const std::optional<at::Tensor>& offset, int64_t bits, int64_t group_size, int64_t codes, int64_t code_offset,
     int64_t act_mode, bool act_per_token, double act_eps, int64_t cell, bool reverse) {
   return rnn_layer(gi, batch_sizes, h0, c0, bias_hh, packed, scale, offset, bits, group_size, codes, code_offset,
-                   act_mode, act_per_token, act_eps, cell, reverse, false);
-}
-std::tuple<at::Tensor, at::Tensor, at::Tensor> lowbit_rnn_layer_bf16_compute_cpu(
-    const at::Tensor& gi, at::IntArrayRef batch_sizes, const at::Tensor& h0, const std::optional<at::Tensor>& c0,
-    const std::optional<at::Tensor>& bias_hh, const at::Tensor& packed, const at::Tensor& scale,
-    const std::optional<at::Tensor>& offset, int64_t bits, int64_t group_size, int64_t codes, int64_t code_offset,
-    int64_t act_mode, bool act_per_token, double act_eps, int64_t cell, bool reverse) {
-  return rnn_layer(gi, batch_sizes, h0, c0, bias_hh, packed, scale, offset, bits, group_size, codes, code_offset,
-                   act_mode, act_per_token, act_eps, cell, reverse, true);
+                   act_mode, act_per_token, act_eps, cell, reverse, kBf16);
 }
 
 }  // namespace
 }  // namespace affineq
 
 TORCH_LIBRARY_IMPL(affineq, CPU, m) {
-  m.impl("lowbit_rnn_layer", &affineq::lowbit_rnn_layer_cpu);
-  m.impl("lowbit_rnn_layer_bf16_compute", &affineq::lowbit_rnn_layer_bf16_compute_cpu);
+  m.impl("lowbit_rnn_layer", &affineq::rnn_layer_op<false>);
+  m.impl("lowbit_rnn_layer_bf16_compute", &affineq::rnn_layer_op<true>);
 }
