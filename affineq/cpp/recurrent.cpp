@@ -3,8 +3,9 @@
 // paths), optionally on the int8 fake-quantized h (dynamic activation quantization, as linear does), and the
 // cell's pointwise math runs in one fused pass; the input projection of all steps (gi) was computed before
 // by one batched quantized matmul. Doing the loop here removes ~10 eager op calls per step, which dominate
-// at small batch and hidden sizes. A weight computed in bf16 (bf16_compute: QuantSpec.compute_dtype) multiplies
-// h rounded to bf16 and yields the product's bf16 values, as affineq::lowbit_linear_bf16_compute does. Rows follow the PackedSequence convention: step t updates the first
+// at small batch and hidden sizes. A weight computed in bf16 (QuantSpec.compute_dtype; the op
+// lowbit_rnn_layer_bf16_compute) multiplies h rounded to bf16 and yields the product's bf16 values, as
+// affineq::lowbit_linear_bf16_compute does. Rows follow the PackedSequence convention: step t updates the first
 // batch_sizes[t] rows of the state (padded input is the case of equal batch sizes).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

@@ -86,15 +86,17 @@ def _check_act_tensors(t: dict[str, torch.Tensor], spec: QuantSpec) -> None:
                              f"{'needs' if needs_zp else 'takes no'} act_zero_point")
 
 
-def _aligned_int8_codes(tensors: dict[str, torch.Tensor], spec: QuantSpec) -> dict[str, torch.Tensor]:
-    """`tensors` with plain int8 CPU codes copied once when they are not 16-byte aligned: aten's
-    `_weight_int8pack_mm` reads them with aligned loads and crashes on such a view (safetensors files align
-    tensors to 8 bytes only)."""
-    q = tensors.get("qdata")
+def _as_kernels_read(tensors: dict[str, torch.Tensor], spec: QuantSpec) -> dict[str, torch.Tensor]:
+    """Loaded stored tensors in the layout the kernels read: contiguous (aten's int4 / int8 packed matmuls read
+    the bytes in order, ignoring strides), and plain int8 CPU codes 16-byte aligned (aten's `_weight_int8pack_mm`
+    reads them with aligned loads and crashes on a view at another offset; safetensors aligns to 8 bytes). A copy
+    only where needed: the tensors every writer stores are kept as loaded."""
+    out = {k: v.contiguous() for k, v in tensors.items()}
+    q = out.get("qdata")
     if spec.fmt == "plain" and q is not None and q.dtype == torch.int8 and q.device.type == "cpu" \
             and q.data_ptr() % 16:
-        tensors["qdata"] = q.clone()
-    return tensors
+        out["qdata"] = q.clone()
+    return out
 
 
 def _check_finite_qparams(scale: torch.Tensor, zero_point: torch.Tensor | None) -> None:
@@ -345,10 +347,7 @@ class AffineQuantizedTensor(torch.Tensor):
         fmt = format_of(spec)
         fmt.validate({k: v for k, v in tensors.items() if not k.startswith("act_")}, spec)
         _check_act_tensors(tensors, spec)
-        # kernels (aten's int4 / int8 packed matmuls) read the stored bytes in order, ignoring strides: a strided
-        # view is copied once here (a no-op for the contiguous tensors every writer stores)
-        tensors = {k: v.contiguous() for k, v in tensors.items()}
-        return cls(_aligned_int8_codes(tensors, spec), spec)
+        return cls(_as_kernels_read(tensors, spec), spec)
 
     @staticmethod
     def _as_spec(shape, dtype, spec, target, spec_args: dict) -> QuantSpec:
@@ -541,10 +540,7 @@ class AffineQuantizedTensor(torch.Tensor):
             _check_act_tensors(tensors, spec)
         except ValueError as e:
             raise ValueError(f"cannot unpickle an AffineQuantizedTensor: {e}") from None
-        # as from_tensors: a strided view (torch.save keeps views) is copied to the contiguous layout the kernels
-        # read, and plain int8 codes to an aligned one; contiguous, aligned tensors are kept as loaded
-        attrs.update({"_" + n: t for n, t in _aligned_int8_codes({n: t.contiguous() for n, t in tensors.items()},
-                                                                  spec).items()})
+        attrs.update({"_" + n: t for n, t in _as_kernels_read(tensors, spec).items()})  # torch.save keeps views
         torch._utils._set_obj_state(self, state)
 
     def _stable_hash_for_caching(self) -> str:
