@@ -21,8 +21,9 @@ CASES = [
 ]
 MS = [1, 2, 3, 8, 33, 130]
 # Private path selector of the C++ op: 0 = heuristic, 1 = fused GEMV, 2 = fp32 GEMM, 3 = int16 VNNI GEMM,
-# 4 = bf16 dot GEMM (each falls back where unsupported; `lowbit_path_for` says which one runs).
-PATHS = [0, 1, 2, 3, 4]
+# 4 = bf16 dot GEMM, 5 = AMX tile GEMM (each falls back where unsupported; `lowbit_path_for` says which one
+# runs).
+PATHS = [0, 1, 2, 3, 4, 5]
 
 
 def _needs_kernels() -> None:
@@ -49,7 +50,7 @@ def _reference(x: torch.Tensor, path: int, gs: int, codes: int, exact: torch.Ten
     """What the op must match for x and a `bits`-bit weight: `exact` (fp64 W), or x @ bf16(W) when the bf16 dot
     path runs (it computes dequantize-to-bf16 then a bf16 matmul with fp32 accumulation, like F.linear on the
     bf16 weight)."""
-    if torch.ops.affineq_cpp.lowbit_path_for(x, gs, codes, path, bits, w.shape[0]) == 4:
+    if torch.ops.affineq_cpp.lowbit_path_for(x, gs, codes, path, bits, w.shape[0]) in (4, 5):
         return x.double() @ w.bfloat16().double().T
     return exact
 
@@ -379,15 +380,25 @@ def test_lowbit_linear_float8_codes(codes_kind: int, fp8: torch.dtype) -> None:
 def test_path_choice() -> None:
     # fp32 x never leaves fp32 arithmetic by default; bf16 x takes the bf16 dot GEMM where the CPU has it, from 5
     # rows (9 for 4- and 8-bit integer codes, whose GEMV tiles take bf16 dot products too, 17 on a weight of 2^21
-    # weights or more); float8 codes and groups that are not a multiple of 8 never take the int16 path.
+    # weights or more), or the AMX GEMM where the CPU has AMX and k is a multiple of 32, from 5 rows (7 for 4-bit
+    # codes); float8 codes and groups that are not a multiple of 8 never take the int16 path.
     _needs_kernels()
     choice = torch.ops.affineq_cpp.lowbit_path_for
     has_bf16 = choice(torch.zeros(8, 64, dtype=torch.bfloat16), 32, 0, 4) == 4
-    for m in (1, 2, 3, 4, 5, 8, 9, 16, 17, 33):
+    has_amx = choice(torch.zeros(8, 64, dtype=torch.bfloat16), 32, 0, 5) == 5
+    assert not has_amx or has_bf16
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 33):
         assert choice(torch.zeros(m, 64), 32, 0, 0) == (1 if m <= 8 else 2)
         assert choice(torch.zeros(m, 64), 30, 0, 0) == 2
         xb = torch.zeros(m, 64, dtype=torch.bfloat16)
-        if has_bf16:
+        if has_amx:
+            for bits in (3, 5, 6, 8):
+                assert choice(xb, 32, 0, 0, bits) == (1 if m <= 4 else 5)
+            assert choice(xb, 32, K.CODES_E4M3, 0, 8) == (1 if m <= 4 else 5)
+            assert choice(torch.zeros(m, 2048, dtype=torch.bfloat16), 32, 0, 0, 4, 1024) == (1 if m <= 6 else 5)
+            assert choice(torch.zeros(m, 72, dtype=torch.bfloat16), 24, 0, 0, 4) == (1 if m <= 8 else 4)  # k % 32
+            assert choice(xb, 32, 0, 4, 4) == 4  # forced: the AVX512-BF16 GEMM still runs
+        elif has_bf16:
             for bits in (3, 5, 6):
                 assert choice(xb, 32, 0, 0, bits) == (1 if m <= 4 else 4)
             assert choice(xb, 32, K.CODES_E4M3, 0, 8) == (1 if m <= 4 else 4)
@@ -396,11 +407,13 @@ def test_path_choice() -> None:
                 assert choice(xb, 32, 0, 0, bits) == (1 if m <= 8 else 4)
                 assert choice(big, 32, 0, 0, bits, 1024) == (1 if m <= 16 else 4)
                 assert choice(big, 32, 0, 0, bits, 1023) == (1 if m <= 8 else 4)
+            assert choice(xb, 32, 0, 5, 4) == 4  # no AMX: the forced AMX path falls back to the bf16 dot GEMM
         else:
             assert choice(xb, 32, 0, 0, 8) in (1, 2, 3)
         assert choice(torch.zeros(m, 64, dtype=torch.float16), 30, 0, 3) == 2
         assert choice(torch.zeros(m, 64, dtype=torch.float16), 32, K.CODES_E4M3, 3) == 2
     assert choice(torch.zeros(8, 64), 32, 0, 4) == 2  # fp32 x: exact fp32 GEMM, never bf16
+    assert choice(torch.zeros(8, 64), 32, 0, 5) == 2
 
 
 def test_lowbit_linear_layouts_and_batch_dims() -> None:
@@ -468,12 +481,13 @@ def test_int16_x_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     xb = x.bfloat16()
     choice = torch.ops.affineq_cpp.lowbit_path_for
     has_bf16 = choice(xb, gs, 0, 4) == 4
+    bf16_gemm = choice(xb, gs, 0, 5)  # the AMX GEMM where present, else the bf16 dot GEMM
     monkeypatch.setenv("AFFINEQ_KERNELS_INT16_X", "0")  # bf16 x: the bf16 dot path where present, else fp32
-    assert choice(xb, gs, 0, 0) == (4 if has_bf16 else 2)
+    assert choice(xb, gs, 0, 0) == (bf16_gemm if has_bf16 else 2)
     assert torch.equal(op(xb, *args), path_op(xb, *args, 0, choice(xb, gs, 0, 0)))
     monkeypatch.setenv("AFFINEQ_KERNELS_INT16_X", "auto")  # ... else the int16 path where VNNI is present
     has_vnni = choice(x.half(), gs, 0, 3) == 3
-    assert choice(xb, gs, 0, 0) == (4 if has_bf16 else 3 if has_vnni else 2)
+    assert choice(xb, gs, 0, 0) == (bf16_gemm if has_bf16 else 3 if has_vnni else 2)
     assert torch.equal(op(xb, *args), path_op(xb, *args, 0, choice(xb, gs, 0, 0)))
     xh = x.half()  # fp16 x: the int16 path by default (the bf16 dot path would round x to bf16)
     assert torch.equal(op(xh, *args), path_op(xh, *args, 0, 3))

@@ -268,5 +268,8 @@ template <int B> void qgemm_path(const Ctx& c);  // 3: dequant + int16 VNNI GEMM
 #if AQ_BF16DOT
 template <int B> void bgemm_path(const Ctx& c);  // 4: dequant to bf16 + bf16 dot GEMM (gemm_bf16.cpp)
 #endif
+#if AQ_AMX
+template <int B> void amx_gemm_path(const Ctx& c);  // 5: dequant to bf16 + AMX tile GEMM (gemm_amx.cpp)
+#endif
 
 }  // namespace affineq::detail

@@ -9,7 +9,7 @@
 // loops never see bf16; so are e8m0 exponent bytes (OCP MX scales, no offset array: offset = scale *
 // code_offset).
 //
-// Four paths (chosen in path_for below), one file each:
+// Five paths (chosen in path_for below), one file each:
 //  1. gemv.cpp: fused GEMV (m <= 2 before path 3, 4 / 8 / 16 before path 4, 8 before path 2; group_size % 8 == 0):
 //     decode codes straight into fp32 registers, 16 output rows per vector, FMA against broadcast x; scale/offset applied
 //     once per group. Memory-bound at m = 1: the packed weights are streamed once, with software prefetch.
@@ -24,6 +24,8 @@
 //  4. gemm_bf16.cpp: dequant to bf16 + bf16 dot GEMM (AVX512-BF16, bf16 x, past the GEMV's rows): like 2 but the tile
 //     holds W rounded to bf16 (scale and offset already applied) and vdpbf16ps multiplies it with x as given: no
 //     per-group rescaling in the inner loop, so small groups cost no more than large ones.
+//  5. gemm_amx.cpp: path 4's bf16 tiles multiplied on AMX tiles (AMX-BF16 and the OS's permission, k % 32 == 0):
+//     where path 4 would run, unless forced to 4.
 // Shared code: simd.h (ISA shims), decode.h / decode_fpx.h (code decoders), common.h / common.cpp (scratch buffers, qparam
 // loading, Ctx, GEMM tiling). Each path file instantiates its template for every width, so the files compile
 // in parallel (see _build.py).
@@ -35,6 +37,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx.h"
 #include "common.h"
 #include "decode.h"
 
@@ -52,6 +55,14 @@ constexpr bool kHasBf16Dot = true;
 #else
 constexpr bool kHasBf16Dot = false;
 #endif
+// Path 5 runs where this build has AMX-BF16 and the OS grants the tile state.
+bool amx_ok() {
+#if AQ_AMX
+  return amx_usable();
+#else
+  return false;
+#endif
+}
 
 // Element i of an [n, G] qparam array as the kernels use it: the fp32 scale times `mul`, or the fp32 offset
 // (for bf16 qparams: z - 2^(bits-1) * scale; without an offset array: scale * code_offset).
@@ -67,24 +78,33 @@ AQ_INLINE float qparam_at(const LowbitProblem& p, bool offset, float mul, int64_
   return bf16_to_float(static_cast<const uint16_t*>(p.offset)[i]) - static_cast<float>(1 << (p.bits - 1)) * s;
 }
 
-// The path a problem runs (1..4, see the header), given force_path (0 = choose).
+// The path a problem runs (1..5, see the header), given force_path (0 = choose).
 int path_for(const LowbitProblem& p, int force_path) {
   const bool gemv_ok = p.group_size % 8 == 0;  // the GEMV and the int16 GEMM step through groups 8 k at a time
   // The caller decides (x dtype, environment); float8 values are not int16 codes, so they never take it.
   const bool int16_codes = p.codes != kCodesE4M3 && p.codes != kCodesE5M2;  // integers, fp4 / fp6 (decode.h)
   const bool use_vnni = kHasVnni && p.allow_int16_x && int16_codes && gemv_ok;
   const bool use_bf16 = kHasBf16Dot && p.x_bf16 != nullptr;
-  const int big = use_bf16 ? 4 : use_vnni ? 3 : 2;  // the GEMM path for this x
+  // Path 4's bf16 tiles on AMX tiles where the CPU has them and k is whole A tiles (32 bf16).
+  const bool use_amx = use_bf16 && p.k % 32 == 0 && amx_ok();
+  const int big = use_amx ? 5 : use_bf16 ? 4 : use_vnni ? 3 : 2;  // the GEMM path for this x
   int path = force_path;
   // Rows up to which the fused GEMV runs before the GEMM path: it streams the packed weights (one pass per 1-4
   // rows of x), where a GEMM first widens every weight, a fixed cost that fewer rows do not amortize. With bf16
   // x the GEMV's bf16 tiles for 4-bit and 8-bit integer codes (2 / 4 rows per pass) stay ahead of the bf16 GEMM
   // up to 8 rows (16 on weights of 2M weights or more), the other widths up to 4; the int16 GEMM (fp16 x) from
-  // 3 rows. Tuned by measurement (see benchmarks/README.md, kernel design measurements).
+  // 3 rows. The AMX GEMM overtakes the GEMV from 7 rows for 4-bit codes, from 5 for the others. Tuned by
+  // measurement (see benchmarks/README.md, kernel design measurements).
   const bool bf16_tiles_ahead = p.codes == kCodesUint && (p.bits == 4 || p.bits == 8) && gemv_reads_bf16_only(p);
   const int64_t many_rows = p.n * p.k >= (int64_t{1} << 21) ? 16 : 8;
-  const int64_t gemv_rows = big == 2 ? 8 : big == 3 ? 2 : bf16_tiles_ahead ? many_rows : 4;
+  const bool b4 = p.codes == kCodesUint && p.bits == 4;
+  const int64_t gemv_rows = big == 2   ? 8
+                            : big == 3 ? 2
+                            : big == 5 ? (b4 ? 6 : 4)
+                            : bf16_tiles_ahead ? many_rows
+                                               : 4;
   if (path == 0) path = !gemv_ok ? big : p.m <= gemv_rows ? 1 : big;
+  if (path == 5 && !use_amx) path = 4;
   if (path == 4 && !use_bf16) path = use_vnni ? 3 : 2;
   if (path == 3 && !(kHasVnni && int16_codes && gemv_ok)) path = 2;
   if (path == 1 && !gemv_ok) path = 2;
@@ -102,6 +122,9 @@ void run(const Ctx& c, int force_path) {
 #endif
 #if AQ_BF16DOT
   else if (path == 4) bgemm_path<B>(c);
+#endif
+#if AQ_AMX
+  else if (path == 5) amx_gemm_path<B>(c);
 #endif
   else gemm_path<B>(c);
 }
@@ -160,7 +183,7 @@ int lowbit_path(const LowbitProblem& p, int force_path) { return detail::path_fo
 
 bool lowbit_bf16_io(const LowbitProblem& p, int force_path) {
   const int path = detail::path_for(p, force_path);
-  return path == 4 || (path == 1 && detail::gemv_reads_bf16_only(p));
+  return path == 4 || path == 5 || (path == 1 && detail::gemv_reads_bf16_only(p));
 }
 
 void dequantize_f32(const uint8_t* packed, const void* scale, const void* offset, bool qparams_bf16,

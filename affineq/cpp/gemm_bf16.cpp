@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "bf16_tiles.h"
 #include "common.h"
 #include "decode.h"
 
@@ -31,38 +32,6 @@ constexpr int64_t kBKC = 288;
 // at a time with 12-row blocks. Cold 4096 x 4096 weights, 2 threads: the pair kernel is 3% faster at 512 rows,
 // even at 256, and 1-18% slower at 8-128 rows (benchmarks/README.md).
 constexpr int64_t kBPairRows = 256;
-
-// wb[(kp - 4 * u0) * 32 + 16 * p + j] = bf16(W[row j of panel p, 2 kp]) | bf16(W[row j, 2 kp + 1]) << 16
-template <int B>
-void dequant_bf16_pairs(const uint8_t* const* pan, const float* sT, const float* oT, int64_t lds, const int32_t* kg,
-                        int64_t u0, int64_t nu, uint32_t* wb) {
-  // vcvtne2ps2bf16 puts bf16(even k) in 16-bit lanes 0..15 and bf16(odd k) in 16..31; interleave them.
-  alignas(64) static constexpr int16_t kIdx[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
-                                                   8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-  const __m512i idx = _mm512_load_si512(kIdx);
-  for (int64_t u = u0; u < u0 + nu; ++u) {
-    uint32_t* bu = wb + (u - u0) * 4 * 32;
-    sfor<2>([&](auto P_) {
-      constexpr int p = AQ_CV(P_);
-      if (pan[p] == nullptr) {
-        for (int i = 0; i < 4; ++i) _mm512_storeu_si512(bu + i * 32 + 16 * p, _mm512_setzero_si512());
-        return;
-      }
-      __m512 even = _mm512_setzero_ps();
-      decode_unit<B>(pan[p] + u * (16 * bits_of(B)), [&](auto T, F16 w) {
-        constexpr int t = AQ_CV(T);
-        const int64_t g = kg[8 * u + t];
-        const __m512 v = _mm512_fmadd_ps(w.v, _mm512_loadu_ps(sT + g * lds + 16 * p), _mm512_loadu_ps(oT + g * lds + 16 * p));
-        if constexpr (t % 2 == 0) {
-          even = v;
-        } else {
-          const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(v, even));
-          _mm512_storeu_si512(bu + (t / 2) * 32 + 16 * p, _mm512_permutexvar_epi16(idx, both));
-        }
-      });
-    });
-  }
-}
 
 #if defined(__GNUC__)
 #define AQ_DPBF16(acc, a, b) __asm__("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b))
@@ -167,18 +136,6 @@ constexpr std::array<BMicroFn, sizeof...(Is)> bmicro_table(std::integer_sequence
   return {&bmicro<Is + 1>...};
 }
 constexpr auto kBMicro = bmicro_table(std::make_integer_sequence<int, kBMR>{});
-
-// y[c] = bf16(cr[c]) for c < cols (<= 32): torch's float -> bf16 (nearest even; every NaN as 0x7FC0), stored as
-// bf16 bits (yb) or widened back to fp32 (yf: the same values, LowbitProblem::y_bf16_values).
-void store_row_bf16(const float* cr, int64_t cols, uint16_t* yb, float* yf) {
-  const __mmask16 lo = static_cast<__mmask16>(cols >= 16 ? 0xFFFF : (1u << cols) - 1);
-  const __mmask16 hi = static_cast<__mmask16>(cols <= 16 ? 0 : cols >= 32 ? 0xFFFF : (1u << (cols - 16)) - 1);
-  for (int h = 0; h < 2; ++h) {
-    const __m256i b = bf16_bits(_mm512_loadu_ps(cr + 16 * h));
-    if (yb != nullptr) _mm256_mask_storeu_epi16(yb + 16 * h, h ? hi : lo, b);
-    else _mm512_mask_storeu_ps(yf + 16 * h, h ? hi : lo, bf16_widen(b));
-  }
-}
 
 }  // namespace
 

@@ -12,7 +12,8 @@
 //   y[m, n] = sx[m] * acc[m, n]
 // which is sx * sum_k (c - zp) * (scale * u + offset), i.e. x_fake_quant @ W^T with exact code products.
 // 4-bit weights: up to kFewRowsMax rows of x, gemv4 reads the packed 4-bit units in place; more rows share a
-// widened 8-bit copy of each work item's panels (widen_panels) with the tiles above.
+// widened 8-bit copy of each work item's panels (widen_panels) with the tiles above. Per-channel weights on a CPU
+// with AMX: from kAmxMinRows rows, AMX int8 tiles (amx_tiles) instead of the VNNI tiles, the same values.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -23,6 +24,7 @@
 #include <utility>
 #include <vector>
 
+#include "amx.h"
 #include "common.h"  // load_qparams
 #include "lowbit_kernels.h"
 #include "simd.h"
@@ -42,7 +44,7 @@ struct Int8CodesGemm::State {
   std::vector<float> sT, oT;      // [G][n]: scale / offset transposed, so 16 rows' values are one load
   std::vector<int32_t> usumT;     // [G][n]: sum of the codes of each group (only when zero points occur)
   std::vector<int8_t> codes;      // [m][k] per-run scratch
-  std::vector<int8_t> codes4;     // [m][k] codes in gemv4's even / odd order (4-bit weights, few rows)
+  std::vector<int8_t> codes4;     // [m][k] codes in gemv4's even / odd order (4-bit weights, few rows), or as A tiles (AMX)
   std::vector<float> sx;          // [m]
   std::vector<int32_t> zp, csum;  // [m], [m][G]
   std::vector<float> S;           // [m][G]: csum - zp * gs, as fp32 (exact: |S| < 2^24)
@@ -287,6 +289,102 @@ template <int NP, int R>
 constexpr std::array<Gemv4Fn, R> kGemv4[2] = {gemv4_table<NP, false>(std::make_integer_sequence<int, R>{}),
                                              gemv4_table<NP, true>(std::make_integer_sequence<int, R>{})};
 
+#if AQ_AMX
+// AMX int8 tiles for per-channel weights (one group: W8A8), from this many rows of x on (tdpbsud: s8 codes of x
+// times u8 codes of W, 16 x 16 int32 sums of 16 x 64 products per instruction, 16 times vpdpbusd's work). The
+// int32 sums and the epilogue are the VNNI tiles', so the outputs are bit-identical to them. Grouped weights
+// (8da4w) keep the VNNI tiles: a group's epilogue per 32 or 128 k cost more than the tiles saved.
+constexpr int64_t kAmxMinRows = 16;
+constexpr int64_t kAmxK = 64;   // k per tile step (an A tile's 64 bytes)
+constexpr int64_t kAmxKC = 512;  // k per slice: a slice's B tiles of 2 panels (16 KiB) stay in L1 for all rows
+
+// x's codes as A tiles: xa[((r * k / 64) + kk / 64) * 1024 + i * 64 + t] = q[16 r + i, kk + t], rows past m zero:
+// each tile is 1 KiB of consecutive bytes (x's own row stride, often 4 KiB, put a tile's 16 rows in one L1 set).
+void pack_amx_rows(const int8_t* q, int64_t m, int64_t k, int8_t* xa) {
+  const int64_t blocks = (m + 31) / 32 * 2, steps = k / kAmxK;
+  at::parallel_for(0, blocks, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t st = 0; st < steps; ++st)
+        for (int64_t i = 0; i < 16; ++i) {
+          int8_t* dst = xa + ((r * steps + st) * 16 + i) * kAmxK;
+          if (16 * r + i < m) std::memcpy(dst, q + (16 * r + i) * k + st * kAmxK, kAmxK);
+          else std::memset(dst, 0, kAmxK);
+        }
+  });
+}
+
+// Panels [p0, p0 + np) of a per-channel weight's 8-bit codes (w0: [k][16 rows] bytes each) for rows [m0, me) of
+// x (m0 % 32 == 0; xa: its codes packed by pack_amx_rows), in blocks of 32 rows x 2 panels: tiles 0..3 sum
+// C[row half][panel] over k-slices, carried across slices through memory, then one epilogue.
+void amx_tiles(const Int8CodesGemm::State& s, const TileQparams& qp, const int8_t* xa, const uint8_t* w0, int64_t p0,
+               int64_t np, int64_t m0, int64_t me, float* y) {
+  thread_local std::vector<uint8_t> bw;  // the panels as B tiles: bw[(j * k / 4 + kq) * 64 + 4 c + t] = u[c, 4 kq + t]
+  thread_local std::vector<int32_t> cacc;  // [block][panel][32 rows][16]: the int32 sums
+  const int64_t k = s.k, npp = (np + 1) / 2 * 2, steps = k / kAmxK, nb = (me - m0 + 31) / 32;
+  bw.resize(npp * 16 * k);
+  cacc.resize(nb * 1024);
+  const __m512i idx = quad_index();
+  for (int64_t j = 0; j < npp; ++j)
+    for (int64_t kq = 0; kq < k / 4; ++kq)
+      _mm512_storeu_si512(bw.data() + (j * k / 4 + kq) * 64,
+                          j < np ? _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(w0 + j * 16 * k + 64 * kq))
+                                 : _mm512_setzero_si512());
+  for (int64_t j0 = 0; j0 < np; j0 += 2) {
+    const uint8_t* b0 = bw.data() + j0 * 16 * k;
+    const uint8_t* b1 = b0 + 16 * k;
+    for (int64_t k0 = 0; k0 < k; k0 += kAmxKC) {
+      const int64_t k1 = std::min(k, k0 + kAmxKC);
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t mb = m0 + 32 * b;
+        const int8_t* a0 = xa + (mb / 16) * steps * 1024;
+        const int8_t* a1 = a0 + steps * 1024;
+        int32_t* c = cacc.data() + b * 1024;  // [panel][row][column]
+        if (k0 == 0) {
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+        } else {
+          _tile_loadd(0, c, 64);
+          _tile_loadd(1, c + 512, 64);
+          _tile_loadd(2, c + 256, 64);
+          _tile_loadd(3, c + 768, 64);
+        }
+        for (int64_t kk = k0; kk < k1; kk += kAmxK) {
+          _tile_loadd(4, a0 + kk * 16, kAmxK);
+          _tile_loadd(5, a1 + kk * 16, kAmxK);
+          _tile_loadd(6, b0 + 16 * kk, 64);
+          _tile_loadd(7, b1 + 16 * kk, 64);
+          _tile_dpbsud(0, 4, 6);
+          _tile_dpbsud(1, 4, 7);
+          _tile_dpbsud(2, 5, 6);
+          _tile_dpbsud(3, 5, 7);
+        }
+        _tile_stored(0, c, 64);
+        _tile_stored(1, c + 512, 64);
+        _tile_stored(2, c + 256, 64);
+        _tile_stored(3, c + 768, 64);
+        if (k1 < k) continue;
+        // the epilogue of group_epilogue<kOne> (the same operations, so the same values)
+        for (int64_t jj = 0; jj < std::min<int64_t>(2, np - j0); ++jj) {
+          const int j = static_cast<int>(j0 + jj);
+          const __m512 sc = qp.scale(0, j), of = qp.offset(0, j, sc);
+          for (int64_t i = 0; i < std::min<int64_t>(32, me - mb); ++i) {
+            const int64_t m = mb + i;
+            __m512i prod = _mm512_loadu_si512(c + (jj * 32 + i) * 16);
+            if (s.zp[m] != 0)
+              prod = _mm512_sub_epi32(prod, _mm512_mullo_epi32(_mm512_set1_epi32(s.zp[m]),
+                                                               _mm512_loadu_si512(qp.us + 16 * j)));
+            const __m512 t = _mm512_fmadd_ps(of, _mm512_set1_ps(s.S[m]), _mm512_mul_ps(sc, _mm512_cvtepi32_ps(prod)));
+            store_y(s, y, m, p0 + j, _mm512_mul_ps(_mm512_set1_ps(s.sx[m]), t));
+          }
+        }
+      }
+    }
+  }
+}
+#endif
+
 // np 4-bit panels (the dense layout: 64-byte units of 8 k x 16 rows, slot t of a unit holding k = 2t in the low
 // nibbles and 2t + 1 in the high ones) as 8-bit panels ([k][16 rows] bytes): the codes unchanged.
 void widen_panels(const uint8_t* src, int64_t np, int64_t k, uint8_t* dst) {
@@ -417,6 +515,11 @@ void Int8CodesGemm::run(const float* x, const uint16_t* x_bf16, int64_t m, bool 
   // among the threads as the tiled paths share their tiles (split_gemm: x's rows split too when the groups alone
   // cannot be shared evenly, e.g. 9 groups of a 576-row weight on 2 threads).
   const int64_t npan = s.n / 16, nquad = npan / 4;
+#if AQ_AMX
+  const bool use_amx = s.G == 1 && s.k % kAmxK == 0 && m >= kAmxMinRows && detail::amx_usable();
+#else
+  constexpr bool use_amx = false;
+#endif
   // 4-bit weights at few rows read their units in place (gemv4); more rows share a widened copy per item.
   const bool few4 = s.bits == 4 && m <= kFewRowsMax;
   if (few4) {
@@ -425,10 +528,20 @@ void Int8CodesGemm::run(const float* x, const uint16_t* x_bf16, int64_t m, bool 
   }
   // Per-item tiles keep 16-bit scales 16-bit (TileQparams::s16) where the weight has no offset array.
   const bool scales16 = s.per_item && s.p.offset == nullptr && detail::scales16_tiles(s.p, s.G);
-  const detail::GemmSplit sp = detail::split_gemm(nquad + npan % 4, m, few4 ? kFewRows4 : kRows);
+  const detail::GemmSplit sp = detail::split_gemm(nquad + npan % 4, m, use_amx ? 32 : few4 ? kFewRows4 : kRows);
+#if AQ_AMX
+  if (use_amx) {
+    s.codes4.resize((m + 31) / 32 * 32 * s.k);
+    pack_amx_rows(s.codes.data(), m, s.k, s.codes4.data());
+  }
+#endif
   const int64_t item_macs = 64 * s.k * sp.rows_per_part * ((sp.ntiles + sp.nblocks - 1) / sp.nblocks);
   at::parallel_for(0, sp.items(), std::max<int64_t>(1, (1 << 17) / std::max<int64_t>(1, item_macs)),
                    [&](int64_t i0, int64_t i1) {
+#if AQ_AMX
+    std::optional<detail::TileScope> tiles;
+    if (use_amx) tiles.emplace(detail::TileConfig());
+#endif
     thread_local std::vector<uint8_t> wide;  // this item's panels in the 8-bit layout (4-bit weights)
     for (int64_t it = i0; it < i1; ++it) {
       for (int64_t pi = sp.tile0(it); pi < sp.tile0(it) + sp.tiles(it); ++pi) {
@@ -487,6 +600,12 @@ void Int8CodesGemm::run(const float* x, const uint16_t* x_bf16, int64_t m, bool 
           widen_panels(s.packed + p0 * 8 * s.k, np, s.k, wide.data());
           w0 = wide.data();
         }
+#if AQ_AMX
+        if (use_amx) {
+          amx_tiles(s, qp, s.codes4.data(), w0, p0, np, sp.row0(it), sp.row1(it), y);
+          continue;
+        }
+#endif
         for (int64_t m0 = sp.row0(it), me = sp.row1(it); m0 < me; m0 += kRows) {
           const int64_t mr = std::min<int64_t>(kRows, me - m0);
           const int8_t* q = s.codes.data() + m0 * s.k;

@@ -28,6 +28,10 @@
 #if AQ_AVX512 && defined(__AVX512BF16__)
 #define AQ_BF16DOT 1
 #endif
+// Path 5 (gemm_amx.cpp) needs AMX tiles with bf16 dot products (and path 4's bf16 weight tiles).
+#if AQ_BF16DOT && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define AQ_AMX 1
+#endif
 
 #if defined(__GNUC__)
 #define AQ_INLINE inline __attribute__((always_inline))

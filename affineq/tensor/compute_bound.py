@@ -56,12 +56,12 @@ from affineq.tensor.kernel_registry import clear_selection_cache
 #: avx2: a rough single-shot comparison on a shared AVX2 EPYC found torch's fp32 GEMM (MKL) slower than the fused
 #: `lowbit_linear` fp32 GEMM at every M, and bf16 has no native GEMM there: the fused kernels stay. avx512 (Zen 5,
 #: measured side by side, benchmarks/README.md): the fused bf16-dot path beats dequant_linear at M = 32 .. 512 on
-#: both compute-bound shapes, so dequant_linear never runs there. amx: from the issue's AMX Xeon figures (the fused
-#: int4 path 0.29x of oneDNN's bf16 at M = 32); `set_min_rows` tunes them.
+#: both compute-bound shapes, so dequant_linear never runs there. amx (the AMX Xeon, side by side): lowbit_linear's
+#: AMX tile GEMM (bf16 x) and its fp32 GEMM beat dequant_linear at M = 16 .. 512; `set_min_rows` turns it on.
 _ANY = ("fp32", "bf16", "fp16")
 MIN_ROWS: dict[str, dict[str, dict[str, int | None]]] = {
     "affineq.dequant_linear": {
-        "amx": {"bf16": 16, "fp32": 64},   # bf16: AMX tiles; fp32: MKL's AVX-512 sgemm against the fused path
+        "amx": {},                         # lowbit_linear's AMX (bf16) and fp32 GEMMs are faster at every M
         "avx512": {},                      # the fused bf16-dot / fp32 paths are faster at every M
         "avx2": {},
         "scalar": {},
