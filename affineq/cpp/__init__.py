@@ -37,6 +37,9 @@ Kernels (chosen per call; x of any float dtype is converted to fp32 first, the o
   max|x_block|, ~1e-5 relative in y, far below the bf16/fp16 output rounding. ``AFFINEQ_KERNELS_INT16_X=1``
   enables it for fp32 x too (faster at larger m, ~80 dB SQNR instead of fp32-exact; see benchmarks/README.md,
   kernel design measurements), ``=0`` disables it.
+* larger m, bf16 x on CPUs with AMX tiles (k a multiple of 32): the same bf16 tiles as the bf16 dot GEMM
+  multiplied on AMX tiles (``tdpbf16ps``, 8x its dot products per cycle): F.linear of x on the weight
+  dequantized to bf16, fp32 sums (AMX flushes subnormals to zero, as oneDNN's AMX GEMM does).
 
 ``affineq::lowbit_linear_bf16_compute`` (float32 x of a weight whose ``QuantSpec.compute_dtype`` is bf16): the
 result of ``lowbit_linear(x.to(torch.bfloat16))`` cast back to float32, bit for bit; where the bf16 kernels run
@@ -45,11 +48,13 @@ bf16 copy of y.
 
 The C++ library is compiled on first use (see ``_build.py``; every ``*.cpp`` here is one translation unit):
 ``dispatch.cpp`` holds the entry points and the path choice (``path_for``), ``gemv.cpp``, ``gemm_f32.cpp``,
-``gemm_int16.cpp`` and ``gemm_bf16.cpp`` one path each, over the shared headers ``simd.h`` (SIMD shims),
+``gemm_int16.cpp``, ``gemm_bf16.cpp`` and ``gemm_amx.cpp`` one path each (``bf16_tiles.h``: the bf16 weight
+tiles of the last two; ``amx.h``: the AMX permission and tile configuration), over the shared headers ``simd.h`` (SIMD shims),
 ``decode.h`` (code decoders) and ``common.h`` / ``common.cpp`` (scratch buffers, qparam loading, tiling);
 ``activation_quant.cpp`` the int8 activation quantization, ``recurrent.cpp`` the LSTM / GRU / RNN recurrence
 (``affineq::lowbit_rnn_layer``), whose dynamic int8 steps use ``gemm_int8_codes.cpp`` (int8 codes of h times
-8-bit weight codes, summed exactly in int32 by VNNI ``vpdpbusd``; AVX512-VNNI + VBMI builds);
+8-bit weight codes, summed exactly in int32 by VNNI ``vpdpbusd``, or AMX int8 tiles for per-channel weights
+from 16 rows, the same sums; AVX512-VNNI + VBMI builds);
 ``lowbit_ops.cpp`` binds them to the torch ops (argument rules shared with the other bindings: ``op_checks.h``);
 ``grouped.cpp`` runs the same kernels per expert of a 3-D weight for mixture-of-experts layers
 (``affineq::grouped_lowbit_linear``, defined with its reference in ``grouped_ops.py``); ``attention.cpp`` and

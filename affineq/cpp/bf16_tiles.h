@@ -12,6 +12,39 @@
 namespace affineq::detail {
 namespace {
 
+// Unit u of the tile into bu (4 k-pairs x 32 columns): W = scale * c(u) + offset rounded to bf16. kOneGroup: the
+// unit's 8 k share one group (the usual case), so its scale and offset are loaded once, not per k.
+template <int B, bool kOneGroup>
+AQ_INLINE void dequant_unit_bf16(const uint8_t* const* pan, const float* sT, const float* oT, int64_t lds,
+                                 const int32_t* kg, int64_t u, uint32_t* bu, __m512i idx) {
+  sfor<2>([&](auto P_) {
+    constexpr int p = AQ_CV(P_);
+    if (pan[p] == nullptr) {
+      for (int i = 0; i < 4; ++i) _mm512_storeu_si512(bu + i * 32 + 16 * p, _mm512_setzero_si512());
+      return;
+    }
+    const int64_t g0 = kg[8 * u];
+    const __m512 s0 = _mm512_loadu_ps(sT + g0 * lds + 16 * p), o0 = _mm512_loadu_ps(oT + g0 * lds + 16 * p);
+    __m512 even = _mm512_setzero_ps();
+    decode_unit<B>(pan[p] + u * (16 * bits_of(B)), [&](auto T, F16 w) {
+      constexpr int t = AQ_CV(T);
+      __m512 v;
+      if constexpr (kOneGroup) {
+        v = _mm512_fmadd_ps(w.v, s0, o0);
+      } else {
+        const int64_t g = kg[8 * u + t];
+        v = _mm512_fmadd_ps(w.v, _mm512_loadu_ps(sT + g * lds + 16 * p), _mm512_loadu_ps(oT + g * lds + 16 * p));
+      }
+      if constexpr (t % 2 == 0) {
+        even = v;
+      } else {
+        const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(v, even));
+        _mm512_storeu_si512(bu + (t / 2) * 32 + 16 * p, _mm512_permutexvar_epi16(idx, both));
+      }
+    });
+  });
+}
+
 // wb[(kp - 4 * u0) * 32 + 16 * p + j] = bf16(W[row j of panel p, 2 kp]) | bf16(W[row j, 2 kp + 1]) << 16
 template <int B>
 void dequant_bf16_pairs(const uint8_t* const* pan, const float* sT, const float* oT, int64_t lds, const int32_t* kg,
@@ -22,25 +55,8 @@ void dequant_bf16_pairs(const uint8_t* const* pan, const float* sT, const float*
   const __m512i idx = _mm512_load_si512(kIdx);
   for (int64_t u = u0; u < u0 + nu; ++u) {
     uint32_t* bu = wb + (u - u0) * 4 * 32;
-    sfor<2>([&](auto P_) {
-      constexpr int p = AQ_CV(P_);
-      if (pan[p] == nullptr) {
-        for (int i = 0; i < 4; ++i) _mm512_storeu_si512(bu + i * 32 + 16 * p, _mm512_setzero_si512());
-        return;
-      }
-      __m512 even = _mm512_setzero_ps();
-      decode_unit<B>(pan[p] + u * (16 * bits_of(B)), [&](auto T, F16 w) {
-        constexpr int t = AQ_CV(T);
-        const int64_t g = kg[8 * u + t];
-        const __m512 v = _mm512_fmadd_ps(w.v, _mm512_loadu_ps(sT + g * lds + 16 * p), _mm512_loadu_ps(oT + g * lds + 16 * p));
-        if constexpr (t % 2 == 0) {
-          even = v;
-        } else {
-          const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(v, even));
-          _mm512_storeu_si512(bu + (t / 2) * 32 + 16 * p, _mm512_permutexvar_epi16(idx, both));
-        }
-      });
-    });
+    if (kg[8 * u] == kg[8 * u + 7]) dequant_unit_bf16<B, true>(pan, sT, oT, lds, kg, u, bu, idx);
+    else dequant_unit_bf16<B, false>(pan, sT, oT, lds, kg, u, bu, idx);
   }
 }
 

@@ -69,10 +69,11 @@ MIN_ROWS: dict[str, dict[str, dict[str, int | None]]] = {
     # 4-bit weights (8da4w) on our int8-codes kernel (VNNI, exact int32 sums; 8-bit weights take it at every M):
     # it beats the fused GEMV on the fake-quantized x from 1 row with either input dtype (bf16 x at 1 row: SmolLM2
     # decode 8% faster, single linears 0.95-1.1x; benchmarks/README.md). The op compares M itself (below the
-    # threshold: the fused kernels inside it), so an exported graph runs what eager runs at every M. AMX CPUs
-    # keep bf16 tiles (dequant_linear).
+    # threshold: the fused kernels inside it), so an exported graph runs what eager runs at every M. AMX Xeon
+    # (side by side): fp32 x 1.6-2.4x faster than lowbit_linear on the fake-quantized x at M = 1-128; bf16 x
+    # faster at 1-8 rows but 0.4-0.65x of lowbit_linear's AMX tiles from 32, so bf16 keeps lowbit_linear.
     "affineq.int8_codes_linear:int4": {
-        "amx": {},
+        "amx": {"fp32": 1},
         "avx512": {"fp32": 1, "bf16": 1},
         "avx2": {},
         "scalar": {},

@@ -211,11 +211,10 @@ def int_mm_is_fast() -> bool:
 
 def int8_codes_preferred(shape) -> bool:
     """Whether a dynamic-int8 x int8 weight of `shape` [N, K] runs faster on our C++ `int8_codes_linear` (the
-    `dense` format) than on aten's `_int_mm` / oneDNN (`plain`): on an AVX-512 CPU without AMX where the kernel
-    is built (VNNI, VBMI), for the shapes it takes (N % 16 == 0, K % 8 == 0; benchmarks/README.md). AMX CPUs
-    keep oneDNN's int8 tiles."""
-    no_amx = not torch.cpu._is_amx_tile_supported()
-    return (len(shape) == 2 and shape[0] % 16 == 0 and shape[1] % 8 == 0 and no_amx and _cpp.is_available()
+    `dense` format) than on aten's `_int_mm` / oneDNN (`plain`): on an AVX-512 CPU where the kernel is built
+    (VNNI, VBMI; on AMX CPUs its AMX int8 tiles), for the shapes it takes (N % 16 == 0, K % 8 == 0;
+    benchmarks/README.md)."""
+    return (len(shape) == 2 and shape[0] % 16 == 0 and shape[1] % 8 == 0 and _cpp.is_available()
             and _cpp.int8_codes_built())
 
 
