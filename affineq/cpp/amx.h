@@ -6,13 +6,26 @@
 
 #include "simd.h"  // defines AQ_AMX
 
-#if AQ_AMX
 #include <cstdint>
 
 namespace affineq::detail {
 
+#if AQ_AMX
 // Whether the OS granted this process the AMX tile state (requested on the first call; gemm_amx.cpp).
 bool amx_usable();
+#endif
+
+// Whether this build and CPU run AMX tiles. Also what tells an AMX Xeon's cores apart, whose 512-bit vdpbf16ps
+// issues at half the rate of an fp32 FMA (gemv.cpp's split_x3 then loses to the FMA GEMV).
+inline bool amx_cpu() {
+#if AQ_AMX
+  return amx_usable();
+#else
+  return false;
+#endif
+}
+
+#if AQ_AMX
 
 // Every tile 16 rows x 64 bytes: 0..3 accumulate (16 fp32 / int32 per row), 4 / 5 are A tiles (16 rows of x: 32
 // bf16 or 64 int8) and 6 / 7 B tiles (16 k-pairs or k-quads of 16 columns).
@@ -39,5 +52,5 @@ class TileScope {
   TileScope& operator=(const TileScope&) = delete;
 };
 
-}  // namespace affineq::detail
 #endif  // AQ_AMX
+}  // namespace affineq::detail

@@ -55,14 +55,6 @@ constexpr bool kHasBf16Dot = true;
 #else
 constexpr bool kHasBf16Dot = false;
 #endif
-// Path 5 runs where this build has AMX-BF16 and the OS grants the tile state.
-bool amx_ok() {
-#if AQ_AMX
-  return amx_usable();
-#else
-  return false;
-#endif
-}
 
 // Element i of an [n, G] qparam array as the kernels use it: the fp32 scale times `mul`, or the fp32 offset
 // (for bf16 qparams: z - 2^(bits-1) * scale; without an offset array: scale * code_offset).
@@ -86,7 +78,7 @@ int path_for(const LowbitProblem& p, int force_path) {
   const bool use_vnni = kHasVnni && p.allow_int16_x && int16_codes && gemv_ok;
   const bool use_bf16 = kHasBf16Dot && p.x_bf16 != nullptr;
   // Path 4's bf16 tiles on AMX tiles where the CPU has them and k is whole A tiles (32 bf16).
-  const bool use_amx = use_bf16 && p.k % 32 == 0 && amx_ok();
+  const bool use_amx = use_bf16 && p.k % 32 == 0 && amx_cpu();
   const int big = use_amx ? 5 : use_bf16 ? 4 : use_vnni ? 3 : 2;  // the GEMM path for this x
   int path = force_path;
   // Rows up to which the fused GEMV runs before the GEMM path: it streams the packed weights (one pass per 1-4

@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "amx.h"
 #include "common.h"
 #include "decode.h"
 
@@ -565,10 +566,11 @@ void gemv_path(const Ctx* cs, int64_t count) {
   const LowbitProblem& p0 = *cs[0].p;
   const int64_t G = cs[0].G, M = cs[0].M;
   [[maybe_unused]] const int64_t K8 = cs[0].K8;
-  // 4-bit codes with fp32 x at m = 1: x as three bf16 rows (split_x3) through the bf16-dot GEMV, summed at the end.
+  // 4-bit codes with fp32 x at m = 1: x as three bf16 rows (split_x3) through the bf16-dot GEMV, summed at the end
+  // (not on AMX Xeons: three bf16 dot products per pair of k at half the FMA's issue rate lose to the FMA GEMV).
   std::vector<uint16_t> x3;
 #if AQ_BF16DOT && defined(__AVX512VBMI__)
-  if (kB4Bf16 && B == 4 && p0.x_bf16 == nullptr && M == 1 && p0.y_bf16 == nullptr) {
+  if (kB4Bf16 && B == 4 && p0.x_bf16 == nullptr && M == 1 && p0.y_bf16 == nullptr && !amx_cpu()) {
     x3.resize(static_cast<size_t>(3 * K8));
     if (!split_x3(p0.x, K8, x3.data())) x3.clear();
   }
