@@ -49,8 +49,9 @@ bf16 copy of y.
 The C++ library is compiled on first use (see ``_build.py``; every ``*.cpp`` here is one translation unit):
 ``dispatch.cpp`` holds the entry points and the path choice (``path_for``), ``gemv.cpp``, ``gemm_f32.cpp``,
 ``gemm_int16.cpp``, ``gemm_bf16.cpp`` and ``gemm_amx.cpp`` one path each (``bf16_tiles.h``: the bf16 weight
-tiles of the last two; ``amx.h``: the AMX permission and tile configuration), over the shared headers ``simd.h`` (SIMD shims),
-``decode.h`` (code decoders) and ``common.h`` / ``common.cpp`` (scratch buffers, qparam loading, tiling);
+tiles of the last two; ``amx.h``: the AMX permission and tile configuration), over the shared headers
+``simd.h`` (SIMD shims), ``decode.h`` (code decoders) and ``common.h`` / ``common.cpp`` (scratch buffers, qparam
+loading, tiling);
 ``activation_quant.cpp`` the int8 activation quantization, ``recurrent.cpp`` the LSTM / GRU / RNN recurrence
 (``affineq::lowbit_rnn_layer``), whose dynamic int8 steps use ``gemm_int8_codes.cpp`` (int8 codes of h times
 8-bit weight codes, summed exactly in int32 by VNNI ``vpdpbusd``, or AMX int8 tiles for per-channel weights

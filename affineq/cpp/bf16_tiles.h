@@ -60,6 +60,19 @@ void dequant_bf16_pairs(const uint8_t* const* pan, const float* sT, const float*
   }
 }
 
+// A work item of the bf16 GEMMs: nt tiles of 32 columns from tile t0 (R = 32 nt columns, the first `rows` of them
+// real), their transposed fp32 scale and offset times `mul` (sT / oT, row stride R; load_tile_qparams) and their
+// 16-row panels.
+struct ItemTiles {
+  int64_t R, r0, rows;
+  float *sT, *oT;
+  const uint8_t* pan[2 * kNCB];
+  ItemTiles(const Ctx& c, float mul, int64_t t0, int64_t nt) : R(32 * nt), r0(32 * t0), rows(std::min(R, c.N - r0)) {
+    load_tile_qparams(*c.p, mul, r0, rows, R, c.G, sT, oT);
+    for (int64_t q = 0; q < nt * 2; ++q) pan[q] = panel_ptr(c, t0 * 2 + q);
+  }
+};
+
 // y[c] = bf16(cr[c]) for c < cols (<= 32): torch's float -> bf16 (nearest even; every NaN as 0x7FC0), stored as
 // bf16 bits (yb) or widened back to fp32 (yf: the same values, LowbitProblem::y_bf16_values).
 inline void store_row_bf16(const float* cr, int64_t cols, uint16_t* yb, float* yf) {

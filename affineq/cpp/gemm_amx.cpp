@@ -98,11 +98,10 @@ void amx_gemm_path(const Ctx& c) {
     const TileScope tiles{TileConfig()};
     for (int64_t it = i0; it < i1; ++it) {
       const int64_t t0 = sp.tile0(it), nt = sp.tiles(it), mlo = sp.row0(it), mhi = sp.row1(it);
-      const int64_t R = nt * TW, r0 = t0 * TW, rows = std::min(R, c.N - r0);
-      float *sT, *oT;
-      load_tile_qparams(pr, code_scale(B), r0, rows, R, G, sT, oT);
-      const uint8_t* pan[2 * kNCB];
-      for (int64_t q = 0; q < nt * 2; ++q) pan[q] = panel_ptr(c, t0 * 2 + q);
+      const ItemTiles item(c, code_scale(B), t0, nt);
+      const int64_t R = item.R, r0 = item.r0, rows = item.rows;
+      const float *sT = item.sT, *oT = item.oT;
+      const uint8_t* const* pan = item.pan;
       uint32_t* wb = tl_wbuf.get<uint32_t>(kcs / 2 * TW);
       const int64_t mcs = row_chunk(mhi - mlo, kAMR, kAMC);
       for (int64_t mc0 = mlo; mc0 < mhi; mc0 += mcs) {

@@ -151,11 +151,10 @@ void bgemm_path(const Ctx& c) {
   at::parallel_for(0, sp.items(), 1, [&](int64_t i0, int64_t i1) {
     for (int64_t it = i0; it < i1; ++it) {
       const int64_t t0 = sp.tile0(it), nt = sp.tiles(it), mlo = sp.row0(it), mhi = sp.row1(it);
-      const int64_t R = nt * TW, r0 = t0 * TW, rows = std::min(R, c.N - r0);
-      float *sT, *oT;
-      load_tile_qparams(pr, code_scale(B), r0, rows, R, G, sT, oT);
-      const uint8_t* pan[2 * kNCB];
-      for (int64_t q = 0; q < nt * 2; ++q) pan[q] = panel_ptr(c, t0 * 2 + q);
+      const ItemTiles item(c, code_scale(B), t0, nt);
+      const int64_t R = item.R, r0 = item.r0, rows = item.rows;
+      const float *sT = item.sT, *oT = item.oT;
+      const uint8_t* const* pan = item.pan;
       const int64_t slices = (K8 + kBKC - 1) / kBKC, kcs = ((K8 + slices - 1) / slices + 7) / 8 * 8;
       uint32_t* wb = tl_wbuf.get<uint32_t>(kcs * TW);  // two tiles
       uint32_t* wb2 = wb + kcs / 2 * TW;
