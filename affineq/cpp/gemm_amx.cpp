@@ -1,10 +1,10 @@
 // Path 5: dequant to bf16 + AMX tile GEMM (AMX-BF16, bf16 x, k % 32 == 0, past the GEMV's rows). The weight
 // tiles are path 4's (bf16_tiles.h: a [kc x 32] slice of W dequantized in fp32, rounded to bf16 and stored as
-// k-pairs), which is exactly an AMX B tile's layout (16 k-pairs x 16 columns at a 128-byte row stride), and x is
-// read in place as A tiles (16 rows x 32 bf16). tdpbf16ps multiplies them with fp32 accumulation: the result is
-// that of dequantize-to-bf16 then a bf16 matmul with fp32 accumulation (F.linear on the dequantized bf16
-// weight), up to the summation order, at the tiles' rate (8x AVX512-BF16's dot products per cycle). AMX flushes
-// bf16 subnormal inputs and fp32 subnormal sums to zero (as oneDNN's AMX GEMM does).
+// k-pairs), which is exactly an AMX B tile's layout (16 k-pairs x 16 columns at a 128-byte row stride); x, packed
+// by k-slice, gives the A tiles (16 rows x 32 bf16). tdpbf16ps multiplies them with fp32 accumulation: the
+// result is that of dequantize-to-bf16 then a bf16 matmul with fp32 accumulation (F.linear on the dequantized
+// bf16 weight), up to the summation order, at the tiles' rate (8x AVX512-BF16's dot products per cycle). AMX
+// flushes bf16 subnormal inputs and fp32 subnormal sums to zero (as oneDNN's AMX GEMM does).
 //
 // Compiles to nothing without AMX-BF16 (path_for then never picks path 5).
 #include "simd.h"  // defines AQ_AMX
@@ -24,16 +24,15 @@
 namespace affineq::detail {
 namespace {
 
-// Tile registers (amx.h): 0..3 accumulate a 32 x 32 block of y (C[i][j]: rows 16 i.., columns 16 j..), 4 / 5
-// hold the two 16-row A tiles of x, 6 / 7 the two 16-column B tiles of W.
 thread_local Scratch tl_xpack;  // the calling thread's packed x (amx_gemm_path)
 
 constexpr int64_t kAMR = 32;   // x rows per block (two A tiles)
-constexpr int64_t kAKC = 512;  // k per dequantized slice: 512 x 32 bf16 = 32 KiB, in L1 with the 16 KiB of x
+constexpr int64_t kAKC = 512;  // k per dequantized slice: 512 x 32 bf16 = 32 KiB, in L1 for all row blocks
 constexpr int64_t kAMC = 512;  // rows of x per pass (each pass dequantizes its tiles again)
 
 // c[32 x 32] (+)= x[32 x kc] @ w (kc / 2 k-pairs x 32 columns): x rows at a row stride of ldx_bytes, c (row
-// stride 32 fp32) is the block's accumulator memory.
+// stride 32 fp32) is the block's accumulator memory. Tile registers (amx.h): 0..3 accumulate C[i][j] (rows 16 i..,
+// columns 16 j..), 4 / 5 hold the two 16-row A tiles of x, 6 / 7 the two 16-column B tiles of W.
 AQ_INLINE void amx_block(const uint16_t* x, int64_t ldx_bytes, const uint32_t* w, int64_t kc, float* c,
                          bool init) {
   if (init) {

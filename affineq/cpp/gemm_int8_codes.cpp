@@ -44,7 +44,8 @@ struct Int8CodesGemm::State {
   std::vector<float> sT, oT;      // [G][n]: scale / offset transposed, so 16 rows' values are one load
   std::vector<int32_t> usumT;     // [G][n]: sum of the codes of each group (only when zero points occur)
   std::vector<int8_t> codes;      // [m][k] per-run scratch
-  std::vector<int8_t> codes4;     // [m][k] codes in gemv4's even / odd order (4-bit weights, few rows), or as A tiles (AMX)
+  std::vector<int8_t> codes4;     // [m][k] codes in gemv4's even / odd order (4-bit weights, few rows), or as
+                                  // AMX A tiles (pack_amx_rows)
   std::vector<float> sx;          // [m]
   std::vector<int32_t> zp, csum;  // [m], [m][G]
   std::vector<float> S;           // [m][G]: csum - zp * gs, as fp32 (exact: |S| < 2^24)
