@@ -116,6 +116,21 @@ AQ_INLINE void store_y(const Int8CodesGemm::State& s, float* y, int64_t m, int64
 // Group g's epilogue for NP panels x MR rows of int32 sums (us(j): panel j's code sums of the group, asked for
 // only by rows with a zero point): I = acc - zp * usum, then facc += scale * I + offset * S, or (kOne) y written.
 // It stays in registers (a y read-modify-write per group cost more than the dot products of a group of 32).
+// Row m's int32 sums of a group less the zero point's share: I = acc - zp[m] * usum (usum(): the group's code sums
+// of the 16 weight rows, read only for a row with a zero point).
+template <class Usum>
+AQ_INLINE __m512i less_zero_point(const Int8CodesGemm::State& s, int64_t m, __m512i acc, Usum usum) {
+  const int32_t z = s.zp[m];
+  return z == 0 ? acc : _mm512_sub_epi32(acc, _mm512_mullo_epi32(_mm512_set1_epi32(z), usum()));
+}
+
+// y[m, 16 c .. 16 c + 15] of a one-group (per-channel) weight from row m's sums I: sx * (scale * I + offset * S).
+AQ_INLINE void store_one_group(const Int8CodesGemm::State& s, float* y, int64_t m, int64_t c, __m512 sc, __m512 of,
+                               __m512i I) {
+  const __m512 t = _mm512_fmadd_ps(of, _mm512_set1_ps(s.S[m * s.G]), _mm512_mul_ps(sc, _mm512_cvtepi32_ps(I)));
+  store_y(s, y, m, c, _mm512_mul_ps(_mm512_set1_ps(s.sx[m]), t));
+}
+
 template <int NP, int MR, bool kOne, class Usum>
 AQ_INLINE void group_epilogue(const Int8CodesGemm::State& s, const TileQparams& qp, int64_t g, int64_t p0,
                               int64_t m0, float* y, const __m512i (&acc)[NP][MR],
@@ -126,16 +141,12 @@ AQ_INLINE void group_epilogue(const Int8CodesGemm::State& s, const TileQparams& 
     sfor<MR>([&](auto I_) {
       constexpr int i = AQ_CV(I_);
       const int64_t m = m0 + i;
-      const int32_t z = s.zp[m];
-      __m512i prod = acc[j][i];
-      if (z != 0) prod = _mm512_sub_epi32(prod, _mm512_mullo_epi32(_mm512_set1_epi32(z), us(j)));
-      const __m512 S = _mm512_set1_ps(s.S[m * s.G + g]);
+      const __m512i prod = less_zero_point(s, m, acc[j][i], [&] { return us(j); });
       if constexpr (kOne) {
-        const __m512 t = _mm512_fmadd_ps(of, S, _mm512_mul_ps(sc, _mm512_cvtepi32_ps(prod)));
-        store_y(s, y, m, p0 + j, _mm512_mul_ps(_mm512_set1_ps(s.sx[m]), t));
+        store_one_group(s, y, m, p0 + j, sc, of, prod);
       } else {
         facc[j][i] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(prod), facc[j][i]);
-        facc[j][i] = _mm512_fmadd_ps(of, S, facc[j][i]);
+        facc[j][i] = _mm512_fmadd_ps(of, _mm512_set1_ps(s.S[m * s.G + g]), facc[j][i]);
       }
     });
   });
@@ -366,18 +377,14 @@ void amx_tiles(const Int8CodesGemm::State& s, const TileQparams& qp, const int8_
         _tile_stored(2, c + 256, 64);
         _tile_stored(3, c + 768, 64);
         if (k1 < k) continue;
-        // the epilogue of group_epilogue<kOne> (the same operations, so the same values)
+        // group_epilogue<kOne>'s operations on the stored sums, so the VNNI tiles' values
         for (int64_t jj = 0; jj < std::min<int64_t>(2, np - j0); ++jj) {
           const int j = static_cast<int>(j0 + jj);
           const __m512 sc = qp.scale(0, j), of = qp.offset(0, j, sc);
           for (int64_t i = 0; i < std::min<int64_t>(32, me - mb); ++i) {
-            const int64_t m = mb + i;
-            __m512i prod = _mm512_loadu_si512(c + (jj * 32 + i) * 16);
-            if (s.zp[m] != 0)
-              prod = _mm512_sub_epi32(prod, _mm512_mullo_epi32(_mm512_set1_epi32(s.zp[m]),
-                                                               _mm512_loadu_si512(qp.us + 16 * j)));
-            const __m512 t = _mm512_fmadd_ps(of, _mm512_set1_ps(s.S[m]), _mm512_mul_ps(sc, _mm512_cvtepi32_ps(prod)));
-            store_y(s, y, m, p0 + j, _mm512_mul_ps(_mm512_set1_ps(s.sx[m]), t));
+            const __m512i sums = _mm512_loadu_si512(c + (jj * 32 + i) * 16);
+            const __m512i prod = less_zero_point(s, mb + i, sums, [&] { return _mm512_loadu_si512(qp.us + 16 * j); });
+            store_one_group(s, y, mb + i, p0 + j, sc, of, prod);
           }
         }
       }
@@ -517,7 +524,7 @@ void Int8CodesGemm::run(const float* x, const uint16_t* x_bf16, int64_t m, bool 
   // cannot be shared evenly, e.g. 9 groups of a 576-row weight on 2 threads).
   const int64_t npan = s.n / 16, nquad = npan / 4;
 #if AQ_AMX
-  const bool use_amx = s.G == 1 && s.k % kAmxK == 0 && m >= kAmxMinRows && detail::amx_usable();
+  const bool use_amx = s.G == 1 && s.k % kAmxK == 0 && m >= kAmxMinRows && detail::amx_cpu();
 #else
   constexpr bool use_amx = false;
 #endif
