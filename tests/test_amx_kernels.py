@@ -77,7 +77,8 @@ def test_amx_path_float_codes(codes: int, bits: int) -> None:
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_amx_path_many_rows_and_slices(threads: int) -> None:
-    # passes of 512 rows, k cut into slices (3 x 512 + 64 -> 4 slices of 416), a partial last tile of 32 columns
+    # passes of 512 rows, k cut into slices (1600 -> 544 + 544 + 512), a partial last tile of 32 columns; with 2
+    # threads from 256 rows each thread takes its own rows (513: 288 + 225)
     _needs_amx_path()
     old = torch.get_num_threads()
     torch.set_num_threads(threads)

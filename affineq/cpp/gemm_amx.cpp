@@ -13,6 +13,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -26,41 +27,60 @@ namespace {
 
 thread_local Scratch tl_xpack;  // the calling thread's packed x (amx_gemm_path)
 
-constexpr int64_t kAMR = 32;   // x rows per block (two A tiles)
-constexpr int64_t kAKC = 512;  // k per dequantized slice: 512 x 32 bf16 = 32 KiB, in L1 for all row blocks
+constexpr int64_t kAMR = 32;    // x rows per block (two A tiles)
+// Most k per dequantized slice: 640 x 32 bf16 = 40 KiB, which stays in L1 while the blocks stream x past it
+// (tileloaddt1: x's tiles are read once per block and would otherwise evict the weight's).
+constexpr int64_t kAKC = 640;
 constexpr int64_t kAMC = 512;  // rows of x per pass (each pass dequantizes its tiles again)
 
-// c[32 x 32] (+)= x[32 x kc] @ w (kc / 2 k-pairs x 32 columns): x rows at a row stride of ldx_bytes, c (row
-// stride 32 fp32) is the block's accumulator memory. Tile registers (amx.h): 0..3 accumulate C[i][j] (rows 16 i..,
-// columns 16 j..), 4 / 5 hold the two 16-row A tiles of x, 6 / 7 the two 16-column B tiles of W.
-AQ_INLINE void amx_block(const uint16_t* x, int64_t ldx_bytes, const uint32_t* w, int64_t kc, float* c,
-                         bool init) {
-  if (init) {
+// cout[32 x 32] = cin (zero when null) + x[32 x 32 ks] @ w (16 ks k-pairs x 32 columns). xa holds the rows' A tiles
+// in k order, 2 KiB per 32 k (rows 0..15, then 16..31, 64 bytes a row), so a block reads one contiguous stream;
+// cin / cout have a row stride of 32 fp32. Tile registers (amx.h): 0..3 accumulate
+// C[i][j] (rows 16 i.., columns 16 j..), 4 / 5 hold the two A tiles of x, 6 / 7 the two 16-column B tiles of W.
+AQ_INLINE void amx_block(const uint16_t* xa, const uint32_t* w, int64_t ks, const float* cin, float* cout) {
+  if (cin == nullptr) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
   } else {
-    _tile_loadd(0, c, 128);
-    _tile_loadd(1, c + 16, 128);
-    _tile_loadd(2, c + 16 * 32, 128);
-    _tile_loadd(3, c + 16 * 32 + 16, 128);
+    _tile_loadd(0, cin, 128);
+    _tile_loadd(1, cin + 16, 128);
+    _tile_loadd(2, cin + 16 * 32, 128);
+    _tile_loadd(3, cin + 16 * 32 + 16, 128);
   }
-  const char* x1 = reinterpret_cast<const char*>(x) + 16 * ldx_bytes;
-  for (int64_t k = 0; k < kc; k += 32, w += 16 * 32) {
-    _tile_loadd(4, x + k, ldx_bytes);
-    _tile_loadd(5, x1 + 2 * k, ldx_bytes);
+  for (int64_t k = 0; k < ks; ++k, xa += 32 * 32, w += 16 * 32) {
+    _tile_stream_loadd(4, xa, 64);
     _tile_loadd(6, w, 128);
-    _tile_loadd(7, w + 16, 128);
     _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, w + 16, 128);
     _tile_dpbf16ps(1, 4, 7);
+    _tile_stream_loadd(5, xa + 16 * 32, 64);
     _tile_dpbf16ps(2, 5, 6);
     _tile_dpbf16ps(3, 5, 7);
   }
-  _tile_stored(0, c, 128);
-  _tile_stored(1, c + 16, 128);
-  _tile_stored(2, c + 16 * 32, 128);
-  _tile_stored(3, c + 16 * 32 + 16, 128);
+  _tile_stored(0, cout, 128);
+  _tile_stored(1, cout + 16, 128);
+  _tile_stored(2, cout + 16 * 32, 128);
+  _tile_stored(3, cout + 16 * 32 + 16, 128);
+}
+
+// Row blocks [b0, b1) (32 rows each) of x as A tiles: xp[((s * MB + b) * KS + k / 32) * 1024 + r * 32 + k % 32] =
+// x[32 b + r, s * kcs + k] for MB = Mp / 32 blocks and KS = kcs / 32 steps per slice, zero past M and K. Each
+// 2 KiB tile is written whole, in order.
+void pack_a_tiles(const LowbitProblem& pr, int64_t M, int64_t K, int64_t Mp, int64_t kcs, int64_t b0, int64_t b1,
+                  uint16_t* xp) {
+  const int64_t MB = Mp / 32, KS = kcs / 32, slices = (K + kcs - 1) / kcs;
+  for (int64_t s = 0; s < slices; ++s)
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t ks = 0; ks < KS; ++ks) {
+        uint16_t* dst = xp + ((s * MB + b) * KS + ks) * 1024;
+        const int64_t k = s * kcs + 32 * ks, n = std::clamp<int64_t>(K - k, 0, 32), m = 32 * b;
+        const __mmask32 mask = n >= 32 ? 0xFFFFFFFFu : (1u << n) - 1;
+        const uint16_t* src = pr.x_bf16 + m * pr.ldx + k;
+        for (int64_t r = 0; r < 32; ++r, src += pr.ldx)
+          _mm512_store_si512(dst + 32 * r, m + r < M ? _mm512_maskz_loadu_epi16(mask, src) : _mm512_setzero_si512());
+      }
 }
 
 }  // namespace
@@ -78,58 +98,83 @@ void amx_gemm_path(const Ctx& c) {
   const std::vector<int32_t> kg = group_of_k(pr, K, G);
   constexpr int64_t TW = 32;
   const int64_t slices = (K + kAKC - 1) / kAKC, kcs = ((K + slices - 1) / slices + 31) / 32 * 32;
-  // x packed by k-slice, xp[(s * Mp + m) * kcs + kk] = x[m, s * kcs + kk], rows zero-padded to a multiple of 32
-  // (tiles always load 16 rows): a pass's rows of one slice are contiguous, where x's own row stride (8 KiB at
-  // k = 4096) maps the rows onto a few L2 sets and they evict each other.
-  const int64_t Mp = (M + kAMR - 1) / kAMR * kAMR;
+  // A narrow layer (at most 64 tiles, 2048 columns) with >= 128 rows per thread: each thread takes its own rows
+  // and every tile, and packs those rows itself, so x is read only by the core that packed it; the price, every
+  // thread dequantizing every tile, grows with the width. Otherwise the threads share the tiles and pack x
+  // together first (every row goes to every core).
+  const int64_t T = at::in_parallel_region() ? 1 : std::max<int64_t>(1, at::get_num_threads());
+  const int64_t ntiles = (c.npan + 1) / 2, Mp = (M + kAMR - 1) / kAMR * kAMR;
+  const bool own_rows = T > 1 && M >= 128 * T && ntiles <= 64;
+  const int64_t part_rows = (M + T * kAMR - 1) / (T * kAMR) * kAMR;
+  const GemmSplit sp = own_rows ? GemmSplit{ntiles, (ntiles + kNCB - 1) / kNCB, T, part_rows, M}
+                                : split_gemm(ntiles, M, kAMR);
+  // x as A tiles (pack_a_tiles): a block's tiles are one contiguous stream, where x's own row stride (8 KiB at
+  // k = 4096) maps a tile's 16 rows onto a few L2 sets.
   uint16_t* xp = tl_xpack.get<uint16_t>(slices * Mp * kcs);
-  at::parallel_for(0, Mp, grain_for(K), [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m)
-      for (int64_t s = 0, k0 = 0; s < slices; ++s, k0 += kcs) {
+  if (!own_rows)
+    at::parallel_for(0, Mp / kAMR, grain_for(kAMR * K), [&](int64_t b0, int64_t b1) {
+      pack_a_tiles(pr, M, K, Mp, kcs, b0, b1, xp);
+    });
+  // Item `it` of sp (its tiles times its rows) on this worker's tiles; `last` holds a block's sums after its last
+  // slice, on their way to y.
+  const auto run_item = [&](int64_t it, float* last) {
+    const int64_t t0 = sp.tile0(it), nt = sp.tiles(it), mlo = sp.row0(it), mhi = sp.row1(it);
+    const ItemTiles item(c, code_scale(B), t0, nt);
+    const int64_t R = item.R, r0 = item.r0, rows = item.rows;
+    const float *sT = item.sT, *oT = item.oT;
+    const uint8_t* const* pan = item.pan;
+    uint32_t* wb = tl_wbuf.get<uint32_t>(kcs / 2 * TW);
+    const int64_t mcs = row_chunk(mhi - mlo, kAMR, kAMC);
+    for (int64_t mc0 = mlo; mc0 < mhi; mc0 += mcs) {
+      const int64_t mc = std::min(mcs, mhi - mc0), mcp = (mc + kAMR - 1) / kAMR * kAMR;
+      // Sums carried from one slice to the next (none when K fits one slice).
+      float* cbuf = slices > 1 ? tl_cbuf.get<float>(nt * mcp * TW) : nullptr;
+      for (int64_t k0 = 0; k0 < K; k0 += kcs) {
         const int64_t kc = std::min(kcs, K - k0);
-        uint16_t* dst = xp + (s * Mp + m) * kcs;
-        if (m < M) std::memcpy(dst, pr.x_bf16 + m * pr.ldx + k0, sizeof(uint16_t) * kc);
-        else std::memset(dst, 0, sizeof(uint16_t) * kc);
-      }
-  });
-  const GemmSplit sp = split_gemm((c.npan + 1) / 2, M, kAMR);
-  at::parallel_for(0, sp.items(), 1, [&](int64_t i0, int64_t i1) {
-    const TileScope tiles{TileConfig()};
-    for (int64_t it = i0; it < i1; ++it) {
-      const int64_t t0 = sp.tile0(it), nt = sp.tiles(it), mlo = sp.row0(it), mhi = sp.row1(it);
-      const ItemTiles item(c, code_scale(B), t0, nt);
-      const int64_t R = item.R, r0 = item.r0, rows = item.rows;
-      const float *sT = item.sT, *oT = item.oT;
-      const uint8_t* const* pan = item.pan;
-      uint32_t* wb = tl_wbuf.get<uint32_t>(kcs / 2 * TW);
-      const int64_t mcs = row_chunk(mhi - mlo, kAMR, kAMC);
-      for (int64_t mc0 = mlo; mc0 < mhi; mc0 += mcs) {
-        const int64_t mc = std::min(mcs, mhi - mc0), mcp = (mc + kAMR - 1) / kAMR * kAMR;
-        float* cbuf = tl_cbuf.get<float>(nt * mcp * TW);
-        for (int64_t k0 = 0; k0 < K; k0 += kcs) {
-          const int64_t kc = std::min(kcs, K - k0);
-          const uint16_t* xs = xp + (k0 / kcs * Mp + mc0) * kcs;  // this slice's rows of the pass
-          for (int64_t t = 0; t < nt && t * TW < rows; ++t) {
-            dequant_bf16_pairs<B>(pan + 2 * t, sT + t * TW, oT + t * TW, R, kg.data(), k0 / 8, kc / 8, wb);
-            if (t + 1 < nt && (t + 1) * TW < rows)  // the next tile's codes, or the next slice's first tile's
-              prefetch_units(pan + 2 * (t + 1), 2, k0 / 8, kc / 8, c.B);
-            else if (k0 + kc < K)
-              prefetch_units(pan, 2, (k0 + kc) / 8, std::min(kcs, K - k0 - kc) / 8, c.B);
-            float* ct = cbuf + t * mcp * TW;
-            for (int64_t m = 0; m < mc; m += kAMR) amx_block(xs + m * kcs, 2 * kcs, wb, kc, ct + m * TW, k0 == 0);
+        const bool final_slice = k0 + kc == K;
+        const uint16_t* xs = xp + (k0 / kcs * (Mp / kAMR) + mc0 / kAMR) * (kcs / 32) * 1024;
+        for (int64_t t = 0; t < nt && t * TW < rows; ++t) {
+          dequant_bf16_pairs<B>(pan + 2 * t, sT + t * TW, oT + t * TW, R, kg.data(), k0 / 8, kc / 8, wb);
+          if (t + 1 < nt && (t + 1) * TW < rows)  // the next tile's codes, or the next slice's first tile's
+            prefetch_units(pan + 2 * (t + 1), 2, k0 / 8, kc / 8, c.B);
+          else if (!final_slice)
+            prefetch_units(pan, 2, (k0 + kc) / 8, std::min(kcs, K - k0 - kc) / 8, c.B);
+          const int64_t c0 = t * TW, n = std::min(TW, rows - c0);
+          for (int64_t m = 0; m < mc; m += kAMR) {
+            float* carried = cbuf == nullptr ? nullptr : cbuf + (t * mcp + m) * TW;
+            amx_block(xs + m / kAMR * (kcs / 32) * 1024, wb, kc / 32, k0 == 0 ? nullptr : carried,
+                      final_slice ? last : carried);
+            if (!final_slice) continue;
+            for (int64_t i = 0; i < std::min(kAMR, mc - m); ++i) {
+              const int64_t yo = (mc0 + m + i) * pr.ldy + r0 + c0;
+              if (pr.y_bf16 == nullptr && !pr.y_bf16_values)
+                std::memcpy(pr.y + yo, last + i * TW, sizeof(float) * n);
+              else
+                store_row_bf16(last + i * TW, n, pr.y_bf16 ? pr.y_bf16 + yo : nullptr, pr.y_bf16 ? nullptr : pr.y + yo);
+            }
           }
         }
-        const int64_t y0 = mc0 * pr.ldy + r0;
-        for (int64_t m = 0; m < mc; ++m)
-          for (int64_t c0 = 0; c0 < rows; c0 += TW) {
-            const float* cm = cbuf + (c0 / TW * mcp + m) * TW;
-            const int64_t n = std::min(TW, rows - c0), yo = y0 + m * pr.ldy + c0;
-            if (pr.y_bf16 == nullptr && !pr.y_bf16_values) std::memcpy(pr.y + yo, cm, sizeof(float) * n);
-            else store_row_bf16(cm, n, pr.y_bf16 ? pr.y_bf16 + yo : nullptr, pr.y_bf16 ? nullptr : pr.y + yo);
-          }
       }
     }
-  });
+  };
+  if (own_rows) {
+    at::parallel_for(0, sp.mparts, 1, [&](int64_t p0, int64_t p1) {
+      const TileScope tiles{TileConfig()};
+      alignas(64) float last[kAMR * 32];
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t m0 = sp.row0(p * sp.nblocks), m1 = sp.row1(p * sp.nblocks);
+        if (m0 >= m1) continue;
+        pack_a_tiles(pr, M, K, Mp, kcs, m0 / kAMR, (m1 + kAMR - 1) / kAMR, xp);
+        for (int64_t it = p * sp.nblocks; it < (p + 1) * sp.nblocks; ++it) run_item(it, last);
+      }
+    });
+  } else {
+    at::parallel_for(0, sp.items(), 1, [&](int64_t i0, int64_t i1) {
+      const TileScope tiles{TileConfig()};
+      alignas(64) float last[kAMR * 32];
+      for (int64_t it = i0; it < i1; ++it) run_item(it, last);
+    });
+  }
 }
 
 // The instantiations dispatch.cpp calls (declared in common.h).
