@@ -10,6 +10,7 @@
 #include <vector>
 
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 
 #include "lowbit_kernels.h"
 #include "simd.h"  // AQ_AVX512
@@ -199,6 +200,35 @@ void int8_quantize_rows(const float* x, int64_t m, int64_t k, bool per_token, in
                         float* scale, int32_t* zp, int32_t* csum, int64_t gs) {
   const Qp all = per_token ? Qp{} : qparams(x, m * k, mode, eps);
   quantize_rows(x, m, k, per_token, all, mode, eps, codes, scale, zp, csum, gs);
+}
+
+void int8_fake_quant_bf16(const uint16_t* x, int64_t m, int64_t k, bool per_token, int mode, float eps,
+                          uint16_t* y) {
+  std::vector<float> all_rows;  // not per token: x widened whole, for the range of all of it
+  const Qp all = per_token ? Qp{} : qparams(row_f32(x, m * k, all_rows), m * k, mode, eps);
+  const float out_max = static_cast<float>(std::numeric_limits<c10::BFloat16>::max());
+  at::parallel_for(0, m, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(k, 1)), [&](int64_t r0, int64_t r1) {
+    thread_local std::vector<float> buf, out;  // a row widened, and its result in fp32
+    out.resize(static_cast<size_t>(k));
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = row_f32(x + r * k, k, buf);
+      fake_quant_row(xr, k, per_token ? qparams(xr, k, mode, eps) : all, out_max, out.data());
+      uint16_t* yr = y + r * k;
+      int64_t i = 0;
+#if AQ_AVX512
+      // torch's float -> bf16: round to nearest even, every NaN as 0x7FC0
+      for (; i + 16 <= k; i += 16) {
+        const __m512 v = _mm512_loadu_ps(out.data() + i);
+        const __m512i u = _mm512_castps_si512(v);
+        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+        __m512i h = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+        h = _mm512_mask_mov_epi32(h, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(yr + i), _mm512_cvtepi32_epi16(h));
+      }
+#endif
+      for (; i < k; ++i) yr[i] = c10::BFloat16(out[i]).x;
+    }
+  });
 }
 
 void int8_quantize_rows_bf16(const uint16_t* x, int64_t m, int64_t k, bool per_token, int mode, float eps,

@@ -73,6 +73,10 @@ void dequantize_f32(const uint8_t* packed, const void* scale, const void* offset
 // +-out_max (the output dtype's largest finite value). Bit-identical to affineq/tensor/activation.py's shortcuts.
 void int8_fake_quant_f32(const float* x, int64_t m, int64_t k, bool per_token, int mode, float eps, float out_max,
                          float* y);
+// The same for bf16 x [m, k] into bf16 y: rows widened to fp32 (exact), each result rounded to bf16 as torch
+// rounds (nearest even, NaN as 0x7FC0) after the clamp to bf16's largest finite value.
+void int8_fake_quant_bf16(const uint16_t* x, int64_t m, int64_t k, bool per_token, int mode, float eps,
+                          uint16_t* y);
 
 // The same quantization as int8 codes: codes[m, k] = clamp(round(x / scale[r]) + zp[r], -128, 127) with the
 // qparams of row r (or of all of x), so dequantize(codes) is exactly int8_fake_quant_f32's result. With csum:

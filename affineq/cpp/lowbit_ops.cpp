@@ -281,6 +281,15 @@ at::Tensor int8_fake_quant_cpu(const at::Tensor& x, bool per_token, int64_t mode
   TORCH_CHECK(mode >= 0 && mode <= 2, "affineq::int8_fake_quant: mode must be 0, 1 or 2, got ", mode);
   TORCH_CHECK(at::isFloatingType(x.scalar_type()) && x.scalar_type() != at::kDouble,
               "affineq::int8_fake_quant: x must be float32, bfloat16 or float16, got ", x.scalar_type());
+  if (x.scalar_type() == at::kBFloat16) {  // one pass, no fp32 copies of x and y
+    const at::Tensor xc = x.contiguous();
+    at::Tensor y = at::empty_like(xc);
+    if (xc.numel() > 0)
+      int8_fake_quant_bf16(reinterpret_cast<const uint16_t*>(xc.const_data_ptr<at::BFloat16>()), xc.size(0),
+                           xc.size(1), per_token, static_cast<int>(mode), static_cast<float>(eps),
+                           reinterpret_cast<uint16_t*>(y.mutable_data_ptr<at::BFloat16>()));
+    return y;
+  }
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor y = at::empty_like(xf);
   const double out_max = x.scalar_type() == at::kFloat      ? std::numeric_limits<float>::max()
