@@ -45,16 +45,23 @@ AQ_INLINE void dequant_unit_bf16(const uint8_t* const* pan, const float* sT, con
   });
 }
 
-// wb[(kp - 4 * u0) * 32 + 16 * p + j] = bf16(W[row j of panel p, 2 kp]) | bf16(W[row j, 2 kp + 1]) << 16
+// wb[(kp - 4 * u0) * 32 + 16 * p + j] = bf16(W[row j of panel p, 2 kp]) | bf16(W[row j, 2 kp + 1]) << 16.
+// `next` (two panels, or null): prefetched from unit next_u0 on, one unit's lines per unit decoded.
 template <int B>
 void dequant_bf16_pairs(const uint8_t* const* pan, const float* sT, const float* oT, int64_t lds, const int32_t* kg,
-                        int64_t u0, int64_t nu, uint32_t* wb) {
+                        int64_t u0, int64_t nu, uint32_t* wb, const uint8_t* const* next = nullptr,
+                        int64_t next_u0 = 0) {
   // vcvtne2ps2bf16 puts bf16(even k) in 16-bit lanes 0..15 and bf16(odd k) in 16..31; interleave them.
   alignas(64) static constexpr int16_t kIdx[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
                                                    8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i idx = _mm512_load_si512(kIdx);
   for (int64_t u = u0; u < u0 + nu; ++u) {
     uint32_t* bu = wb + (u - u0) * 4 * 32;
+    if (next != nullptr)  // the same unit of the next two panels, one unit's lines at a time
+      for (int p = 0; p < 2; ++p)
+        if (next[p] != nullptr)
+          for (int64_t off = 0; off < 16 * bits_of(B); off += 64)
+            __builtin_prefetch(next[p] + (next_u0 + u - u0) * 16 * bits_of(B) + off, 0, 2);
     if (kg[8 * u] == kg[8 * u + 7]) dequant_unit_bf16<B, true>(pan, sT, oT, lds, kg, u, bu, idx);
     else dequant_unit_bf16<B, false>(pan, sT, oT, lds, kg, u, bu, idx);
   }

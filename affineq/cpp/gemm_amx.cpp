@@ -134,11 +134,11 @@ void amx_gemm_path(const Ctx& c) {
         const bool final_slice = k0 + kc == K;
         const uint16_t* xs = xp + (k0 / kcs * (Mp / kAMR) + mc0 / kAMR) * (kcs / 32) * 1024;
         for (int64_t t = 0; t < nt && t * TW < rows; ++t) {
-          dequant_bf16_pairs<B>(pan + 2 * t, sT + t * TW, oT + t * TW, R, kg.data(), k0 / 8, kc / 8, wb);
-          if (t + 1 < nt && (t + 1) * TW < rows)  // the next tile's codes, or the next slice's first tile's
-            prefetch_units(pan + 2 * (t + 1), 2, k0 / 8, kc / 8, c.B);
-          else if (!final_slice)
-            prefetch_units(pan, 2, (k0 + kc) / 8, std::min(kcs, K - k0 - kc) / 8, c.B);
+          // The next tile's codes (or the next slice's first tile's) are prefetched a unit at a time as this tile's
+          // are decoded: all at once, their ~300 lines filled the line-fill buffers and stalled the decode.
+          const bool more = t + 1 < nt && (t + 1) * TW < rows;
+          dequant_bf16_pairs<B>(pan + 2 * t, sT + t * TW, oT + t * TW, R, kg.data(), k0 / 8, kc / 8, wb,
+                                more ? pan + 2 * (t + 1) : final_slice ? nullptr : pan, (more ? k0 : k0 + kc) / 8);
           const int64_t c0 = t * TW, n = std::min(TW, rows - c0);
           for (int64_t m = 0; m < mc; m += kAMR) {
             float* carried = cbuf == nullptr ? nullptr : cbuf + (t * mcp + m) * TW;
