@@ -598,7 +598,8 @@ def test_int8_fake_quant_op_is_the_eager_shortcut(dtype, monkeypatch):
 
     big = torch.finfo(dtype).max
     xs = [torch.randn(1, 576) * 3, torch.randn(9, 300) * torch.rand(9, 1) * 50, torch.zeros(2, 64),
-          torch.rand(3, 40) + 1, -torch.rand(3, 40), torch.tensor([[-big, 1.0, 0.0, big / 3]])]
+          torch.rand(3, 40) + 1, -torch.rand(3, 40), torch.tensor([[-big, 1.0, 0.0, big / 3]]),
+          torch.randn(700, 200) * torch.rand(700, 1) * 4]  # rows in several threads' chunks
     for aq in _int8_activation_cases():
         for x in xs:
             x = x.to(dtype)

@@ -1,7 +1,7 @@
 // Path 5: dequant to bf16 + AMX tile GEMM (AMX-BF16, bf16 x, k % 32 == 0, past the GEMV's rows). The weight
 // tiles are path 4's (bf16_tiles.h: a [kc x 32] slice of W dequantized in fp32, rounded to bf16 and stored as
 // k-pairs), which is exactly an AMX B tile's layout (16 k-pairs x 16 columns at a 128-byte row stride); x, packed
-// by k-slice, gives the A tiles (16 rows x 32 bf16). tdpbf16ps multiplies them with fp32 accumulation: the
+// as whole A tiles (16 rows x 32 bf16, pack_a_tiles), gives the others. tdpbf16ps multiplies them with fp32 accumulation: the
 // result is that of dequantize-to-bf16 then a bf16 matmul with fp32 accumulation (F.linear on the dequantized
 // bf16 weight), up to the summation order, at the tiles' rate (8x AVX512-BF16's dot products per cycle). AMX
 // flushes bf16 subnormal inputs and fp32 subnormal sums to zero (as oneDNN's AMX GEMM does).
@@ -36,7 +36,8 @@ constexpr int64_t kAMC = 512;  // rows of x per pass (each pass dequantizes its 
 // cout[32 x 32] = cin (zero when null) + x[32 x 32 ks] @ w (16 ks k-pairs x 32 columns). xa holds the rows' A tiles
 // in k order, 2 KiB per 32 k (rows 0..15, then 16..31, 64 bytes a row), so a block reads one contiguous stream;
 // cin / cout have a row stride of 32 fp32. Tile registers (amx.h): 0..3 accumulate
-// C[i][j] (rows 16 i.., columns 16 j..), 4 / 5 hold the two A tiles of x, 6 / 7 the two 16-column B tiles of W.
+// C[i][j] (rows 16 i.., columns 16 j..), 4 / 5 hold the two A tiles of x, 6 / 7 the two 16-column B tiles of W;
+// each load comes right before the first product that reads it.
 AQ_INLINE void amx_block(const uint16_t* xa, const uint32_t* w, int64_t ks, const float* cin, float* cout) {
   if (cin == nullptr) {
     _tile_zero(0);
@@ -67,7 +68,7 @@ AQ_INLINE void amx_block(const uint16_t* xa, const uint32_t* w, int64_t ks, cons
 
 // Row blocks [b0, b1) (32 rows each) of x as A tiles: xp[((s * MB + b) * KS + k / 32) * 1024 + r * 32 + k % 32] =
 // x[32 b + r, s * kcs + k] for MB = Mp / 32 blocks and KS = kcs / 32 steps per slice, zero past M and K. Each
-// 2 KiB tile is written whole, in order.
+// 2 KiB pair of tiles is written whole, in order.
 void pack_a_tiles(const LowbitProblem& pr, int64_t M, int64_t K, int64_t Mp, int64_t kcs, int64_t b0, int64_t b1,
                   uint16_t* xp) {
   const int64_t MB = Mp / 32, KS = kcs / 32, slices = (K + kcs - 1) / kcs;
