@@ -43,8 +43,8 @@ def round_robin_ms(cands: dict[str, Callable[[], object]], *, budget_s: float = 
     runs = 0
     names = list(cands)
     while runs < max_runs and (runs < min_runs or time.perf_counter() < end):
-        # each round starts one candidate later: none always runs right after the same neighbour (on a 480 MB L3,
-        # what the previous call left in cache moved a fixed order's second candidate by 15-40%)
+        # each round starts one candidate later, so no candidate always runs right after the same one: what the
+        # previous call left in a large L3 moves the next call's time (benchmarks/README.md, seventeenth session)
         for name in names[runs % len(names):] + names[:runs % len(names)]:
             t = time.perf_counter()
             cands[name]()
