@@ -216,15 +216,9 @@ void int8_fake_quant_bf16(const uint16_t* x, int64_t m, int64_t k, bool per_toke
       uint16_t* yr = y + r * k;
       int64_t i = 0;
 #if AQ_AVX512
-      // torch's float -> bf16: round to nearest even, every NaN as 0x7FC0
-      for (; i + 16 <= k; i += 16) {
-        const __m512 v = _mm512_loadu_ps(out.data() + i);
-        const __m512i u = _mm512_castps_si512(v);
-        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-        __m512i h = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-        h = _mm512_mask_mov_epi32(h, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(yr + i), _mm512_cvtepi32_epi16(h));
-      }
+      for (; i + 16 <= k; i += 16)  // torch's float -> bf16
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(yr + i),
+                            detail::bf16_bits_exact(_mm512_loadu_ps(out.data() + i)));
 #endif
       for (; i < k; ++i) yr[i] = c10::BFloat16(out[i]).x;
     }

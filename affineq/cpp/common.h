@@ -222,8 +222,8 @@ inline int64_t row_chunk(int64_t m, int64_t mult, int64_t most = kMC) {
 // How a tiled GEMM path (2, 3, 4) shares its work among the threads: the N tiles in `nblocks` blocks of at most
 // kNCB tiles (sizes differing by at most one), times `mparts` parts of the M rows (multiples of `mult`). Items
 // are numbered row-part-major, so at::parallel_for's contiguous runs give each thread about ntiles / threads
-// tiles, or all tiles of its own rows. Rows are split only when the tiles cannot be shared evenly (9 tiles on 2
-// threads: 5 against 4), since each row part decodes its tiles again.
+// tiles, or all tiles of its own rows. Rows are split when the tiles cannot be shared evenly (9 tiles on 2
+// threads: 5 against 4), or when the caller asks (`by_rows`), since each row part decodes its tiles again.
 struct GemmSplit {
   int64_t ntiles, nblocks, mparts, rows_per_part, M;
   int64_t items() const { return nblocks * mparts; }
@@ -234,13 +234,16 @@ struct GemmSplit {
   int64_t row1(int64_t item) const { return std::min(M, (item / nblocks + 1) * rows_per_part); }
 };
 
-inline GemmSplit split_gemm(int64_t ntiles, int64_t M, int64_t mult) {
-  // Nested in another parallel loop (grouped.cpp), the items run on the calling thread alone.
-  const int64_t T = at::in_parallel_region() ? 1 : std::max<int64_t>(1, at::get_num_threads());
+// The threads a split shares its items among: 1 nested in another parallel loop (grouped.cpp), whose items then
+// run on the calling thread alone.
+inline int64_t split_threads() { return at::in_parallel_region() ? 1 : std::max<int64_t>(1, at::get_num_threads()); }
+
+inline GemmSplit split_gemm(int64_t ntiles, int64_t M, int64_t mult, bool by_rows = false) {
+  const int64_t T = split_threads();
   GemmSplit s{ntiles, 1, 1, M, M};
   // Tiles per thread of the busiest thread against the mean: even shares, or split the rows as well.
   const bool uneven = ntiles % T != 0 && 10 * ((ntiles + T - 1) / T) * T > 11 * ntiles;
-  if (T > 1 && uneven && M >= 2 * mult * T) {
+  if (T > 1 && (uneven || by_rows) && M >= 2 * mult * T) {
     s.mparts = T;
     s.rows_per_part = ((M + T - 1) / T + mult - 1) / mult * mult;
     s.nblocks = (ntiles + kNCB - 1) / kNCB;

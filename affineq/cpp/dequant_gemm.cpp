@@ -122,11 +122,7 @@ AQ_INLINE void store_col(F16 v, int rows, void* out) {
     else fstore_n(static_cast<float*>(out), v, rows);
   } else {
 #if AQ_AVX512
-    const __m512i b = _mm512_castps_si512(v.v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v.v, v.v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-    _mm256_mask_storeu_epi16(out, static_cast<__mmask16>((1u << rows) - 1u), _mm512_cvtepi32_epi16(r));
+    _mm256_mask_storeu_epi16(out, static_cast<__mmask16>((1u << rows) - 1u), bf16_bits_exact(v.v));
 #elif AQ_DQ_AVX2 && AQ_AVX2
     uint16_t* o = static_cast<uint16_t*>(out);
     if (rows == 16) {

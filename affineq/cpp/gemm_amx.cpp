@@ -1,10 +1,11 @@
 // Path 5: dequant to bf16 + AMX tile GEMM (AMX-BF16, bf16 x, k % 32 == 0, past the GEMV's rows). The weight
 // tiles are path 4's (bf16_tiles.h: a [kc x 32] slice of W dequantized in fp32, rounded to bf16 and stored as
-// k-pairs), which is exactly an AMX B tile's layout (16 k-pairs x 16 columns at a 128-byte row stride); x, packed
-// as whole A tiles (16 rows x 32 bf16, pack_a_tiles), gives the others. tdpbf16ps multiplies them with fp32 accumulation: the
-// result is that of dequantize-to-bf16 then a bf16 matmul with fp32 accumulation (F.linear on the dequantized
-// bf16 weight), up to the summation order, at the tiles' rate (8x AVX512-BF16's dot products per cycle). AMX
-// flushes bf16 subnormal inputs and fp32 subnormal sums to zero (as oneDNN's AMX GEMM does).
+// k-pairs), which is exactly an AMX B tile's layout (16 k-pairs x 16 columns at a 128-byte row stride); x,
+// packed as whole A tiles (16 rows x 32 bf16, pack_a_tiles), gives the others. tdpbf16ps multiplies them with
+// fp32 accumulation: the result is that of dequantize-to-bf16 then a bf16 matmul with fp32 accumulation
+// (F.linear on the dequantized bf16 weight), up to the summation order, at the tiles' rate (8x AVX512-BF16's dot
+// products per cycle). AMX flushes bf16 subnormal inputs and fp32 subnormal sums to zero (as oneDNN's AMX GEMM
+// does).
 //
 // Compiles to nothing without AMX-BF16 (path_for then never picks path 5).
 #include "simd.h"  // defines AQ_AMX
@@ -99,16 +100,14 @@ void amx_gemm_path(const Ctx& c) {
   const std::vector<int32_t> kg = group_of_k(pr, K, G);
   constexpr int64_t TW = 32;
   const int64_t slices = (K + kAKC - 1) / kAKC, kcs = ((K + slices - 1) / slices + 31) / 32 * 32;
-  // A narrow layer (at most 64 tiles, 2048 columns) with >= 128 rows per thread: each thread takes its own rows
-  // and every tile, and packs those rows itself, so x is read only by the core that packed it; the price, every
-  // thread dequantizing every tile, grows with the width. Otherwise the threads share the tiles and pack x
-  // together first (every row goes to every core).
-  const int64_t T = at::in_parallel_region() ? 1 : std::max<int64_t>(1, at::get_num_threads());
+  // A narrow layer (at most 64 tiles, 2048 columns) with >= 128 rows per thread is split by rows, as is one whose
+  // tiles the threads cannot share evenly (split_gemm): each thread then takes its own rows and every tile, and
+  // packs those rows itself, so x is read only by the core that packed it; the price, every thread dequantizing
+  // every tile, grows with the width. Otherwise the threads share the tiles and pack x together first (every row
+  // goes to every core).
   const int64_t ntiles = (c.npan + 1) / 2, Mp = (M + kAMR - 1) / kAMR * kAMR;
-  const bool own_rows = T > 1 && M >= 128 * T && ntiles <= 64;
-  const int64_t part_rows = (M + T * kAMR - 1) / (T * kAMR) * kAMR;
-  const GemmSplit sp = own_rows ? GemmSplit{ntiles, (ntiles + kNCB - 1) / kNCB, T, part_rows, M}
-                                : split_gemm(ntiles, M, kAMR);
+  const GemmSplit sp = split_gemm(ntiles, M, kAMR, M >= 128 * split_threads() && ntiles <= 64);
+  const bool own_rows = sp.mparts > 1;
   // x as A tiles (pack_a_tiles): a block's tiles are one contiguous stream, where x's own row stride (8 KiB at
   // k = 4096) maps a tile's 16 rows onto a few L2 sets.
   uint16_t* xp = tl_xpack.get<uint16_t>(slices * Mp * kcs);

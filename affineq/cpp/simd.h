@@ -57,6 +57,15 @@ AQ_INLINE __m256i bf16_bits(__m512 v) {
 }
 #endif
 #if AQ_AVX512
+// 16 fp32 -> their bf16 bits as torch rounds, in integer arithmetic: to nearest even, subnormals kept (where
+// vcvtneps2bf16 flushes them), every NaN as 0x7FC0.
+AQ_INLINE __m256i bf16_bits_exact(__m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
 // The fp32 values of 16 bf16 bits (exact).
 AQ_INLINE __m512 bf16_widen(__m256i b) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)); }
 #endif
