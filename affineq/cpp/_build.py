@@ -38,6 +38,10 @@ def _sources(*suffixes: str) -> tuple[str, ...]:
 # so the compilers share the cores instead of one long serial compile). _FILES: what the cache key hashes.
 _UNITS = _sources(".cpp")
 _FILES = _sources(".cpp", ".h")
+# Units compiled as several objects, -DAQ_PART=i -DAQ_PARTS=n for i < n, each instantiating its share of the
+# templates: gemv.cpp holds the GEMV's tiles for each of the 13 code widths, alone half of the build's CPU time
+# and, in one process, its longest compile by far (the unit checks that n is its number of widths).
+_PARTS = {"gemv.cpp": 13}
 
 #: Seconds spent compiling in this process (0.0 when the cached library was reused).
 last_build_seconds = 0.0
@@ -117,6 +121,11 @@ def _flags() -> tuple[list[str], list[str]]:
     return cflags, ldflags
 
 
+def _objects() -> list[tuple[str, int | None]]:
+    """(source, part) for each object file: part None for a whole unit, 0 .. n - 1 for the parts of a split one."""
+    return [(src, part) for src in _UNITS for part in (range(_PARTS[src]) if src in _PARTS else (None,))]
+
+
 def _tail(text: str, lines: int = 25) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
@@ -135,7 +144,7 @@ def build(verbose: bool = False) -> str:
     for name in _FILES:
         h.update(name.encode())
         h.update((_HERE / name).read_bytes())
-    h.update(repr(_UNITS).encode())
+    h.update(repr((_UNITS, _PARTS)).encode())
     for part in (cxx, _compiler_version(cxx), " ".join(cflags + ldflags), _cpu_id(), torch.__version__,
                  sys.version):
         h.update(part.encode())
@@ -151,10 +160,11 @@ def build(verbose: bool = False) -> str:
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory(dir=out_dir, prefix="build-") as tmp:
             objs, procs = [], []
-            for src in _UNITS:  # one compiler process per unit, all in parallel
-                obj = Path(tmp) / f"{Path(src).stem}.o"
+            for src, part in _objects():  # one compiler process per object, all in parallel
+                obj = Path(tmp) / f"{Path(src).stem}{'' if part is None else f'.{part}'}.o"
                 objs.append(str(obj))
-                cmd = [cxx, *cflags, "-c", str(_HERE / src), "-o", str(obj)]
+                defs = [] if part is None else [f"-DAQ_PART={part}", f"-DAQ_PARTS={_PARTS[src]}"]
+                cmd = [cxx, *cflags, *defs, "-c", str(_HERE / src), "-o", str(obj)]
                 procs.append((cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                                     text=True)))
             failures = []

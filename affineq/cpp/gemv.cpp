@@ -6,6 +6,7 @@
 // products instead (gemv_tile_b4bf16): with bf16 x, and with fp32 x at m = 1 split into three bf16 rows (split_x3);
 // so do the other widths but float8 from 3 rows of bf16 x (gemv_tile_bf16w).
 #include <cstring>
+#include <iterator>
 #include <optional>
 #include <type_traits>
 #include <utility>
@@ -581,7 +582,8 @@ void gemv_path(const Ctx* cs, int64_t count) {
   const int64_t ldxb = split ? K8 : p0.ldx;
   // Per-group sums of x for the offset term, xs [MX][2][G]: the sums, then the multiple add_group needs.
   std::vector<float> xs(static_cast<size_t>(2 * MX * G));
-  const bool b4 = use_b4bf16(p0) || split;  // then x is read as bf16 only (xb), and y may be bf16 (y_bf16)
+  // then x is read as bf16 only (xb), and y may be bf16 (y_bf16); 4-bit integer codes alone (B == 4)
+  const bool b4 = B == 4 && (use_b4bf16(p0) || split);
   const bool bw = use_bf16w(p0);             // likewise
 #if AQ_AVX512
   if (b4 || bw) group_sums(xb, ldxb, MX, G, p0.group_size, xs.data(), 2 * G);
@@ -692,7 +694,7 @@ void gemv_path(const Ctx* cs, int64_t count) {
       const int64_t mr = std::min<int64_t>(mstep, MX - m0);
       const NextItemPrefetch* pfm = m0 == 0 && pf ? &*pf : nullptr;
 #if AQ_BF16DOT && defined(__AVX512VBMI__)
-      if (b4) {
+      if constexpr (B == 4) if (b4) {  // (its tiles are compiled for that width only)
         static const B4Bf16 k4;
         const uint32_t* xw = xp.data() + m0 * 4 * c.U;
         float* y = pr.y_bf16 ? nullptr : pr.y + m0 * pr.ldy + r0;
@@ -747,11 +749,23 @@ void gemv_path(const Ctx* cs, int64_t count) {
   });
 }
 
-bool gemv_reads_bf16_only(const LowbitProblem& p) { return use_b4bf16(p) || use_bf16w(p); }
-
-// The instantiations dispatch.cpp calls (declared in common.h).
+// The instantiations dispatch.cpp calls (declared in common.h). _build.py compiles this file once per width
+// (-DAQ_PART=i of AQ_PARTS, its _PARTS table), each object instantiating gemv_path for the i-th width alone, so
+// the cores share what would be the build's longest compile; without AQ_PART one object instantiates them all.
+#ifdef AQ_PART
+#define AQ_WIDTH_ITEM(B) B,
+constexpr int kWidths[] = {AQ_FOR_EACH_WIDTH(AQ_WIDTH_ITEM)};
+#undef AQ_WIDTH_ITEM
+static_assert(AQ_PARTS == std::size(kWidths), "_build.py's _PARTS['gemv.cpp'] must be the number of widths");
+template void gemv_path<kWidths[AQ_PART]>(const Ctx* cs, int64_t count);
+#else
 #define AQ_INSTANTIATE(B) template void gemv_path<B>(const Ctx* cs, int64_t count);
 AQ_FOR_EACH_WIDTH(AQ_INSTANTIATE)
 #undef AQ_INSTANTIATE
+#endif
+
+#if !defined(AQ_PART) || AQ_PART == 0
+bool gemv_reads_bf16_only(const LowbitProblem& p) { return use_b4bf16(p) || use_bf16w(p); }
+#endif
 
 }  // namespace affineq::detail
