@@ -610,6 +610,18 @@ def test_int8_fake_quant_op_is_the_eager_shortcut(dtype, monkeypatch):
             bits = torch.int32 if dtype == torch.float32 else torch.int16
             assert torch.isfinite(fused).all(), (aq, x)
             assert torch.equal(fused.view(bits), eager.view(bits)), (aq, dtype, x.shape)
+    # the op with an eps below float32's smallest normal (ActivationQuant refuses one): subnormal scales and
+    # values, which bf16 y keeps (rounded in integer arithmetic, not by vcvtneps2bf16, which flushes them), as
+    # torch rounds the fp32 result
+    if dtype == torch.bfloat16:
+        for x in [torch.randn(3, 64) * 2e-37, torch.randn(2, 40) * 4e-37]:  # scales ~5e-39, 1 / scale finite
+            x = x.bfloat16()
+            for mode in (0, 1, 2):
+                for per_token in (True, False):
+                    got = torch.ops.affineq.int8_fake_quant(x, per_token, mode, 1e-42)
+                    want = torch.ops.affineq.int8_fake_quant(x.float(), per_token, mode, 1e-42).bfloat16()
+                    assert bool(((want != 0) & (want.float().abs() < torch.finfo(torch.float32).tiny)).any())
+                    assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (x.shape, mode, per_token)
 
 
 @pytest.mark.parametrize("bits,qp", [(8, "fp32"), (4, "fp32"), (4, "bf16-scale-only"), (8, "bf16")])
@@ -669,18 +681,19 @@ def test_int8_codes_kernel_bf16_io_and_thread_split_change_no_bit(n: int) -> Non
     _, packed, scale, _ = _problem(4, n, k, gs, seed=n)
     x = (torch.randn(100, k, generator=torch.Generator().manual_seed(n)) * 3).bfloat16()
 
-    def op(x, threads):
+    def op(x, threads, per_token):
         old = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            return torch.ops.affineq.int8_codes_linear(x, packed, scale.bfloat16(), None, gs, n, k, True, 2, 1e-12, 4,
-                                                       -8)
+            return torch.ops.affineq.int8_codes_linear(x, packed, scale.bfloat16(), None, gs, n, k, per_token, 2,
+                                                       1e-12, 4, -8)
         finally:
             torch.set_num_threads(old)
 
-    y1, y2 = op(x, 1), op(x, 2)
-    assert y1.dtype == torch.bfloat16 and torch.equal(y1.view(torch.int16), y2.view(torch.int16))
-    assert torch.equal(y2.view(torch.int16), op(x.float(), 2).bfloat16().view(torch.int16))
+    for per_token in (True, False):  # one range per row, or one for all of x
+        y1, y2 = op(x, 1, per_token), op(x, 2, per_token)
+        assert y1.dtype == torch.bfloat16 and torch.equal(y1.view(torch.int16), y2.view(torch.int16))
+        assert torch.equal(y2.view(torch.int16), op(x.float(), 2, per_token).bfloat16().view(torch.int16))
 
 
 def test_int8_codes_kernel_refuses_what_it_cannot_read() -> None:

@@ -2,12 +2,13 @@
 // the whole tensor, in one pass over x instead of ~12 eager PyTorch ops (the per-call cost of 8da4w and of int8
 // dynamic quantization with our kernel). Every step is the float32 operation of the PyTorch reference in
 // affineq/tensor/activation.py, in the same order, so the result is bit-identical (tested): no FMA is formed
-// (each product is rounded before the next operation, see AQ_ROUND_BARRIER), rounding is half-to-even.
+// (each product is rounded before the next operation, see AQ_ROUND_BARRIER), rounding is half-to-even. bf16 x
+// is widened in registers as it is read (exact), so a row is read once per pass and never copied.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <vector>
+#include <type_traits>
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -36,6 +37,30 @@ inline float round_even(float v) {
 #endif
 }
 
+// x's values in fp32: fp32 as it is, bf16 widened (exact), so a bf16 row is read once, in registers.
+inline float value_of(float v) { return v; }
+inline float value_of(uint16_t b) { return detail::bf16_to_float(b); }
+#if AQ_AVX512
+AQ_INLINE __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+AQ_INLINE __m512 load16(const uint16_t* p) {
+  return detail::bf16_widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+// y's stores: fp32 as it is, bf16 rounded as torch rounds (to nearest even, every NaN as 0x7FC0). `normal`: no
+// value is subnormal, so vcvtneps2bf16 (which flushes subnormals) rounds as torch does, in one instruction.
+AQ_INLINE void store16(float* p, __m512 v, bool) { _mm512_storeu_ps(p, v); }
+AQ_INLINE void store16(uint16_t* p, __m512 v, [[maybe_unused]] bool normal) {
+#if AQ_BF16DOT
+  if (normal) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), detail::bf16_bits(v));
+    return;
+  }
+#endif
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), detail::bf16_bits_exact(v));
+}
+#endif
+inline void store_one(float* p, float v) { *p = v; }
+inline void store_one(uint16_t* p, float v) { *p = c10::BFloat16(v).x; }
+
 struct Qp {
   float scale, zp;  // zp = 0 for the symmetric modes
 };
@@ -45,14 +70,15 @@ struct Qp {
 // AVX-512 loops below: min / max intrinsics with the operands in the order that gives std::min / std::max's
 // result, NaN included ((x < lo) ? x : lo is _mm512_min_ps(x, lo)); only which zero of a +0 / -0 tie wins may
 // differ, and every use of lo / hi ends the same for either (eps, zp -128).
-Qp qparams(const float* x, int64_t n, int mode, float eps) {
+template <class T>
+Qp qparams(const T* x, int64_t n, int mode, float eps) {
   float lo = std::numeric_limits<float>::infinity(), hi = -lo, amax = 0.f;
   int64_t i0 = 0;
 #if AQ_AVX512
   if (n >= 16) {
     __m512 vlo = _mm512_set1_ps(lo), vhi = _mm512_set1_ps(hi);
     for (; i0 + 16 <= n; i0 += 16) {
-      const __m512 v = _mm512_loadu_ps(x + i0);
+      const __m512 v = load16(x + i0);
       vlo = _mm512_min_ps(v, vlo);
       vhi = _mm512_max_ps(v, vhi);
     }
@@ -66,8 +92,8 @@ Qp qparams(const float* x, int64_t n, int mode, float eps) {
   }
 #endif
   for (int64_t i = i0; i < n; ++i) {
-    lo = std::min(lo, x[i]);
-    hi = std::max(hi, x[i]);
+    lo = std::min(lo, value_of(x[i]));
+    hi = std::max(hi, value_of(x[i]));
   }
   amax = std::max(-lo, hi);  // max |x|, exactly
   float scale;
@@ -109,53 +135,46 @@ inline __m512 codes16(__m512 v, __m512 inv, __m512 zp) {
 }
 #endif
 
-void fake_quant_row(const float* x, int64_t n, Qp q, float out_max, float* y) {
+// y = clamp((code_of(x) - zp) * scale, -out_max, out_max) over one row, rounded to y's type as it is stored.
+template <class T, class O>
+void fake_quant_row(const T* x, int64_t n, Qp q, float out_max, O* y) {
   const float inv = 1.f / q.scale;
   int64_t i0 = 0;
 #if AQ_AVX512
   const __m512 vinv = _mm512_set1_ps(inv), vzp = _mm512_set1_ps(q.zp), vs = _mm512_set1_ps(q.scale);
   const __m512 vmax = _mm512_set1_ps(out_max), vmin = _mm512_set1_ps(-out_max);
-  for (; i0 + 16 <= n; i0 += 16) {
-    const __m512 v = _mm512_mul_ps(_mm512_sub_ps(codes16(_mm512_loadu_ps(x + i0), vinv, vzp), vzp), vs);
-    _mm512_storeu_ps(y + i0, _mm512_min_ps(vmax, _mm512_max_ps(vmin, v)));
-  }
+  // Every y is 0 or (an integer code difference) * scale, so none is subnormal when scale is normal.
+  const bool normal = q.scale >= std::numeric_limits<float>::min();
+  const auto row = [&](auto normal_c) AQ_INLINE_LAMBDA {
+    for (; i0 + 16 <= n; i0 += 16) {
+      const __m512 v = _mm512_mul_ps(_mm512_sub_ps(codes16(load16(x + i0), vinv, vzp), vzp), vs);
+      store16(y + i0, _mm512_min_ps(vmax, _mm512_max_ps(vmin, v)), decltype(normal_c)::value);
+    }
+  };
+  if (normal)
+    row(std::true_type{});
+  else
+    row(std::false_type{});
 #endif
   for (int64_t i = i0; i < n; ++i) {
-    const float code = code_of(x[i], inv, q.zp);
+    const float code = code_of(value_of(x[i]), inv, q.zp);
     float v = (code - q.zp) * q.scale;
-    y[i] = std::min(std::max(v, -out_max), out_max);
+    store_one(y + i, std::min(std::max(v, -out_max), out_max));
   }
 }
-
-}  // namespace
-
-void int8_fake_quant_f32(const float* x, int64_t m, int64_t k, bool per_token, int mode, float eps, float out_max,
-                         float* y) {
-  if (!per_token) {
-    const Qp q = qparams(x, m * k, mode, eps);
-    at::parallel_for(0, m, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(k, 1)), [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) fake_quant_row(x + r * k, k, q, out_max, y + r * k);
-    });
-    return;
-  }
-  at::parallel_for(0, m, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(k, 1)), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) fake_quant_row(x + r * k, k, qparams(x + r * k, k, mode, eps), out_max, y + r * k);
-  });
-}
-
-namespace {
 
 // Row r's codes (and group sums) with qparams q: one row of int8_quantize_rows.
-void quantize_row(const float* xr, int64_t k, Qp q, int8_t* codes, int32_t* csum, int64_t gs) {
+template <class T>
+void quantize_row(const T* xr, int64_t k, Qp q, int8_t* codes, int32_t* csum, int64_t gs) {
   const float inv = 1.f / q.scale;
   int64_t i0 = 0;
 #if AQ_AVX512
   const __m512 vinv = _mm512_set1_ps(inv), vzp = _mm512_set1_ps(q.zp);
   for (; i0 + 16 <= k; i0 += 16)
     _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i0),
-                     _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(codes16(_mm512_loadu_ps(xr + i0), vinv, vzp))));
+                     _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(codes16(load16(xr + i0), vinv, vzp))));
 #endif
-  for (int64_t i = i0; i < k; ++i) codes[i] = static_cast<int8_t>(code_of(xr[i], inv, q.zp));
+  for (int64_t i = i0; i < k; ++i) codes[i] = static_cast<int8_t>(code_of(value_of(xr[i]), inv, q.zp));
   if (csum != nullptr)
     for (int64_t g = 0; g < k / gs; ++g) {
       int32_t t = 0;
@@ -164,28 +183,14 @@ void quantize_row(const float* xr, int64_t k, Qp q, int8_t* codes, int32_t* csum
     }
 }
 
-// Row xr of k values as fp32: fp32 rows as they are, bf16 rows widened into buf (exact).
-const float* row_f32(const float* xr, int64_t, std::vector<float>&) { return xr; }
-const float* row_f32(const uint16_t* xr, int64_t k, std::vector<float>& buf) {
-  buf.resize(static_cast<size_t>(k));
-  int64_t i = 0;
-#if AQ_AVX512
-  for (; i + 16 <= k; i += 16)
-    _mm512_storeu_si512(buf.data() + i, _mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + i))), 16));
-#endif
-  for (; i < k; ++i) buf[i] = detail::bf16_to_float(xr[i]);
-  return buf.data();
-}
-
-// int8_quantize_rows for fp32 or bf16 rows; `all`: the qparams of the whole of x when not per_token.
+// int8_quantize_rows for fp32 or bf16 rows (one range for all of x when not per_token).
 template <class T>
-void quantize_rows(const T* x, int64_t m, int64_t k, bool per_token, Qp all, int mode, float eps, int8_t* codes,
-                   float* scale, int32_t* zp, int32_t* csum, int64_t gs) {
+void quantize_rows(const T* x, int64_t m, int64_t k, bool per_token, int mode, float eps, int8_t* codes, float* scale,
+                   int32_t* zp, int32_t* csum, int64_t gs) {
+  const Qp all = per_token ? Qp{} : qparams(x, m * k, mode, eps);
   at::parallel_for(0, m, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(k, 1)), [&](int64_t r0, int64_t r1) {
-    thread_local std::vector<float> buf;  // a bf16 row widened
     for (int64_t r = r0; r < r1; ++r) {
-      const float* xr = row_f32(x + r * k, k, buf);
+      const T* xr = x + r * k;
       const Qp q = per_token ? qparams(xr, k, mode, eps) : all;
       quantize_row(xr, k, q, codes + r * k, csum ? csum + r * (k / gs) : nullptr, gs);
       scale[r] = q.scale;
@@ -194,45 +199,36 @@ void quantize_rows(const T* x, int64_t m, int64_t k, bool per_token, Qp all, int
   });
 }
 
+// int8_fake_quant for fp32 or bf16 rows, y of x's type.
+template <class T>
+void fake_quant_rows(const T* x, int64_t m, int64_t k, bool per_token, int mode, float eps, float out_max, T* y) {
+  const Qp all = per_token ? Qp{} : qparams(x, m * k, mode, eps);
+  at::parallel_for(0, m, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(k, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      fake_quant_row(x + r * k, k, per_token ? qparams(x + r * k, k, mode, eps) : all, out_max, y + r * k);
+  });
+}
+
 }  // namespace
+
+void int8_fake_quant_f32(const float* x, int64_t m, int64_t k, bool per_token, int mode, float eps, float out_max,
+                         float* y) {
+  fake_quant_rows(x, m, k, per_token, mode, eps, out_max, y);
+}
 
 void int8_quantize_rows(const float* x, int64_t m, int64_t k, bool per_token, int mode, float eps, int8_t* codes,
                         float* scale, int32_t* zp, int32_t* csum, int64_t gs) {
-  const Qp all = per_token ? Qp{} : qparams(x, m * k, mode, eps);
-  quantize_rows(x, m, k, per_token, all, mode, eps, codes, scale, zp, csum, gs);
+  quantize_rows(x, m, k, per_token, mode, eps, codes, scale, zp, csum, gs);
 }
 
 void int8_fake_quant_bf16(const uint16_t* x, int64_t m, int64_t k, bool per_token, int mode, float eps,
                           uint16_t* y) {
-  std::vector<float> all_rows;  // not per token: x widened whole, for the range of all of it
-  const Qp all = per_token ? Qp{} : qparams(row_f32(x, m * k, all_rows), m * k, mode, eps);
-  const float out_max = static_cast<float>(std::numeric_limits<c10::BFloat16>::max());
-  at::parallel_for(0, m, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(k, 1)), [&](int64_t r0, int64_t r1) {
-    thread_local std::vector<float> buf, out;  // a row widened, and its result in fp32
-    out.resize(static_cast<size_t>(k));
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* xr = row_f32(x + r * k, k, buf);
-      fake_quant_row(xr, k, per_token ? qparams(xr, k, mode, eps) : all, out_max, out.data());
-      uint16_t* yr = y + r * k;
-      int64_t i = 0;
-#if AQ_AVX512
-      for (; i + 16 <= k; i += 16)  // torch's float -> bf16
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(yr + i),
-                            detail::bf16_bits_exact(_mm512_loadu_ps(out.data() + i)));
-#endif
-      for (; i < k; ++i) yr[i] = c10::BFloat16(out[i]).x;
-    }
-  });
+  fake_quant_rows(x, m, k, per_token, mode, eps, static_cast<float>(std::numeric_limits<c10::BFloat16>::max()), y);
 }
 
 void int8_quantize_rows_bf16(const uint16_t* x, int64_t m, int64_t k, bool per_token, int mode, float eps,
                              int8_t* codes, float* scale, int32_t* zp, int32_t* csum, int64_t gs) {
-  if (!per_token) {  // one range for all of x: widened whole
-    std::vector<float> w;
-    int8_quantize_rows(row_f32(x, m * k, w), m, k, per_token, mode, eps, codes, scale, zp, csum, gs);
-    return;
-  }
-  quantize_rows(x, m, k, per_token, Qp{}, mode, eps, codes, scale, zp, csum, gs);
+  quantize_rows(x, m, k, per_token, mode, eps, codes, scale, zp, csum, gs);
 }
 
 }  // namespace affineq
