@@ -24,6 +24,8 @@ from torch import nn
 from affineq import observers as _obs
 from affineq.configs import QuantConfig, check_choice, resolve_format, row_block
 from affineq.granularity import PerTensor
+from affineq.model_inputs import as_call, describe_item
+from affineq.model_inputs import progress as _progress
 from affineq.plan import QuantizationError, Workflow, plan, raise_problems
 from affineq.primitives import MappingType, ZeroPointDomain
 from affineq.tensor.affine import AffineQuantizedTensor
@@ -240,8 +242,6 @@ def run_calibration(model: nn.Module, data: Iterable, progress: bool = True) -> 
 def _calibrate(model: nn.Module, data: Iterable, *, progress: bool, wrap_errors: bool) -> int:
     """run_calibration; `wrap_errors`: a failing forward raises QuantizationError naming the item (quantize_'s
     convention for failures; an item that is no tensor / tuple / dict still raises TypeError)."""
-    from affineq.algorithms._capture import as_call, describe_item
-    from affineq.algorithms._capture import progress as _progress
     from affineq.eval import eval_mode
 
     n = 0

@@ -237,11 +237,6 @@ def test_quantize_imports_no_workflow():
 # Private names (a leading underscore in the module path or the name) that a module may still import from
 # another package, each with its reason.
 ALLOWED_PRIVATE = {
-    ("affineq.calibration", "affineq.algorithms._capture.as_call"):
-        "calibration items are run as the algorithms run them (an item as the call's args); a public home below "
-        "both for these helpers is still to be made",
-    ("affineq.calibration", "affineq.algorithms._capture.progress"): "as as_call (the progress bar)",
-    ("affineq.calibration", "affineq.algorithms._capture.describe_item"): "as as_call (an item in messages)",
     ("affineq.qat.fake_quantizer", "affineq._primitive_checks._Blocks"):
         "the blocked view that qparams broadcast over, shared by the primitives, the tensor and QAT's fake "
         "quantizers: the numerics layer's helper, below all three",

@@ -17,10 +17,10 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from affineq.algorithms._capture import check_calibration_items
 from affineq.capability import min_max_integer_rows, probe_spec
 from affineq.configs import QuantConfig
 from affineq.expert_weights import expert_parameter_names, is_expert_module
+from affineq.model_inputs import check_calibration_items
 from affineq.plan import FqnToConfig, QuantizationError, Workflow, all_or_nothing
 from affineq.tensor.affine import AffineQuantizedTensor
 from affineq.tensor.format_experts import format_of

@@ -34,13 +34,13 @@ from torch import nn
 
 from affineq.algorithms._awq_math import candidate_scale, fake_quant, qparams, search_clip, weight_mean
 from affineq.algorithms._base import AlgorithmConfig, Precomputed
-from affineq.algorithms._capture import progress
 from affineq.algorithms._migrate import migrate_blocks, scaled_weight
 from affineq.algorithms.awq_experts import awq_experts
 from affineq.configs import (
     QuantConfig,
 )
 from affineq.expert_weights import is_expert_module
+from affineq.model_inputs import progress
 from affineq.tensor.affine import AffineQuantizedTensor
 
 __all__ = ["AWQConfig", "fake_quant", "qparams"]

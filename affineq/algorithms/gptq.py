@@ -33,10 +33,8 @@ from torch import nn
 from affineq.algorithms._base import AlgorithmConfig, Precomputed
 from affineq.algorithms._capture import (
     Stop,
-    call_model,
     capture_inputs,
     find_blocks,
-    progress,
     record_linear_inputs,
     run_block,
 )
@@ -46,6 +44,7 @@ from affineq.configs import (
 )
 from affineq.eval import eval_mode
 from affineq.expert_weights import expert_parameter_names, experts_transposed, is_expert_module, stack_experts
+from affineq.model_inputs import call_model, progress
 from affineq.tensor.affine import AffineQuantizedTensor
 from affineq.tensor.spec import QParamOptions, QuantSpec
 

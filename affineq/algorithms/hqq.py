@@ -53,7 +53,6 @@ import torch
 from torch import nn
 
 from affineq.algorithms._base import AlgorithmConfig, Precomputed, represent_qparams
-from affineq.algorithms._capture import progress as _progress
 from affineq.algorithms.imatrix import (
     ImportanceMatrix,
     checked_importance,
@@ -65,6 +64,7 @@ from affineq.configs import (
     QuantConfig,
 )
 from affineq.expert_weights import expert_parameter_names, is_expert_module, quantize_expert_weight
+from affineq.model_inputs import progress as _progress
 from affineq.primitives import MappingType, ZeroPointDomain, default_eps, fake_quantize_unchecked
 from affineq.tensor.affine import AffineQuantizedTensor
 from affineq.tensor.spec import QParamOptions, QuantSpec

@@ -17,8 +17,9 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 from torch import nn
 
-from affineq.algorithms._capture import call_model, progress, record_linear_inputs
+from affineq.algorithms._capture import record_linear_inputs
 from affineq.eval import eval_mode
+from affineq.model_inputs import call_model, progress
 
 __all__ = ["ImportanceMatrix", "collect_importance", "checked_importance", "importance_of", "json_safe_importance",
            "resolve_importance"]

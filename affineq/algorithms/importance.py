@@ -26,7 +26,6 @@ import torch
 from torch import nn
 
 from affineq.algorithms._base import AlgorithmConfig, Precomputed
-from affineq.algorithms._capture import progress
 from affineq.algorithms.gptq import _one_thread
 from affineq.algorithms.hqq import _Stored
 from affineq.algorithms.imatrix import (
@@ -39,6 +38,7 @@ from affineq.algorithms.imatrix import (
 )
 from affineq.configs import QuantConfig
 from affineq.configs.kquant import KQuantConfig, quantize_kquant
+from affineq.model_inputs import progress
 from affineq.primitives import MappingType, ZeroPointDomain
 from affineq.tensor.affine import AffineQuantizedTensor
 from affineq.tensor.spec import QParamOptions, QuantSpec
