@@ -4,6 +4,8 @@
   path 4 computes, F.linear of x on the weight dequantized to bf16 with fp32 sums, up to the summation order and
   the final rounding to bf16: over every code width, leftover rows (M % 32), partial 32-column tiles, several
   k-slices, zero points, M from 5 to 1024 and 1 or 2 threads.
+- lowbit_linear_int8_act (8da4w's linear): on path 5 it quantizes x's rows as it packs them; it must equal
+  lowbit_linear(int8_fake_quant(x)) bit for bit, on any path (where AMX is absent: the two ops in turn).
 - int8_codes_linear on per-channel weights (W8A8): from 16 rows AMX int8 tiles sum the codes; the int32 sums and
   the epilogue are the VNNI tiles', so every row must equal, bit for bit, the same row computed in a call of
   fewer rows (the VNNI tiles). Where AMX is absent this still checks the row independence of the VNNI tiles.
@@ -101,6 +103,48 @@ def test_amx_path_is_what_bf16_x_takes_from_a_few_rows() -> None:
     assert choice(torch.zeros(6, 4096, dtype=BF16), 128, 0, 0, 4, 4096) == 1
     assert choice(torch.zeros(5, 4096, dtype=BF16), 128, 0, 0, 8, 4096) == 5
     assert choice(torch.zeros(64, 4104, dtype=BF16), 8, 0, 0, 4, 64) == 4
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_lowbit_linear_int8_act_is_fake_quant_then_lowbit_linear(threads: int) -> None:
+    # every int8 mode, per token and per tensor; M from the GEMV's rows to several 512-row passes and 2 threads'
+    # own rows; k over several slices; k % 32 != 0 (not path 5); rows of one sign, zeros, and a 3-D x
+    if not K.is_available():
+        pytest.skip(f"external: C++ kernels unavailable: {K.unavailable_reason()}")
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n, k, gs, m in [(64, 96, 32, 5), (100, 576, 64, 33), (192, 576, 32, 512), (48, 1600, 32, 70),
+                            (80, 100, 20, 40), (32, 256, 32, 1030)]:
+            packed, scale, offset = _weight(4, n, k, gs, seed=n + m)
+            x = (torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * 2 - 0.3).to(BF16)
+            x[1] = x[1].abs() + 0.5
+            x[2] = 0
+            for mode in (0, 1, 2):
+                for per_token in (True, False):
+                    args = (packed, scale, offset, 4, gs, n, k, 0, 0)
+                    got = torch.ops.affineq.lowbit_linear_int8_act(x, *args, per_token, mode, 1e-12)
+                    xq = torch.ops.affineq.int8_fake_quant(x, per_token, mode, 1e-12)
+                    want = torch.ops.affineq.lowbit_linear(xq, *args)
+                    what = (n, k, gs, m, mode, per_token, threads)
+                    assert torch.equal(got.view(torch.int16), want.view(torch.int16)), what
+        packed, scale, offset = _weight(4, 32, 256, 32, seed=3)
+        x3 = torch.randn(2, 40, 256).to(BF16)
+        got = torch.ops.affineq.lowbit_linear_int8_act(x3, packed, scale, offset, 4, 32, 32, 256, 0, 0, True, 2, 1e-5)
+        want = torch.ops.affineq.lowbit_linear(torch.ops.affineq.int8_fake_quant(x3.reshape(80, 256), True, 2, 1e-5),
+                                               packed, scale, offset, 4, 32, 32, 256, 0, 0)
+        assert got.shape == (2, 40, 32) and torch.equal(got.reshape(80, 32).view(torch.int16), want.view(torch.int16))
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_lowbit_linear_int8_act_bad_mode_names_it() -> None:
+    if not K.is_available():
+        pytest.skip(f"external: C++ kernels unavailable: {K.unavailable_reason()}")
+    packed, scale, offset = _weight(4, 32, 64, 32, seed=0)
+    with pytest.raises(RuntimeError, match="mode must be an int8_fake_quant mode"):
+        torch.ops.affineq.lowbit_linear_int8_act(torch.randn(4, 64).to(BF16), packed, scale, offset, 4, 32, 32, 64,
+                                                 0, 0, True, 3, 1e-5)
 
 
 def _needs_int8_codes() -> None:

@@ -81,3 +81,25 @@ def test_compile_bf16_int4():
     x = torch.randn(3, 256, dtype=torch.bfloat16)
     with torch.no_grad():
         torch.testing.assert_close(torch.compile(model, fullgraph=True)(x), model(x), rtol=2e-2, atol=2e-2)
+
+
+def test_compile_and_export_bf16_8da4w_run_the_fused_op():
+    # 8da4w on bf16 x is one op (affineq::lowbit_linear_int8_act: x quantized inside the GEMM where it can be, or
+    # the int8-codes kernel); compiled and exported graphs call it too, with eager's values exactly
+    from affineq import Int8DynamicActivationInt4WeightConfig
+    if not affineq.cpp.is_available():
+        pytest.skip(f"external: C++ kernels unavailable: {affineq.cpp.unavailable_reason()}")
+    torch._dynamo.reset()
+    model = quantize_(make_mlp(torch.bfloat16), Int8DynamicActivationInt4WeightConfig(group_size=32))
+    with torch.no_grad():
+        for m in (3, 40):  # the GEMV's rows, then the GEMM's (on AMX: quantized as it packs)
+            x = torch.randn(m, 256, dtype=torch.bfloat16)
+            eager = model(x)
+            assert torch.equal(torch.compile(model, fullgraph=True, dynamic=False)(x), eager)
+        with affineq.record_kernels() as used:
+            model(x)
+        program = torch.export.export(model, (x,))
+        # where the int8-codes kernel takes bf16 x (AVX-512 without AMX) the graph holds it instead
+        op = "lowbit_linear_int8_act" if "affineq.lowbit_linear" in used else "int8_codes_linear"
+        assert f"affineq.{op}" in str(program.graph), (used, program.graph)
+        assert torch.equal(program.module()(x), eager)

@@ -46,6 +46,10 @@ result of ``lowbit_linear(x.to(torch.bfloat16))`` cast back to float32, bit for 
 (bf16 dot-product GEMM, the GEMV's bf16 tiles) they read x rounded and write the widened bf16 values themselves, with no
 bf16 copy of y.
 
+``affineq::lowbit_linear_int8_act`` (8da4w's linear on int8-quantized activations): ``lowbit_linear`` of
+``int8_fake_quant(x)``, bit for bit; where the AMX GEMM runs (bf16 x) each block of x's rows is quantized as it
+is packed into tiles, so no quantized copy of x is written and read back.
+
 The C++ library is compiled on first use (see ``_build.py``; every ``*.cpp`` here is one translation unit):
 ``dispatch.cpp`` holds the entry points and the path choice (``path_for``), ``gemv.cpp``, ``gemm_f32.cpp``,
 ``gemm_int16.cpp``, ``gemm_bf16.cpp`` and ``gemm_amx.cpp`` one path each (``bf16_tiles.h``: the bf16 weight
@@ -348,6 +352,12 @@ _lib.define(
 # dequantize(quantize(x)) of int8 activations [M, K]; mode 0 symmetric, 1 symmetric without clipping, 2
 # asymmetric. CPU kernel only (callers check is_available()); see affineq.tensor.activation.
 _lib.define("int8_fake_quant(Tensor x, bool per_token, int mode, float eps) -> Tensor")
+# lowbit_linear(int8_fake_quant(x.reshape(-1, k), per_token, mode, eps), ...) for x [..., k], bit for bit (8da4w's
+# linear): where the AMX GEMM runs (bf16 x) it quantizes x's rows as it packs them, no quantized copy of x.
+_lib.define(
+    "lowbit_linear_int8_act(Tensor x, Tensor packed, Tensor scale, Tensor? offset, int bits, int group_size, int n,"
+    " int k, int codes, int code_offset, bool per_token, int mode, float eps) -> Tensor"
+)
 
 
 # One direction of one recurrent layer over all timesteps (affineq.recurrent): gi [N, G*H] is the input projection
@@ -405,6 +415,13 @@ def _int8_fake_quant_fake(x, per_token, mode, eps):
 
 @torch.library.register_fake(_OP, lib=_lib)
 def _lowbit_linear_fake(x, packed, scale, offset, bits, group_size, n, k, codes=CODES_UINT, code_offset=0):
+    _check_args(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset)
+    return x.new_empty((*x.shape[:-1], n))
+
+
+@torch.library.register_fake("affineq::lowbit_linear_int8_act", lib=_lib)
+def _lowbit_linear_int8_act_fake(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset, per_token,
+                                 mode, eps):
     _check_args(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset)
     return x.new_empty((*x.shape[:-1], n))
 

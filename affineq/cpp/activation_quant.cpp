@@ -76,19 +76,27 @@ Qp qparams(const T* x, int64_t n, int mode, float eps) {
   int64_t i0 = 0;
 #if AQ_AVX512
   if (n >= 16) {
-    __m512 vlo = _mm512_set1_ps(lo), vhi = _mm512_set1_ps(hi);
+    // four independent pairs of running min / max: one pair would wait on min / max's latency every 16 values
+    __m512 vlo[4], vhi[4];
+    for (int j = 0; j < 4; ++j) {
+      vlo[j] = _mm512_set1_ps(lo);
+      vhi[j] = _mm512_set1_ps(hi);
+    }
+    for (; i0 + 64 <= n; i0 += 64)
+      for (int j = 0; j < 4; ++j) {
+        const __m512 v = load16(x + i0 + 16 * j);
+        vlo[j] = _mm512_min_ps(v, vlo[j]);
+        vhi[j] = _mm512_max_ps(v, vhi[j]);
+      }
     for (; i0 + 16 <= n; i0 += 16) {
       const __m512 v = load16(x + i0);
-      vlo = _mm512_min_ps(v, vlo);
-      vhi = _mm512_max_ps(v, vhi);
+      vlo[0] = _mm512_min_ps(v, vlo[0]);
+      vhi[0] = _mm512_max_ps(v, vhi[0]);
     }
-    alignas(64) float l[16], h[16];
-    _mm512_store_ps(l, vlo);
-    _mm512_store_ps(h, vhi);
-    for (int j = 0; j < 16; ++j) {
-      lo = std::min(lo, l[j]);
-      hi = std::max(hi, h[j]);
-    }
+    // No NaN reaches the accumulators (a NaN v keeps the running value), so they reduce in any order: a tree,
+    // not a chain of 32 dependent scalar steps (which cost more than the loop at k = 576).
+    lo = _mm512_reduce_min_ps(_mm512_min_ps(_mm512_min_ps(vlo[0], vlo[1]), _mm512_min_ps(vlo[2], vlo[3])));
+    hi = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(vhi[0], vhi[1]), _mm512_max_ps(vhi[2], vhi[3])));
   }
 #endif
   for (int64_t i = i0; i < n; ++i) {
@@ -136,25 +144,40 @@ inline __m512 codes16(__m512 v, __m512 inv, __m512 zp) {
 #endif
 
 // y = clamp((code_of(x) - zp) * scale, -out_max, out_max) over one row, rounded to y's type as it is stored.
+// The vector loop computes the same values in fewer steps:
+// - code - zp = clamp(round(x / scale), -128 - zp, 127 - zp) + 0: integers below 2^24 and the bounds are exact in
+//   fp32, a rounded value past them clamps either way, and + 0 turns the -0 of a small negative x into the
+//   reference's +0;
+// - the clamp to +-out_max is skipped where no difference times the scale reaches it: |code - zp| <= 255, and
+//   255 * scale rounded <= out_max bounds every rounded product (rounding is monotonic).
 template <class T, class O>
 void fake_quant_row(const T* x, int64_t n, Qp q, float out_max, O* y) {
   const float inv = 1.f / q.scale;
   int64_t i0 = 0;
 #if AQ_AVX512
-  const __m512 vinv = _mm512_set1_ps(inv), vzp = _mm512_set1_ps(q.zp), vs = _mm512_set1_ps(q.scale);
+  const __m512 vinv = _mm512_set1_ps(inv), vs = _mm512_set1_ps(q.scale);
+  const __m512 vlo = _mm512_set1_ps(-128.f - q.zp), vhi = _mm512_set1_ps(127.f - q.zp);
   const __m512 vmax = _mm512_set1_ps(out_max), vmin = _mm512_set1_ps(-out_max);
   // Every y is 0 or (an integer code difference) * scale, so none is subnormal when scale is normal.
   const bool normal = q.scale >= std::numeric_limits<float>::min();
-  const auto row = [&](auto normal_c) AQ_INLINE_LAMBDA {
+  const bool bounded = 255.f * q.scale <= out_max;
+  const auto row = [&](auto normal_c, auto bounded_c) AQ_INLINE_LAMBDA {
     for (; i0 + 16 <= n; i0 += 16) {
-      const __m512 v = _mm512_mul_ps(_mm512_sub_ps(codes16(load16(x + i0), vinv, vzp), vzp), vs);
-      store16(y + i0, _mm512_min_ps(vmax, _mm512_max_ps(vmin, v)), decltype(normal_c)::value);
+      // the operand order of codes16's clamp (a NaN stays NaN)
+      const __m512 r =
+          _mm512_roundscale_ps(_mm512_mul_ps(load16(x + i0), vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m512 c = _mm512_add_ps(_mm512_min_ps(vhi, _mm512_max_ps(vlo, r)), _mm512_setzero_ps());
+      __m512 v = _mm512_mul_ps(c, vs);
+      if constexpr (!decltype(bounded_c)::value) v = _mm512_min_ps(vmax, _mm512_max_ps(vmin, v));
+      store16(y + i0, v, decltype(normal_c)::value);
     }
   };
-  if (normal)
-    row(std::true_type{});
+  if (normal && bounded)
+    row(std::true_type{}, std::true_type{});
+  else if (normal)
+    row(std::true_type{}, std::false_type{});
   else
-    row(std::false_type{});
+    row(std::false_type{}, std::false_type{});
 #endif
   for (int64_t i = i0; i < n; ++i) {
     const float code = code_of(value_of(x[i]), inv, q.zp);
@@ -163,36 +186,59 @@ void fake_quant_row(const T* x, int64_t n, Qp q, float out_max, O* y) {
   }
 }
 
-// Row r's codes (and group sums) with qparams q: one row of int8_quantize_rows.
+// Row r's codes (and group sums) with qparams q: one row of int8_quantize_rows. Code i goes to codes[(i / 64) *
+// cs + i % 64]: cs = 64 is a row-major row, cs = 1024 the row's place in AMX A tiles (64-byte rows of 16-row tiles).
 template <class T>
-void quantize_row(const T* xr, int64_t k, Qp q, int8_t* codes, int32_t* csum, int64_t gs) {
+void quantize_row(const T* xr, int64_t k, Qp q, int8_t* codes, int64_t cs, int32_t* csum, int64_t gs) {
   const float inv = 1.f / q.scale;
+  const auto at = [&](int64_t i) { return codes + (i / 64) * cs + i % 64; };
   int64_t i0 = 0;
+  bool summed = false;  // csum written by the vector loop
 #if AQ_AVX512
   const __m512 vinv = _mm512_set1_ps(inv), vzp = _mm512_set1_ps(q.zp);
+  if (csum != nullptr && gs % 16 == 0) {  // whole vectors per group: the sums ride along (k % 16 == 0 then)
+    __m512i acc = _mm512_setzero_si512();
+    for (; i0 + 16 <= k; i0 += 16) {
+      const __m128i c = _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(codes16(load16(xr + i0), vinv, vzp)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(at(i0)), c);
+      acc = _mm512_add_epi32(acc, _mm512_cvtepi8_epi32(c));  // the stored bytes' values
+      if ((i0 + 16) % gs == 0) {
+        csum[i0 / gs] = _mm512_reduce_add_epi32(acc);
+        acc = _mm512_setzero_si512();
+      }
+    }
+    summed = true;
+  }
   for (; i0 + 16 <= k; i0 += 16)
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i0),
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(at(i0)),
                      _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(codes16(load16(xr + i0), vinv, vzp))));
 #endif
-  for (int64_t i = i0; i < k; ++i) codes[i] = static_cast<int8_t>(code_of(value_of(xr[i]), inv, q.zp));
-  if (csum != nullptr)
+  for (int64_t i = i0; i < k; ++i) *at(i) = static_cast<int8_t>(code_of(value_of(xr[i]), inv, q.zp));
+  if (csum != nullptr && !summed)
     for (int64_t g = 0; g < k / gs; ++g) {
       int32_t t = 0;
-      for (int64_t i = g * gs; i < (g + 1) * gs; ++i) t += codes[i];  // vectorizes (int8 -> int32)
+      for (int64_t i = g * gs, end = (g + 1) * gs; i < end;) {  // runs of codes contiguous in memory
+        const int64_t run = std::min(end - i, 64 - i % 64);
+        const int8_t* c = at(i);
+        for (int64_t j = 0; j < run; ++j) t += c[j];  // vectorizes (int8 -> int32)
+        i += run;
+      }
       csum[g] = t;
     }
 }
 
-// int8_quantize_rows for fp32 or bf16 rows (one range for all of x when not per_token).
+// int8_quantize_rows for fp32 or bf16 rows (one range for all of x when not per_token); amx_tiles: see
+// lowbit_kernels.h.
 template <class T>
 void quantize_rows(const T* x, int64_t m, int64_t k, bool per_token, int mode, float eps, int8_t* codes, float* scale,
-                   int32_t* zp, int32_t* csum, int64_t gs) {
+                   int32_t* zp, int32_t* csum, int64_t gs, bool amx_tiles) {
   const Qp all = per_token ? Qp{} : qparams(x, m * k, mode, eps);
   at::parallel_for(0, m, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(k, 1)), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* xr = x + r * k;
       const Qp q = per_token ? qparams(xr, k, mode, eps) : all;
-      quantize_row(xr, k, q, codes + r * k, csum ? csum + r * (k / gs) : nullptr, gs);
+      int8_t* row = amx_tiles ? codes + (r / 16) * (k / 64) * 1024 + (r % 16) * 64 : codes + r * k;
+      quantize_row(xr, k, q, row, amx_tiles ? 1024 : 64, csum ? csum + r * (k / gs) : nullptr, gs);
       scale[r] = q.scale;
       zp[r] = static_cast<int32_t>(q.zp);
     }
@@ -217,8 +263,8 @@ void int8_fake_quant_f32(const float* x, int64_t m, int64_t k, bool per_token, i
 }
 
 void int8_quantize_rows(const float* x, int64_t m, int64_t k, bool per_token, int mode, float eps, int8_t* codes,
-                        float* scale, int32_t* zp, int32_t* csum, int64_t gs) {
-  quantize_rows(x, m, k, per_token, mode, eps, codes, scale, zp, csum, gs);
+                        float* scale, int32_t* zp, int32_t* csum, int64_t gs, bool amx_tiles) {
+  quantize_rows(x, m, k, per_token, mode, eps, codes, scale, zp, csum, gs, amx_tiles);
 }
 
 void int8_fake_quant_bf16(const uint16_t* x, int64_t m, int64_t k, bool per_token, int mode, float eps,
@@ -226,9 +272,24 @@ void int8_fake_quant_bf16(const uint16_t* x, int64_t m, int64_t k, bool per_toke
   fake_quant_rows(x, m, k, per_token, mode, eps, static_cast<float>(std::numeric_limits<c10::BFloat16>::max()), y);
 }
 
+Int8XQuant int8_x_quant(const uint16_t* x, int64_t m, int64_t k, bool per_token, int mode, float eps) {
+  Int8XQuant q{per_token, mode, eps, 0.f, 0.f};
+  if (!per_token) {
+    const Qp all = qparams(x, m * k, mode, eps);
+    q.scale = all.scale;
+    q.zp = all.zp;
+  }
+  return q;
+}
+
+void int8_fake_quant_row_bf16(const uint16_t* x, int64_t k, const Int8XQuant& q, uint16_t* y) {
+  const Qp qp = q.per_token ? qparams(x, k, q.mode, q.eps) : Qp{q.scale, q.zp};
+  fake_quant_row(x, k, qp, static_cast<float>(std::numeric_limits<c10::BFloat16>::max()), y);
+}
+
 void int8_quantize_rows_bf16(const uint16_t* x, int64_t m, int64_t k, bool per_token, int mode, float eps,
-                             int8_t* codes, float* scale, int32_t* zp, int32_t* csum, int64_t gs) {
-  quantize_rows(x, m, k, per_token, mode, eps, codes, scale, zp, csum, gs);
+                             int8_t* codes, float* scale, int32_t* zp, int32_t* csum, int64_t gs, bool amx_tiles) {
+  quantize_rows(x, m, k, per_token, mode, eps, codes, scale, zp, csum, gs, amx_tiles);
 }
 
 }  // namespace affineq

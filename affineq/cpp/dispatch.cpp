@@ -34,6 +34,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <stdexcept>
 #include <type_traits>
 #include <vector>
 
@@ -154,6 +155,9 @@ void with_width(const LowbitProblem& p, F&& fn) {
 }  // namespace detail
 
 void lowbit_linear_f32(const LowbitProblem& p, int force_path) {
+  // x_quant is read by path 5's packing alone: on any other path x would go unquantized
+  if (p.x_quant != nullptr && detail::path_for(p, force_path) != 5)
+    throw std::logic_error("affineq: LowbitProblem::x_quant is set but the path is not 5 (check lowbit_path first)");
   const detail::Ctx c = detail::make_ctx(p);
   detail::with_width(p, [&](auto B) { detail::run<AQ_CV(B)>(c, force_path); });
 }

@@ -26,7 +26,8 @@
 namespace affineq::detail {
 namespace {
 
-thread_local Scratch tl_xpack;  // the calling thread's packed x (amx_gemm_path)
+thread_local Scratch tl_xpack;   // the calling thread's packed x (amx_gemm_path)
+thread_local Scratch tl_xquant;  // a worker's int8_fake_quant-ed rows of x (pack_a_tiles with x_quant)
 
 constexpr int64_t kAMR = 32;    // x rows per block (two A tiles)
 // Most k per dequantized slice: 640 x 32 bf16 = 40 KiB, which stays in L1 while the blocks stream x past it
@@ -69,20 +70,31 @@ AQ_INLINE void amx_block(const uint16_t* xa, const uint32_t* w, int64_t ks, cons
 
 // Row blocks [b0, b1) (32 rows each) of x as A tiles: xp[((s * MB + b) * KS + k / 32) * 1024 + r * 32 + k % 32] =
 // x[32 b + r, s * kcs + k] for MB = Mp / 32 blocks and KS = kcs / 32 steps per slice, zero past M and K. Each
-// 2 KiB pair of tiles is written whole, in order.
+// 2 KiB pair of tiles is written whole, in order. With pr.x_quant a block's rows are int8_fake_quant-ed first
+// (into a per-thread [32, K] buffer, in L1 / L2) and those values packed.
 void pack_a_tiles(const LowbitProblem& pr, int64_t M, int64_t K, int64_t Mp, int64_t kcs, int64_t b0, int64_t b1,
                   uint16_t* xp) {
   const int64_t MB = Mp / 32, KS = kcs / 32, slices = (K + kcs - 1) / kcs;
-  for (int64_t s = 0; s < slices; ++s)
-    for (int64_t b = b0; b < b1; ++b)
+  uint16_t* quantized = pr.x_quant != nullptr ? tl_xquant.get<uint16_t>(32 * K) : nullptr;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t m = 32 * b, rows = std::min<int64_t>(32, M - m);
+    const uint16_t* x = pr.x_bf16 + m * pr.ldx;
+    int64_t ld = pr.ldx;
+    if (quantized != nullptr) {
+      for (int64_t r = 0; r < rows; ++r) int8_fake_quant_row_bf16(x + r * ld, K, *pr.x_quant, quantized + r * K);
+      x = quantized;
+      ld = K;
+    }
+    for (int64_t s = 0; s < slices; ++s)
       for (int64_t ks = 0; ks < KS; ++ks) {
         uint16_t* dst = xp + ((s * MB + b) * KS + ks) * 1024;
-        const int64_t k = s * kcs + 32 * ks, n = std::clamp<int64_t>(K - k, 0, 32), m = 32 * b;
+        const int64_t k = s * kcs + 32 * ks, n = std::clamp<int64_t>(K - k, 0, 32);
         const __mmask32 mask = n >= 32 ? 0xFFFFFFFFu : (1u << n) - 1;
-        const uint16_t* src = pr.x_bf16 + m * pr.ldx + k;
-        for (int64_t r = 0; r < 32; ++r, src += pr.ldx)
-          _mm512_store_si512(dst + 32 * r, m + r < M ? _mm512_maskz_loadu_epi16(mask, src) : _mm512_setzero_si512());
+        const uint16_t* src = x + k;
+        for (int64_t r = 0; r < 32; ++r, src += ld)
+          _mm512_store_si512(dst + 32 * r, r < rows ? _mm512_maskz_loadu_epi16(mask, src) : _mm512_setzero_si512());
       }
+  }
 }
 
 }  // namespace

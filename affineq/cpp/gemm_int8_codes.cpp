@@ -43,9 +43,9 @@ struct Int8CodesGemm::State {
   bool per_item = false, zero_points = false;
   std::vector<float> sT, oT;      // [G][n]: scale / offset transposed, so 16 rows' values are one load
   std::vector<int32_t> usumT;     // [G][n]: sum of the codes of each group (only when zero points occur)
-  std::vector<int8_t> codes;      // [m][k] per-run scratch
-  std::vector<int8_t> codes4;     // [m][k] codes in gemv4's even / odd order (4-bit weights, few rows), or as
-                                  // AMX A tiles (pack_amx_rows)
+  int8_t* codes = nullptr;        // [m][k] per-run scratch (the calling thread's, tl_codes)
+  int8_t* codes4 = nullptr;       // [m][k] codes in gemv4's even / odd order (4-bit weights, few rows), or as
+                                  // AMX A tiles (int8_quantize_rows's amx_tiles) (tl_codes4)
   std::vector<float> sx;          // [m]
   std::vector<int32_t> zp, csum;  // [m], [m][G]
   std::vector<float> S;           // [m][G]: csum - zp * gs, as fp32 (exact: |S| < 2^24)
@@ -310,23 +310,8 @@ constexpr int64_t kAmxMinRows = 16;
 constexpr int64_t kAmxK = 64;   // k per tile step (an A tile's 64 bytes)
 constexpr int64_t kAmxKC = 512;  // k per slice: a slice's B tiles of 2 panels (16 KiB) stay in L1 for all rows
 
-// x's codes as A tiles: xa[((r * k / 64) + kk / 64) * 1024 + i * 64 + t] = q[16 r + i, kk + t], rows past m zero:
-// each tile is 1 KiB of consecutive bytes (x's own row stride, often 4 KiB, put a tile's 16 rows in one L1 set).
-void pack_amx_rows(const int8_t* q, int64_t m, int64_t k, int8_t* xa) {
-  const int64_t blocks = (m + 31) / 32 * 2, steps = k / kAmxK;
-  at::parallel_for(0, blocks, 1, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t st = 0; st < steps; ++st)
-        for (int64_t i = 0; i < 16; ++i) {
-          int8_t* dst = xa + ((r * steps + st) * 16 + i) * kAmxK;
-          if (16 * r + i < m) std::memcpy(dst, q + (16 * r + i) * k + st * kAmxK, kAmxK);
-          else std::memset(dst, 0, kAmxK);
-        }
-  });
-}
-
 // Panels [p0, p0 + np) of a per-channel weight's 8-bit codes (w0: [k][16 rows] bytes each) for rows [m0, me) of
-// x (m0 % 32 == 0; xa: its codes packed by pack_amx_rows), in blocks of 32 rows x 2 panels: tiles 0..3 sum
+// x (m0 % 32 == 0; xa: its codes as A tiles, int8_quantize_rows's amx_tiles layout), in blocks of 32 rows x 2 panels: tiles 0..3 sum
 // C[row half][panel] over k-slices, carried across slices through memory, then one epilogue.
 void amx_tiles(const Int8CodesGemm::State& s, const TileQparams& qp, const int8_t* xa, const uint8_t* w0, int64_t p0,
                int64_t np, int64_t m0, int64_t me, float* y) {
@@ -502,18 +487,32 @@ void Int8CodesGemm::run(const float* x, int64_t m, bool per_token, int mode, flo
 void Int8CodesGemm::run(const float* x, const uint16_t* x_bf16, int64_t m, bool per_token, int mode, float eps,
                         float* y, uint16_t* y_bf16) {
   State& s = *s_;
-  s.codes.resize(m * s.k);
+#if AQ_INT8_CODES && AQ_AMX
+  const bool use_amx = s.G == 1 && s.k % kAmxK == 0 && m >= kAmxMinRows && detail::amx_cpu();
+#else
+  constexpr bool use_amx = false;
+#endif
+  // The codes live in the calling thread's buffers, kept between calls: a fresh [m][k] vector per call cost a
+  // zero fill and page faults on the calling thread while the workers waited. The AMX tiles read them as A tiles,
+  // written so by the quantization itself, with the rows of the last 32-row block past m zero.
+  thread_local detail::Scratch tl_codes, tl_codes4;
+  const int64_t mp = (m + 31) / 32 * 32;
+  int8_t* codes = use_amx ? (s.codes4 = tl_codes4.get<int8_t>(mp * s.k)) : (s.codes = tl_codes.get<int8_t>(m * s.k));
   s.sx.resize(m);
   s.zp.resize(m);
   s.csum.resize(m * s.G);
   s.yb = y_bf16;
   if (x_bf16 != nullptr) {
-    int8_quantize_rows_bf16(x_bf16, m, s.k, per_token, mode, eps, s.codes.data(), s.sx.data(), s.zp.data(),
-                            s.csum.data(), s.gs);
+    int8_quantize_rows_bf16(x_bf16, m, s.k, per_token, mode, eps, codes, s.sx.data(), s.zp.data(), s.csum.data(),
+                            s.gs, use_amx);
   } else {
-    int8_quantize_rows(x, m, s.k, per_token, mode, eps, s.codes.data(), s.sx.data(), s.zp.data(), s.csum.data(),
-                       s.gs);
+    int8_quantize_rows(x, m, s.k, per_token, mode, eps, codes, s.sx.data(), s.zp.data(), s.csum.data(), s.gs,
+                       use_amx);
   }
+  if (use_amx)
+    for (int64_t r = m; r < mp; ++r)
+      for (int64_t st = 0; st < s.k / 64; ++st)
+        std::memset(codes + ((r / 16) * (s.k / 64) + st) * 1024 + (r % 16) * 64, 0, 64);
   s.S.resize(m * s.G);
   for (int64_t r = 0; r < m; ++r)
     for (int64_t g = 0; g < s.G; ++g)
@@ -523,26 +522,15 @@ void Int8CodesGemm::run(const float* x, const uint16_t* x_bf16, int64_t m, bool 
   // among the threads as the tiled paths share their tiles (split_gemm: x's rows split too when the groups alone
   // cannot be shared evenly, e.g. 9 groups of a 576-row weight on 2 threads).
   const int64_t npan = s.n / 16, nquad = npan / 4;
-#if AQ_AMX
-  const bool use_amx = s.G == 1 && s.k % kAmxK == 0 && m >= kAmxMinRows && detail::amx_cpu();
-#else
-  constexpr bool use_amx = false;
-#endif
   // 4-bit weights at few rows read their units in place (gemv4); more rows share a widened copy per item.
   const bool few4 = s.bits == 4 && m <= kFewRowsMax;
   if (few4) {
-    s.codes4.resize(m * s.k);
-    even_odd_codes(s.codes.data(), m, s.k, s.codes4.data());
+    s.codes4 = tl_codes4.get<int8_t>(m * s.k);
+    even_odd_codes(s.codes, m, s.k, s.codes4);
   }
   // Per-item tiles keep 16-bit scales 16-bit (TileQparams::s16) where the weight has no offset array.
   const bool scales16 = s.per_item && s.p.offset == nullptr && detail::scales16_tiles(s.p, s.G);
   const detail::GemmSplit sp = detail::split_gemm(nquad + npan % 4, m, use_amx ? 32 : few4 ? kFewRows4 : kRows);
-#if AQ_AMX
-  if (use_amx) {
-    s.codes4.resize((m + 31) / 32 * 32 * s.k);
-    pack_amx_rows(s.codes.data(), m, s.k, s.codes4.data());
-  }
-#endif
   const int64_t item_macs = 64 * s.k * sp.rows_per_part * ((sp.ntiles + sp.nblocks - 1) / sp.nblocks);
   at::parallel_for(0, sp.items(), std::max<int64_t>(1, (1 << 17) / std::max<int64_t>(1, item_macs)),
                    [&](int64_t i0, int64_t i1) {
@@ -588,7 +576,7 @@ void Int8CodesGemm::run(const float* x, const uint16_t* x_bf16, int64_t m, bool 
           }
           for (int64_t m0 = sp.row0(it), me = sp.row1(it); m0 < me; m0 += kFewRows4) {
             const int64_t mr = std::min<int64_t>(kFewRows4, me - m0);
-            const int8_t* q = s.codes4.data() + m0 * s.k;
+            const int8_t* q = s.codes4 + m0 * s.k;
             const detail::NextItemPrefetch* pfm = m0 == sp.row0(it) && pf ? &*pf : nullptr;
             if (pi >= nquad) {
               kGemv4<1, kFewRows4>[one][mr - 1](s, qp, q, w4, p0, m0, y, pfm);
@@ -610,13 +598,13 @@ void Int8CodesGemm::run(const float* x, const uint16_t* x_bf16, int64_t m, bool 
         }
 #if AQ_AMX
         if (use_amx) {
-          amx_tiles(s, qp, s.codes4.data(), w0, p0, np, sp.row0(it), sp.row1(it), y);
+          amx_tiles(s, qp, s.codes4, w0, p0, np, sp.row0(it), sp.row1(it), y);
           continue;
         }
 #endif
         for (int64_t m0 = sp.row0(it), me = sp.row1(it); m0 < me; m0 += kRows) {
           const int64_t mr = std::min<int64_t>(kRows, me - m0);
-          const int8_t* q = s.codes.data() + m0 * s.k;
+          const int8_t* q = s.codes + m0 * s.k;
           const TileSet& ts = s.G == 1 ? kOneGroup : kGrouped;
           if (pi >= nquad) {
             ts.t1[mr - 1](s, qp, q, w0, p0, m0, y);

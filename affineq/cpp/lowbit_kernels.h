@@ -11,6 +11,15 @@ namespace affineq {
 // kCodesFp6E3M2 (bits == 6).
 constexpr int kCodesUint = 0, kCodesE4M3 = 1, kCodesE5M2 = 2, kCodesFp4E2M1 = 3, kCodesFp6E2M3 = 4, kCodesFp6E3M2 = 5;
 
+// int8_fake_quant's qparams for rows quantized inside a GEMM: each row's own (per_token) or one pair for all of
+// x, computed by int8_x_quant.
+struct Int8XQuant {
+  bool per_token;
+  int mode;
+  float eps;
+  float scale, zp;  // all of x's (not per_token)
+};
+
 struct LowbitProblem {
   const float* x;          // [m, k8] fp32, row stride ldx; k8 = k rounded up to 8, padding columns are 0
   int64_t ldx;
@@ -51,7 +60,14 @@ struct LowbitProblem {
                                // nearest even, NaN as 0x7FC0: torch's float -> bf16) instead of into y
   bool y_bf16_values = false;  // where lowbit_bf16_io and y_bf16 is null: write y (fp32) as those bf16 values
                                // widened back (a float32 caller computing in bf16: no bf16 copy of y)
+  // Path 5 only (lowbit_path must give 5): x_bf16's rows are int8_fake_quant-ed with these qparams as the GEMM
+  // packs them, so y = lowbit_linear(int8_fake_quant(x)) without a quantized copy of x (lowbit_ops.cpp).
+  const Int8XQuant* x_quant = nullptr;
 };
+
+Int8XQuant int8_x_quant(const uint16_t* x, int64_t m, int64_t k, bool per_token, int mode, float eps);
+// One row [k] of int8_fake_quant_bf16 with q's qparams: y's values are that op's, bit for bit.
+void int8_fake_quant_row_bf16(const uint16_t* x, int64_t k, const Int8XQuant& q, uint16_t* y);
 
 // Runs on torch's intra-op thread pool. force_path: 0 = heuristic, 1 = fused GEMV, 2 = dequant + fp32 GEMM,
 // 3 = dequant + int16 VNNI GEMM (AVX512-VNNI builds only; otherwise 2), 4 = dequant to bf16 + bf16 dot GEMM
@@ -80,12 +96,15 @@ void int8_fake_quant_bf16(const uint16_t* x, int64_t m, int64_t k, bool per_toke
 
 // The same quantization as int8 codes: codes[m, k] = clamp(round(x / scale[r]) + zp[r], -128, 127) with the
 // qparams of row r (or of all of x), so dequantize(codes) is exactly int8_fake_quant_f32's result. With csum:
-// csum[m, g] = the sum of row m's codes over k in [g * gs, (g + 1) * gs) (gs divides k).
+// csum[m, g] = the sum of row m's codes over k in [g * gs, (g + 1) * gs) (gs divides k). amx_tiles (k % 64 == 0):
+// the codes are written as AMX A tiles, code (r, kk) at ((r / 16) * (k / 64) + kk / 64) * 1024 + (r % 16) * 64 +
+// kk % 64 (rows past m are not written).
 void int8_quantize_rows(const float* x, int64_t m, int64_t k, bool per_token, int mode, float eps, int8_t* codes,
-                        float* scale, int32_t* zp, int32_t* csum = nullptr, int64_t gs = 0);
+                        float* scale, int32_t* zp, int32_t* csum = nullptr, int64_t gs = 0, bool amx_tiles = false);
 // The same for bf16 x (its values widened to fp32: the codes of x.to(float32)).
 void int8_quantize_rows_bf16(const uint16_t* x, int64_t m, int64_t k, bool per_token, int mode, float eps,
-                             int8_t* codes, float* scale, int32_t* zp, int32_t* csum = nullptr, int64_t gs = 0);
+                             int8_t* codes, float* scale, int32_t* zp, int32_t* csum = nullptr, int64_t gs = 0,
+                             bool amx_tiles = false);
 
 // y[m, n] = sx[m] * sum_k (c[m, k] - zp[m]) * W[n, k] for int8 activation codes c and a dense 8-bit integer
 // weight (fp32 qparams), with the code products summed exactly in int32 (VNNI u8 x s8 dot products). Built

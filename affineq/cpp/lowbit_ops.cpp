@@ -307,6 +307,41 @@ at::Tensor lowbit_linear_cpu(const at::Tensor& x, const at::Tensor& packed, cons
   return lowbit_linear_impl(x, packed, scale, offset, bits, group_size, n, k, codes, 0, code_offset, std::nullopt);
 }
 
+// affineq::lowbit_linear_int8_act: lowbit_linear(int8_fake_quant(x, per_token, mode, eps), ...) bit for bit, for
+// x [..., k]. Where path 5 runs (bf16 x, AMX) the rows are quantized as the GEMM packs them (gemm_amx.cpp): no
+// quantized copy of x is written to memory and read back, and no second op call; elsewhere the two ops in turn.
+at::Tensor lowbit_linear_int8_act_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                                      const std::optional<at::Tensor>& offset, int64_t bits, int64_t group_size,
+                                      int64_t n, int64_t k, int64_t codes, int64_t code_offset, bool per_token,
+                                      int64_t mode, double eps) {
+  check_lowbit_linear(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset);
+  TORCH_CHECK(mode >= 0 && mode <= 2, "affineq::lowbit_linear_int8_act: mode must be an int8_fake_quant mode (0, 1 "
+              "or 2), got ", mode);
+  const at::Tensor x2 = x.reshape({-1, k}).contiguous();
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = n;
+  if (x.scalar_type() == at::kBFloat16 && x2.size(0) > 0) {
+    const at::Tensor pk = packed.contiguous(), sc = scale.contiguous();
+    const bool has_offset = offset.has_value() && offset->defined();
+    const at::Tensor of = has_offset ? offset->contiguous() : at::Tensor();
+    LowbitProblem p;
+    set_weight(p, pk.const_data_ptr(), sc.const_data_ptr(), has_offset ? of.const_data_ptr() : nullptr,
+               sc.scalar_type(), code_offset, bits, codes, group_size, n, k);
+    const auto* xb = reinterpret_cast<const uint16_t*>(x2.const_data_ptr<at::BFloat16>());
+    p.m = x2.size(0);
+    p.x_bf16 = xb;
+    p.allow_int16_x = allow_int16_x(at::kBFloat16);
+    if (lowbit_path(p) == 5) {
+      const Int8XQuant q = int8_x_quant(xb, x2.size(0), k, per_token, static_cast<int>(mode), static_cast<float>(eps));
+      p.x_quant = &q;
+      return run_weight_problem(x2, p, 5).view(sizes);
+    }
+  }
+  return lowbit_linear_cpu(int8_fake_quant_cpu(x2, per_token, mode, eps), packed, scale, offset, bits, group_size, n,
+                           k, codes, code_offset)
+      .view(sizes);
+}
+
 // lowbit_linear for x.to(bf16), widened back to x's dtype: float32 x is rounded and y widened by the bf16 kernels
 // themselves (run_weight_problems). Its own op: a changed lowbit_linear schema would break graphs that
 // torch.compile cached calling the old one.
@@ -414,8 +449,8 @@ at::Tensor int8_codes_linear_cpu(const at::Tensor& x, const at::Tensor& packed, 
               "and VBMI builds; fp32 / bf16 / fp16 qparams, n % 16 == 0, group_size % 8 == 0); use "
               "affineq::lowbit_linear");
   if (x.size(0) < min_rows)  // the fused GEMV on the fake-quantized x: the same product, faster at few rows
-    return lowbit_linear_cpu(int8_fake_quant_cpu(x, per_token, mode, eps), packed, scale, offset, bits, group_size,
-                             n, k, kCodesUint, code_offset);
+    return lowbit_linear_int8_act_cpu(x, packed, scale, offset, bits, group_size, n, k, kCodesUint, code_offset,
+                                      per_token, mode, eps);
   // The int8 path quantizes x in fp32 (bf16 x widened row by row: the same codes as int8_fake_quant computes)
   // and rounds y to x's dtype as it stores it; the fallback above runs in x's dtype.
   const at::Tensor xc = x.contiguous();
@@ -446,6 +481,7 @@ TORCH_LIBRARY_IMPL(affineq, CPU, m) {
   m.impl("lowbit_dequantize", &affineq::lowbit_dequantize_cpu);
   m.impl("int8_fake_quant", &affineq::int8_fake_quant_cpu);
   m.impl("int8_codes_linear", &affineq::int8_codes_linear_cpu);
+  m.impl("lowbit_linear_int8_act", &affineq::lowbit_linear_int8_act_cpu);
 }
 
 TORCH_LIBRARY_IMPL(affineq, Autograd, m) { m.impl("lowbit_linear", &affineq::lowbit_linear_autograd); }

@@ -163,14 +163,21 @@ register_linear_kernel("affineq.dequant_linear", ("dense",), dequant_linear_chec
 
 def _lowbit_run(x, w, bias):
     spec = w.spec
-    if spec.act_quant is not None:
-        # 8da4w-style: the activation is fake-quantized (per token, or with static qparams); the weight
-        # product stays exact.
-        x = fake_quantize_activation(x, spec.act_quant, w)
     n, k = spec.shape
     packed, scale, offset, bits, group_size, codes, code_offset = lowbit_weight_args(w)
-    # float32 x computing in bf16 (`rounds_input`): the op rounds x and widens y itself
     ops = torch.ops.affineq
+    aq = spec.act_quant
+    mode = None if aq is None else fused_int8_mode(aq)
+    if mode is not None and x.dtype == torch.bfloat16:
+        # 8da4w-style with bf16 x: one op quantizes x and multiplies (inside the AMX GEMM's packing where it runs)
+        out = ops.lowbit_linear_int8_act(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset,
+                                         aq.per_token, mode, act_eps(x, aq))
+        return out if bias is None else out + bias
+    if aq is not None:
+        # 8da4w-style: the activation is fake-quantized (per token, or with static qparams); the weight
+        # product stays exact.
+        x = fake_quantize_activation(x, aq, w)
+    # float32 x computing in bf16 (`rounds_input`): the op rounds x and widens y itself
     op = ops.lowbit_linear_bf16_compute if computes_in_other_dtype(x, w) else ops.lowbit_linear
     out = op(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset)
     return out if bias is None else out + bias
