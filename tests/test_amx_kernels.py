@@ -6,9 +6,10 @@
   k-slices, zero points, M from 5 to 1024 and 1 or 2 threads.
 - lowbit_linear_int8_act (8da4w's linear): on path 5 it quantizes x's rows as it packs them; it must equal
   lowbit_linear(int8_fake_quant(x)) bit for bit, on any path (where AMX is absent: the two ops in turn).
-- int8_codes_linear on per-channel weights (W8A8): from 16 rows AMX int8 tiles sum the codes; the int32 sums and
-  the epilogue are the VNNI tiles', so every row must equal, bit for bit, the same row computed in a call of
-  fewer rows (the VNNI tiles). Where AMX is absent this still checks the row independence of the VNNI tiles.
+- int8_codes_linear on per-channel weights (W8A8): from 16 rows AMX int8 tiles sum the codes (rows in chunks over
+  B tiles packed once per work item); the int32 sums and the epilogue are the VNNI tiles', so every row must
+  equal, bit for bit, the same row computed in a call of fewer rows (the VNNI tiles). Where AMX is absent this
+  still checks the row independence of the VNNI tiles.
 """
 
 from __future__ import annotations
@@ -185,6 +186,21 @@ def test_int8_codes_per_channel_rows_equal_in_any_batch(bits: int, dtype: torch.
                 rows = torch.cat([_int8_codes(x[i:i + 12].contiguous(), bits, n, k, mode, seed=n, threads=threads)
                                   for i in range(0, 70, 12)])  # 12 rows: the VNNI tiles
                 assert batch.dtype == dtype and torch.equal(_bits(batch), _bits(rows)), (n, k, mode, threads)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_int8_codes_per_channel_row_chunks(bits: int) -> None:
+    # k = 4096: the AMX tiles take each work item's rows in chunks of 128 (their A tiles in L2) over B tiles
+    # packed once per item (4-bit panels widened first); 300 rows = 2 full chunks and a partial one (per thread,
+    # 2 threads: 160 + 140 rows), 5 panels = a quad and a single panel. Every row as in 12-row calls.
+    _needs_int8_codes()
+    n, k = 80, 4096
+    x = torch.randn(300, k, generator=torch.Generator().manual_seed(bits)).to(BF16)
+    for threads in (1, 2):
+        batch = _int8_codes(x, bits, n, k, 1, seed=bits, threads=threads)
+        rows = torch.cat([_int8_codes(x[i:i + 12].contiguous(), bits, n, k, 1, seed=bits, threads=threads)
+                          for i in range(0, 300, 12)])
+        assert torch.equal(_bits(batch), _bits(rows)), threads
 
 
 @settings(max_examples=20, deadline=None)

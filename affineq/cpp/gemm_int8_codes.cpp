@@ -57,6 +57,9 @@ namespace {
 // fp32 accumulators plus NP weight registers, a broadcast and the vpermb index must fit the 32 zmm registers:
 // NP * MR <= 12 (4 x 3, 2 x 6, 1 x 12).
 constexpr int kRows = 12;
+// AMX tiles (amx_tiles): rows of x per chunk of a work item (a multiple of 32): their A tiles, at most 1 MiB,
+// stay in L2 (2 MiB on the AMX Xeons) while the item's panels pass over them.
+inline int64_t amx_row_chunk(int64_t k) { return std::max<int64_t>(32, (int64_t{1} << 19) / k / 32 * 32); }
 }  // namespace
 
 #if AQ_INT8_CODES
@@ -310,24 +313,28 @@ constexpr int64_t kAmxMinRows = 16;
 constexpr int64_t kAmxK = 64;   // k per tile step (an A tile's 64 bytes)
 constexpr int64_t kAmxKC = 512;  // k per slice: a slice's B tiles of 2 panels (16 KiB) stay in L1 for all rows
 
-// Panels [p0, p0 + np) of a per-channel weight's 8-bit codes (w0: [k][16 rows] bytes each) for rows [m0, me) of
-// x (m0 % 32 == 0; xa: its codes as A tiles, int8_quantize_rows's amx_tiles layout), in blocks of 32 rows x 2 panels: tiles 0..3 sum
-// C[row half][panel] over k-slices, carried across slices through memory, then one epilogue.
-void amx_tiles(const Int8CodesGemm::State& s, const TileQparams& qp, const int8_t* xa, const uint8_t* w0, int64_t p0,
-               int64_t np, int64_t m0, int64_t me, float* y) {
-  thread_local std::vector<uint8_t> bw;  // the panels as B tiles: bw[(j * k / 4 + kq) * 64 + 4 c + t] = u[c, 4 kq + t]
-  thread_local std::vector<int32_t> cacc;  // [block][panel][32 rows][16]: the int32 sums
-  const int64_t k = s.k, npp = (np + 1) / 2 * 2, steps = k / kAmxK, nb = (me - m0 + 31) / 32;
-  bw.resize(npp * 16 * k);
-  cacc.resize(nb * 1024);
+// np panels (w0: 8-bit codes, [k][16 rows] bytes each) as B tiles, the panel count rounded up to 2 with zero
+// panels: bw[(j * k / 4 + kq) * 64 + 4 c + t] = u[row c of panel j, 4 kq + t].
+void pack_b_tiles(const uint8_t* w0, int64_t np, int64_t k, uint8_t* bw) {
   const __m512i idx = quad_index();
-  for (int64_t j = 0; j < npp; ++j)
+  for (int64_t j = 0; j < (np + 1) / 2 * 2; ++j)
     for (int64_t kq = 0; kq < k / 4; ++kq)
-      _mm512_storeu_si512(bw.data() + (j * k / 4 + kq) * 64,
+      _mm512_storeu_si512(bw + (j * k / 4 + kq) * 64,
                           j < np ? _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(w0 + j * 16 * k + 64 * kq))
                                  : _mm512_setzero_si512());
+}
+
+// Panels [p0, p0 + np) of a per-channel weight (bw: their B tiles, pack_b_tiles) for rows [m0, me) of x
+// (m0 % 32 == 0; xa: its codes as A tiles, int8_quantize_rows's amx_tiles layout), in blocks of 32 rows x 2
+// panels: tiles 0..3 sum C[row half][panel] over k-slices, carried across slices through memory, then one
+// epilogue.
+void amx_tiles(const Int8CodesGemm::State& s, const TileQparams& qp, const int8_t* xa, const uint8_t* bw, int64_t p0,
+               int64_t np, int64_t m0, int64_t me, float* y) {
+  thread_local std::vector<int32_t> cacc;  // [block][panel][32 rows][16]: the int32 sums
+  const int64_t k = s.k, steps = k / kAmxK, nb = (me - m0 + 31) / 32;
+  cacc.resize(nb * 1024);
   for (int64_t j0 = 0; j0 < np; j0 += 2) {
-    const uint8_t* b0 = bw.data() + j0 * 16 * k;
+    const uint8_t* b0 = bw + j0 * 16 * k;
     const uint8_t* b1 = b0 + 16 * k;
     for (int64_t k0 = 0; k0 < k; k0 += kAmxKC) {
       const int64_t k1 = std::min(k, k0 + kAmxKC);
@@ -456,6 +463,11 @@ void load_code_sums(const Int8CodesGemm::State& s, int64_t p0, int64_t np, int32
 #endif
 }
 
+// Work item tile pi's panels (first, count): quads of 4 panels, then the panels past the last quad one by one.
+inline std::pair<int64_t, int64_t> panels_of(int64_t pi, int64_t nquad) {
+  return pi < nquad ? std::pair<int64_t, int64_t>{4 * pi, 4} : std::pair<int64_t, int64_t>{4 * nquad + (pi - nquad), 1};
+}
+
 thread_local std::vector<float> tl_item_s, tl_item_o;  // per-item qparams (per_item)
 thread_local std::vector<int32_t> tl_item_us;
 thread_local std::vector<uint16_t> tl_item_s16;         // per-item 16-bit scales (TileQparams::s16)
@@ -539,82 +551,123 @@ void Int8CodesGemm::run(const float* x, const uint16_t* x_bf16, int64_t m, bool 
     if (use_amx) tiles.emplace(detail::TileConfig());
 #endif
     thread_local std::vector<uint8_t> wide;  // this item's panels in the 8-bit layout (4-bit weights)
+    [[maybe_unused]] thread_local detail::Scratch item_b;  // AMX: the item's panels (or a quad's) as B tiles
     for (int64_t it = i0; it < i1; ++it) {
-      for (int64_t pi = sp.tile0(it); pi < sp.tile0(it) + sp.tiles(it); ++pi) {
-        const int64_t p0 = pi < nquad ? 4 * pi : 4 * nquad + (pi - nquad), np = pi < nquad ? 4 : 1;
+      // AMX: the item's rows in chunks (amx_row_chunk) each run over all of the item's panels, so a chunk's A
+      // tiles come from L2 after its first two panels (over the item's whole rows every two panels read them from
+      // L3); with several chunks the item's panels are packed as B tiles once, before them (4-bit ones widened
+      // first), else each quad's right before its tiles (still in L2). Otherwise one chunk.
+      const int64_t r0 = sp.row0(it), r1 = sp.row1(it), chunk = use_amx ? amx_row_chunk(s.k) : r1 - r0;
+      [[maybe_unused]] const bool pack_item = use_amx && r1 - r0 > chunk;
+      [[maybe_unused]] uint8_t* bitem = nullptr;
+#if AQ_AMX
+      const auto pack_quad = [&](int64_t pi, uint8_t* dst) {
+        const auto [p0, np] = panels_of(pi, nquad);
         const uint8_t* w0 = s.packed + p0 * 16 * s.k;
-        TileQparams qp;
-        if (scales16) {
-          const int64_t ld = 16 * np;
-          const bool sums = s.zero_points && !few4;  // gemv4 sums its own
-          tl_item_s16.resize(s.G * ld), tl_item_us.resize(sums ? s.G * ld : 0);
-          detail::load_scales16(s.p, false, 16 * p0, 16 * np, ld, s.G, tl_item_s16.data(), ld);
-          if (sums) load_code_sums(s, p0, np, tl_item_us.data(), ld);
-          qp = {nullptr, nullptr, sums ? tl_item_us.data() : nullptr, ld, tl_item_s16.data(), s.p.qparams_f16,
-                static_cast<float>(s.p.code_offset)};
-        } else if (s.per_item) {
-          const int64_t ld = 16 * np;
-          tl_item_s.resize(s.G * ld), tl_item_o.resize(s.G * ld), tl_item_us.resize(s.zero_points ? s.G * ld : 0);
-          qp = {tl_item_s.data(), tl_item_o.data(), s.zero_points ? tl_item_us.data() : nullptr, ld};
-          load_panel_qparams(s, p0, np, tl_item_s.data(), tl_item_o.data(),
-                             s.zero_points && !few4 ? tl_item_us.data() : nullptr, ld);  // gemv4 sums its own
-        } else {
-          qp = {s.sT.data() + 16 * p0, s.oT.data() + 16 * p0, s.zero_points ? s.usumT.data() + 16 * p0 : nullptr, s.n};
-        }
-        if (few4) {
-          const uint8_t* w4 = s.packed + p0 * 8 * s.k;
-          const int one = s.G == 1;
-          // The tile this thread runs next (within this item, else the next item of its range): cold weights
-          // would start its qparams and each panel's stream with demand misses.
-          const int64_t next = pi + 1 < sp.tile0(it) + sp.tiles(it) ? pi + 1 : it + 1 < i1 ? sp.tile0(it + 1) : -1;
-          std::optional<detail::NextItemPrefetch> pf;
-          if (next >= 0 && next != pi) {
-            const int64_t n0 = next < nquad ? 4 * next : 4 * nquad + (next - nquad), nn = next < nquad ? 4 : 1;
-            const uint8_t* npan[detail::kMaxItemPanels];
-            for (int64_t h = 0; h < nn; ++h) npan[h] = s.packed + (n0 + h) * 8 * s.k;
-            pf.emplace(s.p, 16 * n0, 16 * nn, s.G, npan, nn, 64);
-          }
-          for (int64_t m0 = sp.row0(it), me = sp.row1(it); m0 < me; m0 += kFewRows4) {
-            const int64_t mr = std::min<int64_t>(kFewRows4, me - m0);
-            const int8_t* q = s.codes4 + m0 * s.k;
-            const detail::NextItemPrefetch* pfm = m0 == sp.row0(it) && pf ? &*pf : nullptr;
-            if (pi >= nquad) {
-              kGemv4<1, kFewRows4>[one][mr - 1](s, qp, q, w4, p0, m0, y, pfm);
-            } else if (mr <= 2) {
-              kGemv4<4, 2>[one][mr - 1](s, qp, q, w4, p0, m0, y, pfm);
-            } else {  // the quad's panels 2 or 1 at a time
-              const int per = mr <= 4 ? 2 : 1;
-              const Gemv4Fn f = per == 2 ? kGemv4<2, 4>[one][mr - 1] : kGemv4<1, kFewRows4>[one][mr - 1];
-              for (int h = 0; h < 4; h += per)
-                f(s, qp.shifted(h), q, w4 + h * 8 * s.k, p0 + h, m0, y, h == 0 ? pfm : nullptr);
-            }
-          }
-          continue;
-        }
         if (s.bits == 4) {
           wide.resize(np * 16 * s.k);
           widen_panels(s.packed + p0 * 8 * s.k, np, s.k, wide.data());
           w0 = wide.data();
         }
-#if AQ_AMX
-        if (use_amx) {
-          amx_tiles(s, qp, s.codes4, w0, p0, np, sp.row0(it), sp.row1(it), y);
-          continue;
-        }
+        pack_b_tiles(w0, np, s.k, dst);
+        return (np + 1) / 2 * 2 * 16 * s.k;  // bytes written
+      };
+      if (pack_item) {
+        int64_t bytes = 0;
+        for (int64_t pi = sp.tile0(it); pi < sp.tile0(it) + sp.tiles(it); ++pi)
+          bytes += (panels_of(pi, nquad).second + 1) / 2 * 2 * 16 * s.k;
+        bitem = item_b.get<uint8_t>(bytes);
+        for (int64_t pi = sp.tile0(it), off = 0; pi < sp.tile0(it) + sp.tiles(it); ++pi)
+          off += pack_quad(pi, bitem + off);
+      }
 #endif
-        for (int64_t m0 = sp.row0(it), me = sp.row1(it); m0 < me; m0 += kRows) {
-          const int64_t mr = std::min<int64_t>(kRows, me - m0);
-          const int8_t* q = s.codes + m0 * s.k;
-          const TileSet& ts = s.G == 1 ? kOneGroup : kGrouped;
-          if (pi >= nquad) {
-            ts.t1[mr - 1](s, qp, q, w0, p0, m0, y);
-          } else if (mr <= ts.wide) {
-            ts.t4[mr - 1](s, qp, q, w0, p0, m0, y);
+      for (int64_t c0 = r0; c0 < r1; c0 += chunk) {
+        const int64_t c1 = std::min(r1, c0 + chunk);
+        [[maybe_unused]] const uint8_t* bquad = bitem;  // this quad's B tiles in bitem (pack_item)
+        for (int64_t pi = sp.tile0(it); pi < sp.tile0(it) + sp.tiles(it); ++pi) {
+          const auto [p0, np] = panels_of(pi, nquad);
+          const uint8_t* w0 = s.packed + p0 * 16 * s.k;
+          TileQparams qp;
+          if (scales16) {
+            const int64_t ld = 16 * np;
+            const bool sums = s.zero_points && !few4;  // gemv4 sums its own
+            tl_item_s16.resize(s.G * ld), tl_item_us.resize(sums ? s.G * ld : 0);
+            detail::load_scales16(s.p, false, 16 * p0, 16 * np, ld, s.G, tl_item_s16.data(), ld);
+            if (sums) load_code_sums(s, p0, np, tl_item_us.data(), ld);
+            qp = {nullptr, nullptr, sums ? tl_item_us.data() : nullptr, ld, tl_item_s16.data(), s.p.qparams_f16,
+                  static_cast<float>(s.p.code_offset)};
+          } else if (s.per_item) {
+            const int64_t ld = 16 * np;
+            tl_item_s.resize(s.G * ld), tl_item_o.resize(s.G * ld), tl_item_us.resize(s.zero_points ? s.G * ld : 0);
+            qp = {tl_item_s.data(), tl_item_o.data(), s.zero_points ? tl_item_us.data() : nullptr, ld};
+            load_panel_qparams(s, p0, np, tl_item_s.data(), tl_item_o.data(),
+                               s.zero_points && !few4 ? tl_item_us.data() : nullptr, ld);  // gemv4 sums its own
           } else {
-            for (int64_t h0 = 0; h0 < mr; h0 += ts.half) {
-              const int64_t hr = std::min<int64_t>(ts.half, mr - h0);
-              ts.t2[hr - 1](s, qp, q + h0 * s.k, w0, p0, m0 + h0, y);
-              ts.t2[hr - 1](s, qp.shifted(2), q + h0 * s.k, w0 + 2 * 16 * s.k, p0 + 2, m0 + h0, y);
+            qp = {s.sT.data() + 16 * p0, s.oT.data() + 16 * p0, s.zero_points ? s.usumT.data() + 16 * p0 : nullptr,
+                  s.n};
+          }
+          if (few4) {
+            const uint8_t* w4 = s.packed + p0 * 8 * s.k;
+            const int one = s.G == 1;
+            // The tile this thread runs next (within this item, else the next item of its range): cold weights
+            // would start its qparams and each panel's stream with demand misses.
+            const int64_t next = pi + 1 < sp.tile0(it) + sp.tiles(it) ? pi + 1 : it + 1 < i1 ? sp.tile0(it + 1) : -1;
+            std::optional<detail::NextItemPrefetch> pf;
+            if (next >= 0 && next != pi) {
+              const auto [n0, nn] = panels_of(next, nquad);
+              const uint8_t* npan[detail::kMaxItemPanels];
+              for (int64_t h = 0; h < nn; ++h) npan[h] = s.packed + (n0 + h) * 8 * s.k;
+              pf.emplace(s.p, 16 * n0, 16 * nn, s.G, npan, nn, 64);
+            }
+            for (int64_t m0 = c0, me = c1; m0 < me; m0 += kFewRows4) {
+              const int64_t mr = std::min<int64_t>(kFewRows4, me - m0);
+              const int8_t* q = s.codes4 + m0 * s.k;
+              const detail::NextItemPrefetch* pfm = m0 == c0 && pf ? &*pf : nullptr;
+              if (pi >= nquad) {
+                kGemv4<1, kFewRows4>[one][mr - 1](s, qp, q, w4, p0, m0, y, pfm);
+              } else if (mr <= 2) {
+                kGemv4<4, 2>[one][mr - 1](s, qp, q, w4, p0, m0, y, pfm);
+              } else {  // the quad's panels 2 or 1 at a time
+                const int per = mr <= 4 ? 2 : 1;
+                const Gemv4Fn f = per == 2 ? kGemv4<2, 4>[one][mr - 1] : kGemv4<1, kFewRows4>[one][mr - 1];
+                for (int h = 0; h < 4; h += per)
+                  f(s, qp.shifted(h), q, w4 + h * 8 * s.k, p0 + h, m0, y, h == 0 ? pfm : nullptr);
+              }
+            }
+            continue;
+          }
+#if AQ_AMX
+          if (use_amx) {
+            if (pack_item) {
+              amx_tiles(s, qp, s.codes4, bquad, p0, np, c0, c1, y);
+              bquad += (np + 1) / 2 * 2 * 16 * s.k;
+            } else {
+              uint8_t* bw = item_b.get<uint8_t>(4 * 16 * s.k);
+              pack_quad(pi, bw);
+              amx_tiles(s, qp, s.codes4, bw, p0, np, c0, c1, y);
+            }
+            continue;
+          }
+#endif
+          if (s.bits == 4) {
+            wide.resize(np * 16 * s.k);
+            widen_panels(s.packed + p0 * 8 * s.k, np, s.k, wide.data());
+            w0 = wide.data();
+          }
+          for (int64_t m0 = c0, me = c1; m0 < me; m0 += kRows) {
+            const int64_t mr = std::min<int64_t>(kRows, me - m0);
+            const int8_t* q = s.codes + m0 * s.k;
+            const TileSet& ts = s.G == 1 ? kOneGroup : kGrouped;
+            if (pi >= nquad) {
+              ts.t1[mr - 1](s, qp, q, w0, p0, m0, y);
+            } else if (mr <= ts.wide) {
+              ts.t4[mr - 1](s, qp, q, w0, p0, m0, y);
+            } else {
+              for (int64_t h0 = 0; h0 < mr; h0 += ts.half) {
+                const int64_t hr = std::min<int64_t>(ts.half, mr - h0);
+                ts.t2[hr - 1](s, qp, q + h0 * s.k, w0, p0, m0 + h0, y);
+                ts.t2[hr - 1](s, qp.shifted(2), q + h0 * s.k, w0 + 2 * 16 * s.k, p0 + 2, m0 + h0, y);
+              }
             }
           }
         }
