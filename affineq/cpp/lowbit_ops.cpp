@@ -129,16 +129,20 @@ at::Tensor lowbit_linear_impl(const at::Tensor& x, const at::Tensor& packed, con
               "affineq::lowbit_linear: compute_dtype must be None or torch.bfloat16 with a float32 or bfloat16 x, "
               "got ", compute_dtype.value_or(at::kFloat), " with ", x.scalar_type());
   check_lowbit_linear(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset);
-  const at::Tensor pk = packed.contiguous(), sc = scale.contiguous();
-  const bool has_offset = offset.has_value() && offset->defined();
-  const at::Tensor of = has_offset ? offset->contiguous() : at::Tensor();
-  LowbitProblem p;
-  set_weight(p, pk.const_data_ptr(), sc.const_data_ptr(), has_offset ? of.const_data_ptr() : nullptr,
-             sc.scalar_type(), code_offset, bits, codes, group_size, n, k);
-  return run_weight_problem(x, p, path, bf16_compute);
+  const WeightTensors w(packed, scale, offset, code_offset, bits, codes, group_size, n, k);
+  return run_weight_problem(x, w.p, path, bf16_compute);
 }
 
 }  // namespace
+
+WeightTensors::WeightTensors(const at::Tensor& packed_, const at::Tensor& scale_,
+                             const std::optional<at::Tensor>& offset_, int64_t code_offset, int64_t bits,
+                             int64_t codes, int64_t group_size, int64_t n, int64_t k)
+    : packed(packed_.contiguous()), scale(scale_.contiguous()),
+      offset(offset_.has_value() && offset_->defined() ? offset_->contiguous() : at::Tensor()) {
+  set_weight(p, packed.const_data_ptr(), scale.const_data_ptr(), offset.defined() ? offset.const_data_ptr() : nullptr,
+             scale.scalar_type(), code_offset, bits, codes, group_size, n, k);
+}
 
 void set_weight(LowbitProblem& p, const void* packed, const void* scale, const void* offset, at::ScalarType qdtype,
                 int64_t code_offset, int64_t bits, int64_t codes, int64_t group_size, int64_t n, int64_t k) {
@@ -321,12 +325,8 @@ at::Tensor lowbit_linear_int8_act_cpu(const at::Tensor& x, const at::Tensor& pac
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = n;
   if (x.scalar_type() == at::kBFloat16 && x2.size(0) > 0) {
-    const at::Tensor pk = packed.contiguous(), sc = scale.contiguous();
-    const bool has_offset = offset.has_value() && offset->defined();
-    const at::Tensor of = has_offset ? offset->contiguous() : at::Tensor();
-    LowbitProblem p;
-    set_weight(p, pk.const_data_ptr(), sc.const_data_ptr(), has_offset ? of.const_data_ptr() : nullptr,
-               sc.scalar_type(), code_offset, bits, codes, group_size, n, k);
+    WeightTensors w(packed, scale, offset, code_offset, bits, codes, group_size, n, k);
+    LowbitProblem& p = w.p;
     const auto* xb = reinterpret_cast<const uint16_t*>(x2.const_data_ptr<at::BFloat16>());
     p.m = x2.size(0);
     p.x_bf16 = xb;
@@ -439,12 +439,8 @@ at::Tensor int8_codes_linear_cpu(const at::Tensor& x, const at::Tensor& packed, 
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.numel() == packed_nbytes(n, k, bits), op,
               ": packed must be uint8 with ", packed_nbytes(n, k, bits), " elements (", bits, "-bit codes)");
   check_qparams(op, scale, offset, bits, kCodesUint, code_offset, n, k / group_size);
-  const bool has_offset = offset.has_value() && offset->defined();
-  const at::Tensor pk = packed.contiguous(), sc = scale.contiguous();
-  const at::Tensor of = has_offset ? offset->contiguous() : at::Tensor();
-  LowbitProblem p;
-  set_weight(p, pk.const_data_ptr(), sc.const_data_ptr(), has_offset ? of.const_data_ptr() : nullptr,
-             sc.scalar_type(), code_offset, bits, kCodesUint, group_size, n, k);  // e8m0: refused by supported()
+  const WeightTensors w(packed, scale, offset, code_offset, bits, kCodesUint, group_size, n, k);
+  const LowbitProblem& p = w.p;  // e8m0: refused by supported()
   TORCH_CHECK(Int8CodesGemm::supported(p), op, ": this build or weight is not one the kernel reads (AVX512-VNNI "
               "and VBMI builds; fp32 / bf16 / fp16 qparams, n % 16 == 0, group_size % 8 == 0); use "
               "affineq::lowbit_linear");

@@ -29,6 +29,15 @@ bool check_qparams(const char* op, const at::Tensor& scale, const std::optional<
 void set_weight(LowbitProblem& p, const void* packed, const void* scale, const void* offset, at::ScalarType qdtype,
                 int64_t code_offset, int64_t bits, int64_t codes, int64_t group_size, int64_t n, int64_t k);
 
+// A weight's tensors made contiguous (packed, scale, offset: undefined when absent) and p, set_weight over them:
+// p is valid while this lives.
+struct WeightTensors {
+  at::Tensor packed, scale, offset;
+  LowbitProblem p;
+  WeightTensors(const at::Tensor& packed_, const at::Tensor& scale_, const std::optional<at::Tensor>& offset_,
+                int64_t code_offset, int64_t bits, int64_t codes, int64_t group_size, int64_t n, int64_t k);
+};
+
 // The weight-only kernels (lowbit_linear_f32) on x [..., k] (float32 / bfloat16 / float16, CPU) for the weight
 // problem p (its x / y fields unset): x is padded to whole 8-column units; returns [..., n] in x's dtype. `path`
 // is lowbit_linear_f32's force_path. bf16_compute with float32 x: the values of x.to(bf16) run, then .to(float32),
