@@ -57,7 +57,7 @@ namespace {
 // fp32 accumulators plus NP weight registers, a broadcast and the vpermb index must fit the 32 zmm registers:
 // NP * MR <= 12 (4 x 3, 2 x 6, 1 x 12).
 constexpr int kRows = 12;
-// AMX tiles (amx_tiles): rows of x per chunk of a work item (a multiple of 32): their A tiles, at most 1 MiB,
+// AMX tiles (amx_tiles): rows of x per chunk of a work item (a multiple of 32): their A tiles, at most 512 KiB,
 // stay in L2 (2 MiB on the AMX Xeons) while the item's panels pass over them.
 inline int64_t amx_row_chunk(int64_t k) { return std::max<int64_t>(32, (int64_t{1} << 19) / k / 32 * 32); }
 }  // namespace
