@@ -196,22 +196,19 @@ void quantize_row(const T* xr, int64_t k, Qp q, int8_t* codes, int64_t cs, int32
   bool summed = false;  // csum written by the vector loop
 #if AQ_AVX512
   const __m512 vinv = _mm512_set1_ps(inv), vzp = _mm512_set1_ps(q.zp);
-  if (csum != nullptr && gs % 16 == 0) {  // whole vectors per group: the sums ride along (k % 16 == 0 then)
-    __m512i acc = _mm512_setzero_si512();
-    for (; i0 + 16 <= k; i0 += 16) {
-      const __m128i c = _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(codes16(load16(xr + i0), vinv, vzp)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(at(i0)), c);
-      acc = _mm512_add_epi32(acc, _mm512_cvtepi8_epi32(c));  // the stored bytes' values
-      if ((i0 + 16) % gs == 0) {
-        csum[i0 / gs] = _mm512_reduce_add_epi32(acc);
-        acc = _mm512_setzero_si512();
-      }
+  // Whole vectors per group (then k % 16 == 0): the sums ride along in the loop.
+  summed = csum != nullptr && gs % 16 == 0;
+  __m512i acc = _mm512_setzero_si512();
+  for (; i0 + 16 <= k; i0 += 16) {
+    const __m128i c = _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(codes16(load16(xr + i0), vinv, vzp)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(at(i0)), c);
+    if (!summed) continue;
+    acc = _mm512_add_epi32(acc, _mm512_cvtepi8_epi32(c));  // the stored bytes' values
+    if ((i0 + 16) % gs == 0) {
+      csum[i0 / gs] = _mm512_reduce_add_epi32(acc);
+      acc = _mm512_setzero_si512();
     }
-    summed = true;
   }
-  for (; i0 + 16 <= k; i0 += 16)
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(at(i0)),
-                     _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(codes16(load16(xr + i0), vinv, vzp))));
 #endif
   for (int64_t i = i0; i < k; ++i) *at(i) = static_cast<int8_t>(code_of(value_of(xr[i]), inv, q.zp));
   if (csum != nullptr && !summed)

@@ -313,11 +313,14 @@ constexpr int64_t kAmxMinRows = 16;
 constexpr int64_t kAmxK = 64;   // k per tile step (an A tile's 64 bytes)
 constexpr int64_t kAmxKC = 512;  // k per slice: a slice's B tiles of 2 panels (16 KiB) stay in L1 for all rows
 
-// np panels (w0: 8-bit codes, [k][16 rows] bytes each) as B tiles, the panel count rounded up to 2 with zero
-// panels: bw[(j * k / 4 + kq) * 64 + 4 c + t] = u[row c of panel j, 4 kq + t].
+// Bytes of np panels' B tiles: the panel count rounded up to 2 (amx_tiles takes them in pairs).
+inline int64_t b_tiles_bytes(int64_t np, int64_t k) { return (np + 1) / 2 * 2 * 16 * k; }
+
+// np panels (w0: 8-bit codes, [k][16 rows] bytes each) as B tiles (b_tiles_bytes), with a zero panel to make a
+// pair: bw[(j * k / 4 + kq) * 64 + 4 c + t] = u[row c of panel j, 4 kq + t].
 void pack_b_tiles(const uint8_t* w0, int64_t np, int64_t k, uint8_t* bw) {
   const __m512i idx = quad_index();
-  for (int64_t j = 0; j < (np + 1) / 2 * 2; ++j)
+  for (int64_t j = 0; j < b_tiles_bytes(np, k) / (16 * k); ++j)
     for (int64_t kq = 0; kq < k / 4; ++kq)
       _mm512_storeu_si512(bw + (j * k / 4 + kq) * 64,
                           j < np ? _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(w0 + j * 16 * k + 64 * kq))
@@ -560,25 +563,24 @@ void Int8CodesGemm::run(const float* x, const uint16_t* x_bf16, int64_t m, bool 
       const int64_t r0 = sp.row0(it), r1 = sp.row1(it), chunk = use_amx ? amx_row_chunk(s.k) : r1 - r0;
       [[maybe_unused]] const bool pack_item = use_amx && r1 - r0 > chunk;
       [[maybe_unused]] uint8_t* bitem = nullptr;
-#if AQ_AMX
-      const auto pack_quad = [&](int64_t pi, uint8_t* dst) {
-        const auto [p0, np] = panels_of(pi, nquad);
-        const uint8_t* w0 = s.packed + p0 * 16 * s.k;
-        if (s.bits == 4) {
-          wide.resize(np * 16 * s.k);
-          widen_panels(s.packed + p0 * 8 * s.k, np, s.k, wide.data());
-          w0 = wide.data();
-        }
-        pack_b_tiles(w0, np, s.k, dst);
-        return (np + 1) / 2 * 2 * 16 * s.k;  // bytes written
+      // Panels [p0, p0 + np)'s 8-bit codes: 4-bit ones widened into `wide`.
+      const auto codes8 = [&](int64_t p0, int64_t np) -> const uint8_t* {
+        if (s.bits != 4) return s.packed + p0 * 16 * s.k;
+        wide.resize(np * 16 * s.k);
+        widen_panels(s.packed + p0 * 8 * s.k, np, s.k, wide.data());
+        return wide.data();
       };
+#if AQ_AMX
       if (pack_item) {
         int64_t bytes = 0;
         for (int64_t pi = sp.tile0(it); pi < sp.tile0(it) + sp.tiles(it); ++pi)
-          bytes += (panels_of(pi, nquad).second + 1) / 2 * 2 * 16 * s.k;
+          bytes += b_tiles_bytes(panels_of(pi, nquad).second, s.k);
         bitem = item_b.get<uint8_t>(bytes);
-        for (int64_t pi = sp.tile0(it), off = 0; pi < sp.tile0(it) + sp.tiles(it); ++pi)
-          off += pack_quad(pi, bitem + off);
+        for (int64_t pi = sp.tile0(it), off = 0; pi < sp.tile0(it) + sp.tiles(it); ++pi) {
+          const auto [p0, np] = panels_of(pi, nquad);
+          pack_b_tiles(codes8(p0, np), np, s.k, bitem + off);
+          off += b_tiles_bytes(np, s.k);
+        }
       }
 #endif
       for (int64_t c0 = r0; c0 < r1; c0 += chunk) {
@@ -586,7 +588,6 @@ void Int8CodesGemm::run(const float* x, const uint16_t* x_bf16, int64_t m, bool 
         [[maybe_unused]] const uint8_t* bquad = bitem;  // this quad's B tiles in bitem (pack_item)
         for (int64_t pi = sp.tile0(it); pi < sp.tile0(it) + sp.tiles(it); ++pi) {
           const auto [p0, np] = panels_of(pi, nquad);
-          const uint8_t* w0 = s.packed + p0 * 16 * s.k;
           TileQparams qp;
           if (scales16) {
             const int64_t ld = 16 * np;
@@ -638,22 +639,18 @@ void Int8CodesGemm::run(const float* x, const uint16_t* x_bf16, int64_t m, bool 
           }
 #if AQ_AMX
           if (use_amx) {
-            if (pack_item) {
-              amx_tiles(s, qp, s.codes4, bquad, p0, np, c0, c1, y);
-              bquad += (np + 1) / 2 * 2 * 16 * s.k;
-            } else {
-              uint8_t* bw = item_b.get<uint8_t>(4 * 16 * s.k);
-              pack_quad(pi, bw);
-              amx_tiles(s, qp, s.codes4, bw, p0, np, c0, c1, y);
+            const uint8_t* bw = bquad;
+            if (!pack_item) {  // this quad's B tiles, packed right before its tiles read them
+              uint8_t* own = item_b.get<uint8_t>(b_tiles_bytes(np, s.k));
+              pack_b_tiles(codes8(p0, np), np, s.k, own);
+              bw = own;
             }
+            amx_tiles(s, qp, s.codes4, bw, p0, np, c0, c1, y);
+            bquad += b_tiles_bytes(np, s.k);
             continue;
           }
 #endif
-          if (s.bits == 4) {
-            wide.resize(np * 16 * s.k);
-            widen_panels(s.packed + p0 * 8 * s.k, np, s.k, wide.data());
-            w0 = wide.data();
-          }
+          const uint8_t* w0 = codes8(p0, np);
           for (int64_t m0 = c0, me = c1; m0 < me; m0 += kRows) {
             const int64_t mr = std::min<int64_t>(kRows, me - m0);
             const int8_t* q = s.codes + m0 * s.k;
