@@ -3,6 +3,7 @@
 
     python benchmarks/bench_kquant.py                  # 4096x4096 and 11008x4096, M in 1, 4, 8, 32, 128
     python benchmarks/bench_kquant.py --quick          # 1024x1024, M = 1 only, short runs (checks the script)
+    python benchmarks/bench_kquant.py --out bench_kquant_amx   # on the AMX Xeon (the Zen 5's run: bench_kquant)
 
 Issue 33 asks the k-quant kernels to reach the int4 g32 path's speed at M = 1. The weights are random valid
 blocks (every code and sub-scale drawn from its range, written by kquant_encode: the speed does not depend on
@@ -55,6 +56,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--budget", type=float, default=0.3, help="seconds per candidate per (shape, M)")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default="bench_kquant",
+                    help="results/<out>.json (the AMX Xeon's run: bench_kquant_amx; the Zen 5's: bench_kquant)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -98,7 +101,7 @@ def main() -> None:
                              "GB/s vs i4b": round(nbytes[name] / ms / gbs_i4b, 2) if m == 1 else ""})
     print(table(rows, ["shape", "m", "kernel", "ms", "x i4", "x i4b", "bpw", "GB/s", "GB/s vs i4b"]))
     if not args.quick:
-        save_json("bench_kquant", {"rows": rows})
+        save_json(args.out, {"rows": rows})
 
 
 if __name__ == "__main__":

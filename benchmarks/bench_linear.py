@@ -6,6 +6,7 @@
     python benchmarks/bench_linear.py --quick --dtypes fp32 bf16 --configs mxfp4 mxfp6-e2m3 fp6-e3m2 mxfp8-e4m3
     python benchmarks/bench_linear.py --compute-bound       # M = 32, 128, 512: float = min(fp32, bf16), + torch.ao
     python benchmarks/bench_linear.py --compute-bound --quick   # the same on a tiny shape: a smoke run of seconds
+    python benchmarks/bench_linear.py --hot                 # M = 1 with the weights in cache: x fp32 and x bf16
 
 For every (shape N x K, M, dtype) it prints the time of F.linear in fp32 and in the input dtype, the
 best of them ("float"), each config's time and speedup over "float", and at M = 1 the effective weight
@@ -18,6 +19,10 @@ and results/bench_linear.png.
 "float" = the best of fp32 and bf16 F.linear (whatever the input dtype) and torch.ao's `quantize_dynamic` (int8
 dynamic, fp32 input) as a column; the kernel each config ran at that M and the CPU kind (amx / avx512 / avx2,
 which picks the row thresholds of `affineq.tensor.compute_bound`) are printed and saved.
+
+`--hot` (issue 30's M = 1 target: int4 and int8 >= 4x fp32 and >= 2.5x bf16 with hot weights) calls one copy of
+each weight again and again, so that it stays in the last-level cache, at M = 1 on 4096x4096 and 11008x4096, and
+prints each config's speed over fp32 and over bf16 F.linear (results/bench_linear_hot.json).
 """
 
 from __future__ import annotations
@@ -99,9 +104,10 @@ def _weight_bytes(w: torch.Tensor) -> int:
     return w.storage_bytes() if hasattr(w, "storage_bytes") else w.numel() * w.element_size()
 
 
-def _copies(w: torch.Tensor) -> list[torch.Tensor]:
-    """Enough copies of w that cycling through them never finds the weights in cache (an honest M = 1)."""
-    return [w] + [w.clone() for _ in range(min(31, -(-COLD_BYTES // _weight_bytes(w)) - 1))]
+def _copies(w: torch.Tensor, hot: bool = False) -> list[torch.Tensor]:
+    """Enough copies of w that cycling through them never finds the weights in cache (an honest M = 1); w alone
+    when `hot`."""
+    return [w] if hot else [w] + [w.clone() for _ in range(min(31, -(-COLD_BYTES // _weight_bytes(w)) - 1))]
 
 
 def _cycling(fn, x, weights: list[torch.Tensor]):
@@ -126,12 +132,12 @@ def _time_all(fn, xs: dict[str, torch.Tensor], weights: dict[str, list[torch.Ten
         return round_robin_ms(cands, budget_s=budget_s, min_runs=max(5, max(len(w) for w in weights.values())))
 
 
-def _ao_dynamic(base: nn.Module) -> list[nn.Module]:
+def _ao_dynamic(base: nn.Module, hot: bool = False) -> list[nn.Module]:
     """torch.ao's int8 dynamic quantization of the fp32 linear (fbgemm / onednn engine), as cold copies."""
     with warnings.catch_warnings():  # torch.ao.quantization's deprecation notice: it is the comparison here
         warnings.simplefilter("ignore", DeprecationWarning)
         q = torch.ao.quantization.quantize_dynamic(copy.deepcopy(base).float(), {nn.Linear}, dtype=torch.qint8)
-    return [q] + [copy.deepcopy(q) for _ in range(len(_copies(base.weight.detach())) - 1)]
+    return [q] + [copy.deepcopy(q) for _ in range(len(_copies(base.weight.detach(), hot)) - 1)]
 
 
 def _calling(mods: list[nn.Module], x: torch.Tensor):
@@ -143,19 +149,22 @@ def run(args) -> list[dict]:
     bw = memory_bandwidth_gbs(64 if args.quick else 512)
     print(machine_line() + f", CPU kind {cpu_kind()} (affineq.tensor.compute_bound row thresholds)")
     print(f"# measured read bandwidth: {bw:.1f} GB/s (the M = 1 limit: weight bytes / bandwidth)")
-    print("# each call reads a different copy of the weights (cold cache), as in a real model's forward\n")
+    print("# every call reads the same weights (hot: in cache)\n" if args.hot else
+          "# each call reads a different copy of the weights (cold cache), as in a real model's forward\n")
     rows = []
     modes = ["eager"] + (["compiled"] if args.compile else [])
     for n, k in args.shapes:
         base = _linear(n, k, torch.float32)
         for dname in args.dtypes:
             dtype = DTYPES[dname]
-            w_fp32 = _copies(base.weight.detach())
-            w_same = _copies(base.weight.detach().to(dtype)) if dtype != torch.float32 else w_fp32
-            # --compute-bound: the best float path is min(fp32, bf16) whatever the input dtype; torch.ao's column
-            w_bf16 = (w_same if dtype == torch.bfloat16 else _copies(base.weight.detach().bfloat16())) \
-                if args.compute_bound else None
-            ao = _ao_dynamic(base) if args.compute_bound else None
+            hot = args.hot
+            w_fp32 = _copies(base.weight.detach(), hot)
+            w_same = _copies(base.weight.detach().to(dtype), hot) if dtype != torch.float32 else w_fp32
+            # --compute-bound / --hot: the best float path is min(fp32, bf16) whatever the input dtype (and bf16
+            # F.linear is timed); --compute-bound: torch.ao's column
+            w_bf16 = (w_same if dtype == torch.bfloat16 else _copies(base.weight.detach().bfloat16(), hot)) \
+                if args.compute_bound or hot else None
+            ao = _ao_dynamic(base, hot) if args.compute_bound else None
             quantized = {}
             for cname in args.configs:
                 if cname.endswith("@bf16") and dtype != torch.float32:
@@ -164,7 +173,7 @@ def run(args) -> list[dict]:
                 cfg = CONFIGS[cname]
                 qm = quantize_(copy.deepcopy(base).to(dtype), cfg)
                 quantize_s = time.perf_counter() - t0
-                quantized[cname] = (_copies(qm.weight.detach()), quantize_s)
+                quantized[cname] = (_copies(qm.weight.detach(), hot), quantize_s)
             kernels: dict[str, str] = {}
             for mode in modes:
                 fn = F.linear
@@ -205,7 +214,11 @@ def run(args) -> list[dict]:
                         row[cname] = f"{t:.3f} ({t_float / t:.2f}x)"
                         record["configs"][cname] = dict(ms=t, speedup=t_float / t, weight_gbs=gbs,
                                                         bw_fraction=gbs / bw, kernel=kernels[cname],
-                                                        quantize_s=quantize_s)
+                                                        quantize_s=quantize_s, over_fp32=t_fp32 / t)
+                        if "bf16_ms" in record:
+                            record["configs"][cname]["over_bf16"] = record["bf16_ms"] / t
+                            if args.hot:
+                                row[cname] = f"{t:.3f} ({t_fp32 / t:.2f}x fp32, {record['bf16_ms'] / t:.2f}x bf16)"
                     rows.append(row)
                     records.append(record)
                     print(f"  {n}x{k} M={mm} {dname} {mode}: float {t_float:.3f} ms  " + "  ".join(
@@ -277,6 +290,9 @@ def main(argv=None) -> None:
     p.add_argument("--compute-bound", action="store_true",
                    help="M = 32, 128, 512 on 4096x4096 and 11008x4096, fp32 and bf16, with min(fp32, bf16) as "
                         "the float path and torch.ao quantize_dynamic as a column")
+    p.add_argument("--hot", action="store_true",
+                   help="M = 1 on 4096x4096 and 11008x4096 with one copy of each weight (it stays in cache), fp32 "
+                        "and bf16 input, speed over fp32 and over bf16 F.linear")
     p.add_argument("--budget", type=float, default=0.4, help="seconds of timing per (shape, M, dtype)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default="bench_linear", help="results/<out>.json and .png")
@@ -290,6 +306,12 @@ def main(argv=None) -> None:
         if args.quick:  # a smoke run: every code path once, in seconds (no meaningful timing)
             args.shapes, args.m, args.budget = [(512, 512)], [32], 0.02
             args.configs, args.out = ["int4-g128", "int8", "int8-dyn"], args.out + "_quick"
+    elif args.hot:
+        args.shapes, args.m, args.dtypes = COMPUTE_BOUND_SHAPES, [1], ["fp32", "bf16"]
+        if args.configs == list(CONFIGS):
+            args.configs = ["int4-g128", "int8"]
+        if args.out == "bench_linear":
+            args.out = "bench_linear_hot"
     elif args.quick:
         args.shapes, args.m = [(4096, 4096)], [1, 32]
     if args.threads:

@@ -1,7 +1,8 @@
-"""The 4-bit GEMV with float32 x at m = 1 (`cpp/gemv.cpp`, `split_x3`): x as three bf16 rows whose sum is x
-exactly, through the bf16-dot GEMV, the three results added at the end. Every product stays exact, so the result
-is within a few fp32 roundings of the float64 product, as the fp32 FMA GEMV's is; x holding inf or NaN takes the
-FMA GEMV (bit for bit what a call with a second row gives the first)."""
+"""The 4-bit GEMV with float32 x (`cpp/gemv.cpp`). At m = 1 off AMX (`split_x3`): x as three bf16 rows whose sum
+is x exactly, through the bf16-dot GEMV, the three results added at the end. Every product stays exact, so the
+result is within a few fp32 roundings of the float64 product, as the fp32 FMA GEMV's is. The FMA GEMV's passes of
+1-2 rows decode 16 + u and take the bias off per unit of 8 k (`gemv_unit_bias`), within the same bound. x holding
+inf or NaN takes the FMA GEMV (bit for bit what a call with a second row gives the first)."""
 
 from __future__ import annotations
 
@@ -34,23 +35,26 @@ def _problem(n: int, k: int, gs: int, qparams: str, seed: int):
 CASES = [(37, 96, 32), (129, 384, 128), (64, 256, 64), (300, 4096, 32), (40, 11008, 128), (50, 200, 8)]
 
 
+# rows of x: 1 (split_x3 off AMX), 2 (one pass with the unit bias), 5 / 6 (a pass of 4 rows without it, then one
+# of 1 / 2 rows with it)
+@pytest.mark.parametrize("m", [1, 2, 5, 6])
 @pytest.mark.parametrize("qparams", ["fp32", "bf16"])
 @pytest.mark.parametrize("n,k,gs", CASES)
-def test_m1_fp32_x_within_fp32_rounding_of_float64(n: int, k: int, gs: int, qparams: str) -> None:
+def test_fp32_x_within_fp32_rounding_of_float64(n: int, k: int, gs: int, qparams: str, m: int) -> None:
     if not K.is_available():
         pytest.skip(f"C++ kernels unavailable: {K.unavailable_reason()}")
     packed, qp, w = _problem(n, k, gs, qparams, seed=n + k)
-    g = torch.Generator().manual_seed(k)
+    g = torch.Generator().manual_seed(k + m)
     # magnitudes far apart: the parts of x span 24 bits below each value's exponent (1e-30 ~ 2^-100 keeps the
     # smallest part a normal bf16 number)
     for mag in (1.0, 1e-30, 1e20):
-        x = torch.randn(1, k, generator=g) * mag
+        x = torch.randn(m, k, generator=g) * mag
         out = torch.ops.affineq.lowbit_linear(x, packed, *qp, 4, gs, n, k)
         exact = x.double() @ w.T
         sum_abs = x.double().abs() @ w.abs().T
         err = (out.double() - exact).abs()
         # a few roundings of the largest partial sum: the FMA GEMV measures up to ~2.5 here, the split one ~0.8
-        assert bool((err <= 4 * EPS32 * sum_abs).all()), f"{n}x{k} gs={gs} {qparams} |x|~{mag}: " \
+        assert bool((err <= 4 * EPS32 * sum_abs).all()), f"{n}x{k} gs={gs} {qparams} m={m} |x|~{mag}: " \
             f"{float((err / sum_abs).max() / EPS32):.2f} ulps of sum |x w|"
 
 

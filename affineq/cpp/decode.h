@@ -157,15 +157,16 @@ AQ_INLINE void decode_unit_bytes(const uint8_t* p, uint8_t* out) {
 #endif
 
 #if AQ_AVX512 && defined(__AVX512VBMI__)
-// Multi-plane widths with AVX-512 VBMI: the planes are combined in byte lanes of two zmm, z[h] holding the codes
-// of k = 2s + h (rows 0-15) in its 128-bit chunk s, 64 codes per op and no trip through memory; then one vpermb
-// per k moves a chunk's 16 bytes into int32 lanes. Each plane's field is brought to its bit position by a 32-bit
-// rotate (per-chunk counts; no field leaves its byte, so the mask never mixes bytes) and merged with one
-// ternary-logic op: about 10 ops per unit where the ymm byte path below takes ~36 (see benchmarks/README.md,
-// kernel design measurements). The codes land shifted left by S, with bit 7 set when Top (decode_unit_biased).
+// Multi-plane widths (and the one plane of 4-bit codes) with AVX-512 VBMI: the planes are combined in byte lanes
+// of two zmm, z[h] holding the codes of k = 2s + h (rows 0-15) in its 128-bit chunk s, 64 codes per op and no trip
+// through memory; then one vpermb per k moves a chunk's 16 bytes into int32 lanes. Each plane's field is brought
+// to its bit position by a 32-bit rotate (per-chunk counts; no field leaves its byte, so the mask never mixes
+// bytes) and merged with one ternary-logic op: about 10 ops per unit where the ymm byte path below takes ~36 (see
+// benchmarks/README.md, kernel design measurements). The codes land shifted left by S, with bit 7 set when Top
+// (decode_unit_biased).
 template <int B, int S, bool Top>
 AQ_INLINE void combine_planes_vbmi(const uint8_t* p, __m512i (&z)[2]) {
-  static_assert(multi_plane(B));
+  static_assert(multi_plane(B) || B == 4);
   constexpr int kSh2 = (B & 4) ? 4 : 0;            // bit position of the 2-bit plane's codes (before S)
   constexpr int kSh1 = kSh2 + ((B & 2) ? 2 : 0);  // bit position of the 1-bit plane's codes
   constexpr int kOff2 = (B & 4) ? 64 : 0, kOff1 = kOff2 + ((B & 2) ? 32 : 0);
@@ -212,9 +213,9 @@ AQ_INLINE __m512i chunk_to_lanes() {
                            l(14), l(15));
 }
 
-// decode_unit_biased (the fp32 GEMV's multi-plane decoder): f(integral_constant<t>, w) with w = 2^B + u as fp32,
-// built without a conversion: the codes sit in their bytes shifted to the top mantissa bits (7 - B) under the
-// exponent's low bit, and one merge-masked vpermb per k drops that byte into byte 2 of each int32 lane of a
+// decode_unit_biased (the fp32 GEMV's multi-plane and 4-bit decoder): f(integral_constant<t>, w) with w = 2^B + u
+// as fp32, built without a conversion: the codes sit in their bytes shifted to the top mantissa bits (7 - B) under
+// the exponent's low bit, and one merge-masked vpermb per k drops that byte into byte 2 of each int32 lane of a
 // constant holding the rest of the exponent (byte 3): the fp32 bits of 2^B * (1 + u / 2^B), exact. One op per
 // 16 codes instead of vpermb + vcvtdq2ps; the caller takes the bias away through the group sums (y += scale *
 // (acc - 2^B * sum(x_g))), as the bf16-dot GEMV does with 16 + u.
@@ -231,7 +232,7 @@ AQ_INLINE void decode_unit_biased(const uint8_t* p, F&& f) {
   });
 }
 template <int B>
-constexpr bool biased_decode_ok() { return multi_plane(B); }
+constexpr bool biased_decode_ok() { return multi_plane(B) || B == 4; }
 #else
 template <int B>
 constexpr bool biased_decode_ok() { return false; }

@@ -51,20 +51,35 @@ void group_sums(const T* x, int64_t ldx, int64_t M, int64_t G, int64_t gs, float
     }
 }
 
-// The fp32 GEMV's decoder: w = 2^B + u for the multi-plane widths with VBMI (decode_unit_biased, one op per 16
-// codes; gemv_bias<B> leaves through the group sums), else the codes themselves.
-template <int B, class F>
+// Whether the fp32 GEMV's tiles of MR rows decode w = 2^B + u (decode_unit_biased, one vpermb per 16 codes;
+// the bias leaves through the group sums or per unit, below): the multi-plane widths always, 4-bit codes at
+// 1-2 rows, where the decoder's ops per weight bound the GEMV (from 3 rows each decode serves enough FMAs that
+// it measured no faster). The biased sums run larger than the codes' own, and so do their rounding errors (still
+// fp32 sums; see benchmarks/README.md, kernel design measurements).
+template <int B>
+constexpr bool gemv_biased(int64_t mr) { return biased_decode_ok<B>() && (multi_plane(B) || mr <= 2); }
+// 4-bit codes take the bias off each accumulator chain per unit of 8 k (ub, unit_bias_sums) rather than per
+// group: the biased partial sums would otherwise grow over the group to ~3x the unbiased decoder's, and their
+// rounding errors with them; per unit they stay within the unbiased decoder's error bound (tests/
+// test_gemv_fp32_split.py) for one add per chain and unit. gemv_bias: the bias left for the group sums.
+template <int B>
+constexpr bool gemv_unit_bias(int64_t mr) { return B == 4 && gemv_biased<B>(mr); }
+template <int B>
+constexpr float gemv_bias(int64_t mr) {
+  return gemv_biased<B>(mr) && !gemv_unit_bias<B>(mr) ? static_cast<float>(1 << B) : 0.f;
+}
+
+// The fp32 GEMV's decoder for tiles of MR rows: biased (gemv_biased), else the codes themselves.
+template <int B, int MR, class F>
 AQ_INLINE void decode_unit_gemv(const uint8_t* p, F&& f) {
 #if AQ_AVX512 && defined(__AVX512VBMI__)
-  if constexpr (biased_decode_ok<B>()) {
+  if constexpr (gemv_biased<B>(MR)) {
     decode_unit_biased<B>(p, f);
     return;
   }
 #endif
   decode_unit<B>(p, f);
 }
-template <int B>
-constexpr float gemv_bias() { return biased_decode_ok<B>() ? static_cast<float>(1 << B) : 0.f; }
 
 // Panels per tile (P) and split accumulators per panel (A) for MR rows of x: enough independent FMA
 // chains to hide latency without spilling (32 zmm / 16 ymm registers).
@@ -84,6 +99,9 @@ constexpr int kItemPanels = 1;
 constexpr int gemv_P(int, int) { return 1; }
 constexpr int gemv_A(int, int) { return 1; }
 #endif
+// The accumulator chains of a one-panel tile (gemv_rows' leftover panels), and of every 4-bit tile of 1-2 rows
+// (unit_bias_sums lays its sums out for them).
+constexpr int gemv_unit_chains(int mr) { return mr == 1 ? 2 : 1; }
 // Rows of x per pass over the weights (fp32 x reaches the GEMV up to m = 8 on every build: each pass decodes
 // the weights again, so 4 rows per pass; the bf16-dot 4-bit tiles take 2, or 3 from 5 rows (kB4MR3From: fewer
 // passes over the weights at 8-16 rows; 4 rows ran as fast in two passes of 2), the bf16-pair tiles
@@ -245,18 +263,28 @@ AQ_INLINE void for_groups(F16 (&tot)[MR][P], const QP& qp, const float* xs, int6
 
 template <int B, int MR, int P, int A, class QP>
 void gemv_tile(const uint8_t* const* pan, const QP& qp, const float* x, int64_t ldx, const float* xs, int64_t G,
-               int64_t upg, float* y, int64_t ldy, int64_t nvalid, const NextItemPrefetch* pf) {
+               int64_t upg, float* y, int64_t ldy, int64_t nvalid, const NextItemPrefetch* pf, const float* ub,
+               int64_t ldub) {
   F16 tot[MR][P];
   for_groups<MR, P, A>(tot, qp, xs, G, pf, [&](int64_t g, F16 (&acc)[MR][P][A]) AQ_INLINE_LAMBDA {
     for (int64_t u = g * upg, ue = u + upg; u < ue; ++u) {
       const float* xk = x + 8 * u;
+      if constexpr (gemv_unit_bias<B>(MR)) {  // chain a: -2^B * sum of the unit's x[k] with k % A == a
+        sfor<MR>([&](auto M_) {
+          sfor<A>([&](auto A_) {
+            constexpr int m = AQ_CV(M_), a = AQ_CV(A_);
+            const F16 b = fset1(ub[m * ldub + A * u + a]);
+            sfor<P>([&](auto P_) { acc[m][AQ_CV(P_)][a] = fadd(acc[m][AQ_CV(P_)][a], b); });
+          });
+        });
+      }
       sfor<P>([&](auto P_) {
         constexpr int p = AQ_CV(P_);
 #if defined(__GNUC__)
         for (int l = 0; l < 16 * bits_of(B); l += 64)
           __builtin_prefetch(pan[p] + (u + kPrefetchUnits) * (16 * bits_of(B)) + l, 0, 3);
 #endif
-        decode_unit_gemv<B>(pan[p] + u * (16 * bits_of(B)), [&](auto T, F16 w) {
+        decode_unit_gemv<B, MR>(pan[p] + u * (16 * bits_of(B)), [&](auto T, F16 w) {
           constexpr int t = AQ_CV(T);
           sfor<MR>([&](auto M_) {
             constexpr int m = AQ_CV(M_);
@@ -281,7 +309,9 @@ void gemv_tile(const uint8_t* const* pan, const QP& qp, const float* x, int64_t 
 // weights that every row reads. In registers the decoder's constants and 8 rows' accumulators spilled; as two
 // passes of 4 rows each unit was decoded twice.
 template <int B>
-constexpr bool gemv_buffered(int64_t mr) { return biased_decode_ok<B>() && mr > kGemvMR && mr <= 2 * kGemvMR; }
+constexpr bool gemv_buffered(int64_t mr) {
+  return multi_plane(B) && biased_decode_ok<B>() && mr > kGemvMR && mr <= 2 * kGemvMR;
+}
 
 template <int B, int MR, class QP>
 void gemv_tile_buffered(const uint8_t* pan, const QP& qp, const float* x, int64_t ldx, const float* xs, int64_t G,
@@ -294,7 +324,7 @@ void gemv_tile_buffered(const uint8_t* pan, const QP& qp, const float* x, int64_
       for (int l = 0; l < 16 * bits_of(B); l += 64)
         __builtin_prefetch(pan + (u + kPrefetchUnits) * (16 * bits_of(B)) + l, 0, 3);
 #endif
-      decode_unit_gemv<B>(pan + u * (16 * bits_of(B)), [&](auto T, F16 w) { fstore(buf + 16 * AQ_CV(T), w); });
+      decode_unit_gemv<B, MR>(pan + u * (16 * bits_of(B)), [&](auto T, F16 w) { fstore(buf + 16 * AQ_CV(T), w); });
       const float* wb = buf;
       AQ_OPAQUE(wb);  // read back from L1 (see decode_unit_i)
       const float* xk = x + 8 * u;
@@ -354,7 +384,7 @@ void gemv_tile_bf16w(const uint8_t* const* pan, const QP& qp, const uint16_t* x,
         for (int l = 0; l < 16 * bits_of(B); l += 64)
           __builtin_prefetch(pan[p] + (u + kPrefetchUnits) * (16 * bits_of(B)) + l, 0, 3);
         F16 even;
-        decode_unit_gemv<B>(pan[p] + u * (16 * bits_of(B)), [&](auto T, F16 w) {
+        decode_unit_gemv<B, MR>(pan[p] + u * (16 * bits_of(B)), [&](auto T, F16 w) {
           constexpr int k = AQ_CV(T);
           if constexpr (k % 2 == 0) {
             even = w;
@@ -534,12 +564,29 @@ bool split_x3(const float* x, int64_t k8, uint16_t* x3) {
 }
 #endif
 
+// ub [M][2U] for gemv_unit_bias: row m, unit u, chain a < A = gemv_unit_chains(mr) at ub[m][A u + a] =
+// -2^B * sum of x[m][8u + t] over t < 8 with t % A == a, for the rows whose pass of mr rows takes the unit bias.
+template <int B>
+void unit_bias_sums(const float* x, int64_t ldx, int64_t M, int64_t k, int64_t U, int64_t mstep, float* ub) {
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t mr = std::min(mstep, M - m / mstep * mstep), A = gemv_unit_chains(static_cast<int>(mr));
+    if (!gemv_unit_bias<B>(mr)) continue;
+    for (int64_t u = 0; u < U; ++u)
+      for (int64_t a = 0; a < A; ++a) {
+        float sum = 0.f;
+        for (int64_t t = a; t < 8 && 8 * u + t < k; t += A) sum += x[m * ldx + 8 * u + t];
+        ub[m * 2 * U + A * u + a] = -static_cast<float>(1 << B) * sum;
+      }
+  }
+}
+
 template <int B, int MR, class QP>
 void gemv_rows(const Ctx& c, const uint8_t* const* pan, int64_t cnt, const QP& qp, const float* x, const float* xs,
-               float* y, int64_t nvalid, const NextItemPrefetch* pf) {
+               float* y, int64_t nvalid, const NextItemPrefetch* pf, const float* ub) {
   constexpr int P = gemv_P(MR, B), A = gemv_A(MR, B);
+  static_assert(!gemv_unit_bias<B>(MR) || A == gemv_unit_chains(MR), "unit_bias_sums' chains");
   const LowbitProblem& pr = *c.p;
-  const int64_t upg = pr.group_size / 8;
+  const int64_t upg = pr.group_size / 8, ldub = 2 * c.U;
   if constexpr (gemv_buffered<B>(MR)) {
     for (int64_t q = 0; q < cnt; ++q)
       gemv_tile_buffered<B, MR>(pan[q], qp.shifted(q), x, pr.ldx, xs, c.G, upg, y + 16 * q, pr.ldy, nvalid - 16 * q,
@@ -547,11 +594,11 @@ void gemv_rows(const Ctx& c, const uint8_t* const* pan, int64_t cnt, const QP& q
   } else if (cnt % P == 0) {
     for (int64_t q = 0; q < cnt; q += P)
       gemv_tile<B, MR, P, A>(pan + q, qp.shifted(q), x, pr.ldx, xs, c.G, upg, y + 16 * q, pr.ldy, nvalid - 16 * q,
-                             q == 0 ? pf : nullptr);
+                             q == 0 ? pf : nullptr, ub, ldub);
   } else {
     for (int64_t q = 0; q < cnt; ++q)
-      gemv_tile<B, MR, 1, (MR == 1 ? 2 : 1)>(pan + q, qp.shifted(q), x, pr.ldx, xs, c.G, upg, y + 16 * q, pr.ldy,
-                                             nvalid - 16 * q, q == 0 ? pf : nullptr);
+      gemv_tile<B, MR, 1, gemv_unit_chains(MR)>(pan + q, qp.shifted(q), x, pr.ldx, xs, c.G, upg, y + 16 * q, pr.ldy,
+                                                nvalid - 16 * q, q == 0 ? pf : nullptr, ub, ldub);
   }
 }
 
@@ -590,8 +637,12 @@ void gemv_path(const Ctx* cs, int64_t count) {
   else
 #endif
     group_sums(p0.x, p0.ldx, M, G, p0.group_size, xs.data(), 2 * G);
-  // The bf16-dot GEMV sees 16 + u for the codes u, the biased decoder 2^B + u: the bias leaves through xs_a.
-  const float bias = b4 ? 16.f : gemv_bias<B>();
+  // Rows of x per pass over the weights: passes of mr = min(mstep, MX - m0) rows from m0 = 0, mstep, ...
+  const int64_t b4_rows = M >= kB4MR3From ? 3 : 2;
+  const int64_t mstep = split ? 3 : b4 ? b4_rows : bw ? kBf16wMR : gemv_buffered<B>(M) ? M : kGemvMR;
+  // The bf16-dot GEMV sees 16 + u for the codes u, the biased decoder 2^B + u (gemv_biased, by the rows of row
+  // m's pass): the bias leaves through xs_a.
+  const auto bias = [&](int64_t m) { return b4 ? 16.f : gemv_bias<B>(std::min(mstep, MX - m / mstep * mstep)); };
   // Without an offset array, offset = f * scale for one f (lowbit_kernels.h: scale * code_offset), so the whole
   // offset term rides on xs_a and no offset tile is loaded. So do the signed k-quants' offsets (q3_k: -4 * scale,
   // q6_k: -32 * scale; kquant_decode.h).
@@ -599,12 +650,15 @@ void gemv_path(const Ctx* cs, int64_t count) {
   const bool kq_signed = p0.qparams_kquant == 3 || p0.qparams_kquant == 6;
   const bool scale_only = (p0.offset == nullptr && !p0.qparams_kquant && code_scale(B) == 1.f) || kq_signed;
   const float f0 = kq_signed ? (p0.qparams_kquant == 3 ? -4.f : -32.f) : static_cast<float>(p0.code_offset);
-  // The bf16-dot GEMV reads 16-bit qparams as stored (transposed 16-bit words, widened per group): half of
+  // The bf16-dot GEMV, and the FMA GEMV of 4- and 8-bit codes at 1-2 rows (where load_qparams' fp32 tiles took
+  // ~10% of the call), read 16-bit qparams as stored (transposed 16-bit words, widened per group): half of
   // load_qparams' work per item. A bf16 offset array holds the zero z of W = scale * (u - 2^(bits-1)) + z, so
   // its -2^(bits-1) * scale rides on xs_a too.
-  const bool q16 = b4 && scales16_tiles(p0, G);
+  constexpr bool kFma16 = B == 4 || B == 8;
+  const bool fma16 = kFma16 && !b4 && !bw && !kq && M <= 2;
+  const bool q16 = (b4 || fma16) && scales16_tiles(p0, G);
   const float fz = q16 && p0.offset != nullptr && p0.qparams_bf16 ? -static_cast<float>(1 << (p0.bits - 1)) : 0.f;
-  const float f = scale_only ? f0 - bias : fz - bias;
+  const float f = scale_only ? f0 : fz;
   std::vector<uint32_t> xp;  // x's bf16 pairs as the bf16-dot GEMV multiplies them
 #if AQ_BF16DOT && defined(__AVX512VBMI__)
   if (b4) {
@@ -613,7 +667,12 @@ void gemv_path(const Ctx* cs, int64_t count) {
   }
 #endif
   for (int64_t m = 0; m < MX; ++m)
-    for (int64_t g = 0; g < G; ++g) xs[2 * G * m + G + g] = f * xs[2 * G * m + g];
+    for (int64_t g = 0; g < G; ++g) xs[2 * G * m + G + g] = (f - bias(m)) * xs[2 * G * m + g];
+  std::vector<float> ub;  // the unit bias sums (gemv_unit_bias), for the FMA GEMV's passes that take them
+  if (!b4 && !bw && gemv_unit_bias<B>(1)) {
+    ub.resize(static_cast<size_t>(2 * M * cs[0].U));
+    unit_bias_sums<B>(p0.x, p0.ldx, M, p0.k, cs[0].U, mstep, ub.data());
+  }
   // Work items of each problem: blocks of kItemPanels full panels, then single leftover panels (incl. the tail
   // panel); numbered problem after problem.
   std::vector<int64_t> first_item(static_cast<size_t>(count + 1), 0);
@@ -687,8 +746,6 @@ void gemv_path(const Ctx* cs, int64_t count) {
       for (; nq < ni.cnt && ni.p0 + nq < ni.c->nfull; ++nq) npan[nq] = ni.c->p->packed + (ni.p0 + nq) * ni.c->panel_bytes;
       pf.emplace(*ni.c->p, ni.r0, ni.rows, G, npan, nq, 16 * bits_of(B));
     }
-    const int64_t b4_rows = M >= kB4MR3From ? 3 : 2;
-    const int64_t mstep = split ? 3 : b4 ? b4_rows : bw ? kBf16wMR : gemv_buffered<B>(M) ? M : kGemvMR;
     for (int64_t m0 = 0; m0 < MX; m0 += mstep) {
       const float* xsm = xs.data() + 2 * G * m0;
       const int64_t mr = std::min<int64_t>(mstep, MX - m0);
@@ -733,16 +790,28 @@ void gemv_path(const Ctx* cs, int64_t count) {
 #endif
       const float* x = pr.x + m0 * pr.ldx;
       float* y = pr.y + m0 * pr.ldy + r0;
+      const float* ubm = ub.empty() ? nullptr : ub.data() + m0 * 2 * c.U;
+#if AQ_AVX512
+      if constexpr (kFma16) if (q16) {  // 1-2 rows (fma16)
+        const auto rows16 = [&](const auto& qp) {
+          if (mr == 1) gemv_rows<B, 1>(c, pan, cnt, qp, x, xsm, y, rows, pfm, ubm);
+          else gemv_rows<B, 2>(c, pan, cnt, qp, x, xsm, y, rows, pfm, ubm);
+        };
+        if (pr.qparams_bf16) rows16(TileQp<Tile16<false>>{{sT16}, {oT16}, lds});
+        else rows16(TileQp<Tile16<true>>{{sT16}, {oT16}, lds});
+        continue;
+      }
+#endif
       with_qp([&](const auto& qp) {
-        if (mr == 1) gemv_rows<B, 1>(c, pan, cnt, qp, x, xsm, y, rows, pfm);
-        else if (mr == 2) gemv_rows<B, 2>(c, pan, cnt, qp, x, xsm, y, rows, pfm);
-        else if (mr == 3) gemv_rows<B, 3>(c, pan, cnt, qp, x, xsm, y, rows, pfm);
-        else if (mr == 4) gemv_rows<B, 4>(c, pan, cnt, qp, x, xsm, y, rows, pfm);
+        if (mr == 1) gemv_rows<B, 1>(c, pan, cnt, qp, x, xsm, y, rows, pfm, ubm);
+        else if (mr == 2) gemv_rows<B, 2>(c, pan, cnt, qp, x, xsm, y, rows, pfm, ubm);
+        else if (mr == 3) gemv_rows<B, 3>(c, pan, cnt, qp, x, xsm, y, rows, pfm, ubm);
+        else if (mr == 4) gemv_rows<B, 4>(c, pan, cnt, qp, x, xsm, y, rows, pfm, ubm);
         else if constexpr (gemv_buffered<B>(2 * kGemvMR)) {
-          if (mr == 5) gemv_rows<B, 5>(c, pan, cnt, qp, x, xsm, y, rows, pfm);
-          else if (mr == 6) gemv_rows<B, 6>(c, pan, cnt, qp, x, xsm, y, rows, pfm);
-          else if (mr == 7) gemv_rows<B, 7>(c, pan, cnt, qp, x, xsm, y, rows, pfm);
-          else gemv_rows<B, 8>(c, pan, cnt, qp, x, xsm, y, rows, pfm);
+          if (mr == 5) gemv_rows<B, 5>(c, pan, cnt, qp, x, xsm, y, rows, pfm, ubm);
+          else if (mr == 6) gemv_rows<B, 6>(c, pan, cnt, qp, x, xsm, y, rows, pfm, ubm);
+          else if (mr == 7) gemv_rows<B, 7>(c, pan, cnt, qp, x, xsm, y, rows, pfm, ubm);
+          else gemv_rows<B, 8>(c, pan, cnt, qp, x, xsm, y, rows, pfm, ubm);
         }
       });
     }
