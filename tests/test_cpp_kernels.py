@@ -312,6 +312,35 @@ def test_lowbit_linear_16bit_qparams(bits: int, qdtype: torch.dtype, with_offset
             K.lowbit_linear_reference(*args)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("qparams", ["f16+offset", "f16", "bf16", "bf16+zero"])
+def test_fma_gemv_reads_16bit_qparams_as_stored(bits: int, qparams: str) -> None:
+    # The fp32 GEMV at 1-2 rows of 4- / 8-bit codes reads 16-bit qparams as stored (G % 16 == 0) instead of fp32
+    # tiles: every convention (fp16 scale and offset, a 16-bit scale alone, bf16 scale and tinygemm zero) within a
+    # few fp32 roundings of the float64 product; 5 rows (a pass of 4 on fp32 tiles, then 1) alike.
+    _needs_kernels()
+    n, k, gs = 40, 512, 32  # G = 16
+    codes, packed, scale, offset = _problem(bits, n, k, gs, seed=bits)
+    half = 2 ** (bits - 1)
+    co = 0
+    if qparams == "f16+offset":
+        scale, offset = scale.half(), offset.half()
+        w = codes.double().view(n, -1, gs) * scale.double()[..., None] + offset.double()[..., None]
+    elif qparams == "bf16+zero":
+        scale, offset = scale.bfloat16(), (0.01 * torch.randn(n, k // gs)).bfloat16()
+        w = (codes.double().view(n, -1, gs) - half) * scale.double()[..., None] + offset.double()[..., None]
+    else:
+        scale, offset, co = scale.to(torch.float16 if qparams == "f16" else torch.bfloat16), None, -half
+        w = (codes.double().view(n, -1, gs) + co) * scale.double()[..., None]
+    w = w.view(n, k)
+    for m in (1, 2, 5):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        out = torch.ops.affineq_cpp.lowbit_linear_path(x, packed, scale, offset, bits, gs, n, k, 0, 1, co)
+        err = (out.double() - x.double() @ w.T).abs()
+        bound = 4 * 2.0**-24 * (x.double().abs() @ w.abs().T)
+        assert bool((err <= bound).all()), f"{qparams} bits={bits} m={m}: {float((err / bound).max()):.2f} x bound"
+
+
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 def test_lowbit_linear_bf16_qparams(bits: int) -> None:
     # bf16 scale and zero, the tinygemm convention: W = scale * (u - 2^(bits-1)) + zero
