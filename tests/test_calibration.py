@@ -207,3 +207,36 @@ def test_static_calibration_runs_in_eval_mode_and_keeps_batchnorm_statistics():
     assert torch.equal(m[1].running_mean, before["buffers"]["1.running_mean"][1])
     assert int(m[1].num_batches_tracked) == 0
     assert [x.training for x in m.modules()] == modes
+
+
+class _FailsOnLargeInput(nn.Module):
+    def forward(self, x):
+        if x.abs().max() > 1e3:
+            raise ValueError("input too large")
+        return x
+
+
+@pytest.mark.parametrize("observer", ["minmax", "histogram"])
+def test_failing_run_calibration_leaves_every_observer_as_it_was(observer):
+    # The failing item passes both observed layers before the model raises: without the rollback both observers
+    # would keep its range and one more batch. Afterwards convert_ gives what calibrating on the good items gives.
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16), _FailsOnLargeInput())
+
+    flt = lambda mod, fqn: isinstance(mod, nn.Linear)  # noqa: E731
+    good = [torch.randn(4, 16, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    m, twin = model(), model()
+    for mm in (m, twin):
+        prepare_(mm, _static(observer), filter_fn=flt)
+        affineq.run_calibration(mm, good[:2], progress=False)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    with pytest.raises(ValueError, match="input too large"):
+        affineq.run_calibration(m, [good[2], torch.full((4, 16), 1e6)], progress=False)
+    after = m.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    convert_(m)
+    convert_(twin)
+    x = torch.randn(8, 16)
+    with torch.no_grad():
+        assert torch.equal(m(x), twin(x))
