@@ -178,6 +178,9 @@ class AffineqDeserialize(ConversionOps):
         name, entry = self.hf_quantizer.entry_for(model, full_layer_name)
         inner = {k.rpartition(_st.SEP)[2]: (v[0] if isinstance(v, list) else v) for k, v in input_dict.items()}
         w = _st.build_entry(name, entry, inner, "checkpoint")
+        dtype = self.hf_quantizer.load_dtype
+        if dtype is not None and dtype.is_floating_point and dtype != w.dtype:  # as the model's float parameters
+            w = w.to(dtype)  # the logical dtype only: codes and qparams stay as stored
         module, _ = get_module_from_name(model, full_layer_name)
         module._is_hf_initialized = True
         return {full_layer_name: nn.Parameter(w, requires_grad=False)}
@@ -198,6 +201,13 @@ class AffineqHfQuantizer(HfQuantizer):
         self._plan_of: nn.Module | None = None  # the model self._plan was planned on
         self._plan: dict[str, QuantConfig] = {}
         self._plan_problems: list[tuple[str, str]] = []
+        self.load_dtype: torch.dtype | None = None  # from_pretrained's resolved dtype (update_dtype)
+
+    def update_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        # A pre-quantized weight takes the model's dtype as its logical dtype, as every float parameter does
+        # (quantize-on-load gets it from the float weight it quantizes).
+        self.load_dtype = dtype
+        return dtype
 
     def validate_environment(self, *args, device_map=None, **kwargs) -> None:
         if isinstance(device_map, dict) and "disk" in device_map.values():

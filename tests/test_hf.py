@@ -246,6 +246,27 @@ def _copy(src, dst):
     return dst
 
 
+def test_pre_quantized_weights_take_the_dtype_given_to_from_pretrained(saved_int4):
+    # dtype=bf16 makes every float parameter bf16; the quantized ones take it as their logical dtype (codes and
+    # qparams as stored), so the model computes, dequantizes and reports one dtype
+    f32, b16 = _load(saved_int4), AutoModelForCausalLM.from_pretrained(saved_int4, dtype=torch.bfloat16).eval()
+    quantized = {k: p for k, p in f32.named_parameters() if isinstance(p, affineq.AffineQuantizedTensor)}
+    assert len(quantized) == 14
+    params = dict(b16.named_parameters())
+    for k, p in quantized.items():
+        q = params[k]
+        assert isinstance(q, affineq.AffineQuantizedTensor) and q.dtype == torch.bfloat16, k
+        assert q.spec == p.spec.replace(dtype=torch.bfloat16), k
+        for name, t in p.tensors.items():
+            assert torch.equal(_bits(t), _bits(q.tensors[name])), (k, name)
+    assert {p.dtype for p in b16.parameters()} == {torch.bfloat16}
+    with torch.no_grad():
+        assert b16(TOKENS).logits.dtype == torch.bfloat16
+        b16.dequantize()
+        assert {p.dtype for p in b16.parameters()} == {torch.bfloat16}
+        assert b16(TOKENS).logits.dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize("case, match", [
     ("truncated", "truncated or corrupted"),
     ("flipped byte", "checksum"),
