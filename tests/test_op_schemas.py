@@ -16,6 +16,7 @@ import torch
 import affineq.cpp as K
 import affineq.cpp.grouped_ops  # noqa: F401  (every module that defines affineq ops)
 import affineq.cpp.kv_attention  # noqa: F401
+import affineq.tensor.activation  # noqa: F401
 import affineq.tensor.compute_bound  # noqa: F401
 import affineq.tensor.grouped  # noqa: F401
 import affineq.tensor.kquant_kernel  # noqa: F401
@@ -35,6 +36,7 @@ affineq::dense_dequantize(Tensor packed, Tensor scale, Tensor? offset, int bits,
     int codes, int code_offset, bool canonical, bool bf16) -> Tensor
 affineq::dequant_linear(Tensor x, Tensor packed, Tensor scale, Tensor? offset, int bits, int group_size, int
     n, int k, int codes, int code_offset, bool canonical, bool bf16_weight, int min_rows=0) -> Tensor
+affineq::fake_quantize_mx_activation(Tensor x, str aq) -> Tensor
 affineq::float_kv_attention(Tensor q, Tensor k, Tensor v, Tensor pos, Tensor valid, float scale) -> Tensor
 affineq::grouped_float_linear(Tensor x, Tensor expert_ids, Tensor weight) -> Tensor
 affineq::grouped_lowbit_linear(Tensor x, Tensor expert_ids, Tensor packed, Tensor scale, Tensor? offset, int
@@ -70,4 +72,5 @@ affineq::lowbit_rnn_layer(Tensor gi, int[] batch_sizes, Tensor h0, Tensor? c0, T
 affineq::lowbit_rnn_layer_bf16_compute(Tensor gi, int[] batch_sizes, Tensor h0, Tensor? c0, Tensor? bias_hh,
     Tensor packed, Tensor scale, Tensor? offset, int bits, int group_size, int codes, int code_offset, int
     act_mode, bool act_per_token, float act_eps, int cell, bool reverse) -> (Tensor, Tensor, Tensor)
+affineq::quantize_float_activation(Tensor x2, str aq) -> (Tensor, Tensor)
 affineq::weight_int8pack_mm(Tensor x, Tensor w, Tensor scale) -> Tensor""")

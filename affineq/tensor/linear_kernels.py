@@ -33,7 +33,7 @@ from affineq.tensor.activation import (
     fused_int8_mode,
     int8_activation,
     is_symmetric_int8,
-    quantize_activation,
+    quantize_float_activation,
     static_qparams,
 )
 from affineq.tensor.compute_bound import (
@@ -374,7 +374,7 @@ def _scaled_mm_check(x, w):
 
 def _scaled_mm_run(x, w, bias):
     x2 = _flat(x)
-    xq, x_scale, _, _ = quantize_activation(x2, w.spec.act_quant)
+    xq, x_scale = quantize_float_activation(x2, w.spec.act_quant)
     n = w.spec.shape[0]
     w_scale = w._scale.float().reshape(1, -1)
     per_row = w_scale.numel() == n
