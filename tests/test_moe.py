@@ -541,3 +541,28 @@ def test_unsupported_configs_name_the_expert_weights(make):
     with pytest.raises(affineq.QuantizationError, match=r"model\.layers\.0\.mlp\.experts: .*(expert|per tensor)"):
         affineq.quantize_(model, make(), calibration_data=[TOKENS])
     assert_unchanged(model, snap)
+
+
+@pytest.mark.parametrize("name", ["int8-plain", "int4-int4_cpu", "mx6-microexp", "float8-dynamic"])
+def test_moe_on_the_dequantize_fallback_compiles_whole_and_keeps_strict_mode(name):
+    """Experts no grouped kernel reads: compiled with fullgraph=True (the routed experts are data; the fallback is
+    one opaque op), equal to eager, and strict mode raises while compiling as in eager."""
+    cfg = FORMATS.get(name) or affineq.Float8DynamicActivationFloat8WeightConfig()
+    model = _model("gpt_oss")
+    affineq.quantize_(model, cfg)
+    experts = _experts(model)[0]
+    torch.manual_seed(0)
+    x = torch.randn(5, 64)
+    ids = torch.tensor([[0, 3], [1, 0], [2, 2], [3, 1], [0, 1]])
+    weights = torch.rand(5, 2)
+    with torch.no_grad():
+        eager = experts(x, ids, weights)
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(experts, fullgraph=True)(x, ids, weights), eager)
+        torch._dynamo.reset()
+        with affineq.strict_kernels():
+            with pytest.raises(affineq.kernels.KernelFallbackError, match="strict mode"):
+                torch.compile(experts)(x, ids, weights)
+            torch._dynamo.reset()
+            with pytest.raises(Exception, match=r"KernelFallbackError.*strict mode"):  # fullgraph: dynamo wraps it
+                torch.compile(experts, fullgraph=True)(x, ids, weights)

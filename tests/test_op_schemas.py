@@ -38,6 +38,8 @@ affineq::dequant_linear(Tensor x, Tensor packed, Tensor scale, Tensor? offset, i
     n, int k, int codes, int code_offset, bool canonical, bool bf16_weight, int min_rows=0) -> Tensor
 affineq::fake_quantize_mx_activation(Tensor x, str aq) -> Tensor
 affineq::float_kv_attention(Tensor q, Tensor k, Tensor v, Tensor pos, Tensor valid, float scale) -> Tensor
+affineq::grouped_dequantized_linear(Tensor x, Tensor expert_ids, Tensor[] tensors, str names, str spec) ->
+    Tensor
 affineq::grouped_float_linear(Tensor x, Tensor expert_ids, Tensor weight) -> Tensor
 affineq::grouped_lowbit_linear(Tensor x, Tensor expert_ids, Tensor packed, Tensor scale, Tensor? offset, int
     bits, int group_size, int n, int k, int codes=0, int code_offset=0) -> Tensor

@@ -147,7 +147,7 @@ def _quantize_float_activation(x2: torch.Tensor, aq: ActivationQuant) -> tuple[t
 # bf16 MLP with GELU between two such linears (no bias) codes near a boundary moved and the output came out 1.4%
 # (float8) / 2.7% (MXFP8) away from eager. As ops, x is stored in its dtype first and the eager code quantizes it.
 # `aq`: the ActivationQuant as sorted JSON.
-@functools.lru_cache(maxsize=256)
+@torch.compiler.assume_constant_result  # traced (its one use): called once, a constant to dynamo
 def _aq_key(aq: ActivationQuant) -> str:
     return json.dumps(aq.to_dict(), sort_keys=True)
 

@@ -61,6 +61,7 @@ def set_strict(flag: bool) -> None:
     _strict.set(_check_flag(flag))
 
 
+@torch.compiler.assume_constant_result  # dynamo cannot read a ContextVar: it calls this once, when it traces
 def is_strict() -> bool:
     """Whether strict mode is on in this thread."""
     return _strict.get()
@@ -95,9 +96,14 @@ def record(name: str) -> None:
 
 
 def announce_fallback(fmt: str, reason: str, op: str = "linear") -> None:
-    """Say once per (format, reason) that `op` runs as dequantize-then-compute; raise in strict mode."""
-    record(f"dequantize:{op}")
+    """Say once per (format, reason) that `op` runs as dequantize-then-compute; raise in strict mode. Called
+    while dynamo traces Python (grouped_linear's experts), it only raises, in strict mode as set then."""
     msg = f"affineq: {op} on a {fmt!r} quantized tensor runs as dequantize-then-{op} (slower): {reason}"
+    if torch.compiler.is_dynamo_compiling():  # no ContextVar for dynamo: no recording either
+        if is_strict():
+            raise KernelFallbackError(msg + " [strict mode: affineq.set_strict(False) to allow fallbacks]")
+        return
+    record(f"dequantize:{op}")
     if _strict.get():
         raise KernelFallbackError(msg + " [strict mode: affineq.set_strict(False) to allow fallbacks]")
     key = (fmt, reason)

@@ -23,6 +23,9 @@ grad gets grad_x[t] = grad_y[t] @ dequantize(W[e_t]) (LoRA-style training on top
 
 from __future__ import annotations
 
+import functools
+import json
+
 import torch
 import torch.nn.functional as F
 
@@ -39,6 +42,7 @@ from affineq.tensor.activation import (
 from affineq.tensor.affine import AffineQuantizedTensor
 from affineq.tensor.dispatch import check_frozen, guard_frozen_output
 from affineq.tensor.formats import dense_code_offset
+from affineq.tensor.spec import QuantSpec
 
 __all__ = ["GROUPED_KERNEL", "grouped_linear", "grouped_weight_args"]
 
@@ -117,8 +121,12 @@ def grouped_linear(x: torch.Tensor, expert_ids: torch.Tensor, weight: torch.Tens
 
 def _logical_shape(w: AffineQuantizedTensor) -> tuple[int, ...]:
     """[E, N, K] as the caller sees w: the stored shape, its last two dims swapped for a transposed view."""
-    shape = tuple(w.spec.shape)
-    return (*shape[:-2], shape[-1], shape[-2]) if w.spec.transposed else shape
+    return _logical_shape_of(w.spec)
+
+
+def _logical_shape_of(spec: QuantSpec) -> tuple[int, ...]:
+    shape = tuple(spec.shape)
+    return (*shape[:-2], shape[-1], shape[-2]) if spec.transposed else shape
 
 
 def _grouped_check(x: torch.Tensor, w: AffineQuantizedTensor) -> str | None:
@@ -160,17 +168,51 @@ def _quantized(x: torch.Tensor, ids: torch.Tensor, w: AffineQuantizedTensor) -> 
         if x.requires_grad and torch.is_grad_enabled():
             return finish_output(_GroupedKernelLinear.apply(x, ids, args), w)
         return finish_output(torch.ops.affineq.grouped_lowbit_linear(x, ids, *args), w)
-    if not torch.compiler.is_compiling():
-        fallback.announce_fallback(w.spec.fmt, why, op="grouped_linear")
-    if w.spec.fmt == "dense" and x.device.type == "cpu" and x.dtype in _FLOATS and not w.spec.transposed:
-        # only the routed experts dequantized, with the numerics of the kernel's reference
-        packed, scale, offset, bits, group_size, codes, code_offset = grouped_weight_args(w)
-        out = grouped_ops.grouped_lowbit_linear_reference(x, ids, packed, scale, offset, bits, group_size, n, k,
-                                                          codes, code_offset)
+    fallback.announce_fallback(w.spec.fmt, why, op="grouped_linear")  # traced: strict mode raises, nothing else
+    if torch.compiler.is_compiling():  # the routed experts are data: one opaque op (_grouped_dequantized_op)
+        names = ",".join(w.tensors)
+        out = torch.ops.affineq.grouped_dequantized_linear(x, ids, list(w.tensors.values()), names,
+                                                           _spec_key(w.spec))
     else:
-        _check_ids_range(ids, e)
-        out = _per_expert(x, ids, e, lambda i: w[i].dequantize(x.dtype))  # a routed expert's slice alone
+        out = _grouped_dequantized(x, ids, w)
     return finish_output(out, w)
+
+
+def _grouped_dequantized(x: torch.Tensor, ids: torch.Tensor, w: AffineQuantizedTensor) -> torch.Tensor:
+    """The fallback of `_quantized`: only the routed experts dequantized and multiplied."""
+    e, n, k = _logical_shape(w)
+    if w.spec.fmt == "dense" and x.device.type == "cpu" and x.dtype in _FLOATS and not w.spec.transposed:
+        # the numerics of the kernel's reference
+        packed, scale, offset, bits, group_size, codes, code_offset = grouped_weight_args(w)
+        return grouped_ops.grouped_lowbit_linear_reference(x, ids, packed, scale, offset, bits, group_size, n, k,
+                                                           codes, code_offset)
+    _check_ids_range(ids, e)
+    return _per_expert(x, ids, e, lambda i: w[i].dequantize(x.dtype))  # a routed expert's slice alone
+
+
+# Traced, the fallback reads which experts were routed (data): dynamo cannot trace that into one graph (fullgraph
+# failed on a data-dependent size), so the whole fallback is one opaque op on the weight's stored tensors and its
+# spec (sorted JSON), rebuilt into the weight inside.
+@torch.compiler.assume_constant_result  # traced (its one use): called once, a constant to dynamo
+def _spec_key(spec: QuantSpec) -> str:
+    return json.dumps(spec.to_dict(), sort_keys=True)
+
+
+@functools.lru_cache(maxsize=256)
+def _spec_of(key: str) -> QuantSpec:
+    return QuantSpec.from_dict(json.loads(key))
+
+
+@torch.library.custom_op("affineq::grouped_dequantized_linear", mutates_args=())
+def _grouped_dequantized_op(x: torch.Tensor, expert_ids: torch.Tensor, tensors: list[torch.Tensor], names: str,
+                            spec: str) -> torch.Tensor:
+    w = AffineQuantizedTensor(dict(zip(names.split(","), tensors, strict=True)), _spec_of(spec))
+    return _grouped_dequantized(x, expert_ids, w)
+
+
+@_grouped_dequantized_op.register_fake
+def _(x, expert_ids, tensors, names, spec):
+    return x.new_empty((x.shape[0], _logical_shape_of(_spec_of(spec))[1]))
 
 
 class _GroupedKernelLinear(torch.autograd.Function):
