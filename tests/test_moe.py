@@ -236,15 +236,19 @@ def test_bf16_gpt_oss_with_mxfp4_experts():
     assert _sqnr(ref, out) >= 9.0
 
 
-def test_moe_compiled_equals_eager():
-    """The quantized experts module (gpt-oss: transposed weights, biases, clamped SwiGLU) under torch.compile."""
+def _gpt_oss_experts(cfg) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """gpt-oss's first experts module quantized with `cfg`, and inputs (x, expert ids, routing weights) for it."""
     model = _model("gpt_oss")
-    affineq.quantize_(model, affineq.Int4WeightOnlyConfig(group_size=32))
-    experts = _experts(model)[0]
+    affineq.quantize_(model, cfg)
     torch.manual_seed(0)
     x = torch.randn(5, 64)
     ids = torch.tensor([[0, 3], [1, 0], [2, 2], [3, 1], [0, 1]])
-    weights = torch.rand(5, 2)
+    return _experts(model)[0], (x, ids, torch.rand(5, 2))
+
+
+def test_moe_compiled_equals_eager():
+    """The quantized experts module (gpt-oss: transposed weights, biases, clamped SwiGLU) under torch.compile."""
+    experts, (x, ids, weights) = _gpt_oss_experts(affineq.Int4WeightOnlyConfig(group_size=32))
     with torch.no_grad():
         eager = experts(x, ids, weights)
         torch._dynamo.reset()
@@ -547,14 +551,8 @@ def test_unsupported_configs_name_the_expert_weights(make):
 def test_moe_on_the_dequantize_fallback_compiles_whole_and_keeps_strict_mode(name):
     """Experts no grouped kernel reads: compiled with fullgraph=True (the routed experts are data; the fallback is
     one opaque op), equal to eager, and strict mode raises while compiling as in eager."""
-    cfg = FORMATS.get(name) or affineq.Float8DynamicActivationFloat8WeightConfig()
-    model = _model("gpt_oss")
-    affineq.quantize_(model, cfg)
-    experts = _experts(model)[0]
-    torch.manual_seed(0)
-    x = torch.randn(5, 64)
-    ids = torch.tensor([[0, 3], [1, 0], [2, 2], [3, 1], [0, 1]])
-    weights = torch.rand(5, 2)
+    experts, (x, ids, weights) = _gpt_oss_experts(FORMATS.get(name)
+                                                  or affineq.Float8DynamicActivationFloat8WeightConfig())
     with torch.no_grad():
         eager = experts(x, ids, weights)
         torch._dynamo.reset()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextvars
 import functools
-import json
 from collections.abc import Callable
 
 import torch
@@ -26,7 +25,7 @@ from affineq.primitives import (
     dequantize_affine,
     quantize_affine,
 )
-from affineq.tensor.spec import ActivationQuant
+from affineq.tensor.spec import ActivationQuant, as_key, from_key
 
 _SYMMETRIC = (MappingType.SYMMETRIC, MappingType.SYMMETRIC_NO_CLIPPING_ERR)
 _FLOAT_MAX = {d: torch.finfo(d).max for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
@@ -131,9 +130,9 @@ def quantize_activation(x2: torch.Tensor, aq: ActivationQuant, qparams=None):
 
 def quantize_float_activation(x2: torch.Tensor, aq: ActivationQuant) -> tuple[torch.Tensor, torch.Tensor]:
     """(float8 codes [M, K], float32 scale [M, 1]) of a 2-D activation for a dynamic float8 `aq` (per token, or per
-    tensor: one scale repeated), `quantize_activation`'s values; traced, one opaque op (see _aq_key)."""
+    tensor: one scale repeated), `quantize_activation`'s values; traced, one opaque op (see below)."""
     if torch.compiler.is_compiling():
-        return torch.ops.affineq.quantize_float_activation(x2, _aq_key(aq))
+        return torch.ops.affineq.quantize_float_activation(x2, as_key(aq))
     return _quantize_float_activation(x2, aq)
 
 
@@ -146,31 +145,21 @@ def _quantize_float_activation(x2: torch.Tensor, aq: ActivationQuant) -> tuple[t
 # Traced inline, inductor fused them with the op that produced x and skipped that op's rounding to x's dtype: on a
 # bf16 MLP with GELU between two such linears (no bias) codes near a boundary moved and the output came out 1.4%
 # (float8) / 2.7% (MXFP8) away from eager. As ops, x is stored in its dtype first and the eager code quantizes it.
-# `aq`: the ActivationQuant as sorted JSON.
-@torch.compiler.assume_constant_result  # traced (its one use): called once, a constant to dynamo
-def _aq_key(aq: ActivationQuant) -> str:
-    return json.dumps(aq.to_dict(), sort_keys=True)
-
-
-@functools.lru_cache(maxsize=256)
-def _aq_of(key: str) -> ActivationQuant:
-    return ActivationQuant.from_dict(json.loads(key))
-
-
+# `aq`: the ActivationQuant as `as_key` writes it.
 @torch.library.custom_op("affineq::quantize_float_activation", mutates_args=())
 def _quantize_float_activation_op(x2: torch.Tensor, aq: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return _quantize_float_activation(x2, _aq_of(aq))
+    return _quantize_float_activation(x2, from_key(ActivationQuant, aq))
 
 
 @_quantize_float_activation_op.register_fake
 def _(x2, aq):
-    codes = x2.new_empty(x2.shape, dtype=_aq_of(aq).dtype.torch_dtype)
+    codes = x2.new_empty(x2.shape, dtype=from_key(ActivationQuant, aq).dtype.torch_dtype)
     return codes, x2.new_empty((x2.shape[0], 1), dtype=torch.float32)
 
 
 @torch.library.custom_op("affineq::fake_quantize_mx_activation", mutates_args=())
 def _fake_quantize_mx_op(x: torch.Tensor, aq: str) -> torch.Tensor:
-    a = _aq_of(aq)
+    a = from_key(ActivationQuant, aq)
     return fake_quantize_mx(x, a.dtype, a.block_size, a.scale_mode, axis=-1)
 
 
@@ -183,8 +172,8 @@ def fake_quantize_activation(x: torch.Tensor, aq: ActivationQuant, w=None) -> to
     """dequantize(quantize(x)) with `aq`, same shape and dtype as x (the reference numerics). A static `aq`
     reads its calibrated qparams from the weight `w`."""
     if aq.is_mx:  # OCP MX: shared E8M0 scale per block of K
-        if torch.compiler.is_compiling():  # one opaque op, computed as eager computes it (see _aq_key)
-            return torch.ops.affineq.fake_quantize_mx_activation(x, _aq_key(aq))
+        if torch.compiler.is_compiling():  # one opaque op, as eager computes it (see quantize_float_activation)
+            return torch.ops.affineq.fake_quantize_mx_activation(x, as_key(aq))
         return fake_quantize_mx(x, aq.dtype, aq.block_size, aq.scale_mode, axis=-1)
     if aq.static:
         return fake_quantize_static(x, aq, *static_qparams(w))

@@ -23,9 +23,6 @@ grad gets grad_x[t] = grad_y[t] @ dequantize(W[e_t]) (LoRA-style training on top
 
 from __future__ import annotations
 
-import functools
-import json
-
 import torch
 import torch.nn.functional as F
 
@@ -42,7 +39,7 @@ from affineq.tensor.activation import (
 from affineq.tensor.affine import AffineQuantizedTensor
 from affineq.tensor.dispatch import check_frozen, guard_frozen_output
 from affineq.tensor.formats import dense_code_offset
-from affineq.tensor.spec import QuantSpec
+from affineq.tensor.spec import QuantSpec, as_key, from_key
 
 __all__ = ["GROUPED_KERNEL", "grouped_linear", "grouped_weight_args"]
 
@@ -172,7 +169,7 @@ def _quantized(x: torch.Tensor, ids: torch.Tensor, w: AffineQuantizedTensor) -> 
     if torch.compiler.is_compiling():  # the routed experts are data: one opaque op (_grouped_dequantized_op)
         names = ",".join(w.tensors)
         out = torch.ops.affineq.grouped_dequantized_linear(x, ids, list(w.tensors.values()), names,
-                                                           _spec_key(w.spec))
+                                                           as_key(w.spec))
     else:
         out = _grouped_dequantized(x, ids, w)
     return finish_output(out, w)
@@ -192,27 +189,17 @@ def _grouped_dequantized(x: torch.Tensor, ids: torch.Tensor, w: AffineQuantizedT
 
 # Traced, the fallback reads which experts were routed (data): dynamo cannot trace that into one graph (fullgraph
 # failed on a data-dependent size), so the whole fallback is one opaque op on the weight's stored tensors and its
-# spec (sorted JSON), rebuilt into the weight inside.
-@torch.compiler.assume_constant_result  # traced (its one use): called once, a constant to dynamo
-def _spec_key(spec: QuantSpec) -> str:
-    return json.dumps(spec.to_dict(), sort_keys=True)
-
-
-@functools.lru_cache(maxsize=256)
-def _spec_of(key: str) -> QuantSpec:
-    return QuantSpec.from_dict(json.loads(key))
-
-
+# spec (`as_key`), rebuilt into the weight inside.
 @torch.library.custom_op("affineq::grouped_dequantized_linear", mutates_args=())
 def _grouped_dequantized_op(x: torch.Tensor, expert_ids: torch.Tensor, tensors: list[torch.Tensor], names: str,
                             spec: str) -> torch.Tensor:
-    w = AffineQuantizedTensor(dict(zip(names.split(","), tensors, strict=True)), _spec_of(spec))
+    w = AffineQuantizedTensor(dict(zip(names.split(","), tensors, strict=True)), from_key(QuantSpec, spec))
     return _grouped_dequantized(x, expert_ids, w)
 
 
 @_grouped_dequantized_op.register_fake
 def _(x, expert_ids, tensors, names, spec):
-    return x.new_empty((x.shape[0], _logical_shape_of(_spec_of(spec))[1]))
+    return x.new_empty((x.shape[0], _logical_shape_of(from_key(QuantSpec, spec))[1]))
 
 
 class _GroupedKernelLinear(torch.autograd.Function):

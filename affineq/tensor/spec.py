@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +23,7 @@ from affineq.mx import SCALE_MODES as _SCALE_MODES
 from affineq.mx import mx_element
 from affineq.primitives import MappingType, ZeroPointDomain, check_eps
 
-__all__ = ["ActivationQuant", "QParamOptions", "QuantSpec", "SPEC_VERSION"]
+__all__ = ["ActivationQuant", "QParamOptions", "QuantSpec", "SPEC_VERSION", "as_key", "from_key"]
 
 #: Version of the `QuantSpec.to_dict` encoding; `from_dict` refuses newer ones.
 SPEC_VERSION = 1
@@ -451,3 +453,15 @@ class QuantSpec:
         except ValueError as e:
             raise ValueError(f"QuantSpec dict: {e}") from None
 
+
+# A QuantSpec or ActivationQuant as the str argument of an opaque op (its to_dict() as sorted JSON), and back.
+# `as_key` runs where dynamo traces (its only callers build traced op calls): a constant to it, called once.
+@torch.compiler.assume_constant_result
+def as_key(obj: QuantSpec | ActivationQuant) -> str:
+    return json.dumps(obj.to_dict(), sort_keys=True)
+
+
+@functools.lru_cache(maxsize=512)
+def from_key(cls: type, key: str) -> Any:
+    """`cls.from_dict` of the JSON `as_key` wrote (cached: the ops call it per run)."""
+    return cls.from_dict(json.loads(key))
