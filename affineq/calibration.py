@@ -239,7 +239,15 @@ def run_calibration(model: nn.Module, data: Iterable, progress: bool = True) -> 
     number of items. All or nothing: when an item fails (its error is raised), every observer is as it was before
     the call, so no layer keeps a partial item or a count of batches the others lack. Shows a progress bar when
     tqdm is installed and `progress`."""
-    return _calibrate(model, data, progress=progress, wrap_errors=False)
+    # (quantize_'s own calibration needs no copies: its observers are removed whatever happens)
+    saved = [(m, attr, copy.deepcopy(m._modules[attr])) for m in model.modules() if hasattr(m, _STATE_ATTR)
+             for attr in (_OBSERVER_ATTR, _OUTPUT_OBSERVER_ATTR) if attr in m._modules]
+    try:
+        return _calibrate(model, data, progress=progress, wrap_errors=False)
+    except BaseException:
+        for module, attr, obs in saved:  # the hooks look the observer up per call: the copies take over
+            module._modules[attr] = obs
+        raise
 
 
 def _calibrate(model: nn.Module, data: Iterable, *, progress: bool, wrap_errors: bool) -> int:
@@ -247,34 +255,20 @@ def _calibrate(model: nn.Module, data: Iterable, *, progress: bool, wrap_errors:
     convention for failures; an item that is no tensor / tuple / dict still raises TypeError)."""
     from affineq.eval import eval_mode
 
-    saved = _observer_copies(model)
     n = 0
     with torch.no_grad(), eval_mode(model):
-        try:
-            for item in _progress(data, "calibrating", progress, unit="batch"):
-                args, kwargs = as_call(item, n)
-                try:
-                    model(*args, **kwargs)
-                except Exception as e:
-                    if not wrap_errors:
-                        raise
-                    raise QuantizationError(
-                        f"calibrating on {describe_item(item, n)} failed in {type(model).__name__} (the model was "
-                        f"left unchanged): {type(e).__name__}: {e}; pass the inputs the model takes") from e
-                n += 1
-        except BaseException:
-            for module, attr, obs in saved:  # the hooks look the observer up per call: the copies take over
-                module._modules[attr] = obs
-            raise
+        for item in _progress(data, "calibrating", progress, unit="batch"):
+            args, kwargs = as_call(item, n)
+            try:
+                model(*args, **kwargs)
+            except Exception as e:
+                if not wrap_errors:
+                    raise
+                raise QuantizationError(
+                    f"calibrating on {describe_item(item, n)} failed in {type(model).__name__} (the model was left "
+                    f"unchanged): {type(e).__name__}: {e}; pass the inputs the model takes") from e
+            n += 1
     return n
-
-
-def _observer_copies(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
-    """(module, attribute, deep copy) of every observer prepare_ attached in `model` that this calibration feeds
-    (`_OBSERVING`: quantize_'s own layers, not a user's prepared ones)."""
-    return [(m, attr, copy.deepcopy(m._modules[attr])) for m in model.modules()
-            if hasattr(m, _STATE_ATTR) and _observing(m)
-            for attr in (_OBSERVER_ATTR, _OUTPUT_OBSERVER_ATTR) if attr in m._modules]
 
 
 def convert_(model: nn.Module, *, others: dict[str, QuantConfig] | None = None) -> nn.Module:

@@ -7,6 +7,7 @@
     python benchmarks/bench_linear.py --compute-bound       # M = 32, 128, 512: float = min(fp32, bf16), + torch.ao
     python benchmarks/bench_linear.py --compute-bound --quick   # the same on a tiny shape: a smoke run of seconds
     python benchmarks/bench_linear.py --hot                 # M = 1 with the weights in cache: x fp32 and x bf16
+    python benchmarks/bench_linear.py --hot --quick         # the same on a tiny shape: a smoke run of seconds
 
 For every (shape N x K, M, dtype) it prints the time of F.linear in fp32 and in the input dtype, the
 best of them ("float"), each config's time and speedup over "float", and at M = 1 the effective weight
@@ -133,7 +134,8 @@ def _time_all(fn, xs: dict[str, torch.Tensor], weights: dict[str, list[torch.Ten
 
 
 def _ao_dynamic(base: nn.Module, hot: bool = False) -> list[nn.Module]:
-    """torch.ao's int8 dynamic quantization of the fp32 linear (fbgemm / onednn engine), as cold copies."""
+    """torch.ao's int8 dynamic quantization of the fp32 linear (fbgemm / onednn engine), as cold copies (one when
+    `hot`)."""
     with warnings.catch_warnings():  # torch.ao.quantization's deprecation notice: it is the comparison here
         warnings.simplefilter("ignore", DeprecationWarning)
         q = torch.ao.quantization.quantize_dynamic(copy.deepcopy(base).float(), {nn.Linear}, dtype=torch.qint8)
@@ -153,11 +155,11 @@ def run(args) -> list[dict]:
           "# each call reads a different copy of the weights (cold cache), as in a real model's forward\n")
     rows = []
     modes = ["eager"] + (["compiled"] if args.compile else [])
+    hot = args.hot
     for n, k in args.shapes:
         base = _linear(n, k, torch.float32)
         for dname in args.dtypes:
             dtype = DTYPES[dname]
-            hot = args.hot
             w_fp32 = _copies(base.weight.detach(), hot)
             w_same = _copies(base.weight.detach().to(dtype), hot) if dtype != torch.float32 else w_fp32
             # --compute-bound / --hot: the best float path is min(fp32, bf16) whatever the input dtype (and bf16
@@ -286,7 +288,8 @@ def main(argv=None) -> None:
                    help="N x K pairs, e.g. 4096x4096")
     p.add_argument("--compile", action="store_true", help="also time torch.compile(fullgraph=True)")
     p.add_argument("--quick", action="store_true",
-                   help="4096x4096 only, M = 1 and 32; with --compute-bound: 512x512, M = 32, a few configs")
+                   help="4096x4096 only, M = 1 and 32; with --compute-bound: 512x512, M = 32, a few configs; with "
+                        "--hot: 512x512")
     p.add_argument("--compute-bound", action="store_true",
                    help="M = 32, 128, 512 on 4096x4096 and 11008x4096, fp32 and bf16, with min(fp32, bf16) as "
                         "the float path and torch.ao quantize_dynamic as a column")
@@ -312,6 +315,8 @@ def main(argv=None) -> None:
             args.configs = ["int4-g128", "int8"]
         if args.out == "bench_linear":
             args.out = "bench_linear_hot"
+        if args.quick:  # a smoke run, as --compute-bound --quick
+            args.shapes, args.budget, args.out = [(512, 512)], 0.02, args.out + "_quick"
     elif args.quick:
         args.shapes, args.m = [(4096, 4096)], [1, 32]
     if args.threads:

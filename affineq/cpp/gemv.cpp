@@ -666,8 +666,10 @@ void gemv_path(const Ctx* cs, int64_t count) {
     xpairs(xb, ldxb, MX, cs[0].U, xp.data());
   }
 #endif
-  for (int64_t m = 0; m < MX; ++m)
-    for (int64_t g = 0; g < G; ++g) xs[2 * G * m + G + g] = (f - bias(m)) * xs[2 * G * m + g];
+  for (int64_t m = 0; m < MX; ++m) {
+    const float fm = f - bias(m);
+    for (int64_t g = 0; g < G; ++g) xs[2 * G * m + G + g] = fm * xs[2 * G * m + g];
+  }
   std::vector<float> ub;  // the unit bias sums (gemv_unit_bias), for the FMA GEMV's passes that take them
   if (!b4 && !bw && gemv_unit_bias<B>(1)) {
     ub.resize(static_cast<size_t>(2 * M * cs[0].U));
