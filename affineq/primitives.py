@@ -44,14 +44,8 @@ from collections.abc import Sequence
 
 import torch
 
-from affineq._primitive_checks import (
-    _Blocks,
-    _check_enum,
-    _check_float_input,
-    _check_zero_point,
-    _compute_dtype,
-    _midpoint,
-)
+from affineq._primitive_checks import _check_enum, _check_float_input, _check_zero_point, _compute_dtype
+from affineq.blocks import Blocks, midpoint
 from affineq.dtypes import check_quant_range, check_target_dtype, container_dtype, is_float_target, qtype
 
 __all__ = [
@@ -181,9 +175,12 @@ def _zero_point_from_range(
     zp_sym = (qmax + qmin + 1) // 2
     if domain is ZeroPointDomain.INT:
         if asymmetric:
-            return torch.clamp(qmin - torch.round(min_val / s), qmin, qmax)
+            # int32 codes compute in float64: float32 has no 2**31 - 1, so a zero point clamped to qmax there
+            # would be 2**31 and wrap to -2**31 when stored as int32 (within 2**24 the float32 formula is exact)
+            wide = _compute_dtype(qmin, qmax)
+            return torch.clamp(qmin - torch.round(min_val.to(wide) / s.to(wide)), qmin, qmax)
         return torch.full_like(s, zp_sym)
-    mid = _midpoint(qmin, qmax)
+    mid = midpoint(qmin, qmax)
     if not asymmetric:
         return s * (mid - zp_sym)
     if halve:
@@ -276,7 +273,7 @@ def choose_qparams_affine(
     qmin, qmax = check_quant_range(target_dtype, quant_min, quant_max)
     if qmin >= qmax:
         raise ValueError(f"{fn}: quant_min={qmin} must be smaller than quant_max={qmax} to derive a scale")
-    blocks = _Blocks(input.shape, block_size)
+    blocks = Blocks(input.shape, block_size)
     float_target = is_float_target(target_dtype)
     asymmetric = mapping_type is MappingType.ASYMMETRIC
     if float_target and asymmetric:
@@ -449,7 +446,7 @@ def _unclamped_codes(
     if domain is ZeroPointDomain.INT:
         return rnd(x * inv_scale) + zero_point
     if domain is ZeroPointDomain.FLOAT:
-        min_val = zero_point - scale * (_midpoint(qmin, qmax) - qmin)
+        min_val = zero_point - scale * (midpoint(qmin, qmax) - qmin)
         return rnd((x - min_val) * inv_scale) + qmin
     return rnd(x * inv_scale)
 
@@ -483,7 +480,7 @@ def _dequant_math(
         return q * scale
     if domain is ZeroPointDomain.INT:
         return (q - zero_point) * scale
-    return (q - _midpoint(qmin, qmax)) * scale + zero_point
+    return (q - midpoint(qmin, qmax)) * scale + zero_point
 
 
 class _Plan:
@@ -508,7 +505,7 @@ class _Plan:
         self.rounding = rounding
         _check_enum("zero_point_domain", domain, ZeroPointDomain)
         self.qmin, self.qmax = check_quant_range(dtype, quant_min, quant_max)
-        self.blocks = _Blocks(input.shape, block_size)
+        self.blocks = Blocks(input.shape, block_size)
         self.float_target = is_float_target(dtype)
         if self.float_target and rounding != "half_even":
             raise ValueError(f"{fn}: rounding={rounding!r} applies to integer codes; float targets ({dtype}) "

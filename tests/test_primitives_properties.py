@@ -230,7 +230,11 @@ def _float32_reference(cfg) -> tuple[torch.Tensor, torch.Tensor | None]:
     s = scale.to(torch.float32)
     mid = (qmax + qmin + 1) / 2
     if domain is INT:
-        zp = torch.clamp(qmin - torch.round(min_val / s), qmin, qmax) if mapping is ASYM else torch.full_like(s, zp_sym)
+        # int32 codes: in float64, the precision their quantize / dequantize use (float32 has no 2**31 - 1: the
+        # float32 formula clamped to 2**31 and wrapped to -2**31, and rounded qmin + 1 to qmin)
+        wide = _compute_dtype(qmin, qmax)
+        zp = (torch.clamp(qmin - torch.round(min_val.to(wide) / s.to(wide)), qmin, qmax) if mapping is ASYM
+              else torch.full_like(s, zp_sym))
         return scale, zp.to(torch.int32)
     zp = min_val + s * (mid - qmin) if mapping is ASYM else s * (mid - zp_sym)
     return scale, zp.to(scale_dtype)
@@ -458,6 +462,10 @@ _F32_EXTREMES = torch.tensor([[3e38, -3e38, 1.0, 0.0]])
 @example(cfg=_cfg(torch.tensor([[65504.0, -65504.0]], dtype=torch.float16), ASYM, (1, 2), torch.uint1))
 @example(cfg=_cfg(torch.tensor([[1e7, -2.0]]), SYM, (1, 2), torch.int8, scale_dtype=torch.float16))
 @example(cfg=_cfg(torch.zeros(2, 3, dtype=torch.bfloat16), NO_CLIP, (1, 3), torch.float8_e5m2))
+# int32 zero points: clamped to qmax in float32 (2**31) they wrapped to -2**31 (-FLT_MAX dequantized to 0); the
+# float32 formula also rounded qmin + 1 to qmin
+@example(cfg=_cfg(torch.tensor([-F32_MAX]), ASYM, (1,), torch.int32, INT))
+@example(cfg=_cfg(torch.tensor([-torch.finfo(torch.float32).tiny]), ASYM, (1,), torch.int32, INT))
 def test_choose_quantize_dequantize_properties(cfg):
     _run_properties(cfg)
 
