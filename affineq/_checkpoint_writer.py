@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from affineq import safetensors as _st
-from affineq._memory import release_float_copy, trim_heap
 from affineq._untrusted import inside, read_json
+from affineq.process_memory import release_float_copy, trim_heap
 from affineq.tensor.affine import AffineQuantizedTensor
 
 if TYPE_CHECKING:

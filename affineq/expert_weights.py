@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from affineq._memory import release_float_copy
+from affineq.process_memory import release_float_copy
 from affineq.tensor.affine import AffineQuantizedTensor
 from affineq.tensor.format_experts import format_of, stacked_spec
 

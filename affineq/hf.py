@@ -56,13 +56,13 @@ except ImportError as _e:  # pragma: no cover - depends on the environment
                       "(or pip install affineq[models])") from None
 
 from affineq import safetensors as _st
-from affineq._memory import release_float_copy as _release_float_copy
-from affineq._memory import trim_heap as _trim_heap
 from affineq._untrusted import inside
 from affineq.configs import QuantConfig, config_from_dict
 from affineq.expert_weights import is_expert_module
 from affineq.experts import use_affineq_experts
 from affineq.plan import planned_weights
+from affineq.process_memory import release_float_copy as _release_float_copy
+from affineq.process_memory import trim_heap as _trim_heap
 from affineq.quantize import AFTER_QUANTIZE, FqnToConfig, ModelConfig, QuantizationError, quantize_
 from affineq.tensor.affine import AffineQuantizedTensor
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from affineq._primitive_checks import _Blocks
+from affineq.blocks import Blocks
 from affineq.dtypes import check_quant_range, check_target_dtype, is_float_target
 from affineq.granularity import PerAxis, PerTensor, get_block_size
 from affineq.primitives import MappingType, ZeroPointDomain, choose_qparams_affine, fake_quantize_affine
@@ -224,7 +224,7 @@ class _MinMaxBase(Observer):
         self.register_buffer("max_val", torch.zeros(0))
 
     def _batch_min_max(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        b = _Blocks(x.shape, self.block_size(x.shape))
+        b = Blocks(x.shape, self.block_size(x.shape))
         xb = x.reshape(b.blocked)
         return torch.amin(xb, dim=b.reduce_dims).flatten(), torch.amax(xb, dim=b.reduce_dims).flatten()
 

@@ -403,13 +403,13 @@ def quantized_twin(module: nn.Module, config=None) -> nn.Module:
     if isinstance(module, nn.RNNBase) and module.mode not in ("LSTM", "GRU", "RNN_TANH", "RNN_RELU"):
         raise ValueError(f"unknown recurrent mode {module.mode!r}")
     if getattr(config, "packing_format", None) == "auto" and _cpp.is_available():
-        from affineq.tensor.linear_kernels import _int8_codes_check
+        from affineq.tensor.linear_kernels import int8_codes_check
 
         for name, p in module._parameters.items():
             if not (isinstance(p, AffineQuantizedTensor) and p.spec.fmt == "plain" and p.device.type == "cpu"
                     and len(p.spec.shape) == 2 and _act_mode(p) is not None):
                 continue
             dense = p.to_format("dense")
-            if name.startswith("weight_hh") or _int8_codes_check(torch.empty(1, p.spec.shape[1]), dense) is None:
+            if name.startswith("weight_hh") or int8_codes_check(torch.empty(1, p.spec.shape[1]), dense) is None:
                 module._parameters[name] = nn.Parameter(dense, requires_grad=False)
     return twin.from_float(module)

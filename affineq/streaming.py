@@ -43,7 +43,6 @@ from affineq._checkpoint_writer import (
     source_hf_config,
     write_side_files,
 )
-from affineq._memory import release_float_copy, trim_heap
 from affineq._meta_buffers import meta_tensors, plan_meta_buffers
 from affineq._untrusted import inside, read_json
 from affineq.algorithms import AlgorithmConfig
@@ -61,6 +60,7 @@ from affineq.plan import (
     raise_problems,
     weight_config,
 )
+from affineq.process_memory import release_float_copy, trim_heap
 from affineq.quantize import replace_parameters
 from affineq.recurrent import RECURRENT_TYPES
 from affineq.tensor.affine import AffineQuantizedTensor

@@ -51,8 +51,8 @@ def child(mode: str, src: str, dst: str, config_name: str, layers: str) -> dict:
     import torch
 
     import affineq
-    from affineq._memory import status_bytes
     from affineq.demo import CONFIGS
+    from affineq.process_memory import status_bytes
 
     if mode == "make":
         from make_synthetic import make

@@ -51,7 +51,8 @@ llama.cpp: the llama-cpp-python venv's python from ``--llama-python``, $AFFINEQ_
 ``--quick``: the 1B in place of the 8B, small prompts and windows, 1 repeat, eager decoder: checks that the rows
 run (the numbers are not timings). ``--big-only``: the quantize / decode / memory rows at 8B only (``--quick
 --big-only``: the 8B rows with the quick sizes); ``--no-big``: those rows at 1B only.
-Results: results/bench_scale.json (a run's rows replace the saved rows of the same name, see `merge_group`).
+Results: results/bench_scale.json (``--out``: another name under results/, e.g. the AMX Xeon's bench_scale_amx; a
+run's rows replace the saved rows of the same name, see `merge_group`).
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def _meta_factory(src: str):
 
 def _reset_peak() -> int:
     """Trim the heap, reset VmHWM to VmRSS; returns the resident bytes now (the `base`)."""
-    from affineq._memory import status_bytes, trim_heap
+    from affineq.process_memory import status_bytes, trim_heap
 
     trim_heap()
     with open("/proc/self/clear_refs", "w") as f:
@@ -116,7 +117,7 @@ def child_quantize(job: dict) -> dict:
     import torch
 
     import affineq
-    from affineq._memory import status_bytes
+    from affineq.process_memory import status_bytes
 
     cfg = _config(job["config"])
     factory = _meta_factory(job["src"])
@@ -152,8 +153,8 @@ def child_load(job: dict) -> dict:
     from transformers import AutoModelForCausalLM
 
     import affineq
-    from affineq._memory import status_bytes
     from affineq.demo import model_bytes
+    from affineq.process_memory import status_bytes
 
     ids = torch.arange(1, 9)[None]
     base = _reset_peak()
@@ -191,9 +192,9 @@ def child_decode(job: dict) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from affineq._memory import status_bytes
     from affineq.demo import model_bytes
     from affineq.models import StaticDecoder
+    from affineq.process_memory import status_bytes
 
     torch.set_num_threads(job["threads"])
     dtype = getattr(torch, job.get("dtype", "bfloat16"))
@@ -344,9 +345,12 @@ def _llama_python(arg: str | None) -> Path | None:
 
 # -- preparation ---------------------------------------------------------------------------------------------
 
-def prepare(data: Path, bodies: list[str], llama_py: Path | None, threads: int) -> None:
-    """The checkpoints the rows read (skipping what exists): bf16 + F16 GGUF, int4-g32 / int8 directories,
-    Q4_0 / Q8_0 GGUFs."""
+CONFIGS = ("int4-g32", "int4-g32-sym", "int8")
+
+
+def prepare(data: Path, bodies: list[str], llama_py: Path | None, threads: int, configs=CONFIGS) -> None:
+    """The checkpoints the rows read (skipping what exists): bf16 + F16 GGUF, the `configs` directories (int4-g32 /
+    int4-g32-sym / int8), Q4_0 / Q8_0 GGUFs."""
     for body in bodies:
         src = data / body
         gguf_only = (src / "model.safetensors.index.json").exists()
@@ -359,7 +363,7 @@ def prepare(data: Path, bodies: list[str], llama_py: Path | None, threads: int) 
             from make_synthetic import _write_tokenizer
 
             print(_write_tokenizer(src))
-        for cfg in ("int4-g32", "int4-g32-sym", "int8"):
+        for cfg in configs:
             dst = data / f"{body}-{cfg}"
             if not (dst / "config.json").exists():
                 print(json.dumps(run_child(__file__, json.dumps({"kind": "quantize", "src": str(src),
@@ -559,6 +563,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rows", nargs="+", default=ROWS, choices=ROWS)
     p.add_argument("--data", type=Path, default=Path("/work/data"), help="where the checkpoints are (--prepare)")
     p.add_argument("--prepare", action="store_true", help="write the checkpoints the rows need, then exit")
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS,
+                   help="--prepare: the affineq configs to quantize to (8B int4-g32 alone is 4.5 GB; rows skip "
+                        "a missing one with a message)")
     p.add_argument("--small", default=SMALL, help="the 1B body (make_synthetic.py's name)")
     p.add_argument("--big", default=BIG, help="the 8B body")
     p.add_argument("--no-big", action="store_true", help="quantize / decode / memory rows: the 1B body only")
@@ -572,6 +579,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--llama-python", default=None, help="python of the llama-cpp-python venv")
     p.add_argument("--quick", action="store_true", help="1B only, tiny sizes, 1 repeat, eager: checks the rows run")
     p.add_argument("--no-save", action="store_true")
+    p.add_argument("--out", default="bench_scale",
+                   help="results/<out>.json (the AMX Xeon's runs: bench_scale_amx; the Zen 5's: bench_scale)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.big_only and a.no_big:
@@ -582,7 +591,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     py = _llama_python(a.llama_python)
     if a.prepare:
-        prepare(a.data, bodies(a)[::-1], py, a.threads)
+        prepare(a.data, bodies(a)[::-1], py, a.threads, a.configs)
         return
     if a.quick:
         a.repeats, a.no_save = 1, True
@@ -602,7 +611,7 @@ def main(argv: list[str] | None = None) -> None:
         results[group] = fn()
         report(group, results[group], bandwidth)
     if not a.no_save:
-        path = RESULTS / "bench_scale.json"
+        path = RESULTS / f"{a.out}.json"
         old = json.loads(path.read_text()) if path.exists() else {}
         for group, rows in results.items():
             old[group] = merge_group(old.get(group), rows, {"machine": machine(), "bandwidth_gbs": bandwidth,

@@ -77,8 +77,8 @@ def child(mode: str, src: str, dst: str, config_name: str, quick: bool) -> dict:
     import torch
 
     import affineq
-    from affineq._memory import status_bytes
     from affineq.demo import CONFIGS, model_bytes
+    from affineq.process_memory import status_bytes
 
     if mode == "save-float":
         _save_float(Path(src), quick)

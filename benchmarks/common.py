@@ -119,7 +119,7 @@ def reset_peak_rss(cfg, factory: Callable[[], object] | None = None) -> int:
     """Before a peak-memory measurement: load what the measured step would otherwise load first (the C++ kernels,
     through one small `cfg.quantize_weight`; torch's meta kernels, ~70 MB, through one meta-device `factory()`),
     give freed heap back, and set VmHWM to VmRSS. Returns that baseline VmRSS in bytes."""
-    from affineq._memory import status_bytes, trim_heap
+    from affineq.process_memory import status_bytes, trim_heap
 
     cfg.quantize_weight(torch.randn(256, 256), torch.nn.Linear(256, 256))
     if factory is not None:

@@ -236,21 +236,7 @@ def test_quantize_imports_no_workflow():
 
 # Private names (a leading underscore in the module path or the name) that a module may still import from
 # another package, each with its reason.
-ALLOWED_PRIVATE = {
-    ("affineq.qat.fake_quantizer", "affineq._primitive_checks._Blocks"):
-        "the blocked view that qparams broadcast over, shared by the primitives, the tensor and QAT's fake "
-        "quantizers: the numerics layer's helper, below all three",
-    ("affineq.qat.fake_quantizer", "affineq._primitive_checks._midpoint"): "as _Blocks (rounding midpoints)",
-    ("affineq.tensor.affine", "affineq._primitive_checks._Blocks"): "as above",
-    ("affineq.recurrent", "affineq.tensor.linear_kernels._int8_codes_check"):
-        "the recurrence runs the int8-codes kernel's precondition; the rename waits for the branch that adds "
-        "kernels to linear_kernels.py",
-    ("affineq.gguf.models", "affineq._memory.trim_heap"):
-        "load_model gives its decoding temporaries back to the OS (resident memory ~ the tensors); as below",
-    ("affineq.tensor.affine", "affineq._memory.release_float_copy"):
-        "from_spec(chunk_rows=) gives a memory-mapped weight's pages back chunk by chunk; _memory is an OS "
-        "helper below every layer",
-}
+ALLOWED_PRIVATE: dict[tuple[str, str], str] = {}  # (importer, name) -> why; none today
 
 
 def _is_private(name: str) -> bool:

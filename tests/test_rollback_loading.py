@@ -1,6 +1,6 @@
 """Failing loads and writes leave everything as it was: the float weights a quantization gives back to the OS
-(`affineq._memory.release_float_copy` on memory-mapped safetensors), `quantize_checkpoint`'s destination directory
-when the final renames fail, and the model `load_quantized` / `dcp_load` fill when a late tensor fails."""
+(`affineq.process_memory.release_float_copy` on memory-mapped safetensors), `quantize_checkpoint`'s destination
+directory when the final renames fail, and the model `load_quantized` / `dcp_load` fill when a late tensor fails."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from conftest import assert_unchanged, snapshot_model
 from torch import nn
 
 import affineq
-from affineq._memory import release_float_copy
+from affineq.process_memory import release_float_copy
 
 pytestmark = pytest.mark.filterwarnings("ignore::affineq.KernelFallbackWarning")  # snapshots compare AQT bytes
 

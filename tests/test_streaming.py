@@ -258,7 +258,7 @@ _GENERATE = textwrap.dedent("""
 
 _QUANTIZE = textwrap.dedent("""
     import gc, json, sys, torch, affineq
-    from affineq._memory import status_bytes, trim_heap
+    from affineq.process_memory import status_bytes, trim_heap
     cfg = affineq.Int4WeightOnlyConfig(group_size=128)
     cfg.quantize_weight(torch.randn(256, 256), torch.nn.Linear(256, 256))  # load the kernels first
     gc.collect(); trim_heap()

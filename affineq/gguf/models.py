@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from affineq._memory import trim_heap
 from affineq.gguf import files, reader, types
 from affineq.gguf.reader import GGUFEntry
+from affineq.process_memory import trim_heap
 from affineq.tensor.affine import AffineQuantizedTensor
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "load_model", "load_tokenizer", "save_model"]

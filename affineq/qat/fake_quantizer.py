@@ -33,7 +33,7 @@ import math
 import torch
 from torch import nn
 
-from affineq._primitive_checks import _Blocks, _midpoint
+from affineq.blocks import Blocks, midpoint
 from affineq.dtypes import check_quant_range
 from affineq.granularity import PerRow, PerToken
 from affineq.primitives import ROUNDING, MappingType, ZeroPointDomain, fake_quantize_affine
@@ -57,7 +57,7 @@ def _grad_scale(t: torch.Tensor, g: float) -> torch.Tensor:
 
 def _as_rows(x: torch.Tensor, block: tuple[int, ...]) -> torch.Tensor:
     """x [*shape] -> [num_blocks, elements per block]."""
-    b = _Blocks(x.shape, block)
+    b = Blocks(x.shape, block)
     n = len(x.shape)
     xb = x.reshape(b.blocked).permute(*range(0, 2 * n, 2), *range(1, 2 * n, 2))
     return xb.reshape(math.prod(b.reduced), -1)
@@ -68,7 +68,7 @@ def tqt_threshold(x: torch.Tensor, block_size: tuple[int, ...], method: TQTThres
     """Initial TQT threshold per block of x (float32, shape = number of blocks per dim); formulas in
     `TQTThresholdInitMeth`. quant_min/quant_max: the symmetric code range (its centre is subtracted)."""
     rows = _as_rows(x.detach().float(), block_size)
-    reduced = _Blocks(x.shape, block_size).reduced
+    reduced = Blocks(x.shape, block_size).reduced
     tiny = torch.finfo(torch.float32).tiny
     if method is TQTThresholdInitMeth._3SD:
         t = rows.mean(1).abs() + 3 * rows.std(1, correction=0)
@@ -225,7 +225,7 @@ class FakeQuantizer(nn.Module):
 
     def _learned(self, x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
         c = self.config
-        b = _Blocks(x.shape, spec.block_size)
+        b = Blocks(x.shape, spec.block_size)
         scale, zp = self._learned_qparams(x.numel() / max(self._param().numel(), 1))
         s = scale.reshape(b.qparam_view)
         xb = x.float().reshape(b.blocked)
@@ -233,7 +233,7 @@ class FakeQuantizer(nn.Module):
         domain = self._domain()
         if domain is ZeroPointDomain.FLOAT:
             z = zp.reshape(b.qparam_view)
-            mid = _midpoint(qmin, qmax)
+            mid = midpoint(qmin, qmax)
             lo = z - s * (mid - qmin)
             q = torch.clamp(_round_ste((xb - lo) * (1.0 / s), c.rounding) + qmin, qmin, qmax)
             out = (q - mid) * s + z

@@ -21,11 +21,11 @@ from typing import ClassVar
 
 import torch
 
-from affineq._memory import release_float_copy
-from affineq._primitive_checks import _Blocks
+from affineq.blocks import Blocks
 from affineq.dtypes import QType
 from affineq.mx import pow2_scale_exponent
 from affineq.primitives import MappingType, ZeroPointDomain, choose_qparams_affine, quantize_affine
+from affineq.process_memory import release_float_copy
 from affineq.tensor import dispatch
 from affineq.tensor.format_experts import format_of
 from affineq.tensor.spec import ActivationQuant, QParamOptions, QuantSpec
@@ -147,7 +147,7 @@ def _pow2_qparams(input: torch.Tensor, spec: QuantSpec, scale_mode: str) -> torc
 
 def _block_amax(input: torch.Tensor, block_size: tuple[int, ...]) -> torch.Tensor:
     """max |x| per block, shape [d // b per dim]."""
-    b = _Blocks(input.shape, block_size)
+    b = Blocks(input.shape, block_size)
     return input.abs().reshape(b.blocked).amax(dim=b.reduce_dims)
 
 

@@ -119,7 +119,7 @@ _INT8_CODES_QP = (torch.float32, torch.bfloat16, torch.float16)
 INT8_CODES_INT4 = "affineq.int8_codes_linear:int4"  # its row threshold (`compute_bound.MIN_ROWS`)
 
 
-def _int8_codes_check(x, w):
+def int8_codes_check(x, w):
     """The int8 codes of x times the 8- or 4-bit weight codes (4-bit: from `MIN_ROWS` rows, the fused GEMV on the
     fake-quantized x below them, inside the op), summed exactly in int32 (VNNI), where the build has it;
     the same values as `affineq.lowbit_linear` on the fake-quantized x, whose fp32 sums it replaces. bf16 x: its
@@ -157,7 +157,7 @@ def _int8_codes_run(x, w, bias):
     return _finish(out, x, bias)
 
 
-register_linear_kernel("affineq.int8_codes_linear", ("dense",), _int8_codes_check, _int8_codes_run)
+register_linear_kernel("affineq.int8_codes_linear", ("dense",), int8_codes_check, _int8_codes_run)
 register_linear_kernel("affineq.dequant_linear", ("dense",), dequant_linear_check, dequant_linear_run)
 
 
