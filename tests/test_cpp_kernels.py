@@ -154,7 +154,8 @@ def test_lowbit_linear_half_inputs(bits: int, dtype: torch.dtype) -> None:
     path_op = torch.ops.affineq_cpp.lowbit_linear_path
     for n, k, gs in CASES[:4] + CASES[6:]:
         codes, packed, scale, offset = _problem(bits, n, k, gs)
-        for m in (1, 2, 3, 5, 8, 9, 33):  # the GEMV's rows for bf16 x (4, or 8 for 4 / 8-bit codes), then the GEMM's
+        # the GEMV's rows for bf16 x (4, or 8 for 4 / 8-bit codes; 4-bit passes of 2, 3 or 4 rows), then the GEMM's
+        for m in (1, 2, 3, 4, 5, 8, 9, 33):
             x = torch.randn(m, k).to(dtype)
             exact = _exact(x, codes, scale, offset, gs)  # from the rounded x: the op must not round it further
             w = K._dequantize(packed, scale, offset, bits, gs, n, k)
@@ -165,12 +166,13 @@ def test_lowbit_linear_half_inputs(bits: int, dtype: torch.dtype) -> None:
 
 
 def test_bf16_x_on_a_large_4bit_weight_up_to_16_rows() -> None:
-    # 2^21 weights or more: the bf16-dot GEMV serves bf16 x up to 16 rows (8 passes of 2), the GEMM from 17
+    # 2^21 weights or more: the bf16-dot GEMV serves bf16 x up to 16 rows (passes of 3 rows, of 4 where m % 4 == 0),
+    # the GEMM from 17
     _needs_kernels()
     n, k, gs = 1024, 2048, 32
     codes, packed, scale, offset = _problem(4, n, k, gs)
     w = K._dequantize(packed, scale, offset, 4, gs, n, k)
-    for m in (9, 16, 17):
+    for m in (9, 12, 16, 17):
         x = torch.randn(m, k).bfloat16()
         out = torch.ops.affineq.lowbit_linear(x, packed, scale, offset, 4, gs, n, k)
         exact = _exact(x, codes, scale, offset, gs)

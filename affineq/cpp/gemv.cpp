@@ -103,8 +103,9 @@ constexpr int gemv_A(int, int) { return 1; }
 // (unit_bias_sums lays its sums out for them).
 constexpr int gemv_unit_chains(int mr) { return mr == 1 ? 2 : 1; }
 // Rows of x per pass over the weights (fp32 x reaches the GEMV up to m = 8 on every build: each pass decodes
-// the weights again, so 4 rows per pass; the bf16-dot 4-bit tiles take 2, or 3 from 5 rows (kB4MR3From: fewer
-// passes over the weights at 8-16 rows; 4 rows ran as fast in two passes of 2), the bf16-pair tiles
+// the weights again, so 4 rows per pass; the bf16-dot 4-bit tiles take 2, 3 from 5 rows (kB4MR3From: fewer
+// passes over the weights at 8-16 rows), and 4 when m % 4 == 0 (one pass at 4 rows: cold weights no longer
+// streamed twice; hot, 4 rows ran as fast in two passes of 2), the bf16-pair tiles
 // kBf16wMR: 8 rows in one pass held more accumulators than registers and ran slower than two passes of 4).
 constexpr int kGemvMR = 4;
 constexpr int kBf16wMR = 4;
@@ -638,7 +639,7 @@ void gemv_path(const Ctx* cs, int64_t count) {
 #endif
     group_sums(p0.x, p0.ldx, M, G, p0.group_size, xs.data(), 2 * G);
   // Rows of x per pass over the weights: passes of mr = min(mstep, MX - m0) rows from m0 = 0, mstep, ...
-  const int64_t b4_rows = M >= kB4MR3From ? 3 : 2;
+  const int64_t b4_rows = M % 4 == 0 ? 4 : M >= kB4MR3From ? 3 : 2;
   const int64_t mstep = split ? 3 : b4 ? b4_rows : bw ? kBf16wMR : gemv_buffered<B>(M) ? M : kGemvMR;
   // The bf16-dot GEMV sees 16 + u for the codes u, the biased decoder 2^B + u (gemv_biased, by the rows of row
   // m's pass): the bias leaves through xs_a.
@@ -759,8 +760,8 @@ void gemv_path(const Ctx* cs, int64_t count) {
         float* y = pr.y_bf16 ? nullptr : pr.y + m0 * pr.ldy + r0;
         uint16_t* yb = pr.y_bf16 ? pr.y_bf16 + m0 * pr.ldy + r0 : nullptr;
         const int64_t upg = pr.group_size / 8, ldx2 = 4 * c.U;
-        // Three rows (split or not) hold 2 panels' accumulators without spilling.
-        const int step = split || mr == 3 ? (cnt % 2 == 0 ? 2 : 1) : cnt % 4 == 0 ? 4 : 1;
+        // Three or four rows (split or not) hold 2 panels' accumulators without spilling.
+        const int step = split || mr >= 3 ? (cnt % 2 == 0 ? 2 : 1) : cnt % 4 == 0 ? 4 : 1;
         const auto run = [&](const auto& qp) {
           using QP = std::decay_t<decltype(qp)>;
           for (int64_t q = 0; q < cnt; q += step) {
@@ -768,6 +769,7 @@ void gemv_path(const Ctx* cs, int64_t count) {
                 split     ? (step == 2 ? &gemv_tile_b4bf16<3, 2, QP, true> : &gemv_tile_b4bf16<3, 1, QP, true>)
                 : mr == 1 ? (step == 4 ? &gemv_tile_b4bf16<1, 4, QP> : &gemv_tile_b4bf16<1, 1, QP>)
                 : mr == 3 ? (step == 2 ? &gemv_tile_b4bf16<3, 2, QP> : &gemv_tile_b4bf16<3, 1, QP>)
+                : mr == 4 ? (step == 2 ? &gemv_tile_b4bf16<4, 2, QP> : &gemv_tile_b4bf16<4, 1, QP>)
                           : (step == 4 ? &gemv_tile_b4bf16<2, 4, QP> : &gemv_tile_b4bf16<2, 1, QP>);
             tile(k4, pan + q, qp.shifted(q), xw, ldx2, xsm, G, upg, y ? y + 16 * q : nullptr,
                  yb ? yb + 16 * q : nullptr, pr.y_bf16_values, pr.ldy, rows - 16 * q, q == 0 ? pfm : nullptr);
