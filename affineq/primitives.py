@@ -177,8 +177,9 @@ def _zero_point_from_range(
         if asymmetric:
             # int32 codes compute in float64: float32 has no 2**31 - 1, so a zero point clamped to qmax there
             # would be 2**31 and wrap to -2**31 when stored as int32 (within 2**24 the float32 formula is exact)
-            wide = _compute_dtype(qmin, qmax)
-            return torch.clamp(qmin - torch.round(min_val.to(wide) / s.to(wide)), qmin, qmax)
+            if _compute_dtype(qmin, qmax) == torch.float64:
+                min_val, s = min_val.double(), s.double()
+            return torch.clamp(qmin - torch.round(min_val / s), qmin, qmax)
         return torch.full_like(s, zp_sym)
     mid = midpoint(qmin, qmax)
     if not asymmetric:
