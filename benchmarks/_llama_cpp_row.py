@@ -34,6 +34,31 @@ import numpy as np
 from llama_cpp import Llama, llama_get_logits_ith, llama_perf_context, llama_perf_context_reset
 
 
+def _amx_host() -> bool:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            return "amx_tile" in fh.read()
+    except OSError:
+        return False
+
+
+#: llama-cpp-python 0.3.36 segfaults on AMX hosts in its first eval with ggml's extra buffer types on (the AMX /
+#: repacked weight buffers), so there the models load with use_extra_bufts=False: its CPU buffers and the AVX-512
+#: VNNI dot products. The Llama constructor has no argument for it, so the default model params get it.
+EXTRA_BUFTS = not _amx_host()
+if not EXTRA_BUFTS:
+    import llama_cpp.llama as _llama_module
+
+    _default_params = _llama_module.llama_cpp.llama_model_default_params
+
+    def _params_without_extra_bufts():
+        params = _default_params()
+        params.use_extra_bufts = False
+        return params
+
+    _llama_module.llama_cpp.llama_model_default_params = _params_without_extra_bufts
+
+
 def _argmax_last(llm: Llama) -> int:
     """Greedy token from the last evaluated position's logits. Read from the context itself: with
     logits_all=False, llama-cpp-python 0.3.x no longer copies them into ``llm.scores``."""
@@ -98,7 +123,7 @@ def run(args: dict) -> dict:
     llm = Llama(model_path=args["model"], n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads, n_threads_batch=threads,
                 logits_all=False, verbose=False)
     load_s = time.perf_counter() - t
-    row: dict = {"load_s": load_s, "llama_cpp_threads": threads}
+    row: dict = {"load_s": load_s, "llama_cpp_threads": threads, "llama_cpp_extra_bufts": EXTRA_BUFTS}
     text = args.get("prompt_text")
     if text is not None:
         theirs = llm.tokenize(text.encode(), add_bos=False, special=True)

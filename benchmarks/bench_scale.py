@@ -40,7 +40,8 @@ Rows (``--rows``; every measurement runs in a fresh subprocess, one after anothe
   the decoder's cache (``affineq.models.cache_eval.kv_cache_perplexity``, teacher-forced through the same cache
   code as decoding) with the float, int8 and int4 caches (targets +0.5%, +3%); 64 greedy tokens with the int8
   cache against the float cache.
-- ``memory`` (no timing): 8B int4 g32 decode (128-token prompt, 16 new tokens, eager decoder): resident set against
+- ``memory`` (no timing): 8B int4 g32 decode (the symmetric int4 g32 where only that was prepared; 128-token
+  prompt, 16 new tokens, eager decoder): resident set against
   1.15 x (model bytes + KV cache bytes) + 300 MB (model bytes: every parameter's stored bytes, the bf16 embedding
   included).
 
@@ -503,10 +504,15 @@ def rows_kv_accuracy(a) -> list[dict]:
 
 def rows_memory(a, data: Path) -> list[dict]:
     body = bodies(a)[0]
-    r = _decode(data, body, "int4-g32", prompt=16 if a.quick else 128, n=4 if a.quick else 16,
+    # the asymmetric int4 g32 body, else the symmetric one (`--prepare --configs` may have made only that)
+    cfg = next((c for c in ("int4-g32", "int4-g32-sym") if (data / f"{body}-{c}" / "config.json").exists()), None)
+    if cfg is None:
+        print(f"skipped {body} decode memory: no {data / f'{body}-int4-g32'} or -int4-g32-sym (run --prepare)")
+        return []
+    r = _decode(data, body, cfg, prompt=16 if a.quick else 128, n=4 if a.quick else 16,
                 a=argparse.Namespace(**{**vars(a), "quick": True, "repeats": 1}))  # eager decoder: no compiler
     bound = 1.15 * (r["model_bytes"] + r["kv_cache_bytes"]) / MiB + 300
-    return [{"row": f"{body} int4-g32 decode memory", **r, "bound_MiB": bound, "within": r["hwm_MiB"] <= bound,
+    return [{"row": f"{body} {cfg} decode memory", **r, "bound_MiB": bound, "within": r["hwm_MiB"] <= bound,
              # the interpreter alone (torch + transformers) is ~0.4 GB: the same bound on the resident set above it
              "hwm_above_base_MiB": r["hwm_MiB"] - r["base_MiB"],
              "within_above_base": r["hwm_MiB"] - r["base_MiB"] <= bound}]
