@@ -349,6 +349,11 @@ def _llama_python(arg: str | None) -> Path | None:
 CONFIGS = ("int4-g32", "int4-g32-sym", "int8")
 
 
+def _prepared(data: Path, body: str, cfg: str) -> bool:
+    """Whether --prepare has written the `cfg` directory of `body`."""
+    return (data / f"{body}-{cfg}" / "config.json").exists()
+
+
 def prepare(data: Path, bodies: list[str], llama_py: Path | None, threads: int, configs=CONFIGS) -> None:
     """The checkpoints the rows read (skipping what exists): bf16 + F16 GGUF, the `configs` directories (int4-g32 /
     int4-g32-sym / int8), Q4_0 / Q8_0 GGUFs."""
@@ -366,7 +371,7 @@ def prepare(data: Path, bodies: list[str], llama_py: Path | None, threads: int, 
             print(_write_tokenizer(src))
         for cfg in configs:
             dst = data / f"{body}-{cfg}"
-            if not (dst / "config.json").exists():
+            if not _prepared(data, body, cfg):
                 print(json.dumps(run_child(__file__, json.dumps({"kind": "quantize", "src": str(src),
                                                                  "dst": str(dst), "config": cfg}))))
                 for f in [*src.glob("tokenizer*"), *src.glob("*.jinja")]:
@@ -410,7 +415,7 @@ def rows_quantize(a, data: Path) -> list[dict]:
     tmp = data / "bench_scale_tmp"
     out = []
     for body in bodies(a):
-        keep = not (data / f"{body}-int4-g32" / "config.json").exists()  # then the result is --prepare's directory
+        keep = not _prepared(data, body, "int4-g32")  # then the result is --prepare's directory
         dst = data / f"{body}-int4-g32" if keep else tmp / f"{body}-int4-g32"
         subprocess.run(["rm", "-rf", str(dst)], check=True)
         r = run_child(__file__, json.dumps({"kind": "quantize", "src": str(data / body), "dst": str(dst),
@@ -438,7 +443,7 @@ def rows_decode(a, data: Path, py: Path | None) -> list[dict]:
     out = []
     for body in reversed(bodies(a)):
         for cfg, gguf in (("int4-g32-sym", "q4_0"), ("int4-g32", None), ("int8", "q8_0")):
-            if not (data / f"{body}-{cfg}" / "config.json").exists():
+            if not _prepared(data, body, cfg):
                 print(f"skipped {body} {cfg}: no {data / f'{body}-{cfg}'} (run --prepare)")
                 continue
             path = data / body / f"model-{gguf}.gguf" if gguf else None
@@ -505,7 +510,7 @@ def rows_kv_accuracy(a) -> list[dict]:
 def rows_memory(a, data: Path) -> list[dict]:
     body = bodies(a)[0]
     # the asymmetric int4 g32 body, else the symmetric one (`--prepare --configs` may have made only that)
-    cfg = next((c for c in ("int4-g32", "int4-g32-sym") if (data / f"{body}-{c}" / "config.json").exists()), None)
+    cfg = next((c for c in ("int4-g32", "int4-g32-sym") if _prepared(data, body, c)), None)
     if cfg is None:
         print(f"skipped {body} decode memory: no {data / f'{body}-int4-g32'} or -int4-g32-sym (run --prepare)")
         return []
@@ -570,8 +575,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--data", type=Path, default=Path("/work/data"), help="where the checkpoints are (--prepare)")
     p.add_argument("--prepare", action="store_true", help="write the checkpoints the rows need, then exit")
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS,
-                   help="--prepare: the affineq configs to quantize to (8B int4-g32 alone is 4.5 GB; rows skip "
-                        "a missing one with a message)")
+                   help="--prepare: the affineq configs to quantize to (8B int4-g32 alone is 4.5 GB; the decode "
+                        "and memory rows skip a missing one with a message)")
     p.add_argument("--small", default=SMALL, help="the 1B body (make_synthetic.py's name)")
     p.add_argument("--big", default=BIG, help="the 8B body")
     p.add_argument("--no-big", action="store_true", help="quantize / decode / memory rows: the 1B body only")

@@ -157,10 +157,13 @@ def _(x2, aq):
     return codes, x2.new_empty((x2.shape[0], 1), dtype=torch.float32)
 
 
+def _fake_quantize_mx_activation(x: torch.Tensor, aq: ActivationQuant) -> torch.Tensor:
+    return fake_quantize_mx(x, aq.dtype, aq.block_size, aq.scale_mode, axis=-1)
+
+
 @torch.library.custom_op("affineq::fake_quantize_mx_activation", mutates_args=())
 def _fake_quantize_mx_op(x: torch.Tensor, aq: str) -> torch.Tensor:
-    a = from_key(ActivationQuant, aq)
-    return fake_quantize_mx(x, a.dtype, a.block_size, a.scale_mode, axis=-1)
+    return _fake_quantize_mx_activation(x, from_key(ActivationQuant, aq))
 
 
 @_fake_quantize_mx_op.register_fake
@@ -174,7 +177,7 @@ def fake_quantize_activation(x: torch.Tensor, aq: ActivationQuant, w=None) -> to
     if aq.is_mx:  # OCP MX: shared E8M0 scale per block of K
         if torch.compiler.is_compiling():  # one opaque op, as eager computes it (see quantize_float_activation)
             return torch.ops.affineq.fake_quantize_mx_activation(x, as_key(aq))
-        return fake_quantize_mx(x, aq.dtype, aq.block_size, aq.scale_mode, axis=-1)
+        return _fake_quantize_mx_activation(x, aq)
     if aq.static:
         return fake_quantize_static(x, aq, *static_qparams(w))
     x2 = x.reshape(-1, x.shape[-1])

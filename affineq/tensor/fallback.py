@@ -99,15 +99,13 @@ def announce_fallback(fmt: str, reason: str, op: str = "linear") -> None:
     """Say once per (format, reason) that `op` runs as dequantize-then-compute; raise in strict mode. Called
     while dynamo traces Python (grouped_linear's experts), it only raises, in strict mode as set then."""
     msg = f"affineq: {op} on a {fmt!r} quantized tensor runs as dequantize-then-{op} (slower): {reason}"
-    if torch.compiler.is_dynamo_compiling():  # no ContextVar for dynamo: no recording either
-        if is_strict():
-            raise KernelFallbackError(msg + " [strict mode: affineq.set_strict(False) to allow fallbacks]")
-        return
-    record(f"dequantize:{op}")
-    if _strict.get():
+    tracing = torch.compiler.is_dynamo_compiling()  # no ContextVar for dynamo: no recording either
+    if not tracing:
+        record(f"dequantize:{op}")
+    if is_strict() if tracing else _strict.get():
         raise KernelFallbackError(msg + " [strict mode: affineq.set_strict(False) to allow fallbacks]")
     key = (fmt, reason)
-    if torch.compiler.is_compiling():
+    if tracing or torch.compiler.is_compiling():
         return
     with _announced_lock:
         if key in _announced:

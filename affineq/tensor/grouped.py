@@ -98,7 +98,7 @@ def grouped_linear(x: torch.Tensor, expert_ids: torch.Tensor, weight: torch.Tens
     (a 3-D AffineQuantizedTensor or a float tensor), bias [E, N] -> [T, N] in x.dtype. See the module docstring
     for which kernel runs."""
     if isinstance(weight, AffineQuantizedTensor):
-        shape = _logical_shape(weight)
+        shape = _logical_shape(weight.spec)
     elif isinstance(weight, torch.Tensor) and weight.dtype.is_floating_point:
         shape = tuple(weight.shape)
     else:
@@ -116,12 +116,9 @@ def grouped_linear(x: torch.Tensor, expert_ids: torch.Tensor, weight: torch.Tens
     return out if bias is None else out + bias.index_select(0, ids).to(out.dtype)
 
 
-def _logical_shape(w: AffineQuantizedTensor) -> tuple[int, ...]:
-    """[E, N, K] as the caller sees w: the stored shape, its last two dims swapped for a transposed view."""
-    return _logical_shape_of(w.spec)
-
-
-def _logical_shape_of(spec: QuantSpec) -> tuple[int, ...]:
+def _logical_shape(spec: QuantSpec) -> tuple[int, ...]:
+    """[E, N, K] as the caller sees a weight of `spec`: the stored shape, its last two dims swapped for a
+    transposed view."""
     shape = tuple(spec.shape)
     return (*shape[:-2], shape[-1], shape[-2]) if spec.transposed else shape
 
@@ -156,7 +153,7 @@ def _quantized(x: torch.Tensor, ids: torch.Tensor, w: AffineQuantizedTensor) -> 
     if aq is not None:
         x = fake_quantize_activation(x, aq, w)
     why = _grouped_check(x, w)
-    e, n, k = _logical_shape(w)
+    e, n, k = _logical_shape(w.spec)
     if why is None:
         if not torch.compiler.is_compiling():  # dynamo cannot read the recorders' ContextVar; eager calls record
             fallback.record(GROUPED_KERNEL)
@@ -177,7 +174,7 @@ def _quantized(x: torch.Tensor, ids: torch.Tensor, w: AffineQuantizedTensor) -> 
 
 def _grouped_dequantized(x: torch.Tensor, ids: torch.Tensor, w: AffineQuantizedTensor) -> torch.Tensor:
     """The fallback of `_quantized`: only the routed experts dequantized and multiplied."""
-    e, n, k = _logical_shape(w)
+    e, n, k = _logical_shape(w.spec)
     if w.spec.fmt == "dense" and x.device.type == "cpu" and x.dtype in _FLOATS and not w.spec.transposed:
         # the numerics of the kernel's reference
         packed, scale, offset, bits, group_size, codes, code_offset = grouped_weight_args(w)
@@ -199,7 +196,7 @@ def _grouped_dequantized_op(x: torch.Tensor, expert_ids: torch.Tensor, tensors: 
 
 @_grouped_dequantized_op.register_fake
 def _(x, expert_ids, tensors, names, spec):
-    return x.new_empty((x.shape[0], _logical_shape_of(from_key(QuantSpec, spec))[1]))
+    return x.new_empty((x.shape[0], _logical_shape(from_key(QuantSpec, spec))[1]))
 
 
 class _GroupedKernelLinear(torch.autograd.Function):
