@@ -1,8 +1,11 @@
-"""The 4-bit GEMV with float32 x (`cpp/gemv.cpp`). At m = 1 off AMX (`split_x3`): x as three bf16 rows whose sum
-is x exactly, through the bf16-dot GEMV, the three results added at the end. Every product stays exact, so the
-result is within a few fp32 roundings of the float64 product, as the fp32 FMA GEMV's is. The FMA GEMV's passes of
-1-2 rows decode 16 + u and take the bias off per unit of 8 k (`gemv_unit_bias`), within the same bound. x holding
-inf or NaN takes the FMA GEMV (bit for bit what a call with a second row gives the first)."""
+"""The 4-bit GEMV with float32 x (`cpp/gemv.cpp`). At m = 1 on AMX Xeons (`cpp/gemv_digits.cpp`): x as four
+exact integer digits per block under a power-of-two scale, their products with the codes summed exactly by VNNI
+dot products. At m = 1 elsewhere (`split_x3`): x as three bf16 rows whose sum is x exactly, through the bf16-dot
+GEMV, the three results added at the end. Either way every product stays exact, so the result is within a few
+fp32 roundings of the float64 product, as the fp32 FMA GEMV's is. The FMA GEMV's passes of 1-2 rows decode 16 + u
+and take the bias off per unit of 8 k (`gemv_unit_bias`), within the same bound. x holding inf or NaN (and, for
+the digits, a block of x reaching 2^100) takes the FMA GEMV (bit for bit what a call with a second row gives the
+first)."""
 
 from __future__ import annotations
 
@@ -19,26 +22,35 @@ def _problem(n: int, k: int, gs: int, qparams: str, seed: int):
     codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
     scale = torch.rand(n, k // gs, generator=g) * 0.02 + 0.005
     zero = 0.01 * torch.randn(n, k // gs, generator=g)
-    if qparams == "fp32":  # W = scale * u + offset
+    if qparams in ("fp32", "f16"):  # W = scale * u + offset (f16: GGUF's Q4_1)
         offset = -8 * scale + zero
+        if qparams == "f16":
+            scale, offset = scale.half(), offset.half()
         w = codes.double().view(n, -1, gs) * scale.double()[..., None] + offset.double()[..., None]
         args = (scale, offset)
+    elif qparams == "sym":  # no offset array: W = scale * (u - 8) (GGUF's Q4_0 with f16 scales)
+        scale = scale.half()
+        w = (codes.double().view(n, -1, gs) - 8) * scale.double()[..., None]
+        args = (scale, None, 4, gs, n, k, 0, -8)
+        return K.pack_codes(codes, 4), args, w.view(n, k)
     else:  # bf16 scale and zero: W = scale * (u - 8) + zero
         scale, zero = scale.bfloat16(), zero.bfloat16()
         w = (codes.double().view(n, -1, gs) - 8) * scale.double()[..., None] + zero.double()[..., None]
         args = (scale, zero)
-    return K.pack_codes(codes, 4), args, w.view(n, k)
+    return K.pack_codes(codes, 4), (*args, 4, gs, n, k), w.view(n, k)
 
 
 # (n, k, gs): a tail panel (37, 300), one item of 4 panels with an odd leftover (129 = 8 panels + 1 row), group
 # sizes 8 to 128, K long enough for fp32 sums to round many times (4096, 11008)
 CASES = [(37, 96, 32), (129, 384, 128), (64, 256, 64), (300, 4096, 32), (40, 11008, 128), (50, 200, 8)]
+# groups longer than a digit block (512 k): blocks of 512 and of 344 (1032 = 3 x 344)
+CASES += [(48, 4096, 4096), (32, 2064, 1032)]
 
 
 # rows of x: 1 (split_x3 off AMX), 2 (one pass with the unit bias), 5 / 6 (a pass of 4 rows without it, then one
 # of 1 / 2 rows with it)
 @pytest.mark.parametrize("m", [1, 2, 5, 6])
-@pytest.mark.parametrize("qparams", ["fp32", "bf16"])
+@pytest.mark.parametrize("qparams", ["fp32", "bf16", "f16", "sym"])
 @pytest.mark.parametrize("n,k,gs", CASES)
 def test_fp32_x_within_fp32_rounding_of_float64(n: int, k: int, gs: int, qparams: str, m: int) -> None:
     if not K.is_available():
@@ -46,10 +58,11 @@ def test_fp32_x_within_fp32_rounding_of_float64(n: int, k: int, gs: int, qparams
     packed, qp, w = _problem(n, k, gs, qparams, seed=n + k)
     g = torch.Generator().manual_seed(k + m)
     # magnitudes far apart: the parts of x span 24 bits below each value's exponent (1e-30 ~ 2^-100 keeps the
-    # smallest part a normal bf16 number)
-    for mag in (1.0, 1e-30, 1e20):
+    # smallest part a normal bf16 number); the digits' smallest scale 2^-149 (1e-37) and their limit 2^100 (1e31:
+    # the FMA GEMV takes over)
+    for mag in (1.0, 1e-30, 1e20) + ((1e-37, 1e31) if m == 1 else ()):
         x = torch.randn(m, k, generator=g) * mag
-        out = torch.ops.affineq.lowbit_linear(x, packed, *qp, 4, gs, n, k)
+        out = torch.ops.affineq.lowbit_linear(x, packed, *qp)
         exact = x.double() @ w.T
         sum_abs = x.double().abs() @ w.abs().T
         err = (out.double() - exact).abs()
@@ -69,7 +82,7 @@ def test_m1_result_does_not_depend_on_threads(n: int, k: int, gs: int) -> None:
         outs = []
         for t in (1, 2, 3):
             torch.set_num_threads(t)
-            outs.append(torch.ops.affineq.lowbit_linear(x, packed, *qp, 4, gs, n, k))
+            outs.append(torch.ops.affineq.lowbit_linear(x, packed, *qp))
     finally:
         torch.set_num_threads(before)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
@@ -83,7 +96,45 @@ def test_m1_non_finite_x_gives_the_fma_gemvs_result(bad: float) -> None:
     packed, qp, _ = _problem(n, k, gs, "fp32", seed=3)
     x = torch.randn(2, k, generator=torch.Generator().manual_seed(4))
     x[0, 77] = bad
-    one = torch.ops.affineq.lowbit_linear(x[:1], packed, *qp, 4, gs, n, k)
-    two = torch.ops.affineq.lowbit_linear(x, packed, *qp, 4, gs, n, k)
+    one = torch.ops.affineq.lowbit_linear(x[:1], packed, *qp)
+    two = torch.ops.affineq.lowbit_linear(x, packed, *qp)
     torch.testing.assert_close(one, two[:1], rtol=0, atol=0, equal_nan=True)
     assert not bool(torch.isfinite(one).any())
+
+
+AMX_DIGITS = K.is_available() and K.kernel_info()["isa"] == "avx512" and torch.cpu._is_amx_tile_supported()
+_NO_DIGITS = "the digits GEMV runs on AMX Xeons only (elsewhere m = 1 takes split_x3, tested above)"
+
+
+def _ones(n: int, k: int, gs: int, qparams: str) -> tuple:
+    """Op arguments of an n x k weight whose every element is exactly 1 (codes 9, scale 1), with qparams whose
+    bias leaves exactly (bf16: zero 0; sym: no offset array), so y[n] = sum(x) as the tiles sum it."""
+    packed = K.pack_codes(torch.full((n, k), 9, dtype=torch.uint8), 4)
+    scale = torch.ones(n, k // gs)
+    if qparams == "bf16":
+        return packed, scale.bfloat16(), torch.zeros(n, k // gs, dtype=torch.bfloat16), 4, gs, n, k
+    return packed, scale.half(), None, 4, gs, n, k, 0, -8
+
+
+@pytest.mark.skipif(not AMX_DIGITS, reason=_NO_DIGITS)
+@pytest.mark.parametrize("qparams", ["bf16", "sym"])
+@pytest.mark.parametrize("gs", [32, 128, 4096])
+def test_digits_sum_each_block_exactly(gs: int, qparams: str) -> None:
+    # 2^24 + 1 - 2^24 in fp32 sums loses the 1; the digits' int32 sums keep it (one block holds all three)
+    n, k = 32, 4096
+    x = torch.full((1, k), 0.5)
+    for b in range(0, k, 64):
+        x[0, b:b + 4] = torch.tensor([2.0**24, 1.0, -(2.0**24), 1.0])
+    out = torch.ops.affineq.lowbit_linear(x, *_ones(n, k, gs, qparams))
+    assert bool((out == x.double().sum()).all()), f"{out[0, :4]} against {float(x.double().sum())}"
+
+
+@pytest.mark.skipif(not AMX_DIGITS, reason=_NO_DIGITS)
+def test_digits_keep_subnormal_x_exact() -> None:
+    # every fp32 subnormal is a multiple of the smallest digit scale 2^-149
+    n, k, gs = 16, 256, 64
+    j = torch.randint(-40, 41, (1, k), generator=torch.Generator().manual_seed(5))
+    x = j.float() * 2.0**-140
+    assert bool((x.abs() < 2.0**-126).all())
+    out = torch.ops.affineq.lowbit_linear(x, *_ones(n, k, gs, "sym"))
+    assert bool((out.double() == float(j.sum()) * 2.0**-140).all())

@@ -46,7 +46,12 @@ struct alignas(64) TileConfig {
 // Loads `cfg` for this thread's tiles and releases them when it goes out of scope.
 class TileScope {
  public:
-  explicit TileScope(const TileConfig& cfg) { _tile_loadconfig(&cfg); }
+  explicit TileScope(const TileConfig& cfg) {
+    // cfg escapes and memory is clobbered first: GCC modelled ldtilecfg as reading only part of the 64 bytes and
+    // left reserved bytes of a config built field by field unwritten (garbage there: #GP)
+    asm volatile("" : : "r"(&cfg) : "memory");
+    _tile_loadconfig(&cfg);
+  }
   ~TileScope() { _tile_release(); }
   TileScope(const TileScope&) = delete;
   TileScope& operator=(const TileScope&) = delete;

@@ -67,13 +67,7 @@ namespace {
 
 using detail::sfor;
 
-// vpermb index: output byte 4 j + t = input byte 16 t + j (code of row j at k + t).
-inline __m512i quad_index() {
-  alignas(64) uint8_t idx[64];
-  for (int j = 0; j < 16; ++j)
-    for (int t = 0; t < 4; ++t) idx[4 * j + t] = static_cast<uint8_t>(16 * t + j);
-  return _mm512_load_si512(idx);
-}
+using detail::quad_index;
 
 // Rows [m0, m0 + MR) of x (their codes read in place: q = row m0 of the row-major [m][k] codes) against NP
 // consecutive 16-row panels starting at panel p0 (weight rows 16 p0 ..); y rows have stride n. The NP * MR

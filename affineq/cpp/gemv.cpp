@@ -4,7 +4,8 @@
 //     y[n] = sum_g scale[n, g] * dot(x_g, u[n, g]) + offset[n, g] * sum(x_g).
 // Memory-bound at m = 1: the packed weights are streamed once, with software prefetch. 4-bit codes take bf16 dot
 // products instead (gemv_tile_b4bf16): with bf16 x, and with fp32 x at m = 1 split into three bf16 rows (split_x3);
-// so do the other widths but float8 from 3 rows of bf16 x (gemv_tile_bf16w).
+// so do the other widths but float8 from 3 rows of bf16 x (gemv_tile_bf16w). On AMX Xeons fp32 x at m = 1 takes
+// integer dot products on its exact digits instead (gemv_digits.h).
 #include <cstring>
 #include <iterator>
 #include <optional>
@@ -15,6 +16,8 @@
 #include "amx.h"
 #include "common.h"
 #include "decode.h"
+#include "gemv_digits.h"
+#include "gemv_groups.h"
 
 namespace affineq::detail {
 namespace {
@@ -111,62 +114,6 @@ constexpr int kGemvMR = 4;
 constexpr int kBf16wMR = 4;
 constexpr int kB4MR3From = 5;
 
-// A scale or offset tile as add_group reads it: fp32 (load_qparams), or the 16-bit qparams as stored
-// (load_scales16: bf16, or fp16 with kF16), widened per use; a null pointer: no tile.
-template <bool kF16>
-struct Tile16 {
-  const uint16_t* p;
-  Tile16 operator+(int64_t i) const { return {p + i}; }
-};
-AQ_INLINE F16 load_scales(const float* p) { return fload(p); }
-AQ_INLINE bool has_tile(const float* p) { return p != nullptr; }
-template <bool kF16>
-AQ_INLINE bool has_tile(Tile16<kF16> t) { return t.p != nullptr; }
-#if AQ_AVX512
-template <bool kF16>
-AQ_INLINE F16 load_scales(Tile16<kF16> t) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.p));
-  if constexpr (kF16) return {_mm512_cvtph_ps(h)};
-  else return {bf16_widen(h)};
-}
-#endif
-
-// The qparams of a tile of output rows as for_groups reads them; shifted(q): the same tile from panel q on.
-// Transposed tiles [G][lds] (fp32 from load_qparams, or the 16-bit qparams as stored from load_scales16): group
-// g's scale and offset of rows 16p .. 16p + 15, applied per group (add_group).
-template <class T>
-struct TileQp {
-  static constexpr int64_t kBlock = 0;  // no super-blocks
-  T s, o;
-  int64_t lds;
-  TileQp shifted(int64_t q) const { return {s + 16 * q, has_tile(o) ? o + 16 * q : o, lds}; }
-  AQ_INLINE bool has_offset() const { return has_tile(o); }
-  AQ_INLINE F16 scale(int64_t g, int p) const { return load_scales(s + (g * lds + 16 * p)); }
-  AQ_INLINE F16 offset(int64_t g, int p) const { return load_scales(o + (g * lds + 16 * p)); }
-};
-
-// tot[m][p] += scale[g] * (sum_a acc[m][p][a] + xs_a) + offset[g] * xs_s: one group's contribution to 16 output
-// rows per vector (xs [MR][2][G]: xs_s = sum(x[m] over group g), then xs_a, a multiple of it). Without an offset
-// term of its own (offset = f * scale with one f for every group) xs_a = f * xs_s carries the whole offset term;
-// with one, xs_a = -bias * xs_s takes away a bias the decoder added to every code. Either way no per-item pass
-// over the tiles for it.
-template <int MR, int P, int A, class QP>
-AQ_INLINE void add_group(F16 (&tot)[MR][P], const F16 (&acc)[MR][P][A], const QP& qp, const float* xs, int64_t G,
-                         int64_t g) {
-  sfor<P>([&](auto P_) {
-    constexpr int p = AQ_CV(P_);
-    const F16 s = qp.scale(g, p);
-    sfor<MR>([&](auto M_) {
-      constexpr int m = AQ_CV(M_);
-      F16 a = acc[m][p][0];
-      sfor<A - 1>([&](auto A_) { a = fadd(a, acc[m][p][AQ_CV(A_) + 1]); });
-      const float* xm = xs + 2 * G * m;
-      tot[m][p] = ffma(s, fadd(a, fset1(xm[G + g])), tot[m][p]);
-      if (qp.has_offset()) tot[m][p] = ffma(qp.offset(g, p), fset1(xm[g]), tot[m][p]);
-    });
-  });
-}
-
 // k-quant qparams from load_kq_qparams' byte tiles (kquant_decode.h's formulas), applied per super-block of kBlock
 // groups: the integer sub-scales per group, d once per super-block,
 //     tot += d * sum_j sc_j * (acc_j + xs_a_j)   and   tot += -dmin * sum_j m_j * xs_j  (offsets(), ahead of the
@@ -229,38 +176,6 @@ struct KqQp {
     });
   }
 };
-
-// tot = the tile's result: body(g, acc) sums group g's dot products into acc (zeroed for it), and qp's rule adds
-// them up: per group (add_group), or per super-block (KqQp).
-template <int MR, int P, int A, class QP, class Body>
-AQ_INLINE void for_groups(F16 (&tot)[MR][P], const QP& qp, const float* xs, int64_t G, const NextItemPrefetch* pf,
-                          Body&& body) {
-  const auto zero = [](auto& arr) {
-    sfor<MR>([&](auto M_) { sfor<P>([&](auto P_) { arr[AQ_CV(M_)][AQ_CV(P_)] = fzero(); }); });
-  };
-  const auto group = [&](int64_t g, auto&& fold) AQ_INLINE_LAMBDA {
-    if (pf) pf->group(g);
-    F16 acc[MR][P][A];
-    sfor<MR>([&](auto M_) {
-      sfor<P>([&](auto P_) { sfor<A>([&](auto A_) { acc[AQ_CV(M_)][AQ_CV(P_)][AQ_CV(A_)] = fzero(); }); });
-    });
-    body(g, acc);
-    fold(acc);
-  };
-  zero(tot);
-  if constexpr (QP::kBlock == 0) {
-    for (int64_t g = 0; g < G; ++g) group(g, [&](const auto& acc) AQ_INLINE_LAMBDA { add_group<MR, P, A>(tot, acc, qp, xs, G, g); });
-  } else {
-    qp.offsets(tot, xs, G);
-    for (int64_t g0 = 0; g0 < G; g0 += QP::kBlock) {
-      F16 tb[MR][P];
-      zero(tb);
-      for (int64_t g = g0; g < g0 + QP::kBlock; ++g)
-        group(g, [&](const auto& acc) AQ_INLINE_LAMBDA { qp.template add<MR, P, A>(tb, acc, xs, G, g); });
-      qp.finish(tot, tb, g0);
-    }
-  }
-}
 
 template <int B, int MR, int P, int A, class QP>
 void gemv_tile(const uint8_t* const* pan, const QP& qp, const float* x, int64_t ldx, const float* xs, int64_t G,
@@ -633,6 +548,9 @@ void gemv_path(const Ctx* cs, int64_t count) {
   // then x is read as bf16 only (xb), and y may be bf16 (y_bf16); 4-bit integer codes alone (B == 4)
   const bool b4 = B == 4 && (use_b4bf16(p0) || split);
   const bool bw = use_bf16w(p0);             // likewise
+  // One row of fp32 x against 4-bit codes on AMX Xeons: x as integer digits through VNNI (gemv_digits.h)
+  XDigits xd;
+  const bool digits = B == 4 && !b4 && use_x_digits(p0) && x_digits(p0.x, K8, digit_block(p0.group_size), xd);
 #if AQ_AVX512
   if (b4 || bw) group_sums(xb, ldxb, MX, G, p0.group_size, xs.data(), 2 * G);
   else
@@ -643,7 +561,10 @@ void gemv_path(const Ctx* cs, int64_t count) {
   const int64_t mstep = split ? 3 : b4 ? b4_rows : bw ? kBf16wMR : gemv_buffered<B>(M) ? M : kGemvMR;
   // The bf16-dot GEMV sees 16 + u for the codes u, the biased decoder 2^B + u (gemv_biased, by the rows of row
   // m's pass): the bias leaves through xs_a.
-  const auto bias = [&](int64_t m) { return b4 ? 16.f : gemv_bias<B>(std::min(mstep, MX - m / mstep * mstep)); };
+  // (the digits' tiles sum (u - 8) x: a bias of -8)
+  const auto bias = [&](int64_t m) {
+    return b4 ? 16.f : digits ? -8.f : gemv_bias<B>(std::min(mstep, MX - m / mstep * mstep));
+  };
   // Without an offset array, offset = f * scale for one f (lowbit_kernels.h: scale * code_offset), so the whole
   // offset term rides on xs_a and no offset tile is loaded. So do the signed k-quants' offsets (q3_k: -4 * scale,
   // q6_k: -32 * scale; kquant_decode.h).
@@ -672,7 +593,7 @@ void gemv_path(const Ctx* cs, int64_t count) {
     for (int64_t g = 0; g < G; ++g) xs[2 * G * m + G + g] = fm * xs[2 * G * m + g];
   }
   std::vector<float> ub;  // the unit bias sums (gemv_unit_bias), for the FMA GEMV's passes that take them
-  if (!b4 && !bw && gemv_unit_bias<B>(1)) {
+  if (!b4 && !bw && !digits && gemv_unit_bias<B>(1)) {
     ub.resize(static_cast<size_t>(2 * M * cs[0].U));
     unit_bias_sums<B>(p0.x, p0.ldx, M, p0.k, cs[0].U, mstep, ub.data());
   }
@@ -795,6 +716,15 @@ void gemv_path(const Ctx* cs, int64_t count) {
       const float* x = pr.x + m0 * pr.ldx;
       float* y = pr.y + m0 * pr.ldy + r0;
       const float* ubm = ub.empty() ? nullptr : ub.data() + m0 * 2 * c.U;
+#if AQ_X_DIGITS
+      if constexpr (B == 4) if (digits) {
+        const auto run = [&](const auto& qp) { gemv_digits(pan, cnt, qp, xd, xsm, G, pr.group_size, y, rows, pfm); };
+        if (!q16) run(TileQp<const float*>{sT, oT, lds});
+        else if (pr.qparams_bf16) run(TileQp<Tile16<false>>{{sT16}, {oT16}, lds});
+        else run(TileQp<Tile16<true>>{{sT16}, {oT16}, lds});
+        continue;
+      }
+#endif
 #if AQ_AVX512
       if constexpr (kFma16) if (q16) {  // 1-2 rows (fma16)
         const auto rows16 = [&](const auto& qp) {

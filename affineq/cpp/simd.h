@@ -68,6 +68,14 @@ AQ_INLINE __m256i bf16_bits_exact(__m512 v) {
 }
 // The fp32 values of 16 bf16 bits (exact).
 AQ_INLINE __m512 bf16_widen(__m256i b) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)); }
+// vpermb index of the VNNI GEMVs (16 rows x 4 k as [k][row] bytes -> [row][k]): output byte 4 j + t = input byte
+// 16 t + j, so int32 lane j holds row j's codes of 4 consecutive k.
+AQ_INLINE __m512i quad_index() {
+  alignas(64) uint8_t idx[64];
+  for (int j = 0; j < 16; ++j)
+    for (int t = 0; t < 4; ++t) idx[4 * j + t] = static_cast<uint8_t>(16 * t + j);
+  return _mm512_load_si512(idx);
+}
 #endif
 
 // 16-bit floats -> fp32, exact (subnormals, infinities and NaN included).

@@ -1,0 +1,162 @@
+// Path 1's GEMV on integer digits of x (the numerics: gemv_digits.h): when it runs, x's digits, and the tiles
+// (4 panels, four int32 digit sums per panel in registers).
+#include "gemv_digits.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "amx.h"
+#include "gemv_groups.h"
+
+namespace affineq::detail {
+
+bool use_x_digits(const LowbitProblem& p) {
+#if AQ_X_DIGITS
+  // AMX Xeons only, where vpdpbusd outruns the FMA GEMV's decode (benchmarks/README.md, kernel design
+  // measurements); other CPUs keep split_x3, measured on the Zen 5. At 2 rows it lost to the FMA GEMV.
+  return p.m == 1 && p.x_bf16 == nullptr && p.y_bf16 == nullptr && !p.y_bf16_values && p.bits == 4 &&
+         p.codes == kCodesUint && p.qparams_kquant == 0 && !p.qparams_e8m0 && p.group_size % 8 == 0 && amx_cpu();
+#else
+  (void)p;
+  return false;
+#endif
+}
+
+int64_t digit_block(int64_t gs) {
+  int64_t kb = std::min<int64_t>(gs, 512);
+  while (gs % kb != 0) kb -= 8;
+  return kb;
+}
+
+#if AQ_X_DIGITS
+bool x_digits(const float* x, int64_t K8, int64_t kb, XDigits& xd) {
+  const int64_t nb = K8 / kb;
+  xd.K8 = K8, xd.kb = kb, xd.nb = nb;
+  xd.d.resize(static_cast<size_t>(4 * K8));
+  xd.fx.resize(static_cast<size_t>(nb));
+  xd.c_hi.resize(static_cast<size_t>(nb));
+  xd.c_lo.resize(static_cast<size_t>(nb));
+  const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);  // two units
+  for (int64_t b = 0; b < nb; ++b) {
+    const float* xb = x + b * kb;
+    const auto mask = [&](int64_t i) { return static_cast<__mmask16>(kb - i >= 16 ? 0xFFFF : 0x00FF); };
+    __m512 amax = _mm512_setzero_ps();
+    __mmask16 bad = 0;  // lanes whose x - x is not 0: inf or NaN
+    for (int64_t i = 0; i < kb; i += 16) {
+      const __m512 v = _mm512_maskz_loadu_ps(mask(i), xb + i);
+      bad |= static_cast<__mmask16>(~_mm512_cmp_ps_mask(_mm512_sub_ps(v, v), _mm512_setzero_ps(), _CMP_EQ_OQ));
+      amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
+    }
+    if (bad != 0) return false;
+    int e = 0;
+    std::frexp(_mm512_reduce_max_ps(amax), &e);  // |x| < 2^e over the block (all zero: e = 0)
+    if (e > 100) return false;
+    e = std::max(e, -119);  // fx = 2^(e - 30) >= 2^-149: every subnormal is a multiple of it
+    // x * 2^(30 - e) in two exact steps (30 - e reaches 149, past fp32's largest power of two)
+    const int sh = 30 - e;
+    const __m512 s1 = _mm512_set1_ps(std::ldexp(1.f, sh / 2)), s2 = _mm512_set1_ps(std::ldexp(1.f, sh - sh / 2));
+    __m512i sum[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+    for (int64_t i = 0; i < kb; i += 16) {
+      const __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(mask(i), xb + i), s1), s2);
+      __m512i r = _mm512_cvt_roundps_epi32(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);  // |q| < 2^30
+      for (int t = 0; t < 4; ++t) {
+        // digit t: the low byte of r as signed, then r = (r - digit) / 2^8 (exact); the last one is r itself
+        const __m512i d = t < 3 ? _mm512_srai_epi32(_mm512_slli_epi32(r, 24), 24) : r;
+        if (t < 3) r = _mm512_srai_epi32(_mm512_sub_epi32(r, d), 8);
+        sum[t] = _mm512_add_epi32(sum[t], d);
+        const __m128i bytes = _mm_shuffle_epi8(_mm512_cvtepi32_epi8(d), order);
+        int8_t* dst = xd.d.data() + t * K8 + b * kb + i;
+        if (kb - i >= 16) _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), bytes);
+        else _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), bytes);
+      }
+    }
+    int32_t S[4];
+    for (int t = 0; t < 4; ++t) S[t] = _mm512_reduce_add_epi32(sum[t]);
+    xd.fx[b] = std::ldexp(1.f, e - 30);
+    xd.c_hi[b] = 8 * (256 * S[3] + S[2]);
+    xd.c_lo[b] = 8 * (256 * S[1] + S[0]);
+  }
+  return true;
+}
+
+namespace {
+
+// NP panels: per digit block, four int32 sums (one per digit) per panel, then the block's sum of (u - 8) x in fp32
+// into the group's accumulator; for_groups / add_group apply the qparams.
+template <int NP, class QP>
+void tile(const uint8_t* const* pan, const QP& qp, const XDigits& xd, const float* xs, int64_t G, int64_t upg,
+          float* y, int64_t nvalid, const NextItemPrefetch* pf) {
+  const int64_t upb = xd.kb / 8, K8 = xd.K8;
+  const int8_t* dx = xd.d.data();
+  const __m512i idx = quad_index(), lo4 = _mm512_set1_epi8(15);
+  F16 tot[1][NP];
+  for_groups<1, NP, 1>(tot, qp, xs, G, pf, [&](int64_t g, F16 (&acc)[1][NP][1]) AQ_INLINE_LAMBDA {
+    for (int64_t u0 = g * upg, ue = u0 + upg; u0 < ue; u0 += upb) {
+      __m512i s[NP][4];
+      sfor<NP>([&](auto P_) { sfor<4>([&](auto I_) { s[AQ_CV(P_)][AQ_CV(I_)] = _mm512_setzero_si512(); }); });
+      for (int64_t u = u0; u < u0 + upb; ++u) {
+        sfor<NP>([&](auto P_) {
+          constexpr int p = AQ_CV(P_);
+          const uint8_t* unit = pan[p] + 64 * u;
+#if defined(__GNUC__)
+          __builtin_prefetch(unit + 64 * kPrefetchUnits, 0, 3);
+#endif
+          // the VNNI operands of 16 rows: their codes of the unit's even k and of its odd k
+          const __m512i w = _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(unit));
+          const __m512i even = _mm512_and_si512(w, lo4), odd = _mm512_and_si512(_mm512_srli_epi16(w, 4), lo4);
+          sfor<4>([&](auto I_) {
+            constexpr int i = AQ_CV(I_);
+            int32_t qe, qo;
+            std::memcpy(&qe, dx + i * K8 + 8 * u, sizeof(qe));
+            std::memcpy(&qo, dx + i * K8 + 8 * u + 4, sizeof(qo));
+            s[p][i] = _mm512_dpbusd_epi32(s[p][i], even, _mm512_set1_epi32(qe));
+            s[p][i] = _mm512_dpbusd_epi32(s[p][i], odd, _mm512_set1_epi32(qo));
+          });
+        });
+      }
+      const int64_t b = u0 / upb;
+      const __m512 fx = _mm512_set1_ps(xd.fx[b]), fx16 = _mm512_set1_ps(xd.fx[b] * 65536.f);
+      const __m512i chi = _mm512_set1_epi32(xd.c_hi[b]), clo = _mm512_set1_epi32(xd.c_lo[b]);
+      sfor<NP>([&](auto P_) {
+        constexpr int p = AQ_CV(P_);
+        const __m512i hi = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(s[p][3], 8), s[p][2]), chi);
+        const __m512i lo = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(s[p][1], 8), s[p][0]), clo);
+        const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), fx16, _mm512_mul_ps(_mm512_cvtepi32_ps(lo), fx));
+        acc[0][p][0] = fadd(acc[0][p][0], F16{t});
+      });
+    }
+  });
+  sfor<NP>([&](auto P_) {
+    constexpr int p = AQ_CV(P_);
+    const int64_t w = nvalid - 16 * p;
+    if (w >= 16) fstore(y + 16 * p, tot[0][p]);
+    else if (w > 0) fstore_n(y + 16 * p, tot[0][p], static_cast<int>(w));
+  });
+}
+
+}  // namespace
+
+template <class QP>
+void gemv_digits(const uint8_t* const* pan, int64_t cnt, const QP& qp, const XDigits& xd, const float* xs, int64_t G,
+                 int64_t gs, float* y, int64_t nvalid, const NextItemPrefetch* pf) {
+  // 4 panels per tile (16 int32 sums in registers), the leftover panels one by one
+  const int64_t step = cnt % 4 == 0 ? 4 : 1;
+  for (int64_t q = 0; q < cnt; q += step) {
+    const auto run = step == 4 ? &tile<4, QP> : &tile<1, QP>;
+    run(pan + q, qp.shifted(q), xd, xs, G, gs / 8, y + 16 * q, nvalid - 16 * q, q == 0 ? pf : nullptr);
+  }
+}
+
+#define AQ_DIGITS(QP)                                                                                          \
+  template void gemv_digits<QP>(const uint8_t* const*, int64_t, const QP&, const XDigits&, const float*, int64_t, \
+                                int64_t, float*, int64_t, const NextItemPrefetch*);
+AQ_DIGITS(TileQp<const float*>)
+AQ_DIGITS(TileQp<Tile16<false>>)
+AQ_DIGITS(TileQp<Tile16<true>>)
+#undef AQ_DIGITS
+#else
+bool x_digits(const float*, int64_t, int64_t, XDigits&) { return false; }
+#endif  // AQ_X_DIGITS
+
+}  // namespace affineq::detail

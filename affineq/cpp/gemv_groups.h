@@ -1,0 +1,101 @@
+// The fp32 GEMVs' per-group accumulation (gemv.cpp, gemv_digits.cpp): the qparam tiles of a work item as the
+// tiles read them, add_group (one group's dot products times its scale, plus the offset term) and for_groups (the
+// loop over a tile's groups). Templates and always-inlined functions only.
+#pragma once
+
+#include <cstdint>
+
+#include "common.h"
+#include "simd.h"
+
+namespace affineq::detail {
+
+// A scale or offset tile as add_group reads it: fp32 (load_qparams), or the 16-bit qparams as stored
+// (load_scales16: bf16, or fp16 with kF16), widened per use; a null pointer: no tile.
+template <bool kF16>
+struct Tile16 {
+  const uint16_t* p;
+  Tile16 operator+(int64_t i) const { return {p + i}; }
+};
+AQ_INLINE F16 load_scales(const float* p) { return fload(p); }
+AQ_INLINE bool has_tile(const float* p) { return p != nullptr; }
+template <bool kF16>
+AQ_INLINE bool has_tile(Tile16<kF16> t) { return t.p != nullptr; }
+#if AQ_AVX512
+template <bool kF16>
+AQ_INLINE F16 load_scales(Tile16<kF16> t) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.p));
+  if constexpr (kF16) return {_mm512_cvtph_ps(h)};
+  else return {bf16_widen(h)};
+}
+#endif
+
+// The qparams of a tile of output rows as for_groups reads them; shifted(q): the same tile from panel q on.
+// Transposed tiles [G][lds] (fp32 from load_qparams, or the 16-bit qparams as stored from load_scales16): group
+// g's scale and offset of rows 16p .. 16p + 15, applied per group (add_group).
+template <class T>
+struct TileQp {
+  static constexpr int64_t kBlock = 0;  // no super-blocks
+  T s, o;
+  int64_t lds;
+  TileQp shifted(int64_t q) const { return {s + 16 * q, has_tile(o) ? o + 16 * q : o, lds}; }
+  AQ_INLINE bool has_offset() const { return has_tile(o); }
+  AQ_INLINE F16 scale(int64_t g, int p) const { return load_scales(s + (g * lds + 16 * p)); }
+  AQ_INLINE F16 offset(int64_t g, int p) const { return load_scales(o + (g * lds + 16 * p)); }
+};
+
+// tot[m][p] += scale[g] * (sum_a acc[m][p][a] + xs_a) + offset[g] * xs_s: one group's contribution to 16 output
+// rows per vector (xs [MR][2][G]: xs_s = sum(x[m] over group g), then xs_a, a multiple of it). Without an offset
+// term of its own (offset = f * scale with one f for every group) xs_a = f * xs_s carries the whole offset term;
+// with one, xs_a = -bias * xs_s takes away a bias the decoder added to every code. Either way no per-item pass
+// over the tiles for it.
+template <int MR, int P, int A, class QP>
+AQ_INLINE void add_group(F16 (&tot)[MR][P], const F16 (&acc)[MR][P][A], const QP& qp, const float* xs, int64_t G,
+                         int64_t g) {
+  sfor<P>([&](auto P_) {
+    constexpr int p = AQ_CV(P_);
+    const F16 s = qp.scale(g, p);
+    sfor<MR>([&](auto M_) {
+      constexpr int m = AQ_CV(M_);
+      F16 a = acc[m][p][0];
+      sfor<A - 1>([&](auto A_) { a = fadd(a, acc[m][p][AQ_CV(A_) + 1]); });
+      const float* xm = xs + 2 * G * m;
+      tot[m][p] = ffma(s, fadd(a, fset1(xm[G + g])), tot[m][p]);
+      if (qp.has_offset()) tot[m][p] = ffma(qp.offset(g, p), fset1(xm[g]), tot[m][p]);
+    });
+  });
+}
+
+// tot = the tile's result: body(g, acc) sums group g's dot products into acc (zeroed for it), and qp's rule adds
+// them up: per group (add_group), or per super-block (KqQp).
+template <int MR, int P, int A, class QP, class Body>
+AQ_INLINE void for_groups(F16 (&tot)[MR][P], const QP& qp, const float* xs, int64_t G, const NextItemPrefetch* pf,
+                          Body&& body) {
+  const auto zero = [](auto& arr) {
+    sfor<MR>([&](auto M_) { sfor<P>([&](auto P_) { arr[AQ_CV(M_)][AQ_CV(P_)] = fzero(); }); });
+  };
+  const auto group = [&](int64_t g, auto&& fold) AQ_INLINE_LAMBDA {
+    if (pf) pf->group(g);
+    F16 acc[MR][P][A];
+    sfor<MR>([&](auto M_) {
+      sfor<P>([&](auto P_) { sfor<A>([&](auto A_) { acc[AQ_CV(M_)][AQ_CV(P_)][AQ_CV(A_)] = fzero(); }); });
+    });
+    body(g, acc);
+    fold(acc);
+  };
+  zero(tot);
+  if constexpr (QP::kBlock == 0) {
+    for (int64_t g = 0; g < G; ++g) group(g, [&](const auto& acc) AQ_INLINE_LAMBDA { add_group<MR, P, A>(tot, acc, qp, xs, G, g); });
+  } else {
+    qp.offsets(tot, xs, G);
+    for (int64_t g0 = 0; g0 < G; g0 += QP::kBlock) {
+      F16 tb[MR][P];
+      zero(tb);
+      for (int64_t g = g0; g < g0 + QP::kBlock; ++g)
+        group(g, [&](const auto& acc) AQ_INLINE_LAMBDA { qp.template add<MR, P, A>(tb, acc, xs, G, g); });
+      qp.finish(tot, tb, g0);
+    }
+  }
+}
+
+}  // namespace affineq::detail
