@@ -138,3 +138,47 @@ def test_digits_keep_subnormal_x_exact() -> None:
     assert bool((x.abs() < 2.0**-126).all())
     out = torch.ops.affineq.lowbit_linear(x, *_ones(n, k, gs, "sym"))
     assert bool((out.double() == float(j.sum()) * 2.0**-140).all())
+
+
+@pytest.mark.parametrize("bits", [3, 5, 6, 7])
+@pytest.mark.parametrize("qparams", ["fp32", "bf16"])
+@pytest.mark.parametrize("n,k,gs", [(37, 96, 32), (129, 384, 128), (48, 4096, 4096)])
+def test_other_widths_one_row_within_fp32_rounding(n: int, k: int, gs: int, qparams: str, bits: int) -> None:
+    # one row of fp32 x against 3- to 7-bit codes: the digits GEMV on AMX Xeons for 3-6 bits (the codes' bias
+    # 2^(bits-1)), within the 4-bit cases' bound; elsewhere, and 7 bits, the biased FMA GEMV, whose bias leaves per
+    # group (measured up to 6.5 ulps)
+    if not K.is_available():
+        pytest.skip(f"C++ kernels unavailable: {K.unavailable_reason()}")
+    g = torch.Generator().manual_seed(n + bits)
+    codes = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8, generator=g)
+    scale = torch.rand(n, k // gs, generator=g) * 0.02 + 0.005
+    mid = 2 ** (bits - 1)
+    if qparams == "fp32":
+        offset = -mid * scale + 0.01 * torch.randn(n, k // gs, generator=g)
+        w = codes.double().view(n, -1, gs) * scale.double()[..., None] + offset.double()[..., None]
+    else:
+        scale, offset = scale.bfloat16(), (0.01 * torch.randn(n, k // gs, generator=g)).bfloat16()
+        w = (codes.double().view(n, -1, gs) - mid) * scale.double()[..., None] + offset.double()[..., None]
+    packed = K.pack_codes(codes, bits)
+    for mag in (1.0, 1e-30, 1e20):
+        x = torch.randn(1, k, generator=g) * mag
+        out = torch.ops.affineq.lowbit_linear(x, packed, scale, offset, bits, gs, n, k)
+        err = (out.double() - x.double() @ w.view(n, k).T).abs()
+        sum_abs = x.double().abs() @ w.view(n, k).abs().T
+        ulps = 4 if AMX_DIGITS and bits < 7 else 8
+        assert bool((err <= ulps * EPS32 * sum_abs).all()), f"{bits} bits {n}x{k} gs={gs} {qparams} |x|~{mag}: " \
+            f"{float((err / sum_abs).max() / EPS32):.2f} ulps of sum |x w|"
+
+
+@pytest.mark.skipif(not AMX_DIGITS, reason=_NO_DIGITS)
+@pytest.mark.parametrize("bits", [3, 5, 6])
+def test_digits_sum_each_block_exactly_other_widths(bits: int) -> None:
+    # W = 1 exactly: codes 2^(bits-1) + 1, bf16 scale 1 and zero 0 (the bias leaves exactly)
+    n, k, gs = 32, 1024, 128
+    packed = K.pack_codes(torch.full((n, k), 2 ** (bits - 1) + 1, dtype=torch.uint8), bits)
+    x = torch.full((1, k), 0.5)
+    for b in range(0, k, 64):
+        x[0, b:b + 4] = torch.tensor([2.0**24, 1.0, -(2.0**24), 1.0])
+    qp = torch.ones(n, k // gs, dtype=torch.bfloat16), torch.zeros(n, k // gs, dtype=torch.bfloat16)
+    out = torch.ops.affineq.lowbit_linear(x, packed, *qp, bits, gs, n, k)
+    assert bool((out == x.double().sum()).all())

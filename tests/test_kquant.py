@@ -122,6 +122,24 @@ def test_relayout_keeps_the_file_bytes(name):
 
 
 @pytest.mark.parametrize("name", KINDS)
+def test_one_fp32_row_within_two_roundings(name):
+    """One row of fp32 x (on AMX Xeons the digits GEMV, `cpp/gemv_digits.cpp`, for q3_k .. q6_k; elsewhere and for
+    q2_k the FMA GEMV): within 2 fp32 ulps of sum |x| * (|d sc u| + |dmin m|), at magnitudes far apart (either
+    measures at most 1.3)."""
+    _needs_kernels()
+    for seed, (n, k) in enumerate([(37, 512), (64, 4096)]):
+        blocks = _random_blocks(name, n, k, seed=seed)
+        args = _op_args(name, blocks)
+        w = _gguf_values(name, blocks, n).double()
+        terms = _terms(name, blocks)
+        for mag in (1.0, 1e-30, 1e20):
+            x = torch.randn(1, k, generator=torch.Generator().manual_seed(seed)) * mag
+            err = (torch.ops.affineq.kquant_linear(x, *args).double() - x.double() @ w.T).abs()
+            ulps = err / (EPS * (x.double().abs() @ terms.T))
+            assert bool((ulps <= 2).all()), (n, k, mag, float(ulps.max()))
+
+
+@pytest.mark.parametrize("name", KINDS)
 def test_kquant_linear_within_fp32_rounding(name):
     """Odd n, m from 1 (GEMV: up to 8 rows, with bf16 x up to 4 or, q4_k, 8) through 5..65 (tile GEMM) to 257
     (blocks x torch's GEMM), fp32 and bf16 x, against float64 x @ W^T."""

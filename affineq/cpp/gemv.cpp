@@ -114,69 +114,6 @@ constexpr int kGemvMR = 4;
 constexpr int kBf16wMR = 4;
 constexpr int kB4MR3From = 5;
 
-// k-quant qparams from load_kq_qparams' byte tiles (kquant_decode.h's formulas), applied per super-block of kBlock
-// groups: the integer sub-scales per group, d once per super-block,
-//     tot += d * sum_j sc_j * (acc_j + xs_a_j)   and   tot += -dmin * sum_j m_j * xs_j  (offsets(), ahead of the
-// codes: they depend on x alone). q3_k / q6_k have no offsets of their own (-4 / -32 x the scale: on xs_a).
-template <int KIND>
-struct KqQp {
-  static constexpr int64_t kBlock = kSuperBlock / kq_group(KIND), kNs = kq_supers(KIND);
-  static constexpr bool kMins = KIND == 2 || KIND == 4 || KIND == 5;
-  const uint8_t *sc, *mn;
-  const float* d;  // [super-block][d, -dmin][lds]
-  int64_t lds;
-  KqQp shifted(int64_t q) const { return {sc + 16 * q, mn + 16 * q, d + 16 * q, lds}; }
-  AQ_INLINE F16 sup(int64_t g, int p, int s) const { return fload(d + (g / kBlock * kNs + s) * lds + 16 * p); }
-  AQ_INLINE F16 sub_scale(int64_t g, int p) const {
-    const uint8_t* b = sc + g * lds + 16 * p;
-    if constexpr (KIND == 3 || KIND == 6) return i2f(ld_s8x16(reinterpret_cast<const int8_t*>(b)));
-    else if constexpr (KIND == 2) return i2f(iand(ld_u8x16(b), 15));
-    else return i2f(ld_u8x16(b));
-  }
-  // tot[m][p] = -sum_b dmin_b * sum_j m_bj * xs[m][j] (tot is zero before).
-  template <int MR, int P>
-  AQ_INLINE void offsets(F16 (&tot)[MR][P], const float* xs, int64_t G) const {
-    if constexpr (kMins) {
-      sfor<P>([&](auto P_) {
-        constexpr int p = AQ_CV(P_);
-        for (int64_t g0 = 0; g0 < G; g0 += kBlock) {
-          F16 t[MR];
-          sfor<MR>([&](auto M_) { t[AQ_CV(M_)] = fzero(); });
-          for (int64_t g = g0; g < g0 + kBlock; ++g) {
-            const uint8_t* b = (KIND == 2 ? sc : mn) + g * lds + 16 * p;
-            const F16 m = i2f(KIND == 2 ? isrl<4>(ld_u8x16(b)) : ld_u8x16(b));
-            sfor<MR>([&](auto M_) { t[AQ_CV(M_)] = ffma(m, fset1(xs[2 * G * AQ_CV(M_) + g]), t[AQ_CV(M_)]); });
-          }
-          const F16 ndmin = sup(g0, p, 1);
-          sfor<MR>([&](auto M_) { tot[AQ_CV(M_)][p] = ffma(ndmin, t[AQ_CV(M_)], tot[AQ_CV(M_)][p]); });
-        }
-      });
-    }
-  }
-  // tb[m][p] += sc_g * (sum_a acc[m][p][a] + xs_a): group g within its super-block.
-  template <int MR, int P, int A>
-  AQ_INLINE void add(F16 (&tb)[MR][P], const F16 (&acc)[MR][P][A], const float* xs, int64_t G, int64_t g) const {
-    sfor<P>([&](auto P_) {
-      constexpr int p = AQ_CV(P_);
-      const F16 s = sub_scale(g, p);
-      sfor<MR>([&](auto M_) {
-        constexpr int m = AQ_CV(M_);
-        F16 a = acc[m][p][0];
-        sfor<A - 1>([&](auto A_) { a = fadd(a, acc[m][p][AQ_CV(A_) + 1]); });
-        tb[m][p] = ffma(s, fadd(a, fset1(xs[2 * G * m + G + g])), tb[m][p]);
-      });
-    });
-  }
-  // tot[m][p] += d * tb[m][p] for the super-block from group g0.
-  template <int MR, int P>
-  AQ_INLINE void finish(F16 (&tot)[MR][P], const F16 (&tb)[MR][P], int64_t g0) const {
-    sfor<P>([&](auto P_) {
-      const F16 dv = sup(g0, AQ_CV(P_), 0);
-      sfor<MR>([&](auto M_) { tot[AQ_CV(M_)][AQ_CV(P_)] = ffma(dv, tb[AQ_CV(M_)][AQ_CV(P_)], tot[AQ_CV(M_)][AQ_CV(P_)]); });
-    });
-  }
-};
-
 template <int B, int MR, int P, int A, class QP>
 void gemv_tile(const uint8_t* const* pan, const QP& qp, const float* x, int64_t ldx, const float* xs, int64_t G,
                int64_t upg, float* y, int64_t ldy, int64_t nvalid, const NextItemPrefetch* pf, const float* ub,
@@ -548,9 +485,11 @@ void gemv_path(const Ctx* cs, int64_t count) {
   // then x is read as bf16 only (xb), and y may be bf16 (y_bf16); 4-bit integer codes alone (B == 4)
   const bool b4 = B == 4 && (use_b4bf16(p0) || split);
   const bool bw = use_bf16w(p0);             // likewise
-  // One row of fp32 x against 4-bit codes on AMX Xeons: x as integer digits through VNNI (gemv_digits.h)
+  // One row of fp32 x against 3- to 6-bit integer codes on AMX Xeons: x as integer digits through VNNI
+  // (gemv_digits.h)
   XDigits xd;
-  const bool digits = B == 4 && !b4 && use_x_digits(p0) && x_digits(p0.x, K8, digit_block(p0.group_size), xd);
+  const bool digits = digits_width(B) && !b4 && use_x_digits(p0) &&
+                      x_digits(p0.x, K8, digit_block(p0.group_size), B, xd);
 #if AQ_AVX512
   if (b4 || bw) group_sums(xb, ldxb, MX, G, p0.group_size, xs.data(), 2 * G);
   else
@@ -561,9 +500,10 @@ void gemv_path(const Ctx* cs, int64_t count) {
   const int64_t mstep = split ? 3 : b4 ? b4_rows : bw ? kBf16wMR : gemv_buffered<B>(M) ? M : kGemvMR;
   // The bf16-dot GEMV sees 16 + u for the codes u, the biased decoder 2^B + u (gemv_biased, by the rows of row
   // m's pass): the bias leaves through xs_a.
-  // (the digits' tiles sum (u - 8) x: a bias of -8)
+  // (the digits' tiles sum (u - 2^(B-1)) x: a bias of -2^(B-1))
   const auto bias = [&](int64_t m) {
-    return b4 ? 16.f : digits ? -8.f : gemv_bias<B>(std::min(mstep, MX - m / mstep * mstep));
+    return b4 ? 16.f : digits ? -static_cast<float>(1 << (bits_of(B) - 1))
+                              : gemv_bias<B>(std::min(mstep, MX - m / mstep * mstep));
   };
   // Without an offset array, offset = f * scale for one f (lowbit_kernels.h: scale * code_offset), so the whole
   // offset term rides on xs_a and no offset tile is loaded. So do the signed k-quants' offsets (q3_k: -4 * scale,
@@ -572,12 +512,12 @@ void gemv_path(const Ctx* cs, int64_t count) {
   const bool kq_signed = p0.qparams_kquant == 3 || p0.qparams_kquant == 6;
   const bool scale_only = (p0.offset == nullptr && !p0.qparams_kquant && code_scale(B) == 1.f) || kq_signed;
   const float f0 = kq_signed ? (p0.qparams_kquant == 3 ? -4.f : -32.f) : static_cast<float>(p0.code_offset);
-  // The bf16-dot GEMV, and the FMA GEMV of 4- and 8-bit codes at 1-2 rows (where load_qparams' fp32 tiles took
-  // ~10% of the call), read 16-bit qparams as stored (transposed 16-bit words, widened per group): half of
-  // load_qparams' work per item. A bf16 offset array holds the zero z of W = scale * (u - 2^(bits-1)) + z, so
+  // The bf16-dot GEMV, the digits GEMV and the FMA GEMV of 4- and 8-bit codes at 1-2 rows (where load_qparams'
+  // fp32 tiles took ~10% of the call), read 16-bit qparams as stored (transposed 16-bit words, widened per group):
+  // half of load_qparams' work per item. A bf16 offset array holds the zero z of W = scale * (u - 2^(bits-1)) + z, so
   // its -2^(bits-1) * scale rides on xs_a too.
   constexpr bool kFma16 = B == 4 || B == 8;
-  const bool fma16 = kFma16 && !b4 && !bw && !kq && M <= 2;
+  const bool fma16 = (kFma16 || digits) && !b4 && !bw && !kq && M <= 2;
   const bool q16 = (b4 || fma16) && scales16_tiles(p0, G);
   const float fz = q16 && p0.offset != nullptr && p0.qparams_bf16 ? -static_cast<float>(1 << (p0.bits - 1)) : 0.f;
   const float f = scale_only ? f0 : fz;
@@ -717,8 +657,14 @@ void gemv_path(const Ctx* cs, int64_t count) {
       float* y = pr.y + m0 * pr.ldy + r0;
       const float* ubm = ub.empty() ? nullptr : ub.data() + m0 * 2 * c.U;
 #if AQ_X_DIGITS
-      if constexpr (B == 4) if (digits) {
-        const auto run = [&](const auto& qp) { gemv_digits(pan, cnt, qp, xd, xsm, G, pr.group_size, y, rows, pfm); };
+      if constexpr (digits_width(B)) if (digits) {
+        const auto run = [&](const auto& qp) { gemv_digits<B>(pan, cnt, qp, xd, xsm, G, pr.group_size, y, rows, pfm); };
+        if constexpr (B <= 6) {
+          if (kq) {
+            run(KqQp<B>{scT, mnT, kdT, lds});
+            continue;
+          }
+        }
         if (!q16) run(TileQp<const float*>{sT, oT, lds});
         else if (pr.qparams_bf16) run(TileQp<Tile16<false>>{{sT16}, {oT16}, lds});
         else run(TileQp<Tile16<true>>{{sT16}, {oT16}, lds});

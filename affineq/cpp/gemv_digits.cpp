@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "amx.h"
+#include "decode.h"
 #include "gemv_groups.h"
 
 namespace affineq::detail {
@@ -15,8 +16,9 @@ bool use_x_digits(const LowbitProblem& p) {
 #if AQ_X_DIGITS
   // AMX Xeons only, where vpdpbusd outruns the FMA GEMV's decode (benchmarks/README.md, kernel design
   // measurements); other CPUs keep split_x3, measured on the Zen 5. At 2 rows it lost to the FMA GEMV.
-  return p.m == 1 && p.x_bf16 == nullptr && p.y_bf16 == nullptr && !p.y_bf16_values && p.bits == 4 &&
-         p.codes == kCodesUint && p.qparams_kquant == 0 && !p.qparams_e8m0 && p.group_size % 8 == 0 && amx_cpu();
+  return p.m == 1 && p.x_bf16 == nullptr && p.y_bf16 == nullptr && !p.y_bf16_values && digits_width(p.bits) &&
+         p.codes == kCodesUint && (p.qparams_kquant == 0 || p.qparams_kquant == p.bits) && !p.qparams_e8m0 &&
+         p.group_size % 8 == 0 && amx_cpu();
 #else
   (void)p;
   return false;
@@ -30,7 +32,8 @@ int64_t digit_block(int64_t gs) {
 }
 
 #if AQ_X_DIGITS
-bool x_digits(const float* x, int64_t K8, int64_t kb, XDigits& xd) {
+bool x_digits(const float* x, int64_t K8, int64_t kb, int B, XDigits& xd) {
+  const int32_t bias = 1 << (B - 1);
   const int64_t nb = K8 / kb;
   xd.K8 = K8, xd.kb = kb, xd.nb = nb;
   xd.d.resize(static_cast<size_t>(4 * K8));
@@ -74,22 +77,38 @@ bool x_digits(const float* x, int64_t K8, int64_t kb, XDigits& xd) {
     int32_t S[4];
     for (int t = 0; t < 4; ++t) S[t] = _mm512_reduce_add_epi32(sum[t]);
     xd.fx[b] = std::ldexp(1.f, e - 30);
-    xd.c_hi[b] = 8 * (256 * S[3] + S[2]);
-    xd.c_lo[b] = 8 * (256 * S[1] + S[0]);
+    xd.c_hi[b] = bias * (256 * S[3] + S[2]);
+    xd.c_lo[b] = bias * (256 * S[1] + S[0]);
   }
   return true;
 }
 
 namespace {
 
-// NP panels: per digit block, four int32 sums (one per digit) per panel, then the block's sum of (u - 8) x in fp32
-// into the group's accumulator; for_groups / add_group apply the qparams.
-template <int NP, class QP>
+// A unit's codes as the VNNI operands of its 16 rows: the codes of its even k and of its odd k (4 per int32 lane).
+template <int B>
+AQ_INLINE void unit_quads(const uint8_t* unit, __m512i idx, __m512i& even, __m512i& odd) {
+  if constexpr (B == 4) {
+    const __m512i w = _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(unit)), lo4 = _mm512_set1_epi8(15);
+    even = _mm512_and_si512(w, lo4);
+    odd = _mm512_and_si512(_mm512_srli_epi16(w, 4), lo4);
+  } else {  // the planes joined into bytes, k = 2 s + h of row j at byte 16 s + j of z[h]
+    __m512i z[2];
+    combine_planes_vbmi<B, 0, false>(unit, z);
+    even = _mm512_permutexvar_epi8(idx, z[0]);
+    odd = _mm512_permutexvar_epi8(idx, z[1]);
+  }
+}
+
+// NP panels: per digit block, four int32 sums (one per digit) per panel, then the block's sum of (u - 2^(B-1)) x
+// in fp32 into the group's accumulator; for_groups / add_group (or KqQp) apply the qparams.
+template <int B, int NP, class QP>
 void tile(const uint8_t* const* pan, const QP& qp, const XDigits& xd, const float* xs, int64_t G, int64_t upg,
           float* y, int64_t nvalid, const NextItemPrefetch* pf) {
   const int64_t upb = xd.kb / 8, K8 = xd.K8;
   const int8_t* dx = xd.d.data();
-  const __m512i idx = quad_index(), lo4 = _mm512_set1_epi8(15);
+  constexpr int64_t kUnit = 16 * B;  // bytes of a unit: 8 k x 16 rows
+  const __m512i idx = quad_index();
   F16 tot[1][NP];
   for_groups<1, NP, 1>(tot, qp, xs, G, pf, [&](int64_t g, F16 (&acc)[1][NP][1]) AQ_INLINE_LAMBDA {
     for (int64_t u0 = g * upg, ue = u0 + upg; u0 < ue; u0 += upb) {
@@ -98,13 +117,12 @@ void tile(const uint8_t* const* pan, const QP& qp, const XDigits& xd, const floa
       for (int64_t u = u0; u < u0 + upb; ++u) {
         sfor<NP>([&](auto P_) {
           constexpr int p = AQ_CV(P_);
-          const uint8_t* unit = pan[p] + 64 * u;
+          const uint8_t* unit = pan[p] + kUnit * u;
 #if defined(__GNUC__)
-          __builtin_prefetch(unit + 64 * kPrefetchUnits, 0, 3);
+          for (int64_t l = 0; l < kUnit; l += 64) __builtin_prefetch(unit + kUnit * kPrefetchUnits + l, 0, 3);
 #endif
-          // the VNNI operands of 16 rows: their codes of the unit's even k and of its odd k
-          const __m512i w = _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(unit));
-          const __m512i even = _mm512_and_si512(w, lo4), odd = _mm512_and_si512(_mm512_srli_epi16(w, 4), lo4);
+          __m512i even, odd;
+          unit_quads<B>(unit, idx, even, odd);
           sfor<4>([&](auto I_) {
             constexpr int i = AQ_CV(I_);
             int32_t qe, qo;
@@ -137,26 +155,36 @@ void tile(const uint8_t* const* pan, const QP& qp, const XDigits& xd, const floa
 
 }  // namespace
 
-template <class QP>
+template <int B, class QP>
 void gemv_digits(const uint8_t* const* pan, int64_t cnt, const QP& qp, const XDigits& xd, const float* xs, int64_t G,
                  int64_t gs, float* y, int64_t nvalid, const NextItemPrefetch* pf) {
   // 4 panels per tile (16 int32 sums in registers), the leftover panels one by one
   const int64_t step = cnt % 4 == 0 ? 4 : 1;
   for (int64_t q = 0; q < cnt; q += step) {
-    const auto run = step == 4 ? &tile<4, QP> : &tile<1, QP>;
+    const auto run = step == 4 ? &tile<B, 4, QP> : &tile<B, 1, QP>;
     run(pan + q, qp.shifted(q), xd, xs, G, gs / 8, y + 16 * q, nvalid - 16 * q, q == 0 ? pf : nullptr);
   }
 }
 
-#define AQ_DIGITS(QP)                                                                                          \
-  template void gemv_digits<QP>(const uint8_t* const*, int64_t, const QP&, const XDigits&, const float*, int64_t, \
-                                int64_t, float*, int64_t, const NextItemPrefetch*);
-AQ_DIGITS(TileQp<const float*>)
-AQ_DIGITS(TileQp<Tile16<false>>)
-AQ_DIGITS(TileQp<Tile16<true>>)
+#define AQ_DIGITS(B, QP)                                                                                        \
+  template void gemv_digits<B, QP>(const uint8_t* const*, int64_t, const QP&, const XDigits&, const float*,      \
+                                   int64_t, int64_t, float*, int64_t, const NextItemPrefetch*);
+#define AQ_DIGITS_WIDTH(B)              \
+  AQ_DIGITS(B, TileQp<const float*>)    \
+  AQ_DIGITS(B, TileQp<Tile16<false>>)   \
+  AQ_DIGITS(B, TileQp<Tile16<true>>)
+AQ_DIGITS_WIDTH(3)
+AQ_DIGITS_WIDTH(4)
+AQ_DIGITS_WIDTH(5)
+AQ_DIGITS_WIDTH(6)
+AQ_DIGITS(3, KqQp<3>)
+AQ_DIGITS(4, KqQp<4>)
+AQ_DIGITS(5, KqQp<5>)
+AQ_DIGITS(6, KqQp<6>)
+#undef AQ_DIGITS_WIDTH
 #undef AQ_DIGITS
 #else
-bool x_digits(const float*, int64_t, int64_t, XDigits&) { return false; }
+bool x_digits(const float*, int64_t, int64_t, int, XDigits&) { return false; }
 #endif  // AQ_X_DIGITS
 
 }  // namespace affineq::detail

@@ -1,15 +1,16 @@
-// Path 1's GEMV for one row of fp32 x against 4-bit integer codes on AMX Xeons, on integer digits of x
-// (gemv_digits.cpp; gemv.cpp's gemv_path runs it). Per block of kb k, x = fx * q with fx = 2^(e - 30) a power of
-// two (|x| < 2^e over the block) and q = round(x / fx) an integer of at most 30 bits, written as four signed
-// bytes, q = d0 + 2^8 d1 + 2^16 d2 + 2^24 d3. VNNI u8 x s8 dot products (vpdpbusd: 4 MACs per int32 lane) sum the
-// codes' products with each digit exactly in int32, and per block
-//     sum_k (u_k - 8) x_k = fx * (2^16 (2^8 D3 + D2 - c_hi) + (2^8 D1 + D0 - c_lo)),   D_i = sum_k u_k d_i,k,
-// where c_hi = 8 (2^8 S3 + S2) and c_lo = 8 (2^8 S1 + S0) take the bias off with the digits' sums S_i (integers,
-// exact). Numerics: fx * q is x exactly for every element within 2^7 of the block's largest (and for subnormals:
-// fx >= 2^-149); smaller ones are rounded to a multiple of fx, an error of at most 2^-31 of the block's bound 2^e.
-// The block's sum is formed in fp32 from the two exact int32 halves (two roundings), then scaled and added per
-// group as the FMA GEMV adds its groups. Four dot products per 16 rows x 4 k replace the FMA GEMV's decode
-// (vpermb, shift, vcvtdq2ps) and FMA per k.
+// Path 1's GEMV for one row of fp32 x against 3- to 6-bit integer codes (k-quants' too) on AMX Xeons, on
+// integer digits of x (gemv_digits.cpp; gemv.cpp's gemv_path runs it). Per block of kb k, x = fx * q with
+// fx = 2^(e - 30) a power of two (|x| < 2^e over the block) and q = round(x / fx) an integer of at most 30 bits,
+// written as four signed bytes, q = d0 + 2^8 d1 + 2^16 d2 + 2^24 d3. VNNI u8 x s8 dot products (vpdpbusd: 4 MACs
+// per int32 lane) sum the codes' products with each digit exactly in int32, and per block
+//     sum_k (u_k - 2^(B-1)) x_k = fx * (2^16 (2^8 D3 + D2 - c_hi) + (2^8 D1 + D0 - c_lo)),   D_i = sum_k u_k d_i,k,
+// where c_hi = 2^(B-1) (2^8 S3 + S2) and c_lo = 2^(B-1) (2^8 S1 + S0) take the bias off with the digits' sums S_i
+// (integers, exact). Numerics: fx * q is x exactly for every element within 2^7 of the block's largest (and for
+// subnormals: fx >= 2^-149); smaller ones are rounded to a multiple of fx, an error of at most 2^-31 of the
+// block's bound 2^e. The block's sum is formed in fp32 from the two exact int32 halves (two roundings), then
+// scaled and added per group as the FMA GEMV adds its groups. Four dot products per 16 rows x 4 k replace the FMA
+// GEMV's decode (vpermb, shift, vcvtdq2ps) and FMA per k; the codes of a unit are gathered as the biased decoder
+// gathers them (combine_planes_vbmi), then into VNNI lanes.
 #pragma once
 
 #include <cstdint>
@@ -25,6 +26,10 @@
 
 namespace affineq::detail {
 
+// The code widths the digits serve: those combine_planes_vbmi joins into bytes (decode.h) but 7 bits, whose
+// unit decode left them slower than the biased FMA GEMV (benchmarks/README.md, kernel design measurements).
+constexpr bool digits_width(int B) { return B >= 3 && B <= 6; }
+
 // x's digits for the tiles: d [4][K8] (digit i of x[k] at d[i K8 + k'], with each unit of 8 k in the order the
 // tiles read its codes: k 0 2 4 6 1 3 5 7); per block b (of nb): fx, c_hi and c_lo.
 struct XDigits {
@@ -34,20 +39,21 @@ struct XDigits {
   std::vector<int32_t> c_hi, c_lo;
 };
 
-// Whether p (one row of fp32 x, 4-bit integer codes, fp32 / 16-bit qparams) takes the digits on this build and
-// CPU.
+// Whether p (one row of fp32 x, integer codes of a digits_width: fp32 / 16-bit qparams or a k-quant's) takes the
+// digits on this build and CPU.
 bool use_x_digits(const LowbitProblem& p);
 // k per digit block for groups of gs (gs % 8 == 0): the group, or a divisor of it of at most 512 k, so that the
-// int32 halves cannot overflow: |2^8 D_odd + D_even| < 2^8 * 15 * 128 * 512 * 1.01 < 2^28, |c_hi|, |c_lo| < 2^27.
+// int32 halves cannot overflow: |2^8 D_odd + D_even| <= 2^8 * 63 * 128 * 512 * 1.01 < 2^30, |c_hi|, |c_lo| < 2^29.
 int64_t digit_block(int64_t gs);
-// One row x [K8] as digits in blocks of kb k; false (xd then meaningless) when x holds inf or NaN, or a block
-// reaches 2^100 (its scaled halves could overflow fp32 before the scale brings them back).
-bool x_digits(const float* x, int64_t K8, int64_t kb, XDigits& xd);
+// One row x [K8] as digits in blocks of kb k, for B-bit codes (c_hi / c_lo); false (xd then meaningless) when x
+// holds inf or NaN, or a block reaches 2^100 (its scaled halves could overflow fp32 before the scale brings them
+// back).
+bool x_digits(const float* x, int64_t K8, int64_t kb, int B, XDigits& xd);
 
-// y[0 .. nvalid) = x @ W^T for `cnt` 16-row panels (pan: their 4-bit units, 64 bytes per 8 k) with their qparams
-// qp (TileQp, gemv_groups.h) and gemv_path's group sums xs [2][G] (xs_a = (8 + f) * sum(x): the codes' bias and
-// the offset folded on the scale, see add_group).
-template <class QP>
+// y[0 .. nvalid) = x @ W^T for `cnt` 16-row panels (pan: their B-bit units, 16 B bytes per 8 k) with their
+// qparams qp (TileQp or KqQp<B>, gemv_groups.h) and gemv_path's group sums xs [2][G] (xs_a = (2^(B-1) + f) *
+// sum(x): the codes' bias and the offset folded on the scale, see add_group).
+template <int B, class QP>
 void gemv_digits(const uint8_t* const* pan, int64_t cnt, const QP& qp, const XDigits& xd, const float* xs, int64_t G,
                  int64_t gs, float* y, int64_t nvalid, const NextItemPrefetch* pf);
 

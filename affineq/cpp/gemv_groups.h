@@ -1,6 +1,7 @@
-// The fp32 GEMVs' per-group accumulation (gemv.cpp, gemv_digits.cpp): the qparam tiles of a work item as the
-// tiles read them, add_group (one group's dot products times its scale, plus the offset term) and for_groups (the
-// loop over a tile's groups). Templates and always-inlined functions only.
+// The fp32 GEMVs' per-group accumulation (gemv.cpp, gemv_digits.cpp): the qparams of a work item as the tiles
+// read them (TileQp: fp32 or 16-bit transposed tiles; KqQp: k-quant sub-scale bytes), add_group (one group's dot
+// products times its scale, plus the offset term) and for_groups (the loop over a tile's groups). Templates and
+// always-inlined functions only.
 #pragma once
 
 #include <cstdint>
@@ -65,6 +66,69 @@ AQ_INLINE void add_group(F16 (&tot)[MR][P], const F16 (&acc)[MR][P][A], const QP
     });
   });
 }
+
+// k-quant qparams from load_kq_qparams' byte tiles (kquant_decode.h's formulas), applied per super-block of kBlock
+// groups: the integer sub-scales per group, d once per super-block,
+//     tot += d * sum_j sc_j * (acc_j + xs_a_j)   and   tot += -dmin * sum_j m_j * xs_j  (offsets(), ahead of the
+// codes: they depend on x alone). q3_k / q6_k have no offsets of their own (-4 / -32 x the scale: on xs_a).
+template <int KIND>
+struct KqQp {
+  static constexpr int64_t kBlock = kSuperBlock / kq_group(KIND), kNs = kq_supers(KIND);
+  static constexpr bool kMins = KIND == 2 || KIND == 4 || KIND == 5;
+  const uint8_t *sc, *mn;
+  const float* d;  // [super-block][d, -dmin][lds]
+  int64_t lds;
+  KqQp shifted(int64_t q) const { return {sc + 16 * q, mn + 16 * q, d + 16 * q, lds}; }
+  AQ_INLINE F16 sup(int64_t g, int p, int s) const { return fload(d + (g / kBlock * kNs + s) * lds + 16 * p); }
+  AQ_INLINE F16 sub_scale(int64_t g, int p) const {
+    const uint8_t* b = sc + g * lds + 16 * p;
+    if constexpr (KIND == 3 || KIND == 6) return i2f(ld_s8x16(reinterpret_cast<const int8_t*>(b)));
+    else if constexpr (KIND == 2) return i2f(iand(ld_u8x16(b), 15));
+    else return i2f(ld_u8x16(b));
+  }
+  // tot[m][p] = -sum_b dmin_b * sum_j m_bj * xs[m][j] (tot is zero before).
+  template <int MR, int P>
+  AQ_INLINE void offsets(F16 (&tot)[MR][P], const float* xs, int64_t G) const {
+    if constexpr (kMins) {
+      sfor<P>([&](auto P_) {
+        constexpr int p = AQ_CV(P_);
+        for (int64_t g0 = 0; g0 < G; g0 += kBlock) {
+          F16 t[MR];
+          sfor<MR>([&](auto M_) { t[AQ_CV(M_)] = fzero(); });
+          for (int64_t g = g0; g < g0 + kBlock; ++g) {
+            const uint8_t* b = (KIND == 2 ? sc : mn) + g * lds + 16 * p;
+            const F16 m = i2f(KIND == 2 ? isrl<4>(ld_u8x16(b)) : ld_u8x16(b));
+            sfor<MR>([&](auto M_) { t[AQ_CV(M_)] = ffma(m, fset1(xs[2 * G * AQ_CV(M_) + g]), t[AQ_CV(M_)]); });
+          }
+          const F16 ndmin = sup(g0, p, 1);
+          sfor<MR>([&](auto M_) { tot[AQ_CV(M_)][p] = ffma(ndmin, t[AQ_CV(M_)], tot[AQ_CV(M_)][p]); });
+        }
+      });
+    }
+  }
+  // tb[m][p] += sc_g * (sum_a acc[m][p][a] + xs_a): group g within its super-block.
+  template <int MR, int P, int A>
+  AQ_INLINE void add(F16 (&tb)[MR][P], const F16 (&acc)[MR][P][A], const float* xs, int64_t G, int64_t g) const {
+    sfor<P>([&](auto P_) {
+      constexpr int p = AQ_CV(P_);
+      const F16 s = sub_scale(g, p);
+      sfor<MR>([&](auto M_) {
+        constexpr int m = AQ_CV(M_);
+        F16 a = acc[m][p][0];
+        sfor<A - 1>([&](auto A_) { a = fadd(a, acc[m][p][AQ_CV(A_) + 1]); });
+        tb[m][p] = ffma(s, fadd(a, fset1(xs[2 * G * m + G + g])), tb[m][p]);
+      });
+    });
+  }
+  // tot[m][p] += d * tb[m][p] for the super-block from group g0.
+  template <int MR, int P>
+  AQ_INLINE void finish(F16 (&tot)[MR][P], const F16 (&tb)[MR][P], int64_t g0) const {
+    sfor<P>([&](auto P_) {
+      const F16 dv = sup(g0, AQ_CV(P_), 0);
+      sfor<MR>([&](auto M_) { tot[AQ_CV(M_)][AQ_CV(P_)] = ffma(dv, tb[AQ_CV(M_)][AQ_CV(P_)], tot[AQ_CV(M_)][AQ_CV(P_)]); });
+    });
+  }
+};
 
 // tot = the tile's result: body(g, acc) sums group g's dot products into acc (zeroed for it), and qp's rule adds
 // them up: per group (add_group), or per super-block (KqQp).
