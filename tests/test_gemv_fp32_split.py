@@ -140,13 +140,13 @@ def test_digits_keep_subnormal_x_exact() -> None:
     assert bool((out.double() == float(j.sum()) * 2.0**-140).all())
 
 
-@pytest.mark.parametrize("bits", [3, 5, 6, 7])
+@pytest.mark.parametrize("bits", [2, 3, 5, 6, 7])
 @pytest.mark.parametrize("qparams", ["fp32", "bf16"])
 @pytest.mark.parametrize("n,k,gs", [(37, 96, 32), (129, 384, 128), (48, 4096, 4096)])
 def test_other_widths_one_row_within_fp32_rounding(n: int, k: int, gs: int, qparams: str, bits: int) -> None:
-    # one row of fp32 x against 3- to 7-bit codes: the digits GEMV on AMX Xeons for 3-6 bits (the codes' bias
-    # 2^(bits-1)), within the 4-bit cases' bound; elsewhere, and 7 bits, the biased FMA GEMV, whose bias leaves per
-    # group (measured up to 6.5 ulps)
+    # one row of fp32 x against 2- to 7-bit codes: the digits GEMV on AMX Xeons for 2-6 bits (the codes' bias
+    # 2^(bits-1)), within the 4-bit cases' bound; elsewhere, and 7 bits, the FMA GEMV (biased for 3, 5, 6, 7 bits,
+    # the bias leaving per group: measured up to 6.5 ulps)
     if not K.is_available():
         pytest.skip(f"C++ kernels unavailable: {K.unavailable_reason()}")
     g = torch.Generator().manual_seed(n + bits)
@@ -171,7 +171,7 @@ def test_other_widths_one_row_within_fp32_rounding(n: int, k: int, gs: int, qpar
 
 
 @pytest.mark.skipif(not AMX_DIGITS, reason=_NO_DIGITS)
-@pytest.mark.parametrize("bits", [3, 5, 6])
+@pytest.mark.parametrize("bits", [2, 3, 5, 6])
 def test_digits_sum_each_block_exactly_other_widths(bits: int) -> None:
     # W = 1 exactly: codes 2^(bits-1) + 1, bf16 scale 1 and zero 0 (the bias leaves exactly)
     n, k, gs = 32, 1024, 128

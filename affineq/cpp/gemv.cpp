@@ -485,7 +485,7 @@ void gemv_path(const Ctx* cs, int64_t count) {
   // then x is read as bf16 only (xb), and y may be bf16 (y_bf16); 4-bit integer codes alone (B == 4)
   const bool b4 = B == 4 && (use_b4bf16(p0) || split);
   const bool bw = use_bf16w(p0);             // likewise
-  // One row of fp32 x against 3- to 6-bit integer codes on AMX Xeons: x as integer digits through VNNI
+  // One row of fp32 x against 2- to 6-bit integer codes on AMX Xeons: x as integer digits through VNNI
   // (gemv_digits.h)
   XDigits xd;
   const bool digits = digits_width(B) && !b4 && use_x_digits(p0) &&

@@ -3,6 +3,7 @@
 #include "gemv_digits.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 
@@ -88,7 +89,31 @@ namespace {
 // A unit's codes as the VNNI operands of its 16 rows: the codes of its even k and of its odd k (4 per int32 lane).
 template <int B>
 AQ_INLINE void unit_quads(const uint8_t* unit, __m512i idx, __m512i& even, __m512i& odd) {
-  if constexpr (B == 4) {
+  if constexpr (B == 2) {
+    // slot s (16 bytes) holds k = 4 s + t in bits 2 t of row j's byte: lane j gathers (slot 0, slot 0, slot 1,
+    // slot 1) of its row, and vpmultishiftqb takes each byte's field (k 0 2 4 6: bits 0 4 0 4; k 1 3 5 7: 2 6 2 6)
+    alignas(64) static constexpr auto kIdx = [] {
+      std::array<uint8_t, 64> a{};
+      for (int j = 0; j < 16; ++j)
+        for (int i = 0; i < 4; ++i) a[4 * j + i] = static_cast<uint8_t>(16 * (i / 2) + j);
+      return a;
+    }();
+    alignas(64) static constexpr auto kShift = [] {
+      std::array<uint8_t, 128> a{};  // [even, odd][byte]: the field's bit in the byte's qword
+      for (int b = 0; b < 64; ++b) {
+        a[b] = static_cast<uint8_t>(8 * (b % 8) + 4 * (b % 2));
+        a[64 + b] = static_cast<uint8_t>(8 * (b % 8) + 4 * (b % 2) + 2);
+      }
+      return a;
+    }();
+    const __m512i g = _mm512_permutexvar_epi8(_mm512_load_si512(kIdx.data()),
+                                              _mm512_castsi256_si512(_mm256_loadu_si256(
+                                                  reinterpret_cast<const __m256i*>(unit))));
+    const __m512i m2 = _mm512_set1_epi8(3);
+    even = _mm512_and_si512(_mm512_multishift_epi64_epi8(_mm512_load_si512(kShift.data()), g), m2);
+    odd = _mm512_and_si512(_mm512_multishift_epi64_epi8(_mm512_load_si512(kShift.data() + 64), g), m2);
+    (void)idx;
+  } else if constexpr (B == 4) {
     const __m512i w = _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(unit)), lo4 = _mm512_set1_epi8(15);
     even = _mm512_and_si512(w, lo4);
     odd = _mm512_and_si512(_mm512_srli_epi16(w, 4), lo4);
@@ -173,10 +198,12 @@ void gemv_digits(const uint8_t* const* pan, int64_t cnt, const QP& qp, const XDi
   AQ_DIGITS(B, TileQp<const float*>)    \
   AQ_DIGITS(B, TileQp<Tile16<false>>)   \
   AQ_DIGITS(B, TileQp<Tile16<true>>)
+AQ_DIGITS_WIDTH(2)
 AQ_DIGITS_WIDTH(3)
 AQ_DIGITS_WIDTH(4)
 AQ_DIGITS_WIDTH(5)
 AQ_DIGITS_WIDTH(6)
+AQ_DIGITS(2, KqQp<2>)
 AQ_DIGITS(3, KqQp<3>)
 AQ_DIGITS(4, KqQp<4>)
 AQ_DIGITS(5, KqQp<5>)

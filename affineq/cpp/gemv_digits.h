@@ -1,4 +1,4 @@
-// Path 1's GEMV for one row of fp32 x against 3- to 6-bit integer codes (k-quants' too) on AMX Xeons, on
+// Path 1's GEMV for one row of fp32 x against 2- to 6-bit integer codes (k-quants' too) on AMX Xeons, on
 // integer digits of x (gemv_digits.cpp; gemv.cpp's gemv_path runs it). Per block of kb k, x = fx * q with
 // fx = 2^(e - 30) a power of two (|x| < 2^e over the block) and q = round(x / fx) an integer of at most 30 bits,
 // written as four signed bytes, q = d0 + 2^8 d1 + 2^16 d2 + 2^24 d3. VNNI u8 x s8 dot products (vpdpbusd: 4 MACs
@@ -26,9 +26,10 @@
 
 namespace affineq::detail {
 
-// The code widths the digits serve: those combine_planes_vbmi joins into bytes (decode.h) but 7 bits, whose
-// unit decode left them slower than the biased FMA GEMV (benchmarks/README.md, kernel design measurements).
-constexpr bool digits_width(int B) { return B >= 3 && B <= 6; }
+// The code widths the digits serve: 2-bit codes (their fields picked by vpmultishiftqb), and those
+// combine_planes_vbmi joins into bytes (decode.h) but 7 bits, whose unit decode left them slower than the biased
+// FMA GEMV (benchmarks/README.md, kernel design measurements).
+constexpr bool digits_width(int B) { return B >= 2 && B <= 6; }
 
 // x's digits for the tiles: d [4][K8] (digit i of x[k] at d[i K8 + k'], with each unit of 8 k in the order the
 // tiles read its codes: k 0 2 4 6 1 3 5 7); per block b (of nb): fx, c_hi and c_lo.
