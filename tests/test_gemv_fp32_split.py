@@ -18,27 +18,27 @@ from affineq.tensor.compute_bound import cpu_kind
 EPS32 = 2.0**-24
 
 
-def _problem(n: int, k: int, gs: int, qparams: str, seed: int):
+def _problem(n: int, k: int, gs: int, qparams: str, seed: int, bits: int = 4):
     g = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+    codes = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8, generator=g)
     scale = torch.rand(n, k // gs, generator=g) * 0.02 + 0.005
     zero = 0.01 * torch.randn(n, k // gs, generator=g)
+    mid = 2 ** (bits - 1)
     if qparams in ("fp32", "f16"):  # W = scale * u + offset (f16: GGUF's Q4_1)
-        offset = -8 * scale + zero
+        offset = -mid * scale + zero
         if qparams == "f16":
             scale, offset = scale.half(), offset.half()
         w = codes.double().view(n, -1, gs) * scale.double()[..., None] + offset.double()[..., None]
-        args = (scale, offset)
-    elif qparams == "sym":  # no offset array: W = scale * (u - 8) (GGUF's Q4_0 with f16 scales)
+        args = (scale, offset, bits, gs, n, k)
+    elif qparams == "sym":  # no offset array: W = scale * (u - mid) (GGUF's Q4_0 with f16 scales)
         scale = scale.half()
-        w = (codes.double().view(n, -1, gs) - 8) * scale.double()[..., None]
-        args = (scale, None, 4, gs, n, k, 0, -8)
-        return K.pack_codes(codes, 4), args, w.view(n, k)
-    else:  # bf16 scale and zero: W = scale * (u - 8) + zero
+        w = (codes.double().view(n, -1, gs) - mid) * scale.double()[..., None]
+        args = (scale, None, bits, gs, n, k, 0, -mid)
+    else:  # bf16 scale and zero: W = scale * (u - mid) + zero
         scale, zero = scale.bfloat16(), zero.bfloat16()
-        w = (codes.double().view(n, -1, gs) - 8) * scale.double()[..., None] + zero.double()[..., None]
-        args = (scale, zero)
-    return K.pack_codes(codes, 4), (*args, 4, gs, n, k), w.view(n, k)
+        w = (codes.double().view(n, -1, gs) - mid) * scale.double()[..., None] + zero.double()[..., None]
+        args = (scale, zero, bits, gs, n, k)
+    return K.pack_codes(codes, bits), args, w.view(n, k)
 
 
 # (n, k, gs): a tail panel (37, 300), one item of 4 panels with an odd leftover (129 = 8 panels + 1 row), group
@@ -107,26 +107,28 @@ AMX_DIGITS = K.is_available() and K.kernel_info()["isa"] == "avx512" and cpu_kin
 _NO_DIGITS = "the digits GEMV runs on AMX Xeons only (elsewhere m = 1 takes split_x3 or the FMA GEMV, tested above)"
 
 
-def _ones(n: int, k: int, gs: int, qparams: str) -> tuple:
-    """Op arguments of an n x k weight whose every element is exactly 1 (codes 9, scale 1), with qparams whose
-    bias leaves exactly (bf16: zero 0; sym: no offset array), so y[n] = sum(x) as the tiles sum it."""
-    packed = K.pack_codes(torch.full((n, k), 9, dtype=torch.uint8), 4)
+def _ones(n: int, k: int, gs: int, qparams: str, bits: int = 4) -> tuple:
+    """Op arguments of an n x k weight whose every element is exactly 1 (codes 2^(bits-1) + 1, scale 1), with
+    qparams whose bias leaves exactly (bf16: zero 0; sym: no offset array), so y[n] = sum(x) as the tiles sum it."""
+    mid = 2 ** (bits - 1)
+    packed = K.pack_codes(torch.full((n, k), mid + 1, dtype=torch.uint8), bits)
     scale = torch.ones(n, k // gs)
     if qparams == "bf16":
-        return packed, scale.bfloat16(), torch.zeros(n, k // gs, dtype=torch.bfloat16), 4, gs, n, k
-    return packed, scale.half(), None, 4, gs, n, k, 0, -8
+        return packed, scale.bfloat16(), torch.zeros(n, k // gs, dtype=torch.bfloat16), bits, gs, n, k
+    return packed, scale.half(), None, bits, gs, n, k, 0, -mid
 
 
 @pytest.mark.skipif(not AMX_DIGITS, reason=_NO_DIGITS)
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6])
 @pytest.mark.parametrize("qparams", ["bf16", "sym"])
 @pytest.mark.parametrize("gs", [32, 128, 4096])
-def test_digits_sum_each_block_exactly(gs: int, qparams: str) -> None:
+def test_digits_sum_each_block_exactly(gs: int, qparams: str, bits: int) -> None:
     # 2^24 + 1 - 2^24 in fp32 sums loses the 1; the digits' int32 sums keep it (one block holds all three)
     n, k = 32, 4096
     x = torch.full((1, k), 0.5)
     for b in range(0, k, 64):
         x[0, b:b + 4] = torch.tensor([2.0**24, 1.0, -(2.0**24), 1.0])
-    out = torch.ops.affineq.lowbit_linear(x, *_ones(n, k, gs, qparams))
+    out = torch.ops.affineq.lowbit_linear(x, *_ones(n, k, gs, qparams, bits))
     assert bool((out == x.double().sum()).all()), f"{out[0, :4]} against {float(x.double().sum())}"
 
 
@@ -150,36 +152,13 @@ def test_other_widths_one_row_within_fp32_rounding(n: int, k: int, gs: int, qpar
     # the bias leaving per group: measured up to 6.5 ulps)
     if not K.is_available():
         pytest.skip(f"C++ kernels unavailable: {K.unavailable_reason()}")
-    g = torch.Generator().manual_seed(n + bits)
-    codes = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8, generator=g)
-    scale = torch.rand(n, k // gs, generator=g) * 0.02 + 0.005
-    mid = 2 ** (bits - 1)
-    if qparams == "fp32":
-        offset = -mid * scale + 0.01 * torch.randn(n, k // gs, generator=g)
-        w = codes.double().view(n, -1, gs) * scale.double()[..., None] + offset.double()[..., None]
-    else:
-        scale, offset = scale.bfloat16(), (0.01 * torch.randn(n, k // gs, generator=g)).bfloat16()
-        w = (codes.double().view(n, -1, gs) - mid) * scale.double()[..., None] + offset.double()[..., None]
-    packed = K.pack_codes(codes, bits)
+    packed, qp, w = _problem(n, k, gs, qparams, seed=n + bits, bits=bits)
+    g = torch.Generator().manual_seed(k + bits)
     for mag in (1.0, 1e-30, 1e20):
         x = torch.randn(1, k, generator=g) * mag
-        out = torch.ops.affineq.lowbit_linear(x, packed, scale, offset, bits, gs, n, k)
-        err = (out.double() - x.double() @ w.view(n, k).T).abs()
-        sum_abs = x.double().abs() @ w.view(n, k).abs().T
+        out = torch.ops.affineq.lowbit_linear(x, packed, *qp)
+        err = (out.double() - x.double() @ w.T).abs()
+        sum_abs = x.double().abs() @ w.abs().T
         ulps = 4 if AMX_DIGITS and bits < 7 else 8
         assert bool((err <= ulps * EPS32 * sum_abs).all()), f"{bits} bits {n}x{k} gs={gs} {qparams} |x|~{mag}: " \
             f"{float((err / sum_abs).max() / EPS32):.2f} ulps of sum |x w|"
-
-
-@pytest.mark.skipif(not AMX_DIGITS, reason=_NO_DIGITS)
-@pytest.mark.parametrize("bits", [2, 3, 5, 6])
-def test_digits_sum_each_block_exactly_other_widths(bits: int) -> None:
-    # W = 1 exactly: codes 2^(bits-1) + 1, bf16 scale 1 and zero 0 (the bias leaves exactly)
-    n, k, gs = 32, 1024, 128
-    packed = K.pack_codes(torch.full((n, k), 2 ** (bits - 1) + 1, dtype=torch.uint8), bits)
-    x = torch.full((1, k), 0.5)
-    for b in range(0, k, 64):
-        x[0, b:b + 4] = torch.tensor([2.0**24, 1.0, -(2.0**24), 1.0])
-    qp = torch.ones(n, k // gs, dtype=torch.bfloat16), torch.zeros(n, k // gs, dtype=torch.bfloat16)
-    out = torch.ops.affineq.lowbit_linear(x, packed, *qp, bits, gs, n, k)
-    assert bool((out == x.double().sum()).all())
