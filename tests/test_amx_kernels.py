@@ -81,7 +81,7 @@ def test_amx_path_float_codes(codes: int, bits: int) -> None:
 @pytest.mark.parametrize("threads", [1, 2])
 def test_amx_path_many_rows_and_slices(threads: int) -> None:
     # passes of 512 rows, k cut into slices (1600 -> 544 + 544 + 512), a partial last tile of 32 columns; with 2
-    # threads from 256 rows each thread takes its own rows (513: 288 + 225)
+    # threads from 256 rows each thread takes its own rows (513: 288 + 225) of a narrow weight
     _needs_amx_path()
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -91,6 +91,12 @@ def test_amx_path_many_rows_and_slices(threads: int) -> None:
         for m in (31, 32, 513, 1024):
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(BF16)
             _check_path5(x, packed, scale, offset, 4, gs, n, k, what=f"m={m} threads={threads}")
+        # 66 tiles: several work items per thread (the threads share the tiles), each running every pass of
+        # 1100 rows (3 passes) in turn with the others over 2 k-slices
+        n, k = 2100, 704
+        packed, scale, offset = _weight(8, n, k, gs, seed=5 + threads)
+        x = torch.randn(1100, k, generator=torch.Generator().manual_seed(3)).to(BF16)
+        _check_path5(x, packed, scale, offset, 8, gs, n, k, what=f"items x passes, threads={threads}")
     finally:
         torch.set_num_threads(old)
 

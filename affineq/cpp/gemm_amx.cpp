@@ -127,47 +127,52 @@ void amx_gemm_path(const Ctx& c) {
     at::parallel_for(0, Mp / kAMR, grain_for(kAMR * K), [&](int64_t b0, int64_t b1) {
       pack_a_tiles(pr, M, K, Mp, kcs, b0, b1, xp);
     });
-  // Item `it` of sp (its tiles times its rows) on this worker's tiles; `last` holds a block's sums after its last
-  // slice, on their way to y.
-  const auto run_item = [&](int64_t it, float* last) {
-    const int64_t t0 = sp.tile0(it), nt = sp.tiles(it), mlo = sp.row0(it), mhi = sp.row1(it);
+  // Rows [mc0, mc0 + mc) (one pass, at most kAMC) of item `it` of sp (its tiles) on this worker's tiles; `last`
+  // holds a block's sums after its last slice, on their way to y. A worker runs all its items for one pass before
+  // the next, so consecutive items read the same rows of x (the pass's A tiles, 2 MiB at kAMC rows and k = 2048)
+  // instead of each item sweeping all of x.
+  const auto run_item = [&](int64_t it, int64_t mc0, int64_t mc, float* last) {
+    const int64_t t0 = sp.tile0(it), nt = sp.tiles(it);
     const ItemTiles item(c, code_scale(B), t0, nt);
     const int64_t R = item.R, r0 = item.r0, rows = item.rows;
     const float *sT = item.sT, *oT = item.oT;
     const uint8_t* const* pan = item.pan;
     uint32_t* wb = tl_wbuf.get<uint32_t>(kcs / 2 * TW);
-    const int64_t mcs = row_chunk(mhi - mlo, kAMR, kAMC);
-    for (int64_t mc0 = mlo; mc0 < mhi; mc0 += mcs) {
-      const int64_t mc = std::min(mcs, mhi - mc0), mcp = (mc + kAMR - 1) / kAMR * kAMR;
-      // Sums carried from one slice to the next (none when K fits one slice).
-      float* cbuf = slices > 1 ? tl_cbuf.get<float>(nt * mcp * TW) : nullptr;
-      for (int64_t k0 = 0; k0 < K; k0 += kcs) {
-        const int64_t kc = std::min(kcs, K - k0);
-        const bool final_slice = k0 + kc == K;
-        const uint16_t* xs = xp + (k0 / kcs * (Mp / kAMR) + mc0 / kAMR) * (kcs / 32) * 1024;
-        for (int64_t t = 0; t < nt && t * TW < rows; ++t) {
-          // The next tile's codes (or the next slice's first tile's) are prefetched a unit at a time as this tile's
-          // are decoded: all at once, their ~300 lines filled the line-fill buffers and stalled the decode.
-          const bool more = t + 1 < nt && (t + 1) * TW < rows;
-          dequant_bf16_pairs<B>(pan + 2 * t, sT + t * TW, oT + t * TW, R, kg.data(), k0 / 8, kc / 8, wb,
-                                more ? pan + 2 * (t + 1) : final_slice ? nullptr : pan, (more ? k0 : k0 + kc) / 8);
-          const int64_t c0 = t * TW, n = std::min(TW, rows - c0);
-          for (int64_t m = 0; m < mc; m += kAMR) {
-            float* carried = cbuf == nullptr ? nullptr : cbuf + (t * mcp + m) * TW;
-            amx_block(xs + m / kAMR * (kcs / 32) * 1024, wb, kc / 32, k0 == 0 ? nullptr : carried,
-                      final_slice ? last : carried);
-            if (!final_slice) continue;
-            for (int64_t i = 0; i < std::min(kAMR, mc - m); ++i) {
-              const int64_t yo = (mc0 + m + i) * pr.ldy + r0 + c0;
-              if (pr.y_bf16 == nullptr && !pr.y_bf16_values)
-                std::memcpy(pr.y + yo, last + i * TW, sizeof(float) * n);
-              else
-                store_row_bf16(last + i * TW, n, pr.y_bf16 ? pr.y_bf16 + yo : nullptr, pr.y_bf16 ? nullptr : pr.y + yo);
-            }
+    const int64_t mcp = (mc + kAMR - 1) / kAMR * kAMR;
+    // Sums carried from one slice to the next (none when K fits one slice).
+    float* cbuf = slices > 1 ? tl_cbuf.get<float>(nt * mcp * TW) : nullptr;
+    for (int64_t k0 = 0; k0 < K; k0 += kcs) {
+      const int64_t kc = std::min(kcs, K - k0);
+      const bool final_slice = k0 + kc == K;
+      const uint16_t* xs = xp + (k0 / kcs * (Mp / kAMR) + mc0 / kAMR) * (kcs / 32) * 1024;
+      for (int64_t t = 0; t < nt && t * TW < rows; ++t) {
+        // The next tile's codes (or the next slice's first tile's) are prefetched a unit at a time as this tile's
+        // are decoded: all at once, their ~300 lines filled the line-fill buffers and stalled the decode.
+        const bool more = t + 1 < nt && (t + 1) * TW < rows;
+        dequant_bf16_pairs<B>(pan + 2 * t, sT + t * TW, oT + t * TW, R, kg.data(), k0 / 8, kc / 8, wb,
+                              more ? pan + 2 * (t + 1) : final_slice ? nullptr : pan, (more ? k0 : k0 + kc) / 8);
+        const int64_t c0 = t * TW, n = std::min(TW, rows - c0);
+        for (int64_t m = 0; m < mc; m += kAMR) {
+          float* carried = cbuf == nullptr ? nullptr : cbuf + (t * mcp + m) * TW;
+          amx_block(xs + m / kAMR * (kcs / 32) * 1024, wb, kc / 32, k0 == 0 ? nullptr : carried,
+                    final_slice ? last : carried);
+          if (!final_slice) continue;
+          for (int64_t i = 0; i < std::min(kAMR, mc - m); ++i) {
+            const int64_t yo = (mc0 + m + i) * pr.ldy + r0 + c0;
+            if (pr.y_bf16 == nullptr && !pr.y_bf16_values)
+              std::memcpy(pr.y + yo, last + i * TW, sizeof(float) * n);
+            else
+              store_row_bf16(last + i * TW, n, pr.y_bf16 ? pr.y_bf16 + yo : nullptr, pr.y_bf16 ? nullptr : pr.y + yo);
           }
         }
       }
     }
+  };
+  // Items [i0, i1) (one row part: sp numbers items row-part-major) pass by pass.
+  const auto run_items = [&](int64_t i0, int64_t i1, float* last) {
+    const int64_t mlo = sp.row0(i0), mhi = sp.row1(i0), mcs = row_chunk(mhi - mlo, kAMR, kAMC);
+    for (int64_t mc0 = mlo; mc0 < mhi; mc0 += mcs)
+      for (int64_t it = i0; it < i1; ++it) run_item(it, mc0, std::min(mcs, mhi - mc0), last);
   };
   if (own_rows) {
     at::parallel_for(0, sp.mparts, 1, [&](int64_t p0, int64_t p1) {
@@ -177,14 +182,14 @@ void amx_gemm_path(const Ctx& c) {
         const int64_t m0 = sp.row0(p * sp.nblocks), m1 = sp.row1(p * sp.nblocks);
         if (m0 >= m1) continue;
         pack_a_tiles(pr, M, K, Mp, kcs, m0 / kAMR, (m1 + kAMR - 1) / kAMR, xp);
-        for (int64_t it = p * sp.nblocks; it < (p + 1) * sp.nblocks; ++it) run_item(it, last);
+        run_items(p * sp.nblocks, (p + 1) * sp.nblocks, last);
       }
     });
   } else {
     at::parallel_for(0, sp.items(), 1, [&](int64_t i0, int64_t i1) {
       const TileScope tiles{TileConfig()};
       alignas(64) float last[kAMR * 32];
-      for (int64_t it = i0; it < i1; ++it) run_item(it, last);
+      run_items(i0, i1, last);  // mparts == 1: every item has all M rows
     });
   }
 }
