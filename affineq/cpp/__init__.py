@@ -112,18 +112,15 @@ _FPX_CODES = {CODES_FP4_E2M1: ("fp4_e2m1", 4), CODES_FP6_E2M3: ("fp6_e2m3", 6), 
 _CODE_BITS = {CODES_E4M3: 8, CODES_E5M2: 8, **{k: b for k, (_, b) in _FPX_CODES.items()}}
 
 
+#: codes kind by fp4 / fp6 target name or float8 torch dtype (`codes_kind`: two lookups on every linear call)
+_KIND_OF = {**{fname: kind for kind, (fname, _) in _FPX_CODES.items()}, **{d: kind for kind, d in _FP8_CODES.items()}}
+
+
 def codes_kind(dtype) -> int:
     """The ``codes`` value for codes of ``dtype`` (a torch dtype or an affineq QType): float8, fp4 and fp6 map
     to their kind, integers to CODES_UINT."""
-    name = getattr(dtype, "name", None)
-    for kind, (fname, _) in _FPX_CODES.items():
-        if name == fname:
-            return kind
-    dtype = getattr(dtype, "torch_dtype", dtype)
-    for kind, d in _FP8_CODES.items():
-        if d == dtype:
-            return kind
-    return CODES_UINT
+    kind = _KIND_OF.get(getattr(dtype, "name", None))
+    return kind if kind is not None else _KIND_OF.get(getattr(dtype, "torch_dtype", dtype), CODES_UINT)
 
 
 def code_values(u: torch.Tensor, codes: int) -> torch.Tensor:
@@ -233,10 +230,23 @@ def lowbit_linear_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.
 # --------------------------------------------------------------------------------------------------------
 # Availability
 # --------------------------------------------------------------------------------------------------------
+#: os.environ's own bytes mapping (POSIX), kept in step with it by its setters: one dict lookup per call on the
+#: linear route (`is_available`), where os.environ.get's encode / decode frames cost microseconds with cold caches.
+_ENVIRON_BYTES = getattr(os.environ, "_data", None) if os.name == "posix" else None
+_ENV_DISABLE_BYTES = os.fsencode(_ENV_DISABLE)
+
+
+def _env_disable_value() -> str:
+    if _ENVIRON_BYTES is None:
+        return os.environ.get(_ENV_DISABLE, "")
+    val = _ENVIRON_BYTES.get(_ENV_DISABLE_BYTES)
+    return "" if val is None else os.fsdecode(val)
+
+
 def _disabled_reason() -> str | None:
     if _override is not None:
         return "disabled by affineq.cpp._set_disabled(True)" if _override else None
-    val = os.environ.get(_ENV_DISABLE, "")
+    val = _env_disable_value()
     if val.strip().lower() not in ("", "0", "false", "no", "off"):
         return f"disabled by {_ENV_DISABLE}={val}"
     return None
@@ -272,6 +282,9 @@ def _load() -> str | None:
 
 def is_available() -> bool:
     """True if the C++ kernels are built, loaded and not disabled (builds on first call, then cached)."""
+    if _lib_path is not None and _cpp_disabled_flag is False and _override is not True \
+            and (_override is False or _ENVIRON_BYTES is not None and _ENV_DISABLE_BYTES not in _ENVIRON_BYTES):
+        return True  # loaded, enabled in C++ and not switched off: every linear call asks, so no frames here
     reason = _disabled_reason()
     if reason is None:
         reason = _load()

@@ -84,7 +84,8 @@ def _select_cached(x: torch.Tensor, w, dtype: torch.dtype | None = None) -> tupl
     if torch.compiler.is_compiling():  # traced once anyway; keep dynamo away from the dict
         return select_linear_kernel(probe(), w)
     spec = w.spec
-    key = (id(spec), x.device.type, dtype, _cpp.is_available(), rows_bucket(x))
+    # `x.is_cpu` first: x.device builds a torch.device per call (this runs on every eager linear call)
+    key = (id(spec), "cpu" if x.is_cpu else x.device.type, dtype, _cpp.is_available(), rows_bucket(x))
     hit = _selected.get(key)
     if hit is None or hit[0] is not spec:
         if len(_selected) > 4096:
