@@ -591,11 +591,13 @@ def test_disable_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     bits, n, k, gs = 4, 16, 32, 32
     codes, packed, scale, offset = _problem(bits, n, k, gs)
     x = torch.randn(2, k)
+    K.is_available()  # loads the library where it builds (run alone, nothing else has), so the kill switch meets it
     with K._set_disabled(True):
         assert not K.is_available()
         assert "_set_disabled" in K.unavailable_reason()
-        with pytest.raises(RuntimeError, match="disabled|unavailable"):
-            torch.ops.affineq.lowbit_linear(x, packed, scale, offset, bits, gs, n, k)
+        if K._lib_path is not None:
+            with pytest.raises(RuntimeError, match="disabled|unavailable"):
+                torch.ops.affineq.lowbit_linear(x, packed, scale, offset, bits, gs, n, k)
         assert torch.equal(K.unpack_codes(K.pack_codes(codes, bits), bits, n, k), codes)
         _assert_close(K.lowbit_linear_reference(x, packed, scale, offset, bits, gs, n, k),
                       _exact(x, codes, scale, offset, gs), torch.float32, "reference while disabled")
@@ -608,6 +610,33 @@ def test_disable_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     if K._lib_path is not None:
         assert K.is_available() and K.unavailable_reason() is None
         torch.ops.affineq.lowbit_linear(x, packed, scale, offset, bits, gs, n, k)  # re-enabled in C++ too
+
+
+def test_disable_switch_is_read_on_every_call_once_enabled(monkeypatch: pytest.MonkeyPatch) -> None:
+    # is_available answers from os.environ's bytes mapping once the kernels run enabled: setting, changing and
+    # removing the variable between calls still switches them, on the linear route too
+    if not K.is_available():
+        pytest.skip(f"external: C++ kernels unavailable: {K.unavailable_reason()}")
+    from affineq import Int4WeightOnlyConfig, KernelFallbackWarning, quantize_, record_kernels
+
+    lin = torch.nn.Linear(64, 32, bias=False)
+    quantize_(lin, Int4WeightOnlyConfig(group_size=32))
+    x = torch.randn(2, 64)
+    assert K.is_available() and K.is_available()
+    monkeypatch.setenv("AFFINEQ_DISABLE_CPP_KERNELS", "yes")
+    assert not K.is_available() and "AFFINEQ_DISABLE_CPP_KERNELS=yes" in K.unavailable_reason()
+    with pytest.warns(KernelFallbackWarning), record_kernels() as ran:
+        lin(x)
+    assert "affineq.lowbit_linear" not in ran
+    monkeypatch.setenv("AFFINEQ_DISABLE_CPP_KERNELS", "0")
+    assert K.is_available() and K.is_available()
+    with record_kernels() as ran:
+        lin(x)
+    assert "affineq.lowbit_linear" in ran
+    monkeypatch.setenv("AFFINEQ_DISABLE_CPP_KERNELS", "1")
+    assert not K.is_available()
+    monkeypatch.delenv("AFFINEQ_DISABLE_CPP_KERNELS")
+    assert K.is_available() and K.is_available()
 
 
 def _int8_activation_cases():
