@@ -162,3 +162,23 @@ def test_other_widths_one_row_within_fp32_rounding(n: int, k: int, gs: int, qpar
         ulps = 4 if AMX_DIGITS and bits < 7 else 8
         assert bool((err <= ulps * EPS32 * sum_abs).all()), f"{bits} bits {n}x{k} gs={gs} {qparams} |x|~{mag}: " \
             f"{float((err / sum_abs).max() / EPS32):.2f} ulps of sum |x w|"
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6])
+@pytest.mark.parametrize("n,k,gs", [(512, 1024, 32), (176, 4096, 128), (40, 1024, 64)])
+def test_one_bf16_row_is_its_fp32_rows_result_rounded(n: int, k: int, gs: int, bits: int) -> None:
+    # one row of bf16 x on a weight of 2^19 weights or more takes the digits on AMX Xeons: its values widened
+    # (exact), the fp32 row's digits result rounded to bf16 once, bit for bit; a smaller weight (40 x 1024) and
+    # other CPUs keep the bf16-dot (4-bit) or the FMA GEMV, within a bf16 rounding of the float64 product
+    if not K.is_available():
+        pytest.skip(f"C++ kernels unavailable: {K.unavailable_reason()}")
+    packed, qp, w = _problem(n, k, gs, "bf16", seed=n + bits, bits=bits)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(k + bits)).bfloat16()
+    out = torch.ops.affineq.lowbit_linear(x, packed, *qp)
+    assert out.dtype == torch.bfloat16
+    if AMX_DIGITS and n * k >= 2**19:
+        torch.testing.assert_close(out, torch.ops.affineq.lowbit_linear(x.float(), packed, *qp).bfloat16(), rtol=0,
+                                   atol=0)
+    ref = x.double() @ w.T
+    sum_abs = x.double().abs() @ w.abs().T
+    assert bool(((out.double() - ref).abs() <= 2.0**-8 * ref.abs() + 8 * EPS32 * sum_abs).all())

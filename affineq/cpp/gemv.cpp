@@ -371,9 +371,10 @@ constexpr bool kB4Bf16 = true;
 constexpr bool kB4Bf16 = false;
 #endif
 
-// Whether the 4-bit bf16-dot GEMV serves p (all of its passes: at most 2 rows each): 4-bit integer codes, bf16 x.
+// Whether the 4-bit bf16-dot GEMV serves p (all of its passes: at most 2 rows each): 4-bit integer codes, bf16 x,
+// but one row on the digits (faster where they run: benchmarks/README.md).
 bool use_b4bf16(const LowbitProblem& p) {
-  return kB4Bf16 && p.bits == 4 && p.codes == kCodesUint && p.x_bf16 != nullptr;
+  return kB4Bf16 && p.bits == 4 && p.codes == kCodesUint && p.x_bf16 != nullptr && !use_x_digits(p);
 }
 
 // Whether the bf16-pair GEMV (gemv_tile_bf16w) serves p: bf16 x of kBf16wMinRows rows or more, any width the 4-bit

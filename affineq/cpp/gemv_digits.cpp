@@ -16,8 +16,11 @@ namespace affineq::detail {
 bool use_x_digits(const LowbitProblem& p) {
 #if AQ_X_DIGITS
   // AMX Xeons only, where vpdpbusd outruns the FMA GEMV's decode (benchmarks/README.md, kernel design
-  // measurements); other CPUs keep split_x3, measured on the Zen 5. At 2 rows it lost to the FMA GEMV.
-  return p.m == 1 && p.x_bf16 == nullptr && p.y_bf16 == nullptr && !p.y_bf16_values && digits_width(p.bits) &&
+  // measurements); other CPUs keep split_x3, measured on the Zen 5. At 2 rows it lost to the FMA GEMV. bf16 x
+  // too, on weights of 2^19 weights or more (then not the bf16-dot GEMV, use_b4bf16, which kept up below): the
+  // caller hands it over widened to fp32 (exact) and rounds y.
+  return p.m == 1 && p.y_bf16 == nullptr && !p.y_bf16_values && digits_width(p.bits) &&
+         (p.x_bf16 == nullptr || p.n * p.k >= (int64_t{1} << 19)) &&
          p.codes == kCodesUint && (p.qparams_kquant == 0 || p.qparams_kquant == p.bits) && !p.qparams_e8m0 &&
          p.group_size % 8 == 0 && amx_cpu();
 #else

@@ -181,8 +181,19 @@ at::Tensor run_weight_problems(const at::Tensor& x, std::vector<LowbitProblem> p
       return run_weight_problems(x.to(at::kBFloat16), std::move(ps), path).to(at::kFloat);
   }
   const int64_t K8 = (k + 7) / 8 * 8;
+  // A few rows of bf16 x that a path reads as fp32 (one row on the digits GEMV: decode) are widened here, and y
+  // rounded back below, by loops: aten's casts cost microseconds each, a 576-wide layer's whole GEMV.
+  const bool small_bf16 = xt == at::kBFloat16 && M * K8 <= (int64_t{1} << 14) && x2.is_contiguous();
   // The kernels read whole 8-column units: x is zero-padded to K8 columns instead of special-casing the tail.
   const auto padded = [&](at::ScalarType dt) {
+    if (small_bf16 && dt == at::kFloat) {
+      at::Tensor t = at::empty({M, K8}, x2.options().dtype(at::kFloat));
+      const auto* src = x2.const_data_ptr<at::BFloat16>();
+      float* dst = t.mutable_data_ptr<float>();
+      for (int64_t r = 0; r < M; ++r)
+        for (int64_t c = 0; c < K8; ++c) dst[r * K8 + c] = c < k ? static_cast<float>(src[r * k + c]) : 0.f;
+      return t;
+    }
     if (K8 == k) return x2.to(dt).contiguous();
     at::Tensor t = at::zeros({M, K8}, x2.options().dtype(dt));
     t.narrow(1, 0, k).copy_(x2);
@@ -216,6 +227,13 @@ at::Tensor run_weight_problems(const at::Tensor& x, std::vector<LowbitProblem> p
   }
   std::vector<int64_t> out_sizes = x.sizes().vec();
   out_sizes.back() = n;
+  if (small_bf16 && !y_bf16 && M * n <= (int64_t{1} << 16)) {  // y's fp32 sums rounded as y.to(bf16) rounds them
+    at::Tensor yb = at::empty({M, n}, y.options().dtype(at::kBFloat16));
+    const float* src = y.const_data_ptr<float>();
+    auto* dst = yb.mutable_data_ptr<at::BFloat16>();
+    for (int64_t i = 0; i < M * n; ++i) dst[i] = static_cast<at::BFloat16>(src[i]);
+    return yb.view(out_sizes);
+  }
   return y.to(xt).view(out_sizes);
 }
 
