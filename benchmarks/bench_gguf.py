@@ -19,7 +19,8 @@ a second row with `widen_kquants=True` (the exact dense widening the C++ kernels
 same file and the same prompt ids (llama-cpp-python in its venv, benchmarks/_llama_cpp_row.py). Decode tok/s is
 the definition of bench_decode.py for every engine: (n - 1) / (t_n - t_1) from median times of generating 1 and n
 tokens (llama.cpp: its n - 1 single-token steps timed directly). `match` = common prefix of each row's tokens
-with llama.cpp's. Both engines get `--threads` threads (default: torch's). Writes results/bench_gguf.json.
+with llama.cpp's. Both engines get `--threads` threads (default: torch's). Writes results/bench_gguf.json (`--out`:
+another name, e.g. the AMX Xeon's bench_gguf_amx).
 """
 
 from __future__ import annotations
@@ -181,6 +182,8 @@ def main() -> None:
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--rss-only", action="store_true", help="load and measure memory only (no decoding)")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", default="bench_gguf",
+                   help="results/<out>.json (the AMX Xeon's run: bench_gguf_amx; the Zen 5's: bench_gguf)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--widen", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--ids", default=None, help=argparse.SUPPRESS)
@@ -226,7 +229,7 @@ def main() -> None:
             "tok/s", "vs llama.cpp",
             "match", "prefill_ms"]
     print(table(rows, [c for c in cols if any(c in r for r in rows)]))
-    name = "bench_gguf" + ("_quick" if args.quick else "_rss" if args.rss_only else "")
+    name = args.out + ("_quick" if args.quick else "_rss" if args.rss_only else "")
     print(f"wrote {save_json(name, {'tokens': args.tokens, 'threads': args.threads, 'rows': rows})}")
 
 
