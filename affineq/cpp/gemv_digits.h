@@ -1,5 +1,6 @@
-// Path 1's GEMV for one row of fp32 x against 2- to 6-bit integer codes (k-quants' too) on AMX Xeons, on
-// integer digits of x (gemv_digits.cpp; gemv.cpp's gemv_path runs it). Per block of kb k, x = fx * q with
+// Path 1's GEMV for one row of fp32 x (or of bf16 x, widened exactly by lowbit_ops.cpp's run_weight_problems)
+// against 2- to 6-bit integer codes (k-quants' too) on AMX Xeons, on integer digits of x (gemv_digits.cpp;
+// gemv.cpp's gemv_path runs it). Per block of kb k, x = fx * q with
 // fx = 2^(e - 30) a power of two (|x| < 2^e over the block) and q = round(x / fx) an integer of at most 30 bits,
 // written as four signed bytes, q = d0 + 2^8 d1 + 2^16 d2 + 2^24 d3. VNNI u8 x s8 dot products (vpdpbusd: 4 MACs
 // per int32 lane) sum the codes' products with each digit exactly in int32, and per block
@@ -40,8 +41,8 @@ struct XDigits {
   std::vector<int32_t> c_hi, c_lo;
 };
 
-// Whether p (one row of fp32 x, integer codes of a digits_width: fp32 / 16-bit qparams or a k-quant's) takes the
-// digits on this build and CPU.
+// Whether p (one row of fp32 x, or of bf16 x on weights of 2^19 weights or more; integer codes of a
+// digits_width: fp32 / 16-bit qparams or a k-quant's) takes the digits on this build and CPU.
 bool use_x_digits(const LowbitProblem& p);
 // k per digit block for groups of gs (gs % 8 == 0): the group, or a divisor of it of at most 512 k, so that the
 // int32 halves cannot overflow: |2^8 D_odd + D_even| <= 2^8 * 63 * 128 * 512 * 1.01 < 2^30, |c_hi|, |c_lo| < 2^29.
