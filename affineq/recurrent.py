@@ -71,10 +71,12 @@ _CELL_CODES = {"LSTM": 0, "GRU": 1, "RNN_TANH": 2, "RNN_RELU": 3}
 
 def _fused_ok(gi: torch.Tensor, h: torch.Tensor, w_hh, w_hr) -> bool:
     """Whether `affineq::lowbit_rnn_layer` runs this layer: a `dense` recurrent weight (our kernel's format)
-    with float or dynamic int8 activations, float32 CPU state, no projection, hidden size a multiple of 8,
-    no gradient wanted, and the C++ kernels built. Otherwise the Python loop runs (same math, F.linear)."""
+    with float or dynamic int8 activations (int8 ones not computing in bf16: the kernel quantizes float32 h),
+    float32 CPU state, no projection, hidden size a multiple of 8, no gradient wanted, and the C++ kernels
+    built. Otherwise the Python loop runs (same math, F.linear)."""
     return (isinstance(w_hh, AffineQuantizedTensor) and w_hh.spec.fmt == "dense" and not w_hh.spec.transposed
             and not w_hh.act_tensors and _act_mode(w_hh) is not None and w_hr is None
+            and not (w_hh.spec.compute_dtype is not None and w_hh.spec.act_quant is not None)
             and gi.dtype == h.dtype == torch.float32 and gi.device.type == "cpu" and h.shape[-1] % 8 == 0
             and not (torch.is_grad_enabled() and (gi.requires_grad or h.requires_grad))
             and _cpp.is_available())

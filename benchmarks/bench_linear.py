@@ -81,6 +81,9 @@ CONFIGS = {
     "fp8-e4m3@bf16": Float8WeightOnlyConfig(compute_dtype=torch.bfloat16),
     "mxfp4@bf16": MXWeightOnlyConfig("fp4_e2m1", compute_dtype=torch.bfloat16),
     "fp6-e3m2@bf16": FPxWeightOnlyConfig(3, 2, group_size=32, compute_dtype=torch.bfloat16),
+    # ... and for the configs that quantize activations (the bf16-rounded x quantized as a bf16 input is)
+    "8da4w-g32@bf16": Int8DynamicActivationInt4WeightConfig(group_size=32, compute_dtype=torch.bfloat16),
+    "int8-dyn@bf16": Int8DynamicActivationInt8WeightConfig(compute_dtype=torch.bfloat16),
 }
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]  # (N = out_features, K = in_features)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -88,7 +91,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 COMPUTE_BOUND_SHAPES = [(4096, 4096), (11008, 4096)]
 COMPUTE_BOUND_CONFIGS = ["int4-g128", "int8", "int3-g32", "fp8-e4m3", "mxfp4", "fp6-e3m2", "int8-dyn",
                          "int8-dyn-dense", "8da4w-g32", "int4-g128@bf16", "int8@bf16", "int3-g32@bf16",
-                         "fp8-e4m3@bf16", "mxfp4@bf16", "fp6-e3m2@bf16"]
+                         "fp8-e4m3@bf16", "mxfp4@bf16", "fp6-e3m2@bf16", "8da4w-g32@bf16", "int8-dyn@bf16"]
 
 
 def _linear(n: int, k: int, dtype: torch.dtype) -> nn.Module:

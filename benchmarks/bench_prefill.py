@@ -6,10 +6,11 @@ every config against the best float path, all candidates of one model timed roun
 
 Rows: float32 and bfloat16 (the float paths; "best float" is the faster of the two), torch.ao's
 `quantize_dynamic` (int8, fp32 model), and affineq's configs in two set-ups:
-- `fp32 model, compute bf16`: the float32 model quantized with `compute_dtype=torch.bfloat16` (weight-only configs:
-  float32 activations rounded to bf16 inside each quantized linear; every other op stays float32);
+- `fp32 model, compute bf16`: the float32 model quantized with `compute_dtype=torch.bfloat16` (float32 activations
+  rounded to bf16 inside each quantized linear, then quantized there by the W8A8 configs; every other op stays
+  float32);
 - `bf16 model`: the model cast to bfloat16 first, then quantized (every activation bf16).
-W8A8 configs (int8 dynamic, 8da4w) quantize their activations: their fp32-model row runs float32 activations.
+W8A8 configs (int8 dynamic, 8da4w) also get a `fp32 model` row: float32 activations quantized exactly.
 Accuracy next to speed: SmolLM2 mean KL divergence of the prefill's next-token distributions against the float32
 model, MiniLM cosine of the sentence embeddings against float32. Writes results/bench_prefill.json.
 """
@@ -49,6 +50,7 @@ def _variants(model_name: str) -> dict[str, tuple[str, str]]:
         rows[f"{c} (bf16 model)"] = (c, "bf16")
     for c in W8A8:
         rows[f"{c} (fp32 model)"] = (c, "fp32")
+        rows[f"{c} (fp32 model, compute bf16)"] = (c, "fp32-bf16c")
         rows[f"{c} (bf16 model)"] = (c, "bf16")
     return rows
 
@@ -126,12 +128,13 @@ def main(argv=None) -> None:
     p.add_argument("--budget", type=float, default=3.0, help="seconds per candidate")
     p.add_argument("--quick", action="store_true", help="SmolLM2 only, 64 tokens, int8 and int8-dyn, short timings")
     p.add_argument("--no-save", action="store_true")
+    p.add_argument("--out", default="bench_prefill", help="results/<out>.json")
     args = p.parse_args(argv)
     if args.quick:
         args.model, args.tokens, args.budget, args.configs = ["smollm2"], 64, 0.2, ["int8", "int8-dyn"]
     result = run(args)
     if not args.no_save:
-        print(save_json("bench_prefill_quick" if args.quick else "bench_prefill", result))
+        print(save_json(args.out + "_quick" if args.quick else args.out, result))
 
 
 if __name__ == "__main__":

@@ -205,11 +205,6 @@ def test_refusals_name_the_setting_and_change_nothing():
         Int4WeightOnlyConfig(compute_dtype=torch.float16)
     with pytest.raises(ValueError, match=r"compute_dtype='bf16' must be a dtype or NoneType.*torch.bfloat16"):
         Int8WeightOnlyConfig(compute_dtype="bf16")
-    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 32))
-    snap = snapshot_model(model)
-    with pytest.raises(ValueError, match="compute_dtype=torch.bfloat16 applies to weight-only configs"):
-        quantize_(model, Int8DynamicActivationInt8WeightConfig(compute_dtype=BF16))
-    assert_unchanged(model, snap)
     emb = nn.Sequential(nn.Embedding(16, 32))
     snap = snapshot_model(emb)
     with pytest.raises(ValueError, match="compute_dtype=torch.bfloat16 applies to linear layers"):

@@ -66,6 +66,8 @@ affineq::lowbit_linear_bf16_compute(Tensor x, Tensor packed, Tensor scale, Tenso
     group_size, int n, int k, int codes=0, int code_offset=0) -> Tensor
 affineq::lowbit_linear_int8_act(Tensor x, Tensor packed, Tensor scale, Tensor? offset, int bits, int
     group_size, int n, int k, int codes, int code_offset, bool per_token, int mode, float eps) -> Tensor
+affineq::lowbit_linear_int8_act_bf16_compute(Tensor x, Tensor packed, Tensor scale, Tensor? offset, int bits,
+    int group_size, int n, int k, int codes, int code_offset, bool per_token, int mode, float eps) -> Tensor
 affineq::lowbit_linear_multi(Tensor x, Tensor[] packed, Tensor[] scale, Tensor?[] offset, int bits, int
     group_size, int[] n, int k, int codes=0, int code_offset=0) -> Tensor
 affineq::lowbit_rnn_layer(Tensor gi, int[] batch_sizes, Tensor h0, Tensor? c0, Tensor? bias_hh, Tensor packed,

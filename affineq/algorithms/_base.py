@@ -56,7 +56,7 @@ class AlgorithmConfig(QuantConfig):
                              f"{self.base_config.__name__}; call it, e.g. {self.base_config.__name__}()")
         if self.compute_dtype is not None:  # the base config builds every weight's spec
             raise ValueError(f"{name}.compute_dtype: the base config builds every weight's spec; set compute_dtype "
-                             "there (weight-only bases), e.g. GPTQConfig(Int4WeightOnlyConfig(compute_dtype="
+                             "there, e.g. GPTQConfig(Int4WeightOnlyConfig(compute_dtype="
                              "torch.bfloat16))")
         if self.base_config is None:
             return  # a template: Config(algo_config=...) supplies the base of each layer

@@ -163,13 +163,9 @@ _NO_MATMUL_MODULES = (nn.Embedding, nn.EmbeddingBag, nn.modules.conv._ConvNd)
 
 
 def _spec_with_compute_dtype(config, spec: QuantSpec) -> QuantSpec:
-    """`spec` with `config.compute_dtype` recorded (weight-only configs only)."""
+    """`spec` with `config.compute_dtype` recorded."""
     if config.compute_dtype is None or spec.compute_dtype == config.compute_dtype:
         return spec
-    if spec.act_quant is not None:
-        raise ValueError(f"{type(config).__name__}.compute_dtype={config.compute_dtype} applies to weight-only "
-                         "configs; this one quantizes activations (its kernels compute on the quantized input): "
-                         "leave compute_dtype None")
     return spec.replace(compute_dtype=config.compute_dtype)
 
 
@@ -235,11 +231,13 @@ class QuantConfig:
     `experts_unsupported` to the reason it cannot.
 
     compute_dtype: None (default: a linear computes in its input's dtype; float32 input is exact) or
-    torch.bfloat16, for weight-only configs: a float32 input is rounded to bf16 (round to nearest even), multiplied
-    by the weight dequantized to bf16 with float32 sums, the bf16 result widened back to float32 and the float32
-    bias added; i.e. `F.linear(x.bfloat16(), W.bfloat16()).float() + b`. This runs the bf16 kernels (several times
-    faster at M >= 32 than the exact float32 path). A recurrent module's products (input and recurrent, every
-    step) compute so too. Recorded in each weight's spec, so it survives save / load.
+    torch.bfloat16: a float32 input is rounded to bf16 (round to nearest even) and the linear computes exactly as
+    it does for that bf16 input, the bf16 result widened back to float32 and the float32 bias added. Weight-only
+    configs: the weight dequantized to bf16 with float32 sums, i.e. `F.linear(x.bfloat16(), W.bfloat16()).float()
+    + b`; configs that quantize activations (8da4w, W8A8, static, float8) quantize the bf16-rounded input as they
+    quantize a bf16 input. This runs the bf16 kernels (several times faster at M >= 32 than the exact float32
+    path on AMX Xeons). A recurrent module's products (input and recurrent, every step) compute so too.
+    Recorded in each weight's spec, so it survives save / load.
     """
 
     modules: ClassVar[tuple[type[nn.Module], ...]] = (nn.Linear,)

@@ -49,6 +49,8 @@ bf16 copy of y.
 ``affineq::lowbit_linear_int8_act`` (8da4w's linear on int8-quantized activations): ``lowbit_linear`` of
 ``int8_fake_quant(x)``, bit for bit; where the AMX GEMM runs (bf16 x) each block of x's rows is quantized as it
 is packed into tiles, so no quantized copy of x is written and read back.
+``affineq::lowbit_linear_int8_act_bf16_compute``: the same for ``x.to(torch.bfloat16)``, its result widened to
+float32, bit for bit (a weight whose ``compute_dtype`` is bf16); the AMX GEMM writes the widened values itself.
 
 The C++ library is compiled on first use (see ``_build.py``; every ``*.cpp`` here is one translation unit):
 ``dispatch.cpp`` holds the entry points and the path choice (``path_for``), ``gemv.cpp``, ``gemm_f32.cpp``,
@@ -371,6 +373,12 @@ _lib.define(
     "lowbit_linear_int8_act(Tensor x, Tensor packed, Tensor scale, Tensor? offset, int bits, int group_size, int n,"
     " int k, int codes, int code_offset, bool per_token, int mode, float eps) -> Tensor"
 )
+# lowbit_linear_int8_act(x.to(bf16), ...).to(float32) for float32 x (a weight whose compute_dtype is bf16), bit for
+# bit; where the AMX GEMM runs it writes the bf16 values as float32 itself. Its own op, as lowbit_linear_bf16_compute.
+_lib.define(
+    "lowbit_linear_int8_act_bf16_compute(Tensor x, Tensor packed, Tensor scale, Tensor? offset, int bits,"
+    " int group_size, int n, int k, int codes, int code_offset, bool per_token, int mode, float eps) -> Tensor"
+)
 
 
 # One direction of one recurrent layer over all timesteps (affineq.recurrent): gi [N, G*H] is the input projection
@@ -436,6 +444,13 @@ def _lowbit_linear_fake(x, packed, scale, offset, bits, group_size, n, k, codes=
 def _lowbit_linear_int8_act_fake(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset, per_token,
                                  mode, eps):
     _check_args(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset)
+    return x.new_empty((*x.shape[:-1], n))
+
+
+@torch.library.register_fake("affineq::lowbit_linear_int8_act_bf16_compute", lib=_lib)
+def _lowbit_linear_int8_act_bf16_compute_fake(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset,
+                                              per_token, mode, eps):
+    _check_args(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset, torch.bfloat16)
     return x.new_empty((*x.shape[:-1], n))
 
 

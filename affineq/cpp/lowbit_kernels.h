@@ -18,6 +18,10 @@ struct Int8XQuant {
   int mode;
   float eps;
   float scale, zp;  // all of x's (not per_token)
+  // per_token only: float32 rows [m, ld_f32] that path 5 rounds to bf16 itself before quantizing them (a weight
+  // whose compute_dtype is bf16), read instead of the problem's x_bf16
+  const float* x_f32 = nullptr;
+  int64_t ld_f32 = 0;
 };
 
 struct LowbitProblem {

@@ -160,8 +160,9 @@ void set_weight(LowbitProblem& p, const void* packed, const void* scale, const v
   p.k = k;
 }
 
+// widen_y: bf16 x whose bf16 result is returned as float32 (lowbit_linear_int8_act_bf16_compute's rounded x).
 at::Tensor run_weight_problems(const at::Tensor& x, std::vector<LowbitProblem> ps, int64_t path,
-                               bool bf16_compute = false) {
+                               bool bf16_compute = false, bool widen_y = false) {
   const int64_t k = ps[0].k;
   int64_t n = 0;
   for (const LowbitProblem& p : ps) n += p.n;
@@ -171,7 +172,8 @@ at::Tensor run_weight_problems(const at::Tensor& x, std::vector<LowbitProblem> p
   // float32 x computed in bf16: the bf16 paths read x rounded (one bf16 copy) and write y's bf16 values widened
   // (no bf16 copy of y); any other path runs bf16 x as the caller's x.to(bf16) would, y widened after.
   const bool round_x = bf16_compute && xt == at::kFloat;
-  if (round_x) {
+  const bool widen = round_x || (widen_y && xt == at::kBFloat16);
+  if (widen) {
     static const uint16_t dummy = 0;
     LowbitProblem probe = ps[0];
     probe.m = M;
@@ -210,14 +212,14 @@ at::Tensor run_weight_problems(const at::Tensor& x, std::vector<LowbitProblem> p
   // The bf16 paths read only x_bf16 and write y in bf16 (round_x: its values as fp32): no fp32 copy of x or y for
   // them (the problems share a configuration, so a path).
   const bool bf16_path = lowbit_bf16_io(ps[0], static_cast<int>(path));
-  const bool y_bf16 = bf16_path && !round_x;
+  const bool y_bf16 = bf16_path && !widen;
   const at::Tensor xf = bf16_path ? at::Tensor() : padded(at::kFloat);
   at::Tensor y = at::empty({M, n}, x2.options().dtype(y_bf16 ? at::kBFloat16 : at::kFloat));
   if (M > 0 && n > 0) {
     int64_t col = 0;  // each problem writes its columns of y
     for (LowbitProblem& p : ps) {
       p.x = xf.defined() ? xf.const_data_ptr<float>() : nullptr;
-      p.y_bf16_values = round_x;
+      p.y_bf16_values = widen;
       if (y_bf16) p.y_bf16 = reinterpret_cast<uint16_t*>(y.mutable_data_ptr()) + col;
       else p.y = y.mutable_data_ptr<float>() + col;
       p.ldy = n;
@@ -227,14 +229,14 @@ at::Tensor run_weight_problems(const at::Tensor& x, std::vector<LowbitProblem> p
   }
   std::vector<int64_t> out_sizes = x.sizes().vec();
   out_sizes.back() = n;
-  if (small_bf16 && !y_bf16 && M * n <= (int64_t{1} << 16)) {  // y's fp32 sums rounded as y.to(bf16) rounds them
+  if (small_bf16 && !y_bf16 && !widen && M * n <= (int64_t{1} << 16)) {  // y's fp32 sums rounded as y.to(bf16) rounds them
     at::Tensor yb = at::empty({M, n}, y.options().dtype(at::kBFloat16));
     const float* src = y.const_data_ptr<float>();
     auto* dst = yb.mutable_data_ptr<at::BFloat16>();
     for (int64_t i = 0; i < M * n; ++i) dst[i] = static_cast<at::BFloat16>(src[i]);
     return yb.view(out_sizes);
   }
-  return y.to(xt).view(out_sizes);
+  return (widen ? y : y.to(xt)).view(out_sizes);
 }
 
 at::Tensor run_weight_problem(const at::Tensor& x, LowbitProblem p, int64_t path, bool bf16_compute) {
@@ -332,17 +334,47 @@ at::Tensor lowbit_linear_cpu(const at::Tensor& x, const at::Tensor& packed, cons
 // affineq::lowbit_linear_int8_act: lowbit_linear(int8_fake_quant(x, per_token, mode, eps), ...) bit for bit, for
 // x [..., k]. Where path 5 runs (bf16 x, AMX) the rows are quantized as the GEMM packs them (gemm_amx.cpp): no
 // quantized copy of x is written to memory and read back, and no second op call; elsewhere the two ops in turn.
-at::Tensor lowbit_linear_int8_act_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                                      const std::optional<at::Tensor>& offset, int64_t bits, int64_t group_size,
-                                      int64_t n, int64_t k, int64_t codes, int64_t code_offset, bool per_token,
-                                      int64_t mode, double eps) {
+// bf16_compute (affineq::lowbit_linear_int8_act_bf16_compute): float32 x is rounded to bf16 first and the bf16
+// result returned widened to float32, written so by path 5 itself (no bf16 copy of y).
+at::Tensor int8_act_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                         const std::optional<at::Tensor>& offset, int64_t bits, int64_t group_size, int64_t n,
+                         int64_t k, int64_t codes, int64_t code_offset, bool per_token, int64_t mode, double eps,
+                         bool bf16_compute) {
+  const char* op = bf16_compute ? "affineq::lowbit_linear_int8_act_bf16_compute" : "affineq::lowbit_linear_int8_act";
   check_lowbit_linear(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset);
-  TORCH_CHECK(mode >= 0 && mode <= 2, "affineq::lowbit_linear_int8_act: mode must be an int8_fake_quant mode (0, 1 "
-              "or 2), got ", mode);
-  const at::Tensor x2 = x.reshape({-1, k}).contiguous();
+  TORCH_CHECK(mode >= 0 && mode <= 2, op, ": mode must be an int8_fake_quant mode (0, 1 or 2), got ", mode);
+  TORCH_CHECK(!bf16_compute || x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
+              ": x must be float32 or bfloat16 (it is computed in bfloat16), got ", x.scalar_type());
+  const bool round_x = bf16_compute && x.scalar_type() == at::kFloat;
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = n;
-  if (x.scalar_type() == at::kBFloat16 && x2.size(0) > 0) {
+  if (round_x && per_token) {  // path 5 rounds each float32 row as it quantizes it: no bf16 copy of x or y
+    const at::Tensor xf = x.reshape({-1, k}).contiguous();
+    static const uint16_t dummy = 0;
+    WeightTensors w(packed, scale, offset, code_offset, bits, codes, group_size, n, k);
+    LowbitProblem& p = w.p;
+    p.m = xf.size(0);
+    p.x_bf16 = &dummy;  // the path's input kind; pack_a_tiles reads q.x_f32
+    p.ldx = k;          // path 5: k % 32 == 0
+    p.allow_int16_x = allow_int16_x(at::kBFloat16);
+    if (p.m > 0 && lowbit_path(p) == 5) {
+      Int8XQuant q = int8_x_quant(&dummy, p.m, k, true, static_cast<int>(mode), static_cast<float>(eps));
+      q.x_f32 = xf.const_data_ptr<float>();
+      q.ld_f32 = k;
+      p.x_quant = &q;
+      at::Tensor y = at::empty({p.m, n}, xf.options());
+      if (n > 0) {
+        p.x = nullptr;
+        p.y = y.mutable_data_ptr<float>();
+        p.ldy = n;
+        p.y_bf16_values = true;
+        lowbit_linear_multi_f32(&p, 1, 5);
+      }
+      return y.view(sizes);
+    }
+  }
+  const at::Tensor x2 = round_x ? x.reshape({-1, k}).to(at::kBFloat16).contiguous() : x.reshape({-1, k}).contiguous();
+  if (x2.scalar_type() == at::kBFloat16 && x2.size(0) > 0) {
     WeightTensors w(packed, scale, offset, code_offset, bits, codes, group_size, n, k);
     LowbitProblem& p = w.p;
     const auto* xb = reinterpret_cast<const uint16_t*>(x2.const_data_ptr<at::BFloat16>());
@@ -352,12 +384,29 @@ at::Tensor lowbit_linear_int8_act_cpu(const at::Tensor& x, const at::Tensor& pac
     if (lowbit_path(p) == 5) {
       const Int8XQuant q = int8_x_quant(xb, x2.size(0), k, per_token, static_cast<int>(mode), static_cast<float>(eps));
       p.x_quant = &q;
-      return run_weight_problem(x2, p, 5).view(sizes);
+      return run_weight_problems(x2, {p}, 5, false, round_x).view(sizes);
     }
   }
-  return lowbit_linear_cpu(int8_fake_quant_cpu(x2, per_token, mode, eps), packed, scale, offset, bits, group_size, n,
-                           k, codes, code_offset)
-      .view(sizes);
+  const at::Tensor y = lowbit_linear_cpu(int8_fake_quant_cpu(x2, per_token, mode, eps), packed, scale, offset, bits,
+                                         group_size, n, k, codes, code_offset);
+  return (round_x ? y.to(at::kFloat) : y).view(sizes);
+}
+
+at::Tensor lowbit_linear_int8_act_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                                      const std::optional<at::Tensor>& offset, int64_t bits, int64_t group_size,
+                                      int64_t n, int64_t k, int64_t codes, int64_t code_offset, bool per_token,
+                                      int64_t mode, double eps) {
+  return int8_act_impl(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset, per_token, mode, eps,
+                       false);
+}
+
+at::Tensor lowbit_linear_int8_act_bf16_compute_cpu(const at::Tensor& x, const at::Tensor& packed,
+                                                   const at::Tensor& scale, const std::optional<at::Tensor>& offset,
+                                                   int64_t bits, int64_t group_size, int64_t n, int64_t k,
+                                                   int64_t codes, int64_t code_offset, bool per_token, int64_t mode,
+                                                   double eps) {
+  return int8_act_impl(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset, per_token, mode, eps,
+                       true);
 }
 
 // lowbit_linear for x.to(bf16), widened back to x's dtype: float32 x is rounded and y widened by the bf16 kernels
@@ -496,6 +545,7 @@ TORCH_LIBRARY_IMPL(affineq, CPU, m) {
   m.impl("int8_fake_quant", &affineq::int8_fake_quant_cpu);
   m.impl("int8_codes_linear", &affineq::int8_codes_linear_cpu);
   m.impl("lowbit_linear_int8_act", &affineq::lowbit_linear_int8_act_cpu);
+  m.impl("lowbit_linear_int8_act_bf16_compute", &affineq::lowbit_linear_int8_act_bf16_compute_cpu);
 }
 
 TORCH_LIBRARY_IMPL(affineq, Autograd, m) { m.impl("lowbit_linear", &affineq::lowbit_linear_autograd); }

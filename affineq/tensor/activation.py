@@ -47,6 +47,14 @@ def prepare_input(x: torch.Tensor, w) -> torch.Tensor:
 range_reduce: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("affineq_range_reduce", default=None)
 
 
+def rounding_kernel_may_quantize(w) -> bool:
+    """Whether a `rounds_input` kernel may take float32 x itself for a weight with a `compute_dtype`: weight-only,
+    or a dynamic int8 activation with a fused shortcut (the kernel quantizes the rounded x as it quantizes bf16 x),
+    outside a K-sharded linear (whose token ranges `reduce_input_ranges` reduces across ranks first)."""
+    aq = w.spec.act_quant
+    return aq is None or (fused_int8_mode(aq) is not None and range_reduce.get() is None)
+
+
 def reduce_input_ranges(x: torch.Tensor, w):
     """(x, w) for a kernel. Inside a K-sharded linear with dynamic per-token / per-tensor activation quantization,
     each rank holds a slice of every token: x comes back fake-quantized with the qparams of the whole token

@@ -28,6 +28,7 @@ from affineq.tensor.activation import (
     fused_int8_mode,
     prepare_input,
     reduce_input_ranges,
+    rounding_kernel_may_quantize,
 )
 from affineq.tensor.dispatch import check_frozen, guard_frozen_output
 
@@ -169,10 +170,11 @@ def _linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
 
 def _rounding_kernel(x: torch.Tensor, w) -> LinearKernel | None:
     """The kernel x.to(w.spec.compute_dtype) selects, where it takes the float32 x itself (`rounds_input`) and
-    nothing else touches x or y in the compute dtype: no activation tensors, no autograd, not traced (a graph
-    fuses the casts into its neighbours)."""
+    nothing else touches x or y in the compute dtype: no activation tensors, no activation quantization but the
+    kernel's own (`rounding_kernel_may_quantize`), no autograd, not traced (a graph fuses the casts into its
+    neighbours)."""
     if (torch.compiler.is_compiling() or (x.requires_grad and torch.is_grad_enabled()) or w.spec.transposed
-            or "act_pre_scale" in w._names or "act_out_scale" in w._names):
+            or "act_pre_scale" in w._names or "act_out_scale" in w._names or not rounding_kernel_may_quantize(w)):
         return None
     kernel = _select_cached(x, w, w.spec.compute_dtype)[0]
     return kernel if kernel is not None and kernel.rounds_input else None

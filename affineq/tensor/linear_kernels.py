@@ -168,17 +168,20 @@ def _lowbit_run(x, w, bias):
     ops = torch.ops.affineq
     aq = spec.act_quant
     mode = None if aq is None else fused_int8_mode(aq)
-    if mode is not None and x.dtype == torch.bfloat16:
-        # 8da4w-style with bf16 x: one op quantizes x and multiplies (inside the AMX GEMM's packing where it runs)
-        out = ops.lowbit_linear_int8_act(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset,
-                                         aq.per_token, mode, act_eps(x, aq))
+    rounded = computes_in_other_dtype(x, w)  # float32 x computing in bf16 (`rounds_input`)
+    if mode is not None and (rounded or x.dtype == torch.bfloat16):
+        # 8da4w-style with bf16 x (or float32 x rounded to bf16 by the op): one op quantizes x and multiplies
+        # (inside the AMX GEMM's packing where it runs)
+        op = ops.lowbit_linear_int8_act_bf16_compute if rounded else ops.lowbit_linear_int8_act
+        out = op(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset, aq.per_token, mode,
+                 act_eps(x, aq))
         return out if bias is None else out + bias
     if aq is not None:
         # 8da4w-style: the activation is fake-quantized (per token, or with static qparams); the weight
         # product stays exact.
         x = fake_quantize_activation(x, aq, w)
-    # float32 x computing in bf16 (`rounds_input`): the op rounds x and widens y itself
-    op = ops.lowbit_linear_bf16_compute if computes_in_other_dtype(x, w) else ops.lowbit_linear
+    # float32 x computing in bf16: the op rounds x and widens y itself (weight-only: `rounding_kernel_may_quantize`)
+    op = ops.lowbit_linear_bf16_compute if rounded else ops.lowbit_linear
     out = op(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset)
     return out if bias is None else out + bias
 

@@ -267,8 +267,8 @@ class QuantSpec:
     code range; fmt: packing format name; transposed: a 2-D tensor (or 3-D expert weights [E, N, K]) viewed
     with its last two dims swapped without moving data; act_quant: activation quantization applied by linear,
     or None for weight-only; scale_type: None (scales are floats of their stored dtype) or a scale QType
-    (`qtype("e8m0")`: powers of two); compute_dtype: None, or torch.bfloat16 for a weight-only linear that
-    rounds a float32 input to bf16 and runs the bf16 kernels (`QuantConfig.compute_dtype` gives the numerics).
+    (`qtype("e8m0")`: powers of two); compute_dtype: None, or torch.bfloat16 for a linear that rounds a
+    float32 input to bf16 and runs the bf16 kernels (`QuantConfig.compute_dtype` gives the numerics).
 
     Build one with `QuantSpec.create` (fills and checks the range, normalizes the target).
     """
@@ -324,8 +324,6 @@ class QuantSpec:
         if not (self.scale_type is None or isinstance(self.scale_type, QType)):
             raise bad("scale_type", "must be None or a QType (qtype('e8m0'))")
         check_compute_dtype(self.compute_dtype, "QuantSpec.compute_dtype")
-        if self.compute_dtype is not None and self.act_quant is not None:
-            raise bad("compute_dtype", "applies to weight-only specs (act_quant None)")
 
     def __setstate__(self, state) -> None:
         _set_checked_state(self, state)

@@ -1,0 +1,195 @@
+"""`compute_dtype=torch.bfloat16` on configs that quantize activations (8da4w, W8A8 dynamic / static, float8, MX):
+a float32 input is rounded to bf16 once and the linear computes exactly as it does for that bf16 input (the
+rounded x quantized as a bf16 x is), the bf16 result widened to float32 before the float32 bias. Checked bit for
+bit against the same weight fed the rounded input, on the C++ op that rounds x itself
+(`affineq::lowbit_linear_int8_act_bf16_compute`), inside a K-sharded linear (reduced token ranges), through
+torch.compile, save / load and a recurrent module."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import save_load
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import affineq.cpp as K
+from affineq import (
+    Float8DynamicActivationFloat8WeightConfig,
+    Int8DynamicActivationInt4WeightConfig,
+    Int8DynamicActivationInt8WeightConfig,
+    Int8StaticActivationInt8WeightConfig,
+    MXDynamicActivationMXWeightConfig,
+    QuantSpec,
+    config_from_dict,
+    quantize_,
+    record_kernels,
+)
+from affineq.tensor import activation
+from affineq.tensor.linear_kernels import lowbit_weight_args
+
+BF16 = torch.bfloat16
+K_IN, N_OUT = 256, 96  # k % 32 == 0: the AMX tiles (path 5) take the larger row counts where the CPU has them
+CONFIGS = {
+    "8da4w": lambda **kw: Int8DynamicActivationInt4WeightConfig(group_size=32, **kw),
+    "8da4w-dense": lambda **kw: Int8DynamicActivationInt4WeightConfig(group_size=64, packing_format="dense", **kw),
+    "w8a8": lambda **kw: Int8DynamicActivationInt8WeightConfig(**kw),
+    "w8a8-dense": lambda **kw: Int8DynamicActivationInt8WeightConfig(packing_format="dense", **kw),
+    "static": lambda **kw: Int8StaticActivationInt8WeightConfig(**kw),
+    "fp8-dyn": lambda **kw: Float8DynamicActivationFloat8WeightConfig(**kw),
+    "mx-dyn": lambda **kw: MXDynamicActivationMXWeightConfig(**kw),
+}
+
+
+def _pair(name: str):
+    """(bf16-compute linear, the same quantized weight without compute_dtype)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(K_IN, N_OUT)
+    fast, plain = copy.deepcopy(lin), copy.deepcopy(lin)
+    kw = {"calibration_data": [torch.randn(16, K_IN) for _ in range(2)]} if name == "static" else {}
+    quantize_(fast, CONFIGS[name](compute_dtype=BF16), **kw)
+    quantize_(plain, CONFIGS[name](), **kw)
+    assert fast.weight.spec.compute_dtype is BF16 and plain.weight.spec.compute_dtype is None
+    assert fast.weight.spec.act_quant is not None and fast.weight.spec.act_quant == plain.weight.spec.act_quant
+    assert torch.equal(fast.weight.dequantize(), plain.weight.dequantize())  # same codes and qparams
+    return fast, plain
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("m", [1, 3, 40, 130])
+def test_float32_input_is_quantized_as_its_bf16_rounding(name, m):
+    fast, plain = _pair(name)
+    x = torch.randn(m, K_IN) * torch.linspace(0.1, 3, K_IN)
+    with torch.no_grad():
+        with record_kernels() as fast_kernels:
+            y = fast(x)
+        with record_kernels() as bf16_kernels:
+            want = F.linear(x.to(BF16), plain.weight).float() + plain.bias
+        exact = plain(x)
+    assert y.dtype == torch.float32 and torch.equal(y, want)
+    assert fast_kernels == bf16_kernels
+    # it does compute in bf16: the float32 route differs, by about bf16's rounding of x, W and y
+    assert not torch.equal(y, exact)
+    scale = (x.abs() @ plain.weight.dequantize().abs().T).max()
+    assert (y - exact).abs().max() <= 0.05 * scale
+
+
+def test_bf16_input_and_3d_input_are_unchanged():
+    fast, plain = _pair("8da4w")
+    x = torch.randn(2, 33, K_IN)
+    with torch.no_grad():
+        assert torch.equal(fast(x.to(BF16)), plain(x.to(BF16)))
+        assert fast(x).shape == (2, 33, N_OUT)
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def test_8da4w_eager_call_hands_float32_x_to_one_op():
+    """Where bf16 x takes our lowbit kernel (one op quantizes and multiplies), float32 x goes to its
+    bf16_compute twin as it is: no aten cast of x or y around the call. Where another kernel takes bf16 x, the
+    rounded route casts (and still gives its values, test above)."""
+    if not K.is_available():
+        pytest.skip(f"the C++ kernels are unavailable: {K.unavailable_reason()}")
+    fast, plain = _pair("8da4w")
+    x = torch.randn(64, K_IN)
+    with torch.no_grad():
+        fast(x)  # the first call of a row bucket selects the kernel
+        with record_kernels() as used:
+            plain(x.to(BF16))
+        with _Ops() as seen:
+            y = fast(x)
+    if used == ["affineq.lowbit_linear"]:
+        assert seen.ops == ["affineq.lowbit_linear_int8_act_bf16_compute", "aten.add"]
+    else:
+        assert "aten._to_copy" in seen.ops
+    assert torch.equal(y, F.linear(x.to(BF16), plain.weight).float() + plain.bias)
+
+
+@pytest.mark.parametrize("per_token,mode", [(True, 2), (True, 0), (True, 1), (False, 2), (False, 0)])
+def test_op_rounds_float32_x_itself(per_token, mode):
+    """affineq::lowbit_linear_int8_act_bf16_compute on float32 x: bit-equal to lowbit_linear_int8_act on
+    x.to(bf16), widened, from one row to the AMX tiles' sizes, padded k included; bf16 x: the op itself."""
+    if not K.is_available():
+        pytest.skip(f"the C++ kernels are unavailable: {K.unavailable_reason()}")
+    for k in (K_IN, 100):
+        torch.manual_seed(k)
+        lin = nn.Linear(k, 64, bias=False)
+        quantize_(lin, Int8DynamicActivationInt4WeightConfig(group_size=50 if k == 100 else 32,
+                                                             packing_format="dense"))
+        args = (*lowbit_weight_args(lin.weight)[:3], 4, lin.weight.spec.block_size[1], 64, k, K.CODES_UINT,
+                lowbit_weight_args(lin.weight)[6], per_token, mode, 1e-6)
+        for m in (1, 2, 17, 64, 200):
+            x = torch.randn(m, k) * torch.linspace(0.5, 4, k)
+            if m > 2:  # float32 subnormals, and halfway cases that round to even
+                x[1] = torch.randn(k) * 2.0**-140
+                x[2] = (1 + (2 * torch.arange(k) + 1) * 2.0**-8) * torch.randn(k).sign()
+            y = torch.ops.affineq.lowbit_linear_int8_act_bf16_compute(x, *args)
+            want = torch.ops.affineq.lowbit_linear_int8_act(x.to(BF16), *args).float()
+            assert y.dtype == torch.float32 and torch.equal(y, want), (k, m)
+            xb = x.to(BF16)
+            assert torch.equal(torch.ops.affineq.lowbit_linear_int8_act_bf16_compute(xb, *args),
+                               torch.ops.affineq.lowbit_linear_int8_act(xb, *args))
+        with pytest.raises(RuntimeError, match="x must be float32 or bfloat16 .it is computed in bfloat16., got Half"):
+            torch.ops.affineq.lowbit_linear_int8_act_bf16_compute(x.half(), *args)
+
+
+def test_k_sharded_linear_quantizes_with_the_reduced_token_range():
+    """Inside a K-sharded linear the token's range comes from every rank (`activation.range_reduce`): the float32
+    x must take the route that reduces it, not the kernel that quantizes its own rows."""
+    fast, plain = _pair("8da4w")
+    x = torch.randn(40, K_IN)
+    lo, hi = x.amin(1, keepdim=True) * 3, x.amax(1, keepdim=True) * 3  # other ranks saw a wider range
+    token = activation.range_reduce.set(lambda t, op: (lo if op == "min" else hi).to(t.dtype))
+    try:
+        with torch.no_grad():
+            y = fast(x)
+            want = F.linear(x.to(BF16), plain.weight).float() + plain.bias
+    finally:
+        activation.range_reduce.reset(token)
+    assert torch.equal(y, want)
+    with torch.no_grad():
+        assert not torch.equal(y, fast(x))  # the reduction changed the codes
+
+
+def test_compiled_equals_eager_and_save_load_keeps_it():
+    fast, _ = _pair("8da4w")
+    x = torch.randn(40, K_IN)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        assert torch.equal(torch.compile(fast)(x), fast(x))
+    loaded = save_load(fast.state_dict())["weight"]
+    assert loaded.spec == fast.weight.spec and loaded.spec.compute_dtype is BF16
+    d = fast.weight.spec.to_dict()
+    assert d["compute_dtype"] == "bfloat16" and d["act_quant"] is not None
+    assert QuantSpec.from_dict(d) == fast.weight.spec
+    cfg = CONFIGS["8da4w"](compute_dtype=BF16)
+    assert config_from_dict(cfg.to_dict()) == cfg
+
+
+def test_recurrent_module_computes_in_bf16_through_the_python_loop():
+    """The C++ recurrence quantizes float32 h; with compute_dtype it would skip h's rounding, so the layer runs
+    the Python loop (each step through F.linear, which rounds): the bf16 result, not the float32 one."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LSTM(32, 32))
+    recurrent = lambda m, fqn: isinstance(m, nn.LSTM)  # noqa: E731
+    q = quantize_(copy.deepcopy(model), Int8DynamicActivationInt8WeightConfig(compute_dtype=BF16), filter_fn=recurrent)
+    exact = quantize_(copy.deepcopy(model), Int8DynamicActivationInt8WeightConfig(), filter_fn=recurrent)
+    x = torch.randn(7, 3, 32)
+    with torch.no_grad(), record_kernels() as used:
+        y = q(x)[0]
+    assert "affineq.lowbit_rnn_layer" not in used
+    with torch.no_grad():
+        y_exact = exact(x)[0]
+    err = (y - y_exact).norm() / y_exact.norm()
+    assert 1e-4 < err < 0.05  # bf16 rounding: neither exact nor far off
