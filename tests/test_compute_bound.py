@@ -27,7 +27,7 @@ from affineq import (
     quantize_,
     record_kernels,
 )
-from affineq.tensor.activation import fake_quantize_activation
+from affineq.tensor.activation import act_eps, fake_quantize_activation, fused_int8_mode
 from affineq.tensor.compute_bound import (
     _PREPACKED,
     MIN_ROWS,
@@ -39,7 +39,7 @@ from affineq.tensor.compute_bound import (
     set_min_rows,
 )
 from affineq.tensor.kernel_registry import select_linear_kernel
-from affineq.tensor.linear_kernels import lowbit_weight_args
+from affineq.tensor.linear_kernels import int8_codes_check, lowbit_weight_args
 
 if not cpp.is_available():
     pytest.skip(f"external: the affineq C++ kernels did not build here ({cpp.unavailable_reason()})",
@@ -189,6 +189,7 @@ def no_int8_codes_for_int4():
 
 
 INT8_INT4 = "affineq.int8_codes_linear:int4"
+LOWBIT_INT8_ACT = "affineq.lowbit_linear:int8_act"
 
 
 def test_8da4w_fake_quantizes_the_input_first(pinned_threshold, no_int8_codes_for_int4):
@@ -206,11 +207,13 @@ def test_8da4w_fake_quantizes_the_input_first(pinned_threshold, no_int8_codes_fo
                     "and VBMI)")
 @pytest.mark.parametrize("group_size,dtype", [(32, torch.float32), (128, torch.float32), (32, torch.bfloat16)])
 def test_8da4w_takes_the_exact_int8_kernel_from_its_threshold(group_size, dtype):
-    # 4-bit weights x int8 activation codes summed in int32 (VNNI) from the row threshold on; below it the same op
-    # runs the fused kernel on the fake-quantized x, in x's dtype (one op at every M: a graph with a symbolic M runs
-    # what eager runs). Both are x_fake_quant @ W^T: equal within the output dtype's rounding, and to it in float64.
+    # 4-bit weights x int8 activation codes summed in int32 (VNNI) from the row threshold on; below it the fused
+    # kernel on the fake-quantized x, in x's dtype: eager selects it (lowbit_linear), and the op itself computes the
+    # same values there (a graph with a symbolic M runs the op at every M). Both are x_fake_quant @ W^T: equal
+    # within the output dtype's rounding, and to it in float64.
     name = "fp32" if dtype == torch.float32 else "bf16"
     previous = set_min_rows(INT8_INT4, name, 4)
+    tiles = set_min_rows(LOWBIT_INT8_ACT, name, None)  # the AMX tiles' own threshold: the next test
     try:
         lin = quantized_linear(Int8DynamicActivationInt4WeightConfig(group_size=group_size), 80, 256, dtype, seed=3)
         w = lin.weight
@@ -219,21 +222,50 @@ def test_8da4w_takes_the_exact_int8_kernel_from_its_threshold(group_size, dtype)
             x = (torch.randn(m, 256) * 3 + 0.5).to(dtype)  # asymmetric per-token ranges: zero points
             with torch.no_grad(), record_kernels() as used:
                 got = lin(x)
-            assert used == ["affineq.int8_codes_linear"] and got.dtype == dtype, (m, used)
+            want = "affineq.int8_codes_linear" if m >= 4 else "affineq.lowbit_linear"
+            assert used == [want] and got.dtype == dtype, (m, used)
             with torch.no_grad():
                 xq = fake_quantize_activation(x, w.spec.act_quant, w)
                 packed, scale, offset, bits, gs, codes, co = lowbit_weight_args(w)
                 fused = torch.ops.affineq.lowbit_linear(xq, packed, scale, offset, bits, gs, 80, 256, codes, co)
                 ref = xq.double() @ w.dequantize(torch.float32).double().T
+                aq = w.spec.act_quant
+                op = torch.ops.affineq.int8_codes_linear(x, packed, scale, offset, gs, 80, 256, aq.per_token,
+                                                         fused_int8_mode(aq), act_eps(x, aq), bits, co, 4)
             fused = fused + lin.bias
             ref = ref + lin.bias.double()
-            if m < 4:  # the fused kernel inside the op: the same values as the fused route
+            assert torch.equal(got, (op + lin.bias).to(dtype)), m  # eager's choice == the op's own, every M
+            if m < 4:  # the fused kernel: the same values as the fused route
                 assert torch.equal(got, fused), m
             scale_ = ref.abs().max().item()
             assert (got.double() - ref).abs().max().item() <= tol * scale_, m
             assert (got.double() - fused.double()).abs().max().item() <= 2 * tol * scale_, m
     finally:
         set_min_rows(INT8_INT4, name, previous)
+        set_min_rows(LOWBIT_INT8_ACT, name, tiles)
+
+
+@pytest.mark.skipif(not cpp.int8_codes_built(), reason="external: this build has no int8-codes kernel (AVX512-VNNI "
+                    "and VBMI)")
+def test_8da4w_bf16_leaves_the_int8_kernel_to_the_tiles_from_their_threshold():
+    # bf16 x on an AMX Xeon: the int8-codes kernel's cost grows with every row, lowbit_linear's AMX tiles pay their
+    # weight dequantization once, so the int8-codes kernel declines from the tiles' threshold (pinned here so that
+    # every CPU runs the selection; the kernels themselves are checked above and in test_amx_kernels.py).
+    previous = set_min_rows(INT8_INT4, "bf16", 1), set_min_rows(LOWBIT_INT8_ACT, "bf16", 16)
+    try:
+        lin = quantized_linear(Int8DynamicActivationInt4WeightConfig(group_size=32), 64, 256, torch.bfloat16)
+        for m, want in ((1, "affineq.int8_codes_linear"), (8, "affineq.int8_codes_linear"),
+                        (15, "affineq.int8_codes_linear"), (16, "affineq.lowbit_linear"),
+                        (40, "affineq.lowbit_linear")):
+            with torch.no_grad(), record_kernels() as used:
+                lin(torch.randn(m, 256, dtype=torch.bfloat16))
+            assert used == [want], (m, used)
+        x = torch.randn(16, 256, dtype=torch.bfloat16)
+        assert "lowbit_linear's AMX tiles run 4-bit weights with torch.bfloat16 input from 16 rows" in \
+            int8_codes_check(x, lin.weight)
+    finally:
+        set_min_rows(INT8_INT4, "bf16", previous[0])
+        set_min_rows(LOWBIT_INT8_ACT, "bf16", previous[1])
 
 
 def test_the_table_decides_where_no_threshold_is_pinned():

@@ -71,10 +71,21 @@ MIN_ROWS: dict[str, dict[str, dict[str, int | None]]] = {
     # decode 8% faster, single linears 0.95-1.1x; benchmarks/README.md). The op compares M itself (below the
     # threshold: the fused kernels inside it), so an exported graph runs what eager runs at every M. AMX Xeon
     # (side by side): fp32 x 1.6-2.4x faster than lowbit_linear on the fake-quantized x at M = 1-128; bf16 x
-    # faster at 1-8 rows but 0.4-0.65x of lowbit_linear's AMX tiles from 32, so bf16 keeps lowbit_linear.
+    # 1.3-2.5x faster at 2-8 rows (SmolLM2's eager decode of 4 prompts 1.16x), 0.5-0.8x of lowbit_linear's AMX
+    # tiles from 16 (the next entry); at 1 row equal or up to 15% faster alone, yet SmolLM2's eager decode ran 8%
+    # slower with it, so one row keeps the fused GEMV (inside the op).
     "affineq.int8_codes_linear:int4": {
-        "amx": {"fp32": 1},
+        "amx": {"fp32": 1, "bf16": 2},
         "avx512": {"fp32": 1, "bf16": 1},
+        "avx2": {},
+        "scalar": {},
+    },
+    # 4-bit weights with dynamic int8 activations on lowbit_linear's AMX tiles (path 5: x quantized as it is
+    # packed): from these rows the int8-codes kernel declines in their favour (`int8_codes_check`). The tiles'
+    # weight dequantization is paid once per call, the int8-codes kernel's cost grows with every row.
+    "affineq.lowbit_linear:int8_act": {
+        "amx": {"bf16": 16},
+        "avx512": {},
         "avx2": {},
         "scalar": {},
     },
@@ -162,6 +173,16 @@ def rows_at_least(x: torch.Tensor, least: int) -> bool:
 
         return statically_known_true(m >= least)
     return m >= least
+
+
+def rows_below(x: torch.Tensor, bound: int) -> bool:
+    """Whether x has fewer than `bound` input rows; a symbolic M only where it is known to (no guard added)."""
+    m = input_rows(x)
+    if isinstance(m, torch.SymInt):
+        from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+        return statically_known_true(m < bound)
+    return m < bound
 
 
 # -- kernel: affineq.dequant_linear, dense format ----------------------------------------------------------

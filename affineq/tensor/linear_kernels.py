@@ -44,6 +44,7 @@ from affineq.tensor.compute_bound import (
     qlinear_run,
     qlinear_static_check,
     qlinear_static_run,
+    rows_below,
 )
 from affineq.tensor.formats import dense_code_offset
 from affineq.tensor.kernel_registry import Check, Run, register_linear_kernel
@@ -117,11 +118,13 @@ def lowbit_weight_args(w) -> tuple:
 
 _INT8_CODES_QP = (torch.float32, torch.bfloat16, torch.float16)
 INT8_CODES_INT4 = "affineq.int8_codes_linear:int4"  # its row threshold (`compute_bound.MIN_ROWS`)
+LOWBIT_INT8_ACT = "affineq.lowbit_linear:int8_act"  # where lowbit_linear's AMX tiles take over from it
 
 
 def int8_codes_check(x, w):
     """The int8 codes of x times the 8- or 4-bit weight codes (4-bit: from `MIN_ROWS` rows, the fused GEMV on the
-    fake-quantized x below them, inside the op), summed exactly in int32 (VNNI), where the build has it;
+    fake-quantized x below them, inside the op; and below `LOWBIT_INT8_ACT`'s rows where the CPU has that
+    threshold), summed exactly in int32 (VNNI), where the build has it;
     the same values as `affineq.lowbit_linear` on the fake-quantized x, whose fp32 sums it replaces. bf16 x: its
     codes and scale are computed in fp32 either way (`activation.int8_activation`): the op widens each row as it
     quantizes it, the products use the codes themselves, as `aten._int_mm`'s route does (not the bf16-rounded
@@ -137,8 +140,15 @@ def int8_codes_check(x, w):
     bits = spec.target.bits
     if bits not in (8, 4) or _cpp.codes_kind(spec.target) != _cpp.CODES_UINT or w._scale.dtype not in _INT8_CODES_QP:
         return "needs 8- or 4-bit integer codes with float32 / bfloat16 / float16 qparams"
-    if bits == 4 and min_rows(INT8_CODES_INT4, x.dtype) is None:
+    least = min_rows(INT8_CODES_INT4, x.dtype) if bits == 4 else 0
+    if least is None:
         return f"not used for 4-bit weights with {x.dtype} input on this CPU ({INT8_CODES_INT4} in MIN_ROWS)"
+    if least > 1 and rows_below(x, least):  # a symbolic M: the op, which compares M itself
+        return (f"fewer than {least} rows: affineq.lowbit_linear runs them itself (the values the op computes there, "
+                "without its wrapper)")
+    tiles_from = min_rows(LOWBIT_INT8_ACT, x.dtype) if bits == 4 else None
+    if tiles_from is not None and not rows_below(x, tiles_from):  # a symbolic M: the tiles, as before
+        return f"affineq.lowbit_linear's AMX tiles run 4-bit weights with {x.dtype} input from {tiles_from} rows"
     if n % 16 or group_size % 8:
         return f"needs out_features % 16 == 0 and group_size % 8 == 0 (got {n}, {group_size})"
     if not _cpp.int8_codes_built():
