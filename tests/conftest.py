@@ -91,6 +91,39 @@ def save_load(obj, weights_only: bool = True):
     return torch.load(buf, weights_only=weights_only)
 
 
+def dispatched_ops():
+    """A TorchDispatchMode whose `.ops` lists the aten / affineq ops run inside it, by name ("aten.add")."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    return Ops()
+
+
+def bf16_compute_pair(make, k: int, n: int, **quantize_kw):
+    """(nn.Linear(k, n) quantized with make(compute_dtype=torch.bfloat16), the same linear quantized with make()):
+    the same codes and qparams, one computing float32 input in bf16."""
+    import copy
+
+    from affineq import quantize_
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(k, n)
+    fast, plain = copy.deepcopy(lin), copy.deepcopy(lin)
+    quantize_(fast, make(compute_dtype=torch.bfloat16), **quantize_kw)
+    quantize_(plain, make(), **quantize_kw)
+    assert fast.weight.spec.compute_dtype is torch.bfloat16 and plain.weight.spec.compute_dtype is None
+    assert torch.equal(fast.weight.dequantize(), plain.weight.dequantize())  # same codes and qparams
+    return fast, plain
+
+
 def outlier_tiny_lm() -> torch.nn.Module:
     """A 2-layer TinyLM whose norms scale 4 channels by 20 (activation outliers for AWQ / SmoothQuant)."""
     from affineq.models.tiny import build_tiny_lm

@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_unchanged, save_load, snapshot_model
+from conftest import assert_unchanged, bf16_compute_pair, dispatched_ops, save_load, snapshot_model
 from torch import nn
 
 import affineq.cpp as K
@@ -52,13 +52,7 @@ CONFIGS = {
 
 def _pair(name: str, k: int = 96, n: int = 80):
     """(bf16-compute linear, the same quantized weight without compute_dtype)."""
-    torch.manual_seed(0)
-    lin = nn.Linear(k, n)
-    fast, plain = copy.deepcopy(lin), copy.deepcopy(lin)
-    quantize_(fast, CONFIGS[name](compute_dtype=BF16))
-    quantize_(plain, CONFIGS[name]())
-    assert torch.equal(fast.weight.dequantize(), plain.weight.dequantize())  # same codes and qparams
-    return fast, plain
+    return bf16_compute_pair(CONFIGS[name], k, n)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -128,26 +122,15 @@ def test_module_call_makes_no_bf16_copies_unless_autograd_needs_them():
     # aten casts around the call. With autograd recording, the casts stay (their backward converts the gradient).
     if not K.is_available():
         pytest.skip(f"the C++ kernels are unavailable: {K.unavailable_reason()}")
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func.overloadpacket))
-            return func(*args, **(kwargs or {}))
-
     fast, plain = _pair("int4-g32")
     x = torch.randn(40, 96)
     fast(x)  # the first call of a row bucket selects the kernel (for an empty bf16 tensor of x's shape)
-    with torch.no_grad(), Ops() as seen:
+    with torch.no_grad(), dispatched_ops() as seen:
         y = fast(x)
     assert seen.ops == ["affineq.lowbit_linear_bf16_compute", "aten.add"]
     assert torch.equal(y, F.linear(x.to(BF16), plain.weight).float() + plain.bias)
     xg = x.clone().requires_grad_()
-    with Ops() as seen:
+    with dispatched_ops() as seen:
         yg = fast(xg)
     assert "aten._to_copy" in seen.ops and torch.equal(yg.detach(), y)
     yg.sum().backward()

@@ -12,9 +12,8 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import save_load
+from conftest import bf16_compute_pair, dispatched_ops, save_load
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import affineq.cpp as K
 from affineq import (
@@ -46,15 +45,10 @@ CONFIGS = {
 
 def _pair(name: str):
     """(bf16-compute linear, the same quantized weight without compute_dtype)."""
-    torch.manual_seed(0)
-    lin = nn.Linear(K_IN, N_OUT)
-    fast, plain = copy.deepcopy(lin), copy.deepcopy(lin)
-    kw = {"calibration_data": [torch.randn(16, K_IN) for _ in range(2)]} if name == "static" else {}
-    quantize_(fast, CONFIGS[name](compute_dtype=BF16), **kw)
-    quantize_(plain, CONFIGS[name](), **kw)
-    assert fast.weight.spec.compute_dtype is BF16 and plain.weight.spec.compute_dtype is None
+    cal = torch.Generator().manual_seed(1)
+    kw = {"calibration_data": [torch.randn(16, K_IN, generator=cal) for _ in range(2)]} if name == "static" else {}
+    fast, plain = bf16_compute_pair(CONFIGS[name], K_IN, N_OUT, **kw)
     assert fast.weight.spec.act_quant is not None and fast.weight.spec.act_quant == plain.weight.spec.act_quant
-    assert torch.equal(fast.weight.dequantize(), plain.weight.dequantize())  # same codes and qparams
     return fast, plain
 
 
@@ -85,16 +79,6 @@ def test_bf16_input_and_3d_input_are_unchanged():
         assert fast(x).shape == (2, 33, N_OUT)
 
 
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
-
-
 def test_8da4w_eager_call_hands_float32_x_to_one_op():
     """Where bf16 x takes our lowbit kernel (one op quantizes and multiplies), float32 x goes to its
     bf16_compute twin as it is: no aten cast of x or y around the call. Where another kernel takes bf16 x, the
@@ -107,7 +91,7 @@ def test_8da4w_eager_call_hands_float32_x_to_one_op():
         fast(x)  # the first call of a row bucket selects the kernel
         with record_kernels() as used:
             plain(x.to(BF16))
-        with _Ops() as seen:
+        with dispatched_ops() as seen:
             y = fast(x)
     if used == ["affineq.lowbit_linear"]:
         assert seen.ops == ["affineq.lowbit_linear_int8_act_bf16_compute", "aten.add"]
