@@ -81,8 +81,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("name,k", [("int4-g32", 96), ("int8", 100), ("int3-g32", 96), ("fp8", 100)])
 def test_op_rounds_float32_x_itself_on_every_path(name, k):
     # affineq::lowbit_linear_bf16_compute on float32 x: bit-equal to lowbit_linear on x.to(bf16), widened,
-    # on every path (forced: 1 GEMV, 2 fp32 GEMM, 3 int16 VNNI GEMM, 4 bf16 dot GEMM; the ones this build lacks
-    # fall back), with x's columns padded (k = 100) and a NaN row; the reference implementation agrees.
+    # on every path (forced: 1 GEMV, 2 fp32 GEMM, 3 int16 VNNI GEMM, 4 bf16 dot GEMM, 5 AMX tiles, which round x's
+    # rows as they pack them; the ones this build or shape lacks fall back), with x's columns padded (k = 100), a
+    # NaN row, halfway cases and subnormals; the reference implementation agrees.
     if not K.is_available():
         pytest.skip(f"the C++ kernels are unavailable: {K.unavailable_reason()}")
     fast, _ = _pair(name, k=k)
@@ -92,7 +93,9 @@ def test_op_rounds_float32_x_itself_on_every_path(name, k):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
         if m > 3:
             x[1] = float("nan")
-        for path in range(5):
+            x[2] = (1 + (2 * torch.arange(k) + 1) * 2.0**-8) * x[2].sign()  # halfway cases: round to even
+            x[3, :8] = torch.randn(8) * 2.0**-140  # float32 subnormals
+        for path in range(6):
             run = lambda x, path=path, **kw: torch.ops.affineq_cpp.lowbit_linear_path(  # noqa: E731
                 x, packed, scale, offset, bits, gs, n, k, codes, path, code_offset, **kw)
             y = run(x, compute_dtype=BF16)

@@ -28,7 +28,7 @@ namespace {
 
 thread_local Scratch tl_xpack;   // the calling thread's packed x (amx_gemm_path)
 thread_local Scratch tl_xquant;  // a worker's int8_fake_quant-ed rows of x (pack_a_tiles with x_quant)
-thread_local Scratch tl_xround;  // one float32 row of x rounded to bf16 (x_quant->x_f32)
+thread_local Scratch tl_xround;  // a block's float32 rows of x rounded to bf16 (LowbitProblem::x_round)
 
 constexpr int64_t kAMR = 32;    // x rows per block (two A tiles)
 // Most k per dequantized slice: 640 x 32 bf16 = 40 KiB, which stays in L1 while the blocks stream x past it
@@ -71,29 +71,28 @@ AQ_INLINE void amx_block(const uint16_t* xa, const uint32_t* w, int64_t ks, cons
 
 // Row blocks [b0, b1) (32 rows each) of x as A tiles: xp[((s * MB + b) * KS + k / 32) * 1024 + r * 32 + k % 32] =
 // x[32 b + r, s * kcs + k] for MB = Mp / 32 blocks and KS = kcs / 32 steps per slice, zero past M and K. Each
-// 2 KiB pair of tiles is written whole, in order. With pr.x_quant a block's rows are int8_fake_quant-ed first
-// (into a per-thread [32, K] buffer, in L1 / L2) and those values packed; with its x_f32 each float32 row is
-// rounded to bf16 (as x.to(bf16) rounds) just before.
+// 2 KiB pair of tiles is written whole, in order. With pr.x_round a block's float32 rows are rounded to bf16 first
+// (as x.to(bf16) rounds; into a per-thread [32, K] buffer, in L1 / L2); with pr.x_quant its rows are then
+// int8_fake_quant-ed (another such buffer) and those values packed.
 void pack_a_tiles(const LowbitProblem& pr, int64_t M, int64_t K, int64_t Mp, int64_t kcs, int64_t b0, int64_t b1,
                   uint16_t* xp) {
   const int64_t MB = Mp / 32, KS = kcs / 32, slices = (K + kcs - 1) / kcs;
   uint16_t* quantized = pr.x_quant != nullptr ? tl_xquant.get<uint16_t>(32 * K) : nullptr;
-  const float* xf = pr.x_quant != nullptr ? pr.x_quant->x_f32 : nullptr;
-  uint16_t* rounded = xf != nullptr ? tl_xround.get<uint16_t>(K) : nullptr;
+  uint16_t* rounded = pr.x_round != nullptr ? tl_xround.get<uint16_t>(32 * K) : nullptr;
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t m = 32 * b, rows = std::min<int64_t>(32, M - m);
-    const uint16_t* x = xf != nullptr ? nullptr : pr.x_bf16 + m * pr.ldx;
-    int64_t ld = pr.ldx;
+    const uint16_t* x = rounded;
+    int64_t ld = K;
+    if (rounded != nullptr) {
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < K; c += 32)  // K % 32 == 0
+          store_row_bf16(pr.x_round + (m + r) * pr.ldx + c, 32, rounded + r * K + c, nullptr);
+    } else {
+      x = pr.x_bf16 + m * pr.ldx;
+      ld = pr.ldx;
+    }
     if (quantized != nullptr) {
-      for (int64_t r = 0; r < rows; ++r) {
-        const uint16_t* row = x + r * ld;
-        if (xf != nullptr) {
-          const float* src = xf + (m + r) * pr.x_quant->ld_f32;
-          for (int64_t c = 0; c < K; c += 32) store_row_bf16(src + c, 32, rounded + c, nullptr);  // K % 32 == 0
-          row = rounded;
-        }
-        int8_fake_quant_row_bf16(row, K, *pr.x_quant, quantized + r * K);
-      }
+      for (int64_t r = 0; r < rows; ++r) int8_fake_quant_row_bf16(x + r * ld, K, *pr.x_quant, quantized + r * K);
       x = quantized;
       ld = K;
     }

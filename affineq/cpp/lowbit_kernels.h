@@ -18,10 +18,6 @@ struct Int8XQuant {
   int mode;
   float eps;
   float scale, zp;  // all of x's (not per_token)
-  // per_token only: float32 rows [m, ld_f32] that path 5 rounds to bf16 itself before quantizing them (a weight
-  // whose compute_dtype is bf16), read instead of the problem's x_bf16
-  const float* x_f32 = nullptr;
-  int64_t ld_f32 = 0;
 };
 
 struct LowbitProblem {
@@ -67,6 +63,10 @@ struct LowbitProblem {
   // Path 5 only (lowbit_path must give 5): x_bf16's rows are int8_fake_quant-ed with these qparams as the GEMM
   // packs them, so y = lowbit_linear(int8_fake_quant(x)) without a quantized copy of x (lowbit_ops.cpp).
   const Int8XQuant* x_quant = nullptr;
+  // Path 5 only: float32 x [m, k] (row stride ldx, k % 32 == 0) that the GEMM rounds to bf16 row by row as it
+  // packs it (before x_quant's quantization), read instead of x_bf16 (which then only marks the input as bf16 for
+  // the path choice): a float32 caller computing in bf16 without a bf16 copy of x.
+  const float* x_round = nullptr;
 };
 
 Int8XQuant int8_x_quant(const uint16_t* x, int64_t m, int64_t k, bool per_token, int mode, float eps);

@@ -173,16 +173,18 @@ at::Tensor run_weight_problems(const at::Tensor& x, std::vector<LowbitProblem> p
   // (no bf16 copy of y); any other path runs bf16 x as the caller's x.to(bf16) would, y widened after.
   const bool round_x = bf16_compute && xt == at::kFloat;
   const bool widen = round_x || (widen_y && xt == at::kBFloat16);
+  const int64_t K8 = (k + 7) / 8 * 8;
+  static const uint16_t dummy = 0;
+  bool path5_rounds = false;  // path 5 rounds float32 x's rows itself as it packs them (no bf16 copy of x)
   if (widen) {
-    static const uint16_t dummy = 0;
     LowbitProblem probe = ps[0];
     probe.m = M;
     probe.x_bf16 = &dummy;
     probe.allow_int16_x = allow_int16_x(at::kBFloat16);
     if (!lowbit_bf16_io(probe, static_cast<int>(path)))
       return run_weight_problems(x.to(at::kBFloat16), std::move(ps), path).to(at::kFloat);
+    path5_rounds = round_x && K8 == k && x2.is_contiguous() && lowbit_path(probe, static_cast<int>(path)) == 5;
   }
-  const int64_t K8 = (k + 7) / 8 * 8;
   // A few rows of bf16 x that a path reads as fp32 (one row on the digits GEMV: decode) are widened here, and y
   // rounded back below, by loops: aten's casts cost microseconds each, a 576-wide layer's whole GEMV.
   const bool small_bf16 = xt == at::kBFloat16 && M * K8 <= (int64_t{1} << 14) && x2.is_contiguous();
@@ -202,9 +204,10 @@ at::Tensor run_weight_problems(const at::Tensor& x, std::vector<LowbitProblem> p
     return t;
   };
   at::Tensor xb;  // bf16 x as given (or rounded: round_x), for the bf16 dot-product path
-  if (xt == at::kBFloat16 || round_x) xb = padded(at::kBFloat16);
+  if ((xt == at::kBFloat16 || round_x) && !path5_rounds) xb = padded(at::kBFloat16);
   for (LowbitProblem& p : ps) {
-    p.x_bf16 = xb.defined() ? reinterpret_cast<const uint16_t*>(xb.const_data_ptr()) : nullptr;
+    p.x_bf16 = path5_rounds ? &dummy : xb.defined() ? reinterpret_cast<const uint16_t*>(xb.const_data_ptr()) : nullptr;
+    p.x_round = path5_rounds ? x2.const_data_ptr<float>() : nullptr;
     p.m = M;
     p.ldx = K8;
     p.allow_int16_x = allow_int16_x(round_x ? at::kBFloat16 : xt);
@@ -229,7 +232,8 @@ at::Tensor run_weight_problems(const at::Tensor& x, std::vector<LowbitProblem> p
   }
   std::vector<int64_t> out_sizes = x.sizes().vec();
   out_sizes.back() = n;
-  if (small_bf16 && !y_bf16 && !widen && M * n <= (int64_t{1} << 16)) {  // y's fp32 sums rounded as y.to(bf16) rounds them
+  // y's fp32 sums rounded as y.to(bf16) rounds them
+  if (small_bf16 && !y_bf16 && !widen && M * n <= (int64_t{1} << 16)) {
     at::Tensor yb = at::empty({M, n}, y.options().dtype(at::kBFloat16));
     const float* src = y.const_data_ptr<float>();
     auto* dst = yb.mutable_data_ptr<at::BFloat16>();
@@ -354,13 +358,12 @@ at::Tensor int8_act_impl(const at::Tensor& x, const at::Tensor& packed, const at
     WeightTensors w(packed, scale, offset, code_offset, bits, codes, group_size, n, k);
     LowbitProblem& p = w.p;
     p.m = xf.size(0);
-    p.x_bf16 = &dummy;  // the path's input kind; pack_a_tiles reads q.x_f32
+    p.x_bf16 = &dummy;  // the path's input kind; pack_a_tiles reads x_round
     p.ldx = k;          // path 5: k % 32 == 0
     p.allow_int16_x = allow_int16_x(at::kBFloat16);
     if (p.m > 0 && lowbit_path(p) == 5) {
-      Int8XQuant q = int8_x_quant(&dummy, p.m, k, true, static_cast<int>(mode), static_cast<float>(eps));
-      q.x_f32 = xf.const_data_ptr<float>();
-      q.ld_f32 = k;
+      const Int8XQuant q = int8_x_quant(&dummy, p.m, k, true, static_cast<int>(mode), static_cast<float>(eps));
+      p.x_round = xf.const_data_ptr<float>();
       p.x_quant = &q;
       at::Tensor y = at::empty({p.m, n}, xf.options());
       if (n > 0) {
