@@ -79,6 +79,18 @@ def test_bf16_input_and_3d_input_are_unchanged():
         assert fast(x).shape == (2, 33, N_OUT)
 
 
+@pytest.mark.parametrize("layout", ["empty", "3d", "transposed", "strided"])
+def test_any_input_layout_gives_the_rounded_inputs_result(layout):
+    fast, plain = _pair("8da4w")
+    x = {"empty": lambda: torch.randn(0, K_IN), "3d": lambda: torch.randn(3, 40, K_IN),
+         "transposed": lambda: torch.randn(K_IN, 50).t(),
+         "strided": lambda: torch.randn(40, 2 * K_IN)[:, ::2]}[layout]()
+    with torch.no_grad():
+        y = fast(x)
+        assert y.shape == (*x.shape[:-1], N_OUT)
+        assert torch.equal(y, F.linear(x.to(BF16), plain.weight).float() + plain.bias)
+
+
 def test_8da4w_eager_call_hands_float32_x_to_one_op():
     """Where bf16 x takes our lowbit kernel (one op quantizes and multiplies), float32 x goes to its
     bf16_compute twin as it is: no aten cast of x or y around the call. Where another kernel takes bf16 x, the
