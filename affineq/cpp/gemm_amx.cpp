@@ -28,7 +28,7 @@ namespace {
 
 thread_local Scratch tl_xpack;   // the calling thread's packed x (amx_gemm_path)
 thread_local Scratch tl_xquant;  // a worker's int8_fake_quant-ed rows of x (pack_a_tiles with x_quant)
-thread_local Scratch tl_xround;  // a block's float32 rows of x rounded to bf16 (LowbitProblem::x_round)
+thread_local Scratch tl_xround;  // one float32 row of x rounded to bf16 (x_round with x_quant)
 
 constexpr int64_t kAMR = 32;    // x rows per block (two A tiles)
 // Most k per dequantized slice: 640 x 32 bf16 = 40 KiB, which stays in L1 while the blocks stream x past it
@@ -71,35 +71,47 @@ AQ_INLINE void amx_block(const uint16_t* xa, const uint32_t* w, int64_t ks, cons
 
 // Row blocks [b0, b1) (32 rows each) of x as A tiles: xp[((s * MB + b) * KS + k / 32) * 1024 + r * 32 + k % 32] =
 // x[32 b + r, s * kcs + k] for MB = Mp / 32 blocks and KS = kcs / 32 steps per slice, zero past M and K. Each
-// 2 KiB pair of tiles is written whole, in order. With pr.x_round a block's float32 rows are rounded to bf16 first
-// (as x.to(bf16) rounds; into a per-thread [32, K] buffer, in L1 / L2); with pr.x_quant its rows are then
-// int8_fake_quant-ed (another such buffer) and those values packed.
+// 2 KiB pair of tiles is written whole, in order. With pr.x_round the float32 rows are rounded to bf16 (as
+// x.to(bf16) rounds) as they are written. With pr.x_quant a block's rows are int8_fake_quant-ed first (into a
+// per-thread [32, K] buffer, in L1 / L2; a float32 row rounded into a [K] buffer just before) and those values
+// packed.
 void pack_a_tiles(const LowbitProblem& pr, int64_t M, int64_t K, int64_t Mp, int64_t kcs, int64_t b0, int64_t b1,
                   uint16_t* xp) {
   const int64_t MB = Mp / 32, KS = kcs / 32, slices = (K + kcs - 1) / kcs;
   uint16_t* quantized = pr.x_quant != nullptr ? tl_xquant.get<uint16_t>(32 * K) : nullptr;
-  uint16_t* rounded = pr.x_round != nullptr ? tl_xround.get<uint16_t>(32 * K) : nullptr;
+  uint16_t* rounded = pr.x_round != nullptr && quantized != nullptr ? tl_xround.get<uint16_t>(K) : nullptr;
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t m = 32 * b, rows = std::min<int64_t>(32, M - m);
-    const uint16_t* x = rounded;
-    int64_t ld = K;
-    if (rounded != nullptr) {
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t c = 0; c < K; c += 32)  // K % 32 == 0
-          store_row_bf16(pr.x_round + (m + r) * pr.ldx + c, 32, rounded + r * K + c, nullptr);
-    } else {
-      x = pr.x_bf16 + m * pr.ldx;
-      ld = pr.ldx;
-    }
+    const float* xr = pr.x_round != nullptr ? pr.x_round + m * pr.ldx : nullptr;  // float32 rows to round
+    const uint16_t* x = xr != nullptr ? nullptr : pr.x_bf16 + m * pr.ldx;
+    int64_t ld = pr.ldx;
     if (quantized != nullptr) {
-      for (int64_t r = 0; r < rows; ++r) int8_fake_quant_row_bf16(x + r * ld, K, *pr.x_quant, quantized + r * K);
+      for (int64_t r = 0; r < rows; ++r) {
+        const uint16_t* row = x + r * ld;
+        if (xr != nullptr) {
+          for (int64_t c = 0; c < K; c += 32) store_row_bf16(xr + r * ld + c, 32, rounded + c, nullptr);
+          row = rounded;  // K % 32 == 0
+        }
+        int8_fake_quant_row_bf16(row, K, *pr.x_quant, quantized + r * K);
+      }
       x = quantized;
+      xr = nullptr;
       ld = K;
     }
     for (int64_t s = 0; s < slices; ++s)
       for (int64_t ks = 0; ks < KS; ++ks) {
         uint16_t* dst = xp + ((s * MB + b) * KS + ks) * 1024;
         const int64_t k = s * kcs + 32 * ks, n = std::clamp<int64_t>(K - k, 0, 32);
+        if (xr != nullptr) {  // n is 0 or 32 (K % 32 == 0)
+          const float* src = xr + k;
+          for (int64_t r = 0; r < 32; ++r, src += ld)
+            _mm512_store_si512(dst + 32 * r, r < rows && n == 32
+                                                 ? _mm512_inserti64x4(_mm512_castsi256_si512(bf16_bits(
+                                                                          _mm512_loadu_ps(src))),
+                                                                      bf16_bits(_mm512_loadu_ps(src + 16)), 1)
+                                                 : _mm512_setzero_si512());
+          continue;
+        }
         const __mmask32 mask = n >= 32 ? 0xFFFFFFFFu : (1u << n) - 1;
         const uint16_t* src = x + k;
         for (int64_t r = 0; r < 32; ++r, src += ld)
