@@ -91,6 +91,30 @@ def save_load(obj, weights_only: bool = True):
     return torch.load(buf, weights_only=weights_only)
 
 
+def packed_problem(bits: int, n: int, k: int, gs: int, seed: int = 0):
+    """(codes [n, k] uint8, their `affineq.cpp.pack_codes` bytes, fp32 scale and offset [n, k / gs]): a random
+    `bits`-bit weight whose groups dequantize around zero."""
+    import affineq.cpp as K
+
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8, generator=g)
+    scale = torch.rand(n, k // gs, generator=g) * 0.02 + 0.005
+    offset = -scale * (2 ** (bits - 1)) + 0.01 * torch.randn(n, k // gs, generator=g)
+    return codes, K.pack_codes(codes, bits), scale, offset
+
+
+def needs_int8_codes_kernel() -> None:
+    """Skip unless the C++ kernels load with the int8-codes kernel (AVX512-VNNI and VBMI builds); a CPU with both
+    features must have it."""
+    import affineq.cpp as K
+
+    if not K.is_available():
+        pytest.skip(f"external: C++ kernels unavailable: {K.unavailable_reason()}")
+    if not K.int8_codes_built():
+        assert not {"avx512_vnni", "avx512vbmi"} <= cpu_flags(), "the kernel must be built on this CPU"
+        pytest.skip("the int8-codes kernel needs AVX512-VNNI and VBMI")
+
+
 def dispatched_ops():
     """A TorchDispatchMode whose `.ops` lists the aten / affineq ops run inside it, by name ("aten.add")."""
     from torch.utils._python_dispatch import TorchDispatchMode

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import cpu_flags
+from conftest import packed_problem
 
 import affineq.cpp as K
 
@@ -29,14 +29,6 @@ PATHS = [0, 1, 2, 3, 4, 5]
 def _needs_kernels() -> None:
     if not K.is_available():
         pytest.skip(f"C++ kernels unavailable: {K.unavailable_reason()}")
-
-
-def _problem(bits: int, n: int, k: int, gs: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8, generator=g)
-    scale = torch.rand(n, k // gs, generator=g) * 0.02 + 0.005
-    offset = -scale * (2 ** (bits - 1)) + 0.01 * torch.randn(n, k // gs, generator=g)
-    return codes, K.pack_codes(codes, bits), scale, offset
 
 
 def _exact(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, gs: int) -> torch.Tensor:
@@ -132,7 +124,7 @@ def test_lowbit_linear_all_paths(bits: int) -> None:
     op = torch.ops.affineq.lowbit_linear
     path_op = torch.ops.affineq_cpp.lowbit_linear_path
     for ci, (n, k, gs) in enumerate(CASES):
-        codes, packed, scale, offset = _problem(bits, n, k, gs, seed=bits * 100 + ci)
+        codes, packed, scale, offset = packed_problem(bits, n, k, gs, seed=bits * 100 + ci)
         for m in MS:
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
             exact = _exact(x, codes, scale, offset, gs)
@@ -153,7 +145,7 @@ def test_lowbit_linear_half_inputs(bits: int, dtype: torch.dtype) -> None:
     _needs_kernels()
     path_op = torch.ops.affineq_cpp.lowbit_linear_path
     for n, k, gs in CASES[:4] + CASES[6:]:
-        codes, packed, scale, offset = _problem(bits, n, k, gs)
+        codes, packed, scale, offset = packed_problem(bits, n, k, gs)
         # the GEMV's rows for bf16 x (4, or 8 for 4 / 8-bit codes; 4-bit passes of 2, 3 or 4 rows), then the GEMM's
         for m in (1, 2, 3, 4, 5, 8, 9, 33):
             x = torch.randn(m, k).to(dtype)
@@ -170,7 +162,7 @@ def test_bf16_x_on_a_large_4bit_weight_up_to_16_rows() -> None:
     # the GEMM from 17
     _needs_kernels()
     n, k, gs = 1024, 2048, 32
-    codes, packed, scale, offset = _problem(4, n, k, gs)
+    codes, packed, scale, offset = packed_problem(4, n, k, gs)
     w = K._dequantize(packed, scale, offset, 4, gs, n, k)
     for m in (9, 12, 16, 17):
         x = torch.randn(m, k).bfloat16()
@@ -184,7 +176,7 @@ def test_lowbit_linear_multi_panel_shapes(bits: int, gs: int) -> None:
     # several tile blocks per thread, a tail panel (n % 16), a partial 32-column tile and > 240 rows of x
     _needs_kernels()
     n, k = 16 * 17 + 5, 1024
-    codes, packed, scale, offset = _problem(bits, n, k, gs)
+    codes, packed, scale, offset = packed_problem(bits, n, k, gs)
     for m in (1, 7, 250):
         x = torch.randn(m, k)
         exact = _exact(x, codes, scale, offset, gs)
@@ -203,7 +195,7 @@ def test_gemm_paths_share_tiles_and_rows(threads: int) -> None:
     torch.set_num_threads(threads)
     try:
         for n, k, gs in [(288, 96, 32), (16 * 9 + 3, 64, 64), (150, 40, 8), (32 * 6, 48, 16)]:
-            codes, packed, scale, offset = _problem(4, n, k, gs)
+            codes, packed, scale, offset = packed_problem(4, n, k, gs)
             w = K._dequantize(packed, scale, offset, 4, gs, n, k)
             for m in (47, 131, 509):
                 for dtype in (torch.float32, torch.bfloat16):
@@ -225,7 +217,7 @@ def test_gemv_items_claimed_by_any_thread_give_one_result(qparams: str) -> None:
     # the exact result, bit for bit the same, call after call.
     _needs_kernels()
     n, k, gs = 64 * 9 + 16 * 3 + 5, 256, 32
-    codes, packed, scale, offset = _problem(4, n, k, gs)
+    codes, packed, scale, offset = packed_problem(4, n, k, gs)
     code_offset = 0
     if qparams == "bf16 offsets":
         scale, offset = scale.bfloat16(), (offset + scale * 8).bfloat16()  # (scale, zero)
@@ -254,7 +246,7 @@ def test_bf16_path_output_nan_is_torchs() -> None:
     # values as the fp32 result rounded to nearest even once.
     _needs_kernels()
     n, k, gs = 64, 64, 32
-    codes, packed, scale, offset = _problem(4, n, k, gs)
+    codes, packed, scale, offset = packed_problem(4, n, k, gs)
     x = torch.randn(40, k).bfloat16()
     x[3, 5] = float("nan")
     x[7, 0] = float("-inf")
@@ -280,7 +272,7 @@ def test_lowbit_linear_16bit_qparams(bits: int, qdtype: torch.dtype, with_offset
     path_op = torch.ops.affineq_cpp.lowbit_linear_path
     co = 0 if with_offset else -(2 ** (bits - 1))
     for n, k, gs in CASES[:5]:
-        codes, packed, scale, offset = _problem(bits, n, k, gs)
+        codes, packed, scale, offset = packed_problem(bits, n, k, gs)
         scale = (scale * torch.where(torch.rand_like(scale) < 0.3, -1.0, 1.0)).to(qdtype)
         offset = offset.to(qdtype) if with_offset else None
         off64 = offset.double() if with_offset else scale.double() * co
@@ -322,7 +314,7 @@ def test_fma_gemv_reads_16bit_qparams_as_stored(bits: int, qparams: str) -> None
     # few fp32 roundings of the float64 product; 5 rows (a pass of 4 on fp32 tiles, then 1) alike.
     _needs_kernels()
     n, k, gs = 40, 512, 32  # G = 16
-    codes, packed, scale, offset = _problem(bits, n, k, gs, seed=bits)
+    codes, packed, scale, offset = packed_problem(bits, n, k, gs, seed=bits)
     half = 2 ** (bits - 1)
     co = 0
     if qparams == "f16+offset":
@@ -349,7 +341,7 @@ def test_lowbit_linear_bf16_qparams(bits: int) -> None:
     _needs_kernels()
     path_op = torch.ops.affineq_cpp.lowbit_linear_path
     for n, k, gs in CASES[:5]:
-        codes, packed, scale, _ = _problem(bits, n, k, gs)
+        codes, packed, scale, _ = packed_problem(bits, n, k, gs)
         scale = scale.bfloat16()
         zero = (0.01 * torch.randn(n, k // gs)).bfloat16()
         offset64 = zero.double() - 2 ** (bits - 1) * scale.double()
@@ -450,7 +442,7 @@ def test_path_choice() -> None:
 def test_lowbit_linear_layouts_and_batch_dims() -> None:
     _needs_kernels()
     bits, n, k, gs = 4, 40, 64, 32
-    codes, packed, scale, offset = _problem(bits, n, k, gs)
+    codes, packed, scale, offset = packed_problem(bits, n, k, gs)
     op = torch.ops.affineq.lowbit_linear
     base = torch.randn(2, 5, k)
     y = op(base, packed, scale, offset, bits, gs, n, k)
@@ -474,7 +466,7 @@ def test_lowbit_linear_layouts_and_batch_dims() -> None:
 def test_lowbit_linear_argument_errors() -> None:
     _needs_kernels()
     bits, n, k, gs = 4, 16, 64, 32
-    _, packed, scale, offset = _problem(bits, n, k, gs)
+    _, packed, scale, offset = packed_problem(bits, n, k, gs)
     x = torch.randn(2, k)
     op = torch.ops.affineq.lowbit_linear
     bad = [
@@ -498,7 +490,7 @@ def test_int16_x_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     # fp32 x stays fp32-exact by default (the fp32 GEMM path); bf16/fp16 x may use the int16 VNNI path.
     _needs_kernels()
     bits, n, k, gs = 4, 40, 256, 128
-    codes, packed, scale, offset = _problem(bits, n, k, gs)
+    codes, packed, scale, offset = packed_problem(bits, n, k, gs)
     op, path_op = torch.ops.affineq.lowbit_linear, torch.ops.affineq_cpp.lowbit_linear_path
     args = (packed, scale, offset, bits, gs, n, k)
     x = torch.randn(33, k)
@@ -528,7 +520,7 @@ def test_int16_x_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_lowbit_dequantize_op(bits: int) -> None:
     _needs_kernels()
     for n, k, gs in CASES:
-        codes, packed, scale, offset = _problem(bits, n, k, gs)
+        codes, packed, scale, offset = packed_problem(bits, n, k, gs)
         w = torch.ops.affineq.lowbit_dequantize(packed, scale, offset, bits, gs, n, k)
         exact = (codes.double().view(n, k // gs, gs) * scale.double()[..., None] + offset.double()[..., None])
         torch.testing.assert_close(w.double(), exact.view(n, k), rtol=1e-6, atol=1e-7)
@@ -537,7 +529,7 @@ def test_lowbit_dequantize_op(bits: int) -> None:
 def test_autograd_through_op() -> None:
     _needs_kernels()
     bits, n, k, gs = 4, 24, 64, 32
-    _, packed, scale, offset = _problem(bits, n, k, gs)
+    _, packed, scale, offset = packed_problem(bits, n, k, gs)
     w = K._dequantize(packed, scale, offset, bits, gs, n, k)
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(2, 3, k, dtype=dtype, requires_grad=True)
@@ -552,7 +544,7 @@ def test_autograd_through_op() -> None:
 def test_opcheck() -> None:
     _needs_kernels()
     bits, n, k, gs = 4, 24, 64, 32
-    _, packed, scale, offset = _problem(bits, n, k, gs)
+    _, packed, scale, offset = packed_problem(bits, n, k, gs)
     for x in (torch.randn(3, k), torch.randn(2, 3, k, dtype=torch.bfloat16), torch.randn(3, k, requires_grad=True)):
         torch.library.opcheck(torch.ops.affineq.lowbit_linear.default, (x, packed, scale, offset, bits, gs, n, k))
     torch.library.opcheck(torch.ops.affineq.lowbit_dequantize.default, (packed, scale, offset, bits, gs, n, k))
@@ -561,7 +553,7 @@ def test_opcheck() -> None:
 def test_torch_compile_fullgraph() -> None:
     _needs_kernels()
     bits, n, k, gs = 4, 32, 64, 32
-    _, packed, scale, offset = _problem(bits, n, k, gs)
+    _, packed, scale, offset = packed_problem(bits, n, k, gs)
 
     def f(x: torch.Tensor) -> torch.Tensor:
         return torch.ops.affineq.lowbit_linear(x * 2, packed, scale, offset, bits, gs, n, k) + 1
@@ -589,7 +581,7 @@ def test_torch_compile_fullgraph() -> None:
 # --------------------------------------------------------------------------------------------------------
 def test_disable_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     bits, n, k, gs = 4, 16, 32, 32
-    codes, packed, scale, offset = _problem(bits, n, k, gs)
+    codes, packed, scale, offset = packed_problem(bits, n, k, gs)
     x = torch.randn(2, k)
     K.is_available()  # loads the library where it builds (run alone, nothing else has), so the kill switch meets it
     with K._set_disabled(True):
@@ -682,95 +674,3 @@ def test_int8_fake_quant_op_is_the_eager_shortcut(dtype, monkeypatch):
                     want = torch.ops.affineq.int8_fake_quant(x.float(), per_token, mode, 1e-42).bfloat16()
                     assert bool(((want != 0) & (want.float().abs() < torch.finfo(torch.float32).tiny)).any())
                     assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (x.shape, mode, per_token)
-
-
-@pytest.mark.parametrize("bits,qp", [(8, "fp32"), (4, "fp32"), (4, "bf16-scale-only"), (8, "bf16")])
-@pytest.mark.parametrize("n,k,gs", [(16, 64, 64), (80, 96, 32), (160, 128, 64), (48, 256, 256)])
-def test_int8_codes_kernel_sums_exact_products(n: int, k: int, gs: int, bits: int, qp: str) -> None:
-    # affineq::int8_codes_linear (gemm_int8_codes.cpp): int8 codes of x times 8- or 4-bit weight codes summed in
-    # int32, then the qparams: y = int8_fake_quant(x) @ W^T up to the fp32 epilogue. Tile shapes covered: 1-6 rows
-    # x 4 panels, 7-12 rows x 2 panels, several row blocks, and the panels past the last group of four (n = 80,
-    # 48); asymmetric rows (mode 2: zero points, including one-sign rows) and per-tensor qparams; fp32 qparams,
-    # bf16 (scale, zero) and a bf16 scale alone (offset = scale * code_offset, 8da4w's symmetric int4).
-    _needs_kernels()
-    if not K.int8_codes_built():
-        assert not {"avx512_vnni", "avx512vbmi"} <= cpu_flags(), "the kernel must be built on this CPU"
-        pytest.skip("the int8-codes kernel needs AVX512-VNNI and VBMI")
-    codes, packed, scale, offset = _problem(bits, n, k, gs, seed=n + k)
-    code_offset = 0
-    if qp == "bf16":
-        scale, offset = scale.bfloat16(), (offset + scale * 2 ** (bits - 1)).bfloat16()  # (scale, zero)
-    elif qp == "bf16-scale-only":
-        scale, offset, code_offset = scale.bfloat16(), None, -(2 ** (bits - 1))
-    W = K._dequantize(packed, scale, offset, bits, gs, n, k, code_offset=code_offset).double()
-    sf = scale.float().repeat_interleave(gs, 1)
-    terms = (sf * codes.float() + sf * 2**bits).double()  # >= |each term of a weight| (offset <= scale * 2^bits)
-
-    def op(x, per_token, mode):
-        if bits == 8 and code_offset == 0:  # the schema's defaults
-            return torch.ops.affineq.int8_codes_linear(x, packed, scale, offset, gs, n, k, per_token, mode, 1e-12)
-        return torch.ops.affineq.int8_codes_linear(x, packed, scale, offset, gs, n, k, per_token, mode, 1e-12, bits,
-                                                   code_offset)
-
-    g = torch.Generator().manual_seed(1)
-    for m in (1, 5, 7, 12, 13, 30):
-        x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 4
-        x[0] = x[0].abs() + 0.5  # one-sign row: zero point -128 in mode 2
-        if m > 2:
-            x[1] = 0.0
-        for mode in (0, 1, 2):
-            for per_token in (True, False):
-                y = op(x, per_token, mode)
-                xq = torch.ops.affineq.int8_fake_quant(x, per_token, mode, 1e-12).double()
-                err = (y.double() - xq @ W.T).abs()
-                bound = 1e-6 * (xq.abs() @ terms.T) + 1e-30
-                assert bool((err <= bound).all()), (m, mode, per_token, (err / bound).max().item())
-
-
-@pytest.mark.parametrize("n", [576, 192, 80])
-def test_int8_codes_kernel_bf16_io_and_thread_split_change_no_bit(n: int) -> None:
-    # bf16 x is quantized from its widened values and y rounded to bf16 as the tile stores it: bit-equal to the
-    # fp32 run rounded afterwards. On 2 threads x's rows are split too when the weight's groups of 4 panels cannot
-    # be shared evenly (n = 576: 9 groups; 192: 3; 80: 1 group + 1 panel): every output is the same sum however
-    # the work is split.
-    _needs_kernels()
-    if not K.int8_codes_built():
-        assert not {"avx512_vnni", "avx512vbmi"} <= cpu_flags(), "the kernel must be built on this CPU"
-        pytest.skip("the int8-codes kernel needs AVX512-VNNI and VBMI")
-    k, gs = 96, 32
-    _, packed, scale, _ = _problem(4, n, k, gs, seed=n)
-    x = (torch.randn(100, k, generator=torch.Generator().manual_seed(n)) * 3).bfloat16()
-
-    def op(x, threads, per_token):
-        old = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            return torch.ops.affineq.int8_codes_linear(x, packed, scale.bfloat16(), None, gs, n, k, per_token, 2,
-                                                       1e-12, 4, -8)
-        finally:
-            torch.set_num_threads(old)
-
-    for per_token in (True, False):  # one range per row, or one for all of x
-        y1, y2 = op(x, 1, per_token), op(x, 2, per_token)
-        assert y1.dtype == torch.bfloat16 and torch.equal(y1.view(torch.int16), y2.view(torch.int16))
-        assert torch.equal(y2.view(torch.int16), op(x.float(), 2, per_token).bfloat16().view(torch.int16))
-
-
-def test_int8_codes_kernel_refuses_what_it_cannot_read() -> None:
-    _needs_kernels()
-    if not K.int8_codes_built():
-        pytest.skip("the int8-codes kernel needs AVX512-VNNI and VBMI")
-    x = torch.randn(2, 64)
-    _, packed, scale, offset = _problem(8, 24, 64, 64)
-    with pytest.raises(RuntimeError, match="n % 16 == 0"):
-        torch.ops.affineq.int8_codes_linear(x, packed, scale, offset, 64, 24, 64, True, 0, 1e-12)
-    _, packed, scale, offset = _problem(8, 32, 64, 64)
-    with pytest.raises(RuntimeError, match="bits must be 8 or 4"):
-        torch.ops.affineq.int8_codes_linear(x, packed, scale, offset, 64, 32, 64, True, 0, 1e-12, 3, 0)
-    e8m0 = torch.full((32, 1), 120, dtype=torch.uint8)  # exponent bytes: not fp32 qparams
-    with pytest.raises(RuntimeError, match="not one the kernel reads"):
-        torch.ops.affineq.int8_codes_linear(x, packed, e8m0, None, 64, 32, 64, True, 0, 1e-12)
-    with pytest.raises(RuntimeError, match="mode"):
-        torch.ops.affineq.int8_codes_linear(x, packed, scale, offset, 64, 32, 64, True, 3, 1e-12)
-    with pytest.raises(RuntimeError, match="8-bit codes"):
-        torch.ops.affineq.int8_codes_linear(x, packed.flatten()[:100], scale, offset, 64, 32, 64, True, 0, 1e-12)

@@ -9,19 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import cpu_flags
+from conftest import needs_int8_codes_kernel
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import affineq.cpp as K
-
-
-def _needs_int8_codes() -> None:
-    if not K.is_available():
-        pytest.skip(f"external: C++ kernels unavailable: {K.unavailable_reason()}")
-    if not K.int8_codes_built():
-        assert not {"avx512_vnni", "avx512vbmi"} <= cpu_flags(), "the kernel must be built on this CPU"
-        pytest.skip("the int8-codes kernel needs AVX512-VNNI and VBMI")
 
 
 def _weight(n: int, k: int, gs: int, seed: int, qp: str):
@@ -52,7 +44,7 @@ def _rows(y: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("n,k,gs", [(64, 256, 32), (80, 128, 128), (48, 64, 8), (160, 512, 64), (96, 96, 96)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_few_rows_equal_the_widened_tile_bit_for_bit(n: int, k: int, gs: int, qp: str, dtype: torch.dtype) -> None:
-    _needs_int8_codes()
+    needs_int8_codes_kernel()
     w = _weight(n, k, gs, seed=n + k + gs, qp=qp)
     g = torch.Generator().manual_seed(k)
     x = (torch.randn(13, k, generator=g) * torch.rand(13, 1, generator=g) * 4 + 0.3).to(dtype)
@@ -71,7 +63,7 @@ def test_few_rows_equal_the_widened_tile_bit_for_bit(n: int, k: int, gs: int, qp
        m=st.integers(1, 8), seed=st.integers(0, 2**16), mode=st.sampled_from([1, 2]))
 def test_few_rows_property(panels: int, groups: int, gs: int, m: int, seed: int, mode: int) -> None:
     # any panel count (groups of four and the rest), group count and size: the rows alone equal the rows in a batch
-    _needs_int8_codes()
+    needs_int8_codes_kernel()
     n, k = 16 * panels, gs * groups
     w = _weight(n, k, gs, seed=seed, qp="fp32" if seed % 2 else "bf16-scale-only")
     x = torch.randn(m + 12, k, generator=torch.Generator().manual_seed(seed)) * 2 - 0.5
@@ -88,7 +80,7 @@ def test_16bit_scales_equal_their_fp32_widening(sdtype: torch.dtype, code_offset
     # 16-bit scales without an offset array and groups in multiples of 16 keep their per-item tile 16-bit
     # (TileQparams::s16, offset = scale * code_offset formed per group): the same values as the fp32 tiles the
     # same scales widened to fp32 (and their offset array) take, in gemv4 (1-8 rows) and in the widened tile (13 rows)
-    _needs_int8_codes()
+    needs_int8_codes_kernel()
     g = torch.Generator().manual_seed(n + k)
     packed = K.pack_codes(torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g), 4)
     scale = ((torch.rand(n, k // gs, generator=g) * 0.02 + 0.005) * torch.randn(n, k // gs, generator=g).sign())
