@@ -71,9 +71,8 @@ MIN_ROWS: dict[str, dict[str, dict[str, int | None]]] = {
     # decode 8% faster, single linears 0.95-1.1x; benchmarks/README.md). The op compares M itself (below the
     # threshold: the fused kernels inside it), so an exported graph runs what eager runs at every M. AMX Xeon
     # (side by side): fp32 x 1.6-2.4x faster than lowbit_linear on the fake-quantized x at M = 1-128; bf16 x
-    # 1.3-2.5x faster at 2-8 rows (SmolLM2's eager decode of 4 prompts 1.16x), 0.5-0.8x of lowbit_linear's AMX
-    # tiles from 16 (the next entry); at 1 row equal or up to 15% faster alone, yet SmolLM2's eager decode ran 8%
-    # slower with it, so one row keeps the fused GEMV (inside the op).
+    # faster at 2-15 rows, slower than lowbit_linear's AMX tiles from 16 (the next entry); at 1 row it measured
+    # faster alone but slower in SmolLM2's eager decode, so one row keeps the fused GEMV (benchmarks/README.md).
     "affineq.int8_codes_linear:int4": {
         "amx": {"fp32": 1, "bf16": 2},
         "avx512": {"fp32": 1, "bf16": 1},
