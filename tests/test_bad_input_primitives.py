@@ -4,7 +4,8 @@ Every case must raise the given exception type with a message that names the off
 a regex) and says what to do (``fix``, a regex; by default one of the imperative words in ``FIX_WORDS``,
 or the list of valid values the message spells out). The overflow cases of choose_qparams_affine (finite
 input whose scale or zero point no dtype at hand can hold) are in the catalogue too; the regressions they
-replace (inf scales, NaN outputs) are pinned down at the end of the file.
+replace (inf scales, NaN outputs) are pinned down after it. Last, `BAD_CALLS`: calls whose ValueError must read
+exactly as given.
 """
 
 from __future__ import annotations
@@ -408,3 +409,120 @@ def test_default_eps_follows_scale_dtype(input_dtype, scale_dtype, eps):
     scale, _ = choose_qparams_affine(x, SYM, (1, 8), torch.int8, scale_dtype=scale_dtype)
     assert scale.dtype == (scale_dtype or input_dtype)
     assert (scale.double() == torch.tensor(eps, dtype=scale.dtype).double()).all()
+
+
+# --------------------------------------------------------------------------------------------------------
+# Exact messages (moved from test_primitives.py): each call raises ValueError with this text
+
+
+BAD_CALLS = {
+    "block_size rank": (
+        lambda: choose_qparams_affine(X, ASYM, (32,), torch.uint8),
+        r"block_size \(32,\) has 1 entries but the input shape \(4, 64\) has rank 2",
+    ),
+    "block_size divides": (
+        lambda: quantize_affine(X, (1, 48), S, Z, torch.uint8),
+        r"block_size\[1\]=48 does not divide dim 1 \(size 64\)",
+    ),
+    "block_size zero": (lambda: choose_qparams_affine(X, ASYM, (0, 64), torch.uint8), r"block_size\[0\]=0"),
+    "block_size type": (lambda: dequantize_affine(Q, 32, S, Z, torch.uint8), "block_size must be a tuple"),
+    "quant_min > quant_max": (
+        lambda: choose_qparams_affine(X, ASYM, (1, 32), torch.uint8, 200, 100),
+        "quant_min=200 is greater than quant_max=100",
+    ),
+    "quant_max outside dtype": (
+        lambda: quantize_affine(X, (1, 32), S, Z, torch.int4, quant_max=8),
+        r"quant_max=8 is outside the range of torch.int4, which is \[-8, 7\]",
+    ),
+    "quant_min outside dtype": (
+        lambda: dequantize_affine(Q, (1, 32), S, Z, torch.uint8, quant_min=-1),
+        r"quant_min=-1 is outside the range of torch.uint8",
+    ),
+    "quant_min == quant_max": (
+        lambda: choose_qparams_affine(X, ASYM, (1, 32), torch.uint8, 3, 3),
+        "quant_min=3 must be smaller than quant_max=3",
+    ),
+    "target dtype": (
+        lambda: choose_qparams_affine(X, ASYM, (1, 32), torch.float16),
+        r"target_dtype=torch.float16 is not a supported .*torch.int4",
+    ),
+    "output dtype": (lambda: quantize_affine(X, (1, 32), S, Z, torch.int64), "output_dtype=torch.int64"),
+    "input dtype": (lambda: dequantize_affine(Q, (1, 32), S, Z, torch.uint16), "input_dtype=torch.uint16"),
+    "quant dtype": (lambda: fake_quantize_affine(X, (1, 32), S, Z, torch.bool), "quant_dtype=torch.bool"),
+    "integer input": (
+        lambda: choose_qparams_affine(Q, ASYM, (1, 32), torch.uint8),
+        "input must be a floating-point tensor .* got torch.uint8",
+    ),
+    "integer quantize input": (lambda: quantize_affine(Q, (1, 32), S, Z, torch.uint8), "floating-point"),
+    "zero_point with NONE": (
+        lambda: quantize_affine(X, (1, 32), S, Z, torch.uint8, zero_point_domain=NONE),
+        "zero_point was given but zero_point_domain=ZeroPointDomain.NONE",
+    ),
+    "zero_point with NONE deq": (
+        lambda: dequantize_affine(Q, (1, 32), S, Z, torch.uint8, zero_point_domain=NONE),
+        "pass zero_point=None",
+    ),
+    "missing zero_point": (
+        lambda: dequantize_affine(Q, (1, 32), S, None, torch.uint8),
+        "zero_point is None but zero_point_domain=ZeroPointDomain.INT",
+    ),
+    "float8 zero_point": (
+        lambda: quantize_affine(X, (1, 32), S, Z, torch.float8_e4m3fn),
+        "zero_point must be None for float target",
+    ),
+    "float8 asymmetric": (
+        lambda: choose_qparams_affine(X, ASYM, (1, 32), torch.float8_e5m2),
+        "use MappingType.SYMMETRIC",
+    ),
+    "asymmetric NONE": (
+        lambda: choose_qparams_affine(X, ASYM, (1, 32), torch.int8, zero_point_domain=NONE),
+        "ASYMMETRIC needs a zero point",
+    ),
+    "preserve_zero INT": (
+        lambda: choose_qparams_affine(X, ASYM, (1, 32), torch.uint4, preserve_zero=False),
+        "preserve_zero=False with ASYMMETRIC mapping needs zero_point_domain",
+    ),
+    "NaN": (
+        lambda: choose_qparams_affine(torch.tensor([[1.0, float("nan")]]), SYM, (1, 2), torch.int8),
+        "NaN or Inf",
+    ),
+    "Inf": (
+        lambda: choose_qparams_affine(torch.tensor([[1.0, -float("inf")]]), SYM, (1, 2), torch.int8),
+        "NaN or Inf",
+    ),
+    "scale numel": (
+        lambda: quantize_affine(X, (1, 32), S[:, :1], Z, torch.uint8),
+        r"scale has 4 elements \(shape \(4, 1\)\) but block_size \(1, 32\) .* gives 8 blocks",
+    ),
+    "zero_point numel": (
+        lambda: quantize_affine(X, (1, 64), S[:, :1], Z, torch.uint8),
+        r"zero_point has 8 elements",
+    ),
+    "container": (
+        lambda: dequantize_affine(Q.int(), (1, 32), S, Z, torch.uint4),
+        "codes of input_dtype=torch.uint4 must be stored as torch.uint8, got input of torch.int32",
+    ),
+    "output_dtype int": (
+        lambda: dequantize_affine(Q, (1, 32), S, Z, torch.uint8, output_dtype=torch.int32),
+        "output_dtype must be a floating-point",
+    ),
+    "mapping type": (
+        lambda: choose_qparams_affine(X, "asymmetric", (1, 32), torch.uint8),
+        "mapping_type must be one of MappingType.SYMMETRIC",
+    ),
+    "domain": (
+        lambda: quantize_affine(X, (1, 32), S, Z, torch.uint8, zero_point_domain="int"),
+        "zero_point_domain must be one of ZeroPointDomain.INT",
+    ),
+    "scale_dtype": (
+        lambda: choose_qparams_affine(X, ASYM, (1, 32), torch.uint8, scale_dtype=torch.int32),
+        "scale_dtype must be a floating-point",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BAD_CALLS)
+def test_bad_input_raises_value_error(case):
+    call, pattern = BAD_CALLS[case]
+    with pytest.raises(ValueError, match=pattern):
+        call()
