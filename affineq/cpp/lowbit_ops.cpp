@@ -160,9 +160,8 @@ void set_weight(LowbitProblem& p, const void* packed, const void* scale, const v
   p.k = k;
 }
 
-// widen_y: bf16 x whose bf16 result is returned as float32 (lowbit_linear_int8_act_bf16_compute's rounded x).
 at::Tensor run_weight_problems(const at::Tensor& x, std::vector<LowbitProblem> ps, int64_t path,
-                               bool bf16_compute = false, bool widen_y = false) {
+                               bool bf16_compute = false) {
   const int64_t k = ps[0].k;
   int64_t n = 0;
   for (const LowbitProblem& p : ps) n += p.n;
@@ -172,18 +171,17 @@ at::Tensor run_weight_problems(const at::Tensor& x, std::vector<LowbitProblem> p
   // float32 x computed in bf16: the bf16 paths read x rounded (one bf16 copy) and write y's bf16 values widened
   // (no bf16 copy of y); any other path runs bf16 x as the caller's x.to(bf16) would, y widened after.
   const bool round_x = bf16_compute && xt == at::kFloat;
-  const bool widen = round_x || (widen_y && xt == at::kBFloat16);
   const int64_t K8 = (k + 7) / 8 * 8;
   static const uint16_t dummy = 0;
   bool path5_rounds = false;  // path 5 rounds float32 x's rows itself as it packs them (no bf16 copy of x)
-  if (widen) {
+  if (round_x) {
     LowbitProblem probe = ps[0];
     probe.m = M;
     probe.x_bf16 = &dummy;
     probe.allow_int16_x = allow_int16_x(at::kBFloat16);
     if (!lowbit_bf16_io(probe, static_cast<int>(path)))
       return run_weight_problems(x.to(at::kBFloat16), std::move(ps), path).to(at::kFloat);
-    path5_rounds = round_x && K8 == k && x2.is_contiguous() && lowbit_path(probe, static_cast<int>(path)) == 5;
+    path5_rounds = K8 == k && x2.is_contiguous() && lowbit_path(probe, static_cast<int>(path)) == 5;
   }
   // A few rows of bf16 x that a path reads as fp32 (one row on the digits GEMV: decode) are widened here, and y
   // rounded back below, by loops: aten's casts cost microseconds each, a 576-wide layer's whole GEMV.
@@ -215,14 +213,14 @@ at::Tensor run_weight_problems(const at::Tensor& x, std::vector<LowbitProblem> p
   // The bf16 paths read only x_bf16 and write y in bf16 (round_x: its values as fp32): no fp32 copy of x or y for
   // them (the problems share a configuration, so a path).
   const bool bf16_path = lowbit_bf16_io(ps[0], static_cast<int>(path));
-  const bool y_bf16 = bf16_path && !widen;
+  const bool y_bf16 = bf16_path && !round_x;
   const at::Tensor xf = bf16_path ? at::Tensor() : padded(at::kFloat);
   at::Tensor y = at::empty({M, n}, x2.options().dtype(y_bf16 ? at::kBFloat16 : at::kFloat));
   if (M > 0 && n > 0) {
     int64_t col = 0;  // each problem writes its columns of y
     for (LowbitProblem& p : ps) {
       p.x = xf.defined() ? xf.const_data_ptr<float>() : nullptr;
-      p.y_bf16_values = widen;
+      p.y_bf16_values = round_x;
       if (y_bf16) p.y_bf16 = reinterpret_cast<uint16_t*>(y.mutable_data_ptr()) + col;
       else p.y = y.mutable_data_ptr<float>() + col;
       p.ldy = n;
@@ -232,15 +230,14 @@ at::Tensor run_weight_problems(const at::Tensor& x, std::vector<LowbitProblem> p
   }
   std::vector<int64_t> out_sizes = x.sizes().vec();
   out_sizes.back() = n;
-  // y's fp32 sums rounded as y.to(bf16) rounds them
-  if (small_bf16 && !y_bf16 && !widen && M * n <= (int64_t{1} << 16)) {
+  if (small_bf16 && !y_bf16 && M * n <= (int64_t{1} << 16)) {  // y's fp32 sums rounded as y.to(bf16) rounds them
     at::Tensor yb = at::empty({M, n}, y.options().dtype(at::kBFloat16));
     const float* src = y.const_data_ptr<float>();
     auto* dst = yb.mutable_data_ptr<at::BFloat16>();
     for (int64_t i = 0; i < M * n; ++i) dst[i] = static_cast<at::BFloat16>(src[i]);
     return yb.view(out_sizes);
   }
-  return (widen ? y : y.to(xt)).view(out_sizes);
+  return y.to(xt).view(out_sizes);
 }
 
 at::Tensor run_weight_problem(const at::Tensor& x, LowbitProblem p, int64_t path, bool bf16_compute) {
@@ -352,45 +349,28 @@ at::Tensor int8_act_impl(const at::Tensor& x, const at::Tensor& packed, const at
   const bool round_x = bf16_compute && x.scalar_type() == at::kFloat;
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = n;
-  if (round_x && per_token) {  // path 5 rounds each float32 row as it quantizes it: no bf16 copy of x or y
-    const at::Tensor xf = x.reshape({-1, k}).contiguous();
+  const at::Tensor x2 = x.reshape({-1, k}).contiguous();
+  // float32 x computing in bf16 on path 5: run_weight_problems has the GEMM round each row as it packs it (before
+  // the quantization) and write y widened; only per-tensor qparams need x's bf16 values first, to choose them.
+  const at::Tensor xq = round_x && !per_token ? x2.to(at::kBFloat16) : x2;
+  if ((x2.scalar_type() == at::kBFloat16 || round_x) && x2.size(0) > 0) {
     static const uint16_t dummy = 0;
     WeightTensors w(packed, scale, offset, code_offset, bits, codes, group_size, n, k);
     LowbitProblem& p = w.p;
-    p.m = xf.size(0);
-    p.x_bf16 = &dummy;  // the path's input kind; pack_a_tiles reads x_round
-    p.ldx = k;          // path 5: k % 32 == 0
-    p.allow_int16_x = allow_int16_x(at::kBFloat16);
-    if (p.m > 0 && lowbit_path(p) == 5) {
-      const Int8XQuant q = int8_x_quant(&dummy, p.m, k, true, static_cast<int>(mode), static_cast<float>(eps));
-      p.x_round = xf.const_data_ptr<float>();
-      p.x_quant = &q;
-      at::Tensor y = at::empty({p.m, n}, xf.options());
-      if (n > 0) {
-        p.x = nullptr;
-        p.y = y.mutable_data_ptr<float>();
-        p.ldy = n;
-        p.y_bf16_values = true;
-        lowbit_linear_multi_f32(&p, 1, 5);
-      }
-      return y.view(sizes);
-    }
-  }
-  const at::Tensor x2 = round_x ? x.reshape({-1, k}).to(at::kBFloat16).contiguous() : x.reshape({-1, k}).contiguous();
-  if (x2.scalar_type() == at::kBFloat16 && x2.size(0) > 0) {
-    WeightTensors w(packed, scale, offset, code_offset, bits, codes, group_size, n, k);
-    LowbitProblem& p = w.p;
-    const auto* xb = reinterpret_cast<const uint16_t*>(x2.const_data_ptr<at::BFloat16>());
+    const auto* xb = xq.scalar_type() == at::kBFloat16
+                         ? reinterpret_cast<const uint16_t*>(xq.const_data_ptr<at::BFloat16>())
+                         : &dummy;  // per token: int8_x_quant reads no x
     p.m = x2.size(0);
     p.x_bf16 = xb;
     p.allow_int16_x = allow_int16_x(at::kBFloat16);
     if (lowbit_path(p) == 5) {
       const Int8XQuant q = int8_x_quant(xb, x2.size(0), k, per_token, static_cast<int>(mode), static_cast<float>(eps));
       p.x_quant = &q;
-      return run_weight_problems(x2, {p}, 5, false, round_x).view(sizes);
+      return run_weight_problems(x2, {p}, 5, round_x).view(sizes);
     }
   }
-  const at::Tensor y = lowbit_linear_cpu(int8_fake_quant_cpu(x2, per_token, mode, eps), packed, scale, offset, bits,
+  const at::Tensor xr = round_x ? (per_token ? x2.to(at::kBFloat16) : xq) : x2;
+  const at::Tensor y = lowbit_linear_cpu(int8_fake_quant_cpu(xr, per_token, mode, eps), packed, scale, offset, bits,
                                          group_size, n, k, codes, code_offset);
   return (round_x ? y.to(at::kFloat) : y).view(sizes);
 }

@@ -163,25 +163,25 @@ def rows_check(kernel: str, x: torch.Tensor) -> str | None:
     return None
 
 
-def rows_at_least(x: torch.Tensor, least: int) -> bool:
-    """Whether x has at least `least` input rows; a symbolic M (torch.compile with dynamic shapes, export) only
-    where it is known to, so no guard is added and the graph stays valid for every M."""
+def _rows_known(x: torch.Tensor, holds) -> bool:
+    """holds(M) for x's input rows M; a symbolic M (torch.compile with dynamic shapes, export) only where it is
+    known to hold, so no guard is added and the graph stays valid for every M."""
     m = input_rows(x)
     if isinstance(m, torch.SymInt):
         from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-        return statically_known_true(m >= least)
-    return m >= least
+        return statically_known_true(holds(m))
+    return bool(holds(m))
+
+
+def rows_at_least(x: torch.Tensor, least: int) -> bool:
+    """Whether x has at least `least` input rows (`_rows_known`)."""
+    return _rows_known(x, lambda m: m >= least)
 
 
 def rows_below(x: torch.Tensor, bound: int) -> bool:
-    """Whether x has fewer than `bound` input rows; a symbolic M only where it is known to (no guard added)."""
-    m = input_rows(x)
-    if isinstance(m, torch.SymInt):
-        from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-        return statically_known_true(m < bound)
-    return m < bound
+    """Whether x has fewer than `bound` input rows (`_rows_known`)."""
+    return _rows_known(x, lambda m: m < bound)
 
 
 # -- kernel: affineq.dequant_linear, dense format ----------------------------------------------------------
