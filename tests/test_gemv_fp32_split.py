@@ -60,7 +60,8 @@ def test_fp32_x_within_fp32_rounding_of_float64(n: int, k: int, gs: int, qparams
     g = torch.Generator().manual_seed(k + m)
     # magnitudes far apart: the parts of x span 24 bits below each value's exponent (1e-30 ~ 2^-100 keeps the
     # smallest part a normal bf16 number); the digits' smallest scale 2^-149 (1e-37) and their limit 2^100 (1e31:
-    # the FMA GEMV takes over)
+    # the FMA GEMV takes over); off AMX, 1e-37 splits into parts below bf16's normal range, which the conversion
+    # would flush: split_x3 hands such x to the FMA GEMV
     for mag in (1.0, 1e-30, 1e20) + ((1e-37, 1e31) if m == 1 else ()):
         x = torch.randn(m, k, generator=g) * mag
         out = torch.ops.affineq.lowbit_linear(x, packed, *qp)

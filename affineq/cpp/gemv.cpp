@@ -397,11 +397,13 @@ bool use_bf16w(const LowbitProblem& p) {
 // (each remainder is exact in fp32, and after two roundings to 8 significant bits the last one has at most 8).
 // Every product of a part with a code is exact in the bf16 dot product's fp32 sums, so the 4-bit GEMV serves
 // fp32 x at m = 1 with exact products (three dot products per weight pair instead of an int -> float
-// conversion and an FMA per weight). vdpbf16ps reads bf16 subnormals as zero: parts below 2^-126, which only
-// inputs below ~2^-110 in magnitude have, are dropped. x3 [3][k8]; false (x3 then meaningless) when x holds a
-// non-finite value (inf - inf would turn it into NaN). One pass over x: the check rides on the split.
+// conversion and an FMA per weight). The conversion to bf16 flushes fp32 subnormals to zero, so for x below
+// ~2^-103 in magnitude (its parts are multiples of its fp32 ulp) a part may be lost: hi + mid + lo == x is checked
+// lane by lane. x3 [3][k8]; false (x3 then meaningless) when x holds a non-finite value (inf - inf would turn it
+// into NaN) or a lane does not split exactly: the FMA GEMV then serves the call. One pass over x: the checks ride
+// on the split.
 bool split_x3(const float* x, int64_t k8, uint16_t* x3) {
-  __mmask16 bad = 0;  // lanes whose x - x is not 0: inf or NaN
+  __mmask16 bad = 0;  // lanes whose x - x is not 0 (inf or NaN) or whose parts do not sum to x
   for (int64_t i = 0; i < k8; i += 16) {
     const __mmask16 k = static_cast<__mmask16>(k8 - i >= 16 ? 0xFFFF : (1u << (k8 - i)) - 1);
     const __m512 v = _mm512_maskz_loadu_ps(k, x + i);
@@ -409,7 +411,9 @@ bool split_x3(const float* x, int64_t k8, uint16_t* x3) {
     const __m256i hi = bf16_bits(v);
     const __m512 r = _mm512_sub_ps(v, bf16_widen(hi));
     const __m256i mid = bf16_bits(r);
-    const __m256i lo = bf16_bits(_mm512_sub_ps(r, bf16_widen(mid)));
+    const __m512 r2 = _mm512_sub_ps(r, bf16_widen(mid));
+    const __m256i lo = bf16_bits(r2);
+    bad |= _mm512_mask_cmp_ps_mask(k, bf16_widen(lo), r2, _CMP_NEQ_UQ);
     _mm256_mask_storeu_epi16(x3 + i, k, hi);
     _mm256_mask_storeu_epi16(x3 + k8 + i, k, mid);
     _mm256_mask_storeu_epi16(x3 + 2 * k8 + i, k, lo);
