@@ -1,9 +1,9 @@
 """`compute_dtype=torch.bfloat16` on configs that quantize activations (8da4w, W8A8 dynamic / static, float8, MX):
 a float32 input is rounded to bf16 once and the linear computes exactly as it does for that bf16 input (the
 rounded x quantized as a bf16 x is), the bf16 result widened to float32 before the float32 bias. Checked bit for
-bit against the same weight fed the rounded input, on the C++ op that rounds x itself
-(`affineq::lowbit_linear_int8_act_bf16_compute`), inside a K-sharded linear (reduced token ranges), through
-torch.compile, save / load and a recurrent module."""
+bit against the same weight fed the rounded input, on the C++ ops that round x themselves
+(`affineq::lowbit_linear_int8_act_bf16_compute`, `affineq::int8_codes_linear_bf16_compute`), inside a K-sharded
+linear (reduced token ranges), through torch.compile, save / load and a recurrent module."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import bf16_compute_pair, dispatched_ops, save_load
+from conftest import bf16_compute_pair, dispatched_ops, needs_int8_codes_kernel, packed_problem, save_load
 from torch import nn
 
 import affineq.cpp as K
@@ -91,25 +91,56 @@ def test_any_input_layout_gives_the_rounded_inputs_result(layout):
         assert torch.equal(y, F.linear(x.to(BF16), plain.weight).float() + plain.bias)
 
 
-def test_8da4w_eager_call_hands_float32_x_to_one_op():
-    """Where bf16 x takes our lowbit kernel (one op quantizes and multiplies), float32 x goes to its
-    bf16_compute twin as it is: no aten cast of x or y around the call. Where another kernel takes bf16 x, the
-    rounded route casts (and still gives its values, test above)."""
+# the op each kernel hands float32 x to, as it is (it rounds x and widens y itself)
+BF16_COMPUTE_TWIN = {"affineq.lowbit_linear": "affineq.lowbit_linear_int8_act_bf16_compute",
+                     "affineq.int8_codes_linear": "affineq.int8_codes_linear_bf16_compute"}
+
+
+@pytest.mark.parametrize("name", ["8da4w", "w8a8-dense"])
+@pytest.mark.parametrize("m", [3, 64])
+def test_eager_call_hands_float32_x_to_one_op(name, m):
+    """Where bf16 x takes our lowbit kernel or the int8-codes kernel (one op quantizes and multiplies), float32 x
+    goes to its bf16_compute twin as it is: no aten cast of x or y around the call. Where another kernel takes
+    bf16 x, the rounded route casts (and still gives its values, test above)."""
     if not K.is_available():
         pytest.skip(f"the C++ kernels are unavailable: {K.unavailable_reason()}")
-    fast, plain = _pair("8da4w")
-    x = torch.randn(64, K_IN)
+    fast, plain = _pair(name)
+    x = torch.randn(m, K_IN)
     with torch.no_grad():
         fast(x)  # the first call of a row bucket selects the kernel
         with record_kernels() as used:
             plain(x.to(BF16))
         with dispatched_ops() as seen:
             y = fast(x)
-    if used == ["affineq.lowbit_linear"]:
-        assert seen.ops == ["affineq.lowbit_linear_int8_act_bf16_compute", "aten.add"]
+    if used[0] in BF16_COMPUTE_TWIN:
+        assert BF16_COMPUTE_TWIN[used[0]] in seen.ops and "aten._to_copy" not in seen.ops, seen.ops
     else:
         assert "aten._to_copy" in seen.ops
     assert torch.equal(y, F.linear(x.to(BF16), plain.weight).float() + plain.bias)
+
+
+@pytest.mark.parametrize("bits,per_token,mode", [(8, True, 2), (8, True, 0), (8, False, 2), (4, True, 2),
+                                                 (4, True, 1), (4, False, 0)])
+def test_int8_codes_op_rounds_float32_x_itself(bits, per_token, mode):
+    """affineq::int8_codes_linear_bf16_compute on float32 x: bit-equal to int8_codes_linear on x.to(bf16),
+    widened, below its min_rows (the fused GEMV's twin) and above (the kernel, AMX int8 tiles where the CPU has
+    them: k % 64 == 0), with float32 subnormals and halfway cases; bf16 x: the op itself."""
+    needs_int8_codes_kernel()
+    for n, k, gs in ((64, 256, 32), (48, 96, 96)):
+        _, packed, scale, offset = packed_problem(bits, n, k, gs, seed=k + bits)
+        for m in (1, 3, 17, 70):
+            args = (packed, scale.bfloat16(), offset.bfloat16(), gs, n, k, per_token, mode, 1e-6, bits, 0, 4)
+            x = torch.randn(m, k) * torch.linspace(0.5, 4, k)
+            if m > 2:
+                x[1] = torch.randn(k) * 2.0**-140
+                x[2] = (1 + (2 * torch.arange(k) + 1) * 2.0**-8) * torch.randn(k).sign()
+            y = torch.ops.affineq.int8_codes_linear_bf16_compute(x, *args)
+            want = torch.ops.affineq.int8_codes_linear(x.to(BF16), *args).float()
+            assert y.dtype == torch.float32 and torch.equal(y, want), (n, k, m)
+            assert not torch.equal(y, torch.ops.affineq.int8_codes_linear(x, *args))  # it does round
+            xb = x.to(BF16)
+            assert torch.equal(torch.ops.affineq.int8_codes_linear_bf16_compute(xb, *args),
+                               torch.ops.affineq.int8_codes_linear(xb, *args))
 
 
 @pytest.mark.parametrize("per_token,mode", [(True, 2), (True, 0), (True, 1), (False, 2), (False, 0)])

@@ -45,6 +45,9 @@ affineq::grouped_lowbit_linear(Tensor x, Tensor expert_ids, Tensor packed, Tenso
     bits, int group_size, int n, int k, int codes=0, int code_offset=0) -> Tensor
 affineq::int8_codes_linear(Tensor x, Tensor packed, Tensor scale, Tensor? offset, int group_size, int n, int
     k, bool per_token, int mode, float eps, int bits=8, int code_offset=0, int min_rows=0) -> Tensor
+affineq::int8_codes_linear_bf16_compute(Tensor x, Tensor packed, Tensor scale, Tensor? offset, int group_size,
+    int n, int k, bool per_token, int mode, float eps, int bits=8, int code_offset=0, int min_rows=0) ->
+    Tensor
 affineq::int8_dynamic_linear(Tensor x2, Tensor w_codes, Tensor w_scale, bool per_token, bool no_clipping,
     float eps) -> Tensor
 affineq::int8_dynamic_onednn_linear(Tensor x2, Tensor w_codes, Tensor w_scale, bool per_token, bool

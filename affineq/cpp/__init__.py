@@ -51,6 +51,8 @@ bf16 copy of y.
 is packed into tiles, so no quantized copy of x is written and read back.
 ``affineq::lowbit_linear_int8_act_bf16_compute``: the same for ``x.to(torch.bfloat16)``, its result widened to
 float32, bit for bit (a weight whose ``compute_dtype`` is bf16); the AMX GEMM writes the widened values itself.
+``affineq::int8_codes_linear_bf16_compute``: ``int8_codes_linear`` likewise (W8A8 dynamic, 8da4w on the
+int8-codes kernel): float32 x quantized as its bf16 values, y written as the bf16 result's values widened.
 
 The C++ library is compiled on first use (see ``_build.py``; every ``*.cpp`` here is one translation unit):
 ``dispatch.cpp`` holds the entry points and the path choice (``path_for``), ``gemv.cpp``, ``gemm_f32.cpp``,
@@ -415,6 +417,20 @@ _lib.define(
 @torch.library.register_fake("affineq::int8_codes_linear", lib=_lib)
 def _int8_codes_linear_fake(x, packed, scale, offset, group_size, n, k, per_token, mode, eps, bits=8,
                             code_offset=0, min_rows=0):
+    return x.new_empty((x.shape[0], n))
+
+
+# The same for x.to(torch.bfloat16), its result widened to float32 (a weight whose compute_dtype is bf16): float32
+# x is read rounded and y written as its bf16 values by the kernel itself, bit for bit the bf16 op's result.
+_lib.define(
+    "int8_codes_linear_bf16_compute(Tensor x, Tensor packed, Tensor scale, Tensor? offset, int group_size, int n,"
+    " int k, bool per_token, int mode, float eps, int bits=8, int code_offset=0, int min_rows=0) -> Tensor"
+)
+
+
+@torch.library.register_fake("affineq::int8_codes_linear_bf16_compute", lib=_lib)
+def _int8_codes_linear_bf16_compute_fake(x, packed, scale, offset, group_size, n, k, per_token, mode, eps, bits=8,
+                                         code_offset=0, min_rows=0):
     return x.new_empty((x.shape[0], n))
 
 

@@ -37,14 +37,23 @@ inline float round_even(float v) {
 #endif
 }
 
-// x's values in fp32: fp32 as it is, bf16 widened (exact), so a bf16 row is read once, in registers.
+// An fp32 element of x read as its bf16 value (x.to(bfloat16) as torch rounds: nearest even, subnormals kept,
+// every NaN as 0x7FC0), for a weight computed in bf16.
+struct RoundedF32 {
+  float v;
+};
+
+// x's values in fp32: fp32 as it is, bf16 widened (exact), RoundedF32 rounded then widened, so a row is read
+// once, in registers.
 inline float value_of(float v) { return v; }
 inline float value_of(uint16_t b) { return detail::bf16_to_float(b); }
+inline float value_of(RoundedF32 r) { return detail::bf16_to_float(c10::BFloat16(r.v).x); }
 #if AQ_AVX512
 AQ_INLINE __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 AQ_INLINE __m512 load16(const uint16_t* p) {
   return detail::bf16_widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+AQ_INLINE __m512 load16(const RoundedF32* p) { return detail::bf16_widen(detail::bf16_bits_exact(_mm512_loadu_ps(&p->v))); }
 // y's stores: fp32 as it is, bf16 rounded as torch rounds (to nearest even, every NaN as 0x7FC0). `normal`: no
 // value is subnormal, so vcvtneps2bf16 (which flushes subnormals) rounds as torch does, in one instruction.
 AQ_INLINE void store16(float* p, __m512 v, bool) { _mm512_storeu_ps(p, v); }
@@ -262,6 +271,13 @@ void int8_fake_quant_f32(const float* x, int64_t m, int64_t k, bool per_token, i
 void int8_quantize_rows(const float* x, int64_t m, int64_t k, bool per_token, int mode, float eps, int8_t* codes,
                         float* scale, int32_t* zp, int32_t* csum, int64_t gs, bool amx_tiles) {
   quantize_rows(x, m, k, per_token, mode, eps, codes, scale, zp, csum, gs, amx_tiles);
+}
+
+void int8_quantize_rows_rounded(const float* x, int64_t m, int64_t k, bool per_token, int mode, float eps,
+                                int8_t* codes, float* scale, int32_t* zp, int32_t* csum, int64_t gs, bool amx_tiles) {
+  static_assert(sizeof(RoundedF32) == sizeof(float));
+  quantize_rows(reinterpret_cast<const RoundedF32*>(x), m, k, per_token, mode, eps, codes, scale, zp, csum, gs,
+                amx_tiles);
 }
 
 void int8_fake_quant_bf16(const uint16_t* x, int64_t m, int64_t k, bool per_token, int mode, float eps,

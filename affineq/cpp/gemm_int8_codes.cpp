@@ -50,6 +50,7 @@ struct Int8CodesGemm::State {
   std::vector<int32_t> zp, csum;  // [m], [m][G]
   std::vector<float> S;           // [m][G]: csum - zp * gs, as fp32 (exact: |S| < 2^24)
   uint16_t* yb = nullptr;         // y as bf16 when the run writes bf16 (then the tiles' y is null)
+  bool y_round = false;           // fp32 y written as its bf16 values (run's bf16_values)
 };
 
 namespace {
@@ -101,10 +102,12 @@ struct TileQparams {
   }
 };
 
-// y[m, 16 c .. 16 c + 15] = v, as fp32 or (s.yb) rounded to bf16.
+// y[m, 16 c .. 16 c + 15] = v, as fp32, or rounded to bf16 (s.yb), or as those bf16 values widened (s.y_round).
 AQ_INLINE void store_y(const Int8CodesGemm::State& s, float* y, int64_t m, int64_t c, __m512 v) {
   if (s.yb != nullptr) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(s.yb + m * s.n + 16 * c), detail::bf16_bits(v));
+  } else if (s.y_round) {
+    _mm512_storeu_ps(y + m * s.n + 16 * c, detail::bf16_widen(detail::bf16_bits(v)));
   } else {
     _mm512_storeu_ps(y + m * s.n + 16 * c, v);
   }
@@ -494,7 +497,7 @@ void Int8CodesGemm::run(const float* x, int64_t m, bool per_token, int mode, flo
 }
 
 void Int8CodesGemm::run(const float* x, const uint16_t* x_bf16, int64_t m, bool per_token, int mode, float eps,
-                        float* y, uint16_t* y_bf16) {
+                        float* y, uint16_t* y_bf16, bool bf16_values) {
   State& s = *s_;
 #if AQ_INT8_CODES && AQ_AMX
   const bool use_amx = s.G == 1 && s.k % kAmxK == 0 && m >= kAmxMinRows && detail::amx_cpu();
@@ -511,9 +514,13 @@ void Int8CodesGemm::run(const float* x, const uint16_t* x_bf16, int64_t m, bool 
   s.zp.resize(m);
   s.csum.resize(m * s.G);
   s.yb = y_bf16;
+  s.y_round = bf16_values && y_bf16 == nullptr;
   if (x_bf16 != nullptr) {
     int8_quantize_rows_bf16(x_bf16, m, s.k, per_token, mode, eps, codes, s.sx.data(), s.zp.data(), s.csum.data(),
                             s.gs, use_amx);
+  } else if (bf16_values) {
+    int8_quantize_rows_rounded(x, m, s.k, per_token, mode, eps, codes, s.sx.data(), s.zp.data(), s.csum.data(), s.gs,
+                               use_amx);
   } else {
     int8_quantize_rows(x, m, s.k, per_token, mode, eps, codes, s.sx.data(), s.zp.data(), s.csum.data(), s.gs,
                        use_amx);

@@ -3,7 +3,7 @@
 // offset are applied once per group:
 //     y[n] = sum_g scale[n, g] * dot(x_g, u[n, g]) + offset[n, g] * sum(x_g).
 // Memory-bound at m = 1: the packed weights are streamed once, with software prefetch. 4-bit codes take bf16 dot
-// products instead (gemv_tile_b4bf16): with bf16 x, and with fp32 x at m = 1 split into three bf16 rows (split_x3);
+// products instead (gemv_b4bf16.h): with bf16 x, and with fp32 x at m = 1 split into three bf16 rows (split_x3);
 // so do the other widths but float8 from 3 rows of bf16 x (gemv_tile_bf16w). On AMX Xeons fp32 x at m = 1 takes
 // integer dot products on its exact digits instead (gemv_digits.h).
 #include <cstring>
@@ -16,6 +16,7 @@
 #include "amx.h"
 #include "common.h"
 #include "decode.h"
+#include "gemv_b4bf16.h"
 #include "gemv_digits.h"
 #include "gemv_groups.h"
 
@@ -200,23 +201,6 @@ void gemv_tile_buffered(const uint8_t* pan, const QP& qp, const float* x, int64_
 }
 
 #if AQ_BF16DOT
-// The first MR rows of a bf16 tile's results to y: fp32 (y_round: as their bf16 values), or bf16 into yb when set.
-template <int MR, int P, int R>
-AQ_INLINE void store_rows(const F16 (&tot)[R][P], float* y, uint16_t* yb, bool y_round, int64_t ldy, int64_t nvalid) {
-  sfor<MR>([&](auto M_) {
-    constexpr int m = AQ_CV(M_);
-    sfor<P>([&](auto P_) {
-      constexpr int p = AQ_CV(P_);
-      const int64_t w = nvalid - 16 * p;
-      if (w <= 0) return;
-      const __mmask16 keep = static_cast<__mmask16>(w >= 16 ? 0xFFFF : (1u << w) - 1);
-      const __m512 t = tot[m][p].v;
-      if (yb != nullptr) _mm256_mask_storeu_epi16(yb + m * ldy + 16 * p, keep, bf16_bits(t));
-      else _mm512_mask_storeu_ps(y + m * ldy + 16 * p, keep, y_round ? bf16_widen(bf16_bits(t)) : t);
-    });
-  });
-}
-
 // Any width with bf16 x, up to kBf16wMR rows per pass (gemv_tile_bf16w): each unit decoded once into fp32
 // vectors as the fp32 GEMV decodes it, each pair of them (k = 2s, 2s + 1) rounded to one vector of bf16 pairs,
 // lane j = (w[j, 2s], w[j, 2s + 1]) -- exact: every decoded value (codes, 2^B + u, float8 / fp6 / fp4 values)
@@ -283,94 +267,6 @@ void gemv_rows_bf16w(const uint8_t* const* pan, int64_t cnt, const QP& qp, const
 }
 #endif
 
-#if AQ_BF16DOT && defined(__AVX512VBMI__)
-// 4-bit codes with bf16 x (m <= 2): bf16 dot products instead of int -> float conversions and fp32 FMAs. One
-// vpermb gathers row j's four bytes of a unit (byte (s, j) holds the k-pair (2s, 2s + 1) of row j) into lane j, so
-// lane j's low 16 bits hold row j's codes k = 0..3 and its high 16 bits k = 4..7, a nibble each. Vector n
-// (n = 0..3) takes nibble n of each half into the top mantissa bits of a bf16 16.0: 16 + u exactly (n = 0 by a
-// table lookup, n > 0 by a shift and one ternary-logic op), so with x's pair (x[n], x[n + 4]) (xpairs)
-//     acc[j] += x[n] * (16 + u[j, n]) + x[n + 4] * (16 + u[j, n + 4])   (exact products, fp32 sums)
-// and the bias leaves through the offset: y = scale * acc + (offset - 16 * scale) * sum(x_g).
-struct B4Bf16 {
-  __m512i idx, lut, hi, mask, bias;
-  B4Bf16() {
-    alignas(64) uint8_t t[64], l[64];
-    for (int j = 0; j < 16; ++j)
-      for (int s = 0; s < 4; ++s) t[4 * j + s] = static_cast<uint8_t>(16 * s + j);
-    for (int i = 0; i < 64; ++i) l[i] = static_cast<uint8_t>(0x80 | (i & 15) << 3);  // bf16 low byte of 16 + u
-    idx = _mm512_load_si512(t);
-    lut = _mm512_load_si512(l);
-    hi = _mm512_set1_epi16(0x4100);  // bf16 high byte of 16 + u
-    mask = _mm512_set1_epi32(0x00780078);  // bits 3..6 of each half: the mantissa's top 4 bits
-    bias = _mm512_set1_epi32(0x41804180);  // bf16 16.0 in each half
-  }
-  // Row j's bytes of a 64-byte unit in lane j.
-  AQ_INLINE __m512i rows(__m512i unit) const { return _mm512_permutexvar_epi8(idx, unit); }
-  // The bf16 pairs (u[j, n], u[j, n + 4]) of rows(unit) = r.
-  template <int N>
-  AQ_INLINE __m512i pairs(__m512i r) const {
-    if constexpr (N == 0) {
-      return _mm512_mask_permutexvar_epi8(hi, 0x5555555555555555ull, r, lut);  // the even bytes' low nibbles
-    } else {
-      return _mm512_ternarylogic_epi32(_mm512_srli_epi32(r, 4 * N - 3), mask, bias, 0xEA);  // (a & b) | c
-    }
-  }
-};
-
-// xp[m][4u + n] = the bf16 pair (x[m, 8u + n], x[m, 8u + n + 4]) that B4Bf16's vector n of unit u multiplies, for
-// U units of each of M rows of x (row stride ldx).
-void xpairs(const uint16_t* x, int64_t ldx, int64_t M, int64_t U, uint32_t* xp) {
-  alignas(64) uint16_t t[32];
-  for (int i = 0; i < 32; ++i) t[i] = static_cast<uint16_t>(i / 8 * 8 + i % 8 / 2 + 4 * (i % 2));
-  const __m512i idx = _mm512_load_si512(t);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t e = 0; e < 8 * U; e += 32) {
-      const int64_t n = std::min<int64_t>(32, 8 * U - e);
-      const __mmask32 k = n == 32 ? ~0u : (1u << n) - 1;
-      const __m512i v = _mm512_maskz_loadu_epi16(k, x + m * ldx + e);
-      _mm512_mask_storeu_epi16(xp + m * 4 * U + e / 2, k, _mm512_permutexvar_epi16(idx, v));
-    }
-}
-
-// kSum: the MR rows are split_x3's parts of one fp32 row; their results are added (smallest first) into y's row 0.
-template <int MR, int P, class QP, bool kSum = false>
-void gemv_tile_b4bf16(const B4Bf16& k4, const uint8_t* const* pan, const QP& qp, const uint32_t* xw, int64_t ldx2,
-                      const float* xs, int64_t G, int64_t upg, float* y, uint16_t* yb, bool y_round, int64_t ldy,
-                      int64_t nvalid, const NextItemPrefetch* pf) {
-  F16 tot[MR][P];
-  for_groups<MR, P, 2>(tot, qp, xs, G, pf, [&](int64_t g, F16 (&acc)[MR][P][2]) AQ_INLINE_LAMBDA {
-    for (int64_t u = g * upg, ue = u + upg; u < ue; ++u) {
-      sfor<P>([&](auto P_) {
-        constexpr int p = AQ_CV(P_);
-        __builtin_prefetch(pan[p] + (u + kPrefetchUnits) * 64, 0, 3);
-        const __m512i r = k4.rows(_mm512_loadu_si512(pan[p] + u * 64));
-        sfor<4>([&](auto S) {
-          constexpr int s = AQ_CV(S);
-          const __m512bh w = reinterpret_cast<__m512bh>(k4.pairs<s>(r));
-          sfor<MR>([&](auto M_) {
-            constexpr int m = AQ_CV(M_);
-            const int xp = static_cast<int>(xw[m * ldx2 + 4 * u + s]);  // x's pair (s, s + 4) of unit u (xpairs)
-            const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(xp));
-            acc[m][p][s % 2].v = _mm512_dpbf16_ps(acc[m][p][s % 2].v, w, xv);
-          });
-        });
-      });
-    }
-  });
-  if constexpr (kSum) {
-    static_assert(MR == 3, "split_x3 gives three rows");
-    sfor<P>([&](auto P_) {
-      constexpr int p = AQ_CV(P_);
-      tot[0][p] = fadd(fadd(tot[2][p], tot[1][p]), tot[0][p]);
-    });
-  }
-  store_rows<kSum ? 1 : MR, P>(tot, y, yb, y_round, ldy, nvalid);
-}
-constexpr bool kB4Bf16 = true;
-#else
-constexpr bool kB4Bf16 = false;
-#endif
-
 // Whether the 4-bit bf16-dot GEMV serves p (all of its passes: at most 2 rows each): 4-bit integer codes, bf16 x,
 // but one row on the digits (faster where they run: benchmarks/README.md).
 bool use_b4bf16(const LowbitProblem& p) {
@@ -391,36 +287,6 @@ bool use_bf16w(const LowbitProblem& p) {
   return kBf16w && !use_b4bf16(p) && p.codes != kCodesE4M3 && p.codes != kCodesE5M2 && p.x_bf16 != nullptr &&
          p.m >= kBf16wMinRows;
 }
-
-#if AQ_BF16DOT && defined(__AVX512VBMI__)
-// One fp32 row of x as three bf16 rows whose sum is x exactly: hi = bf16(x), mid = bf16(x - hi), lo = x - hi - mid
-// (each remainder is exact in fp32, and after two roundings to 8 significant bits the last one has at most 8).
-// Every product of a part with a code is exact in the bf16 dot product's fp32 sums, so the 4-bit GEMV serves
-// fp32 x at m = 1 with exact products (three dot products per weight pair instead of an int -> float
-// conversion and an FMA per weight). The conversion to bf16 flushes fp32 subnormals to zero, so for x below
-// ~2^-103 in magnitude (its parts are multiples of its fp32 ulp) a part may be lost: hi + mid + lo == x is checked
-// lane by lane. x3 [3][k8]; false (x3 then meaningless) when x holds a non-finite value (inf - inf would turn it
-// into NaN) or a lane does not split exactly: the FMA GEMV then serves the call. One pass over x: the checks ride
-// on the split.
-bool split_x3(const float* x, int64_t k8, uint16_t* x3) {
-  __mmask16 bad = 0;  // lanes whose x - x is not 0 (inf or NaN) or whose parts do not sum to x
-  for (int64_t i = 0; i < k8; i += 16) {
-    const __mmask16 k = static_cast<__mmask16>(k8 - i >= 16 ? 0xFFFF : (1u << (k8 - i)) - 1);
-    const __m512 v = _mm512_maskz_loadu_ps(k, x + i);
-    bad |= static_cast<__mmask16>(~_mm512_cmp_ps_mask(_mm512_sub_ps(v, v), _mm512_setzero_ps(), _CMP_EQ_OQ) & k);
-    const __m256i hi = bf16_bits(v);
-    const __m512 r = _mm512_sub_ps(v, bf16_widen(hi));
-    const __m256i mid = bf16_bits(r);
-    const __m512 r2 = _mm512_sub_ps(r, bf16_widen(mid));
-    const __m256i lo = bf16_bits(r2);
-    bad |= _mm512_mask_cmp_ps_mask(k, bf16_widen(lo), r2, _CMP_NEQ_UQ);
-    _mm256_mask_storeu_epi16(x3 + i, k, hi);
-    _mm256_mask_storeu_epi16(x3 + k8 + i, k, mid);
-    _mm256_mask_storeu_epi16(x3 + 2 * k8 + i, k, lo);
-  }
-  return bad == 0;
-}
-#endif
 
 // ub [M][2U] for gemv_unit_bias: row m, unit u, chain a < A = gemv_unit_chains(mr) at ub[m][A u + a] =
 // -2^B * sum of x[m][8u + t] over t < 8 with t % A == a, for the rows whose pass of mr rows takes the unit bias.

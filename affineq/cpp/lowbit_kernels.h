@@ -109,6 +109,10 @@ void int8_quantize_rows(const float* x, int64_t m, int64_t k, bool per_token, in
 void int8_quantize_rows_bf16(const uint16_t* x, int64_t m, int64_t k, bool per_token, int mode, float eps,
                              int8_t* codes, float* scale, int32_t* zp, int32_t* csum = nullptr, int64_t gs = 0,
                              bool amx_tiles = false);
+// The same for fp32 x read as its bf16 values: the codes of x.to(bfloat16) (a weight computed in bf16).
+void int8_quantize_rows_rounded(const float* x, int64_t m, int64_t k, bool per_token, int mode, float eps,
+                                int8_t* codes, float* scale, int32_t* zp, int32_t* csum = nullptr, int64_t gs = 0,
+                                bool amx_tiles = false);
 
 // y[m, n] = sx[m] * sum_k (c[m, k] - zp[m]) * W[n, k] for int8 activation codes c and a dense 8-bit integer
 // weight (fp32 qparams), with the code products summed exactly in int32 (VNNI u8 x s8 dot products). Built
@@ -128,9 +132,11 @@ class Int8CodesGemm {
   // x [m, k] fp32 (row stride k) is quantized as int8_quantize_rows does; y [m, n] (row stride n) is overwritten.
   void run(const float* x, int64_t m, bool per_token, int mode, float eps, float* y);
   // The same with x and / or y as bf16 (x_bf16 / y_bf16 set, x / y null): x's values widened to fp32, y rounded
-  // to bf16 (nearest even) as it is stored; bit-equal to widening x and rounding the fp32 y afterwards.
+  // to bf16 (nearest even) as it is stored; bit-equal to widening x and rounding the fp32 y afterwards. bf16_values
+  // (fp32 x and y): x read as x.to(bfloat16) and y written as its bf16 values widened, the fp32 result of the
+  // bf16 run on x.to(bfloat16), bit for bit, with no bf16 copy of x or y.
   void run(const float* x, const uint16_t* x_bf16, int64_t m, bool per_token, int mode, float eps, float* y,
-           uint16_t* y_bf16);
+           uint16_t* y_bf16, bool bf16_values = false);
 
   struct State;  // defined in gemm_int8_codes.cpp
 

@@ -471,12 +471,14 @@ int64_t lowbit_path_for(const at::Tensor& x, int64_t group_size, int64_t codes, 
 }
 
 // affineq::int8_codes_linear: y = int8_fake_quant(x) @ W^T for an 8- or 4-bit integer dense weight,
-// through Int8CodesGemm (exact int32 sums of the code products, gemm_int8_codes.cpp).
-at::Tensor int8_codes_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                                 const std::optional<at::Tensor>& offset, int64_t group_size, int64_t n, int64_t k,
-                                 bool per_token, int64_t mode, double eps, int64_t bits, int64_t code_offset,
-                                 int64_t min_rows) {
-  const char* op = "affineq::int8_codes_linear";
+// through Int8CodesGemm (exact int32 sums of the code products, gemm_int8_codes.cpp). bf16_compute
+// (affineq::int8_codes_linear_bf16_compute): float32 x is read as x.to(bf16) and y written as the bf16 result's
+// values widened, by the kernel itself (no bf16 copy of x or y).
+at::Tensor int8_codes_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                           const std::optional<at::Tensor>& offset, int64_t group_size, int64_t n, int64_t k,
+                           bool per_token, int64_t mode, double eps, int64_t bits, int64_t code_offset,
+                           int64_t min_rows, bool bf16_compute) {
+  const char* op = bf16_compute ? "affineq::int8_codes_linear_bf16_compute" : "affineq::int8_codes_linear";
   TORCH_CHECK(!g_disabled.load(), op, ": the affineq C++ kernels are disabled");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
                   x.device().is_cpu(),
@@ -495,8 +497,8 @@ at::Tensor int8_codes_linear_cpu(const at::Tensor& x, const at::Tensor& packed, 
               "and VBMI builds; fp32 / bf16 / fp16 qparams, n % 16 == 0, group_size % 8 == 0); use "
               "affineq::lowbit_linear");
   if (x.size(0) < min_rows)  // the fused GEMV on the fake-quantized x: the same product, faster at few rows
-    return lowbit_linear_int8_act_cpu(x, packed, scale, offset, bits, group_size, n, k, kCodesUint, code_offset,
-                                      per_token, mode, eps);
+    return int8_act_impl(x, packed, scale, offset, bits, group_size, n, k, kCodesUint, code_offset, per_token, mode,
+                         eps, bf16_compute);
   // The int8 path quantizes x in fp32 (bf16 x widened row by row: the same codes as int8_fake_quant computes)
   // and rounds y to x's dtype as it stores it; the fallback above runs in x's dtype.
   const at::Tensor xc = x.contiguous();
@@ -507,9 +509,25 @@ at::Tensor int8_codes_linear_cpu(const at::Tensor& x, const at::Tensor& packed, 
     const auto* xb = bf16 ? reinterpret_cast<const uint16_t*>(xc.const_data_ptr()) : nullptr;
     auto* yb = bf16 ? reinterpret_cast<uint16_t*>(y.mutable_data_ptr()) : nullptr;
     gemm.run(bf16 ? nullptr : xc.const_data_ptr<float>(), xb, x.size(0), per_token, static_cast<int>(mode),
-             static_cast<float>(eps), bf16 ? nullptr : y.mutable_data_ptr<float>(), yb);
+             static_cast<float>(eps), bf16 ? nullptr : y.mutable_data_ptr<float>(), yb, bf16_compute && !bf16);
   }
   return y;
+}
+
+at::Tensor int8_codes_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                                 const std::optional<at::Tensor>& offset, int64_t group_size, int64_t n, int64_t k,
+                                 bool per_token, int64_t mode, double eps, int64_t bits, int64_t code_offset,
+                                 int64_t min_rows) {
+  return int8_codes_impl(x, packed, scale, offset, group_size, n, k, per_token, mode, eps, bits, code_offset,
+                         min_rows, false);
+}
+
+at::Tensor int8_codes_linear_bf16_compute_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                                              const std::optional<at::Tensor>& offset, int64_t group_size, int64_t n,
+                                              int64_t k, bool per_token, int64_t mode, double eps, int64_t bits,
+                                              int64_t code_offset, int64_t min_rows) {
+  return int8_codes_impl(x, packed, scale, offset, group_size, n, k, per_token, mode, eps, bits, code_offset,
+                         min_rows, true);
 }
 
 bool int8_codes_built() { return Int8CodesGemm::built(); }
@@ -527,6 +545,7 @@ TORCH_LIBRARY_IMPL(affineq, CPU, m) {
   m.impl("lowbit_dequantize", &affineq::lowbit_dequantize_cpu);
   m.impl("int8_fake_quant", &affineq::int8_fake_quant_cpu);
   m.impl("int8_codes_linear", &affineq::int8_codes_linear_cpu);
+  m.impl("int8_codes_linear_bf16_compute", &affineq::int8_codes_linear_bf16_compute_cpu);
   m.impl("lowbit_linear_int8_act", &affineq::lowbit_linear_int8_act_cpu);
   m.impl("lowbit_linear_int8_act_bf16_compute", &affineq::lowbit_linear_int8_act_bf16_compute_cpu);
 }

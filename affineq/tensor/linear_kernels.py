@@ -160,14 +160,17 @@ def _int8_codes_run(x, w, bias):
     aq = w.spec.act_quant
     n, k = w.spec.shape
     packed, scale, offset, bits, group_size, _, code_offset = lowbit_weight_args(w)
-    least = min_rows(INT8_CODES_INT4, x.dtype) if bits == 4 else 0  # below it the op runs the fused GEMV
-    out = torch.ops.affineq.int8_codes_linear(_flat(x), packed, scale, offset, group_size, n, k,
-                                              aq.per_token, fused_int8_mode(aq), act_eps(x, aq), bits, code_offset,
-                                              least)
+    rounded = computes_in_other_dtype(x, w)  # float32 x computing in bf16: the op rounds x and widens y itself
+    dtype = w.spec.compute_dtype if rounded else x.dtype
+    least = min_rows(INT8_CODES_INT4, dtype) if bits == 4 else 0  # below it the op runs the fused GEMV
+    op = torch.ops.affineq.int8_codes_linear_bf16_compute if rounded else torch.ops.affineq.int8_codes_linear
+    out = op(_flat(x), packed, scale, offset, group_size, n, k, aq.per_token, fused_int8_mode(aq), act_eps(x, aq),
+             bits, code_offset, least)
     return _finish(out, x, bias)
 
 
-register_linear_kernel("affineq.int8_codes_linear", ("dense",), int8_codes_check, _int8_codes_run)
+register_linear_kernel("affineq.int8_codes_linear", ("dense",), int8_codes_check, _int8_codes_run,
+                       rounds_input=True)
 register_linear_kernel("affineq.dequant_linear", ("dense",), dequant_linear_check, dequant_linear_run)
 
 
