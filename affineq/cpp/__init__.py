@@ -408,30 +408,20 @@ _lib.define(
 # builds where int8_codes_built() (AVX512-VNNI + VBMI); n % 16 == 0, group_size % 8 == 0. With fewer than
 # min_rows rows of x it returns lowbit_linear(int8_fake_quant(x), ...) instead (where the fused GEMV is faster):
 # one op whatever M, so a graph with a symbolic M runs what eager runs.
-_lib.define(
-    "int8_codes_linear(Tensor x, Tensor packed, Tensor scale, Tensor? offset, int group_size, int n, int k,"
-    " bool per_token, int mode, float eps, int bits=8, int code_offset=0, int min_rows=0) -> Tensor"
-)
-
-
-@torch.library.register_fake("affineq::int8_codes_linear", lib=_lib)
+# int8_codes_linear_bf16_compute: the same for x.to(torch.bfloat16), its result widened to float32 (a weight
+# whose compute_dtype is bf16): float32 x is read rounded and y written as its bf16 values by the kernel itself,
+# bit for bit the bf16 op's result.
 def _int8_codes_linear_fake(x, packed, scale, offset, group_size, n, k, per_token, mode, eps, bits=8,
                             code_offset=0, min_rows=0):
     return x.new_empty((x.shape[0], n))
 
 
-# The same for x.to(torch.bfloat16), its result widened to float32 (a weight whose compute_dtype is bf16): float32
-# x is read rounded and y written as its bf16 values by the kernel itself, bit for bit the bf16 op's result.
-_lib.define(
-    "int8_codes_linear_bf16_compute(Tensor x, Tensor packed, Tensor scale, Tensor? offset, int group_size, int n,"
-    " int k, bool per_token, int mode, float eps, int bits=8, int code_offset=0, int min_rows=0) -> Tensor"
-)
-
-
-@torch.library.register_fake("affineq::int8_codes_linear_bf16_compute", lib=_lib)
-def _int8_codes_linear_bf16_compute_fake(x, packed, scale, offset, group_size, n, k, per_token, mode, eps, bits=8,
-                                         code_offset=0, min_rows=0):
-    return x.new_empty((x.shape[0], n))
+for _name in ("int8_codes_linear", "int8_codes_linear_bf16_compute"):
+    _lib.define(
+        f"{_name}(Tensor x, Tensor packed, Tensor scale, Tensor? offset, int group_size, int n, int k,"
+        " bool per_token, int mode, float eps, int bits=8, int code_offset=0, int min_rows=0) -> Tensor"
+    )
+    torch.library.register_fake(f"affineq::{_name}", _int8_codes_linear_fake, lib=_lib)
 
 
 def _lowbit_rnn_layer_fake(gi, batch_sizes, h0, c0, bias_hh, packed, scale, offset, bits, group_size, codes,
