@@ -53,7 +53,9 @@ AQ_INLINE __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 AQ_INLINE __m512 load16(const uint16_t* p) {
   return detail::bf16_widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-AQ_INLINE __m512 load16(const RoundedF32* p) { return detail::bf16_widen(detail::bf16_bits_exact(_mm512_loadu_ps(&p->v))); }
+AQ_INLINE __m512 load16(const RoundedF32* p) {
+  return detail::bf16_widen(detail::bf16_bits_exact(_mm512_loadu_ps(&p->v)));
+}
 // y's stores: fp32 as it is, bf16 rounded as torch rounds (to nearest even, every NaN as 0x7FC0). `normal`: no
 // value is subnormal, so vcvtneps2bf16 (which flushes subnormals) rounds as torch does, in one instruction.
 AQ_INLINE void store16(float* p, __m512 v, bool) { _mm512_storeu_ps(p, v); }
