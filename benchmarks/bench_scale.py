@@ -28,8 +28,8 @@ Rows (``--rows``; every measurement runs in a fresh subprocess, one after anothe
   loaded, their timed runs alternating one at a time (benchmarks/_turns.py), so both see the same machine.
   MB read per token = stored bytes of every Linear weight (the head included; GGUF: every tensor but an untied
   token_embd); GB/s against the read bandwidth (common.memory_bandwidth_gbs, same threads) measured just before
-  each timed run of a paired affineq row (the median of the per-run fractions; its llama.cpp twin against the
-  median of those), else once at the start.
+  each timed run of an affineq decode row (the median of the per-run fractions; a llama.cpp twin against the
+  median of its partner's): this VM's probe jumps between ~40-50 and ~62-83 GB/s from one minute to the next.
 - ``prefill``: time to first token (prefill + first argmax) of 512- and 2048-token prompts at 1B: affineq int4 /
   int8 / bf16 (eager prefill, as ``generate``) and llama.cpp Q4_0 / Q8_0 prompt processing.
 - ``batch``: decode at batch 1, 4, 16 at 1B (128-token prompts, 64 new tokens): per-request tok/s, batch tok/s,
@@ -392,11 +392,12 @@ def prepare(data: Path, bodies: list[str], llama_py: Path | None, threads: int, 
 # -- the rows ------------------------------------------------------------------------------------------------
 
 def _decode(data: Path, body: str, cfg: str, *, prompt: int, n: int, batch: int = 1, kv: str | None = None,
-            dtype: str = "bfloat16", a: argparse.Namespace, turns: dict | None = None) -> dict:
+            dtype: str = "bfloat16", a: argparse.Namespace, turns: dict | None = None,
+            bandwidth_each_run: bool = False) -> dict:
     d = data / (body if cfg == "bf16" else f"{body}-{cfg}")
     job = {"kind": "decode", "dir": str(d), "prompt": prompt, "new_tokens": n, "batch": batch, "kv": kv,
            "dtype": dtype, "threads": a.threads, "repeats": a.repeats, "turns": turns,
-           "bandwidth_each_run": turns is not None and not a.quick,
+           "bandwidth_each_run": bandwidth_each_run and not a.quick,
            "compile": not a.quick and not (a.eager_big and body == a.big)}
     r = run_child(__file__, json.dumps(job))
     return {**r, "compiled": job["compile"]}
@@ -448,14 +449,15 @@ def rows_decode(a, data: Path, py: Path | None) -> list[dict]:
                 continue
             path = data / body / f"model-{gguf}.gguf" if gguf else None
             if path is None or not _llama_available(py, path):
-                out.append({"row": f"{body} affineq {cfg}", **_decode(data, body, cfg, prompt=prompt, n=n, a=a)})
+                out.append({"row": f"{body} affineq {cfg}", **_decode(data, body, cfg, prompt=prompt, n=n, a=a,
+                                                                      bandwidth_each_run=True)})
                 continue
             # Paired: both processes loaded, their timed runs alternating (one runs at a time), so the ratio
             # compares the two on the same machine state (this VM's speed drifts by tens of percent in minutes).
             with tempfile.TemporaryDirectory() as tdir:
                 proc = _llama_start(py, path, prompt, n, a.threads, a.repeats, {"dir": tdir, "role": 0})
                 try:
-                    r = _decode(data, body, cfg, prompt=prompt, n=n, a=a,
+                    r = _decode(data, body, cfg, prompt=prompt, n=n, a=a, bandwidth_each_run=True,
                                 turns={"dir": tdir, "role": 1, "partner": proc.pid})
                 except BaseException:
                     proc.kill()

@@ -99,7 +99,7 @@ def save_json(name: str, payload: dict) -> Path:
 def table(rows: list[dict], columns: list[str]) -> str:
     """A plain-text table with right-aligned columns."""
     cells = [[str(r.get(c, "")) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    widths = [max([len(c), *(len(row[i]) for row in cells)]) for i, c in enumerate(columns)]
     line = lambda vals: "  ".join(v.rjust(w) for v, w in zip(vals, widths, strict=False))
     return "\n".join([line(columns), line(["-" * w for w in widths]), *map(line, cells)])
 

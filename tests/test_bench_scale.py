@@ -42,3 +42,10 @@ def test_merge_group_replaces_rows_by_name_and_keeps_the_others():
     assert got["rows"] == [{"row": "1b int4", "bandwidth_fraction": 0.6, "read_bandwidth_gbs": 51.8},
                            {"row": "8b int4", "x": 2}, {"row": "8b int8", "x": 3}]
     assert bs.merge_group(None, [{"row": "a"}], {"threads": 2}) == {"threads": 2, "rows": [{"row": "a"}]}
+
+
+def test_report_of_no_rows_prints_the_header(capsys):
+    """A group whose rows were all skipped (nothing prepared) still reports: the table's header alone."""
+    bs.report("decode", [], float("nan"))
+    out = capsys.readouterr().out
+    assert "## decode" in out and "decode_tok_s" in out and "bandwidth_fraction" in out
