@@ -141,6 +141,8 @@ def test_int8_codes_op_rounds_float32_x_itself(bits, per_token, mode):
             xb = x.to(BF16)
             assert torch.equal(torch.ops.affineq.int8_codes_linear_bf16_compute(xb, *args),
                                torch.ops.affineq.int8_codes_linear(xb, *args))
+    with pytest.raises(RuntimeError, match="int8_codes_linear_bf16_compute: x must be a float32 or bfloat16 CPU"):
+        torch.ops.affineq.int8_codes_linear_bf16_compute(x.half(), *args)
 
 
 @pytest.mark.parametrize("per_token,mode", [(True, 2), (True, 0), (True, 1), (False, 2), (False, 0)])
