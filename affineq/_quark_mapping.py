@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,19 +30,22 @@ from affineq.dtypes import is_signed, qtype
 from affineq.granularity import Granularity, PerAxis, PerGroup, PerRow, PerTensor, get_block_size
 from affineq.primitives import ROUNDING, MappingType, ZeroPointDomain
 from affineq.quantize import QuantizationError
-from affineq.quark_config import (
-    _FLOAT_DTYPES,
+from affineq.quark_vocabulary import (
     DTYPE_TARGETS,
+    FLOAT_DTYPES,
     MX_ELEMENTS,
     Dtype,
     QSchemeType,
-    QuantizationSpec,
     RoundType,
     ScaleType,
     ZeroPointType,
+    load_observer,
 )
 from affineq.tensor.affine import AffineQuantizedTensor
 from affineq.tensor.spec import QParamOptions
+
+if TYPE_CHECKING:
+    from affineq.quark_config import QuantizationSpec
 
 # -- a weight config for what the packed configs cannot express -------------------------------------------
 
@@ -193,12 +197,11 @@ class ObservedWeightConfig(QuantConfig):
     @classmethod
     def from_dict(cls, d: dict) -> ObservedWeightConfig:
         from affineq.configs import config_from_dict
-        from affineq.quark_config import QuantizationSpec as _Spec
 
         if not isinstance(d, dict) or set(d) != {"type", "base_config", "observer_cls"}:
             raise ValueError(f"ObservedWeightConfig.from_dict expects the keys type, base_config, observer_cls; got "
                              f"{d!r}")
-        observer = _Spec.from_dict({"dtype": "int8", "observer_cls": d["observer_cls"]}).observer_cls
+        observer = load_observer(d["observer_cls"], "ObservedWeightConfig.observer_cls")
         return cls(config_from_dict(d["base_config"]), observer)
 
     def __hash__(self):
@@ -322,7 +325,7 @@ def _weight_only_config(w: QuantizationSpec) -> QuantConfig:
         return block
     target = DTYPE_TARGETS[w.dtype]
     gran = _weight_granularity(w)
-    is_float = w.dtype in _FLOAT_DTYPES
+    is_float = w.dtype in FLOAT_DTYPES
     mapping = _mapping(w)
     if w.scale_type is ScaleType.pof2 or isinstance(gran, PerTensor) or not isinstance(target, torch.dtype):
         if is_float:

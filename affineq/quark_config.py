@@ -58,17 +58,33 @@ import dataclasses
 import enum
 import fnmatch
 import json
-import threading
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import torch
 from torch import nn
 
 from affineq.configs import (
     QuantConfig,
 )
 from affineq.quantize import FqnToConfig, ModelConfig, QuantizationError
+from affineq.quark_vocabulary import (
+    FLOAT_DTYPES,
+    INT8_DTYPES,
+    MX_ELEMENTS,
+    UNUSABLE_DTYPES,
+    DeviceType,
+    Dtype,
+    QSchemeType,
+    QuantizationMode,
+    RoundType,
+    ScaleType,
+    ZeroPointType,
+    layer_type_registry,
+    load_class,
+    load_observer,
+    need_enum,
+    register_observer,
+)
 
 __all__ = [
     "Config",
@@ -89,148 +105,11 @@ STATIC_ACTIVATION_MESSAGE = ("output quantization is static and calibrated with 
                              "the layer static input_tensors too and set output_tensors.is_dynamic=False (or None)")
 
 
-# -- enums (JSON: member names) --------------------------------------------------------------------------
-
-
-class Dtype(str, enum.Enum):
-    int8 = "int8"
-    uint8 = "uint8"
-    int4 = "int4"
-    uint4 = "uint4"
-    int2 = "int2"
-    int3 = "int3"
-    bfloat16 = "bfloat16"
-    float16 = "float16"
-    fp8_e4m3 = "fp8_e4m3"
-    fp8_e5m2 = "fp8_e5m2"
-    fp6_e3m2 = "fp6_e3m2"
-    fp6_e2m3 = "fp6_e2m3"
-    fp4 = "fp4"
-    mx = "mx"
-    mx6 = "mx6"
-    mx9 = "mx9"
-
-
-class QSchemeType(str, enum.Enum):
-    per_tensor = "per_tensor"
-    per_channel = "per_channel"
-    per_group = "per_group"
-
-
-class ScaleType(str, enum.Enum):
-    float = "float"
-    pof2 = "pof2"
-    float32 = "float32"
-    float16 = "float16"
-    bfloat16 = "bfloat16"
-
-
-class RoundType(str, enum.Enum):
-    round = "round"
-    floor = "floor"
-    half_even = "half_even"
-
-
-class ZeroPointType(str, enum.Enum):
-    int32 = "int32"
-    float32 = "float32"
-
-
-class DeviceType(str, enum.Enum):
-    CPU = "CPU"
-    IPU = "IPU"
-
-
-class QuantizationMode(str, enum.Enum):
-    eager_mode = "eager_mode"
-    fx_graph_mode = "fx_graph_mode"
-
-
-#: Dtype -> affineq target (a torch dtype or a qtype name); absent members are not usable as targets.
-DTYPE_TARGETS: dict[Dtype, torch.dtype | str] = {
-    Dtype.int8: torch.int8, Dtype.uint8: torch.uint8, Dtype.int4: torch.int4, Dtype.uint4: torch.uint4,
-    Dtype.int2: torch.int2, Dtype.int3: torch.int3, Dtype.fp8_e4m3: torch.float8_e4m3fn,
-    Dtype.fp8_e5m2: torch.float8_e5m2, Dtype.fp6_e3m2: "fp6_e3m2", Dtype.fp6_e2m3: "fp6_e2m3",
-    Dtype.fp4: "fp4_e2m1",
-}
-_UNUSABLE = {
-    Dtype.bfloat16: "bfloat16 means 'leave float in bfloat16': call model.to(torch.bfloat16) and leave this "
-                    "tensor's spec None",
-    Dtype.float16: "float16 means 'leave float in float16': call model.to(torch.float16) and leave this "
-                   "tensor's spec None",
-}
-#: OCP MX element types (QuantizationSpec.mx_element_dtype with dtype=Dtype.mx) -> affineq element dtype.
-MX_ELEMENTS: dict[Dtype, torch.dtype | str] = {
-    Dtype.fp8_e4m3: torch.float8_e4m3fn, Dtype.fp8_e5m2: torch.float8_e5m2, Dtype.fp6_e3m2: "fp6_e3m2",
-    Dtype.fp6_e2m3: "fp6_e2m3", Dtype.fp4: "fp4_e2m1", Dtype.int8: torch.int8,
-}
-_FLOAT_DTYPES = {Dtype.fp8_e4m3, Dtype.fp8_e5m2, Dtype.fp6_e3m2, Dtype.fp6_e2m3, Dtype.fp4, Dtype.mx,
-                 Dtype.mx6, Dtype.mx9, Dtype.bfloat16, Dtype.float16}
-_INT8 = {Dtype.int8, Dtype.uint8}
 _TENSORS = ("input_tensors", "output_tensors", "weight", "bias")
 _FIELDS = (*_TENSORS, "target_device")
 
 
-def _need_enum(owner: str, name: str, value, cls: type[enum.Enum], optional: bool = True) -> None:
-    if value is None and optional:
-        return
-    if not isinstance(value, cls):
-        raise ValueError(f"{owner}.{name}={value!r}: use a {cls.__name__} member, e.g. "
-                         f"{cls.__name__}.{next(iter(cls)).name}{' (or None)' if optional else ''}")
-
-
 # -- specs ------------------------------------------------------------------------------------------------
-
-
-# -- the classes a dict may name (JSON never imports or walks attributes: it looks names up here) ------------
-
-_REGISTRY_LOCK = threading.Lock()
-_OBSERVERS: dict[tuple[str, str], type] = {}  # (module, qualname) -> observer class; filled lazily
-_LAYER_TYPES: dict[tuple[str, str], type] = {}  # (module, qualname) -> torch.nn module class; filled lazily
-
-
-def _class_key(cls: type) -> tuple[str, str]:
-    return cls.__module__, cls.__qualname__
-
-
-def _observer_registry() -> dict[tuple[str, str], type]:
-    if not _OBSERVERS:
-        from affineq import observers
-
-        with _REGISTRY_LOCK:
-            for name in observers.__all__:
-                cls = getattr(observers, name)  # a fixed module's own public names, not a name from a dict
-                if isinstance(cls, type) and issubclass(cls, observers.Observer) and cls is not observers.Observer:
-                    _OBSERVERS.setdefault(_class_key(cls), cls)
-    return _OBSERVERS
-
-
-def _layer_type_registry() -> dict[tuple[str, str], type]:
-    if not _LAYER_TYPES:
-        with _REGISTRY_LOCK:
-            for cls in vars(nn).values():
-                if isinstance(cls, type) and issubclass(cls, nn.Module):
-                    _LAYER_TYPES.setdefault(_class_key(cls), cls)
-    return _LAYER_TYPES
-
-
-def register_observer(cls: type) -> type:
-    """Allow `cls` (a subclass of `affineq.observers.Observer`) as a `QuantizationSpec.observer_cls` read back by
-    `from_dict`. JSON names a class by {"module", "qualname"}; only affineq's observers and registered classes
-    are found, nothing is imported. Returns `cls` (usable as a class decorator)."""
-    from affineq.observers import Observer
-
-    if not (isinstance(cls, type) and issubclass(cls, Observer)):
-        raise ValueError(f"register_observer({cls!r}): pass a subclass of affineq.observers.Observer (it turns "
-                         "what it saw into qparams through the primitives)")
-    registry = _observer_registry()
-    with _REGISTRY_LOCK:
-        other = registry.get(_class_key(cls))
-        if other is not None and other is not cls:
-            raise ValueError(f"register_observer: another class is registered as {cls.__module__}."
-                             f"{cls.__qualname__}; give the observer a distinct module or name")
-        registry[_class_key(cls)] = cls
-    return cls
 
 
 @dataclass(frozen=True)
@@ -251,10 +130,10 @@ class QuantizationSpec:
 
     def __post_init__(self) -> None:
         o = "QuantizationSpec"
-        _need_enum(o, "dtype", self.dtype, Dtype, optional=False)
+        need_enum(o, "dtype", self.dtype, Dtype, optional=False)
         for name, cls in (("qscheme", QSchemeType), ("round_method", RoundType), ("scale_type", ScaleType),
                           ("zero_point_type", ZeroPointType), ("mx_element_dtype", Dtype)):
-            _need_enum(o, name, getattr(self, name), cls)
+            need_enum(o, name, getattr(self, name), cls)
         if (self.dtype is Dtype.mx) != (self.mx_element_dtype is not None):
             raise ValueError(f"{o}.mx_element_dtype={self.mx_element_dtype} with dtype={self.dtype.name}: Dtype.mx "
                              "needs mx_element_dtype (one of " + ", ".join(d.name for d in MX_ELEMENTS) + "), "
@@ -280,10 +159,10 @@ class QuantizationSpec:
         if self.group_size is not None and self.qscheme is not QSchemeType.per_group:
             raise ValueError(f"{o}.group_size={self.group_size} with qscheme={self.qscheme}: group_size needs "
                              "qscheme=QSchemeType.per_group (or drop group_size)")
-        if self.dtype in _FLOAT_DTYPES and self.symmetric is False:
+        if self.dtype in FLOAT_DTYPES and self.symmetric is False:
             raise ValueError(f"{o}.symmetric=False with dtype={self.dtype.name}: float formats have no zero "
                              "point; use symmetric=True (or None)")
-        if self.round_method not in (None, RoundType.half_even) and self.dtype in _FLOAT_DTYPES:
+        if self.round_method not in (None, RoundType.half_even) and self.dtype in FLOAT_DTYPES:
             raise ValueError(f"{o}.round_method={self.round_method.name}: float formats round to the nearest "
                              "value of their grid (ties to even); use RoundType.half_even (or None)")
 
@@ -317,26 +196,8 @@ class QuantizationSpec:
                     raise ValueError(f"QuantizationSpec.{name}={v!r}: use one of {list(ecls.__members__)}")
                 kw[name] = ecls[v]
         if kw.get("observer_cls") is not None:
-            kw["observer_cls"] = _load_class(kw["observer_cls"], "QuantizationSpec.observer_cls",
-                                             _observer_registry(), _OBSERVERS_ALLOWED)
+            kw["observer_cls"] = load_observer(kw["observer_cls"], "QuantizationSpec.observer_cls")
         return cls(**kw)
-
-
-def _load_class(ref, what: str, registry: dict[tuple[str, str], type], allowed: str) -> type:
-    """The class `ref` ({"module": ..., "qualname": ...}, as to_dict writes it) names in `registry`; ValueError
-    for anything else. Nothing is imported and no attribute is looked up: only registered names resolve."""
-    if not (isinstance(ref, dict) and set(ref) == {"module", "qualname"} and isinstance(ref["module"], str)
-            and isinstance(ref["qualname"], str)):
-        raise ValueError(f"{what}={ref!r}: expected {{'module': ..., 'qualname': ...}} as to_dict writes it")
-    cls = registry.get((ref["module"], ref["qualname"]))
-    if cls is None:
-        raise ValueError(f"{what}: refusing to load {ref['module']}.{ref['qualname']}: it is not one of the "
-                         f"{allowed}")
-    return cls
-
-
-_OBSERVERS_ALLOWED = ("observers of affineq.observers or a class registered with "
-                      "affineq.quark.register_observer (set observer_cls in code for other classes)")
 
 
 def _check_device(owner: str, qc: QuantizationConfig) -> None:
@@ -346,7 +207,7 @@ def _check_device(owner: str, qc: QuantizationConfig) -> None:
         spec = getattr(qc, name)
         if spec is None:
             continue
-        if spec.dtype not in _INT8:
+        if spec.dtype not in INT8_DTYPES:
             raise ValueError(f"{owner}.{name}.dtype={spec.dtype.name} with target_device=IPU: the IPU takes int8 "
                              "or uint8 only; use Dtype.int8 or Dtype.uint8 (or target_device=CPU)")
         if spec.scale_type is not ScaleType.pof2:
@@ -369,7 +230,7 @@ class QuantizationConfig:
             v = getattr(self, name)
             if v is not None and not isinstance(v, QuantizationSpec):
                 raise ValueError(f"QuantizationConfig.{name}={v!r}: use a QuantizationSpec(...) or None")
-        _need_enum("QuantizationConfig", "target_device", self.target_device, DeviceType)
+        need_enum("QuantizationConfig", "target_device", self.target_device, DeviceType)
         for name in ("input_tensors", "output_tensors"):
             s = getattr(self, name)
             if s is not None and not s.is_dynamic and s.qscheme is QSchemeType.per_group:
@@ -511,8 +372,8 @@ class Config(ModelConfig):
             return None
         for name in _TENSORS:
             s = getattr(qc, name)
-            if s is not None and s.dtype in _UNUSABLE:
-                raise QuantizationError(f"{name}: Dtype.{s.dtype.name} cannot be used yet: {_UNUSABLE[s.dtype]}")
+            if s is not None and s.dtype in UNUSABLE_DTYPES:
+                raise QuantizationError(f"{name}: Dtype.{s.dtype.name} cannot be used yet: {UNUSABLE_DTYPES[s.dtype]}")
         o, a = qc.output_tensors, qc.input_tensors
         if o is not None and (o.is_dynamic or a is None or a.is_dynamic):
             raise QuantizationError(f"output_tensors (is_dynamic={o.is_dynamic}): {STATIC_ACTIVATION_MESSAGE}")
@@ -522,7 +383,7 @@ class Config(ModelConfig):
         if w is None:
             raise QuantizationError("input_tensors without a weight spec: affineq quantizes activations through "
                                     "the quantized weight of a Linear; give this layer a weight spec")
-        if w.scale_type is ScaleType.float16 and w.dtype not in _FLOAT_DTYPES:
+        if w.scale_type is ScaleType.float16 and w.dtype not in FLOAT_DTYPES:
             raise QuantizationError("weight.scale_type=float16 with an integer dtype: affineq's integer configs store "
                                     "float32 or bfloat16 scales; use ScaleType.float32, ScaleType.bfloat16 or "
                                     "ScaleType.pof2 (float16 scales are available for fp8/fp6/fp4 weights)")
@@ -627,8 +488,8 @@ class Config(ModelConfig):
         for k, v in _dict_field(d, "layer_type_quant_config").items():
             if k.startswith("class:"):
                 module, _, qualname = k.removeprefix("class:").partition(":")
-                k = _load_class({"module": module, "qualname": qualname}, f"Config.layer_type_quant_config key {k!r}",
-                                _layer_type_registry(), "torch.nn module classes (key other classes by name)")
+                k = load_class({"module": module, "qualname": qualname}, f"Config.layer_type_quant_config key {k!r}",
+                                layer_type_registry(), "torch.nn module classes (key other classes by name)")
             types[k] = _sub_config(f"layer_type_quant_config[{k!r}]", v)
         exclude = d.get("exclude")
         if exclude is not None and (not isinstance(exclude, list) or not all(isinstance(p, str) for p in exclude)):

@@ -25,7 +25,7 @@ from affineq import (
 from affineq.configs import _CONFIGS
 from affineq.observers import PerTensorMSEObserver
 from affineq.quark import Config, Dtype, QSchemeType, QuantizationConfig, QuantizationSpec
-from affineq.quark_config import _layer_type_registry, _observer_registry
+from affineq.quark_vocabulary import layer_type_registry, observer_registry
 from affineq.tensor.spec import QuantSpec
 
 FUZZ = settings(max_examples=80, deadline=None, derandomize=True,
@@ -124,7 +124,7 @@ def _parse(fn, d):
     except ValueError:
         out = None
     assert set(sys.modules) == before, f"parsing imported {sorted(set(sys.modules) - before)}"
-    allowed = set(_observer_registry().values()) | set(_layer_type_registry().values())
+    allowed = set(observer_registry().values()) | set(layer_type_registry().values())
     for cls in _classes_in(out):
         assert cls in allowed, f"{fn.__qualname__} returned the class {cls!r}"
     return out

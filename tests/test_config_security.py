@@ -73,6 +73,19 @@ def test_observer_cls_from_json_finds_affineq_observers_and_registered_ones():
         register_observer(nn.Linear)
 
 
+def test_observed_weight_config_from_json_resolves_only_registered_observers():
+    """The config a Quark weight spec with an observer becomes (what a saved plan stores) reads its observer from
+    the same allow-list as QuantizationSpec, and its error names its own field."""
+    from affineq._quark_mapping import ObservedWeightConfig
+
+    c = ObservedWeightConfig(Int8WeightOnlyConfig(), PerChannelMinMaxObserver)
+    d = c.to_dict()
+    assert config_from_dict(d) == c
+    d["observer_cls"] = {"module": "os", "qualname": "system"}
+    with pytest.raises(ValueError, match=r"ObservedWeightConfig\.observer_cls: refusing to load os\.system"):
+        config_from_dict(d)
+
+
 def test_layer_type_keys_resolve_only_torch_nn_module_classes():
     d = Config(QuantizationConfig(), layer_type_quant_config={nn.Linear: QuantizationConfig(weight=W8)}).to_dict()
     assert Config.from_dict(d).layer_type_quant_config.keys() == {nn.Linear}
