@@ -350,8 +350,16 @@ CONFIGS = ("int4-g32", "int4-g32-sym", "int8")
 
 
 def _prepared(data: Path, body: str, cfg: str) -> bool:
-    """Whether --prepare has written the `cfg` directory of `body`."""
-    return (data / f"{body}-{cfg}" / "config.json").exists()
+    """Whether --prepare has written the `cfg` directory of `body` (bf16: the body itself)."""
+    return (data / (body if cfg == "bf16" else f"{body}-{cfg}") / "config.json").exists()
+
+
+def _ready(data: Path, body: str, cfg: str) -> bool:
+    """_prepared, printing which directory a row skips for when not (a run of other rows goes on)."""
+    if _prepared(data, body, cfg):
+        return True
+    print(f"skipped {body} {cfg}: no {data / (body if cfg == 'bf16' else f'{body}-{cfg}')} (run --prepare)")
+    return False
 
 
 def prepare(data: Path, bodies: list[str], llama_py: Path | None, threads: int, configs=CONFIGS) -> None:
@@ -444,8 +452,7 @@ def rows_decode(a, data: Path, py: Path | None) -> list[dict]:
     out = []
     for body in reversed(bodies(a)):
         for cfg, gguf in (("int4-g32-sym", "q4_0"), ("int4-g32", None), ("int8", "q8_0")):
-            if not _prepared(data, body, cfg):
-                print(f"skipped {body} {cfg}: no {data / f'{body}-{cfg}'} (run --prepare)")
+            if not _ready(data, body, cfg):
                 continue
             path = data / body / f"model-{gguf}.gguf" if gguf else None
             if path is None or not _llama_available(py, path):
@@ -476,8 +483,9 @@ def rows_prefill(a, data: Path, py: Path | None) -> list[dict]:
     out = []
     for prompt in ((64, 128) if a.quick else (512, 2048)):
         for cfg in ("int4-g32", "int8", "bf16"):
-            out.append({"row": f"{a.small} {prompt} tokens affineq {cfg}", **_decode(data, a.small, cfg, prompt=prompt,
-                                                                                   n=2, a=a)})
+            if _ready(data, a.small, cfg):
+                out.append({"row": f"{a.small} {prompt} tokens affineq {cfg}",
+                            **_decode(data, a.small, cfg, prompt=prompt, n=2, a=a)})
         for gguf in ("q4_0", "q8_0"):
             lr = _llama_row(py, data / a.small / f"model-{gguf}.gguf", prompt, 2, a.threads, a.repeats)
             if lr:
@@ -489,12 +497,14 @@ def rows_batch(a, data: Path) -> list[dict]:
     n, prompt, batches = (4, 16, (1, 2)) if a.quick else (64, 128, (1, 4, 16))
     return [{"row": f"{a.small} affineq {cfg} batch {b}", "batch": b,
              **_decode(data, a.small, cfg, prompt=prompt, n=n, batch=b, a=a)}
-            for cfg in ("int4-g32", "int8", "bf16") for b in batches]
+            for cfg in ("int4-g32", "int8", "bf16") if _ready(data, a.small, cfg) for b in batches]
 
 
 def rows_long_context(a, data: Path) -> list[dict]:
     n, prompt = (4, 256) if a.quick else (32, 4096)
     out = []
+    if not _ready(data, a.small, "int4-g32"):
+        return out
     for kv, dtype in ((None, "float32"), (None, "bfloat16"), ("int8", "bfloat16"), ("int4", "bfloat16")):
         label = f"kv {kv or ('fp32' if dtype == 'float32' else 'bf16')} ({dtype} activations)"
         out.append({"row": f"{a.small} int4-g32 {prompt} ctx {label}",

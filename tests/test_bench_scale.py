@@ -49,3 +49,17 @@ def test_report_of_no_rows_prints_the_header(capsys):
     bs.report("decode", [], float("nan"))
     out = capsys.readouterr().out
     assert "## decode" in out and "decode_tok_s" in out and "bandwidth_fraction" in out
+
+
+def test_rows_skip_checkpoints_that_were_not_prepared(tmp_path, capsys):
+    """A row whose checkpoint --prepare did not write is skipped with the directory to prepare (it used to crash
+    the whole run inside transformers), and the llama.cpp rows without a venv likewise: no subprocess starts."""
+    a = _args(threads=2, repeats=1, eager_big=False, no_big=True)
+    assert bs.rows_prefill(a, tmp_path, None) == []
+    assert bs.rows_batch(a, tmp_path) == []
+    assert bs.rows_long_context(a, tmp_path) == []
+    assert bs.rows_decode(a, tmp_path, None) == []
+    out = capsys.readouterr().out
+    for cfg in ("int4-g32", "int8"):
+        assert f"skipped s {cfg}: no {tmp_path / f's-{cfg}'} (run --prepare)" in out
+    assert f"skipped s bf16: no {tmp_path / 's'} (run --prepare)" in out
