@@ -349,16 +349,21 @@ def _llama_python(arg: str | None) -> Path | None:
 CONFIGS = ("int4-g32", "int4-g32-sym", "int8")
 
 
+def _checkpoint(data: Path, body: str, cfg: str) -> Path:
+    """The directory --prepare writes for `cfg` of `body` (bf16: the body itself)."""
+    return data / (body if cfg == "bf16" else f"{body}-{cfg}")
+
+
 def _prepared(data: Path, body: str, cfg: str) -> bool:
-    """Whether --prepare has written the `cfg` directory of `body` (bf16: the body itself)."""
-    return (data / (body if cfg == "bf16" else f"{body}-{cfg}") / "config.json").exists()
+    """Whether --prepare has written the `cfg` directory of `body`."""
+    return (_checkpoint(data, body, cfg) / "config.json").exists()
 
 
 def _ready(data: Path, body: str, cfg: str) -> bool:
     """_prepared, printing which directory a row skips for when not (a run of other rows goes on)."""
     if _prepared(data, body, cfg):
         return True
-    print(f"skipped {body} {cfg}: no {data / (body if cfg == 'bf16' else f'{body}-{cfg}')} (run --prepare)")
+    print(f"skipped {body} {cfg}: no {_checkpoint(data, body, cfg)} (run --prepare)")
     return False
 
 
@@ -378,7 +383,7 @@ def prepare(data: Path, bodies: list[str], llama_py: Path | None, threads: int, 
 
             print(_write_tokenizer(src))
         for cfg in configs:
-            dst = data / f"{body}-{cfg}"
+            dst = _checkpoint(data, body, cfg)
             if not _prepared(data, body, cfg):
                 print(json.dumps(run_child(__file__, json.dumps({"kind": "quantize", "src": str(src),
                                                                  "dst": str(dst), "config": cfg}))))
@@ -402,9 +407,8 @@ def prepare(data: Path, bodies: list[str], llama_py: Path | None, threads: int, 
 def _decode(data: Path, body: str, cfg: str, *, prompt: int, n: int, batch: int = 1, kv: str | None = None,
             dtype: str = "bfloat16", a: argparse.Namespace, turns: dict | None = None,
             bandwidth_each_run: bool = False) -> dict:
-    d = data / (body if cfg == "bf16" else f"{body}-{cfg}")
-    job = {"kind": "decode", "dir": str(d), "prompt": prompt, "new_tokens": n, "batch": batch, "kv": kv,
-           "dtype": dtype, "threads": a.threads, "repeats": a.repeats, "turns": turns,
+    job = {"kind": "decode", "dir": str(_checkpoint(data, body, cfg)), "prompt": prompt, "new_tokens": n,
+           "batch": batch, "kv": kv, "dtype": dtype, "threads": a.threads, "repeats": a.repeats, "turns": turns,
            "bandwidth_each_run": bandwidth_each_run and not a.quick,
            "compile": not a.quick and not (a.eager_big and body == a.big)}
     r = run_child(__file__, json.dumps(job))
