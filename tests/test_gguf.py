@@ -667,3 +667,63 @@ def test_reader_keeps_numeric_metadata_arrays_numpy(tmp_path):
     fields = gguf.GGUFReader(str(tmp_path / "back.gguf")).fields
     assert [t.name for t in fields["x.floats"].types] == ["ARRAY", "FLOAT32"]
     assert [t.name for t in fields["x.types"].types] == ["ARRAY", "INT32"] and fields["x.types"].contents() == [1, 3, 1]
+
+
+def test_reader_keeps_string_arrays_as_their_bytes(tmp_path):
+    """An array of strings is read as a StringArray: the file's bytes plus 8 per element (a list of str took ~6x:
+    a vocabulary's tokens), equal to the list gguf's reader gives, and written back as an array of strings."""
+    path = tmp_path / "words.gguf"
+    words = [f"tok{i}" + "ü" * (i % 3) for i in range(200_000)] + ["", "a b"]
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_array("x.words", words)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    file_bytes = sum(8 + len(s.encode()) for s in words)
+    tracemalloc.start()
+    try:
+        meta = ag.reader.read(path).metadata
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    got = meta["x.words"]
+    assert isinstance(got, ag.reader.StringArray) and len(got) == len(words)
+    assert peak < 2 * file_bytes + 2**20, (peak, file_bytes)  # the list of str took ~6x file_bytes
+    assert got == words and list(got) == words and got[1:4] == words[1:4]
+    assert (got[0], got[-1], got[-2], got[200_001]) == (words[0], "a b", "", "a b")
+    with pytest.raises(IndexError, match="out of range"):
+        got[len(words)]
+    assert got == gguf.GGUFReader(str(path)).fields["x.words"].contents()
+    ag.save_file({"a": torch.ones(2)}, tmp_path / "back.gguf", arch="llama", metadata=meta)
+    back = gguf.GGUFReader(str(tmp_path / "back.gguf")).fields["x.words"]
+    assert [t.name for t in back.types] == ["ARRAY", "STRING"] and back.contents() == words
+
+
+def test_reader_refuses_a_string_array_element_that_is_not_utf8(tmp_path):
+    path = tmp_path / "bad.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_array("x.words", ["ab", "cd"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    data = bytearray(path.read_bytes())
+    at = data.index(b"cd")
+    data[at] = 0xFF  # never valid in UTF-8
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=rf"metadata 'x.words' at byte {at} is not UTF-8"):
+        ag.reader.read(path)
+
+
+@given(st.lists(st.text(max_size=6), max_size=12), st.integers(-14, 14), st.integers(-14, 14))
+def test_string_array_behaves_as_a_list(items, a, b):
+    arr = ag.reader.StringArray.from_strings(items)
+    assert len(arr) == len(items) and list(arr) == items and arr == items and arr == tuple(items)
+    assert arr[a:b] == items[a:b] and arr[::-1] == items[::-1]
+    if -len(items) <= a < len(items):
+        assert arr[a] == items[a]
+    else:
+        with pytest.raises(IndexError):
+            arr[a]
+    assert (arr == items + ["x"]) is False and arr != 3

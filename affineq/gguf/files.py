@@ -42,6 +42,8 @@ def _value_type(gguf, key: str, value: Any):
         return vt.FLOAT32, None
     if isinstance(value, str):
         return vt.STRING, None
+    if isinstance(value, reader.StringArray) and len(value):  # an array of strings as `reader` reads it
+        return vt.ARRAY, vt.STRING
     if isinstance(value, np.ndarray) and value.ndim == 1 and value.size:  # a numeric array as `reader` reads it
         kind = {"b": vt.BOOL, "u1": vt.UINT8, "i1": vt.INT8, "u2": vt.UINT16, "i2": vt.INT16, "u4": vt.UINT32,
                 "i4": vt.INT32, "u8": vt.UINT64, "i8": vt.INT64, "f4": vt.FLOAT32, "f8": vt.FLOAT64}

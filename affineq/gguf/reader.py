@@ -4,10 +4,11 @@ The header is parsed here, in one pass over the memory-mapped file, with every l
 left before anything is read: a file cut short or with an edited header is a ValueError naming the file and the
 byte, and no count read from the header allocates more than the file holds. Numeric metadata arrays stay numpy
 arrays (a copy of their bytes: as much memory as the file holds), never lists of Python numbers (8 to 30 times
-the bytes). ggml-org's `gguf` package supplies the tensor type table (`GGMLQuantizationType`, `GGML_QUANT_SIZES`)
-and writes files (`affineq.gguf.files`); its own `GGUFReader` is the tests' reference. (It is not used to load:
-it builds a numpy array per metadata element, which takes seconds on a 49k-token vocabulary where this parser
-takes a fraction of one.)
+the bytes); arrays of strings are `StringArray`s (their bytes and an offset per string, each decoded when read),
+not lists of `str` (~6 times the bytes: a vocabulary's tokens). ggml-org's `gguf` package supplies the tensor
+type table (`GGMLQuantizationType`, `GGML_QUANT_SIZES`) and writes files (`affineq.gguf.files`); its own
+`GGUFReader` is the tests' reference. (It is not used to load: it builds a numpy array per metadata element, which
+takes seconds on a 49k-token vocabulary where this parser takes a fraction of one.)
 
 Tensors are then checked against the file: a known ggml type, positive dims with the innermost a whole number of
 blocks, and bytes inside the file.
@@ -17,12 +18,13 @@ from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
-__all__ = ["GGUFEntry", "GGUFContents", "INSTALL_HINT", "MAX_DIMS", "read", "require_gguf"]
+__all__ = ["GGUFEntry", "GGUFContents", "INSTALL_HINT", "MAX_DIMS", "StringArray", "read", "require_gguf"]
 
 INSTALL_HINT = "pip install 'affineq[gguf]' (or: pip install gguf)"
 _MAGIC = b"GGUF"
@@ -53,10 +55,64 @@ class GGUFEntry:
     data: np.ndarray
 
 
+class StringArray(Sequence[str]):
+    """A GGUF array of strings, held as the file stores it: each element's uint64 byte count and UTF-8 bytes,
+    back to back (`data`), and where each element starts there (`offsets`, int64 [n]); an element is decoded when
+    it is read. That is the array's bytes in the file plus 8 per element (at most twice them), where a list of
+    `str` takes about 6 times the bytes. A read-only sequence: len, indexing (a slice gives a list), iteration,
+    `==` with another StringArray or a list / tuple of str."""
+
+    __slots__ = ("_data", "_offsets")
+    __hash__ = None  # type: ignore[assignment]  # compares by value, as a list does
+
+    def __init__(self, data: bytes, offsets: np.ndarray) -> None:
+        self._data, self._offsets = data, offsets
+
+    @classmethod
+    def from_strings(cls, items: Sequence[str]) -> StringArray:
+        """The array of `items` (str each)."""
+        raw = [s.encode("utf-8") for s in items]
+        sizes = np.array([8 + len(b) for b in raw], dtype=np.int64)
+        return cls(b"".join(struct.pack("<Q", len(b)) + b for b in raw), np.cumsum(sizes) - sizes)
+
+    def __len__(self) -> int:
+        return int(self._offsets.size)
+
+    def _at(self, off: int) -> str:
+        (n,) = struct.unpack_from("<Q", self._data, off)
+        return self._data[off + 8:off + 8 + n].decode("utf-8")
+
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[str]: ...
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self._at(int(self._offsets[j])) for j in range(*i.indices(len(self)))]
+        n, j = len(self), i.__index__()
+        if not -n <= j < n:
+            raise IndexError(f"StringArray index {i} out of range for {n} strings")
+        return self._at(int(self._offsets[j]))
+
+    def __iter__(self) -> Iterator[str]:
+        for off in self._offsets.tolist():
+            yield self._at(off)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (StringArray, list, tuple)):
+            return len(other) == len(self) and all(a == b for a, b in zip(self, other, strict=True))
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        head = ", ".join(repr(s) for s in self[:3])
+        return f"StringArray([{head}{', ...' if len(self) > 3 else ''}], {len(self)} strings)"
+
+
 @dataclass
 class GGUFContents:
     """A parsed file: its path, `metadata` (key -> Python value; arrays of numbers as 1-D numpy arrays of the
-    file's element type, arrays of strings or arrays as lists) and `tensors` in file order."""
+    file's element type, arrays of strings as `StringArray`s, arrays of arrays as lists) and `tensors` in file
+    order."""
 
     path: str
     metadata: dict[str, Any]
@@ -84,13 +140,17 @@ class _Cursor:
     def string(self, what: str) -> str:
         n = self.scalar("<Q", what)
         self.need(n, what)
-        raw = bytes(self.buf[self.pos:self.pos + n])
-        self.pos += n
+        return self.text(n, what)
+
+    def text(self, n: int, what: str) -> str:
+        """The next `n` bytes as UTF-8 text (ValueError if they are not)."""
         try:
-            return raw.decode("utf-8")
+            out = str(self.buf[self.pos:self.pos + n], "utf-8")
         except UnicodeDecodeError:
-            raise ValueError(f"{self.path}: {what} at byte {self.pos - n} is not UTF-8 text; the file is damaged") \
+            raise ValueError(f"{self.path}: {what} at byte {self.pos} is not UTF-8 text; the file is damaged") \
                 from None
+        self.pos += n
+        return out
 
     def value(self, vtype: int, what: str, depth: int = 0) -> Any:
         if vtype == _STRING:
@@ -108,7 +168,19 @@ class _Cursor:
             self.pos += count * dt.itemsize
             return arr.astype(dt.newbyteorder("="))  # a native-order copy: no view keeps the file mapped
         self.need(count * 8, what)  # every string or array element takes at least 8 bytes: bounds the loop
+        if etype == _STRING:
+            return self.strings(count, what)
         return [self.value(etype, what, depth + 1) for _ in range(count)]
+
+    def strings(self, count: int, what: str) -> StringArray:
+        """`count` strings as one StringArray (their bytes copied once), each checked to be UTF-8 as `string`
+        checks it."""
+        first = self.pos
+        offsets = np.empty(count, dtype=np.int64)
+        for i in range(count):
+            offsets[i] = self.pos - first
+            self.string(what)  # checked, then dropped: the array keeps the bytes
+        return StringArray(bytes(self.buf[first:self.pos]), offsets)
 
 
 def read(path: str | os.PathLike) -> GGUFContents:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -194,7 +194,7 @@ def smollm_tokenizer(meta: dict[str, Any]) -> Any:
 
     if meta.get("tokenizer.ggml.model") != "gpt2" or meta.get("tokenizer.ggml.pre") != "smollm":
         raise ValueError("only the byte-level 'smollm' GGUF tokenizer is supported")
-    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    tokens: Sequence[str] = meta["tokenizer.ggml.tokens"]  # a gguf.reader.StringArray or a list
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
     bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False)
     tok = Tokenizer(bpe)
