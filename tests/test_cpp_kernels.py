@@ -157,18 +157,30 @@ def test_lowbit_linear_half_inputs(bits: int, dtype: torch.dtype) -> None:
                               f"{dtype} path {path} bits={bits} {n}x{k} m={m}")
 
 
-def test_bf16_x_on_a_large_4bit_weight_up_to_16_rows() -> None:
-    # 2^21 weights or more: the bf16-dot GEMV serves bf16 x up to 16 rows (passes of 3 rows, of 4 where m % 4 == 0),
-    # the GEMM from 17
+def test_bf16_x_on_a_large_4bit_weight_up_to_24_rows() -> None:
+    # 2^21 weights or more: the bf16-dot GEMV serves bf16 x up to 24 rows (passes of 8 rows, then of 2 or 3, or of
+    # 4 where the rest is a multiple of 4), the GEMM from 25
     _needs_kernels()
     n, k, gs = 1024, 2048, 32
     codes, packed, scale, offset = packed_problem(4, n, k, gs)
     w = K._dequantize(packed, scale, offset, 4, gs, n, k)
-    for m in (9, 12, 16, 17):
+    for m in (9, 12, 16, 19, 24, 25):
         x = torch.randn(m, k).bfloat16()
         out = torch.ops.affineq.lowbit_linear(x, packed, scale, offset, 4, gs, n, k)
         exact = _exact(x, codes, scale, offset, gs)
         _assert_close(out, _reference(x, 0, gs, 0, exact, w, 4), torch.bfloat16, f"m={m}")
+
+
+@pytest.mark.parametrize("n,k,gs", [(16 * 17 + 5, 256, 32), (64, 512, 64)])
+def test_bf16_x_4bit_gemv_rows_equal_single_row_calls(n: int, k: int, gs: int) -> None:
+    # The bf16-dot 4-bit GEMV's passes (8 rows, then 4 / 3 / 2) sum each row in the same order as a one-row call:
+    # every row of an m-row call is bit for bit that row's own call, for m = 1..20 (a tail panel included)
+    _needs_kernels()
+    codes, packed, scale, offset = packed_problem(4, n, k, gs)
+    x = torch.randn(20, k).bfloat16()
+    run = lambda x: torch.ops.affineq_cpp.lowbit_linear_path(x, packed, scale, offset, 4, gs, n, k, 0, 1)  # noqa: E731
+    one = torch.cat([run(x[i:i + 1]) for i in range(20)]).view(torch.int16)
+    assert [m for m in range(1, 21) if not torch.equal(run(x[:m]).view(torch.int16), one[:m])] == []
 
 
 @pytest.mark.parametrize("bits,gs", [(4, 128), (8, 1024), (2, 64), (5, 32)])
@@ -402,15 +414,15 @@ def test_lowbit_linear_float8_codes(codes_kind: int, fp8: torch.dtype) -> None:
 
 def test_path_choice() -> None:
     # fp32 x never leaves fp32 arithmetic by default; bf16 x takes the bf16 dot GEMM where the CPU has it, from 5
-    # rows (9 for 4- and 8-bit integer codes, whose GEMV tiles take bf16 dot products too, 17 on a weight of 2^21
-    # weights or more), or the AMX GEMM where the CPU has AMX and k is a multiple of 32, from 5 rows (7 for 4-bit
-    # codes); float8 codes and groups that are not a multiple of 8 never take the int16 path.
+    # rows (8-bit integer codes, whose GEMV tiles take bf16 dot products too: 9, 17 on a weight of 2^21 weights or
+    # more; 4-bit codes: 17, 25), or the AMX GEMM where the CPU has AMX and k is a multiple of 32, from 5 rows (7
+    # for 4-bit codes); float8 codes and groups that are not a multiple of 8 never take the int16 path.
     _needs_kernels()
     choice = torch.ops.affineq_cpp.lowbit_path_for
     has_bf16 = choice(torch.zeros(8, 64, dtype=torch.bfloat16), 32, 0, 4) == 4
     has_amx = choice(torch.zeros(8, 64, dtype=torch.bfloat16), 32, 0, 5) == 5
     assert not has_amx or has_bf16
-    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 33):
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 24, 25, 33):
         assert choice(torch.zeros(m, 64), 32, 0, 0) == (1 if m <= 8 else 2)
         assert choice(torch.zeros(m, 64), 30, 0, 0) == 2
         xb = torch.zeros(m, 64, dtype=torch.bfloat16)
@@ -426,10 +438,10 @@ def test_path_choice() -> None:
                 assert choice(xb, 32, 0, 0, bits) == (1 if m <= 4 else 4)
             assert choice(xb, 32, K.CODES_E4M3, 0, 8) == (1 if m <= 4 else 4)
             big = torch.zeros(m, 2048, dtype=torch.bfloat16)  # [1024, 2048]: 2^21 weights
-            for bits in (4, 8):
-                assert choice(xb, 32, 0, 0, bits) == (1 if m <= 8 else 4)
-                assert choice(big, 32, 0, 0, bits, 1024) == (1 if m <= 16 else 4)
-                assert choice(big, 32, 0, 0, bits, 1023) == (1 if m <= 8 else 4)
+            for bits, rows, rows_big in ((4, 16, 24), (8, 8, 16)):  # 4-bit codes: passes of 8 rows
+                assert choice(xb, 32, 0, 0, bits) == (1 if m <= rows else 4)
+                assert choice(big, 32, 0, 0, bits, 1024) == (1 if m <= rows_big else 4)
+                assert choice(big, 32, 0, 0, bits, 1023) == (1 if m <= rows else 4)
             assert choice(xb, 32, 0, 5, 4) == 4  # no AMX: the forced AMX path falls back to the bf16 dot GEMM
         else:
             assert choice(xb, 32, 0, 0, 8) in (1, 2, 3)

@@ -23,7 +23,7 @@ Packed layout: ``affineq.bitpack`` (``pack_codes``; panels of 16 rows of bit pla
 
 Kernels (chosen per call; x of any float dtype is converted to fp32 first, the output is cast back):
 
-* small m (<= 2 where the int16 path below applies, else <= 4 to 16 by width and dtype): fused GEMV, codes
+* small m (<= 2 where the int16 path below applies, else <= 4 to 24 by width and dtype): fused GEMV, codes
   decoded into fp32 registers, scale and offset applied once per group; streams the packed weights once
   (memory-bound). 4-bit codes with bf16 x, and with fp32 x at m = 1 (x as three bf16 rows summing to x
   exactly), use bf16 dot products of the codes instead: exact products, fp32 sums; so do the other widths

@@ -10,7 +10,7 @@
 // code_offset).
 //
 // Five paths (chosen in path_for below), one file each:
-//  1. gemv.cpp: fused GEMV (m <= 2 before path 3, 4 / 8 / 16 before path 4, 8 before path 2; group_size % 8 == 0):
+//  1. gemv.cpp: fused GEMV (m <= 2 before path 3, 4 to 24 before path 4, 8 before path 2; group_size % 8 == 0):
 //     decode codes straight into fp32 registers, 16 output rows per vector, FMA against broadcast x; scale/offset applied
 //     once per group. Memory-bound at m = 1: the packed weights are streamed once, with software prefetch.
 //     bf16 dot products instead for 4-bit codes (bf16 x; fp32 x at m = 1 as three bf16 rows, gemv.cpp split_x3, or
@@ -85,13 +85,14 @@ int path_for(const LowbitProblem& p, int force_path) {
   int path = force_path;
   // Rows up to which the fused GEMV runs before the GEMM path: it streams the packed weights (one pass per 1-4
   // rows of x), where a GEMM first widens every weight, a fixed cost that fewer rows do not amortize. With bf16
-  // x the GEMV's bf16 tiles for 4-bit and 8-bit integer codes (2 / 4 rows per pass) stay ahead of the bf16 GEMM
-  // up to 8 rows (16 on weights of 2M weights or more), the other widths up to 4; the int16 GEMM (fp16 x) from
-  // 3 rows. The AMX GEMM overtakes the GEMV from 7 rows for 4-bit codes, from 5 for the others. Tuned by
+  // x the GEMV's bf16 tiles for 8-bit integer codes (4 rows per pass) stay ahead of the bf16 GEMM up to 8 rows (16
+  // on weights of 2M weights or more), for 4-bit codes (up to 8 rows per pass) up to 16 (24), the other widths up
+  // to 4; the int16 GEMM (fp16 x) from 3 rows. The AMX GEMM overtakes the GEMV from 7 rows for 4-bit codes, from 5 for the others. Tuned by
   // measurement (see benchmarks/README.md, kernel design measurements).
   const bool bf16_tiles_ahead = p.codes == kCodesUint && (p.bits == 4 || p.bits == 8) && gemv_reads_bf16_only(p);
-  const int64_t many_rows = p.n * p.k >= (int64_t{1} << 21) ? 16 : 8;
   const bool b4 = p.codes == kCodesUint && p.bits == 4;
+  const bool large = p.n * p.k >= (int64_t{1} << 21);
+  const int64_t many_rows = b4 ? (large ? 24 : 16) : large ? 16 : 8;
   const int64_t gemv_rows = big == 2   ? 8
                             : big == 3 ? 2
                             : big == 5 ? (b4 ? 6 : 4)

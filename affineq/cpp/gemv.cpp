@@ -114,6 +114,7 @@ constexpr int gemv_unit_chains(int mr) { return mr == 1 ? 2 : 1; }
 constexpr int kGemvMR = 4;
 constexpr int kBf16wMR = 4;
 constexpr int kB4MR3From = 5;
+constexpr int kB4Wide = 8;
 
 template <int B, int MR, int P, int A, class QP>
 void gemv_tile(const uint8_t* const* pan, const QP& qp, const float* x, int64_t ldx, const float* xs, int64_t G,
@@ -366,9 +367,12 @@ void gemv_path(const Ctx* cs, int64_t count) {
   else
 #endif
     group_sums(p0.x, p0.ldx, M, G, p0.group_size, xs.data(), 2 * G);
-  // Rows of x per pass over the weights: passes of mr = min(mstep, MX - m0) rows from m0 = 0, mstep, ...
-  const int64_t b4_rows = M % 4 == 0 ? 4 : M >= kB4MR3From ? 3 : 2;
-  const int64_t mstep = split ? 3 : b4 ? b4_rows : bw ? kBf16wMR : gemv_buffered<B>(M) ? M : kGemvMR;
+  // Rows of x per pass over the weights: passes of mr = min(mstep, MX - m0) rows from m0 = 0, mstep, ...; the
+  // bf16-dot 4-bit tiles first take passes of kB4Wide rows over the first M / kB4Wide * kB4Wide rows (b4_wide),
+  // then the rest in passes of b4_rows(rest).
+  const auto b4_rows = [](int64_t m) -> int64_t { return m % 4 == 0 ? 4 : m >= kB4MR3From ? 3 : 2; };
+  const int64_t b4_wide = b4 && !split ? M / kB4Wide * kB4Wide : 0;
+  const int64_t mstep = split ? 3 : b4 ? b4_rows(M - b4_wide) : bw ? kBf16wMR : gemv_buffered<B>(M) ? M : kGemvMR;
   // The bf16-dot GEMV sees 16 + u for the codes u, the biased decoder 2^B + u (gemv_biased, by the rows of row
   // m's pass): the bias leaves through xs_a.
   // (the digits' tiles sum (u - 2^(B-1)) x: a bias of -2^(B-1))
@@ -481,9 +485,9 @@ void gemv_path(const Ctx* cs, int64_t count) {
       for (; nq < ni.cnt && ni.p0 + nq < ni.c->nfull; ++nq) npan[nq] = ni.c->p->packed + (ni.p0 + nq) * ni.c->panel_bytes;
       pf.emplace(*ni.c->p, ni.r0, ni.rows, G, npan, nq, 16 * bits_of(B));
     }
-    for (int64_t m0 = 0; m0 < MX; m0 += mstep) {
+    for (int64_t m0 = 0, mr; m0 < MX; m0 += mr) {
+      mr = m0 < b4_wide ? kB4Wide : std::min<int64_t>(mstep, MX - m0);
       const float* xsm = xs.data() + 2 * G * m0;
-      const int64_t mr = std::min<int64_t>(mstep, MX - m0);
       const NextItemPrefetch* pfm = m0 == 0 && pf ? &*pf : nullptr;
 #if AQ_BF16DOT && defined(__AVX512VBMI__)
       if constexpr (B == 4) if (b4) {  // (its tiles are compiled for that width only)
@@ -492,8 +496,8 @@ void gemv_path(const Ctx* cs, int64_t count) {
         float* y = pr.y_bf16 ? nullptr : pr.y + m0 * pr.ldy + r0;
         uint16_t* yb = pr.y_bf16 ? pr.y_bf16 + m0 * pr.ldy + r0 : nullptr;
         const int64_t upg = pr.group_size / 8, ldx2 = 4 * c.U;
-        // Three or four rows (split or not) hold 2 panels' accumulators without spilling.
-        const int step = split || mr >= 3 ? (cnt % 2 == 0 ? 2 : 1) : cnt % 4 == 0 ? 4 : 1;
+        // Three or four rows (split or not) hold 2 panels' accumulators without spilling, kB4Wide rows one's.
+        const int step = mr == kB4Wide ? 1 : split || mr >= 3 ? (cnt % 2 == 0 ? 2 : 1) : cnt % 4 == 0 ? 4 : 1;
         const auto run = [&](const auto& qp) {
           using QP = std::decay_t<decltype(qp)>;
           for (int64_t q = 0; q < cnt; q += step) {
@@ -502,6 +506,7 @@ void gemv_path(const Ctx* cs, int64_t count) {
                 : mr == 1 ? (step == 4 ? &gemv_tile_b4bf16<1, 4, QP> : &gemv_tile_b4bf16<1, 1, QP>)
                 : mr == 3 ? (step == 2 ? &gemv_tile_b4bf16<3, 2, QP> : &gemv_tile_b4bf16<3, 1, QP>)
                 : mr == 4 ? (step == 2 ? &gemv_tile_b4bf16<4, 2, QP> : &gemv_tile_b4bf16<4, 1, QP>)
+                : mr == kB4Wide ? &gemv_tile_b4bf16<kB4Wide, 1, QP>
                           : (step == 4 ? &gemv_tile_b4bf16<2, 4, QP> : &gemv_tile_b4bf16<2, 1, QP>);
             tile(k4, pan + q, qp.shifted(q), xw, ldx2, xsm, G, upg, y ? y + 16 * q : nullptr,
                  yb ? yb + 16 * q : nullptr, pr.y_bf16_values, pr.ldy, rows - 16 * q, q == 0 ? pfm : nullptr);
