@@ -183,6 +183,17 @@ def test_bf16_x_4bit_gemv_rows_equal_single_row_calls(n: int, k: int, gs: int) -
     assert [m for m in range(1, 21) if not torch.equal(run(x[:m]).view(torch.int16), one[:m])] == []
 
 
+def test_bf16_x_8bit_gemv_wide_passes_equal_4_row_calls() -> None:
+    # 8-bit codes with bf16 x: the GEMV's 8-row passes sum each row as its 4-row passes do (bit for bit)
+    _needs_kernels()
+    n, k, gs = 16 * 17 + 5, 512, 64
+    codes, packed, scale, offset = packed_problem(8, n, k, gs)
+    x = torch.randn(16, k).bfloat16()
+    run = lambda x: torch.ops.affineq_cpp.lowbit_linear_path(x, packed, scale, offset, 8, gs, n, k, 0, 1)  # noqa: E731
+    four = torch.cat([run(x[i:i + 4]) for i in range(0, 16, 4)]).view(torch.int16)
+    assert [m for m in (8, 12, 16) if not torch.equal(run(x[:m]).view(torch.int16), four[:m])] == []
+
+
 @pytest.mark.parametrize("bits,gs", [(4, 128), (8, 1024), (2, 64), (5, 32)])
 def test_lowbit_linear_multi_panel_shapes(bits: int, gs: int) -> None:
     # several tile blocks per thread, a tail panel (n % 16), a partial 32-column tile and > 240 rows of x

@@ -111,10 +111,12 @@ constexpr int gemv_unit_chains(int mr) { return mr == 1 ? 2 : 1; }
 // passes over the weights at 8-16 rows), and 4 when m % 4 == 0 (one pass at 4 rows: cold weights no longer
 // streamed twice; hot, 4 rows ran as fast in two passes of 2), the bf16-pair tiles
 // kBf16wMR: 8 rows in one pass held more accumulators than registers and ran slower than two passes of 4).
+// From 8 rows the 4-bit tiles and 8-bit codes' bf16-pair tiles take passes of kWideRows rows over one panel at a
+// time first (one panel's accumulators for 8 rows fit the registers): half the passes over cold weights at 8-16 rows.
 constexpr int kGemvMR = 4;
 constexpr int kBf16wMR = 4;
 constexpr int kB4MR3From = 5;
-constexpr int kB4Wide = 8;
+constexpr int kWideRows = 8;
 
 template <int B, int MR, int P, int A, class QP>
 void gemv_tile(const uint8_t* const* pan, const QP& qp, const float* x, int64_t ldx, const float* xs, int64_t G,
@@ -249,9 +251,9 @@ template <int B, class QP>
 void gemv_rows_bf16w(const uint8_t* const* pan, int64_t cnt, const QP& qp, const uint16_t* x, int64_t ldx, int64_t mr,
                      const float* xs, int64_t G, int64_t upg, float* y, uint16_t* yb, bool y_round, int64_t ldy,
                      int64_t nvalid, const NextItemPrefetch* pf) {
-  static_assert(kBf16wMR == 4, "gemv_rows_bf16w instantiates 1 to 4 rows");
+  static_assert(kBf16wMR == 4 && kWideRows == 8, "gemv_rows_bf16w instantiates 1 to 4 and 8 rows");
   const auto rows = [&](auto MR_) {
-    constexpr int MR = AQ_CV(MR_), P = MR <= 2 ? 4 : 2;  // accumulators and totals: 3 * MR * P zmm, at most 24
+    constexpr int MR = AQ_CV(MR_), P = MR <= 2 ? 4 : MR <= 4 ? 2 : 1;  // accumulators and totals: 3 * MR * P zmm
     const int64_t step = cnt % P == 0 ? P : 1;
     for (int64_t q = 0; q < cnt; q += step) {
       const auto tile = step == P ? &gemv_tile_bf16w<B, MR, P, 2, QP> : &gemv_tile_bf16w<B, MR, 1, 2, QP>;
@@ -263,7 +265,10 @@ void gemv_rows_bf16w(const uint8_t* const* pan, int64_t cnt, const QP& qp, const
     case 1: rows(std::integral_constant<int, 1>{}); break;
     case 2: rows(std::integral_constant<int, 2>{}); break;
     case 3: rows(std::integral_constant<int, 3>{}); break;
-    default: rows(std::integral_constant<int, 4>{}); break;
+    case 4: rows(std::integral_constant<int, 4>{}); break;
+    default:  // kWideRows: 8-bit codes only (gemv_path's wide passes)
+      if constexpr (B == 8) rows(std::integral_constant<int, kWideRows>{});
+      break;
   }
 }
 #endif
@@ -368,11 +373,11 @@ void gemv_path(const Ctx* cs, int64_t count) {
 #endif
     group_sums(p0.x, p0.ldx, M, G, p0.group_size, xs.data(), 2 * G);
   // Rows of x per pass over the weights: passes of mr = min(mstep, MX - m0) rows from m0 = 0, mstep, ...; the
-  // bf16-dot 4-bit tiles first take passes of kB4Wide rows over the first M / kB4Wide * kB4Wide rows (b4_wide),
-  // then the rest in passes of b4_rows(rest).
+  // bf16-dot 4-bit tiles and the bf16-pair tiles of 8-bit codes first take passes of kWideRows rows over the first
+  // M / kWideRows * kWideRows rows (wide), then the rest in passes of mstep.
   const auto b4_rows = [](int64_t m) -> int64_t { return m % 4 == 0 ? 4 : m >= kB4MR3From ? 3 : 2; };
-  const int64_t b4_wide = b4 && !split ? M / kB4Wide * kB4Wide : 0;
-  const int64_t mstep = split ? 3 : b4 ? b4_rows(M - b4_wide) : bw ? kBf16wMR : gemv_buffered<B>(M) ? M : kGemvMR;
+  const int64_t wide = (b4 && !split) || (bw && B == 8) ? M / kWideRows * kWideRows : 0;
+  const int64_t mstep = split ? 3 : b4 ? b4_rows(M - wide) : bw ? kBf16wMR : gemv_buffered<B>(M) ? M : kGemvMR;
   // The bf16-dot GEMV sees 16 + u for the codes u, the biased decoder 2^B + u (gemv_biased, by the rows of row
   // m's pass): the bias leaves through xs_a.
   // (the digits' tiles sum (u - 2^(B-1)) x: a bias of -2^(B-1))
@@ -486,7 +491,7 @@ void gemv_path(const Ctx* cs, int64_t count) {
       pf.emplace(*ni.c->p, ni.r0, ni.rows, G, npan, nq, 16 * bits_of(B));
     }
     for (int64_t m0 = 0, mr; m0 < MX; m0 += mr) {
-      mr = m0 < b4_wide ? kB4Wide : std::min<int64_t>(mstep, MX - m0);
+      mr = m0 < wide ? kWideRows : std::min<int64_t>(mstep, MX - m0);
       const float* xsm = xs.data() + 2 * G * m0;
       const NextItemPrefetch* pfm = m0 == 0 && pf ? &*pf : nullptr;
 #if AQ_BF16DOT && defined(__AVX512VBMI__)
@@ -496,8 +501,8 @@ void gemv_path(const Ctx* cs, int64_t count) {
         float* y = pr.y_bf16 ? nullptr : pr.y + m0 * pr.ldy + r0;
         uint16_t* yb = pr.y_bf16 ? pr.y_bf16 + m0 * pr.ldy + r0 : nullptr;
         const int64_t upg = pr.group_size / 8, ldx2 = 4 * c.U;
-        // Three or four rows (split or not) hold 2 panels' accumulators without spilling, kB4Wide rows one's.
-        const int step = mr == kB4Wide ? 1 : split || mr >= 3 ? (cnt % 2 == 0 ? 2 : 1) : cnt % 4 == 0 ? 4 : 1;
+        // Three or four rows (split or not) hold 2 panels' accumulators without spilling, kWideRows rows one's.
+        const int step = mr == kWideRows ? 1 : split || mr >= 3 ? (cnt % 2 == 0 ? 2 : 1) : cnt % 4 == 0 ? 4 : 1;
         const auto run = [&](const auto& qp) {
           using QP = std::decay_t<decltype(qp)>;
           for (int64_t q = 0; q < cnt; q += step) {
@@ -506,7 +511,7 @@ void gemv_path(const Ctx* cs, int64_t count) {
                 : mr == 1 ? (step == 4 ? &gemv_tile_b4bf16<1, 4, QP> : &gemv_tile_b4bf16<1, 1, QP>)
                 : mr == 3 ? (step == 2 ? &gemv_tile_b4bf16<3, 2, QP> : &gemv_tile_b4bf16<3, 1, QP>)
                 : mr == 4 ? (step == 2 ? &gemv_tile_b4bf16<4, 2, QP> : &gemv_tile_b4bf16<4, 1, QP>)
-                : mr == kB4Wide ? &gemv_tile_b4bf16<kB4Wide, 1, QP>
+                : mr == kWideRows ? &gemv_tile_b4bf16<kWideRows, 1, QP>
                           : (step == 4 ? &gemv_tile_b4bf16<2, 4, QP> : &gemv_tile_b4bf16<2, 1, QP>);
             tile(k4, pan + q, qp.shifted(q), xw, ldx2, xsm, G, upg, y ? y + 16 * q : nullptr,
                  yb ? yb + 16 * q : nullptr, pr.y_bf16_values, pr.ldy, rows - 16 * q, q == 0 ? pfm : nullptr);
