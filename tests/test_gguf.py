@@ -641,24 +641,34 @@ def test_load_model_checks_q_rows_before_permuting_them(tmp_path):
         ag.load_model(path)
 
 
+def _arrays_file(path, arrays: dict) -> None:
+    """A GGUF file with no tensors and these metadata arrays (gguf's writer)."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    for key, values in arrays.items():
+        w.add_array(key, values)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _read_traced(path):
+    """(metadata of `path` as reader.read gives it, peak traced allocation while reading it)."""
+    tracemalloc.start()
+    try:
+        meta = ag.reader.read(path).metadata
+        return meta, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
 def test_reader_keeps_numeric_metadata_arrays_numpy(tmp_path):
     """A numeric metadata array is read as a numpy array of the file's type (as many bytes as the file holds, not
     a list of Python numbers: 38 MiB of float32 took +422 MiB), and written back as the same type."""
     path = tmp_path / "arr.gguf"
     n = 1_000_000
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_array("x.floats", [0.5] * n)
-    w.add_array("x.types", [1, 3, 1])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    tracemalloc.start()
-    try:
-        meta = ag.reader.read(path).metadata
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    _arrays_file(path, {"x.floats": [0.5] * n, "x.types": [1, 3, 1]})
+    meta, peak = _read_traced(path)
     floats = meta["x.floats"]
     assert isinstance(floats, np.ndarray) and floats.dtype == np.float32 and floats.shape == (n,)
     assert (floats == 0.5).all() and peak < 2 * 4 * n
@@ -674,19 +684,9 @@ def test_reader_keeps_string_arrays_as_their_bytes(tmp_path):
     a vocabulary's tokens), equal to the list gguf's reader gives, and written back as an array of strings."""
     path = tmp_path / "words.gguf"
     words = [f"tok{i}" + "ü" * (i % 3) for i in range(200_000)] + ["", "a b"]
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_array("x.words", words)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _arrays_file(path, {"x.words": words})
     file_bytes = sum(8 + len(s.encode()) for s in words)
-    tracemalloc.start()
-    try:
-        meta = ag.reader.read(path).metadata
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    meta, peak = _read_traced(path)
     got = meta["x.words"]
     assert isinstance(got, ag.reader.StringArray) and len(got) == len(words)
     assert peak < 2 * file_bytes + 2**20, (peak, file_bytes)  # the list of str took ~6x file_bytes
@@ -702,12 +702,7 @@ def test_reader_keeps_string_arrays_as_their_bytes(tmp_path):
 
 def test_reader_refuses_a_string_array_element_that_is_not_utf8(tmp_path):
     path = tmp_path / "bad.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_array("x.words", ["ab", "cd"])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _arrays_file(path, {"x.words": ["ab", "cd"]})
     data = bytearray(path.read_bytes())
     at = data.index(b"cd")
     data[at] = 0xFF  # never valid in UTF-8
