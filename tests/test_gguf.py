@@ -722,3 +722,5 @@ def test_string_array_behaves_as_a_list(items, a, b):
         with pytest.raises(IndexError):
             arr[a]
     assert (arr == items + ["x"]) is False and arr != 3
+    with pytest.raises(TypeError):
+        arr["0"]

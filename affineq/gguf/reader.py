@@ -16,6 +16,7 @@ blocks, and bytes inside the file.
 
 from __future__ import annotations
 
+import operator
 import os
 import struct
 from collections.abc import Iterator, Sequence
@@ -89,7 +90,7 @@ class StringArray(Sequence[str]):
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self._at(int(self._offsets[j])) for j in range(*i.indices(len(self)))]
-        n, j = len(self), i.__index__()
+        n, j = len(self), operator.index(i)
         if not -n <= j < n:
             raise IndexError(f"StringArray index {i} out of range for {n} strings")
         return self._at(int(self._offsets[j]))
