@@ -85,10 +85,10 @@ int path_for(const LowbitProblem& p, int force_path) {
   int path = force_path;
   // Rows up to which the fused GEMV runs before the GEMM path: it streams the packed weights (one pass per 1-4
   // rows of x), where a GEMM first widens every weight, a fixed cost that fewer rows do not amortize. With bf16
-  // x the GEMV's bf16 tiles for 8-bit integer codes (4 rows per pass) stay ahead of the bf16 GEMM up to 8 rows (16
-  // on weights of 2M weights or more), for 4-bit codes (up to 8 rows per pass) up to 16 (24), the other widths up
-  // to 4; the int16 GEMM (fp16 x) from 3 rows. The AMX GEMM overtakes the GEMV from 7 rows for 4-bit codes, from 5 for the others. Tuned by
-  // measurement (see benchmarks/README.md, kernel design measurements).
+  // x the GEMV's bf16 tiles (up to 8 rows per pass) stay ahead of the bf16 GEMM up to 8 rows for 8-bit integer
+  // codes (16 on weights of 2M weights or more), 16 (24) for 4-bit codes, 4 for the other widths; the int16 GEMM
+  // (fp16 x) from 3 rows. The AMX GEMM overtakes the GEMV from 7 rows for 4-bit codes, from 5 for the others.
+  // Tuned by measurement (see benchmarks/README.md, kernel design measurements).
   const bool bf16_tiles_ahead = p.codes == kCodesUint && (p.bits == 4 || p.bits == 8) && gemv_reads_bf16_only(p);
   const bool b4 = p.codes == kCodesUint && p.bits == 4;
   const bool large = p.n * p.k >= (int64_t{1} << 21);
