@@ -410,7 +410,7 @@ def _add_smollm2_tokenizer(w) -> None:
     w.add_tokenizer_model(meta["tokenizer.ggml.model"])
     w.add_tokenizer_pre(meta["tokenizer.ggml.pre"])
     w.add_token_list(meta["tokenizer.ggml.tokens"])
-    w.add_token_types(meta["tokenizer.ggml.token_type"])
+    w.add_token_types(meta["tokenizer.ggml.token_type"].tolist())  # numpy as read; gguf's writer takes a Sequence
     w.add_token_merges(meta["tokenizer.ggml.merges"])
     for key, add in (("bos", w.add_bos_token_id), ("eos", w.add_eos_token_id), ("unknown", w.add_unk_token_id),
                      ("padding", w.add_pad_token_id)):

@@ -139,3 +139,18 @@ def test_gguf_only_writes_the_same_gguf_and_nothing_else(tiny, tmp_path):
     assert Path(again["gguf"]).read_bytes() == Path(summary["gguf"]).read_bytes()
     with pytest.raises(ValueError, match="--gguf-only needs --gguf"):
         ms.make("tiny-llama", tmp_path, gguf_only=True)
+
+
+def test_gguf_with_smollm2_vocabulary_carries_its_tokenizer(tmp_path):
+    # The 1B / 8B bodies' GGUFs (bench_scale --prepare) take SmolLM2's tokenizer keys from the shipped file as
+    # affineq's reader reads them (string arrays, numpy token types); llama.cpp tokenizes with them.
+    gguf = pytest.importorskip("gguf")
+    from affineq.models import smollm2_path
+
+    ms.make("tiny-llama", tmp_path, seed=3, gguf_type="f16", gguf_only=True)
+    ours, ref = gguf.GGUFReader(tmp_path / "model-f16.gguf"), gguf.GGUFReader(smollm2_path())
+    for key in ("tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
+                "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
+        a, b = ours.fields[key], ref.fields[key]
+        assert a.types == b.types and a.contents() == b.contents(), key
+    assert ours.fields["llama.vocab_size"].contents() == ms.SMOLLM2_VOCAB
