@@ -30,6 +30,8 @@ Rows (``--rows``; every measurement runs in a fresh subprocess, one after anothe
   token_embd); GB/s against the read bandwidth (common.memory_bandwidth_gbs, same threads) measured just before
   each timed run of an affineq decode row (the median of the per-run fractions; a llama.cpp twin against the
   median of its partner's): this VM's probe jumps between ~40-50 and ~62-83 GB/s from one minute to the next.
+  ``weights_read_fraction``: the same GB/s against a read of the step's own weight tensors (common.weights_read_gbs,
+  next to each run), since reading a model's gigabytes of distinct weights is slower here than the probe's buffer.
 - ``prefill``: time to first token (prefill + first argmax) of 512- and 2048-token prompts at 1B: affineq int4 /
   int8 / bf16 (eager prefill, as ``generate``) and llama.cpp Q4_0 / Q8_0 prompt processing.
 - ``batch``: decode at batch 1, 4, 16 at 1B (128-token prompts, 64 new tokens): per-request tok/s, batch tok/s,
@@ -231,14 +233,15 @@ def child_decode(job: dict) -> dict:
     warm = time.perf_counter() - t0
     if turns:
         turns.give()
-    pre, dts, bws = [], [], []
+    pre, dts, bws, wbws = [], [], [], []
     for _ in range(job["repeats"]):
         if turns:
             turns.wait()
         if job.get("bandwidth_each_run"):  # this VM's bandwidth drifts: measure it next to every run
-            from common import memory_bandwidth_gbs
+            from common import memory_bandwidth_gbs, stored_tensors, weights_read_gbs
 
             bws.append(memory_bandwidth_gbs())
+            wbws.append(weights_read_gbs(stored_tensors(model)))  # the same bytes the step reads, on their pages
         p, d, again = run()
         if turns:
             turns.give()
@@ -254,8 +257,9 @@ def child_decode(job: dict) -> dict:
            "rss_MiB": status_bytes("VmRSS") / MiB, "hwm_MiB": status_bytes("VmHWM") / MiB, "base_MiB": base / MiB}
     if bws:  # each run's GB/s over the read bandwidth measured just before it
         gbs = [row["weight_bytes_per_token"] / (t / (n - 1)) / 1e9 for t in dts]
-        row.update(run_read_bandwidth_gbs=bws,
-                   run_bandwidth_fraction=[g / bw for g, bw in zip(gbs, bws, strict=True)])
+        row.update(run_read_bandwidth_gbs=bws, run_weights_read_gbs=wbws,
+                   run_bandwidth_fraction=[g / bw for g, bw in zip(gbs, bws, strict=True)],
+                   run_weights_read_fraction=[g / bw for g, bw in zip(gbs, wbws, strict=True)])
     return row
 
 
@@ -555,13 +559,16 @@ def report(group: str, rows: list[dict], bandwidth: float) -> None:
         if r.get("run_bandwidth_fraction"):  # measured next to each run: the median of the per-run fractions
             r["bandwidth_fraction"] = statistics.median(r["run_bandwidth_fraction"])
             r["read_bandwidth_gbs"] = statistics.median(r["run_read_bandwidth_gbs"])
+            if r.get("run_weights_read_fraction"):
+                r["weights_read_fraction"] = statistics.median(r["run_weights_read_fraction"])
+                r["weights_read_gbs"] = statistics.median(r["run_weights_read_gbs"])
         elif r.get("paired_read_bandwidth_gbs") and "GB_s" in r:
             r["bandwidth_fraction"] = r["GB_s"] / r["paired_read_bandwidth_gbs"]
             r["read_bandwidth_gbs"] = r["paired_read_bandwidth_gbs"]
     cols = {"quantize": ["row", "s", "peak_above_base_MiB", "dst_bytes", "load_quantized_s", "from_pretrained_s",
                          "logits_equal", "vs_quantize_checkpoint"],
             "decode": ["row", "decode_tok_s", "ms_per_step", "MB_per_token", "GB_s", "bandwidth_fraction",
-                       "vs_affineq"],
+                       "weights_read_fraction", "vs_affineq"],
             "prefill": ["row", "ttft_ms"],
             "batch": ["row", "decode_tok_s", "batch_tok_s", "ms_per_step"],
             "long-context": ["row", "decode_tok_s", "ms_per_step", "kv_bytes_per_token", "ttft_ms"],

@@ -89,6 +89,32 @@ def memory_bandwidth_gbs(mib: int = 512) -> float:
     return buf.numel() * 4 / (ms * 1e-3) / 1e9
 
 
+def stored_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The tensors every nn.Linear weight of `model` stores (a tensor subclass's inner tensors through
+    ``__tensor_flatten__``, a plain weight itself), each once."""
+    out, seen = [], set()
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if not isinstance(m, torch.nn.Linear) or not isinstance(w, torch.Tensor) or id(w) in seen:
+            continue
+        seen.add(id(w))
+        flatten = getattr(type(w), "__tensor_flatten__", None)
+        out += [w] if flatten is None else [getattr(w, n) for n in w.__tensor_flatten__()[0]]
+    return out
+
+
+def weights_read_gbs(tensors: list[torch.Tensor]) -> float:
+    """Read bandwidth over these tensors' own bytes (all threads): one fp32 sum over each, its bytes seen as
+    float32 (a dtype's sum runs at its own speed; fp32's is memory_bandwidth_gbs'). What reading a model's
+    weights once costs on their own pages (4 GB of distinct weights read slower than memory_bandwidth_gbs'
+    512 MiB buffer here), against which a decode step's GB/s can be put."""
+    views = [t.detach().reshape(-1).view(torch.uint8) for t in tensors]
+    views = [v[: v.numel() // 4 * 4].view(torch.float32) for v in views if v.numel() >= 4]
+    nbytes = sum(v.numel() * 4 for v in views)
+    ms = median_ms(lambda: [v.sum() for v in views], min_runs=3, max_runs=5, budget_s=0.0, warmup=1)
+    return nbytes / (ms * 1e-3) / 1e9
+
+
 def save_json(name: str, payload: dict) -> Path:
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{name}.json"

@@ -63,3 +63,33 @@ def test_rows_skip_checkpoints_that_were_not_prepared(tmp_path, capsys):
     for cfg in ("int4-g32", "int8"):
         assert f"skipped s {cfg}: no {tmp_path / f's-{cfg}'} (run --prepare)" in out
     assert f"skipped s bf16: no {tmp_path / 's'} (run --prepare)" in out
+
+
+def test_stored_tensors_are_the_bytes_a_decode_step_reads():
+    # weights_read_gbs reads exactly the Linear weights' stored bytes (the decode row's MB per token), each
+    # shared weight once; a float Linear's weight is itself.
+    import torch
+    from common import stored_tensors, weights_read_gbs
+
+    import affineq
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.ReLU(), torch.nn.Linear(96, 64),
+                                torch.nn.Linear(64, 32))
+    affineq.quantize_(model, affineq.Int4WeightOnlyConfig(group_size=32),
+                      filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and fqn != "3")
+    model.append(model[0])  # the same weight twice: read once
+    got = stored_tensors(model)
+    stored = sum(t.numel() * t.element_size() for t in got)
+    assert stored == model[0].weight.storage_bytes() + model[2].weight.storage_bytes() + 32 * 64 * 4
+    assert all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in got) and weights_read_gbs(got) > 0
+
+
+def test_report_puts_the_weights_read_fraction_beside_the_probes(capsys):
+    row = {"row": "8b int4", "weight_bytes_per_token": 4e9, "ms_per_step": 100.0, "run_bandwidth_fraction": [0.5, 0.6],
+           "run_read_bandwidth_gbs": [80.0, 66.0], "run_weights_read_fraction": [0.9, 0.8, 0.85],
+           "run_weights_read_gbs": [44.0, 50.0, 47.0]}
+    bs.report("decode", [row], bandwidth=70.0)
+    assert (row["bandwidth_fraction"], row["read_bandwidth_gbs"]) == (0.55, 73.0)
+    assert (row["weights_read_fraction"], row["weights_read_gbs"]) == (0.85, 47.0)
+    assert "weights_read_fraction" in capsys.readouterr().out
