@@ -123,8 +123,9 @@ def test_relayout_keeps_the_file_bytes(name):
 
 @pytest.mark.parametrize("name", KINDS)
 def test_one_fp32_row_within_two_roundings(name):
-    """One row of fp32 x (on AMX Xeons the digits GEMV, `cpp/gemv_digits.cpp`; elsewhere the FMA GEMV): within 2
-    fp32 ulps of sum |x| * (|d sc u| + |dmin m|), at magnitudes far apart (either measures at most 1.3)."""
+    """One row of fp32 x (the digits GEMV, `cpp/gemv_digits.cpp`, on AMX Xeons and off them for q4_k; else the
+    FMA GEMV): within 2 fp32 ulps of sum |x| * (|d sc u| + |dmin m|), at magnitudes far apart (either measures at
+    most 1.3)."""
     _needs_kernels()
     for seed, (n, k) in enumerate([(37, 512), (64, 4096)]):
         blocks = _random_blocks(name, n, k, seed=seed)

@@ -25,9 +25,10 @@ Kernels (chosen per call; x of any float dtype is converted to fp32 first, the o
 
 * small m (<= 2 where the int16 path below applies, else <= 4 to 24 by width and dtype): fused GEMV, codes
   decoded into fp32 registers, scale and offset applied once per group; streams the packed weights once
-  (memory-bound). 4-bit codes with bf16 x, and with fp32 x at m = 1 (x as three bf16 rows summing to x
-  exactly), use bf16 dot products of the codes instead: exact products, fp32 sums; so do the other widths
-  but float8 from 3 rows of bf16 x (the decoded values, at most 8 significant bits, as exact bf16 pairs).
+  (memory-bound). 4-bit codes with bf16 x use bf16 dot products of the codes instead: exact products, fp32
+  sums; so do the other widths but float8 from 3 rows of bf16 x (the decoded values, at most 8 significant
+  bits, as exact bf16 pairs). One row of fp32 x against 2- to 6-bit integer codes (on AMX Xeons every such
+  width, elsewhere 2 to 4 bits) takes VNNI dot products on x's exact integer digits per block instead.
 * larger m: a [256 x 32] tile of W is expanded into L1 and reused by all rows of x; an fp32 FMA micro-kernel
   runs on it. fp32 products, fp32 accumulation: results match ``lowbit_linear_reference`` to ~1e-6.
 * larger m, AVX512-VNNI CPUs, bf16/fp16 x (by default; integer, fp4 and fp6 codes: the latter as the exact

@@ -16,7 +16,7 @@ bool amx_usable();
 #endif
 
 // Whether this build and CPU run AMX tiles. Also what tells an AMX Xeon's cores apart, whose 512-bit vdpbf16ps
-// issues at half the rate of an fp32 FMA (gemv.cpp's split_x3 then loses to the FMA GEMV).
+// issues at half the rate of an fp32 FMA (use_x_digits gives them the digits GEMV at every width).
 inline bool amx_cpu() {
 #if AQ_AMX
   return amx_usable();

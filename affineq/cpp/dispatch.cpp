@@ -13,9 +13,9 @@
 //  1. gemv.cpp: fused GEMV (m <= 2 before path 3, 4 to 24 before path 4, 8 before path 2; group_size % 8 == 0):
 //     decode codes straight into fp32 registers, 16 output rows per vector, FMA against broadcast x; scale/offset applied
 //     once per group. Memory-bound at m = 1: the packed weights are streamed once, with software prefetch.
-//     bf16 dot products instead for 4-bit codes (bf16 x; fp32 x at m = 1 as three bf16 rows, gemv.cpp split_x3, or
-//     on AMX Xeons as exact integer digits through VNNI dot products, gemv_digits.cpp)
-//     and, from 3 rows of bf16 x, for the other widths but float8 (decoded values as bf16 pairs).
+//     bf16 dot products instead for 4-bit codes with bf16 x and, from 3 rows of bf16 x, for the other widths but
+//     float8 (decoded values as bf16 pairs); one row of fp32 x (of bf16 x too, on large weights of some widths) as
+//     exact integer digits through VNNI dot products (gemv_digits.cpp).
 //  2. gemm_f32.cpp: dequant + fp32 GEMM (any group_size; the large-m path where VNNI is missing): dequantize
 //     a [256 x 32] slice of W^T into an L1-resident fp32 tile and run a 12x32 (AVX-512) / 6x16 (AVX2)
 //     outer-product micro-kernel over all m rows, so each dequantized tile is reused m times.

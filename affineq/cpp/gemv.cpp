@@ -3,9 +3,9 @@
 // offset are applied once per group:
 //     y[n] = sum_g scale[n, g] * dot(x_g, u[n, g]) + offset[n, g] * sum(x_g).
 // Memory-bound at m = 1: the packed weights are streamed once, with software prefetch. 4-bit codes take bf16 dot
-// products instead (gemv_b4bf16.h): with bf16 x, and with fp32 x at m = 1 split into three bf16 rows (split_x3);
-// so do the other widths but float8 from 3 rows of bf16 x (gemv_tile_bf16w). On AMX Xeons fp32 x at m = 1 takes
-// integer dot products on its exact digits instead (gemv_digits.h).
+// products instead with bf16 x (gemv_b4bf16.h); so do the other widths but float8 from 3 rows of bf16 x
+// (gemv_tile_bf16w). One row of fp32 x (and of bf16 x on large weights of some widths) takes integer dot products
+// on its exact digits instead (gemv_digits.h, use_x_digits).
 #include <cstring>
 #include <iterator>
 #include <optional>
@@ -65,7 +65,7 @@ constexpr bool gemv_biased(int64_t mr) { return biased_decode_ok<B>() && (multi_
 // 4-bit codes take the bias off each accumulator chain per unit of 8 k (ub, unit_bias_sums) rather than per
 // group: the biased partial sums would otherwise grow over the group to ~3x the unbiased decoder's, and their
 // rounding errors with them; per unit they stay within the unbiased decoder's error bound (tests/
-// test_gemv_fp32_split.py) for one add per chain and unit. gemv_bias: the bias left for the group sums.
+// test_gemv_fp32_x.py) for one add per chain and unit. gemv_bias: the bias left for the group sums.
 template <int B>
 constexpr bool gemv_unit_bias(int64_t mr) { return B == 4 && gemv_biased<B>(mr); }
 template <int B>
@@ -344,46 +344,32 @@ void gemv_path(const Ctx* cs, int64_t count) {
   const LowbitProblem& p0 = *cs[0].p;
   const int64_t G = cs[0].G, M = cs[0].M;
   [[maybe_unused]] const int64_t K8 = cs[0].K8;
-  // 4-bit codes with fp32 x at m = 1: x as three bf16 rows (split_x3) through the bf16-dot GEMV, summed at the end
-  // (not on AMX Xeons: three bf16 dot products per pair of k at half the FMA's issue rate lose to the FMA GEMV).
-  std::vector<uint16_t> x3;
-#if AQ_BF16DOT && defined(__AVX512VBMI__)
-  if (kB4Bf16 && B == 4 && p0.x_bf16 == nullptr && M == 1 && p0.y_bf16 == nullptr && !amx_cpu()) {
-    x3.resize(static_cast<size_t>(3 * K8));
-    if (!split_x3(p0.x, K8, x3.data())) x3.clear();
-  }
-#endif
-  const bool split = !x3.empty();
-  const int64_t MX = split ? 3 : M;  // rows of x the tiles see
-  const uint16_t* xb = split ? x3.data() : p0.x_bf16;
-  const int64_t ldxb = split ? K8 : p0.ldx;
-  // Per-group sums of x for the offset term, xs [MX][2][G]: the sums, then the multiple add_group needs.
-  std::vector<float> xs(static_cast<size_t>(2 * MX * G));
-  // then x is read as bf16 only (xb), and y may be bf16 (y_bf16); 4-bit integer codes alone (B == 4)
-  const bool b4 = B == 4 && (use_b4bf16(p0) || split);
-  const bool bw = use_bf16w(p0);             // likewise
-  // One row of fp32 x against 2- to 6-bit integer codes on AMX Xeons: x as integer digits through VNNI
-  // (gemv_digits.h)
+  // Per-group sums of x for the offset term, xs [M][2][G]: the sums, then the multiple add_group needs.
+  std::vector<float> xs(static_cast<size_t>(2 * M * G));
+  // The 4-bit bf16-dot GEMV and the bf16-pair GEMV read x as bf16 only (x_bf16), and y may be bf16 (y_bf16)
+  const bool b4 = B == 4 && use_b4bf16(p0);
+  const bool bw = use_bf16w(p0);
+  // One row of x against 2- to 6-bit integer codes: x as integer digits through VNNI (gemv_digits.h)
   XDigits xd;
   const bool digits = digits_width(B) && !b4 && use_x_digits(p0) &&
                       x_digits(p0.x, K8, digit_block(p0.group_size), B, xd);
 #if AQ_AVX512
-  if (b4 || bw) group_sums(xb, ldxb, MX, G, p0.group_size, xs.data(), 2 * G);
+  if (b4 || bw) group_sums(p0.x_bf16, p0.ldx, M, G, p0.group_size, xs.data(), 2 * G);
   else
 #endif
     group_sums(p0.x, p0.ldx, M, G, p0.group_size, xs.data(), 2 * G);
-  // Rows of x per pass over the weights: passes of mr = min(mstep, MX - m0) rows from m0 = 0, mstep, ...; the
+  // Rows of x per pass over the weights: passes of mr = min(mstep, M - m0) rows from m0 = 0, mstep, ...; the
   // bf16-dot 4-bit tiles and the bf16-pair tiles of 8-bit codes first take passes of kWideRows rows over the first
   // M / kWideRows * kWideRows rows (wide), then the rest in passes of mstep.
   const auto b4_rows = [](int64_t m) -> int64_t { return m % 4 == 0 ? 4 : m >= kB4MR3From ? 3 : 2; };
-  const int64_t wide = (b4 && !split) || (bw && B == 8) ? M / kWideRows * kWideRows : 0;
-  const int64_t mstep = split ? 3 : b4 ? b4_rows(M - wide) : bw ? kBf16wMR : gemv_buffered<B>(M) ? M : kGemvMR;
+  const int64_t wide = b4 || (bw && B == 8) ? M / kWideRows * kWideRows : 0;
+  const int64_t mstep = b4 ? b4_rows(M - wide) : bw ? kBf16wMR : gemv_buffered<B>(M) ? M : kGemvMR;
   // The bf16-dot GEMV sees 16 + u for the codes u, the biased decoder 2^B + u (gemv_biased, by the rows of row
   // m's pass): the bias leaves through xs_a.
   // (the digits' tiles sum (u - 2^(B-1)) x: a bias of -2^(B-1))
   const auto bias = [&](int64_t m) {
     return b4 ? 16.f : digits ? -static_cast<float>(1 << (bits_of(B) - 1))
-                              : gemv_bias<B>(std::min(mstep, MX - m / mstep * mstep));
+                              : gemv_bias<B>(std::min(mstep, M - m / mstep * mstep));
   };
   // Without an offset array, offset = f * scale for one f (lowbit_kernels.h: scale * code_offset), so the whole
   // offset term rides on xs_a and no offset tile is loaded. So do the signed k-quants' offsets (q3_k: -4 * scale,
@@ -404,11 +390,11 @@ void gemv_path(const Ctx* cs, int64_t count) {
   std::vector<uint32_t> xp;  // x's bf16 pairs as the bf16-dot GEMV multiplies them
 #if AQ_BF16DOT && defined(__AVX512VBMI__)
   if (b4) {
-    xp.resize(static_cast<size_t>(4 * MX * cs[0].U));
-    xpairs(xb, ldxb, MX, cs[0].U, xp.data());
+    xp.resize(static_cast<size_t>(4 * M * cs[0].U));
+    xpairs(p0.x_bf16, p0.ldx, M, cs[0].U, xp.data());
   }
 #endif
-  for (int64_t m = 0; m < MX; ++m) {
+  for (int64_t m = 0; m < M; ++m) {
     const float fm = f - bias(m);
     for (int64_t g = 0; g < G; ++g) xs[2 * G * m + G + g] = fm * xs[2 * G * m + g];
   }
@@ -490,8 +476,8 @@ void gemv_path(const Ctx* cs, int64_t count) {
       for (; nq < ni.cnt && ni.p0 + nq < ni.c->nfull; ++nq) npan[nq] = ni.c->p->packed + (ni.p0 + nq) * ni.c->panel_bytes;
       pf.emplace(*ni.c->p, ni.r0, ni.rows, G, npan, nq, 16 * bits_of(B));
     }
-    for (int64_t m0 = 0, mr; m0 < MX; m0 += mr) {
-      mr = m0 < wide ? kWideRows : std::min<int64_t>(mstep, MX - m0);
+    for (int64_t m0 = 0, mr; m0 < M; m0 += mr) {
+      mr = m0 < wide ? kWideRows : std::min<int64_t>(mstep, M - m0);
       const float* xsm = xs.data() + 2 * G * m0;
       const NextItemPrefetch* pfm = m0 == 0 && pf ? &*pf : nullptr;
 #if AQ_BF16DOT && defined(__AVX512VBMI__)
@@ -501,14 +487,13 @@ void gemv_path(const Ctx* cs, int64_t count) {
         float* y = pr.y_bf16 ? nullptr : pr.y + m0 * pr.ldy + r0;
         uint16_t* yb = pr.y_bf16 ? pr.y_bf16 + m0 * pr.ldy + r0 : nullptr;
         const int64_t upg = pr.group_size / 8, ldx2 = 4 * c.U;
-        // Three or four rows (split or not) hold 2 panels' accumulators without spilling, kWideRows rows one's.
-        const int step = mr == kWideRows ? 1 : split || mr >= 3 ? (cnt % 2 == 0 ? 2 : 1) : cnt % 4 == 0 ? 4 : 1;
+        // Three or four rows hold 2 panels' accumulators without spilling, kWideRows rows one's.
+        const int step = mr == kWideRows ? 1 : mr >= 3 ? (cnt % 2 == 0 ? 2 : 1) : cnt % 4 == 0 ? 4 : 1;
         const auto run = [&](const auto& qp) {
           using QP = std::decay_t<decltype(qp)>;
           for (int64_t q = 0; q < cnt; q += step) {
             const auto tile =
-                split     ? (step == 2 ? &gemv_tile_b4bf16<3, 2, QP, true> : &gemv_tile_b4bf16<3, 1, QP, true>)
-                : mr == 1 ? (step == 4 ? &gemv_tile_b4bf16<1, 4, QP> : &gemv_tile_b4bf16<1, 1, QP>)
+                mr == 1   ? (step == 4 ? &gemv_tile_b4bf16<1, 4, QP> : &gemv_tile_b4bf16<1, 1, QP>)
                 : mr == 3 ? (step == 2 ? &gemv_tile_b4bf16<3, 2, QP> : &gemv_tile_b4bf16<3, 1, QP>)
                 : mr == 4 ? (step == 2 ? &gemv_tile_b4bf16<4, 2, QP> : &gemv_tile_b4bf16<4, 1, QP>)
                 : mr == kWideRows ? &gemv_tile_b4bf16<kWideRows, 1, QP>

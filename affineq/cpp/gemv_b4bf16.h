@@ -1,6 +1,6 @@
-// The 4-bit bf16-dot GEMV's tiles (gemv.cpp's gemv_path runs them): 4-bit codes against bf16 x, or fp32 x at
-// m = 1 split into three bf16 rows whose sum is x (split_x3), by vdpbf16ps on the codes as bf16 16 + u (B4Bf16);
-// store_rows writes a bf16 tile's results (the bf16-pair GEMV's too). Included by gemv.cpp alone.
+// The 4-bit bf16-dot GEMV's tiles (gemv.cpp's gemv_path runs them): 4-bit codes against bf16 x by vdpbf16ps on
+// the codes as bf16 16 + u (B4Bf16); store_rows writes a bf16 tile's results (the bf16-pair GEMV's too). Included
+// by gemv.cpp alone.
 #pragma once
 
 #include <cstdint>
@@ -80,8 +80,7 @@ void xpairs(const uint16_t* x, int64_t ldx, int64_t M, int64_t U, uint32_t* xp) 
     }
 }
 
-// kSum: the MR rows are split_x3's parts of one fp32 row; their results are added (smallest first) into y's row 0.
-template <int MR, int P, class QP, bool kSum = false>
+template <int MR, int P, class QP>
 void gemv_tile_b4bf16(const B4Bf16& k4, const uint8_t* const* pan, const QP& qp, const uint32_t* xw, int64_t ldx2,
                       const float* xs, int64_t G, int64_t upg, float* y, uint16_t* yb, bool y_round, int64_t ldy,
                       int64_t nvalid, const NextItemPrefetch* pf) {
@@ -105,42 +104,7 @@ void gemv_tile_b4bf16(const B4Bf16& k4, const uint8_t* const* pan, const QP& qp,
       });
     }
   });
-  if constexpr (kSum) {
-    static_assert(MR == 3, "split_x3 gives three rows");
-    sfor<P>([&](auto P_) {
-      constexpr int p = AQ_CV(P_);
-      tot[0][p] = fadd(fadd(tot[2][p], tot[1][p]), tot[0][p]);
-    });
-  }
-  store_rows<kSum ? 1 : MR, P>(tot, y, yb, y_round, ldy, nvalid);
-}
-
-// One fp32 row of x as three bf16 rows whose sum is x exactly: hi = bf16(x), mid = bf16(x - hi), lo = x - hi - mid
-// (each remainder is exact in fp32, and after two roundings to 8 significant bits the last one has at most 8).
-// Every product of a part with a code is exact in the bf16 dot product's fp32 sums, so the 4-bit GEMV serves
-// fp32 x at m = 1 with exact products (three dot products per weight pair instead of an int -> float
-// conversion and an FMA per weight). The conversion to bf16 flushes fp32 subnormals to zero, so for x below
-// ~2^-103 in magnitude (its parts are multiples of its fp32 ulp) a part may be lost: hi + mid + lo == x is checked
-// lane by lane. x3 [3][k8]; false (x3 then meaningless) when x holds a non-finite value (inf - inf would turn it
-// into NaN) or a lane does not split exactly: the FMA GEMV then serves the call. One pass over x: the checks ride
-// on the split.
-bool split_x3(const float* x, int64_t k8, uint16_t* x3) {
-  __mmask16 bad = 0;  // lanes whose x - x is not 0 (inf or NaN) or whose parts do not sum to x
-  for (int64_t i = 0; i < k8; i += 16) {
-    const __mmask16 k = static_cast<__mmask16>(k8 - i >= 16 ? 0xFFFF : (1u << (k8 - i)) - 1);
-    const __m512 v = _mm512_maskz_loadu_ps(k, x + i);
-    bad |= static_cast<__mmask16>(~_mm512_cmp_ps_mask(_mm512_sub_ps(v, v), _mm512_setzero_ps(), _CMP_EQ_OQ) & k);
-    const __m256i hi = bf16_bits(v);
-    const __m512 r = _mm512_sub_ps(v, bf16_widen(hi));
-    const __m256i mid = bf16_bits(r);
-    const __m512 r2 = _mm512_sub_ps(r, bf16_widen(mid));
-    const __m256i lo = bf16_bits(r2);
-    bad |= _mm512_mask_cmp_ps_mask(k, bf16_widen(lo), r2, _CMP_NEQ_UQ);
-    _mm256_mask_storeu_epi16(x3 + i, k, hi);
-    _mm256_mask_storeu_epi16(x3 + k8 + i, k, mid);
-    _mm256_mask_storeu_epi16(x3 + 2 * k8 + i, k, lo);
-  }
-  return bad == 0;
+  store_rows<MR, P>(tot, y, yb, y_round, ldy, nvalid);
 }
 
 constexpr bool kB4Bf16 = true;

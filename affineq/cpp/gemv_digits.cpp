@@ -15,14 +15,18 @@ namespace affineq::detail {
 
 bool use_x_digits(const LowbitProblem& p) {
 #if AQ_X_DIGITS
-  // AMX Xeons only, where vpdpbusd outruns the FMA GEMV's decode (benchmarks/README.md, kernel design
-  // measurements); other CPUs keep split_x3, measured on the Zen 5. At 2 rows it lost to the FMA GEMV. bf16 x
-  // too, on weights of 2^19 weights or more (then not the bf16-dot GEMV, use_b4bf16, which kept up below): the
-  // caller hands it over widened to fp32 (exact) and rounds y.
-  return p.m == 1 && p.y_bf16 == nullptr && !p.y_bf16_values && digits_width(p.bits) &&
-         (p.x_bf16 == nullptr || p.n * p.k >= (int64_t{1} << 19)) &&
-         p.codes == kCodesUint && (p.qparams_kquant == 0 || p.qparams_kquant == p.bits) && !p.qparams_e8m0 &&
-         p.group_size % 8 == 0 && amx_cpu();
+  // One row only (at 2 rows it lost to the FMA GEMV). bf16 x on weights of 2^19 weights or more (below, the
+  // bf16-dot and FMA GEMVs kept up): the caller hands it over widened to fp32 (exact) and rounds y. On AMX Xeons
+  // every width, where vpdpbusd outruns the FMA GEMV's decode; on other CPUs (the Zen 5) the widths where it
+  // measured faster there: 2- to 4-bit codes with fp32 x (k-quants: q4_k), 2- and 3-bit codes with bf16 x (4-bit
+  // codes keep the bf16-dot GEMV, use_b4bf16); the others kept the FMA GEMV (benchmarks/README.md, kernel design
+  // measurements).
+  if (!(p.m == 1 && p.y_bf16 == nullptr && !p.y_bf16_values && digits_width(p.bits) &&
+        (p.x_bf16 == nullptr || p.n * p.k >= (int64_t{1} << 19)) && p.codes == kCodesUint &&
+        (p.qparams_kquant == 0 || p.qparams_kquant == p.bits) && !p.qparams_e8m0 && p.group_size % 8 == 0))
+    return false;
+  if (amx_cpu()) return true;
+  return p.x_bf16 == nullptr ? p.bits <= 4 && (p.qparams_kquant == 0 || p.bits == 4) : p.bits <= 3 && p.qparams_kquant == 0;
 #else
   (void)p;
   return false;

@@ -1,8 +1,7 @@
-"""The 4-bit GEMV with float32 x (`cpp/gemv.cpp`). At m = 1 on AMX Xeons (`cpp/gemv_digits.cpp`): x as four
-exact integer digits per block under a power-of-two scale, their products with the codes summed exactly by VNNI
-dot products. At m = 1 elsewhere (`split_x3`): x as three bf16 rows whose sum is x exactly, through the bf16-dot
-GEMV, the three results added at the end. Either way every product stays exact, so the result is within a few
-fp32 roundings of the float64 product, as the fp32 FMA GEMV's is. The FMA GEMV's passes of 1-2 rows decode 16 + u
+"""The 4-bit GEMV with float32 x (`cpp/gemv.cpp`). At m = 1 where the build has AVX512-VNNI and VBMI
+(`cpp/gemv_digits.cpp`): x as four exact integer digits per block under a power-of-two scale, their products with
+the codes summed exactly by VNNI dot products, so the result is within a few fp32 roundings of the float64
+product, as the fp32 FMA GEMV's is (which serves m = 1 on other builds). The FMA GEMV's passes of 1-2 rows decode 16 + u
 and take the bias off per unit of 8 k (`gemv_unit_bias`), within the same bound. x holding inf or NaN (and, for
 the digits, a block of x reaching 2^100) takes the FMA GEMV (bit for bit what a call with a second row gives the
 first)."""
@@ -48,7 +47,7 @@ CASES = [(37, 96, 32), (129, 384, 128), (64, 256, 64), (300, 4096, 32), (40, 110
 CASES += [(48, 4096, 4096), (32, 2064, 1032)]
 
 
-# rows of x: 1 (split_x3 off AMX), 2 (one pass with the unit bias), 5 / 6 (a pass of 4 rows without it, then one
+# rows of x: 1 (the digits where built), 2 (one pass with the unit bias), 5 / 6 (a pass of 4 rows without it, then one
 # of 1 / 2 rows with it)
 @pytest.mark.parametrize("m", [1, 2, 5, 6])
 @pytest.mark.parametrize("qparams", ["fp32", "bf16", "f16", "sym"])
@@ -58,17 +57,15 @@ def test_fp32_x_within_fp32_rounding_of_float64(n: int, k: int, gs: int, qparams
         pytest.skip(f"C++ kernels unavailable: {K.unavailable_reason()}")
     packed, qp, w = _problem(n, k, gs, qparams, seed=n + k)
     g = torch.Generator().manual_seed(k + m)
-    # magnitudes far apart: the parts of x span 24 bits below each value's exponent (1e-30 ~ 2^-100 keeps the
-    # smallest part a normal bf16 number); the digits' smallest scale 2^-149 (1e-37) and their limit 2^100 (1e31:
-    # the FMA GEMV takes over); off AMX, 1e-37 splits into parts below bf16's normal range, which the conversion
-    # would flush: split_x3 hands such x to the FMA GEMV
+    # magnitudes far apart; the digits' smallest scale 2^-149 (1e-37) and their limit 2^100 (1e31: the FMA GEMV
+    # takes over)
     for mag in (1.0, 1e-30, 1e20) + ((1e-37, 1e31) if m == 1 else ()):
         x = torch.randn(m, k, generator=g) * mag
         out = torch.ops.affineq.lowbit_linear(x, packed, *qp)
         exact = x.double() @ w.T
         sum_abs = x.double().abs() @ w.abs().T
         err = (out.double() - exact).abs()
-        # a few roundings of the largest partial sum: the FMA GEMV measures up to ~2.5 here, the split one ~0.8
+        # a few roundings of the largest partial sum: the FMA GEMV measures up to ~2.5 here
         assert bool((err <= 4 * EPS32 * sum_abs).all()), f"{n}x{k} gs={gs} {qparams} m={m} |x|~{mag}: " \
             f"{float((err / sum_abs).max() / EPS32):.2f} ulps of sum |x w|"
 
@@ -104,8 +101,24 @@ def test_m1_non_finite_x_gives_the_fma_gemvs_result(bad: float) -> None:
     assert not bool(torch.isfinite(one).any())
 
 
-AMX_DIGITS = K.is_available() and K.kernel_info()["isa"] == "avx512" and cpu_kind() == "amx"
-_NO_DIGITS = "the digits GEMV runs on AMX Xeons only (elsewhere m = 1 takes split_x3 or the FMA GEMV, tested above)"
+# the digits GEMV is built where the int8-codes kernel is (AVX512-VNNI and VBMI)
+DIGITS_BUILT = K.is_available() and K.kernel_info()["isa"] == "avx512" and K.int8_codes_built()
+
+
+def digits_run(bits: int, x_dtype: torch.dtype = torch.float32, n: int = 0, k: int = 0) -> bool:
+    """Whether one row of x against `bits`-bit integer codes (n x k) takes the digits GEMV (`use_x_digits`): on
+    AMX Xeons every width 2-6, elsewhere 2-4 bits with fp32 x and 2-3 bits with bf16 x; bf16 x from 2^19
+    weights."""
+    if not DIGITS_BUILT or not 2 <= bits <= 6 or (x_dtype == torch.bfloat16 and n * k < 2**19):
+        return False
+    return cpu_kind() == "amx" or bits <= (4 if x_dtype == torch.float32 else 3)
+
+
+def _skip_without_digits(bits: int) -> None:
+    if not digits_run(bits):
+        pytest.skip(f"one row of fp32 x against {bits}-bit codes takes the FMA GEMV here ({cpu_kind()}"
+                    f"{', VNNI + VBMI' if DIGITS_BUILT else ''}): the digits GEMV needs VNNI + VBMI, and off AMX "
+                    "Xeons serves 2- to 4-bit codes")
 
 
 def _ones(n: int, k: int, gs: int, qparams: str, bits: int = 4) -> tuple:
@@ -119,11 +132,11 @@ def _ones(n: int, k: int, gs: int, qparams: str, bits: int = 4) -> tuple:
     return packed, scale.half(), None, bits, gs, n, k, 0, -mid
 
 
-@pytest.mark.skipif(not AMX_DIGITS, reason=_NO_DIGITS)
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6])
 @pytest.mark.parametrize("qparams", ["bf16", "sym"])
 @pytest.mark.parametrize("gs", [32, 128, 4096])
 def test_digits_sum_each_block_exactly(gs: int, qparams: str, bits: int) -> None:
+    _skip_without_digits(bits)
     # 2^24 + 1 - 2^24 in fp32 sums loses the 1; the digits' int32 sums keep it (one block holds all three)
     n, k = 32, 4096
     x = torch.full((1, k), 0.5)
@@ -133,8 +146,8 @@ def test_digits_sum_each_block_exactly(gs: int, qparams: str, bits: int) -> None
     assert bool((out == x.double().sum()).all()), f"{out[0, :4]} against {float(x.double().sum())}"
 
 
-@pytest.mark.skipif(not AMX_DIGITS, reason=_NO_DIGITS)
 def test_digits_keep_subnormal_x_exact() -> None:
+    _skip_without_digits(4)
     # every fp32 subnormal is a multiple of the smallest digit scale 2^-149
     n, k, gs = 16, 256, 64
     j = torch.randint(-40, 41, (1, k), generator=torch.Generator().manual_seed(5))
@@ -148,8 +161,8 @@ def test_digits_keep_subnormal_x_exact() -> None:
 @pytest.mark.parametrize("qparams", ["fp32", "bf16"])
 @pytest.mark.parametrize("n,k,gs", [(37, 96, 32), (129, 384, 128), (48, 4096, 4096)])
 def test_other_widths_one_row_within_fp32_rounding(n: int, k: int, gs: int, qparams: str, bits: int) -> None:
-    # one row of fp32 x against 2- to 7-bit codes: the digits GEMV on AMX Xeons for 2-6 bits (the codes' bias
-    # 2^(bits-1)), within the 4-bit cases' bound; elsewhere, and 7 bits, the FMA GEMV (biased for 3, 5, 6, 7 bits,
+    # one row of fp32 x against 2- to 7-bit codes: the digits GEMV where digits_run (the codes' bias 2^(bits-1)),
+    # within the 4-bit cases' bound; elsewhere, and 7 bits, the FMA GEMV (biased for 3, 5, 6, 7 bits,
     # the bias leaving per group: measured up to 6.5 ulps)
     if not K.is_available():
         pytest.skip(f"C++ kernels unavailable: {K.unavailable_reason()}")
@@ -160,7 +173,7 @@ def test_other_widths_one_row_within_fp32_rounding(n: int, k: int, gs: int, qpar
         out = torch.ops.affineq.lowbit_linear(x, packed, *qp)
         err = (out.double() - x.double() @ w.T).abs()
         sum_abs = x.double().abs() @ w.abs().T
-        ulps = 4 if AMX_DIGITS and bits < 7 else 8
+        ulps = 4 if digits_run(bits) else 8
         assert bool((err <= ulps * EPS32 * sum_abs).all()), f"{bits} bits {n}x{k} gs={gs} {qparams} |x|~{mag}: " \
             f"{float((err / sum_abs).max() / EPS32):.2f} ulps of sum |x w|"
 
@@ -168,16 +181,16 @@ def test_other_widths_one_row_within_fp32_rounding(n: int, k: int, gs: int, qpar
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6])
 @pytest.mark.parametrize("n,k,gs", [(512, 1024, 32), (176, 4096, 128), (40, 1024, 64)])
 def test_one_bf16_row_is_its_fp32_rows_result_rounded(n: int, k: int, gs: int, bits: int) -> None:
-    # one row of bf16 x on a weight of 2^19 weights or more takes the digits on AMX Xeons: its values widened
+    # one row of bf16 x on a weight of 2^19 weights or more takes the digits where digits_run: its values widened
     # (exact), the fp32 row's digits result rounded to bf16 once, bit for bit; a smaller weight (40 x 1024) and
-    # other CPUs keep the bf16-dot (4-bit) or the FMA GEMV, within a bf16 rounding of the float64 product
+    # the other widths keep the bf16-dot (4-bit) or the FMA GEMV, within a bf16 rounding of the float64 product
     if not K.is_available():
         pytest.skip(f"C++ kernels unavailable: {K.unavailable_reason()}")
     packed, qp, w = _problem(n, k, gs, "bf16", seed=n + bits, bits=bits)
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(k + bits)).bfloat16()
     out = torch.ops.affineq.lowbit_linear(x, packed, *qp)
     assert out.dtype == torch.bfloat16
-    if AMX_DIGITS and n * k >= 2**19:
+    if digits_run(bits, torch.bfloat16, n, k):
         torch.testing.assert_close(out, torch.ops.affineq.lowbit_linear(x.float(), packed, *qp).bfloat16(), rtol=0,
                                    atol=0)
     ref = x.double() @ w.T
