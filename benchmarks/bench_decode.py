@@ -204,7 +204,7 @@ def _gguf_bytes_per_token(path) -> int:
     from affineq.models._gguf import GGUFFile
 
     ts = GGUFFile(path).tensors
-    return sum(t.nbytes for k, t in ts.items() if not (k == "token_embd.weight" and "output.weight" in ts))
+    return sum(t.data.nbytes for k, t in ts.items() if not (k == "token_embd.weight" and "output.weight" in ts))
 
 
 def _prompt_ids() -> list[int]:
