@@ -13,7 +13,6 @@
 #include <utility>
 #include <vector>
 
-#include "amx.h"
 #include "common.h"
 #include "decode.h"
 #include "gemv_b4bf16.h"

@@ -26,7 +26,8 @@ bool use_x_digits(const LowbitProblem& p) {
         (p.qparams_kquant == 0 || p.qparams_kquant == p.bits) && !p.qparams_e8m0 && p.group_size % 8 == 0))
     return false;
   if (amx_cpu()) return true;
-  return p.x_bf16 == nullptr ? p.bits <= 4 && (p.qparams_kquant == 0 || p.bits == 4) : p.bits <= 3 && p.qparams_kquant == 0;
+  if (p.x_bf16 == nullptr) return p.bits <= 4 && (p.qparams_kquant == 0 || p.bits == 4);
+  return p.bits <= 3 && p.qparams_kquant == 0;
 #else
   (void)p;
   return false;

@@ -1,6 +1,6 @@
 // Path 1's GEMV for one row of fp32 x (or of bf16 x, widened exactly by lowbit_ops.cpp's run_weight_problems)
-// against 2- to 6-bit integer codes (k-quants' too) on AMX Xeons, on integer digits of x (gemv_digits.cpp;
-// gemv.cpp's gemv_path runs it). Per block of kb k, x = fx * q with
+// against 2- to 6-bit integer codes (k-quants' too; which of them on which CPU: use_x_digits), on integer digits
+// of x (gemv_digits.cpp; gemv.cpp's gemv_path runs it). Per block of kb k, x = fx * q with
 // fx = 2^(e - 30) a power of two (|x| < 2^e over the block) and q = round(x / fx) an integer of at most 30 bits,
 // written as four signed bytes, q = d0 + 2^8 d1 + 2^16 d2 + 2^24 d3. VNNI u8 x s8 dot products (vpdpbusd: 4 MACs
 // per int32 lane) sum the codes' products with each digit exactly in int32, and per block
