@@ -105,26 +105,46 @@ def test_compile_and_export_bf16_8da4w_run_the_fused_op():
         assert torch.equal(program.module()(x), eager)
 
 
-@pytest.mark.parametrize("config", ["float8-row", "float8-tensor", "mxfp8", "mxfp4"])
-def test_compiled_float8_and_mx_activations_equal_eager_after_a_gelu(config):
-    # Their activation quantization is one opaque op in traced graphs (as int8's C++ ops): inlined, inductor fused
-    # it with the GELU before and skipped the GELU's rounding to bf16, and codes near a boundary moved (1.4% / 2.7%
-    # of the output). No biases: inductor also fuses a bias add with the next op unrounded, for every quantized
-    # linear (README, Limits: torch.compile and bf16).
+_BF16_MLP_CONFIGS = ["int4-g32", "int8", "w8a8", "8da4w", "q4_k", "float8-row", "float8-tensor", "mxfp8", "mxfp4"]
+
+
+def _bf16_mlp_config(name: str):
+    from affineq import (
+        Float8DynamicActivationFloat8WeightConfig,
+        Int8DynamicActivationInt4WeightConfig,
+        Int8DynamicActivationInt8WeightConfig,
+        MXDynamicActivationMXWeightConfig,
+    )
+    from affineq.configs import KQuantConfig
+    from affineq.granularity import PerTensor
+
+    return {"int4-g32": lambda: Int4WeightOnlyConfig(group_size=32),
+            "int8": lambda: Int8WeightOnlyConfig(),
+            "w8a8": lambda: Int8DynamicActivationInt8WeightConfig(),
+            "8da4w": lambda: Int8DynamicActivationInt4WeightConfig(group_size=32),
+            "q4_k": lambda: KQuantConfig("q4_k"),
+            "float8-row": lambda: Float8DynamicActivationFloat8WeightConfig(),
+            "float8-tensor": lambda: Float8DynamicActivationFloat8WeightConfig(granularity=PerTensor()),
+            "mxfp8": lambda: MXDynamicActivationMXWeightConfig("mxfp8_e4m3"),
+            "mxfp4": lambda: MXDynamicActivationMXWeightConfig()}[name]()
+
+
+@pytest.mark.parametrize("config", _BF16_MLP_CONFIGS)
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_compiled_bf16_mlp_equals_eager_after_a_gelu(config, bias):
+    # A traced graph keeps eager's roundings to bf16 between a quantized linear and the GELU after it. Inlined,
+    # inductor fused the float8 / MX activation quantization with the GELU before it and skipped the GELU's
+    # rounding to bf16 (codes near a boundary moved: 1.4% / 2.7% of the output), and fused the bias add with the
+    # GELU after it, unrounded (0.5-3%); both are opaque ops in traced graphs now (quantize_float_activation,
+    # fake_quantize_mx_activation, add_bias), as int8's C++ ops are.
     from torch import nn
 
-    from affineq import Float8DynamicActivationFloat8WeightConfig, MXDynamicActivationMXWeightConfig, PerTensor
-
-    cfg = {"float8-row": Float8DynamicActivationFloat8WeightConfig(),
-           "float8-tensor": Float8DynamicActivationFloat8WeightConfig(granularity=PerTensor()),
-           "mxfp8": MXDynamicActivationMXWeightConfig("mxfp8_e4m3"),
-           "mxfp4": MXDynamicActivationMXWeightConfig()}[config]
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(256, 128, bias=False), nn.GELU(), nn.Linear(128, 64, bias=False))
-    model = quantize_(model.to(torch.bfloat16).eval(), cfg)
+    model = nn.Sequential(nn.Linear(256, 256, bias=bias), nn.GELU(), nn.Linear(256, 64, bias=bias))  # q4_k: 256 | K
+    model = quantize_(model.to(torch.bfloat16).eval(), _bf16_mlp_config(config))
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, dynamic=False)
     with torch.no_grad():
-        for m in (3, 8):
+        for m in (3, 40):  # the GEMV's rows, then the GEMM's
             x = torch.randn(m, 256, dtype=torch.bfloat16)
             assert torch.equal(compiled(x), model(x)), m

@@ -43,9 +43,11 @@ from affineq import cpp as _cpp
 from affineq.primitives import MappingType, ZeroPointDomain
 from affineq.tensor.activation import (
     act_eps,
+    add_bias,
     fake_quantize_activation,
     int8_activation,
     is_symmetric_int8,
+    kernel_output,
     static_qparams,
 )
 from affineq.tensor.formats import dense_code_offset, dense_is_canonical
@@ -211,7 +213,7 @@ def dequant_linear_run(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.T
         dense_code_offset(spec, offset is not None), dense_is_canonical(w._scale, spec, offset is not None),
         x.dtype == torch.bfloat16 and native_bf16_gemm(), min_rows("affineq.dequant_linear", x.dtype) or 0,
     )
-    return out if bias is None else out + bias
+    return add_bias(out, bias)
 
 
 # -- kernel: onednn.qlinear, plain format, W8A8 ------------------------------------------------------------
@@ -323,18 +325,14 @@ def qlinear_static_check(x: torch.Tensor, w) -> str | None:
     return _qlinear_common(x, w)
 
 
-def _finish(out: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    out = out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
-    return out if bias is None else out + bias
-
-
 def qlinear_run(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     aq = w.spec.act_quant
     out = _int8_dynamic_onednn_linear(x.reshape(-1, x.shape[-1]), w._qdata, w._scale, aq.per_token,
                                       aq.mapping_type is MappingType.SYMMETRIC_NO_CLIPPING_ERR, act_eps(x, aq))
-    return _finish(out, x, bias)
+    return kernel_output(out, x, bias)
 
 
 def qlinear_static_run(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     x_scale, x_zp = static_qparams(w)
-    return _finish(_int8_static_onednn_linear(x.reshape(-1, x.shape[-1]), w._qdata, w._scale, x_scale, x_zp), x, bias)
+    out = _int8_static_onednn_linear(x.reshape(-1, x.shape[-1]), w._qdata, w._scale, x_scale, x_zp)
+    return kernel_output(out, x, bias)

@@ -28,11 +28,13 @@ from affineq import cpp as _cpp
 from affineq.primitives import MappingType, ZeroPointDomain
 from affineq.tensor.activation import (
     act_eps,
+    add_bias,
     computes_in_other_dtype,
     fake_quantize_activation,
     fused_int8_mode,
     int8_activation,
     is_symmetric_int8,
+    kernel_output,
     quantize_float_activation,
     static_qparams,
 )
@@ -86,11 +88,6 @@ def _per_channel_int8(spec: QuantSpec) -> str | None:
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
-
-
-def _finish(out2: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    out = out2.view(*x.shape[:-1], out2.shape[-1]).to(x.dtype)
-    return out if bias is None else out + bias
 
 
 # -- kernel: affineq::lowbit_linear (our C++), dense format, any width 1-8 -----------------------------
@@ -166,7 +163,7 @@ def _int8_codes_run(x, w, bias):
     op = torch.ops.affineq.int8_codes_linear_bf16_compute if rounded else torch.ops.affineq.int8_codes_linear
     out = op(_flat(x), packed, scale, offset, group_size, n, k, aq.per_token, fused_int8_mode(aq), act_eps(x, aq),
              bits, code_offset, least)
-    return _finish(out, x, bias)
+    return kernel_output(out, x, bias)
 
 
 register_linear_kernel("affineq.int8_codes_linear", ("dense",), int8_codes_check, _int8_codes_run,
@@ -188,7 +185,7 @@ def _lowbit_run(x, w, bias):
         op = ops.lowbit_linear_int8_act_bf16_compute if rounded else ops.lowbit_linear_int8_act
         out = op(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset, aq.per_token, mode,
                  act_eps(x, aq))
-        return out if bias is None else out + bias
+        return add_bias(out, bias)
     if aq is not None:
         # 8da4w-style: the activation is fake-quantized (per token, or with static qparams); the weight
         # product stays exact.
@@ -196,7 +193,7 @@ def _lowbit_run(x, w, bias):
     # float32 x computing in bf16: the op rounds x and widens y itself (weight-only: `rounding_kernel_may_quantize`)
     op = ops.lowbit_linear_bf16_compute if rounded else ops.lowbit_linear
     out = op(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset)
-    return out if bias is None else out + bias
+    return add_bias(out, bias)
 
 
 register_linear_kernel("affineq.lowbit_linear", ("dense",), _lowbit_check, _lowbit_run, rounds_input=True)
@@ -216,7 +213,7 @@ def _int4_tinygemm(device: str, op) -> tuple[Check, Run]:
         # and the CUDA one takes bf16 only, so the activation is computed in bf16.
         sz = w._scale_and_zero.to(torch.bfloat16)
         out = op(_flat(x).to(torch.bfloat16), w._qdata, w.spec.block_size[1], sz)
-        return _finish(out, x, bias)
+        return kernel_output(out, x, bias)
 
     return check, run
 
@@ -284,7 +281,7 @@ def _int_mm_run(x, w, bias):
         _flat(x), w._qdata, w._scale, aq.per_token,
         aq.mapping_type is MappingType.SYMMETRIC_NO_CLIPPING_ERR, act_eps(x, aq),
     )
-    return _finish(out, x, bias)
+    return kernel_output(out, x, bias)
 
 
 register_linear_kernel("onednn.qlinear", ("plain",), qlinear_check, qlinear_run)
@@ -324,7 +321,7 @@ def _(x2, w_codes, w_scale, x_scale, x_zero_point):
 
 def _int_mm_static_run(x, w, bias):
     x_scale, x_zp = static_qparams(w)
-    return _finish(_int8_static_linear(_flat(x), w._qdata, w._scale, x_scale, x_zp), x, bias)
+    return kernel_output(_int8_static_linear(_flat(x), w._qdata, w._scale, x_scale, x_zp), x, bias)
 
 
 register_linear_kernel("onednn.qlinear:static", ("plain",), qlinear_static_check, qlinear_static_run)
@@ -359,7 +356,7 @@ def _int8pack_run(x, w, bias):
     # On CPU the aten kernel is vectorized for bf16 only; fp32/fp16 inputs are computed in bf16.
     cdt = torch.bfloat16 if x.device.type == "cpu" else x.dtype
     out = _weight_int8pack_mm(_flat(x).to(cdt), w._qdata, w._scale.reshape(-1).to(cdt))
-    return _finish(out, x, bias)
+    return kernel_output(out, x, bias)
 
 
 register_linear_kernel("aten._weight_int8pack_mm", ("plain",), _int8pack_check, _int8pack_run)
@@ -400,7 +397,7 @@ def _scaled_mm_run(x, w, bias):
         scale_b=w_scale if per_row else w_scale.reshape(()),
         out_dtype=torch.bfloat16 if x.dtype == torch.float16 else x.dtype,
     )
-    return _finish(out, x, bias)
+    return kernel_output(out, x, bias)
 
 
 register_linear_kernel("aten._scaled_mm", ("plain",), _scaled_mm_check, _scaled_mm_run)
