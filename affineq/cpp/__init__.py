@@ -84,6 +84,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from affineq import compile_cache
 from affineq.bitpack import PANEL_ROWS, check_bits, pack_codes, packed_nbytes, unpack_codes
 from affineq.dtypes import qtype
 
@@ -326,7 +327,11 @@ def _set_disabled(flag: bool | None) -> _Restore:
         prev, _override = _override, flag
         if _lib_path is not None:
             _push_disabled(_disabled_reason() is not None)
+    compile_cache.refresh()
     return _Restore(prev)
+
+
+compile_cache.track("cpp_disabled", _disabled_reason)  # a cached graph must not call kernels switched off here
 
 
 def int8_codes_built() -> bool:

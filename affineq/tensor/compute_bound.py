@@ -39,6 +39,7 @@ import weakref
 
 import torch
 
+from affineq import compile_cache
 from affineq import cpp as _cpp
 from affineq.primitives import MappingType, ZeroPointDomain
 from affineq.tensor.activation import (
@@ -102,7 +103,9 @@ _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "f
 
 def set_min_rows(kernel: str, dtype: str, rows: int | None, kind: str | None = None) -> int | None:
     """Set the row threshold of `kernel` for input `dtype` ("fp32", "bf16", "fp16") on CPU `kind` (default:
-    this one), returning the previous value; rows must be a power of two, or None to never run it."""
+    this one), returning the previous value; rows must be a power of two, or None to never run it. Graphs
+    compiled afterwards (and the compile caches' keys, `affineq.compile_cache`) follow it; graphs compiled before
+    in this process keep their kernels until `torch._dynamo.reset()`."""
     if kernel not in MIN_ROWS:
         raise ValueError(f"set_min_rows: unknown kernel {kernel!r}; use one of {sorted(MIN_ROWS)}")
     kind = kind or cpu_kind()
@@ -116,6 +119,7 @@ def set_min_rows(kernel: str, dtype: str, rows: int | None, kind: str | None = N
     previous = table.get(dtype)
     table[dtype] = rows
     clear_selection_cache()
+    compile_cache.refresh()
     return previous
 
 
@@ -138,6 +142,13 @@ def native_bf16_gemm() -> bool:
     """Whether torch's bf16 GEMM runs on bf16 hardware here (AMX or AVX512-BF16); elsewhere it is emulated and
     an fp32 GEMM is faster."""
     return bool(torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
+
+
+# What the kernel choice reads from this CPU and the row tables (a process on another CPU, or after set_min_rows,
+# must not get a graph cached with other kernels)
+compile_cache.track("cpu", lambda: (cpu_kind(), native_bf16_gemm(), torch.backends.cpu.get_cpu_capability()))
+compile_cache.track("min_rows", lambda: {kernel: {d: r for d, r in table[cpu_kind()].items() if r is not None}
+                                          for kernel, table in MIN_ROWS.items()})  # None: never, as absent
 
 
 def input_rows(x: torch.Tensor):

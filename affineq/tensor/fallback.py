@@ -19,6 +19,8 @@ from collections.abc import Iterator
 
 import torch
 
+from affineq import compile_cache
+
 __all__ = [
     "KernelFallbackError",
     "KernelFallbackWarning",
@@ -44,6 +46,7 @@ class KernelFallbackError(RuntimeError):
 _strict: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "affineq_strict", default=os.environ.get("AFFINEQ_STRICT", "") == "1"
 )
+compile_cache.track("strict", _strict.get)  # a strict compile must trace (and raise), not reuse a lenient graph
 _recorders: contextvars.ContextVar[tuple[list[str], ...]] = contextvars.ContextVar("affineq_recorders", default=())
 _announced: set[tuple[str, str]] = set()
 _announced_lock = threading.Lock()
@@ -59,6 +62,7 @@ def _check_flag(flag) -> bool:
 def set_strict(flag: bool) -> None:
     """Make every dequantize fallback in this thread raise `KernelFallbackError` instead of warning."""
     _strict.set(_check_flag(flag))
+    compile_cache.refresh()
 
 
 @torch.compiler.assume_constant_result  # dynamo cannot read a ContextVar: it calls this once, when it traces
@@ -71,10 +75,12 @@ def is_strict() -> bool:
 def strict_kernels(flag: bool = True) -> Iterator[None]:
     """Strict mode (`set_strict`) inside the block, for this thread only."""
     token = _strict.set(_check_flag(flag))
+    compile_cache.refresh()
     try:
         yield
     finally:
         _strict.reset(token)
+        compile_cache.refresh()
 
 
 @contextlib.contextmanager
