@@ -32,7 +32,6 @@ def test_op_schemas_never_change():
     assert defined and defined <= names, f"import the module defining {defined - names} above"
     text = "\n".join(textwrap.fill(s, 110, subsequent_indent="    ", break_on_hyphens=False) for s in schemas)
     expecttest.assert_expected_inline(text, """\
-affineq::add_bias(Tensor y, Tensor bias) -> Tensor
 affineq::dense_dequantize(Tensor packed, Tensor scale, Tensor? offset, int bits, int group_size, int n, int k,
     int codes, int code_offset, bool canonical, bool bf16) -> Tensor
 affineq::dequant_linear(Tensor x, Tensor packed, Tensor scale, Tensor? offset, int bits, int group_size, int

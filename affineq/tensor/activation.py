@@ -2,9 +2,9 @@
 activation quantization (`ActivationQuant`, dynamic or static).
 
 `prepare_input` is the one place activation tensors are applied (`act_pre_scale`: x -> x * pre_scale, the
-AWQ / SmoothQuant input scaling); it runs before a kernel is chosen. `add_bias` adds a linear's bias to what
-the kernel returns (`kernel_output`: reshaped and in x's dtype first) and `finish_output` applies the static
-output quantization (`act_out_scale`) to it. `fake_quantize_activation` is the
+AWQ / SmoothQuant input scaling); it runs before a kernel is chosen. `kernel_output` gives a kernel's result
+x's shape and dtype and adds the bias; `finish_output` applies the static output quantization (`act_out_scale`)
+to it. `fake_quantize_activation` is the
 reference numerics of activation quantization (dequantize(quantize(x))), with calibrated qparams when the
 weight's `ActivationQuant` is static; kernels that take integer activations call `quantize_activation`.
 """
@@ -97,47 +97,10 @@ def finish_output(y: torch.Tensor, w) -> torch.Tensor:
                              output_dtype=y.dtype).view(y.shape)
 
 
-# The bias add after a packed kernel, traced: one opaque op when the output is 16-bit float. Inlined, inductor fused
-# it with the op after it (a GELU, say) and skipped the sum's rounding to bf16 / fp16 that eager does, so compiled
-# and exported graphs drifted from eager (0.5-3% on a bf16 MLP). As an op, the sum is stored in its dtype first,
-# as eager stores it. float32 outputs keep the fusable add: no rounding is skipped there.
-@torch.library.custom_op("affineq::add_bias", mutates_args=())
-def _add_bias_op(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    return y + bias
-
-
-@_add_bias_op.register_fake
-def _(y, bias):
-    return y.new_empty(torch.broadcast_shapes(y.shape, bias.shape), dtype=torch.promote_types(y.dtype, bias.dtype))
-
-
-def _add_bias_setup(ctx, inputs, output):
-    y, bias = inputs
-    ctx.y_dtype, ctx.bias_dtype, ctx.bias_shape = y.dtype, bias.dtype, bias.shape
-
-
-def _add_bias_backward(ctx, grad):
-    lead = grad.dim() - len(ctx.bias_shape)  # bias broadcasts over y's leading dims
-    grad_bias = grad.sum(dim=tuple(range(lead))) if lead > 0 else grad
-    return grad.to(ctx.y_dtype), grad_bias.reshape(ctx.bias_shape).to(ctx.bias_dtype)
-
-
-_add_bias_op.register_autograd(_add_bias_backward, setup_context=_add_bias_setup)
-
-
-def add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """y + bias (bias [N] over y [..., N]; None: y), rounded to the result's dtype as eager rounds it, traced too
-    (see affineq::add_bias)."""
-    if bias is None:
-        return y
-    if torch.compiler.is_compiling() and torch.promote_types(y.dtype, bias.dtype) in (torch.bfloat16, torch.float16):
-        return torch.ops.affineq.add_bias(y, bias)
-    return y + bias
-
-
 def kernel_output(out2: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """A kernel's [M, N] result as F.linear(x, W, bias) returns it: x's leading dims, x's dtype, plus bias."""
-    return add_bias(out2.view(*x.shape[:-1], out2.shape[-1]).to(x.dtype), bias)
+    out = out2.view(*x.shape[:-1], out2.shape[-1]).to(x.dtype)
+    return out if bias is None else out + bias
 
 
 def _domain(aq: ActivationQuant) -> ZeroPointDomain:

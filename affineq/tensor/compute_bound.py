@@ -44,7 +44,6 @@ from affineq import cpp as _cpp
 from affineq.primitives import MappingType, ZeroPointDomain
 from affineq.tensor.activation import (
     act_eps,
-    add_bias,
     fake_quantize_activation,
     int8_activation,
     is_symmetric_int8,
@@ -224,7 +223,7 @@ def dequant_linear_run(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.T
         dense_code_offset(spec, offset is not None), dense_is_canonical(w._scale, spec, offset is not None),
         x.dtype == torch.bfloat16 and native_bf16_gemm(), min_rows("affineq.dequant_linear", x.dtype) or 0,
     )
-    return add_bias(out, bias)
+    return out if bias is None else out + bias
 
 
 # -- kernel: onednn.qlinear, plain format, W8A8 ------------------------------------------------------------

@@ -31,7 +31,6 @@ from affineq.cpp import grouped_ops
 from affineq.granularity import PerTensor
 from affineq.tensor import fallback
 from affineq.tensor.activation import (
-    add_bias,
     computes_in_other_dtype,
     fake_quantize_activation,
     finish_output,
@@ -114,7 +113,7 @@ def grouped_linear(x: torch.Tensor, expert_ids: torch.Tensor, weight: torch.Tens
     else:  # eager: plain F.linear calls, so float experts that require grad get their gradients
         _check_ids_range(ids, shape[0])
         out = _per_expert(x, ids, shape[0], lambda e: weight[e].to(x.dtype))
-    return out if bias is None else add_bias(out, bias.index_select(0, ids).to(out.dtype))
+    return out if bias is None else out + bias.index_select(0, ids).to(out.dtype)
 
 
 def _logical_shape(spec: QuantSpec) -> tuple[int, ...]:

@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from affineq import cpp as _cpp
 from affineq.tensor import fallback
 from affineq.tensor.activation import (
-    add_bias,
     computes_in_other_dtype,
     fake_quantize_activation,
     finish_output,
@@ -153,7 +152,7 @@ def _linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
             fallback.record(kernel.name)
             return kernel.run(x, w, bias)
         out = _linear(x.to(w.spec.compute_dtype), w, None).to(x.dtype)
-        return add_bias(out, bias)
+        return out if bias is None else out + bias
     x, w = reduce_input_ranges(prepare_input(x, w), w)
     if w.spec.transposed:
         kernel, reasons = None, ["the weight is a transposed view; kernels read the stored [N, K] layout"]
@@ -163,7 +162,7 @@ def _linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
         fallback.record(kernel.name)
         if x.requires_grad and torch.is_grad_enabled():
             out = _KernelLinear.apply(x, w, kernel.name)
-            return finish_output(add_bias(out, bias), w)
+            return finish_output(out if bias is None else out + bias, w)
         return finish_output(kernel.run(x, w, bias), w)
     fallback.announce_fallback(w.spec.fmt, "; ".join(reasons))
     return finish_output(dequantize_linear(x, w, bias), w)

@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 
 from affineq import cpp as _cpp
-from affineq.tensor.activation import add_bias
 from affineq.tensor.format_kquant import KQUANT_FORMATS, KQUANT_TYPES, SUPER_BLOCK
 
 __all__ = ["kind_of", "kquant_linear_check", "kquant_linear_reference", "kquant_linear_run"]
@@ -96,4 +95,4 @@ def kquant_linear_run(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Te
     n, k = w.spec.shape
     out = torch.ops.affineq.kquant_linear(x, w._qdata, w._scales, getattr(w, "_mins", None), w._d,
                                           kind_of(w.spec.fmt), n, k)
-    return add_bias(out, bias)
+    return out if bias is None else out + bias

@@ -28,7 +28,6 @@ from affineq import cpp as _cpp
 from affineq.primitives import MappingType, ZeroPointDomain
 from affineq.tensor.activation import (
     act_eps,
-    add_bias,
     computes_in_other_dtype,
     fake_quantize_activation,
     fused_int8_mode,
@@ -185,7 +184,7 @@ def _lowbit_run(x, w, bias):
         op = ops.lowbit_linear_int8_act_bf16_compute if rounded else ops.lowbit_linear_int8_act
         out = op(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset, aq.per_token, mode,
                  act_eps(x, aq))
-        return add_bias(out, bias)
+        return out if bias is None else out + bias
     if aq is not None:
         # 8da4w-style: the activation is fake-quantized (per token, or with static qparams); the weight
         # product stays exact.
@@ -193,7 +192,7 @@ def _lowbit_run(x, w, bias):
     # float32 x computing in bf16: the op rounds x and widens y itself (weight-only: `rounding_kernel_may_quantize`)
     op = ops.lowbit_linear_bf16_compute if rounded else ops.lowbit_linear
     out = op(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset)
-    return add_bias(out, bias)
+    return out if bias is None else out + bias
 
 
 register_linear_kernel("affineq.lowbit_linear", ("dense",), _lowbit_check, _lowbit_run, rounds_input=True)
