@@ -11,6 +11,8 @@ same key, so the second ran what the first had traced: the setting was silently 
 .py / .cpp / .h file) and each registered state (`track`). Modules that own such state register it and call
 `refresh()` after changing it. A user's own tag stays in front. Graphs already compiled in this process keep their
 kernels (dynamo's in-memory cache does not see these settings); `torch._dynamo.reset()` recompiles them.
+The kernel choice refreshes the tag while a graph is traced (`refresh_while_tracing`), before its key is
+computed, so the state keyed is the one the trace read.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 
 from affineq._version import __version__
 
-__all__ = ["refresh", "state_digest", "track"]
+__all__ = ["refresh", "refresh_while_tracing", "state_digest", "track"]
 
 _PREFIX = "|affineq:"
 _providers: dict[str, Callable[[], object]] = {}
@@ -62,3 +64,12 @@ def track(name: str, provider: Callable[[], object]) -> None:
     """Key the compile caches on provider() too (a JSON-able value the kernel choice reads), from now on."""
     _providers[name] = provider
     refresh()
+
+
+@torch.compiler.assume_constant_result  # dynamo runs it once, as it traces, instead of tracing hashlib and json
+def refresh_while_tracing() -> bool:
+    """`refresh()` from code dynamo traces (the kernel choice): the graph is then keyed on the state as it is
+    while it is traced (this thread's strict mode, an environment variable changed since, a cache_key_tag the
+    user set since), not as it was at the last setter call."""
+    refresh()
+    return True

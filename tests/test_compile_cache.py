@@ -87,3 +87,24 @@ def test_a_cached_graph_does_not_override_a_later_processs_row_threshold(tmp_pat
 
     assert run("default") == ["False", "True"]
     assert run("dequant") == ["True", "False"]
+
+
+def test_tracing_refreshes_the_tag(user_tag, monkeypatch):
+    """A state read without a setter (the environment's kill switch) is keyed as it is while a graph is traced,
+    and a tag the user set since keeps affineq's part."""
+    from torch import nn
+
+    from affineq import Int8WeightOnlyConfig, quantize_
+
+    before = _tag()
+    model = quantize_(nn.Sequential(nn.Linear(32, 32)), Int8WeightOnlyConfig())
+    for env, same in (("1", False), (None, True)):
+        if env is None:
+            monkeypatch.delenv("AFFINEQ_DISABLE_CPP_KERNELS")
+        else:
+            monkeypatch.setenv("AFFINEQ_DISABLE_CPP_KERNELS", env)
+        torch.compiler.config.cache_key_tag = "mine"
+        torch._dynamo.reset()
+        with torch.no_grad():
+            torch.compile(model, fullgraph=True)(torch.randn(2, 32))
+        assert (_tag() == before) is same

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from affineq import compile_cache
 from affineq import cpp as _cpp
 from affineq.tensor import fallback
 from affineq.tensor.activation import (
@@ -83,6 +84,7 @@ def _select_cached(x: torch.Tensor, w, dtype: torch.dtype | None = None) -> tupl
         return x if dtype == x.dtype else x.new_empty(x.shape, dtype=dtype)
 
     if torch.compiler.is_compiling():  # traced once anyway; keep dynamo away from the dict
+        compile_cache.refresh_while_tracing()  # the graph's cache key reads the state this choice reads
         return select_linear_kernel(probe(), w)
     spec = w.spec
     # `x.is_cpu` first: x.device builds a torch.device per call (this runs on every eager linear call)
