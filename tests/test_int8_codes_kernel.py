@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import needs_int8_codes_kernel, packed_problem
+from conftest import dispatched_ops, needs_int8_codes_kernel, packed_problem
 
 import affineq.cpp as K
 
@@ -93,3 +93,48 @@ def test_int8_codes_kernel_refuses_what_it_cannot_read() -> None:
         torch.ops.affineq.int8_codes_linear(x, packed, scale, offset, 64, 32, 64, True, 3, 1e-12)
     with pytest.raises(RuntimeError, match="8-bit codes"):
         torch.ops.affineq.int8_codes_linear(x, packed.flatten()[:100], scale, offset, 64, 32, 64, True, 0, 1e-12)
+
+
+@pytest.mark.parametrize("bits,qp", [(8, "fp32"), (4, "bf16-scale-only")])
+@pytest.mark.parametrize("dtype,bf16_compute", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)])
+@pytest.mark.parametrize("m,min_rows", [(40, 0), (3, 0), (3, 8)])
+def test_int8_codes_linear_biased_adds_the_bias_as_a_separate_add(bits: int, qp: str, dtype: torch.dtype,
+                                                                   bf16_compute: bool, m: int, min_rows: int) -> None:
+    # The bias added as y is stored equals the op's y + bias bit for bit: fp32 y one rounding, bf16 y two (y, then
+    # the sum: aten's bf16 add), a bf16-compute y as its widened bf16 values plus the fp32 bias; below min_rows
+    # (the op's fused-GEMV branch) the same.
+    needs_int8_codes_kernel()
+    n, k, gs = 80, 96, 32
+    _, packed, scale, offset = packed_problem(bits, n, k, gs, seed=m)
+    if qp == "bf16-scale-only":
+        scale, offset = scale.bfloat16(), None
+    gen = torch.Generator().manual_seed(7)
+    x = (torch.randn(m, k, generator=gen) * 3).to(dtype)
+    bias = (torch.randn(n, generator=gen) * 4).to(dtype)
+    code_offset = -(2 ** (bits - 1)) if offset is None else 0  # symmetric codes without an offset tensor
+    args = (x, packed, scale, offset, gs, n, k, True, 2, 1e-12, bits, code_offset, min_rows)
+    plain = (torch.ops.affineq.int8_codes_linear_bf16_compute if bf16_compute else torch.ops.affineq.int8_codes_linear)
+    want = plain(*args) + bias
+    got = torch.ops.affineq.int8_codes_linear_biased(*args, bf16_compute, bias)
+    assert got.dtype == want.dtype == dtype and torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="bias must be a CPU tensor"):
+        torch.ops.affineq.int8_codes_linear_biased(*args, bf16_compute, bias[:-1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_w8a8_linear_passes_its_bias_to_the_op_unless_it_needs_a_gradient(dtype: torch.dtype) -> None:
+    from affineq import Int8DynamicActivationInt8WeightConfig, quantize_
+
+    needs_int8_codes_kernel()
+    torch.manual_seed(0)
+    lin = quantize_(torch.nn.Linear(64, 48).to(dtype), Int8DynamicActivationInt8WeightConfig())
+    x = torch.randn(5, 64, dtype=dtype)
+    with torch.no_grad(), dispatched_ops() as d:
+        y = lin(x)
+    assert "affineq.int8_codes_linear_biased" in d.ops and "aten.add" not in d.ops, d.ops
+    with torch.no_grad():
+        want = torch.nn.functional.linear(x, lin.weight) + lin.bias
+    assert torch.equal(y, want)
+    y = lin(x)  # grad mode, bias.requires_grad: the add stays outside the op, so its gradient flows
+    y.float().sum().backward()
+    assert torch.equal(y.detach(), want) and torch.equal(lin.bias.grad, torch.full((48,), 5.0, dtype=dtype))

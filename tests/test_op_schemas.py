@@ -48,6 +48,9 @@ affineq::int8_codes_linear(Tensor x, Tensor packed, Tensor scale, Tensor? offset
 affineq::int8_codes_linear_bf16_compute(Tensor x, Tensor packed, Tensor scale, Tensor? offset, int group_size,
     int n, int k, bool per_token, int mode, float eps, int bits=8, int code_offset=0, int min_rows=0) ->
     Tensor
+affineq::int8_codes_linear_biased(Tensor x, Tensor packed, Tensor scale, Tensor? offset, int group_size, int
+    n, int k, bool per_token, int mode, float eps, int bits, int code_offset, int min_rows, bool bf16_compute,
+    Tensor bias) -> Tensor
 affineq::int8_dynamic_linear(Tensor x2, Tensor w_codes, Tensor w_scale, bool per_token, bool no_clipping,
     float eps) -> Tensor
 affineq::int8_dynamic_onednn_linear(Tensor x2, Tensor w_codes, Tensor w_scale, bool per_token, bool

@@ -51,6 +51,7 @@ struct Int8CodesGemm::State {
   std::vector<float> S;           // [m][G]: csum - zp * gs, as fp32 (exact: |S| < 2^24)
   uint16_t* yb = nullptr;         // y as bf16 when the run writes bf16 (then the tiles' y is null)
   bool y_round = false;           // fp32 y written as its bf16 values (run's bf16_values)
+  const float* bias = nullptr;    // [n], added to y as it is stored (run's bias)
 };
 
 namespace {
@@ -102,15 +103,19 @@ struct TileQparams {
   }
 };
 
-// y[m, 16 c .. 16 c + 15] = v, as fp32, or rounded to bf16 (s.yb), or as those bf16 values widened (s.y_round).
+// y[m, 16 c .. 16 c + 15] = v, as fp32, or rounded to bf16 (s.yb), or as those bf16 values widened (s.y_round);
+// plus the bias where there is one, added to the stored value as a separate add of the bias would add it (bf16 y:
+// rounded, the sum formed in fp32 and rounded again, as aten's bf16 add does).
 AQ_INLINE void store_y(const Int8CodesGemm::State& s, float* y, int64_t m, int64_t c, __m512 v) {
   if (s.yb != nullptr) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(s.yb + m * s.n + 16 * c), detail::bf16_bits(v));
-  } else if (s.y_round) {
-    _mm512_storeu_ps(y + m * s.n + 16 * c, detail::bf16_widen(detail::bf16_bits(v)));
-  } else {
-    _mm512_storeu_ps(y + m * s.n + 16 * c, v);
+    __m256i r = detail::bf16_bits(v);
+    if (s.bias != nullptr) r = detail::bf16_bits(_mm512_add_ps(detail::bf16_widen(r), _mm512_loadu_ps(s.bias + 16 * c)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(s.yb + m * s.n + 16 * c), r);
+    return;
   }
+  if (s.y_round) v = detail::bf16_widen(detail::bf16_bits(v));
+  if (s.bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(s.bias + 16 * c));
+  _mm512_storeu_ps(y + m * s.n + 16 * c, v);
 }
 
 // Group g's epilogue for NP panels x MR rows of int32 sums (us(j): panel j's code sums of the group, asked for
@@ -497,7 +502,7 @@ void Int8CodesGemm::run(const float* x, int64_t m, bool per_token, int mode, flo
 }
 
 void Int8CodesGemm::run(const float* x, const uint16_t* x_bf16, int64_t m, bool per_token, int mode, float eps,
-                        float* y, uint16_t* y_bf16, bool bf16_values) {
+                        float* y, uint16_t* y_bf16, bool bf16_values, const float* bias) {
   State& s = *s_;
 #if AQ_INT8_CODES && AQ_AMX
   const bool use_amx = s.G == 1 && s.k % kAmxK == 0 && m >= kAmxMinRows && detail::amx_cpu();
@@ -515,6 +520,7 @@ void Int8CodesGemm::run(const float* x, const uint16_t* x_bf16, int64_t m, bool 
   s.csum.resize(m * s.G);
   s.yb = y_bf16;
   s.y_round = bf16_values && y_bf16 == nullptr;
+  s.bias = bias;
   if (x_bf16 != nullptr) {
     int8_quantize_rows_bf16(x_bf16, m, s.k, per_token, mode, eps, codes, s.sx.data(), s.zp.data(), s.csum.data(),
                             s.gs, use_amx);

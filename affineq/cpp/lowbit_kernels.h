@@ -134,9 +134,10 @@ class Int8CodesGemm {
   // The same with x and / or y as bf16 (x_bf16 / y_bf16 set, x / y null): x's values widened to fp32, y rounded
   // to bf16 (nearest even) as it is stored; bit-equal to widening x and rounding the fp32 y afterwards. bf16_values
   // (fp32 x and y): x read as x.to(bfloat16) and y written as its bf16 values widened, the fp32 result of the
-  // bf16 run on x.to(bfloat16), bit for bit, with no bf16 copy of x or y.
+  // bf16 run on x.to(bfloat16), bit for bit, with no bf16 copy of x or y. bias [n] (fp32 values; null: none) is
+  // added to each row as it is stored, bit for bit the separate add of y's dtype (bf16 y: rounded, then the sum).
   void run(const float* x, const uint16_t* x_bf16, int64_t m, bool per_token, int mode, float eps, float* y,
-           uint16_t* y_bf16, bool bf16_values = false);
+           uint16_t* y_bf16, bool bf16_values = false, const float* bias = nullptr);
 
   struct State;  // defined in gemm_int8_codes.cpp
 

@@ -477,8 +477,9 @@ int64_t lowbit_path_for(const at::Tensor& x, int64_t group_size, int64_t codes, 
 at::Tensor int8_codes_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                            const std::optional<at::Tensor>& offset, int64_t group_size, int64_t n, int64_t k,
                            bool per_token, int64_t mode, double eps, int64_t bits, int64_t code_offset,
-                           int64_t min_rows, bool bf16_compute) {
-  const char* op = bf16_compute ? "affineq::int8_codes_linear_bf16_compute" : "affineq::int8_codes_linear";
+                           int64_t min_rows, bool bf16_compute, const std::optional<at::Tensor>& bias = std::nullopt) {
+  const char* op = bias ? "affineq::int8_codes_linear_biased"
+                        : bf16_compute ? "affineq::int8_codes_linear_bf16_compute" : "affineq::int8_codes_linear";
   TORCH_CHECK(!g_disabled.load(), op, ": the affineq C++ kernels are disabled");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
                   x.device().is_cpu(),
@@ -496,9 +497,15 @@ at::Tensor int8_codes_impl(const at::Tensor& x, const at::Tensor& packed, const 
   TORCH_CHECK(Int8CodesGemm::supported(p), op, ": this build or weight is not one the kernel reads (AVX512-VNNI "
               "and VBMI builds; fp32 / bf16 / fp16 qparams, n % 16 == 0, group_size % 8 == 0); use "
               "affineq::lowbit_linear");
-  if (x.size(0) < min_rows)  // the fused GEMV on the fake-quantized x: the same product, faster at few rows
-    return int8_act_impl(x, packed, scale, offset, bits, group_size, n, k, kCodesUint, code_offset, per_token, mode,
-                         eps, bf16_compute);
+  // The bias in y's dtype (x's), added as y is stored: the values of a separate add after the op.
+  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == x.scalar_type() &&
+                        bias->device().is_cpu()),
+              op, ": bias must be a CPU tensor [n=", n, "] of x's dtype ", x.scalar_type());
+  if (x.size(0) < min_rows) {  // the fused GEMV on the fake-quantized x: the same product, faster at few rows
+    at::Tensor y = int8_act_impl(x, packed, scale, offset, bits, group_size, n, k, kCodesUint, code_offset, per_token,
+                                 mode, eps, bf16_compute);
+    return bias ? y.add_(*bias) : y;
+  }
   // The int8 path quantizes x in fp32 (bf16 x widened row by row: the same codes as int8_fake_quant computes)
   // and rounds y to x's dtype as it stores it; the fallback above runs in x's dtype.
   const at::Tensor xc = x.contiguous();
@@ -508,8 +515,10 @@ at::Tensor int8_codes_impl(const at::Tensor& x, const at::Tensor& packed, const 
     Int8CodesGemm gemm(p, mode == 2, /*per_item=*/true);
     const auto* xb = bf16 ? reinterpret_cast<const uint16_t*>(xc.const_data_ptr()) : nullptr;
     auto* yb = bf16 ? reinterpret_cast<uint16_t*>(y.mutable_data_ptr()) : nullptr;
+    const at::Tensor b32 = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();  // bf16 values exact in fp32
     gemm.run(bf16 ? nullptr : xc.const_data_ptr<float>(), xb, x.size(0), per_token, static_cast<int>(mode),
-             static_cast<float>(eps), bf16 ? nullptr : y.mutable_data_ptr<float>(), yb, bf16_compute && !bf16);
+             static_cast<float>(eps), bf16 ? nullptr : y.mutable_data_ptr<float>(), yb, bf16_compute && !bf16,
+             bias ? b32.const_data_ptr<float>() : nullptr);
   }
   return y;
 }
@@ -530,6 +539,15 @@ at::Tensor int8_codes_linear_bf16_compute_cpu(const at::Tensor& x, const at::Ten
                          min_rows, true);
 }
 
+at::Tensor int8_codes_linear_biased_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                                       const std::optional<at::Tensor>& offset, int64_t group_size, int64_t n,
+                                       int64_t k, bool per_token, int64_t mode, double eps, int64_t bits,
+                                       int64_t code_offset, int64_t min_rows, bool bf16_compute,
+                                       const at::Tensor& bias) {
+  return int8_codes_impl(x, packed, scale, offset, group_size, n, k, per_token, mode, eps, bits, code_offset,
+                         min_rows, bf16_compute, bias);
+}
+
 bool int8_codes_built() { return Int8CodesGemm::built(); }
 
 void set_disabled(bool flag) { g_disabled.store(flag); }
@@ -546,6 +564,7 @@ TORCH_LIBRARY_IMPL(affineq, CPU, m) {
   m.impl("int8_fake_quant", &affineq::int8_fake_quant_cpu);
   m.impl("int8_codes_linear", &affineq::int8_codes_linear_cpu);
   m.impl("int8_codes_linear_bf16_compute", &affineq::int8_codes_linear_bf16_compute_cpu);
+  m.impl("int8_codes_linear_biased", &affineq::int8_codes_linear_biased_cpu);
   m.impl("lowbit_linear_int8_act", &affineq::lowbit_linear_int8_act_cpu);
   m.impl("lowbit_linear_int8_act_bf16_compute", &affineq::lowbit_linear_int8_act_bf16_compute_cpu);
 }

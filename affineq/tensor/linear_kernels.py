@@ -159,10 +159,13 @@ def _int8_codes_run(x, w, bias):
     rounded = computes_in_other_dtype(x, w)  # float32 x computing in bf16: the op rounds x and widens y itself
     dtype = w.spec.compute_dtype if rounded else x.dtype
     least = min_rows(INT8_CODES_INT4, dtype) if bits == 4 else 0  # below it the op runs the fused GEMV
+    args = (_flat(x), packed, scale, offset, group_size, n, k, aq.per_token, fused_int8_mode(aq), act_eps(x, aq),
+            bits, code_offset, least)
+    if bias is not None and bias.dtype == x.dtype and not (bias.requires_grad and torch.is_grad_enabled()):
+        # added as y is stored (the values of the add after the op), not in a pass of its own
+        return kernel_output(torch.ops.affineq.int8_codes_linear_biased(*args, rounded, bias), x, None)
     op = torch.ops.affineq.int8_codes_linear_bf16_compute if rounded else torch.ops.affineq.int8_codes_linear
-    out = op(_flat(x), packed, scale, offset, group_size, n, k, aq.per_token, fused_int8_mode(aq), act_eps(x, aq),
-             bits, code_offset, least)
-    return kernel_output(out, x, bias)
+    return kernel_output(op(*args), x, bias)
 
 
 register_linear_kernel("affineq.int8_codes_linear", ("dense",), int8_codes_check, _int8_codes_run,
