@@ -12,7 +12,8 @@ same key, so the second ran what the first had traced: the setting was silently 
 `refresh()` after changing it. A user's own tag stays in front. Graphs already compiled in this process keep their
 kernels (dynamo's in-memory cache does not see these settings); `torch._dynamo.reset()` recompiles them.
 The kernel choice refreshes the tag while a graph is traced (`refresh_while_tracing`), before its key is
-computed, so the state keyed is the one the trace read.
+computed, so the state keyed is the one the trace read. The tag is process-wide: graphs without quantized tensors
+are keyed on it too (after an affineq upgrade they compile once more, never to a wrong graph).
 """
 
 from __future__ import annotations

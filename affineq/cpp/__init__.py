@@ -432,7 +432,7 @@ for _name in ("int8_codes_linear", "int8_codes_linear_bf16_compute"):
 
 # int8_codes_linear_biased: either op above (bf16_compute picks) with the bias added as y is stored: bias [n] in
 # x's dtype, bit for bit the op's result + bias (bf16 y: rounded, then the sum rounded, as aten's add rounds it),
-# without a separate pass over y (a fifth of a W8A8 linear's time at MiniLM's 384 x 384).
+# without a separate pass over y (benchmarks/README.md, kernel design measurements).
 _lib.define(
     "int8_codes_linear_biased(Tensor x, Tensor packed, Tensor scale, Tensor? offset, int group_size, int n, int k,"
     " bool per_token, int mode, float eps, int bits, int code_offset, int min_rows, bool bf16_compute, Tensor bias)"

@@ -109,7 +109,8 @@ struct TileQparams {
 AQ_INLINE void store_y(const Int8CodesGemm::State& s, float* y, int64_t m, int64_t c, __m512 v) {
   if (s.yb != nullptr) {
     __m256i r = detail::bf16_bits(v);
-    if (s.bias != nullptr) r = detail::bf16_bits(_mm512_add_ps(detail::bf16_widen(r), _mm512_loadu_ps(s.bias + 16 * c)));
+    if (s.bias != nullptr)
+      r = detail::bf16_bits(_mm512_add_ps(detail::bf16_widen(r), _mm512_loadu_ps(s.bias + 16 * c)));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(s.yb + m * s.n + 16 * c), r);
     return;
   }
