@@ -4,6 +4,7 @@ import copy
 
 import pytest
 import torch
+from conftest import needs_int8_codes_kernel
 from conftest import save_load as _roundtrip
 from test_quantize import CASES, make_mlp
 
@@ -147,3 +148,25 @@ def test_compiled_bf16_mlp_equals_eager_after_a_gelu(config):
         for m in (3, 40):  # the GEMV's rows, then the GEMM's
             x = torch.randn(m, 256, dtype=torch.bfloat16)
             assert torch.equal(compiled(x), model(x)), m
+
+
+@pytest.mark.parametrize("config", ["w8a8", "8da4w"])
+def test_compiled_bf16_mlp_with_biases_equals_eager_where_the_op_adds_them(config):
+    # The int8-codes kernel adds a bias as it stores y (affineq::int8_codes_linear_biased, eager's values), so
+    # nothing is left for inductor to fuse unrounded: biased W8A8 / 8da4w MLPs compile bit-equal to eager too.
+    from torch import nn
+
+    needs_int8_codes_kernel()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 64))
+    model = quantize_(model.to(torch.bfloat16).eval(), _bf16_mlp_config(config))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        for m in (3, 40):
+            x = torch.randn(m, 256, dtype=torch.bfloat16)
+            with affineq.record_kernels() as used:
+                eager = model(x)
+            if set(used) != {"affineq.int8_codes_linear"}:  # e.g. the AMX Xeon's tiles from 16 rows
+                pytest.skip(f"external: this CPU runs {sorted(set(used))} at {m} rows, which add the bias after the op")
+            assert torch.equal(compiled(x), eager), m
