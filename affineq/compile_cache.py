@@ -28,11 +28,12 @@ import torch
 
 from affineq._version import __version__
 
-__all__ = ["refresh", "refresh_while_tracing", "state_digest", "track"]
+__all__ = ["refresh", "refresh_while_tracing", "state_digest", "traced_in_this_process", "track"]
 
 _PREFIX = "|affineq:"
 _providers: dict[str, Callable[[], object]] = {}
 _suffix = ""  # the part of cache_key_tag this module set last
+_traced = False  # whether a graph with quantized linears was traced in this process
 
 
 @functools.cache
@@ -72,5 +73,13 @@ def refresh_while_tracing() -> bool:
     """`refresh()` from code dynamo traces (the kernel choice): the graph is then keyed on the state as it is
     while it is traced (this thread's strict mode, an environment variable changed since, a cache_key_tag the
     user set since), not as it was at the last setter call."""
+    global _traced
+    _traced = True
     refresh()
     return True
+
+
+def traced_in_this_process() -> bool:
+    """Whether a graph with quantized linears was traced in this process: a setting changed now does not reach
+    it (dynamo's in-memory cache keeps its kernels until `torch._dynamo.reset()`)."""
+    return _traced

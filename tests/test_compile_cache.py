@@ -108,3 +108,27 @@ def test_tracing_refreshes_the_tag(user_tag, monkeypatch):
         with torch.no_grad():
             torch.compile(model, fullgraph=True)(torch.randn(2, 32))
         assert (_tag() == before) is same
+
+
+def test_set_min_rows_warns_when_earlier_graphs_keep_their_kernels():
+    """In one process dynamo's cache does not see the thresholds: after a quantized graph was traced, a changed
+    threshold says that graph keeps its kernels (and how to recompile it); setting the same value says nothing."""
+    import warnings
+
+    from torch import nn
+
+    from affineq import Int8WeightOnlyConfig, quantize_
+
+    model = quantize_(nn.Sequential(nn.Linear(32, 32)), Int8WeightOnlyConfig())
+    with torch.no_grad():
+        torch.compile(model)(torch.randn(2, 32))
+    assert compile_cache.traced_in_this_process()
+    with pytest.warns(UserWarning, match=r"keep the kernels they traced; call torch\._dynamo\.reset\(\)"):
+        prev = set_min_rows(DEQUANT, "fp32", 1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            set_min_rows(DEQUANT, "fp32", 1)  # unchanged: nothing to say
+    finally:
+        with pytest.warns(UserWarning):
+            set_min_rows(DEQUANT, "fp32", prev)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 import weakref
 
 import torch
@@ -104,7 +105,7 @@ def set_min_rows(kernel: str, dtype: str, rows: int | None, kind: str | None = N
     """Set the row threshold of `kernel` for input `dtype` ("fp32", "bf16", "fp16") on CPU `kind` (default:
     this one), returning the previous value; rows must be a power of two, or None to never run it. Graphs
     compiled afterwards (and the compile caches' keys, `affineq.compile_cache`) follow it; graphs compiled before
-    in this process keep their kernels until `torch._dynamo.reset()`."""
+    in this process keep their kernels until `torch._dynamo.reset()` (a warning says so when there are some)."""
     if kernel not in MIN_ROWS:
         raise ValueError(f"set_min_rows: unknown kernel {kernel!r}; use one of {sorted(MIN_ROWS)}")
     kind = kind or cpu_kind()
@@ -119,6 +120,10 @@ def set_min_rows(kernel: str, dtype: str, rows: int | None, kind: str | None = N
     table[dtype] = rows
     clear_selection_cache()
     compile_cache.refresh()
+    if rows != previous and compile_cache.traced_in_this_process():
+        warnings.warn(f"set_min_rows({kernel!r}, {dtype!r}, {rows}): graphs compiled earlier in this process keep "
+                      "the kernels they traced; call torch._dynamo.reset() to recompile them with this threshold",
+                      stacklevel=2)
     return previous
 
 
