@@ -139,6 +139,33 @@ def test_one_fp32_row_within_two_roundings(name):
             assert bool((ulps <= 2).all()), (n, k, mag, float(ulps.max()))
 
 
+def test_q2_k_one_row_at_its_largest_sums():
+    """q2_k's one-row GEMV on x's digits (`cpp/gemv_digits.cpp` tile_q2k, where the digits GEMV runs) sums each
+    super-block's sub-scale x code products in int32 over all 256 k: every code 3, sub-scale and min 15, x at its
+    block's bound with one sign or mixed signs, fp32 x and bf16 x (digits from 2^19 weights): within 2 fp32 ulps
+    of sum |x| * (|d sc u| + |dmin m|) (bf16 x: plus y's rounding to bf16)."""
+    _needs_kernels()
+    n, k = 64, 8192
+    b = n * k // 256
+    full = torch.full((b, 16), 15)
+    blocks = encode("q2_k", torch.full((b, 256), 3, dtype=torch.uint8), torch.full((b,), 0.0625), full,
+                    torch.full((b,), 0.03125), full).reshape(n, -1)
+    args = _op_args("q2_k", blocks)
+    w = _gguf_values("q2_k", blocks, n).double()
+    terms = _terms("q2_k", blocks)
+    near_one = 1 - 2.0**-20
+    signs = torch.where(torch.arange(k) % 3 == 0, -1.0, 1.0)
+    for x in (torch.full((1, k), near_one), torch.full((1, k), -near_one), (signs * near_one).reshape(1, k),
+              torch.full((1, k), 1.0).bfloat16()):
+        y = torch.ops.affineq.kquant_linear(x, *args)
+        exact = x.double() @ w.T
+        bound = 2 * EPS * (x.double().abs() @ terms.T)
+        if x.dtype == torch.bfloat16:
+            bound = bound + 2.0**-8 * exact.abs()
+        err = (y.double() - exact).abs()
+        assert bool((err <= bound).all()), (x.dtype, float((err / bound).max()))
+
+
 @pytest.mark.parametrize("name", KINDS)
 def test_kquant_linear_within_fp32_rounding(name):
     """Odd n, m from 1 (GEMV: up to 8 rows, with bf16 x up to 4 or, q4_k, 8) through 5..65 (tile GEMM) to 257

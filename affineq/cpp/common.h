@@ -120,13 +120,15 @@ struct NextItemPrefetch {
     panel_lines = kPrefetchUnits * unit_bytes / 64;
     panel_lines_per_group = (panel_lines + G - 1) / G;
   }
-  AQ_INLINE void group(int64_t g) const {
+  AQ_INLINE void group(int64_t g) const { groups(g, g + 1); }
+  // group(g) for g in [g0, g1), in one pass
+  AQ_INLINE void groups(int64_t g0, int64_t g1) const {
 #if defined(__GNUC__)
-    for (int64_t l = g * lines_per_group, e = std::min(l + lines_per_group, (bytes + 63) / 64); l < e; ++l) {
+    for (int64_t l = g0 * lines_per_group, e = std::min(g1 * lines_per_group, (bytes + 63) / 64); l < e; ++l) {
       __builtin_prefetch(src[0] + 64 * l, 0, 2);
       __builtin_prefetch(src[1] + 64 * l, 0, 2);
     }
-    for (int64_t l = g * panel_lines_per_group, e = std::min(l + panel_lines_per_group, panel_lines); l < e; ++l)
+    for (int64_t l = g0 * panel_lines_per_group, e = std::min(g1 * panel_lines_per_group, panel_lines); l < e; ++l)
       for (const char* q : pan)
         if (q != nullptr) __builtin_prefetch(q + 64 * l, 0, 3);
 #endif

@@ -6,6 +6,7 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "amx.h"
 #include "decode.h"
@@ -18,23 +19,26 @@ bool use_x_digits(const LowbitProblem& p) {
   // One row only (at 2 rows it lost to the FMA GEMV). bf16 x on weights of 2^19 weights or more (below, the
   // bf16-dot and FMA GEMVs kept up): the caller hands it over widened to fp32 (exact) and rounds y. On AMX Xeons
   // every width, where vpdpbusd outruns the FMA GEMV's decode; on other CPUs (the Zen 5) the widths where it
-  // measured faster there: 2- to 4-bit codes with fp32 x (k-quants: q4_k), 2- and 3-bit codes with bf16 x (4-bit
-  // codes keep the bf16-dot GEMV, use_b4bf16); the others kept the FMA GEMV (benchmarks/README.md, kernel design
-  // measurements).
+  // measured faster there: 2- to 4-bit codes with fp32 x (k-quants: q2_k on tile_q2k, q4_k), 2- and 3-bit codes
+  // with bf16 x (q2_k too; 4-bit codes keep the bf16-dot GEMV, use_b4bf16); the others kept the FMA GEMV
+  // (benchmarks/README.md, kernel design measurements).
   if (!(p.m == 1 && p.y_bf16 == nullptr && !p.y_bf16_values && digits_width(p.bits) &&
         (p.x_bf16 == nullptr || p.n * p.k >= (int64_t{1} << 19)) && p.codes == kCodesUint &&
         (p.qparams_kquant == 0 || p.qparams_kquant == p.bits) && !p.qparams_e8m0 && p.group_size % 8 == 0))
     return false;
   if (amx_cpu()) return true;
-  if (p.x_bf16 == nullptr) return p.bits <= 4 && (p.qparams_kquant == 0 || p.bits == 4);
-  return p.bits <= 3 && p.qparams_kquant == 0;
+  const bool kq_ok = p.qparams_kquant == 0 || p.qparams_kquant == 2;
+  if (p.x_bf16 == nullptr) return p.bits <= 4 && (kq_ok || p.bits == 4);
+  return p.bits <= 3 && kq_ok;
 #else
   (void)p;
   return false;
 #endif
 }
 
-int64_t digit_block(int64_t gs) {
+int64_t digit_block(const LowbitProblem& p) {
+  if (p.qparams_kquant == 2) return kSuperBlock;  // tile_q2k
+  const int64_t gs = p.group_size;
   int64_t kb = std::min<int64_t>(gs, 512);
   while (gs % kb != 0) kb -= 8;
   return kb;
@@ -186,6 +190,93 @@ void tile(const uint8_t* const* pan, const QP& qp, const XDigits& xd, const floa
   });
 }
 
+// q2_k with its integer sub-scales folded into the codes' VNNI operand: sc * u <= 15 * 3 fits a byte, so one
+// table lookup (vpermb, index u << 4 | sc) turns each code into its product with its sub-block's sub-scale, and a
+// super-block's four digit sums run in int32 over all of its 256 k (|D_i| <= 256 * 45 * 128 < 2^21; the top
+// digit's |D_3| <= 256 * 45 * 65, so 2^8 D_3 + D_2 < 2^28): one epilogue per super-block instead of one per
+// sub-block of 16 k,
+//     tot += d * fx * (2^16 (2^8 D3 + D2) + (2^8 D1 + D0))   (no code bias: the products are unsigned),
+// after KqQp::offsets' -dmin * sum_j m_j * sum(x_j). Needs x's digits in blocks of the super-block (digit_block).
+template <int NP>
+void tile_q2k(const uint8_t* const* pan, const KqQp<2>& qp, const XDigits& xd, const float* xs, int64_t G, float* y,
+              int64_t nvalid, const NextItemPrefetch* pf) {
+  constexpr int64_t kUnit = 32, kSub = 16;  // bytes of a 2-bit unit; sub-blocks per super-block
+  const int64_t K8 = xd.K8, lds = qp.lds;
+  const int8_t* dx = xd.d.data();
+  alignas(64) static constexpr auto kTables = [] {
+    std::array<uint8_t, 5 * 64> a{};  // gather, even / odd field shifts, product table, sub-scale spread
+    for (int j = 0; j < 16; ++j)
+      for (int i = 0; i < 4; ++i) {
+        a[4 * j + i] = static_cast<uint8_t>(16 * (i / 2) + j);  // lane j: (slot 0, slot 0, slot 1, slot 1) of row j
+        a[256 + 4 * j + i] = static_cast<uint8_t>(j);            // lane j: row j's sub-scale byte, four times
+      }
+    for (int b = 0; b < 64; ++b) {  // the field (unit_quads' bits 8 (b % 8) + 4 (b % 2), + 2 if odd) at bits 4-5
+      a[64 + b] = static_cast<uint8_t>((8 * (b % 8) + 4 * (b % 2) + 60) % 64);
+      a[128 + b] = static_cast<uint8_t>((8 * (b % 8) + 4 * (b % 2) + 62) % 64);
+      a[192 + b] = static_cast<uint8_t>((b >> 4) * (b & 15));  // u * sc for index u << 4 | sc
+    }
+    return a;
+  }();
+  const __m512i gather = _mm512_load_si512(kTables.data()), sh_even = _mm512_load_si512(kTables.data() + 64),
+                sh_odd = _mm512_load_si512(kTables.data() + 128), prod = _mm512_load_si512(kTables.data() + 192),
+                spread = _mm512_load_si512(kTables.data() + 256), field = _mm512_set1_epi8(0x30);
+  F16 tot[1][NP];
+  sfor<NP>([&](auto P_) { tot[0][AQ_CV(P_)] = fzero(); });
+  qp.template offsets<1, NP>(tot, xs, G);
+  for (int64_t g0 = 0; g0 < G; g0 += kSub) {
+    __m512i s[NP][4];
+    sfor<NP>([&](auto P_) { sfor<4>([&](auto I_) { s[AQ_CV(P_)][AQ_CV(I_)] = _mm512_setzero_si512(); }); });
+    if (pf) pf->groups(g0, g0 + kSub);
+    for (int64_t g = g0; g < g0 + kSub; ++g) {
+      __m512i sc[NP];  // lane j: row j's sub-scale byte (low nibble: sc; the vpermb below ignores bits 6-7)
+      sfor<NP>([&](auto P_) {
+        constexpr int p = AQ_CV(P_);
+        sc[p] = _mm512_permutexvar_epi8(spread, _mm512_castsi128_si512(_mm_loadu_si128(
+                                                    reinterpret_cast<const __m128i*>(qp.sc + g * lds + 16 * p))));
+      });
+      for (int64_t u = 2 * g; u < 2 * g + 2; ++u) {
+        sfor<NP>([&](auto P_) {
+          constexpr int p = AQ_CV(P_);
+          const uint8_t* unit = pan[p] + kUnit * u;
+#if defined(__GNUC__)
+          __builtin_prefetch(unit + kUnit * kPrefetchUnits, 0, 3);
+#endif
+          const __m512i r = _mm512_permutexvar_epi8(
+              gather, _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit))));
+          // index u << 4 | sc per code (bits 4-5 from the field, the rest from the sub-scale byte), then u * sc
+          const __m512i even = _mm512_permutexvar_epi8(
+              _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(sh_even, r), sc[p], field, 0xE4), prod);
+          const __m512i odd = _mm512_permutexvar_epi8(
+              _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(sh_odd, r), sc[p], field, 0xE4), prod);
+          sfor<4>([&](auto I_) {
+            constexpr int i = AQ_CV(I_);
+            int32_t qe, qo;
+            std::memcpy(&qe, dx + i * K8 + 8 * u, sizeof(qe));
+            std::memcpy(&qo, dx + i * K8 + 8 * u + 4, sizeof(qo));
+            s[p][i] = _mm512_dpbusd_epi32(s[p][i], even, _mm512_set1_epi32(qe));
+            s[p][i] = _mm512_dpbusd_epi32(s[p][i], odd, _mm512_set1_epi32(qo));
+          });
+        });
+      }
+    }
+    const int64_t b = g0 / kSub;  // the digit block: this super-block
+    const __m512 fx = _mm512_set1_ps(xd.fx[b]), fx16 = _mm512_set1_ps(xd.fx[b] * 65536.f);
+    sfor<NP>([&](auto P_) {
+      constexpr int p = AQ_CV(P_);
+      const __m512i hi = _mm512_add_epi32(_mm512_slli_epi32(s[p][3], 8), s[p][2]);
+      const __m512i lo = _mm512_add_epi32(_mm512_slli_epi32(s[p][1], 8), s[p][0]);
+      const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), fx16, _mm512_mul_ps(_mm512_cvtepi32_ps(lo), fx));
+      tot[0][p] = ffma(qp.sup(g0, p, 0), F16{t}, tot[0][p]);
+    });
+  }
+  sfor<NP>([&](auto P_) {
+    constexpr int p = AQ_CV(P_);
+    const int64_t w = nvalid - 16 * p;
+    if (w >= 16) fstore(y + 16 * p, tot[0][p]);
+    else if (w > 0) fstore_n(y + 16 * p, tot[0][p], static_cast<int>(w));
+  });
+}
+
 }  // namespace
 
 template <int B, class QP>
@@ -194,8 +285,13 @@ void gemv_digits(const uint8_t* const* pan, int64_t cnt, const QP& qp, const XDi
   // 4 panels per tile (16 int32 sums in registers), the leftover panels one by one
   const int64_t step = cnt % 4 == 0 ? 4 : 1;
   for (int64_t q = 0; q < cnt; q += step) {
-    const auto run = step == 4 ? &tile<B, 4, QP> : &tile<B, 1, QP>;
-    run(pan + q, qp.shifted(q), xd, xs, G, gs / 8, y + 16 * q, nvalid - 16 * q, q == 0 ? pf : nullptr);
+    if constexpr (std::is_same_v<QP, KqQp<2>>) {
+      const auto run = step == 4 ? &tile_q2k<4> : &tile_q2k<1>;
+      run(pan + q, qp.shifted(q), xd, xs, G, y + 16 * q, nvalid - 16 * q, q == 0 ? pf : nullptr);
+    } else {
+      const auto run = step == 4 ? &tile<B, 4, QP> : &tile<B, 1, QP>;
+      run(pan + q, qp.shifted(q), xd, xs, G, gs / 8, y + 16 * q, nvalid - 16 * q, q == 0 ? pf : nullptr);
+    }
   }
 }
 

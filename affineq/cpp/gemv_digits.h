@@ -44,9 +44,10 @@ struct XDigits {
 // Whether p (one row of fp32 x, or of bf16 x on weights of 2^19 weights or more; integer codes of a
 // digits_width: fp32 / 16-bit qparams or a k-quant's) takes the digits on this build and CPU.
 bool use_x_digits(const LowbitProblem& p);
-// k per digit block for groups of gs (gs % 8 == 0): the group, or a divisor of it of at most 512 k, so that the
-// int32 halves cannot overflow: |2^8 D_odd + D_even| <= 2^8 * 63 * 128 * 512 * 1.01 < 2^30, |c_hi|, |c_lo| < 2^29.
-int64_t digit_block(int64_t gs);
+// k per digit block for p's groups (group_size % 8 == 0): the group, or a divisor of it of at most 512 k, so that
+// the int32 halves cannot overflow: |2^8 D_odd + D_even| <= 2^8 * 63 * 128 * 512 * 1.01 < 2^30, |c_hi|, |c_lo| <
+// 2^29; q2_k's super-block of 256 k (its sub-scales folded into the codes: gemv_digits.cpp's tile_q2k).
+int64_t digit_block(const LowbitProblem& p);
 // One row x [K8] as digits in blocks of kb k, for B-bit codes (c_hi / c_lo); false (xd then meaningless) when x
 // holds inf or NaN, or a block reaches 2^100 (its scaled halves could overflow fp32 before the scale brings them
 // back).
