@@ -137,13 +137,24 @@ AQ_INLINE void unit_quads(const uint8_t* unit, __m512i idx, __m512i& even, __m51
   }
 }
 
+// s[i] += the VNNI dot products of unit u's codes (even, odd: unit_quads' operands) with x's digit i.
+AQ_INLINE void dot_digits(__m512i (&s)[4], __m512i even, __m512i odd, const XDigits& xd, int64_t u) {
+  sfor<4>([&](auto I_) {
+    constexpr int i = AQ_CV(I_);
+    int32_t qe, qo;
+    std::memcpy(&qe, xd.d.data() + i * xd.K8 + 8 * u, sizeof(qe));
+    std::memcpy(&qo, xd.d.data() + i * xd.K8 + 8 * u + 4, sizeof(qo));
+    s[i] = _mm512_dpbusd_epi32(s[i], even, _mm512_set1_epi32(qe));
+    s[i] = _mm512_dpbusd_epi32(s[i], odd, _mm512_set1_epi32(qo));
+  });
+}
+
 // NP panels: per digit block, four int32 sums (one per digit) per panel, then the block's sum of (u - 2^(B-1)) x
 // in fp32 into the group's accumulator; for_groups / add_group (or KqQp) apply the qparams.
 template <int B, int NP, class QP>
 void tile(const uint8_t* const* pan, const QP& qp, const XDigits& xd, const float* xs, int64_t G, int64_t upg,
           float* y, int64_t nvalid, const NextItemPrefetch* pf) {
-  const int64_t upb = xd.kb / 8, K8 = xd.K8;
-  const int8_t* dx = xd.d.data();
+  const int64_t upb = xd.kb / 8;
   constexpr int64_t kUnit = 16 * B;  // bytes of a unit: 8 k x 16 rows
   const __m512i idx = quad_index();
   F16 tot[1][NP];
@@ -160,14 +171,7 @@ void tile(const uint8_t* const* pan, const QP& qp, const XDigits& xd, const floa
 #endif
           __m512i even, odd;
           unit_quads<B>(unit, idx, even, odd);
-          sfor<4>([&](auto I_) {
-            constexpr int i = AQ_CV(I_);
-            int32_t qe, qo;
-            std::memcpy(&qe, dx + i * K8 + 8 * u, sizeof(qe));
-            std::memcpy(&qo, dx + i * K8 + 8 * u + 4, sizeof(qo));
-            s[p][i] = _mm512_dpbusd_epi32(s[p][i], even, _mm512_set1_epi32(qe));
-            s[p][i] = _mm512_dpbusd_epi32(s[p][i], odd, _mm512_set1_epi32(qo));
-          });
+          dot_digits(s[p], even, odd, xd, u);
         });
       }
       const int64_t b = u0 / upb;
@@ -201,8 +205,7 @@ template <int NP>
 void tile_q2k(const uint8_t* const* pan, const KqQp<2>& qp, const XDigits& xd, const float* xs, int64_t G, float* y,
               int64_t nvalid, const NextItemPrefetch* pf) {
   constexpr int64_t kUnit = 32, kSub = 16;  // bytes of a 2-bit unit; sub-blocks per super-block
-  const int64_t K8 = xd.K8, lds = qp.lds;
-  const int8_t* dx = xd.d.data();
+  const int64_t lds = qp.lds;
   alignas(64) static constexpr auto kTables = [] {
     std::array<uint8_t, 5 * 64> a{};  // gather, even / odd field shifts, product table, sub-scale spread
     for (int j = 0; j < 16; ++j)
@@ -248,14 +251,7 @@ void tile_q2k(const uint8_t* const* pan, const KqQp<2>& qp, const XDigits& xd, c
               _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(sh_even, r), sc[p], field, 0xE4), prod);
           const __m512i odd = _mm512_permutexvar_epi8(
               _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(sh_odd, r), sc[p], field, 0xE4), prod);
-          sfor<4>([&](auto I_) {
-            constexpr int i = AQ_CV(I_);
-            int32_t qe, qo;
-            std::memcpy(&qe, dx + i * K8 + 8 * u, sizeof(qe));
-            std::memcpy(&qo, dx + i * K8 + 8 * u + 4, sizeof(qo));
-            s[p][i] = _mm512_dpbusd_epi32(s[p][i], even, _mm512_set1_epi32(qe));
-            s[p][i] = _mm512_dpbusd_epi32(s[p][i], odd, _mm512_set1_epi32(qo));
-          });
+          dot_digits(s[p], even, odd, xd, u);
         });
       }
     }
