@@ -139,27 +139,32 @@ def test_one_fp32_row_within_two_roundings(name):
             assert bool((ulps <= 2).all()), (n, k, mag, float(ulps.max()))
 
 
-def test_q2_k_one_row_at_its_largest_sums():
-    """q2_k's one-row GEMV on x's digits (`cpp/gemv_digits.cpp` tile_q2k, where the digits GEMV runs) sums each
-    super-block's sub-scale x code products in int32 over all 256 k: every code 3, sub-scale and min 15, x at its
-    block's bound with one sign or mixed signs, fp32 x and bf16 x (digits from 2^19 weights): within 2 fp32 ulps
-    of sum |x| * (|d sc u| + |dmin m|) (bf16 x: plus y's rounding to bf16)."""
+@pytest.mark.parametrize("name, code, sub_scale", [("q2_k", 3, 15), ("q3_k", 0, -32), ("q3_k", 7, -32)])
+def test_one_row_at_the_largest_super_block_sums(name, code, sub_scale):
+    """q2_k's and q3_k's one-row GEMVs on x's digits (`cpp/gemv_digits.cpp` tile_q2k / tile_q3k, where the digits
+    GEMV runs) sum each super-block's sub-scale x code products in int32 over all 256 k: every code and sub-scale
+    (and q2_k's min) at the end of its range that makes those sums largest, x at its block's bound with one sign
+    or mixed signs, fp32 x and bf16 x (digits from 2^19 weights): within the module's bound (bf16 x: plus y's
+    rounding to bf16). A wrapped int32 sum or a wrong product would miss it by orders of magnitude; x of one sign
+    and one value makes every fp32 rounding of the super-blocks' sum go the same way (q3_k: 8 x 2^-24 of the sum,
+    beyond the one-row test's 2)."""
     _needs_kernels()
     n, k = 64, 8192
     b = n * k // 256
-    full = torch.full((b, 16), 15)
-    blocks = encode("q2_k", torch.full((b, 256), 3, dtype=torch.uint8), torch.full((b,), 0.0625), full,
-                    torch.full((b,), 0.03125), full).reshape(n, -1)
-    args = _op_args("q2_k", blocks)
-    w = _gguf_values("q2_k", blocks, n).double()
-    terms = _terms("q2_k", blocks)
+    full = torch.full((b, 256 // KQUANT_TYPES[name].group), sub_scale)
+    mins = full if name == "q2_k" else None
+    blocks = encode(name, torch.full((b, 256), code, dtype=torch.uint8), torch.full((b,), 0.0625), full,
+                    torch.full((b,), 0.03125), mins).reshape(n, -1)
+    args = _op_args(name, blocks)
+    w = _gguf_values(name, blocks, n).double()
+    terms = _terms(name, blocks)
     near_one = 1 - 2.0**-20
     signs = torch.where(torch.arange(k) % 3 == 0, -1.0, 1.0)
     for x in (torch.full((1, k), near_one), torch.full((1, k), -near_one), (signs * near_one).reshape(1, k),
               torch.full((1, k), 1.0).bfloat16()):
         y = torch.ops.affineq.kquant_linear(x, *args)
         exact = x.double() @ w.T
-        bound = 2 * EPS * (x.double().abs() @ terms.T)
+        bound = k * EPS * (x.double().abs() @ terms.T)
         if x.dtype == torch.bfloat16:
             bound = bound + 2.0**-8 * exact.abs()
         err = (y.double() - exact).abs()

@@ -351,7 +351,7 @@ void gemv_path(const Ctx* cs, int64_t count) {
   // One row of x against 2- to 6-bit integer codes: x as integer digits through VNNI (gemv_digits.h)
   XDigits xd;
   const bool digits = digits_width(B) && !b4 && use_x_digits(p0) &&
-                      x_digits(p0.x, K8, digit_block(p0), B, xd);
+                      x_digits(p0.x, K8, digit_block(p0), B, xd, p0.qparams_kquant == 3);
 #if AQ_AVX512
   if (b4 || bw) group_sums(p0.x_bf16, p0.ldx, M, G, p0.group_size, xs.data(), 2 * G);
   else

@@ -19,15 +19,15 @@ bool use_x_digits(const LowbitProblem& p) {
   // One row only (at 2 rows it lost to the FMA GEMV). bf16 x on weights of 2^19 weights or more (below, the
   // bf16-dot and FMA GEMVs kept up): the caller hands it over widened to fp32 (exact) and rounds y. On AMX Xeons
   // every width, where vpdpbusd outruns the FMA GEMV's decode; on other CPUs (the Zen 5) the widths where it
-  // measured faster there: 2- to 4-bit codes with fp32 x (k-quants: q2_k on tile_q2k, q4_k), 2- and 3-bit codes
-  // with bf16 x (q2_k too; 4-bit codes keep the bf16-dot GEMV, use_b4bf16); the others kept the FMA GEMV
-  // (benchmarks/README.md, kernel design measurements).
+  // measured faster there: 2- to 4-bit codes with fp32 x (k-quants: q2_k / q3_k on their super-block tiles, q4_k),
+  // 2- and 3-bit codes with bf16 x (q2_k and q3_k too; 4-bit codes keep the bf16-dot GEMV, use_b4bf16); the others
+  // kept the FMA GEMV (benchmarks/README.md, kernel design measurements).
   if (!(p.m == 1 && p.y_bf16 == nullptr && !p.y_bf16_values && digits_width(p.bits) &&
         (p.x_bf16 == nullptr || p.n * p.k >= (int64_t{1} << 19)) && p.codes == kCodesUint &&
         (p.qparams_kquant == 0 || p.qparams_kquant == p.bits) && !p.qparams_e8m0 && p.group_size % 8 == 0))
     return false;
   if (amx_cpu()) return true;
-  const bool kq_ok = p.qparams_kquant == 0 || p.qparams_kquant == 2;
+  const bool kq_ok = p.qparams_kquant == 0 || p.qparams_kquant == 2 || p.qparams_kquant == 3;
   if (p.x_bf16 == nullptr) return p.bits <= 4 && (kq_ok || p.bits == 4);
   return p.bits <= 3 && kq_ok;
 #else
@@ -37,7 +37,7 @@ bool use_x_digits(const LowbitProblem& p) {
 }
 
 int64_t digit_block(const LowbitProblem& p) {
-  if (p.qparams_kquant == 2) return kSuperBlock;  // tile_q2k
+  if (p.qparams_kquant == 2 || p.qparams_kquant == 3) return kSuperBlock;  // tile_q2k, tile_q3k
   const int64_t gs = p.group_size;
   int64_t kb = std::min<int64_t>(gs, 512);
   while (gs % kb != 0) kb -= 8;
@@ -45,10 +45,13 @@ int64_t digit_block(const LowbitProblem& p) {
 }
 
 #if AQ_X_DIGITS
-bool x_digits(const float* x, int64_t K8, int64_t kb, int B, XDigits& xd) {
+bool x_digits(const float* x, int64_t K8, int64_t kb, int B, XDigits& xd, bool sub_biases) {
   const int32_t bias = 1 << (B - 1);
   const int64_t nb = K8 / kb;
   xd.K8 = K8, xd.kb = kb, xd.nb = nb;
+  sub_biases = sub_biases && kb % 16 == 0;
+  xd.c_sub_hi.resize(sub_biases ? static_cast<size_t>(K8 / 16) : 0);
+  xd.c_sub_lo.resize(xd.c_sub_hi.size());
   xd.d.resize(static_cast<size_t>(4 * K8));
   xd.fx.resize(static_cast<size_t>(nb));
   xd.c_hi.resize(static_cast<size_t>(nb));
@@ -74,6 +77,7 @@ bool x_digits(const float* x, int64_t K8, int64_t kb, int B, XDigits& xd) {
     const __m512 s1 = _mm512_set1_ps(std::ldexp(1.f, sh / 2)), s2 = _mm512_set1_ps(std::ldexp(1.f, sh - sh / 2));
     __m512i sum[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
     for (int64_t i = 0; i < kb; i += 16) {
+      int32_t S16[4];
       const __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(mask(i), xb + i), s1), s2);
       __m512i r = _mm512_cvt_roundps_epi32(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);  // |q| < 2^30
       for (int t = 0; t < 4; ++t) {
@@ -81,10 +85,15 @@ bool x_digits(const float* x, int64_t K8, int64_t kb, int B, XDigits& xd) {
         const __m512i d = t < 3 ? _mm512_srai_epi32(_mm512_slli_epi32(r, 24), 24) : r;
         if (t < 3) r = _mm512_srai_epi32(_mm512_sub_epi32(r, d), 8);
         sum[t] = _mm512_add_epi32(sum[t], d);
+        if (sub_biases) S16[t] = _mm512_reduce_add_epi32(d);
         const __m128i bytes = _mm_shuffle_epi8(_mm512_cvtepi32_epi8(d), order);
         int8_t* dst = xd.d.data() + t * K8 + b * kb + i;
         if (kb - i >= 16) _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), bytes);
         else _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), bytes);
+      }
+      if (sub_biases) {
+        xd.c_sub_hi[(b * kb + i) / 16] = bias * (256 * S16[3] + S16[2]);
+        xd.c_sub_lo[(b * kb + i) / 16] = bias * (256 * S16[1] + S16[0]);
       }
     }
     int32_t S[4];
@@ -149,6 +158,22 @@ AQ_INLINE void dot_digits(__m512i (&s)[4], __m512i even, __m512i odd, const XDig
   });
 }
 
+// fx * (2^16 hi + lo) in fp32: a digit block's exact int32 halves, converted (one rounding each) and scaled.
+AQ_INLINE F16 halves_value(__m512i hi, __m512i lo, __m512 fx, __m512 fx16) {
+  return F16{_mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), fx16, _mm512_mul_ps(_mm512_cvtepi32_ps(lo), fx))};
+}
+
+// y[0 .. nvalid) = a tile's NP panels of 16 results.
+template <int NP>
+AQ_INLINE void store_panels(const F16* tot, float* y, int64_t nvalid) {
+  sfor<NP>([&](auto P_) {
+    constexpr int p = AQ_CV(P_);
+    const int64_t w = nvalid - 16 * p;
+    if (w >= 16) fstore(y + 16 * p, tot[p]);
+    else if (w > 0) fstore_n(y + 16 * p, tot[p], static_cast<int>(w));
+  });
+}
+
 // NP panels: per digit block, four int32 sums (one per digit) per panel, then the block's sum of (u - 2^(B-1)) x
 // in fp32 into the group's accumulator; for_groups / add_group (or KqQp) apply the qparams.
 template <int B, int NP, class QP>
@@ -181,17 +206,25 @@ void tile(const uint8_t* const* pan, const QP& qp, const XDigits& xd, const floa
         constexpr int p = AQ_CV(P_);
         const __m512i hi = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(s[p][3], 8), s[p][2]), chi);
         const __m512i lo = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(s[p][1], 8), s[p][0]), clo);
-        const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), fx16, _mm512_mul_ps(_mm512_cvtepi32_ps(lo), fx));
-        acc[0][p][0] = fadd(acc[0][p][0], F16{t});
+        acc[0][p][0] = fadd(acc[0][p][0], halves_value(hi, lo, fx, fx16));
       });
     }
   });
-  sfor<NP>([&](auto P_) {
-    constexpr int p = AQ_CV(P_);
-    const int64_t w = nvalid - 16 * p;
-    if (w >= 16) fstore(y + 16 * p, tot[0][p]);
-    else if (w > 0) fstore_n(y + 16 * p, tot[0][p], static_cast<int>(w));
-  });
+  store_panels<NP>(tot[0], y, nvalid);
+}
+
+// f(P_, u, unit) for the two units u of k-quant sub-block g (16 k) in each of NP panels (kUnit bytes per unit),
+// prefetching each panel kPrefetchUnits units ahead.
+template <int NP, int64_t kUnit, class F>
+AQ_INLINE void sub_block_units(const uint8_t* const* pan, int64_t g, F&& f) {
+  for (int64_t u = 2 * g; u < 2 * g + 2; ++u)
+    sfor<NP>([&](auto P_) {
+      const uint8_t* unit = pan[AQ_CV(P_)] + kUnit * u;
+#if defined(__GNUC__)
+      __builtin_prefetch(unit + kUnit * kPrefetchUnits, 0, 3);
+#endif
+      f(P_, u, unit);
+    });
 }
 
 // q2_k with its integer sub-scales folded into the codes' VNNI operand: sc * u <= 15 * 3 fits a byte, so one
@@ -237,23 +270,17 @@ void tile_q2k(const uint8_t* const* pan, const KqQp<2>& qp, const XDigits& xd, c
         sc[p] = _mm512_permutexvar_epi8(spread, _mm512_castsi128_si512(_mm_loadu_si128(
                                                     reinterpret_cast<const __m128i*>(qp.sc + g * lds + 16 * p))));
       });
-      for (int64_t u = 2 * g; u < 2 * g + 2; ++u) {
-        sfor<NP>([&](auto P_) {
-          constexpr int p = AQ_CV(P_);
-          const uint8_t* unit = pan[p] + kUnit * u;
-#if defined(__GNUC__)
-          __builtin_prefetch(unit + kUnit * kPrefetchUnits, 0, 3);
-#endif
-          const __m512i r = _mm512_permutexvar_epi8(
-              gather, _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit))));
-          // index u << 4 | sc per code (bits 4-5 from the field, the rest from the sub-scale byte), then u * sc
-          const __m512i even = _mm512_permutexvar_epi8(
-              _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(sh_even, r), sc[p], field, 0xE4), prod);
-          const __m512i odd = _mm512_permutexvar_epi8(
-              _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(sh_odd, r), sc[p], field, 0xE4), prod);
-          dot_digits(s[p], even, odd, xd, u);
-        });
-      }
+      sub_block_units<NP, kUnit>(pan, g, [&](auto P_, int64_t u, const uint8_t* unit) AQ_INLINE_LAMBDA {
+        constexpr int p = AQ_CV(P_);
+        const __m512i r = _mm512_permutexvar_epi8(
+            gather, _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit))));
+        // index u << 4 | sc per code (bits 4-5 from the field, the rest from the sub-scale byte), then u * sc
+        const __m512i even = _mm512_permutexvar_epi8(
+            _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(sh_even, r), sc[p], field, 0xE4), prod);
+        const __m512i odd = _mm512_permutexvar_epi8(
+            _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(sh_odd, r), sc[p], field, 0xE4), prod);
+        dot_digits(s[p], even, odd, xd, u);
+      });
     }
     const int64_t b = g0 / kSub;  // the digit block: this super-block
     const __m512 fx = _mm512_set1_ps(xd.fx[b]), fx16 = _mm512_set1_ps(xd.fx[b] * 65536.f);
@@ -261,16 +288,55 @@ void tile_q2k(const uint8_t* const* pan, const KqQp<2>& qp, const XDigits& xd, c
       constexpr int p = AQ_CV(P_);
       const __m512i hi = _mm512_add_epi32(_mm512_slli_epi32(s[p][3], 8), s[p][2]);
       const __m512i lo = _mm512_add_epi32(_mm512_slli_epi32(s[p][1], 8), s[p][0]);
-      const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), fx16, _mm512_mul_ps(_mm512_cvtepi32_ps(lo), fx));
-      tot[0][p] = ffma(qp.sup(g0, p, 0), F16{t}, tot[0][p]);
+      tot[0][p] = ffma(qp.sup(g0, p, 0), halves_value(hi, lo, fx, fx16), tot[0][p]);
     });
   }
-  sfor<NP>([&](auto P_) {
-    constexpr int p = AQ_CV(P_);
-    const int64_t w = nvalid - 16 * p;
-    if (w >= 16) fstore(y + 16 * p, tot[0][p]);
-    else if (w > 0) fstore_n(y + 16 * p, tot[0][p], static_cast<int>(w));
-  });
+  store_panels<NP>(tot[0], y, nvalid);
+}
+
+// q3_k: its signed integer sub-scales applied in int32, per sub-block of 16 k: the sub-block's centred digit sums
+// (2^8 D3 + D2 - c_hi, 2^8 D1 + D0 - c_lo with the sub-block's own biases, x_digits' sub_biases) times sc, summed
+// over the super-block (|.| <= (2^8 * 16 * 4 * 65 + 16 * 4 * 128) * 32 * 16 < 2^28), then one fp32 epilogue per
+// super-block, tot += d * fx * (2^16 hi + lo): the weight d sc (u - 4) exactly, as the generic tile's bias.
+template <int NP>
+void tile_q3k(const uint8_t* const* pan, const KqQp<3>& qp, const XDigits& xd, int64_t G, float* y, int64_t nvalid,
+              const NextItemPrefetch* pf) {
+  constexpr int64_t kUnit = 48, kSub = 16;  // bytes of a 3-bit unit; sub-blocks per super-block
+  const int64_t lds = qp.lds;
+  const __m512i idx = quad_index();
+  F16 tot[NP];
+  sfor<NP>([&](auto P_) { tot[AQ_CV(P_)] = fzero(); });
+  for (int64_t g0 = 0; g0 < G; g0 += kSub) {
+    __m512i ahi[NP], alo[NP];
+    sfor<NP>([&](auto P_) { ahi[AQ_CV(P_)] = alo[AQ_CV(P_)] = _mm512_setzero_si512(); });
+    if (pf) pf->groups(g0, g0 + kSub);
+    for (int64_t g = g0; g < g0 + kSub; ++g) {
+      __m512i s[NP][4];
+      sfor<NP>([&](auto P_) { sfor<4>([&](auto I_) { s[AQ_CV(P_)][AQ_CV(I_)] = _mm512_setzero_si512(); }); });
+      sub_block_units<NP, kUnit>(pan, g, [&](auto P_, int64_t u, const uint8_t* unit) AQ_INLINE_LAMBDA {
+        __m512i even, odd;
+        unit_quads<3>(unit, idx, even, odd);
+        dot_digits(s[AQ_CV(P_)], even, odd, xd, u);
+      });
+      const __m512i chi = _mm512_set1_epi32(xd.c_sub_hi[g]), clo = _mm512_set1_epi32(xd.c_sub_lo[g]);
+      sfor<NP>([&](auto P_) {
+        constexpr int p = AQ_CV(P_);
+        const __m512i sc =
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qp.sc + g * lds + 16 * p)));
+        const __m512i hi = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(s[p][3], 8), s[p][2]), chi);
+        const __m512i lo = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(s[p][1], 8), s[p][0]), clo);
+        ahi[p] = _mm512_add_epi32(ahi[p], _mm512_mullo_epi32(hi, sc));
+        alo[p] = _mm512_add_epi32(alo[p], _mm512_mullo_epi32(lo, sc));
+      });
+    }
+    const int64_t b = g0 / kSub;  // the digit block: this super-block
+    const __m512 fx = _mm512_set1_ps(xd.fx[b]), fx16 = _mm512_set1_ps(xd.fx[b] * 65536.f);
+    sfor<NP>([&](auto P_) {
+      constexpr int p = AQ_CV(P_);
+      tot[p] = ffma(qp.sup(g0, p, 0), halves_value(ahi[p], alo[p], fx, fx16), tot[p]);
+    });
+  }
+  store_panels<NP>(tot, y, nvalid);
 }
 
 }  // namespace
@@ -284,6 +350,9 @@ void gemv_digits(const uint8_t* const* pan, int64_t cnt, const QP& qp, const XDi
     if constexpr (std::is_same_v<QP, KqQp<2>>) {
       const auto run = step == 4 ? &tile_q2k<4> : &tile_q2k<1>;
       run(pan + q, qp.shifted(q), xd, xs, G, y + 16 * q, nvalid - 16 * q, q == 0 ? pf : nullptr);
+    } else if constexpr (std::is_same_v<QP, KqQp<3>>) {
+      const auto run = step == 4 ? &tile_q3k<4> : &tile_q3k<1>;
+      run(pan + q, qp.shifted(q), xd, G, y + 16 * q, nvalid - 16 * q, q == 0 ? pf : nullptr);
     } else {
       const auto run = step == 4 ? &tile<B, 4, QP> : &tile<B, 1, QP>;
       run(pan + q, qp.shifted(q), xd, xs, G, gs / 8, y + 16 * q, nvalid - 16 * q, q == 0 ? pf : nullptr);
@@ -311,7 +380,7 @@ AQ_DIGITS(6, KqQp<6>)
 #undef AQ_DIGITS_WIDTH
 #undef AQ_DIGITS
 #else
-bool x_digits(const float*, int64_t, int64_t, int, XDigits&) { return false; }
+bool x_digits(const float*, int64_t, int64_t, int, XDigits&, bool) { return false; }
 #endif  // AQ_X_DIGITS
 
 }  // namespace affineq::detail

@@ -39,6 +39,7 @@ struct XDigits {
   std::vector<int8_t> d;
   std::vector<float> fx;
   std::vector<int32_t> c_hi, c_lo;
+  std::vector<int32_t> c_sub_hi, c_sub_lo;  // c_hi / c_lo of each 16 k (x_digits' sub_biases; else empty)
 };
 
 // Whether p (one row of fp32 x, or of bf16 x on weights of 2^19 weights or more; integer codes of a
@@ -46,12 +47,14 @@ struct XDigits {
 bool use_x_digits(const LowbitProblem& p);
 // k per digit block for p's groups (group_size % 8 == 0): the group, or a divisor of it of at most 512 k, so that
 // the int32 halves cannot overflow: |2^8 D_odd + D_even| <= 2^8 * 63 * 128 * 512 * 1.01 < 2^30, |c_hi|, |c_lo| <
-// 2^29; q2_k's super-block of 256 k (its sub-scales folded into the codes: gemv_digits.cpp's tile_q2k).
+// 2^29; q2_k's and q3_k's super-block of 256 k (their sub-scales applied in the int32 sums: gemv_digits.cpp's
+// tile_q2k / tile_q3k).
 int64_t digit_block(const LowbitProblem& p);
-// One row x [K8] as digits in blocks of kb k, for B-bit codes (c_hi / c_lo); false (xd then meaningless) when x
+// One row x [K8] as digits in blocks of kb k, for B-bit codes (c_hi / c_lo; with sub_biases and kb % 16 == 0 also
+// per 16 k, c_sub_hi / c_sub_lo); false (xd then meaningless) when x
 // holds inf or NaN, or a block reaches 2^100 (its scaled halves could overflow fp32 before the scale brings them
 // back).
-bool x_digits(const float* x, int64_t K8, int64_t kb, int B, XDigits& xd);
+bool x_digits(const float* x, int64_t K8, int64_t kb, int B, XDigits& xd, bool sub_biases = false);
 
 // y[0 .. nvalid) = x @ W^T for `cnt` 16-row panels (pan: their B-bit units, 16 B bytes per 8 k) with their
 // qparams qp (TileQp or KqQp<B>, gemv_groups.h) and gemv_path's group sums xs [2][G] (xs_a = (2^(B-1) + f) *
