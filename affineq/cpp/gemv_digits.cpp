@@ -107,32 +107,35 @@ bool x_digits(const float* x, int64_t K8, int64_t kb, int B, XDigits& xd, bool s
 
 namespace {
 
+// 2-bit units: slot s (16 bytes) holds k = 4 s + t in bits 2 t of row j's byte. two_bit_rows: lane j gathers
+// (slot 0, slot 0, slot 1, slot 1) of row j; kTwoBitShifts<At> [even, odd][byte]: the vpmultishiftqb counts that
+// bring each byte's field (k 0 2 4 6: bits 0 4 0 4 of the lane's bytes; k 1 3 5 7: 2 6 2 6) to bit At of its byte.
+alignas(64) constexpr auto kTwoBitGather = [] {
+  std::array<uint8_t, 64> a{};
+  for (int j = 0; j < 16; ++j)
+    for (int i = 0; i < 4; ++i) a[4 * j + i] = static_cast<uint8_t>(16 * (i / 2) + j);
+  return a;
+}();
+template <int At>
+alignas(64) constexpr auto kTwoBitShifts = [] {
+  std::array<uint8_t, 128> a{};
+  for (int b = 0; b < 64; ++b)
+    for (int odd = 0; odd < 2; ++odd)
+      a[64 * odd + b] = static_cast<uint8_t>((8 * (b % 8) + 4 * (b % 2) + 2 * odd - At + 64) % 64);
+  return a;
+}();
+AQ_INLINE __m512i two_bit_rows(const uint8_t* unit) {
+  return _mm512_permutexvar_epi8(_mm512_load_si512(kTwoBitGather.data()),
+                                 _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit))));
+}
+
 // A unit's codes as the VNNI operands of its 16 rows: the codes of its even k and of its odd k (4 per int32 lane).
 template <int B>
 AQ_INLINE void unit_quads(const uint8_t* unit, __m512i idx, __m512i& even, __m512i& odd) {
   if constexpr (B == 2) {
-    // slot s (16 bytes) holds k = 4 s + t in bits 2 t of row j's byte: lane j gathers (slot 0, slot 0, slot 1,
-    // slot 1) of its row, and vpmultishiftqb takes each byte's field (k 0 2 4 6: bits 0 4 0 4; k 1 3 5 7: 2 6 2 6)
-    alignas(64) static constexpr auto kIdx = [] {
-      std::array<uint8_t, 64> a{};
-      for (int j = 0; j < 16; ++j)
-        for (int i = 0; i < 4; ++i) a[4 * j + i] = static_cast<uint8_t>(16 * (i / 2) + j);
-      return a;
-    }();
-    alignas(64) static constexpr auto kShift = [] {
-      std::array<uint8_t, 128> a{};  // [even, odd][byte]: the field's bit in the byte's qword
-      for (int b = 0; b < 64; ++b) {
-        a[b] = static_cast<uint8_t>(8 * (b % 8) + 4 * (b % 2));
-        a[64 + b] = static_cast<uint8_t>(8 * (b % 8) + 4 * (b % 2) + 2);
-      }
-      return a;
-    }();
-    const __m512i g = _mm512_permutexvar_epi8(_mm512_load_si512(kIdx.data()),
-                                              _mm512_castsi256_si512(_mm256_loadu_si256(
-                                                  reinterpret_cast<const __m256i*>(unit))));
-    const __m512i m2 = _mm512_set1_epi8(3);
-    even = _mm512_and_si512(_mm512_multishift_epi64_epi8(_mm512_load_si512(kShift.data()), g), m2);
-    odd = _mm512_and_si512(_mm512_multishift_epi64_epi8(_mm512_load_si512(kShift.data() + 64), g), m2);
+    const __m512i g = two_bit_rows(unit), m2 = _mm512_set1_epi8(3);
+    even = _mm512_and_si512(_mm512_multishift_epi64_epi8(_mm512_load_si512(kTwoBitShifts<0>.data()), g), m2);
+    odd = _mm512_and_si512(_mm512_multishift_epi64_epi8(_mm512_load_si512(kTwoBitShifts<0>.data() + 64), g), m2);
     (void)idx;
   } else if constexpr (B == 4) {
     const __m512i w = _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(unit)), lo4 = _mm512_set1_epi8(15);
@@ -240,22 +243,16 @@ void tile_q2k(const uint8_t* const* pan, const KqQp<2>& qp, const XDigits& xd, c
   constexpr int64_t kUnit = 32, kSub = 16;  // bytes of a 2-bit unit; sub-blocks per super-block
   const int64_t lds = qp.lds;
   alignas(64) static constexpr auto kTables = [] {
-    std::array<uint8_t, 5 * 64> a{};  // gather, even / odd field shifts, product table, sub-scale spread
-    for (int j = 0; j < 16; ++j)
-      for (int i = 0; i < 4; ++i) {
-        a[4 * j + i] = static_cast<uint8_t>(16 * (i / 2) + j);  // lane j: (slot 0, slot 0, slot 1, slot 1) of row j
-        a[256 + 4 * j + i] = static_cast<uint8_t>(j);            // lane j: row j's sub-scale byte, four times
-      }
-    for (int b = 0; b < 64; ++b) {  // the field (unit_quads' bits 8 (b % 8) + 4 (b % 2), + 2 if odd) at bits 4-5
-      a[64 + b] = static_cast<uint8_t>((8 * (b % 8) + 4 * (b % 2) + 60) % 64);
-      a[128 + b] = static_cast<uint8_t>((8 * (b % 8) + 4 * (b % 2) + 62) % 64);
-      a[192 + b] = static_cast<uint8_t>((b >> 4) * (b & 15));  // u * sc for index u << 4 | sc
+    std::array<uint8_t, 2 * 64> a{};  // the product table, the sub-scale spread
+    for (int b = 0; b < 64; ++b) {
+      a[b] = static_cast<uint8_t>((b >> 4) * (b & 15));  // u * sc for index u << 4 | sc
+      a[64 + b] = static_cast<uint8_t>(b / 4);            // lane j: row j's sub-scale byte, four times
     }
     return a;
   }();
-  const __m512i gather = _mm512_load_si512(kTables.data()), sh_even = _mm512_load_si512(kTables.data() + 64),
-                sh_odd = _mm512_load_si512(kTables.data() + 128), prod = _mm512_load_si512(kTables.data() + 192),
-                spread = _mm512_load_si512(kTables.data() + 256), field = _mm512_set1_epi8(0x30);
+  const __m512i sh_even = _mm512_load_si512(kTwoBitShifts<4>.data()),  // the fields at bits 4-5
+                sh_odd = _mm512_load_si512(kTwoBitShifts<4>.data() + 64), prod = _mm512_load_si512(kTables.data()),
+                spread = _mm512_load_si512(kTables.data() + 64), field = _mm512_set1_epi8(0x30);
   F16 tot[1][NP];
   sfor<NP>([&](auto P_) { tot[0][AQ_CV(P_)] = fzero(); });
   qp.template offsets<1, NP>(tot, xs, G);
@@ -272,8 +269,7 @@ void tile_q2k(const uint8_t* const* pan, const KqQp<2>& qp, const XDigits& xd, c
       });
       sub_block_units<NP, kUnit>(pan, g, [&](auto P_, int64_t u, const uint8_t* unit) AQ_INLINE_LAMBDA {
         constexpr int p = AQ_CV(P_);
-        const __m512i r = _mm512_permutexvar_epi8(
-            gather, _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit))));
+        const __m512i r = two_bit_rows(unit);
         // index u << 4 | sc per code (bits 4-5 from the field, the rest from the sub-scale byte), then u * sc
         const __m512i even = _mm512_permutexvar_epi8(
             _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(sh_even, r), sc[p], field, 0xE4), prod);
