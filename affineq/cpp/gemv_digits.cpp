@@ -124,6 +124,21 @@ alignas(64) constexpr auto kTwoBitShifts = [] {
       a[64 * odd + b] = static_cast<uint8_t>((8 * (b % 8) + 4 * (b % 2) + 2 * odd - At + 64) % 64);
   return a;
 }();
+// 3-bit units: the 1-bit plane's 16 bytes (row j's byte: bit t = k t) spread so lane j holds row j's byte four
+// times (kLaneBytes); kOneBitShifts [even, odd][byte]: the counts that bring bit 2 i (even) or 2 i + 1 (odd) of
+// lane byte i to bit 2.
+alignas(64) constexpr auto kLaneBytes = [] {
+  std::array<uint8_t, 64> a{};
+  for (int b = 0; b < 64; ++b) a[b] = static_cast<uint8_t>(b / 4);
+  return a;
+}();
+alignas(64) constexpr auto kOneBitShifts = [] {
+  std::array<uint8_t, 128> a{};
+  for (int b = 0; b < 64; ++b)
+    for (int odd = 0; odd < 2; ++odd)
+      a[64 * odd + b] = static_cast<uint8_t>((8 * (b % 8) + 2 * (b % 4) + odd - 2 + 64) % 64);
+  return a;
+}();
 AQ_INLINE __m512i two_bit_rows(const uint8_t* unit) {
   return _mm512_permutexvar_epi8(_mm512_load_si512(kTwoBitGather.data()),
                                  _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit))));
@@ -137,6 +152,21 @@ AQ_INLINE void unit_quads(const uint8_t* unit, __m512i idx, __m512i& even, __m51
     even = _mm512_and_si512(_mm512_multishift_epi64_epi8(_mm512_load_si512(kTwoBitShifts<0>.data()), g), m2);
     odd = _mm512_and_si512(_mm512_multishift_epi64_epi8(_mm512_load_si512(kTwoBitShifts<0>.data() + 64), g), m2);
     (void)idx;
+  } else if constexpr (B == 3) {
+    // the 2-bit plane as B == 2's unit (fields to bits 0-1), the 1-bit plane's row byte spread to its lane and
+    // each k's bit brought to bit 2; the byte's other bits are the shifts' neighbours, cleared by the mask
+    const __m512i g = two_bit_rows(unit), c = _mm512_set1_epi8(3), m7 = _mm512_set1_epi8(7);
+    const __m512i h = _mm512_permutexvar_epi8(_mm512_load_si512(kLaneBytes.data()),
+                                              _mm512_castsi128_si512(_mm_loadu_si128(
+                                                  reinterpret_cast<const __m128i*>(unit + 32))));
+    const auto join = [&](int o) AQ_INLINE_LAMBDA {
+      const __m512i lo = _mm512_multishift_epi64_epi8(_mm512_load_si512(kTwoBitShifts<0>.data() + 64 * o), g);
+      const __m512i hi = _mm512_multishift_epi64_epi8(_mm512_load_si512(kOneBitShifts.data() + 64 * o), h);
+      return _mm512_and_si512(_mm512_ternarylogic_epi32(lo, hi, c, 0xE4), m7);  // c ? lo : hi
+    };
+    even = join(0);
+    odd = join(1);
+    (void)idx;
   } else if constexpr (B == 4) {
     const __m512i w = _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(unit)), lo4 = _mm512_set1_epi8(15);
     even = _mm512_and_si512(w, lo4);
@@ -149,15 +179,33 @@ AQ_INLINE void unit_quads(const uint8_t* unit, __m512i idx, __m512i& even, __m51
   }
 }
 
-// s[i] += the VNNI dot products of unit u's codes (even, odd: unit_quads' operands) with x's digit i.
+// acc += the VNNI dot products of a (unsigned bytes) with the int32 at p broadcast (signed bytes), the broadcast
+// embedded in the instruction's memory operand (GCC broadcasts into a register otherwise: see dot_digits).
+AQ_INLINE __m512i dpbusd_bcst(__m512i acc, __m512i a, const int8_t* p) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*reinterpret_cast<const int32_t*>(p)));
+  return acc;
+}
+
+// s[i] += the VNNI dot products of unit u's codes (even, odd: unit_quads' operands) with x's digit i. kMem: x's
+// digits as embedded broadcasts from memory (L1), else broadcast into registers, where the compiler keeps the
+// unit's eight for all of a tile's panels. The super-block tiles (tile_q2k, tile_q3k) need the registers those
+// eight take: with them their 16 digit sums spilled to the stack in the inner loop (benchmarks/README.md, kernel
+// design measurements); the generic tile keeps the register broadcasts, which measured faster there.
+template <bool kMem>
 AQ_INLINE void dot_digits(__m512i (&s)[4], __m512i even, __m512i odd, const XDigits& xd, int64_t u) {
   sfor<4>([&](auto I_) {
     constexpr int i = AQ_CV(I_);
-    int32_t qe, qo;
-    std::memcpy(&qe, xd.d.data() + i * xd.K8 + 8 * u, sizeof(qe));
-    std::memcpy(&qo, xd.d.data() + i * xd.K8 + 8 * u + 4, sizeof(qo));
-    s[i] = _mm512_dpbusd_epi32(s[i], even, _mm512_set1_epi32(qe));
-    s[i] = _mm512_dpbusd_epi32(s[i], odd, _mm512_set1_epi32(qo));
+    const int8_t* q = xd.d.data() + i * xd.K8 + 8 * u;
+    if constexpr (kMem) {
+      s[i] = dpbusd_bcst(s[i], even, q);
+      s[i] = dpbusd_bcst(s[i], odd, q + 4);
+    } else {
+      int32_t qe, qo;
+      std::memcpy(&qe, q, sizeof(qe));
+      std::memcpy(&qo, q + 4, sizeof(qo));
+      s[i] = _mm512_dpbusd_epi32(s[i], even, _mm512_set1_epi32(qe));
+      s[i] = _mm512_dpbusd_epi32(s[i], odd, _mm512_set1_epi32(qo));
+    }
   });
 }
 
@@ -199,7 +247,7 @@ void tile(const uint8_t* const* pan, const QP& qp, const XDigits& xd, const floa
 #endif
           __m512i even, odd;
           unit_quads<B>(unit, idx, even, odd);
-          dot_digits(s[p], even, odd, xd, u);
+          dot_digits<false>(s[p], even, odd, xd, u);
         });
       }
       const int64_t b = u0 / upb;
@@ -275,7 +323,7 @@ void tile_q2k(const uint8_t* const* pan, const KqQp<2>& qp, const XDigits& xd, c
             _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(sh_even, r), sc[p], field, 0xE4), prod);
         const __m512i odd = _mm512_permutexvar_epi8(
             _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(sh_odd, r), sc[p], field, 0xE4), prod);
-        dot_digits(s[p], even, odd, xd, u);
+        dot_digits<true>(s[p], even, odd, xd, u);
       });
     }
     const int64_t b = g0 / kSub;  // the digit block: this super-block
@@ -312,7 +360,7 @@ void tile_q3k(const uint8_t* const* pan, const KqQp<3>& qp, const XDigits& xd, i
       sub_block_units<NP, kUnit>(pan, g, [&](auto P_, int64_t u, const uint8_t* unit) AQ_INLINE_LAMBDA {
         __m512i even, odd;
         unit_quads<3>(unit, idx, even, odd);
-        dot_digits(s[AQ_CV(P_)], even, odd, xd, u);
+        dot_digits<true>(s[AQ_CV(P_)], even, odd, xd, u);
       });
       const __m512i chi = _mm512_set1_epi32(xd.c_sub_hi[g]), clo = _mm512_set1_epi32(xd.c_sub_lo[g]);
       sfor<NP>([&](auto P_) {
