@@ -188,9 +188,10 @@ AQ_INLINE __m512i dpbusd_bcst(__m512i acc, __m512i a, const int8_t* p) {
 
 // s[i] += the VNNI dot products of unit u's codes (even, odd: unit_quads' operands) with x's digit i. kMem: x's
 // digits as embedded broadcasts from memory (L1), else broadcast into registers, where the compiler keeps the
-// unit's eight for all of a tile's panels. The super-block tiles (tile_q2k, tile_q3k) need the registers those
-// eight take: with them their 16 digit sums spilled to the stack in the inner loop (benchmarks/README.md, kernel
-// design measurements); the generic tile keeps the register broadcasts, which measured faster there.
+// unit's eight for all of a tile's panels. The k-quant tiles (tile_q2k, tile_q3k, and tile with KqQp's
+// super-block sums) need the registers those eight take: with them their 16 digit sums spilled to the stack in
+// the inner loop (benchmarks/README.md, kernel design measurements); with per-group qparams the tile keeps the
+// register broadcasts, which measured faster there.
 template <bool kMem>
 AQ_INLINE void dot_digits(__m512i (&s)[4], __m512i even, __m512i odd, const XDigits& xd, int64_t u) {
   sfor<4>([&](auto I_) {
@@ -247,7 +248,7 @@ void tile(const uint8_t* const* pan, const QP& qp, const XDigits& xd, const floa
 #endif
           __m512i even, odd;
           unit_quads<B>(unit, idx, even, odd);
-          dot_digits<false>(s[p], even, odd, xd, u);
+          dot_digits<(QP::kBlock > 0)>(s[p], even, odd, xd, u);
         });
       }
       const int64_t b = u0 / upb;
