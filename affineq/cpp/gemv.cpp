@@ -117,6 +117,13 @@ constexpr int kBf16wMR = 4;
 constexpr int kB4MR3From = 5;
 constexpr int kWideRows = 8;
 
+// Whether a GEMV tile takes x's values as the FMA's / dot product's embedded broadcasts (ffma_bcst, dpbf16_bcst)
+// rather than broadcast into registers, which GCC keeps for all of the tile's panels: one row of x, or k-quant
+// qparams (their super-block sums take registers too). Measured faster there (up to 15% cold at one row); at 2 to
+// 4 rows of per-group qparams either way within a few percent (benchmarks/README.md, kernel design measurements).
+template <int MR, class QP>
+constexpr bool x_from_memory() { return MR == 1 || QP::kBlock > 0; }
+
 template <int B, int MR, int P, int A, class QP>
 void gemv_tile(const uint8_t* const* pan, const QP& qp, const float* x, int64_t ldx, const float* xs, int64_t G,
                int64_t upg, float* y, int64_t ldy, int64_t nvalid, const NextItemPrefetch* pf, const float* ub,
@@ -144,7 +151,8 @@ void gemv_tile(const uint8_t* const* pan, const QP& qp, const float* x, int64_t 
           constexpr int t = AQ_CV(T);
           sfor<MR>([&](auto M_) {
             constexpr int m = AQ_CV(M_);
-            acc[m][p][t % A] = ffma(fset1(xk[m * ldx + t]), w, acc[m][p][t % A]);
+            if constexpr (x_from_memory<MR, QP>()) acc[m][p][t % A] = ffma_bcst(xk + m * ldx + t, w, acc[m][p][t % A]);
+            else acc[m][p][t % A] = ffma(fset1(xk[m * ldx + t]), w, acc[m][p][t % A]);
           });
         });
       });
@@ -232,10 +240,15 @@ void gemv_tile_bf16w(const uint8_t* const* pan, const QP& qp, const uint16_t* x,
                 _mm512_permutexvar_epi16(pairs, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(w.v, even.v))));
             sfor<MR>([&](auto M_) {
               constexpr int m = AQ_CV(M_);
-              uint32_t xp;  // x's bf16 pair (k - 1, k) of row m
-              std::memcpy(&xp, x + m * ldx + 8 * u + k - 1, sizeof xp);
-              acc[m][p][k / 2 % A].v = _mm512_dpbf16_ps(acc[m][p][k / 2 % A].v, wp,
-                                                        reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(xp))));
+              const uint16_t* xq = x + m * ldx + 8 * u + k - 1;  // x's bf16 pair (k - 1, k) of row m
+              if constexpr (x_from_memory<MR, QP>()) {
+                acc[m][p][k / 2 % A].v = dpbf16_bcst(acc[m][p][k / 2 % A].v, wp, xq);
+              } else {
+                uint32_t xp;
+                std::memcpy(&xp, xq, sizeof xp);
+                acc[m][p][k / 2 % A].v = _mm512_dpbf16_ps(
+                    acc[m][p][k / 2 % A].v, wp, reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(xp))));
+              }
             });
           }
         });

@@ -96,9 +96,10 @@ void gemv_tile_b4bf16(const B4Bf16& k4, const uint8_t* const* pan, const QP& qp,
           const __m512bh w = reinterpret_cast<__m512bh>(k4.pairs<s>(r));
           sfor<MR>([&](auto M_) {
             constexpr int m = AQ_CV(M_);
-            const int xp = static_cast<int>(xw[m * ldx2 + 4 * u + s]);  // x's pair (s, s + 4) of unit u (xpairs)
-            const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(xp));
-            acc[m][p][s % 2].v = _mm512_dpbf16_ps(acc[m][p][s % 2].v, w, xv);
+            // x's pair (s, s + 4) of unit u (xpairs), broadcast by the instruction: GCC's register broadcasts,
+            // one per pair kept for the tile's panels, spilled the accumulators at 4 rows and measured slower at
+            // every row count (benchmarks/README.md, kernel design measurements)
+            acc[m][p][s % 2].v = dpbf16_bcst(acc[m][p][s % 2].v, w, xw + m * ldx2 + 4 * u + s);
           });
         });
       });

@@ -55,6 +55,12 @@ AQ_INLINE __m256i bf16_bits(__m512 v) {
   const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
   return _mm256_mask_mov_epi16(h, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm256_set1_epi16(0x7FC0));
 }
+// acc += the bf16 dot products of w with the bf16 pair at p broadcast, the broadcast embedded in the
+// instruction's memory operand (as ffma_bcst).
+AQ_INLINE __m512 dpbf16_bcst(__m512 acc, __m512bh w, const void* p) {
+  asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*static_cast<const uint32_t*>(p)));
+  return acc;
+}
 #endif
 #if AQ_AVX512
 // 16 fp32 -> their bf16 bits as torch rounds, in integer arithmetic: to nearest even, subnormals kept (where
@@ -134,6 +140,13 @@ AQ_INLINE F16 fload_n(const float* p, int w) { return {_mm512_maskz_loadu_ps((__
 AQ_INLINE void fstore_n(float* p, F16 a, int w) { _mm512_mask_storeu_ps(p, (__mmask16)((1u << w) - 1u), a.v); }
 AQ_INLINE F16 fset1(float s) { return {_mm512_set1_ps(s)}; }
 AQ_INLINE F16 ffma(F16 a, F16 b, F16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+// ffma(fset1(*p), b, c) with the broadcast embedded in the FMA's memory operand (GCC otherwise broadcasts into a
+// register of its own, kept while it is reused, which can push a tile's accumulators to the stack).
+AQ_INLINE F16 ffma_bcst(const float* p, F16 b, F16 c) {
+  __m512 r = c.v;
+  asm("vfmadd231ps %2%{1to16%}, %1, %0" : "+v"(r) : "v"(b.v), "m"(*p));
+  return {r};
+}
 AQ_INLINE F16 fadd(F16 a, F16 b) { return {_mm512_add_ps(a.v, b.v)}; }
 AQ_INLINE F16 fmul(F16 a, F16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
 AQ_INLINE I16 ld_u8x16(const uint8_t* p) {
@@ -171,6 +184,7 @@ AQ_INLINE void fstore_n(float* p, F16 x, int w) {
 }
 AQ_INLINE F16 fset1(float s) { return {_mm256_set1_ps(s), _mm256_set1_ps(s)}; }
 AQ_INLINE F16 ffma(F16 x, F16 y, F16 z) { return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)}; }
+AQ_INLINE F16 ffma_bcst(const float* p, F16 b, F16 c) { return ffma(fset1(*p), b, c); }
 AQ_INLINE F16 fadd(F16 x, F16 y) { return {_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; }
 AQ_INLINE F16 fmul(F16 x, F16 y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
 AQ_INLINE I16 ld_u8x16(const uint8_t* p) {
@@ -213,6 +227,7 @@ AQ_INLINE F16 fload_n(const float* p, int w) { F16 r; AQ_L16 r.v[i] = i < w ? p[
 AQ_INLINE void fstore_n(float* p, F16 a, int w) { for (int i = 0; i < w; ++i) p[i] = a.v[i]; }
 AQ_INLINE F16 fset1(float s) { F16 r; AQ_L16 r.v[i] = s; return r; }
 AQ_INLINE F16 ffma(F16 a, F16 b, F16 c) { F16 r; AQ_L16 r.v[i] = a.v[i] * b.v[i] + c.v[i]; return r; }
+AQ_INLINE F16 ffma_bcst(const float* p, F16 b, F16 c) { return ffma(fset1(*p), b, c); }
 AQ_INLINE F16 fadd(F16 a, F16 b) { F16 r; AQ_L16 r.v[i] = a.v[i] + b.v[i]; return r; }
 AQ_INLINE F16 fmul(F16 a, F16 b) { F16 r; AQ_L16 r.v[i] = a.v[i] * b.v[i]; return r; }
 AQ_INLINE I16 ld_u8x16(const uint8_t* p) { I16 r; AQ_L16 r.v[i] = p[i]; return r; }
