@@ -179,13 +179,6 @@ AQ_INLINE void unit_quads(const uint8_t* unit, __m512i idx, __m512i& even, __m51
   }
 }
 
-// acc += the VNNI dot products of a (unsigned bytes) with the int32 at p broadcast (signed bytes), the broadcast
-// embedded in the instruction's memory operand (GCC broadcasts into a register otherwise: see dot_digits).
-AQ_INLINE __m512i dpbusd_bcst(__m512i acc, __m512i a, const int8_t* p) {
-  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*reinterpret_cast<const int32_t*>(p)));
-  return acc;
-}
-
 // s[i] += the VNNI dot products of unit u's codes (even, odd: unit_quads' operands) with x's digit i. kMem: x's
 // digits as embedded broadcasts from memory (L1), else broadcast into registers, where the compiler keeps the
 // unit's eight for all of a tile's panels. The k-quant tiles (tile_q2k, tile_q3k, and tile with KqQp's

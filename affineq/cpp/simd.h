@@ -48,6 +48,14 @@ namespace affineq::detail {
 // GCC compiled the hot loops that inline these functions differently (seen in the disassembly).
 namespace {
 
+#if AQ_VNNI
+// acc += the VNNI dot products of a (unsigned bytes) with the int32 at p broadcast (signed bytes), the broadcast
+// embedded in the instruction's memory operand (as ffma_bcst).
+AQ_INLINE __m512i dpbusd_bcst(__m512i acc, __m512i a, const void* p) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*static_cast<const int32_t*>(p)));
+  return acc;
+}
+#endif
 #if AQ_BF16DOT
 // 16 fp32 -> their bf16 bits as torch rounds: to nearest even, every NaN as 0x7FC0 (vcvtneps2bf16 keeps the
 // NaN's sign and payload).
