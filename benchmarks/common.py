@@ -32,9 +32,13 @@ def median_ms(fn: Callable[[], object], *, min_runs: int = 5, max_runs: int = 20
 
 
 def round_robin_ms(cands: dict[str, Callable[[], object]], *, budget_s: float = 0.4, min_runs: int = 5,
-                   max_runs: int = 200, warmup: int = 2) -> dict[str, float]:
+                   max_runs: int = 200, warmup: int = 2, burst: int = 1) -> dict[str, float]:
     """Median ms per candidate, the candidates called in turn (A, B, C, B, C, A, C, A, B, ...) so that a noisy
-    spell on the machine hits them alike and their ratios hold; `budget_s` is per candidate."""
+    spell on the machine hits them alike and their ratios hold; `budget_s` is per candidate.
+
+    `burst` > 1 calls each candidate that many times per turn and times only the calls after the first: what the
+    other candidates read in between evicts its data, so a hot-cache measurement needs the first call to bring its
+    data back (M = 1 with hot weights)."""
     for f in cands.values():
         for _ in range(warmup):
             f()
@@ -46,9 +50,11 @@ def round_robin_ms(cands: dict[str, Callable[[], object]], *, budget_s: float = 
         # each round starts one candidate later, so no candidate always runs right after the same one: what the
         # previous call left in a large L3 moves the next call's time (benchmarks/README.md, seventeenth session)
         for name in names[runs % len(names):] + names[:runs % len(names)]:
-            t = time.perf_counter()
-            cands[name]()
-            times[name].append(time.perf_counter() - t)
+            for i in range(burst):
+                t = time.perf_counter()
+                cands[name]()
+                if i or burst == 1:
+                    times[name].append(time.perf_counter() - t)
         runs += 1
     return {name: statistics.median(v) * 1e3 for name, v in times.items()}
 
