@@ -23,7 +23,8 @@ which picks the row thresholds of `affineq.tensor.compute_bound`) are printed an
 
 `--hot` (issue 30's M = 1 target: int4 and int8 >= 4x fp32 and >= 2.5x bf16 with hot weights) calls one copy of
 each weight again and again, in bursts of calls (the first untimed) so that it is back in the last-level cache
-whatever the other candidates read in between, at M = 1 on 4096x4096 and 11008x4096, and prints each config's speed over fp32 and over bf16 F.linear (results/bench_linear_hot.json).
+whatever the other candidates read in between, at M = 1 on 4096x4096 and 11008x4096, and prints each config's
+speed over fp32 and over bf16 F.linear (results/bench_linear_hot.json).
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@ a slot decoded at a time, softmax chunks of 256 slots folded in slot order. Chec
 built from the dequantized cache, over the shapes that pick its branches: GQA groups of 1-9 heads (blocks of 4 and
 a remainder), head sizes 64 / 128 (unrolled) and 80 / 256 (the loop), every supported group layout, slots past one
 chunk, padding inside a chunk, whole chunks of padding, several queries with their own positions; and its result
-does not depend on the thread count (chunks folded in one order whether run by one item or split over threads)."""
+does not depend on the thread count (chunks folded in one order whether run by one item or split over threads);
+attention sinks (gpt-oss) in the softmax's denominator."""
 
 import pytest
 import torch
@@ -22,15 +23,26 @@ def _cache(kind, b, kvh, t, d, gk, gv, gen):
     return (*kva.quantize_kv(k, kind, gk), *kva.quantize_kv(v, kind, gv))
 
 
-def _reference64(q, kc, ks, vc, vs, pos, valid):
+def _reference64(q, kc, ks, vc, vs, pos, valid, sinks=None):
     """float64 attention over the dequantized cache (the values the kernel reads, exactly)."""
     k, v = kva.dequantize_kv(kc, ks).double(), kva.dequantize_kv(vc, vs).double()
+    return _attention64(q, k, v, pos, valid, q.shape[-1] ** -0.5, sinks)
+
+
+def _attention64(q, k, v, pos, valid, scale, sinks=None):
+    """float64 softmax attention written out: p_t = exp(s_t - m) / (sum_u exp(s_u - m) + exp(sink - m)) over the
+    kept slots (m their largest score), 0 for a query with none."""
     rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    keep = (torch.arange(k.shape[2])[None, None, :] <= pos[None, :, None]) & valid[:, None, :]
-    scores = (q.double() @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
-    p = scores.masked_fill(~keep[:, None], float("-inf")).softmax(-1).nan_to_num(0.0)
-    return p @ v
+    k, v = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
+    keep = ((torch.arange(k.shape[2])[None, None, :] <= pos[None, :, None]) & valid[:, None, :])[:, None]
+    scores = ((q.double() @ k.transpose(-1, -2)) * scale).masked_fill(~keep, float("-inf"))
+    m = scores.amax(-1, keepdim=True)
+    if sinks is not None:  # [H] per head or [B, H, S] per query
+        sinks = sinks.double().view(1, -1, 1, 1) if sinks.dim() == 1 else sinks.double()[..., None]
+        m = torch.maximum(m, sinks)
+    e = (scores - m).exp().masked_fill(~keep, 0.0)
+    den = e.sum(-1, keepdim=True) + (0.0 if sinks is None else (sinks - m).exp())
+    return ((e / den) @ v).nan_to_num(0.0) * keep.any(-1, keepdim=True)
 
 
 CASES = [  # kind, H, KVH, D, key group, value group, T
@@ -104,6 +116,59 @@ def test_bfloat16_queries_round_the_fp32_result():
     assert torch.equal(out, torch.ops.affineq.kv_attention(q.float(), *args[1:]).bfloat16())
 
 
+@pytest.mark.parametrize("kind,h,kvh,d,gk,gv,t", [CASES[0], CASES[2], CASES[5], CASES[7]])
+def test_sinks_join_the_denominator(kind, h, kvh, d, gk, gv, t):
+    """gpt-oss' attention sinks: one logit per query head in each softmax's denominator, on the vector path, the
+    scalar loop and the float-cache kernel; a query with no key still gives 0; a sink of -inf is no sink."""
+    gen = torch.Generator().manual_seed(7 * h + t)
+    b = 2
+    kc, ks, vc, vs = _cache(kind, b, kvh, t, d, gk, gv, gen)
+    q = torch.randn(b, h, 3, d, generator=gen)
+    pos = torch.tensor([t - 1, 255, 256])
+    valid = torch.ones(b, t, dtype=torch.bool)
+    valid[1, :260] = False
+    sinks = torch.randn(h, generator=gen) * 3
+    sinks[0] = 30.0  # far above every score: that head's output shrinks towards 0
+    args = (q, kc, ks, vc, vs, pos, valid)
+    ref = _reference64(*args, sinks)
+    assert not torch.allclose(ref, _reference64(*args), atol=1e-3)  # the sinks move every head
+    for path in (0, 1):
+        out = torch.ops.affineq_cpp.kv_attention_path(*args, path, sinks)
+        torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-5)
+        assert torch.equal(out[1, :, 1:], torch.zeros(h, 2, d))  # no key: 0
+    out = torch.ops.affineq.kv_attention_sinks(*args, sinks.bfloat16())  # any float dtype, read as fp32
+    torch.testing.assert_close(out.double(), _reference64(*args, sinks.bfloat16().float()), rtol=0, atol=2e-5)
+    none = torch.full((h,), float("-inf"))
+    assert torch.equal(torch.ops.affineq.kv_attention_sinks(*args, none), torch.ops.affineq.kv_attention(*args))
+    torch.testing.assert_close(kva.kv_attention_reference(*args, sinks).double(), ref, rtol=0, atol=2e-5)
+    per_query = torch.randn(b, h, 3, generator=gen) * 3  # one sink per query (an int4 cache's shifted logits)
+    ref3 = _reference64(*args, per_query)
+    for path in (0, 1):
+        torch.testing.assert_close(torch.ops.affineq_cpp.kv_attention_path(*args, path, per_query).double(), ref3,
+                                   rtol=0, atol=2e-5)
+    torch.testing.assert_close(kva.kv_attention_reference(*args, per_query).double(), ref3, rtol=0, atol=2e-5)
+    k, v = kva.dequantize_kv(kc, ks), kva.dequantize_kv(vc, vs)  # the same values as a float cache
+    if d % 16 == 0:
+        out = torch.ops.affineq.float_kv_attention_sinks(q, k, v, pos, valid, d**-0.5, sinks)
+        torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-5)
+        torch.testing.assert_close(kva.float_kv_attention_reference(q, k, v, pos, valid, d**-0.5, sinks).double(),
+                                   ref, rtol=0, atol=2e-5)
+
+
+def test_sinks_are_checked():
+    gen = torch.Generator().manual_seed(8)
+    kc, ks, vc, vs = _cache("int8", 1, 2, 20, 64, 32, 32, gen)
+    q = torch.randn(1, 4, 1, 64, generator=gen)
+    args = (q, kc, ks, vc, vs, torch.tensor([19]), torch.ones(1, 20, dtype=torch.bool))
+    msg = r"sinks must be a float CPU tensor \[H\] = \[4\] \(one logit per query head\) or \[B, H, S\] = \[1, 4, 1\]"
+    for bad in (torch.zeros(3), torch.zeros(4, 1), torch.zeros(1, 4, 2), torch.zeros(4, dtype=torch.int64)):
+        with pytest.raises(RuntimeError, match=msg):
+            torch.ops.affineq.kv_attention_sinks(*args, bad)
+    with pytest.raises(RuntimeError, match=msg):
+        torch.ops.affineq.float_kv_attention_sinks(q, kva.dequantize_kv(kc, ks), kva.dequantize_kv(vc, vs), *args[5:],
+                                             0.125, torch.zeros(2))
+
+
 FLOAT_CASES = [  # H, KVH, D, T
     (4, 1, 64, 700),
     (9, 3, 128, 300),
@@ -153,12 +218,13 @@ def test_float_cache_kernel_checks_its_arguments():
 @settings(max_examples=40, deadline=None)
 @given(kind=st.sampled_from(["int8", "int4", "bf16", "fp32"]), rep=st.integers(1, 9), kvh=st.integers(1, 3),
        d=st.sampled_from([16, 32, 48, 64, 80, 128]), t=st.integers(1, 600), s=st.integers(1, 3),
-       pad=st.integers(0, 40), seed=st.integers(0, 2**16))
-def test_fast_path_property(kind, rep, kvh, d, t, s, pad, seed):
-    """Any shape the vector path takes (queries per kv head, head size, slots, queries, left padding): the
-    float64 attention over the values it reads, to 2e-5."""
+       pad=st.integers(0, 40), seed=st.integers(0, 2**16), with_sinks=st.booleans())
+def test_fast_path_property(kind, rep, kvh, d, t, s, pad, seed, with_sinks):
+    """Any shape the vector path takes (queries per kv head, head size, slots, queries, left padding, with or
+    without sinks): the float64 attention over the values it reads, to 2e-5."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(1, rep * kvh, s, d, generator=gen)
+    sinks = torch.randn(rep * kvh, generator=gen) * 2 if with_sinks else None
     pos = torch.randint(0, t, (s,), generator=gen)
     valid = torch.ones(1, t, dtype=torch.bool)
     valid[0, :min(pad, t)] = False
@@ -168,9 +234,10 @@ def test_fast_path_property(kind, rep, kvh, d, t, s, pad, seed):
         kc, ks = kva.quantize_kv(k, kind, g)
         vc, vs = kva.quantize_kv(v, kind, 32 if d % 32 == 0 else 16)
         args = (q, kc, ks, vc, vs, pos, valid)
-        out, ref = torch.ops.affineq_cpp.kv_attention_path(*args, 0), _reference64(*args)
+        out, ref = torch.ops.affineq_cpp.kv_attention_path(*args, 0, sinks), _reference64(*args, sinks)
     else:
         k, v = (k.bfloat16(), v.bfloat16()) if kind == "bf16" else (k, v)
-        out = torch.ops.affineq.float_kv_attention(q, k, v, pos, valid, d**-0.5)
-        ref = kva.float_kv_attention_reference(q.double(), k.double(), v.double(), pos, valid, d**-0.5)
+        op = torch.ops.affineq.float_kv_attention_sinks if with_sinks else torch.ops.affineq.float_kv_attention
+        out = op(q, k, v, pos, valid, d**-0.5, *([sinks] if with_sinks else []))
+        ref = _attention64(q, k, v, pos, valid, d**-0.5, sinks)
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-5)

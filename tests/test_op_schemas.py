@@ -38,6 +38,8 @@ affineq::dequant_linear(Tensor x, Tensor packed, Tensor scale, Tensor? offset, i
     n, int k, int codes, int code_offset, bool canonical, bool bf16_weight, int min_rows=0) -> Tensor
 affineq::fake_quantize_mx_activation(Tensor x, str aq) -> Tensor
 affineq::float_kv_attention(Tensor q, Tensor k, Tensor v, Tensor pos, Tensor valid, float scale) -> Tensor
+affineq::float_kv_attention_sinks(Tensor q, Tensor k, Tensor v, Tensor pos, Tensor valid, float scale, Tensor
+    sinks) -> Tensor
 affineq::grouped_dequantized_linear(Tensor x, Tensor expert_ids, Tensor[] tensors, str names, str spec) ->
     Tensor
 affineq::grouped_float_linear(Tensor x, Tensor expert_ids, Tensor weight) -> Tensor
@@ -64,6 +66,8 @@ affineq::kquant_linear(Tensor x, Tensor qdata, Tensor scales, Tensor? mins, Tens
     -> Tensor
 affineq::kv_attention(Tensor q, Tensor k_codes, Tensor k_scale, Tensor v_codes, Tensor v_scale, Tensor pos,
     Tensor valid) -> Tensor
+affineq::kv_attention_sinks(Tensor q, Tensor k_codes, Tensor k_scale, Tensor v_codes, Tensor v_scale, Tensor
+    pos, Tensor valid, Tensor sinks) -> Tensor
 affineq::lowbit_dequantize(Tensor packed, Tensor scale, Tensor? offset, int bits, int group_size, int n, int
     k, int codes=0, int code_offset=0) -> Tensor
 affineq::lowbit_linear(Tensor x, Tensor packed, Tensor scale, Tensor? offset, int bits, int group_size, int n,

@@ -5,7 +5,9 @@
 // For each (batch b, query head h, query s), with kv head h / (H / KVH) and n = pos[s] + 1 slots:
 //   score[t] = (q . K[t]) / sqrt(D) for slots t < n with valid[b, t], K[t, d] = scale[t, g(d)] * code[t, d]
 //              [+ min[t, g(d)]]
-//   p = softmax(score) over those slots (no slot: the output row is 0, as sdpa gives a fully masked row)
+//   p = softmax(score) over those slots (no slot: the output row is 0, as sdpa gives a fully masked row); with
+//       sinks (one logit per query head, gpt-oss, or per query [B, H, S]) exp(sink) joins the softmax's
+//       denominator only
 //   out = sum_t p[t] * V[t],  V[t, d] = v_scale[t, g(d)] * code[t, d] [+ v_min[t, g(d)]]
 // fp32 products and accumulation. int8 codes: int8 [.., T, D], fp32 scales [.., T, D / G], value = scale * code.
 // int4: uint8 [.., T, D / 2] with float16 (scale, min) pairs [.., T, 2 * D / G]; in group g of G elements, byte
@@ -27,6 +29,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #include "attention_kernel.h"
@@ -95,9 +98,9 @@ using AxpyFn = void (*)(float, Row, float*, int64_t, int64_t, bool);
 int qtype_of(at::ScalarType t) { return t == at::kFloat ? kv::kQF32 : t == at::kBFloat16 ? kv::kQBF16 : kv::kQF16; }
 
 // The checks both ops share: q [B, H, S, D] float32 / bfloat16 / float16, pos int64 [S] inside [0, T), valid bool
-// [B, T], every tensor on the CPU.
+// [B, T], every tensor on the CPU, sinks None or a float [H] or [B, H, S].
 void check_common(const char* op, const at::Tensor& q, const at::Tensor& pos, const at::Tensor& valid, int64_t T,
-                  std::initializer_list<const at::Tensor*> all) {
+                  std::initializer_list<const at::Tensor*> all, const std::optional<at::Tensor>& sinks) {
   const auto qt = q.scalar_type();
   TORCH_CHECK(qt == at::kFloat || qt == at::kBFloat16 || qt == at::kHalf, op,
               ": q must be float32, bfloat16 or float16, got ", qt);
@@ -108,16 +111,33 @@ void check_common(const char* op, const at::Tensor& q, const at::Tensor& pos, co
               ": valid must be bool [B, T] = [", B, ", ", T, "], got ", valid.scalar_type(), " ", valid.sizes());
   for (const at::Tensor* t : all)
     TORCH_CHECK(t->device().is_cpu(), op, ": every tensor must be on the CPU, got ", t->device());
+  if (sinks) {
+    const auto st = sinks->scalar_type();
+    const bool per_head = sinks->dim() == 1 && sinks->size(0) == q.size(1);
+    const bool per_query = sinks->dim() == 3 && sinks->sizes() == at::IntArrayRef({B, q.size(1), S});
+    TORCH_CHECK((per_head || per_query) && (st == at::kFloat || st == at::kBFloat16 || st == at::kHalf) &&
+                    sinks->device().is_cpu(),
+                op, ": sinks must be a float CPU tensor [H] = [", q.size(1), "] (one logit per query head) or [B, H, "
+                "S] = [", B, ", ", q.size(1), ", ", S, "] (per query), or None; got ", st, " ", sinks->sizes(),
+                " on ", sinks->device());
+  }
   const at::Tensor ps = pos.contiguous();
   const int64_t* P = ps.data_ptr<int64_t>();
   for (int64_t s = 0; s < S; ++s)
     TORCH_CHECK(P[s] >= 0 && P[s] < T, op, ": pos[", s, "] = ", P[s], " is outside the cache [0, ", T, ")");
 }
 
+// The sink logits as fp32 [B, H, S] (one per query), or an undefined tensor without sinks.
+at::Tensor sinks_per_query(const std::optional<at::Tensor>& sinks, int64_t B, int64_t H, int64_t S) {
+  if (!sinks) return at::Tensor();
+  const at::Tensor f = sinks->to(at::kFloat);
+  return (f.dim() == 1 ? f.view({1, H, 1}).expand({B, H, S}) : f).contiguous();
+}
+
 // path: 0 = best for this build and shape, 1 = scalar (tests compare the two)
 at::Tensor kv_attention_impl(const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_scale,
                              const at::Tensor& v_codes, const at::Tensor& v_scale, const at::Tensor& pos,
-                             const at::Tensor& valid, int64_t path) {
+                             const at::Tensor& valid, int64_t path, const std::optional<at::Tensor>& sinks) {
   constexpr const char* op = "affineq::kv_attention";
   TORCH_CHECK(q.dim() == 4, op, ": q must be [B, H, S, D], got ", q.sizes());
   const auto qt = q.scalar_type();
@@ -148,7 +168,9 @@ at::Tensor kv_attention_impl(const at::Tensor& q, const at::Tensor& k_codes, con
   const int64_t Gk = D / ngk, Gv = D / ngv;
   TORCH_CHECK(!int4 || (Gk % 2 == 0 && Gv % 2 == 0), op, ": int4 groups must have an even size, got ", Gk,
               " and ", Gv);
-  check_common(op, q, pos, valid, T, {&q, &k_codes, &k_scale, &v_codes, &v_scale, &pos, &valid});
+  check_common(op, q, pos, valid, T, {&q, &k_codes, &k_scale, &v_codes, &v_scale, &pos, &valid}, sinks);
+  const at::Tensor sk = sinks_per_query(sinks, B, H, S);
+  const float* SK = sinks ? sk.data_ptr<float>() : nullptr;
 
   const at::Tensor kc = k_codes.contiguous(), vc = v_codes.contiguous();
   const at::Tensor ks = k_scale.contiguous(), vs = v_scale.contiguous();
@@ -171,7 +193,8 @@ at::Tensor kv_attention_impl(const at::Tensor& q, const at::Tensor& k_codes, con
     const kv::Side vside{vcp, row_bytes, vsf, vsh, vsw, kv::chunk_table(kind, D, Gv)};
     const at::Tensor qc = q.contiguous();
     at::Tensor y = at::empty({B, H, S, D}, qc.options());  // scores q . k / sqrt(D), as the scalar loop's
-    kv::attend_fast(kind, kside, vside, qc.data_ptr(), qtype_of(qt), sm, P, V, B, H, KVH, S, T, D, y.data_ptr());
+    kv::attend_fast(kind, kside, vside, qc.data_ptr(), qtype_of(qt), sm, P, V, B, H, KVH, S, T, D, y.data_ptr(),
+                    SK);
     return y;
   }
   const at::Tensor qf = q.to(at::kFloat).contiguous();
@@ -209,7 +232,8 @@ at::Tensor kv_attention_impl(const at::Tensor& q, const at::Tensor& k_codes, con
       float* o = O + item * D;
       std::fill(o, o + D, 0.f);
       if (mx == -std::numeric_limits<float>::infinity()) continue;  // no key (a pad query): 0, as sdpa
-      float sum = 0.f;
+      if (SK != nullptr) mx = std::max(mx, SK[item]);  // item = (b * H + h) * S + s
+      float sum = SK != nullptr ? std::exp(SK[item] - mx) : 0.f;
       for (int64_t t = 0; t < n; ++t) {
         if (!V[b * T + t]) continue;
         score[t] = std::exp(score[t] - mx);
@@ -228,13 +252,22 @@ at::Tensor kv_attention_impl(const at::Tensor& q, const at::Tensor& k_codes, con
 at::Tensor kv_attention_cpu(const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_scale,
                             const at::Tensor& v_codes, const at::Tensor& v_scale, const at::Tensor& pos,
                             const at::Tensor& valid) {
-  return kv_attention_impl(q, k_codes, k_scale, v_codes, v_scale, pos, valid, 0);
+  return kv_attention_impl(q, k_codes, k_scale, v_codes, v_scale, pos, valid, 0, std::nullopt);
+}
+
+// affineq::kv_attention_sinks: kv_attention with sink logits (an op of its own: schemas never change)
+at::Tensor kv_attention_sinks_cpu(const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_scale,
+                                  const at::Tensor& v_codes, const at::Tensor& v_scale, const at::Tensor& pos,
+                                  const at::Tensor& valid, const at::Tensor& sinks) {
+  return kv_attention_impl(q, k_codes, k_scale, v_codes, v_scale, pos, valid, 0, sinks);
 }
 
 // affineq::float_kv_attention: the fast path over a float cache, k / v [B, KVH, T, D] float32 / bfloat16 / float16
-// (one dtype, D % 16 == 0), logits (q . k) * scale, fp32 products and sums; [B, H, S, D] in q's dtype.
-at::Tensor float_kv_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& pos,
-                                  const at::Tensor& valid, double scale) {
+// (one dtype, D % 16 == 0), logits (q . k) * scale, fp32 products and sums, sinks as kv_attention_sinks'; [B, H, S,
+// D] in q's dtype.
+at::Tensor float_kv_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                   const at::Tensor& pos, const at::Tensor& valid, double scale,
+                                   const std::optional<at::Tensor>& sinks) {
   constexpr const char* op = "affineq::float_kv_attention";
   TORCH_CHECK(q.dim() == 4, op, ": q must be [B, H, S, D], got ", q.sizes());
   const int64_t B = q.size(0), H = q.size(1), S = q.size(2), D = q.size(3);
@@ -248,7 +281,8 @@ at::Tensor float_kv_attention_cpu(const at::Tensor& q, const at::Tensor& k, cons
   TORCH_CHECK(D % 16 == 0, op, ": the head size must be a multiple of 16, got ", D,
               " (other sizes: scaled_dot_product_attention)");
   const int64_t KVH = k.size(1), T = k.size(2);
-  check_common(op, q, pos, valid, T, {&q, &k, &v, &pos, &valid});
+  check_common(op, q, pos, valid, T, {&q, &k, &v, &pos, &valid}, sinks);
+  const at::Tensor sk = sinks_per_query(sinks, B, H, S);
   const at::Tensor qc = q.contiguous();
   const at::Tensor kc = k.contiguous(), vc = v.contiguous(), ps = pos.contiguous(), vl = valid.contiguous();
   at::Tensor out = at::empty({B, H, S, D}, qc.options());
@@ -258,8 +292,20 @@ at::Tensor float_kv_attention_cpu(const at::Tensor& q, const at::Tensor& k, cons
   const kv::Side kside{static_cast<const uint8_t*>(kc.data_ptr()), row_bytes, nullptr, nullptr, 0, table};
   const kv::Side vside{static_cast<const uint8_t*>(vc.data_ptr()), row_bytes, nullptr, nullptr, 0, table};
   kv::attend_fast(kind, kside, vside, qc.data_ptr(), qtype_of(q.scalar_type()), float(scale), ps.data_ptr<int64_t>(),
-                  vl.data_ptr<bool>(), B, H, KVH, S, T, D, out.data_ptr());
+                  vl.data_ptr<bool>(), B, H, KVH, S, T, D, out.data_ptr(), sinks ? sk.data_ptr<float>() : nullptr);
   return out;
+}
+
+at::Tensor float_kv_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& pos,
+                                  const at::Tensor& valid, double scale) {
+  return float_kv_attention_impl(q, k, v, pos, valid, scale, std::nullopt);
+}
+
+// affineq::float_kv_attention_sinks: float_kv_attention with sink logits
+at::Tensor float_kv_attention_sinks_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                        const at::Tensor& pos, const at::Tensor& valid, double scale,
+                                        const at::Tensor& sinks) {
+  return float_kv_attention_impl(q, k, v, pos, valid, scale, sinks);
 }
 
 }  // namespace
@@ -267,11 +313,13 @@ at::Tensor float_kv_attention_cpu(const at::Tensor& q, const at::Tensor& k, cons
 
 TORCH_LIBRARY_IMPL(affineq, CPU, m) {
   m.impl("kv_attention", &affineq::kv_attention_cpu);
+  m.impl("kv_attention_sinks", &affineq::kv_attention_sinks_cpu);
   m.impl("float_kv_attention", &affineq::float_kv_attention_cpu);
+  m.impl("float_kv_attention_sinks", &affineq::float_kv_attention_sinks_cpu);
 }
 
 TORCH_LIBRARY_FRAGMENT(affineq_cpp, m) {
   m.def("kv_attention_path(Tensor q, Tensor k_codes, Tensor k_scale, Tensor v_codes, Tensor v_scale, Tensor pos, "
-        "Tensor valid, int path) -> Tensor",
+        "Tensor valid, int path, Tensor? sinks=None) -> Tensor",
         &affineq::kv_attention_impl);
 }

@@ -299,6 +299,21 @@ void fold(float& m, float& l, float* o, float mc, float lc, const float* oc, int
   m = mx;
 }
 
+// (m, l, o) <- their fold with a sink logit: a term of the softmax's denominator with no value (gpt-oss), as a
+// chunk (sink, 1, 0) folded last. With no slot before it the output stays 0.
+void fold_sink(float& m, float& l, float* o, float sink, int64_t D) {
+  constexpr float kNone = -std::numeric_limits<float>::infinity();
+  if (m == kNone) {
+    m = sink, l = 1.f;
+    std::fill(o, o + D, 0.f);
+    return;
+  }
+  const float mx = std::max(m, sink), a = std::exp(m - mx);
+  l = l * a + std::exp(sink - mx);
+  for (int64_t d = 0; d < D; ++d) o[d] *= a;
+  m = mx;
+}
+
 }  // namespace
 
 bool fast_groups(bool int4, int64_t G) { return int4 ? (G == 16 || G % 32 == 0) : G % 16 == 0; }
@@ -331,7 +346,8 @@ const float* Side::scales(int64_t t, int64_t nt, detail::Scratch& buf) const {
 }
 
 void attend_fast(int kind, const Side& k, const Side& v, const void* q, int qtype, float scale, const int64_t* P,
-                 const bool* V, int64_t B, int64_t H, int64_t KVH, int64_t S, int64_t T, int64_t D, void* out) {
+                 const bool* V, int64_t B, int64_t H, int64_t KVH, int64_t S, int64_t T, int64_t D, void* out,
+                 const float* sinks) {
   constexpr float kNone = -std::numeric_limits<float>::infinity();
   const int64_t rep = H / KVH, items = B * KVH * S, w = D + 2;  // a partial: m, l, o[D]
   const int nrb = int((rep + kRB - 1) / kRB);
@@ -376,6 +392,7 @@ void attend_fast(int kind, const Side& k, const Side& v, const void* q, int qtyp
         fold(acc[0], acc[1], acc.data() + 2, pc[0], pc[1], pc + 2, D);
       }
       const int64_t y = ((b * H + kv * rep + r) * S + s) * D;
+      if (sinks != nullptr) fold_sink(acc[0], acc[1], acc.data() + 2, sinks[y / D], D);
       const bool none = acc[0] == kNone;  // no slot: 0, as sdpa gives a fully masked row
       const float inv = none ? 0.f : 1.f / acc[1];
       for (int64_t d = 0; d < D; ++d) acc[2 + d] = none ? 0.f : acc[2 + d] * inv;

@@ -58,8 +58,10 @@ enum QType : int { kQF32, kQBF16, kQF16 };
 // out [B, H, S, D] (q's type) = attention of the queries q [B, H, S, D] (float32 / bfloat16 / float16, qtype), each
 // taken to fp32 and times `scale` (logits (q . k) * scale), over the cache sides k / v [B, KVH, T, ...]: query s of
 // batch row b reads the slots t <= P[s] with V[b * T + t]; a query with no slot gives 0. fp32 products and sums,
-// the output rounded once to q's type.
+// the output rounded once to q's type. sinks: null, or one fp32 logit per query [B, H, S] that joins its softmax's
+// denominator only (p_t = exp(s_t) / (sum_u exp(s_u) + exp(sink)), gpt-oss).
 void attend_fast(int kind, const Side& k, const Side& v, const void* q, int qtype, float scale, const int64_t* P,
-                 const bool* V, int64_t B, int64_t H, int64_t KVH, int64_t S, int64_t T, int64_t D, void* out);
+                 const bool* V, int64_t B, int64_t H, int64_t KVH, int64_t S, int64_t T, int64_t D, void* out,
+                 const float* sinks);
 
 }  // namespace affineq::kv

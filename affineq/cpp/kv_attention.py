@@ -16,18 +16,22 @@ use different G):
 
 An all-constant group has scale 0 (codes 0, the value back exactly up to the min's rounding).
 
-``kv_attention(q, k_codes, k_scale, v_codes, v_scale, pos, valid)``: q [B, H, S, D] (float32 / bfloat16 /
-float16; H a multiple of KVH, query head h reads kv head h // (H / KVH)), ``pos`` int64 [S] the cache slot of each
-query, ``valid`` bool [B, T]; query s of row b attends to the slots t <= pos[s] with valid[b, t], softmax(q . k /
-sqrt(D)), and returns [B, H, S, D] in q's dtype (a query with no slot gives 0, as sdpa does for a fully masked
-row). The C++ kernel (cpp/attention.cpp, attention_kernel.cpp) reads the codes directly with fp32 products and
-sums: the query heads of a kv head share each decoded slot, softmax chunks of 256 slots are folded in slot order
-(the result does not depend on the thread count); ``kv_attention_reference`` dequantizes and runs the same math in
-PyTorch; they agree to ~1e-6 (outputs of size ~1).
+``kv_attention(q, k_codes, k_scale, v_codes, v_scale, pos, valid)``: q [B, H, S, D] (float32 / bfloat16 / float16; H
+a multiple of KVH, query head h reads kv head h // (H / KVH)), ``pos`` int64 [S] the cache slot of each query,
+``valid`` bool [B, T]; query s of row b attends to the slots t <= pos[s] with valid[b, t], softmax(q . k / sqrt(D)),
+and returns [B, H, S, D] in q's dtype (a query with no slot gives 0, as sdpa does for a fully masked row).
+``kv_attention_sinks(..., valid, sinks)``: the same with sink logits (float [H]: gpt-oss' attention sinks, one logit
+per query head; or [B, H, S]: one per query), each joining its softmax's denominator only, ``p_t = exp(s_t) / (sum_u
+exp(s_u) + exp(sink))``; a query with no slot still gives 0. (A new argument is a new op: the schemas never change,
+tests/test_op_schemas.py.) The C++ kernel (cpp/attention.cpp, attention_kernel.cpp) reads the codes directly with
+fp32 products and sums: the query heads of a kv head share each decoded slot, softmax chunks of 256 slots are folded
+in slot order (the result does not depend on the thread count); ``kv_attention_reference`` dequantizes and runs the
+same math in PyTorch; they agree to ~1e-6 (outputs of size ~1).
 
-``float_kv_attention(q, k, v, pos, valid, scale)``: the same kernel over a float cache (k / v [B, KVH, T, D] float32
-/ bfloat16 / float16, D a multiple of 16), logits ``(q . k) * scale``; the compiled decode step's attention over
-``StaticDecoder``'s float cache of ``FLOAT_KERNEL_MIN_SLOTS`` or more (it reads the slots <= pos, not all T).
+``float_kv_attention(q, k, v, pos, valid, scale)`` (and ``float_kv_attention_sinks(..., scale, sinks)``): the same
+kernel over a float cache (k / v [B, KVH, T, D] float32 / bfloat16 / float16, D a multiple of 16), logits ``(q . k)
+* scale``; the compiled decode step's attention over ``StaticDecoder``'s float cache of ``FLOAT_KERNEL_MIN_SLOTS``
+or more (it reads the slots <= pos, not all T).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import torch
 from . import is_available
 
 __all__ = ["KV_BITS", "KV_DEFAULT_GROUP", "quantize_kv", "dequantize_kv", "kv_attention", "kv_attention_reference",
-           "float_kv_attention_reference"]
+           "float_kv_attention_reference", "masked_softmax"]
 
 #: Storage kinds and their code bits.
 KV_BITS = {"int8": 8, "int4": 4}
@@ -102,34 +106,49 @@ def dequantize_kv(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (vals * pairs[..., :1] + pairs[..., 1:]).flatten(-2)
 
 
-def kv_attention_reference(q, k_codes, k_scale, v_codes, v_scale, pos, valid) -> torch.Tensor:
+def kv_attention_reference(q, k_codes, k_scale, v_codes, v_scale, pos, valid, sinks=None) -> torch.Tensor:
     """PyTorch ``kv_attention``: dequantize the cache to fp32, then ``float_kv_attention_reference`` (scale
     D^-0.5)."""
     k, v = dequantize_kv(k_codes, k_scale), dequantize_kv(v_codes, v_scale)
-    return float_kv_attention_reference(q, k, v, pos, valid, q.shape[-1] ** -0.5)
+    return float_kv_attention_reference(q, k, v, pos, valid, q.shape[-1] ** -0.5, sinks)
 
 
-def float_kv_attention_reference(q, k, v, pos, valid, scale: float) -> torch.Tensor:
+def masked_softmax(scores: torch.Tensor, keep: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax of fp32 scores [B, H, S, T] over the slots where keep [B, 1, S, T] (others 0; a row with none: all
+    0), with the sink logits (sinks [H] per head, [B, H, S] per query, or None) joining the denominator only."""
+    scores = scores.masked_fill(~keep, float("-inf"))
+    if sinks is not None:
+        col = (sinks.float().view(1, -1, 1) if sinks.dim() == 1 else sinks.float())[..., None]
+        col = col.expand(*scores.shape[:-1], 1)
+        return torch.cat([scores, col], -1).softmax(-1)[..., :-1].masked_fill(~keep, 0.0)
+    return scores.softmax(-1).masked_fill(~keep, 0.0)
+
+
+def float_kv_attention_reference(q, k, v, pos, valid, scale: float, sinks=None) -> torch.Tensor:
     """PyTorch ``float_kv_attention``: the same masked softmax attention over a float cache k / v [B, KVH, T, D]
-    (logits (q . k) * scale), in fp32, returned in q's dtype."""
+    (logits (q . k) * scale, sinks as ``kv_attention``'s), in fp32, returned in q's dtype."""
     rep = q.shape[1] // k.shape[1]
     k, v = k.float().repeat_interleave(rep, 1), v.float().repeat_interleave(rep, 1)
     keep = (torch.arange(k.shape[2], device=q.device)[None, None, :] <= pos[None, :, None]) & valid[:, None, :]
-    scores = (q.float() * scale) @ k.transpose(-1, -2)
-    p = scores.masked_fill(~keep[:, None], float("-inf")).softmax(-1).masked_fill(~keep[:, None], 0.0)
+    p = masked_softmax((q.float() * scale) @ k.transpose(-1, -2), keep[:, None], sinks)
     return (p @ v).to(q.dtype)
 
 
-def kv_attention(q, k_codes, k_scale, v_codes, v_scale, pos, valid) -> torch.Tensor:
-    """The C++ kernel where the affineq kernels build, else the reference (same numbers to ~1e-6)."""
-    if is_available():
+def kv_attention(q, k_codes, k_scale, v_codes, v_scale, pos, valid, sinks=None) -> torch.Tensor:
+    """The C++ kernel where the affineq kernels build (``kv_attention_sinks`` with sinks), else the reference (same
+    numbers to ~1e-6)."""
+    if not is_available():
+        return kv_attention_reference(q, k_codes, k_scale, v_codes, v_scale, pos, valid, sinks)
+    if sinks is None:
         return torch.ops.affineq.kv_attention(q, k_codes, k_scale, v_codes, v_scale, pos, valid)
-    return kv_attention_reference(q, k_codes, k_scale, v_codes, v_scale, pos, valid)
+    return torch.ops.affineq.kv_attention_sinks(q, k_codes, k_scale, v_codes, v_scale, pos, valid, sinks)
 
 
 _lib = torch.library.Library("affineq", "FRAGMENT")
 _lib.define("kv_attention(Tensor q, Tensor k_codes, Tensor k_scale, Tensor v_codes, Tensor v_scale, Tensor pos, "
             "Tensor valid) -> Tensor")
+_lib.define("kv_attention_sinks(Tensor q, Tensor k_codes, Tensor k_scale, Tensor v_codes, Tensor v_scale, "
+            "Tensor pos, Tensor valid, Tensor sinks) -> Tensor")
 
 
 @torch.library.register_fake("affineq::kv_attention", lib=_lib)
@@ -137,10 +156,18 @@ def _kv_attention_fake(q, k_codes, k_scale, v_codes, v_scale, pos, valid):
     return q.new_empty(q.shape)
 
 
+@torch.library.register_fake("affineq::kv_attention_sinks", lib=_lib)
+def _kv_attention_sinks_fake(q, k_codes, k_scale, v_codes, v_scale, pos, valid, sinks):
+    return q.new_empty(q.shape)
+
+
 # float_kv_attention(q, k, v, pos, valid, scale): the same attention over a float cache (k / v [B, KVH, T, D]
 # float32 / bfloat16 / float16, D % 16 == 0 for the C++ kernel), logits (q . k) * scale: the compiled decode step's
-# float-cache attention (reads slots <= pos only, where the compiled PyTorch loops read all T).
+# float-cache attention (reads slots <= pos only, where the compiled PyTorch loops read all T); with sink logits:
+# float_kv_attention_sinks.
 _lib.define("float_kv_attention(Tensor q, Tensor k, Tensor v, Tensor pos, Tensor valid, float scale) -> Tensor")
+_lib.define("float_kv_attention_sinks(Tensor q, Tensor k, Tensor v, Tensor pos, Tensor valid, float scale, "
+            "Tensor sinks) -> Tensor")
 
 
 @torch.library.register_fake("affineq::float_kv_attention", lib=_lib)
@@ -148,6 +175,13 @@ def _float_kv_attention_fake(q, k, v, pos, valid, scale):
     return q.new_empty(q.shape)
 
 
+@torch.library.register_fake("affineq::float_kv_attention_sinks", lib=_lib)
+def _float_kv_attention_sinks_fake(q, k, v, pos, valid, scale, sinks):
+    return q.new_empty(q.shape)
+
+
 # Run only until the C++ library registers its CPU kernels (then those win the dispatch).
 _lib.impl("kv_attention", kv_attention_reference, "CompositeExplicitAutograd")
+_lib.impl("kv_attention_sinks", kv_attention_reference, "CompositeExplicitAutograd")
 _lib.impl("float_kv_attention", float_kv_attention_reference, "CompositeExplicitAutograd")
+_lib.impl("float_kv_attention_sinks", float_kv_attention_reference, "CompositeExplicitAutograd")

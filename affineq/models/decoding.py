@@ -11,9 +11,9 @@ as for transformers' ``generate``; the KV cache may be int8 or int4 (``kv_cache_
 Supported: transformers ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``,
 ``Gemma3ForCausalLM`` (``gemma3_text``: sandwich and q/k norms, local sliding-window layers with their own rope
 base, final logit soft-capping) and the mixture-of-experts ``MixtralForCausalLM``, ``Qwen3MoeForCausalLM`` and
-``GptOssForCausalLM`` (attention sinks, alternating sliding windows; float KV cache only), sliding windows
-included, with rotary types whose tables do not depend on the sequence length (default, linear, llama3, yarn), and
-affineq's built-in ``TinyLM``. Linear weights may be float or affineq ``AffineQuantizedTensor``s; other linear
+``GptOssForCausalLM`` (attention sinks, alternating sliding windows), sliding windows included, with rotary
+types whose tables do not depend on the sequence length (default, linear, llama3, yarn), and affineq's built-in
+``TinyLM``. Linear weights may be float or affineq ``AffineQuantizedTensor``s; other linear
 modules (e.g. torch.ao dynamic ``Linear``) are called as modules. MoE layers call the model's own router and
 experts modules (whatever ``experts_implementation`` the model runs; the ``"eager"`` loop only with
 ``compile=False``).
@@ -252,8 +252,7 @@ def generate(
     Errors (ValueError, before any work): an empty batch, ids outside the vocabulary (prompt, ``eos_token_id``,
     ``pad_token_id``), prompt length + ``max_new_tokens`` above the model's ``max_position_embeddings``, a mask of
     another shape or not left-padded, an unknown ``kv_cache_dtype``, ``kv_group_size`` without a quantized KV
-    cache, a quantized KV cache on a model with attention sinks (gpt-oss), ``compile=True`` on MoE experts set to
-    transformers' ``"eager"`` loop.
+    cache, ``compile=True`` on MoE experts set to transformers' ``"eager"`` loop.
     """
     _check(input_ids, max_new_tokens, do_sample, temperature, top_k, top_p)
     vocab = _check_against_model(model, input_ids, max_new_tokens)

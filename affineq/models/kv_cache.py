@@ -19,7 +19,8 @@ need neither the rotation nor the smaller groups. Keys are quantized after the r
 
 int4 keys also lose a per-(layer, sequence, kv head, channel) offset c before the rotation: ``k' = (k - c) R``.
 Every key a query sees has the same c, so ``q . (k - c) = q . k - q . c`` shifts all of that query's logits by
-one constant and the softmax is unchanged in exact arithmetic: attention reads the codes as they are. c is the
+one constant and the softmax is unchanged in exact arithmetic: attention reads the codes as they are (a model
+with attention sinks, gpt-oss, has each query's sink logit moved by the same -q . c, ``attend``). c is the
 mean of the keys of the sequence's first write (a prompt's tokens; the first token, often an attention sink with
 unusual keys, is left out when the write has more than one real token; left padding and compiled prefill's pad
 tail are left out too: ``write``'s ``real``), fixed from then on (the codes already written depend on it). It
@@ -36,6 +37,7 @@ Bytes per token and layer, for KVH kv heads of dimension D: int8 ``2 * KVH * (D 
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 
@@ -131,8 +133,9 @@ class QuantizedKVCache:
         #: int4: the key offset c [B, KVH, 1, D] fp32 per layer, set by each sequence's first write (slot 0).
         self.k_offset = zeros((b, kvh, 1, d), torch.float32) if kind == "int4" else None
         self._quantize = kva.quantize_kv
-        # Chosen here, not per call: the decode step is compiled, and the op (with its fake) is what it traces.
+        # Chosen here, not per call: the decode step is compiled, and the ops (with their fakes) are what it traces.
         self._attend = torch.ops.affineq.kv_attention if cpp.is_available() else kva.kv_attention_reference
+        self._attend_sinks = torch.ops.affineq.kv_attention_sinks if cpp.is_available() else kva.kv_attention_reference
 
     def bytes_per_token(self) -> int:
         """Cache bytes per token of one sequence, all layers, codes and scales."""
@@ -165,26 +168,33 @@ class QuantizedKVCache:
             scale.index_copy_(2, pos, s)
 
     def attend(self, layer: int, q: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor,
-               window: int | None = None) -> torch.Tensor:
+               window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of q [B, H, S, D] (scaled so that the logits are q . k / sqrt(D)) at slots ``pos`` over this
-        layer's cache (slots <= pos, ``valid``, and > pos - ``window`` for a sliding-window layer); [B, H, S, D]
-        in q's dtype. A decode step's window is one more cut of ``valid``; a query block whose window cuts (each
-        query its own range) dequantizes the cache slots instead."""
+        layer's cache (slots <= pos, ``valid``, and > pos - ``window`` for a sliding-window layer), with each
+        head's sink logit (``sinks`` [H], gpt-oss) in the softmax's denominator (int4: moved by the key offset's
+        shift of the logits); [B, H, S, D] in q's dtype. A
+        decode step's window is one more cut of ``valid``; a query block whose window cuts (each query its own
+        range) dequantizes the cache slots instead."""
         dt = q.dtype
         if self.rotation is not None:  # the keys are stored rotated: q' . k' = (q R) . (k R) = q . k
+            if sinks is not None:
+                # the codes' logits are q . (k - c) / sqrt(D): each query's sink moves by the same -q . c / sqrt(D)
+                # (the softmax is shift-invariant only without a sink)
+                c = self.k_offset[layer].repeat_interleave(q.shape[1] // self.k_offset[layer].shape[1], 1)
+                sinks = sinks.float()[None, :, None] - (q.float() * c).sum(-1) * q.shape[-1] ** -0.5
             q = q.float() @ self.rotation
         args = (self.k[layer], self.k_scale[layer], self.v[layer], self.v_scale[layer])
+        attend = self._attend if sinks is None else partial(self._attend_sinks, sinks=sinks)
         if window is None:
-            return self._attend(q, *args, pos, valid).to(dt)
+            return attend(q, *args, pos, valid).to(dt)
         slots = torch.arange(valid.shape[1], device=valid.device)
         if q.shape[2] == 1:
-            return self._attend(q, *args, pos, valid & (slots > pos[0] - window)[None]).to(dt)
+            return attend(q, *args, pos, valid & (slots > pos[0] - window)[None]).to(dt)
         from affineq.cpp import kv_attention as kva
 
         k, v = kva.dequantize_kv(*args[:2]), kva.dequantize_kv(*args[2:])  # fp32 [B, KVH, T, D]
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         keep = ((slots[None, :] <= pos[:, None]) & (slots[None, :] > pos[:, None] - window))[None] & valid[:, None]
-        scores = (q.float() @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
-        p = scores.masked_fill(~keep[:, None], float("-inf")).softmax(-1).masked_fill(~keep[:, None], 0.0)
+        p = kva.masked_softmax((q.float() @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5, keep[:, None], sinks)
         return (p @ v).to(dt)

@@ -277,11 +277,8 @@ def model_limits(model: nn.Module) -> tuple[int, int | None]:
     return emb.weight.shape[0], getattr(cfg, "max_position_embeddings", None)
 
 
-def _check_options(model: nn.Module, a: _Arch, kv_kind: str | None, compile: bool) -> None:
+def _check_options(model: nn.Module, a: _Arch, compile: bool) -> None:
     """ValueError for a model feature the chosen options cannot run (before anything is allocated)."""
-    if kv_kind is not None and any(layer.attn.sinks is not None for layer in a.layers):
-        raise ValueError(f"kv_cache_dtype={kv_kind!r} cannot run {type(model).__name__}: its attention has sink "
-                         "logits (gpt-oss), which the quantized-cache kernel does not take; pass kv_cache_dtype=None")
     if compile and a.eager_experts:
         raise ValueError(f"compile=True cannot run {type(model).__name__} with experts_implementation='eager' (a "
                          "data-dependent loop over the experts); call model.set_experts_implementation('grouped_mm')"
@@ -358,7 +355,7 @@ class StaticDecoder:
         kind = kv_cache_kind(kv_cache_dtype)
         check_kv_group_size(kind, kv_group_size)
         self.arch = a = _describe(model, fuse)
-        _check_options(model, a, kind, compile)
+        _check_options(model, a, compile)
         self.batch, self.max_len = batch, max_len
         dev = a.embed.weight.device
         shape = (batch, a.kv_heads, max_len, a.head_dim)
@@ -485,7 +482,8 @@ class StaticDecoder:
                 o = self._attend(q, k, v, pos, masks.get(layer.attn.window), layer.attn)
             elif self.qcache is not None:
                 self.qcache.write(i, pos, k, v, real)
-                o = self.qcache.attend(i, q * self.q_rescale[i], pos, self.valid, layer.attn.window)
+                o = self.qcache.attend(i, q * self.q_rescale[i], pos, self.valid, layer.attn.window,
+                                       layer.attn.sinks)
             else:
                 kc.index_copy_(2, pos, k)
                 vc.index_copy_(2, pos, v)
@@ -527,14 +525,16 @@ class StaticDecoder:
     def _attend(self, q, kc, vc, pos, mask, spec: AttentionSpec):
         """Attention of q [B, H, S, D] over the cache (a row with no key, a pad query, gives 0 as sdpa does).
         Compiled: a decode step over a float cache of FLOAT_KERNEL_MIN_SLOTS or more through
-        ``affineq::float_kv_attention`` (the slots <= pos, fp32 products and sums; not for attention sinks), else
+        ``affineq::float_kv_attention`` (the slots <= pos, fp32 products and sums, attention sinks included), else
         over all T slots under mask [B, S, T]. Eager: over exactly the keys transformers' dynamic cache holds (a
         sliding layer's decode step: the last ``window`` slots), with the same sdpa call or eager formula, so that
         eager results equal model.generate's bit for bit."""
         if torch.compiler.is_compiling():
-            if self.float_kernel and q.shape[2] == 1 and spec.sinks is None and kc.shape[2] == self.max_len:
+            if self.float_kernel and q.shape[2] == 1 and kc.shape[2] == self.max_len:
                 valid = self.valid if spec.window is None else self.valid & (self.slots > pos[0] - spec.window)[None]
-                return torch.ops.affineq.float_kv_attention(q, kc, vc, pos, valid, spec.scaling)
+                if spec.sinks is None:
+                    return torch.ops.affineq.float_kv_attention(q, kc, vc, pos, valid, spec.scaling)
+                return torch.ops.affineq.float_kv_attention_sinks(q, kc, vc, pos, valid, spec.scaling, spec.sinks)
             return attend_compiled(q, kc, vc, mask, spec)
         end = int(pos[-1]) + 1
         start = window_keys(end, q.shape[2], spec.window)
