@@ -11,8 +11,9 @@ compiled float-cache attention of earlier versions (``attend_compiled`` under ``
 cache); ``bf16-kernel`` = ``torch.ops.affineq.float_kv_attention`` over the bf16 cache (the decoder's compiled
 float-cache attention now);
 ``bf16-sdpa`` / ``fp32-sdpa`` = ``F.scaled_dot_product_attention`` over a bf16 / fp32 cache (a kv head's query heads
-as rows, as transformers' GQA packing). "x float" = the fastest float-cache candidate's time (ours included) over
-the row's; GB/s = cache
+as rows, as transformers' GQA packing). The gpt-oss-20b row has attention sinks: its kernels are the ``_sinks`` ops
+and the compiled loops take the sinks; sdpa has no sink term, so it has no sdpa candidates. "x float" = the fastest
+float-cache candidate's time (ours included) over the row's; GB/s = cache
 bytes one step reads (codes and scales, or the float cache) over the time.
 Results: results/bench_kv_attention.json.
 """
@@ -35,33 +36,39 @@ from affineq.models.attention_variants import AttentionSpec, attend_compiled  # 
 from affineq.models.kv_cache import INT4_KEY_GROUP, INT4_VALUE_GROUP, INT8_GROUP  # noqa: E402
 
 FLOAT = ("bf16-compiled", "bf16-kernel", "bf16-sdpa", "fp32-sdpa")  # the float-cache candidates
-SHAPES = {"SmolLM2-135M": (9, 3, 64), "Llama-3.2-1B": (32, 8, 64), "Llama-3.1-8B": (32, 8, 128)}
+SHAPES = {"SmolLM2-135M": (9, 3, 64, False), "Llama-3.2-1B": (32, 8, 64, False), "Llama-3.1-8B": (32, 8, 128, False),
+          "gpt-oss-20b": (64, 8, 64, True)}  # query heads, kv heads, head size, attention sinks
 
 
-def rows_for(name: str, h: int, kvh: int, d: int, t: int, budget: float) -> dict:
+def rows_for(name: str, h: int, kvh: int, d: int, sinks: bool, t: int, budget: float) -> dict:
     gen = torch.Generator().manual_seed(0)
     k, v = torch.randn(1, kvh, t, d, generator=gen), torch.randn(1, kvh, t, d, generator=gen)
     q = torch.randn(1, h, 1, d, generator=gen).bfloat16()
     pos, valid = torch.tensor([t - 1]), torch.ones(1, t, dtype=torch.bool)
+    sk = torch.randn(h, generator=gen) if sinks else None
+    extra = (sk,) if sinks else ()
+    quant_op = torch.ops.affineq.kv_attention_sinks if sinks else torch.ops.affineq.kv_attention
+    float_op = torch.ops.affineq.float_kv_attention_sinks if sinks else torch.ops.affineq.float_kv_attention
     cands, nbytes = {}, {}
     for kind, gk, gv in (("int8", INT8_GROUP, INT8_GROUP), ("int4", INT4_KEY_GROUP, INT4_VALUE_GROUP)):
         kc, ks = kva.quantize_kv(k, kind, gk)
         vc, vs = kva.quantize_kv(v, kind, gv)
-        cands[kind] = lambda a=(q, kc, ks, vc, vs, pos, valid): torch.ops.affineq.kv_attention(*a)
+        cands[kind] = lambda a=(q, kc, ks, vc, vs, pos, valid, *extra): quant_op(*a)
         nbytes[kind] = sum(x.numel() * x.element_size() for x in (kc, ks, vc, vs))
     kb, vb, kf, vf = k.bfloat16(), v.bfloat16(), k, v
-    spec = AttentionSpec(scaling=d**-0.5)
+    spec = AttentionSpec(scaling=d**-0.5, sinks=sk)
     keep = torch.ones(1, 1, t, dtype=torch.bool)
     compiled = torch.compile(attend_compiled, fullgraph=True)
     cands["bf16-compiled"] = lambda: compiled(q, kb, vb, keep, spec)
     qp = q.view(1, kvh, h // kvh, d)
-    cands["bf16-kernel"] = lambda: torch.ops.affineq.float_kv_attention(q, kb, vb, pos, valid, d**-0.5)
-    cands["bf16-sdpa"] = lambda: F.scaled_dot_product_attention(qp, kb, vb)
-    cands["fp32-sdpa"] = lambda: F.scaled_dot_product_attention(qp.float(), kf, vf)
+    cands["bf16-kernel"] = lambda: float_op(q, kb, vb, pos, valid, d**-0.5, *extra)
+    if not sinks:
+        cands["bf16-sdpa"] = lambda: F.scaled_dot_product_attention(qp, kb, vb)
+        cands["fp32-sdpa"] = lambda: F.scaled_dot_product_attention(qp.float(), kf, vf)
     nbytes["bf16-compiled"] = nbytes["bf16-kernel"] = nbytes["bf16-sdpa"] = 2 * kb.numel() * 2
     nbytes["fp32-sdpa"] = 2 * kf.numel() * 4
     ms = round_robin_ms(cands, budget_s=budget)
-    best = min(ms[c] for c in FLOAT)
+    best = min(ms[c] for c in FLOAT if c in ms)
     row = {"row": f"{name} H{h}/KVH{kvh}/D{d} T={t}"}
     for c, v_ms in ms.items():
         row[f"{c} ms"] = round(v_ms, 4)
@@ -77,11 +84,16 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=0.5, help="seconds per candidate per row")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-save", action="store_true")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names among " + ", ".join(SHAPES))
+    ap.add_argument("--out", default="bench_kv_attention", help="results/<out>.json")
     a = ap.parse_args()
     if not K.is_available():
         sys.exit(f"the affineq C++ kernels are not available: {K.unavailable_reason()}")
     torch.set_num_threads(a.threads)
-    shapes = dict(list(SHAPES.items())[1:2]) if a.quick else SHAPES
+    names = ("Llama-3.2-1B", "gpt-oss-20b") if a.quick else a.shapes.split(",")
+    if unknown := [n for n in names if n not in SHAPES]:
+        sys.exit(f"--shapes: unknown {unknown}; choose among {', '.join(SHAPES)}")
+    shapes = {n: SHAPES[n] for n in names}
     contexts = [1024] if a.quick else [int(x) for x in a.contexts.split(",")]
     rows = [rows_for(n, *s, t, 0.05 if a.quick else a.budget) for n, s in shapes.items() for t in contexts]
     print(machine_line())
@@ -89,7 +101,7 @@ def main() -> None:
     print(table(rows, cols))
     print(table(rows, ["row"] + [f"{c} GB/s" for c in ("int8", "int4", *FLOAT)]))
     if not a.no_save and not a.quick:
-        print("wrote", save_json("bench_kv_attention", {"rows": rows, "args": vars(a)}))
+        print("wrote", save_json(a.out, {"rows": rows, "args": vars(a)}))
 
 
 if __name__ == "__main__":
