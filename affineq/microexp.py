@@ -28,7 +28,9 @@ more to zero than an unclamped exponent would. Inf and NaN are refused (the form
 `quantize_microexp` / `dequantize_microexp` work on any tensor (blocks along `axis`); `microexp_tensor`
 builds the `AffineQuantizedTensor` of a 2-D weight in the bit-exact `microexp` packing format
 (`affineq.tensor.format_microexp`). There is no C++ kernel for it: `F.linear` on such a weight runs the
-announced dequantize fallback.
+announced dequantize fallback. MX6 / MX4 values also fit the `dense` format the kernels read (`microexp_spec`,
+``microexp_tensor(..., packing_format="dense")``): sign * q * 2**(E - t - (m - 1)) = (sign * q * 2**(1 - t)) *
+2**(E - m), an (m + 2)-bit code with one e8m0 scale per block of 16.
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["MICROEXP_FORMATS", "MicroexpCodes", "MicroexpFormat", "dequantize_microexp", "microexp_format",
-           "microexp_tensor", "quantize_microexp"]
+__all__ = ["DENSE_MICROEXP", "MICROEXP_FORMATS", "MicroexpCodes", "MicroexpFormat", "dequantize_microexp",
+           "microexp_format", "microexp_spec", "microexp_tensor", "quantize_microexp"]
 
 _BIAS = 127
 
@@ -155,22 +157,54 @@ def dequantize_microexp(c: MicroexpCodes, fmt: str | MicroexpFormat = "mx9", axi
     return x.reshape(c.codes.shape).movedim(-1, axis).to(output_dtype)
 
 
-def microexp_tensor(weight: torch.Tensor, fmt: str | MicroexpFormat = "mx9"):
-    """An `AffineQuantizedTensor` of 2-D `weight` [N, K] (K divisible by 16) in MX9/MX6/MX4, blocks along K,
-    stored bit-exactly (9 / 6 / 4 bits per element) in the `microexp` packing format.
+#: The formats whose values `dense` holds: codes doubled where t = 0 need m + 2 bits, at most 8.
+DENSE_MICROEXP = ("mx6", "mx4")
 
-    Its codes, scales and dequantization equal `quantize_microexp(weight, fmt)` exactly. Linear on it runs
-    the announced dequantize fallback (no kernel reads `microexp`)."""
+
+def microexp_spec(shape: tuple[int, ...], dtype: torch.dtype, fmt: str | MicroexpFormat,
+                  packing_format: str = "microexp"):
+    """The `QuantSpec` of a `microexp_tensor` [N, K] in `packing_format`: "microexp" (the format itself: int(m + 1)
+    codes with a scale per pair) or "dense" (mx6 / mx4 only: the same values as int(m + 2) codes with one e8m0
+    scale 2**(E - m) per 16-block, code = sign * q * 2**(1 - t), which `affineq.lowbit_linear` reads)."""
     from affineq.primitives import MappingType, ZeroPointDomain
-    from affineq.tensor.affine import AffineQuantizedTensor
     from affineq.tensor.spec import QuantSpec
+
+    f = microexp_format(fmt)
+    if packing_format == "dense":
+        if f.name not in DENSE_MICROEXP:
+            raise ValueError(f"packing_format='dense' holds {' / '.join(DENSE_MICROEXP)} only: {f.name}'s codes "
+                             f"doubled where the micro-exponent is 0 need {f.m + 2} bits, more than the kernels' 8; "
+                             "use packing_format='microexp' (dequantize fallback) or MXWeightOnlyConfig('int8')")
+        qmax = 2 * f.qmax
+        return QuantSpec.create(tuple(shape), dtype, f"int{f.m + 2}", (1, f.k1), mapping_type=MappingType.SYMMETRIC,
+                                zero_point_domain=ZeroPointDomain.NONE, quant_min=-qmax, quant_max=qmax,
+                                packing_format="dense", scale_type="e8m0")
+    if packing_format != "microexp":
+        raise ValueError(f"packing_format={packing_format!r}: use 'microexp' or 'dense'")
+    return QuantSpec.create(tuple(shape), dtype, f.target, (1, f.k2), mapping_type=MappingType.SYMMETRIC,
+                            zero_point_domain=ZeroPointDomain.NONE, quant_min=-f.qmax, quant_max=f.qmax,
+                            packing_format="microexp", scale_type="e8m0")
+
+
+def microexp_tensor(weight: torch.Tensor, fmt: str | MicroexpFormat = "mx9", packing_format: str = "microexp"):
+    """An `AffineQuantizedTensor` of 2-D `weight` [N, K] (K divisible by 16) in MX9/MX6/MX4, blocks along K.
+
+    "microexp": stored bit-exactly (9 / 6 / 4 bits per element); its codes, scales and dequantization equal
+    `quantize_microexp(weight, fmt)` exactly, and linear on it runs the announced dequantize fallback (no kernel
+    reads `microexp`). "dense" (mx6 / mx4): the same values (`microexp_spec`) in 6.5 / 4.5 bits per element, which
+    the C++ kernels read."""
+    from affineq.tensor.affine import AffineQuantizedTensor
 
     f = microexp_format(fmt)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise ValueError(f"weight must be a 2-D tensor [N, K], got {getattr(weight, 'shape', type(weight))}")
+    spec = microexp_spec(tuple(weight.shape), weight.dtype, f, packing_format)
     c = quantize_microexp(weight, f)
+    if packing_format == "dense":  # sign q 2**(E - t - (m - 1)) = (sign q 2**(1 - t)) 2**(E - m)
+        n, k = weight.shape
+        t = c.micro_exp.to(torch.int32).repeat_interleave(f.k2, dim=-1)
+        codes = (c.codes.to(torch.int32) << (1 - t)).to(torch.int8)
+        scale = torch.exp2((c.shared_exp.to(torch.int32) - _BIAS - f.m).float())  # [N, K / 16], powers of two
+        return AffineQuantizedTensor.from_codes(codes, scale, None, spec)
     scale = pair_scales(c.shared_exp.to(torch.int32) - _BIAS, c.micro_exp.to(torch.int32), f)
-    spec = QuantSpec.create(tuple(weight.shape), weight.dtype, f.target, (1, f.k2),
-                            mapping_type=MappingType.SYMMETRIC, zero_point_domain=ZeroPointDomain.NONE,
-                            quant_min=-f.qmax, quant_max=f.qmax, packing_format="microexp", scale_type="e8m0")
     return AffineQuantizedTensor.from_codes(c.codes, scale, None, spec)

@@ -204,18 +204,83 @@ def test_config_through_quantize_eager_compiled_and_weights_only_load(fmt):
         MicroexpWeightOnlyConfig("mx5")
 
 
+def _edge_weight() -> torch.Tensor:
+    """[32, 64]: gaussian rows, plus blocks that are all zero, at the lowest shared exponent, saturating, and with
+    one pair a binade below the block's largest (micro-exponent 1 beside 0)."""
+    w = torch.randn(32, 64, generator=torch.Generator().manual_seed(3))
+    w[0, :16] = 0.0
+    w[1, :16] = 1e-38
+    w[2, :16] = 1e30
+    w[3, :16] = torch.tensor([8.0, -7.5, 0.3, 0.26] + [0.0] * 12)
+    return w
+
+
+@pytest.mark.parametrize("fmt,bits", [("mx6", 6.5), ("mx4", 4.5)])
+def test_dense_packing_holds_the_same_values_and_runs_the_kernel(fmt, bits):
+    """packing_format="dense": codes sign q 2**(1 - t) with one e8m0 scale 2**(E - m) per 16 hold exactly the
+    format's values; linear runs affineq.lowbit_linear (no fallback), eager == compiled, and the weight survives a
+    weights-only save / load."""
+    from torch import nn
+
+    from affineq import MicroexpWeightOnlyConfig, config_from_dict, cpp, quantize_, record_kernels
+
+    w = _edge_weight()
+    ref = dequantize_microexp(quantize_microexp(w, fmt), fmt)
+    q = microexp_tensor(w, fmt, "dense")
+    assert torch.equal(q.dequantize(), ref)
+    assert q.storage_bytes() * 8 / q.numel() == bits
+    model = nn.Linear(64, 32)
+    with torch.no_grad():
+        model.weight.copy_(torch.randn(32, 64, generator=torch.Generator().manual_seed(4)))
+    expect = dequantize_microexp(quantize_microexp(model.weight.detach(), fmt), fmt)
+    cfg = MicroexpWeightOnlyConfig(fmt, packing_format="dense")
+    quantize_(model, cfg)
+    assert torch.equal(model.weight.dequantize(), expect)
+    x = torch.randn(5, 64)
+    with warnings.catch_warnings(), torch.no_grad(), record_kernels() as used:
+        warnings.simplefilter("error", KernelFallbackWarning)
+        y = model(x)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True)(x)
+    assert used[0] == ("affineq.lowbit_linear" if cpp.is_available() else "dequantize")
+    torch.testing.assert_close(y, F.linear(x, expect, model.bias), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(compiled, y, rtol=1e-5, atol=1e-5)
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    buf.seek(0)
+    fresh = nn.Linear(64, 32)
+    fresh.load_state_dict(torch.load(buf, weights_only=True), assign=True)
+    assert torch.equal(fresh.weight.dequantize(), expect)
+    assert config_from_dict(cfg.to_dict()) == cfg
+
+
+def test_dense_packing_refuses_mx9_and_unknown_formats():
+    from affineq import MicroexpWeightOnlyConfig
+
+    with pytest.raises(ValueError, match="packing_format='dense' holds mx6 / mx4 only: mx9's codes .* need 9 bits.*"
+                                         "use packing_format='microexp'"):
+        MicroexpWeightOnlyConfig("mx9", packing_format="dense")
+    with pytest.raises(ValueError, match="packing_format='dense' holds mx6 / mx4 only"):
+        microexp_tensor(torch.randn(16, 32), "mx9", "dense")
+    with pytest.raises(ValueError, match="packing_format"):
+        MicroexpWeightOnlyConfig("mx4", packing_format="plain")
+
+
 @settings(max_examples=150, deadline=None)
 @given(block=st.lists(st.floats(-1e6, 1e6, allow_nan=False, width=32).filter(lambda v: v == 0 or abs(v) > 1e-30),
                       min_size=16, max_size=16),
        fmt=st.sampled_from(["mx9", "mx6", "mx4"]))
 def test_shared_exponent_and_per_element_rounding_properties(block, fmt):
     """E is the block's largest exponent; each pair's micro-exponent is 1 exactly when the pair is a binade below
-    E; every element is its value rounded to the pair's step, clamped at 2**m - 1 steps."""
+    E; every element is its value rounded to the pair's step, clamped at 2**m - 1 steps; mx6 / mx4's `dense`
+    packing dequantizes to the same values."""
     from affineq.microexp import MICROEXP_FORMATS, pair_scales
 
     f = MICROEXP_FORMATS[fmt]
     x = torch.tensor([block], dtype=torch.float32)
     c = quantize_microexp(x, fmt)
+    if fmt != "mx9":  # the `dense` packing holds the same values
+        assert torch.equal(microexp_tensor(x, fmt, "dense").dequantize(), dequantize_microexp(c, fmt))
     nonzero = [abs(v) for v in block if v != 0]
     if not nonzero:
         assert int(c.codes.abs().max()) == 0

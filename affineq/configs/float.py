@@ -17,7 +17,7 @@ from torch import nn
 from affineq.configs.base import _POW2_SCALE_MODES, QuantConfig, check_choice, resolve_format, row_block
 from affineq.dtypes import QType, qtype
 from affineq.granularity import Granularity, PerGroup, PerRow, PerTensor, PerToken, get_block_size
-from affineq.microexp import MICROEXP_FORMATS, microexp_tensor
+from affineq.microexp import MICROEXP_FORMATS, microexp_spec, microexp_tensor
 from affineq.mx import SCALE_MODES, mx_element
 from affineq.primitives import MappingType, ZeroPointDomain
 from affineq.tensor.spec import ActivationQuant, QParamOptions, QuantSpec
@@ -178,30 +178,33 @@ class MXDynamicActivationMXWeightConfig(_MXBlocks, QuantConfig):
 class MicroexpWeightOnlyConfig(QuantConfig):
     """MX9 / MX6 / MX4 weights (shared micro-exponents, Rouhani et al. 2023; definition in `affineq.microexp`):
     blocks of 16 input channels share an 8-bit exponent, pairs a 1-bit micro-exponent, elements are sign +
-    7 / 4 / 2 magnitude bits; stored bit-exactly (9 / 6 / 4 bits per weight) in the `microexp` format. No
-    kernel reads that format: linear runs the announced dequantize fallback."""
+    7 / 4 / 2 magnitude bits. packing_format "microexp" stores them bit-exactly (9 / 6 / 4 bits per weight), read
+    by no kernel: linear runs the announced dequantize fallback. "dense" (mx6 / mx4) stores the same values as
+    6- / 4-bit codes with one e8m0 scale per 16 (6.5 / 4.5 bits per weight, `affineq.microexp.microexp_spec`),
+    which the C++ kernels read."""
 
     fmt: str = "mx9"
+    packing_format: str = "microexp"
 
     def __post_init__(self):
         super().__post_init__()
         check_choice("fmt", self.fmt, tuple(MICROEXP_FORMATS))
+        check_choice("packing_format", self.packing_format, ("microexp", "dense"))
+        microexp_spec((16, 16), torch.float32, self.fmt, self.packing_format)  # mx9 + dense: the error, now
 
     def _block_size(self, shape, module):
         if len(shape) != 2 or shape[1] % 16:
             raise ValueError(f"{self.fmt} shares exponents over blocks of 16 input channels: the weight must be 2-D "
                              f"with in_features divisible by 16, got shape {tuple(shape)}; use MXWeightOnlyConfig or "
                              "FPxWeightOnlyConfig with group_size=None for this layer")
-        return (1, 2)
+        return (1, 16) if self.packing_format == "dense" else (1, 2)
 
     def weight_spec(self, weight, module):
-        f = MICROEXP_FORMATS[self.fmt]
-        return QuantSpec.create(tuple(weight.shape), weight.dtype, f.target, self._block_size(weight.shape, module),
-                                mapping_type=MappingType.SYMMETRIC, zero_point_domain=ZeroPointDomain.NONE,
-                                quant_min=-f.qmax, quant_max=f.qmax, packing_format="microexp", scale_type="e8m0")
+        self._block_size(weight.shape, module)
+        return microexp_spec(tuple(weight.shape), weight.dtype, self.fmt, self.packing_format)
 
     def quantize_weight(self, weight, module):
-        return microexp_tensor(weight, self.fmt)
+        return microexp_tensor(weight, self.fmt, self.packing_format)
 
 
 # -- float8 configs ---------------------------------------------------------------------------------------
