@@ -147,7 +147,8 @@ def test_quantized_kv_cache_on_a_moe_model():
 def test_quantized_kv_cache_with_attention_sinks(kind):
     """gpt-oss through a quantized cache: teacher-forced logits (every position reads the codes, in the sliding
     layer through the dequantized block, in the full one through the kernel) follow the float cache's with the
-    sinks, not without them; decoding (one query: the kernel with the window cut) runs eager and compiled alike."""
+    sinks, not without them; decoding (one query: the kernel with the window cut) runs eager, and compiled alike
+    (int8)."""
     ids = random_prompt(2, 24, seed=3)
     logits = {}
     for sinks in (True, False):
@@ -168,8 +169,9 @@ def test_quantized_kv_cache_with_attention_sinks(kind):
     model = _model("gpt_oss")
     eager = generate(model, ids, 8, compile=False, ignore_eos=True, kv_cache_dtype=kind)
     assert torch.equal(eager[:, :25], generate(model, ids, 1, compile=False, ignore_eos=True))  # the float prompt
-    comp = generate(model, ids, 8, ignore_eos=True, kv_cache_dtype=kind, cpp_wrapper=False)
-    assert torch.equal(comp, eager)
+    if kind == "int8":  # one compiled run: the sinks op in the traced step (int4 adds plain tensor ops to it)
+        comp = generate(model, ids, 8, ignore_eos=True, kv_cache_dtype=kind, cpp_wrapper=False)
+        assert torch.equal(comp, eager)
 
 
 def test_compiled_float_cache_kernel_with_sinks(monkeypatch):

@@ -58,18 +58,23 @@ constexpr bool kHasBf16Dot = true;
 constexpr bool kHasBf16Dot = false;
 #endif
 
-// Element i of an [n, G] qparam array as the kernels use it: the fp32 scale times `mul`, or the fp32 offset
-// (for bf16 qparams: z - 2^(bits-1) * scale; without an offset array: scale * code_offset).
-AQ_INLINE float qparam_at(const LowbitProblem& p, bool offset, float mul, int64_t i) {
-  if (offset && p.offset == nullptr)
-    return p.code_offset == 0 ? 0.f : qparam_at(p, false, static_cast<float>(p.code_offset), i);
+// Element i of an [n, G] qparam array as the kernels use it: the fp32 scale times `mul` (scale_at), or the fp32
+// offset (for bf16 qparams: z - 2^(bits-1) * scale; without an offset array: scale * code_offset). Two functions,
+// not one calling itself: GCC refuses to inline a recursive always_inline function at -O0.
+AQ_INLINE float scale_at(const LowbitProblem& p, float mul, int64_t i) {
   if (p.qparams_e8m0) return e8m0_to_float(static_cast<const uint8_t*>(p.scale)[i]) * mul;
-  if (p.qparams_f16)
-    return f16_to_float(static_cast<const uint16_t*>(offset ? p.offset : p.scale)[i]) * (offset ? 1.f : mul);
-  if (!p.qparams_bf16) return static_cast<const float*>(offset ? p.offset : p.scale)[i] * mul;
-  const float s = bf16_to_float(static_cast<const uint16_t*>(p.scale)[i]);
-  if (!offset) return s * mul;
-  return bf16_to_float(static_cast<const uint16_t*>(p.offset)[i]) - static_cast<float>(1 << (p.bits - 1)) * s;
+  if (p.qparams_f16) return f16_to_float(static_cast<const uint16_t*>(p.scale)[i]) * mul;
+  if (!p.qparams_bf16) return static_cast<const float*>(p.scale)[i] * mul;
+  return bf16_to_float(static_cast<const uint16_t*>(p.scale)[i]) * mul;
+}
+AQ_INLINE float qparam_at(const LowbitProblem& p, bool offset, float mul, int64_t i) {
+  if (!offset) return scale_at(p, mul, i);
+  if (p.offset == nullptr) return p.code_offset == 0 ? 0.f : scale_at(p, static_cast<float>(p.code_offset), i);
+  if (p.qparams_e8m0) return e8m0_to_float(static_cast<const uint8_t*>(p.scale)[i]) * mul;
+  if (p.qparams_f16) return f16_to_float(static_cast<const uint16_t*>(p.offset)[i]);
+  if (!p.qparams_bf16) return static_cast<const float*>(p.offset)[i] * mul;
+  return bf16_to_float(static_cast<const uint16_t*>(p.offset)[i]) -
+         static_cast<float>(1 << (p.bits - 1)) * bf16_to_float(static_cast<const uint16_t*>(p.scale)[i]);
 }
 
 // The path a problem runs (1..5, see the header), given force_path (0 = choose).
