@@ -201,7 +201,6 @@ def microexp_tensor(weight: torch.Tensor, fmt: str | MicroexpFormat = "mx9", pac
     spec = microexp_spec(tuple(weight.shape), weight.dtype, f, packing_format)
     c = quantize_microexp(weight, f)
     if packing_format == "dense":  # sign q 2**(E - t - (m - 1)) = (sign q 2**(1 - t)) 2**(E - m)
-        n, k = weight.shape
         t = c.micro_exp.to(torch.int32).repeat_interleave(f.k2, dim=-1)
         codes = (c.codes.to(torch.int32) << (1 - t)).to(torch.int8)
         scale = torch.exp2((c.shared_exp.to(torch.int32) - _BIAS - f.m).float())  # [N, K / 16], powers of two
