@@ -172,9 +172,8 @@ class QuantizedKVCache:
         """Attention of q [B, H, S, D] (scaled so that the logits are q . k / sqrt(D)) at slots ``pos`` over this
         layer's cache (slots <= pos, ``valid``, and > pos - ``window`` for a sliding-window layer), with each
         head's sink logit (``sinks`` [H], gpt-oss) in the softmax's denominator (int4: moved by the key offset's
-        shift of the logits); [B, H, S, D] in q's dtype. A
-        decode step's window is one more cut of ``valid``; a query block whose window cuts (each query its own
-        range) dequantizes the cache slots instead."""
+        shift of the logits); [B, H, S, D] in q's dtype. A decode step's window is one more cut of ``valid``; a
+        query block whose window cuts (each query its own range) dequantizes the cache slots instead."""
         dt = q.dtype
         if self.rotation is not None:  # the keys are stored rotated: q' . k' = (q R) . (k R) = q . k
             if sinks is not None:
