@@ -7,7 +7,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from conftest import WEIGHT_ONLY, hf_greedy, random_prompt  # noqa: E402
+from conftest import WEIGHT_ONLY, hf_greedy, random_prompt, sqnr  # noqa: E402
 from transformers import (  # noqa: E402
     GptOssConfig,
     GptOssForCausalLM,
@@ -129,17 +129,13 @@ def test_sinks_and_windows_change_the_tokens():
                            generate(full, ids, 8, compile=False, ignore_eos=True))
 
 
-def _sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
-    return float(10 * torch.log10(ref.pow(2).sum() / (x - ref).pow(2).sum()))
-
-
 def test_quantized_kv_cache_on_a_moe_model():
     model = _model("qwen3_moe")
     ids = random_prompt()
     with torch.inference_mode():
         ref = StaticDecoder(model, 2, 128, compile=False).run_prefill(ids)
         q8 = StaticDecoder(model, 2, 128, compile=False, kv_cache_dtype="int8").run_prefill(ids)
-    assert _sqnr(ref, q8) > 30
+    assert sqnr(ref, q8) > 30
 
 
 @pytest.mark.filterwarnings("ignore::affineq.KernelFallbackWarning")
@@ -160,12 +156,12 @@ def test_quantized_kv_cache_with_attention_sinks(kind):
         with torch.inference_mode():
             for cache in (None, kind):
                 logits[sinks, cache] = StaticDecoder(model, 2, 64, compile=False, kv_cache_dtype=cache).score(ids)
-    near, far = _sqnr(logits[True, None], logits[True, kind]), _sqnr(logits[True, None], logits[False, kind])
+    near, far = sqnr(logits[True, None], logits[True, kind]), sqnr(logits[True, None], logits[False, kind])
     # measured 39.4 / 13.2 dB (int8 / int4) against 6.0 / 5.4 dB without the sinks; 40.3 / 12.3 dB for the model
     # without sinks through its caches. int4 gave 8.2 dB while each query's sink ignored the key offset's shift.
     floor = {"int8": 33, "int4": 10.5}[kind]
     assert near > floor and far < near - 5, (near, far)
-    assert _sqnr(logits[False, None], logits[False, kind]) > floor
+    assert sqnr(logits[False, None], logits[False, kind]) > floor
     model = _model("gpt_oss")
     eager = generate(model, ids, 8, compile=False, ignore_eos=True, kv_cache_dtype=kind)
     assert torch.equal(eager[:, :25], generate(model, ids, 1, compile=False, ignore_eos=True))  # the float prompt
