@@ -104,6 +104,12 @@ def test_other_isa_build_matches(tmp_path: Path, march: str, isa: str, needs: se
         "        x = torch.randn(m, k)\n"
         "        err = (torch.ops.affineq.kquant_linear(x, *args).double() - x.double() @ w.double().T).abs()\n"
         "        assert bool((err <= k * EPS * (x.double().abs() @ terms.T)).all()), (name, m)\n"
+        # 16-bit qparams with G % 16 == 0 at 1-2 rows (the AVX-512 GEMV reads them as stored; this build loads fp32
+        # tiles, which once took a bf16 zero's bias twice)
+        "from test_cpp_kernels import test_fma_gemv_reads_16bit_qparams_as_stored as fma_gemv_16bit\n"
+        "for bits in (4, 8):\n"
+        "    for qparams in ('f16+offset', 'f16', 'bf16', 'bf16+zero'):\n"
+        "        fma_gemv_16bit(bits, qparams)\n"
         # the quantized-KV attention (cpp/attention.cpp's fast path through simd.h) against its PyTorch reference
         "from affineq.cpp import kv_attention as kva\n"
         "g = torch.Generator().manual_seed(0)\n"

@@ -70,9 +70,16 @@ void load_qparams(const LowbitProblem& p, bool offset, float mul, int64_t r0, in
 void load_kq_qparams(const LowbitProblem& p, int64_t r0, int64_t rows, int64_t R, int64_t G, uint8_t* scT,
                      uint8_t* mnT, float* dT, int64_t ldd);
 
-// Whether load_scales16 can transpose p's qparams: 16-bit (bf16 / fp16) and G % 16 == 0.
+// Whether load_scales16 can transpose p's qparams: 16-bit (bf16 / fp16), G % 16 == 0, and an AVX-512 build, the
+// only one with load_scales16 and the tiles that read its output. (Elsewhere the GEMV loads fp32 tiles, whose bf16
+// offsets already hold the -2^(bits-1) * scale that a caller seeing true here would add again.)
 inline bool scales16_tiles(const LowbitProblem& p, int64_t G) {
+#if AQ_AVX512
   return (p.qparams_bf16 || p.qparams_f16) && G % 16 == 0;
+#else
+  (void)p, (void)G;
+  return false;
+#endif
 }
 
 #if AQ_AVX512
