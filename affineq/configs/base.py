@@ -233,8 +233,9 @@ class QuantConfig:
     compute_dtype: None (default: a linear computes in its input's dtype; float32 input is exact) or
     torch.bfloat16: a float32 input is rounded to bf16 (round to nearest even) and the linear computes exactly as
     it does for that bf16 input, the bf16 result widened back to float32 and the float32 bias added. Weight-only
-    configs: the weight dequantized to bf16 with float32 sums, i.e. `F.linear(x.bfloat16(), W.bfloat16()).float()
-    + b`; configs that quantize activations (8da4w, W8A8, static, float8) quantize the bf16-rounded input as they
+    configs where the bf16 kernels run (AVX512-BF16, AMX): the weight dequantized to bf16 with float32 sums, i.e.
+    `F.linear(x.bfloat16(), W.bfloat16()).float() + b` (AVX2-only CPUs: W as dequantized, the product rounded to
+    bf16); configs that quantize activations (8da4w, W8A8, static, float8) quantize the bf16-rounded input as they
     quantize a bf16 input. This runs the bf16 kernels (several times faster at M >= 32 than the exact float32
     path on AMX Xeons). A recurrent module's products (input and recurrent, every step) compute so too.
     Recorded in each weight's spec, so it survives save / load.
