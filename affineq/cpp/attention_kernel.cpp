@@ -299,21 +299,6 @@ void fold(float& m, float& l, float* o, float mc, float lc, const float* oc, int
   m = mx;
 }
 
-// (m, l, o) <- their fold with a sink logit: a term of the softmax's denominator with no value (gpt-oss), as a
-// chunk (sink, 1, 0) folded last. With no slot before it the output stays 0.
-void fold_sink(float& m, float& l, float* o, float sink, int64_t D) {
-  constexpr float kNone = -std::numeric_limits<float>::infinity();
-  if (m == kNone) {
-    m = sink, l = 1.f;
-    std::fill(o, o + D, 0.f);
-    return;
-  }
-  const float mx = std::max(m, sink), a = std::exp(m - mx);
-  l = l * a + std::exp(sink - mx);
-  for (int64_t d = 0; d < D; ++d) o[d] *= a;
-  m = mx;
-}
-
 }  // namespace
 
 bool fast_groups(bool int4, int64_t G) { return int4 ? (G == 16 || G % 32 == 0) : G % 16 == 0; }
@@ -359,6 +344,9 @@ void attend_fast(int kind, const Side& k, const Side& v, const void* q, int qtyp
   const bool split = nch > 1 && items < 4 * at::get_num_threads();
   const int64_t grain = detail::grain_for(2 * rep * std::min(maxn, split ? kChunk : maxn) * D);
   std::vector<float> part(split ? items * nch * rep * w : 0);
+  // A sink logit is a chunk (sink, 1, o = 0) of the softmax, folded after the slots' chunks: a term of the
+  // denominator with no value (gpt-oss); with no slot before it the output stays 0.
+  const std::vector<float> no_value(sinks != nullptr ? D : 0, 0.f);
   // The partial softmax (m, l, o) of chunk c of item `it` for each of its query heads into dst (rep x w).
   auto run = [&](int64_t it, int64_t c, float* dst) {
     const int64_t s = it % S, kv = (it / S) % KVH, b = it / (S * KVH), n = P[s] + 1;
@@ -392,7 +380,7 @@ void attend_fast(int kind, const Side& k, const Side& v, const void* q, int qtyp
         fold(acc[0], acc[1], acc.data() + 2, pc[0], pc[1], pc + 2, D);
       }
       const int64_t y = ((b * H + kv * rep + r) * S + s) * D;
-      if (sinks != nullptr) fold_sink(acc[0], acc[1], acc.data() + 2, sinks[y / D], D);
+      if (sinks != nullptr) fold(acc[0], acc[1], acc.data() + 2, sinks[y / D], 1.f, no_value.data(), D);
       const bool none = acc[0] == kNone;  // no slot: 0, as sdpa gives a fully masked row
       const float inv = none ? 0.f : 1.f / acc[1];
       for (int64_t d = 0; d < D; ++d) acc[2 + d] = none ? 0.f : acc[2 + d] * inv;
