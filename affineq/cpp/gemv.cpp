@@ -129,8 +129,8 @@ void gemv_tile(const uint8_t* const* pan, const QP& qp, const float* x, int64_t 
                int64_t upg, float* y, int64_t ldy, int64_t nvalid, const NextItemPrefetch* pf, const float* ub,
                int64_t ldub) {
   F16 tot[MR][P];
-  for_groups<MR, P, A>(tot, qp, xs, G, pf, [&](int64_t g, F16 (&acc)[MR][P][A]) AQ_INLINE_LAMBDA {
-    for (int64_t u = g * upg, ue = u + upg; u < ue; ++u) {
+  for_groups<MR, P, A>(tot, qp, xs, G, upg, pf, [&](int64_t u0, int64_t u1, F16 (&acc)[MR][P][A]) AQ_INLINE_LAMBDA {
+    for (int64_t u = u0; u < u1; ++u) {
       const float* xk = x + 8 * u;
       if constexpr (gemv_unit_bias<B>(MR)) {  // chain a: -2^B * sum of the unit's x[k] with k % A == a
         sfor<MR>([&](auto M_) {
@@ -182,8 +182,8 @@ void gemv_tile_buffered(const uint8_t* pan, const QP& qp, const float* x, int64_
                         int64_t upg, float* y, int64_t ldy, int64_t nvalid, const NextItemPrefetch* pf) {
   alignas(64) float buf[8 * 16];
   F16 tot[MR][1];
-  for_groups<MR, 1, 1>(tot, qp, xs, G, pf, [&](int64_t g, F16 (&acc)[MR][1][1]) AQ_INLINE_LAMBDA {
-    for (int64_t u = g * upg, ue = u + upg; u < ue; ++u) {
+  for_groups<MR, 1, 1>(tot, qp, xs, G, upg, pf, [&](int64_t u0, int64_t u1, F16 (&acc)[MR][1][1]) AQ_INLINE_LAMBDA {
+    for (int64_t u = u0; u < u1; ++u) {
 #if defined(__GNUC__)
       for (int l = 0; l < 16 * bits_of(B); l += 64)
         __builtin_prefetch(pan + (u + kPrefetchUnits) * (16 * bits_of(B)) + l, 0, 3);
@@ -224,8 +224,8 @@ void gemv_tile_bf16w(const uint8_t* const* pan, const QP& qp, const uint16_t* x,
   for (int j = 0; j < 16; ++j) t[2 * j] = static_cast<uint16_t>(j), t[2 * j + 1] = static_cast<uint16_t>(16 + j);
   const __m512i pairs = _mm512_load_si512(t);  // [k even rows 0-15 | k odd rows 0-15] -> (even, odd) per row
   F16 tot[MR][P];
-  for_groups<MR, P, A>(tot, qp, xs, G, pf, [&](int64_t g, F16 (&acc)[MR][P][A]) AQ_INLINE_LAMBDA {
-    for (int64_t u = g * upg, ue = u + upg; u < ue; ++u) {
+  for_groups<MR, P, A>(tot, qp, xs, G, upg, pf, [&](int64_t u0, int64_t u1, F16 (&acc)[MR][P][A]) AQ_INLINE_LAMBDA {
+    for (int64_t u = u0; u < u1; ++u) {
       sfor<P>([&](auto P_) {
         constexpr int p = AQ_CV(P_);
         for (int l = 0; l < 16 * bits_of(B); l += 64)

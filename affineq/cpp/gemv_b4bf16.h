@@ -85,8 +85,8 @@ void gemv_tile_b4bf16(const B4Bf16& k4, const uint8_t* const* pan, const QP& qp,
                       const float* xs, int64_t G, int64_t upg, float* y, uint16_t* yb, bool y_round, int64_t ldy,
                       int64_t nvalid, const NextItemPrefetch* pf) {
   F16 tot[MR][P];
-  for_groups<MR, P, 2>(tot, qp, xs, G, pf, [&](int64_t g, F16 (&acc)[MR][P][2]) AQ_INLINE_LAMBDA {
-    for (int64_t u = g * upg, ue = u + upg; u < ue; ++u) {
+  for_groups<MR, P, 2>(tot, qp, xs, G, upg, pf, [&](int64_t u0, int64_t u1, F16 (&acc)[MR][P][2]) AQ_INLINE_LAMBDA {
+    for (int64_t u = u0; u < u1; ++u) {
       sfor<P>([&](auto P_) {
         constexpr int p = AQ_CV(P_);
         __builtin_prefetch(pan[p] + (u + kPrefetchUnits) * 64, 0, 3);

@@ -228,8 +228,9 @@ void tile(const uint8_t* const* pan, const QP& qp, const XDigits& xd, const floa
   constexpr int64_t kUnit = 16 * B;  // bytes of a unit: 8 k x 16 rows
   const __m512i idx = quad_index();
   F16 tot[1][NP];
-  for_groups<1, NP, 1>(tot, qp, xs, G, pf, [&](int64_t g, F16 (&acc)[1][NP][1]) AQ_INLINE_LAMBDA {
-    for (int64_t u0 = g * upg, ue = u0 + upg; u0 < ue; u0 += upb) {
+  // Whole groups (kChunk 0): each digit block's sum is exact, so acc adds one fp32 value per 512 k.
+  for_groups<1, NP, 1, 0>(tot, qp, xs, G, upg, pf, [&](int64_t ub, int64_t ue, F16 (&acc)[1][NP][1]) AQ_INLINE_LAMBDA {
+    for (int64_t u0 = ub; u0 < ue; u0 += upb) {
       __m512i s[NP][4];
       sfor<NP>([&](auto P_) { sfor<4>([&](auto I_) { s[AQ_CV(P_)][AQ_CV(I_)] = _mm512_setzero_si512(); }); });
       for (int64_t u = u0; u < u0 + upb; ++u) {

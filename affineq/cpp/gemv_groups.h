@@ -4,6 +4,7 @@
 // always-inlined functions only.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "common.h"
@@ -49,20 +50,20 @@ struct TileQp {
 // rows per vector (xs [MR][2][G]: xs_s = sum(x[m] over group g), then xs_a, a multiple of it). Without an offset
 // term of its own (offset = f * scale with one f for every group) xs_a = f * xs_s carries the whole offset term;
 // with one, xs_a = -bias * xs_s takes away a bias the decoder added to every code. Either way no per-item pass
-// over the tiles for it.
+// over the tiles for it. A chunk of a long group before its last (last false) adds scale[g] * sum_a acc alone.
 template <int MR, int P, int A, class QP>
 AQ_INLINE void add_group(F16 (&tot)[MR][P], const F16 (&acc)[MR][P][A], const QP& qp, const float* xs, int64_t G,
-                         int64_t g) {
-  sfor<P>([&](auto P_) {
+                         int64_t g, bool last = true) {
+  sfor<P>([&](auto P_) AQ_INLINE_LAMBDA {
     constexpr int p = AQ_CV(P_);
     const F16 s = qp.scale(g, p);
-    sfor<MR>([&](auto M_) {
+    sfor<MR>([&](auto M_) AQ_INLINE_LAMBDA {
       constexpr int m = AQ_CV(M_);
       F16 a = acc[m][p][0];
-      sfor<A - 1>([&](auto A_) { a = fadd(a, acc[m][p][AQ_CV(A_) + 1]); });
+      sfor<A - 1>([&](auto A_) AQ_INLINE_LAMBDA { a = fadd(a, acc[m][p][AQ_CV(A_) + 1]); });
       const float* xm = xs + 2 * G * m;
-      tot[m][p] = ffma(s, fadd(a, fset1(xm[G + g])), tot[m][p]);
-      if (qp.has_offset()) tot[m][p] = ffma(qp.offset(g, p), fset1(xm[g]), tot[m][p]);
+      tot[m][p] = ffma(s, fadd(a, fset1(last ? xm[G + g] : 0.f)), tot[m][p]);
+      if (last && qp.has_offset()) tot[m][p] = ffma(qp.offset(g, p), fset1(xm[g]), tot[m][p]);
     });
   });
 }
@@ -130,33 +131,51 @@ struct KqQp {
   }
 };
 
-// tot = the tile's result: body(g, acc) sums group g's dot products into acc (zeroed for it), and qp's rule adds
-// them up: per group (add_group), or per super-block (KqQp).
-template <int MR, int P, int A, class QP, class Body>
-AQ_INLINE void for_groups(F16 (&tot)[MR][P], const QP& qp, const float* xs, int64_t G, const NextItemPrefetch* pf,
-                          Body&& body) {
+// Units (8 k) per chunk of a long group. An accumulator lane sums one output row's products in sequence, so its
+// rounding error grows with the number of products it holds; a group longer than kChunkUnits units (a
+// per-channel weight: one group of k) is summed chunk by chunk, each chunk's sum added into tot times the group's
+// scale (add_group, last false) before the next starts: blocked summation, as short groups get from add_group anyway.
+constexpr int64_t kChunkUnits = 32;
+
+// tot = the tile's result: body(u0, u1, acc) sums the dot products of units [u0, u1) of one group (upg units per
+// group) into acc (zeroed for it), and qp's rule adds them up: per group (add_group; groups over kChunk units in
+// chunks), or per super-block (KqQp). kChunk = 0: whole groups (a body whose sums are exact per block).
+template <int MR, int P, int A, int64_t kChunk = kChunkUnits, class QP, class Body>
+AQ_INLINE void for_groups(F16 (&tot)[MR][P], const QP& qp, const float* xs, int64_t G, int64_t upg,
+                          const NextItemPrefetch* pf, Body&& body) {
   const auto zero = [](auto& arr) {
     sfor<MR>([&](auto M_) { sfor<P>([&](auto P_) { arr[AQ_CV(M_)][AQ_CV(P_)] = fzero(); }); });
   };
-  const auto group = [&](int64_t g, auto&& fold) AQ_INLINE_LAMBDA {
-    if (pf) pf->group(g);
+  const auto part = [&](int64_t u0, int64_t u1, auto&& fold) AQ_INLINE_LAMBDA {
     F16 acc[MR][P][A];
     sfor<MR>([&](auto M_) {
       sfor<P>([&](auto P_) { sfor<A>([&](auto A_) { acc[AQ_CV(M_)][AQ_CV(P_)][AQ_CV(A_)] = fzero(); }); });
     });
-    body(g, acc);
+    body(u0, u1, acc);
     fold(acc);
   };
   zero(tot);
   if constexpr (QP::kBlock == 0) {
-    for (int64_t g = 0; g < G; ++g) group(g, [&](const auto& acc) AQ_INLINE_LAMBDA { add_group<MR, P, A>(tot, acc, qp, xs, G, g); });
+    // One loop over the chunks (cpg per group, upc units each but the last), as over whole groups: a nested loop
+    // of chunks spilled the 4-row tiles' accumulators (AVX2).
+    const int64_t cpg = kChunk > 0 && upg > kChunk ? (upg + kChunk - 1) / kChunk : 1, upc = (upg + cpg - 1) / cpg;
+    for (int64_t g = 0, j = 0; g < G;) {
+      if (j == 0 && pf) pf->group(g);
+      const int64_t u0 = g * upg + j * upc, u1 = std::min(u0 + upc, (g + 1) * upg);
+      const bool last = ++j == cpg;
+      part(u0, u1, [&](const auto& acc) AQ_INLINE_LAMBDA { add_group<MR, P, A>(tot, acc, qp, xs, G, g, last); });
+      if (last) j = 0, ++g;
+    }
   } else {
     qp.offsets(tot, xs, G);
     for (int64_t g0 = 0; g0 < G; g0 += QP::kBlock) {
       F16 tb[MR][P];
       zero(tb);
-      for (int64_t g = g0; g < g0 + QP::kBlock; ++g)
-        group(g, [&](const auto& acc) AQ_INLINE_LAMBDA { qp.template add<MR, P, A>(tb, acc, xs, G, g); });
+      for (int64_t g = g0; g < g0 + QP::kBlock; ++g) {
+        if (pf) pf->group(g);
+        part(g * upg, (g + 1) * upg,
+             [&](const auto& acc) AQ_INLINE_LAMBDA { qp.template add<MR, P, A>(tb, acc, xs, G, g); });
+      }
       qp.finish(tot, tb, g0);
     }
   }
