@@ -3,8 +3,9 @@
 AOTAutograd caches what a graph expands to, keyed on the dynamo graph: for a quantized model that graph holds
 `F.linear` calls on `AffineQuantizedTensor` inputs, and the kernel each one runs is chosen later, while the
 subclass is expanded. Two processes with the same model but another choice (a row threshold changed with
-`set_min_rows`, the C++ kernels disabled, strict mode, another CPU kind or another affineq source tree) got the
-same key, so the second ran what the first had traced: the setting was silently ignored.
+`set_min_rows`, the C++ kernels disabled, strict mode, another CPU kind, another build of the C++ kernels or
+another affineq source tree) got the same key, so the second ran what the first had traced: the setting was
+silently ignored.
 
 `torch.compiler.config.cache_key_tag` is part of every compile cache key. affineq appends its part to it,
 "|affineq:<digest>", a digest of what the kernel choice reads: the package's sources (path, size, mtime of each

@@ -55,6 +55,19 @@ def test_the_tag_follows_strict_mode_and_the_kernel_switch(user_tag):
     assert off not in (before, strict) and _tag() == before
 
 
+def test_the_tag_follows_the_kernel_build_asked_for(user_tag, monkeypatch):
+    # a graph cached with the native build may call a kernel another build (AFFINEQ_CPP_MARCH) lacks
+    monkeypatch.delenv("AFFINEQ_CPP_MARCH", raising=False)
+    compile_cache.refresh()
+    native = _tag()
+    monkeypatch.setenv("AFFINEQ_CPP_MARCH", "x86-64-v3")
+    compile_cache.refresh()
+    assert _tag() != native
+    monkeypatch.setenv("AFFINEQ_CPP_MARCH", "native")  # the default, spelled out
+    compile_cache.refresh()
+    assert _tag() == native
+
+
 _SCRIPT = textwrap.dedent("""
     import sys, torch, torch.nn as nn
     from torch._inductor.utils import run_and_get_code

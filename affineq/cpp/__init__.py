@@ -332,6 +332,9 @@ def _set_disabled(flag: bool | None) -> _Restore:
 
 
 compile_cache.track("cpp_disabled", _disabled_reason)  # a cached graph must not call kernels switched off here
+# Another build of the kernels (the tests' other-ISA builds, AFFINEQ_CPP_MARCH in _build.py) may lack a kernel a
+# graph cached with the native build calls (int8_codes_linear off AVX512-VNNI): key on the build asked for.
+compile_cache.track("cpp_march", lambda: os.environ.get("AFFINEQ_CPP_MARCH", "native"))
 
 
 def int8_codes_built() -> bool:
