@@ -83,55 +83,6 @@ def test_other_isa_build_matches(tmp_path: Path, march: str, isa: str, needs: se
         "        for path in (1, 2):\n"
         "            err = (P(x, pk, s, o, bits, gs, n, k, kind, path, co).double() - ref).abs()\n"
         "            assert bool((err <= bound).all()), (bits, kind, qd, m, path, (err / bound).max())\n"
-        # the grouped op (cpp/grouped.cpp): each row bit for bit lowbit_linear on its expert's rows
-        "import affineq.cpp.grouped_ops\n"
-        "for bits, gs, qd, dt in [(4, 24, torch.float32, torch.float32), (3, 8, torch.bfloat16, torch.bfloat16)]:\n"
-        "    pk = torch.stack([K.pack_codes(torch.randint(0, 2 ** bits, (n, k), dtype=torch.uint8), bits)\n"
-        "                      for _ in range(3)])\n"
-        "    s, o = (torch.rand(3, n, k // gs) + 0.1).to(qd), torch.randn(3, n, k // gs).to(qd)\n"
-        "    for T in (1, 5, 30):\n"
-        "        ids, x = torch.randint(0, 2, (T,)), torch.randn(T, k).to(dt)\n"
-        "        y = torch.ops.affineq.grouped_lowbit_linear(x, ids, pk, s, o, bits, gs, n, k, 0, 0)\n"
-        "        for e in range(2):\n"
-        "            r = (ids == e).nonzero().squeeze(1)\n"
-        "            want = torch.ops.affineq.lowbit_linear(x[r], pk[e], s[e], o[e], bits, gs, n, k)\n"
-        "            assert torch.equal(y[r], want), (bits, T, e)\n"
-        # the k-quant op (cpp/kquant.cpp: the dense paths with k-quant headers): the fp32 bound, GEMV, tile GEMMs
-        # and the blocked torch GEMM
-        "import sys\n"
-        "sys.path.insert(0, 'tests')\n"
-        "from test_kquant import KINDS, EPS, _random_blocks, _gguf_values, _op_args, _terms\n"
-        "n, k = 19, 512\n"
-        "for name in KINDS:\n"
-        "    b = _random_blocks(name, n, k, seed=7)\n"
-        "    w, args, terms = _gguf_values(name, b, n), _op_args(name, b), _terms(name, b)\n"
-        "    for m in (1, 3, 9, 257):\n"
-        "        x = torch.randn(m, k)\n"
-        "        err = (torch.ops.affineq.kquant_linear(x, *args).double() - x.double() @ w.double().T).abs()\n"
-        "        assert bool((err <= k * EPS * (x.double().abs() @ terms.T)).all()), (name, m)\n"
-        # 16-bit qparams with G % 16 == 0 at 1-2 rows (the AVX-512 GEMV reads them as stored; this build loads fp32
-        # tiles, which once took a bf16 zero's bias twice)
-        "from test_cpp_kernels import test_fma_gemv_reads_16bit_qparams_as_stored as fma_gemv_16bit\n"
-        "for bits in (4, 8):\n"
-        "    for qparams in ('f16+offset', 'f16', 'bf16', 'bf16+zero'):\n"
-        "        fma_gemv_16bit(bits, qparams)\n"
-        # the quantized-KV attention (cpp/attention.cpp's fast path through simd.h) against its PyTorch reference
-        "from affineq.cpp import kv_attention as kva\n"
-        "g = torch.Generator().manual_seed(0)\n"
-        "kv_cases = [('int8', 32, 32, 64), ('int4', 16, 32, 64), ('int4', 32, 64, 128), ('int8', 16, 80, 80)]\n"
-        "for kind, gk, gv, d in kv_cases:\n"
-        "    kc, ks = kva.quantize_kv(torch.randn(2, 2, 300, d, generator=g), kind, gk)\n"
-        "    vc, vs = kva.quantize_kv(torch.randn(2, 2, 300, d, generator=g), kind, gv)\n"
-        "    valid = torch.ones(2, 300, dtype=torch.bool)\n"
-        "    valid[1, :20] = False\n"
-        "    args = (torch.randn(2, 6, 2, d, generator=g), kc, ks, vc, vs, torch.tensor([299, 100]), valid)\n"
-        "    err = (torch.ops.affineq_cpp.kv_attention_path(*args, 0) - kva.kv_attention_reference(*args)).abs()\n"
-        "    assert float(err.max()) <= 2e-5, (kind, d, float(err.max()))\n"
-        "for dt in (torch.float32, torch.bfloat16, torch.float16):\n"
-        "    k, v = (torch.randn(2, 2, 300, 80, generator=g).to(dt) for _ in range(2))\n"
-        "    args = (torch.randn(2, 6, 2, 80, generator=g), k, v, torch.tensor([299, 100]), valid, 0.2)\n"
-        "    err = (torch.ops.affineq.float_kv_attention(*args) - kva.float_kv_attention_reference(*args)).abs()\n"
-        "    assert float(err.max()) <= 2e-5, (dt, float(err.max()))\n"
         "print('ok')\n"
     )
     # -O1: the same IEEE results as -O3 (no fast-math), in a fraction of the compile time
@@ -141,8 +92,10 @@ def test_other_isa_build_matches(tmp_path: Path, march: str, isa: str, needs: se
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr
-    # The kernel test modules themselves on this build (the library built above): their skips follow the build's
-    # paths, not the CPU's features. A shape the script above lacks once hid a wrong result here (G % 16 == 0).
+    # The kernel test modules themselves on this build (the library built above; they cover the grouped, k-quant and
+    # KV-attention ops too): their skips follow the build's paths, not the CPU's features. A shape the script above
+    # lacks once hid a wrong result here (16-bit qparams with G % 16 == 0 at 1-2 rows: test_cpp_kernels'
+    # test_fma_gemv_reads_16bit_qparams_as_stored).
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *KERNEL_TESTS],
                          env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
