@@ -88,6 +88,9 @@ KERNEL_OPS = {
     "aten._int_mm:static": torch.ops.affineq.int8_static_linear.default,
     "aten._scaled_mm": aten._scaled_mm.default,
 }
+# The ops that add a linear's bias as they store y, by kernel (taken where no gradient is recorded).
+BIASED_OPS = {"affineq.lowbit_linear": torch.ops.affineq.lowbit_linear_biased.default,
+              "affineq.int8_codes_linear": torch.ops.affineq.int8_codes_linear_biased.default}
 # A float matmul in the graph means a dequantized weight (the MLP has no float linear).
 FLOAT_MATMULS = {aten.linear.default, aten.mm.default, aten.addmm.default, aten.matmul.default, aten.bmm.default,
                  torch.ops.affineq.lowbit_dequantize.default, torch.ops.affineq.dense_dequantize.default}
@@ -180,10 +183,13 @@ def assert_no_baked_weights(ep: torch.export.ExportedProgram, model: nn.Module) 
 def assert_packed_graph(gm: torch.fx.GraphModule, kernels: list[str], linears: int) -> None:
     """`gm` runs each linear on the op of the kernel eager ran (`kernels`), and no float matmul."""
     targets = call_targets(gm)
+
+    def count(name: str) -> int:  # the kernel's op, or its biased twin
+        return targets.count(KERNEL_OPS[name]) + (targets.count(BIASED_OPS[name]) if name in BIASED_OPS else 0)
+
     for name in set(kernels):
-        want = KERNEL_OPS[name]
-        assert targets.count(want) == kernels.count(name), f"{want} x{kernels.count(name)} expected in {targets}"
-    assert sum(targets.count(KERNEL_OPS[k]) for k in set(kernels)) == linears
+        assert count(name) == kernels.count(name), f"{KERNEL_OPS[name]} x{kernels.count(name)} expected in {targets}"
+    assert sum(count(k) for k in set(kernels)) == linears
     assert not FLOAT_MATMULS & set(targets), f"a dequantize-then-matmul in the graph: {targets}"
 
 

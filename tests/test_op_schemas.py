@@ -64,6 +64,8 @@ affineq::int8_static_onednn_linear(Tensor x2, Tensor w_codes, Tensor w_scale, Te
     x_zero_point) -> Tensor
 affineq::kquant_linear(Tensor x, Tensor qdata, Tensor scales, Tensor? mins, Tensor d, int kind, int n, int k)
     -> Tensor
+affineq::kquant_linear_biased(Tensor x, Tensor qdata, Tensor scales, Tensor? mins, Tensor d, int kind, int n,
+    int k, Tensor bias) -> Tensor
 affineq::kv_attention(Tensor q, Tensor k_codes, Tensor k_scale, Tensor v_codes, Tensor v_scale, Tensor pos,
     Tensor valid) -> Tensor
 affineq::kv_attention_sinks(Tensor q, Tensor k_codes, Tensor k_scale, Tensor v_codes, Tensor v_scale, Tensor
@@ -74,6 +76,8 @@ affineq::lowbit_linear(Tensor x, Tensor packed, Tensor scale, Tensor? offset, in
     int k, int codes=0, int code_offset=0) -> Tensor
 affineq::lowbit_linear_bf16_compute(Tensor x, Tensor packed, Tensor scale, Tensor? offset, int bits, int
     group_size, int n, int k, int codes=0, int code_offset=0) -> Tensor
+affineq::lowbit_linear_biased(Tensor x, Tensor packed, Tensor scale, Tensor? offset, int bits, int group_size,
+    int n, int k, int codes, int code_offset, bool bf16_compute, Tensor bias) -> Tensor
 affineq::lowbit_linear_int8_act(Tensor x, Tensor packed, Tensor scale, Tensor? offset, int bits, int
     group_size, int n, int k, int codes, int code_offset, bool per_token, int mode, float eps) -> Tensor
 affineq::lowbit_linear_int8_act_bf16_compute(Tensor x, Tensor packed, Tensor scale, Tensor? offset, int bits,

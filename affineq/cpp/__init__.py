@@ -371,6 +371,12 @@ _lib.define(
     "lowbit_linear_bf16_compute(Tensor x, Tensor packed, Tensor scale, Tensor? offset, int bits, int group_size,"
     " int n, int k, int codes=0, int code_offset=0) -> Tensor"
 )
+# lowbit_linear (bf16_compute: lowbit_linear_bf16_compute) + bias, bias [n] in x's dtype, bit for bit: the kernels
+# add it as they store y (a separate add would read and write all of y again). An inference op (no derivative).
+_lib.define(
+    "lowbit_linear_biased(Tensor x, Tensor packed, Tensor scale, Tensor? offset, int bits, int group_size, int n,"
+    " int k, int codes, int code_offset, bool bf16_compute, Tensor bias) -> Tensor"
+)
 _lib.define(
     "lowbit_dequantize(Tensor packed, Tensor scale, Tensor? offset, int bits, int group_size, int n, int k,"
     " int codes=0, int code_offset=0) -> Tensor"
@@ -492,6 +498,14 @@ def _lowbit_linear_bf16_compute_fake(x, packed, scale, offset, bits, group_size,
     return x.new_empty((*x.shape[:-1], n))
 
 
+@torch.library.register_fake("affineq::lowbit_linear_biased", lib=_lib)
+def _lowbit_linear_biased_fake(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset, bf16_compute,
+                               bias):
+    _check_args(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset,
+                torch.bfloat16 if bf16_compute else None)
+    return x.new_empty((*x.shape[:-1], n))
+
+
 @torch.library.register_fake("affineq::lowbit_dequantize", lib=_lib)
 def _lowbit_dequantize_fake(packed, scale, offset, bits, group_size, n, k, codes=CODES_UINT, code_offset=0):
     return scale.new_empty((n, k), dtype=torch.float32)
@@ -524,7 +538,17 @@ def _lowbit_dequantize_fallback(packed, scale, offset, bits, group_size, n, k, c
     return _dequantize(packed, scale, offset, bits, group_size, n, k, codes, code_offset)
 
 
+
+
+def _lowbit_linear_biased_fallback(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset, bf16_compute,
+                                   bias):
+    # As _lowbit_linear_fallback: the unbiased op (which loads the kernels or announces the reference), then the add.
+    return _lowbit_linear_fallback(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset,
+                                   torch.bfloat16 if bf16_compute else None) + bias
+
+
 _lib.impl("lowbit_linear", _lowbit_linear_fallback, "CompositeExplicitAutograd")
+_lib.impl("lowbit_linear_biased", _lowbit_linear_biased_fallback, "CompositeExplicitAutograd")
 _lib.impl("lowbit_linear_bf16_compute", functools.partial(_lowbit_linear_fallback, compute_dtype=torch.bfloat16),
           "CompositeExplicitAutograd")
 

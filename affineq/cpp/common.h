@@ -162,10 +162,13 @@ inline void store_tiles_by_row(const float* cbuf, int64_t tw, int64_t rows, int6
   for (int64_t m = 0; m < rows; ++m)
     for (int64_t c0 = 0; c0 < cols; c0 += tw) store(cbuf + (c0 / tw * rows + m) * tw, m, c0, std::min(tw, cols - c0));
 }
-// The same into a float32 y with row stride ldy.
-inline void store_tiles_f32(const float* cbuf, int64_t tw, int64_t rows, int64_t cols, float* y, int64_t ldy) {
+// The same into a float32 y with row stride ldy, plus bias[c] (LowbitProblem::bias at y's first column) if given.
+inline void store_tiles_f32(const float* cbuf, int64_t tw, int64_t rows, int64_t cols, float* y, int64_t ldy,
+                            const float* bias) {
   store_tiles_by_row(cbuf, tw, rows, cols, [&](const float* acc, int64_t m, int64_t c0, int64_t n) {
-    std::memcpy(y + m * ldy + c0, acc, sizeof(float) * n);
+    float* row = y + m * ldy + c0;
+    if (bias == nullptr) std::memcpy(row, acc, sizeof(float) * n);
+    else for (int64_t c = 0; c < n; ++c) row[c] = acc[c] + bias[c0 + c];
   });
 }
 

@@ -30,13 +30,6 @@ namespace affineq {
 namespace detail {
 namespace {
 
-// fp32 -> bf16 bits, round to nearest even; NaN -> 0x7FC0 (as c10::BFloat16 does, so the bits match torch's).
-AQ_INLINE uint16_t to_bf16(float f) {
-  const uint32_t b = std::bit_cast<uint32_t>(f);
-  if (std::isnan(f)) return 0x7FC0;
-  return static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
-}
-
 // a * b + c rounded once (as std::fma and the PyTorch route): the hardware FMA, or std::fma in the portable
 // build, whose plain a * b + c would round twice.
 AQ_INLINE F16 fma1(F16 a, F16 b, F16 c) {
@@ -51,7 +44,7 @@ AQ_INLINE F16 fma1(F16 a, F16 b, F16 c) {
 
 #if defined(__AVX2__) && !defined(AFFINEQ_FORCE_SCALAR)
 #define AQ_DQ_AVX2 1
-// 8 floats -> 8 bf16 (round to nearest even, NaN -> 0x7FC0), the same bits as to_bf16.
+// 8 floats -> 8 bf16 (round to nearest even, NaN -> 0x7FC0), the same bits as float_to_bf16.
 AQ_INLINE __m128i to_bf16x8(__m256 v) {
   const __m256i b = _mm256_castps_si256(v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
@@ -108,12 +101,12 @@ AQ_INLINE void store_unit(const float* tile, int rows, int cols, void* out, int6
   for (int j = 0; j < rows; ++j)
     for (int t = 0; t < cols; ++t) {
       const float v = tile[t * 16 + j];
-      if constexpr (kBf16) static_cast<uint16_t*>(out)[j * ldo + k0 + t] = to_bf16(v);
+      if constexpr (kBf16) static_cast<uint16_t*>(out)[j * ldo + k0 + t] = float_to_bf16(v);
       else static_cast<float*>(out)[j * ldo + k0 + t] = v;
     }
 }
 
-// v (16 rows of one column) -> out[0 .. rows) as fp32 or bf16 (the bits of to_bf16): the W^T layout's store,
+// v (16 rows of one column) -> out[0 .. rows) as fp32 or bf16 (the bits of float_to_bf16): the W^T layout's store,
 // contiguous, so no transpose.
 template <bool kBf16>
 AQ_INLINE void store_col(F16 v, int rows, void* out) {
@@ -131,10 +124,10 @@ AQ_INLINE void store_col(F16 v, int rows, void* out) {
     } else {
       alignas(64) float t[16];
       fstore(t, v);
-      for (int j = 0; j < rows; ++j) o[j] = to_bf16(t[j]);
+      for (int j = 0; j < rows; ++j) o[j] = float_to_bf16(t[j]);
     }
 #else
-    for (int j = 0; j < rows; ++j) static_cast<uint16_t*>(out)[j] = to_bf16(v.v[j]);
+    for (int j = 0; j < rows; ++j) static_cast<uint16_t*>(out)[j] = float_to_bf16(v.v[j]);
 #endif
   }
 }

@@ -111,6 +111,27 @@ int path_for(const LowbitProblem& p, int force_path) {
   return path;
 }
 
+// Whether `path` adds p.bias as it stores y (store_tiles_f32): the fp32 GEMMs, and the bf16 one into fp32 y.
+bool adds_bias(const LowbitProblem& p, int path) {
+  return path == 2 || path == 3 || (path == 4 && p.y_bf16 == nullptr && !p.y_bf16_values);
+}
+
+// y += bias for a path that does not add it itself: one pass over y, each value rounded to y's dtype (bf16 y:
+// widened, added in fp32, rounded to nearest even, as aten's add of two bf16 tensors).
+void add_bias(const LowbitProblem& p) {
+  at::parallel_for(0, p.m, grain_for(p.n), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      if (p.y_bf16 != nullptr) {
+        uint16_t* row = p.y_bf16 + m * p.ldy;
+        for (int64_t c = 0; c < p.n; ++c) row[c] = float_to_bf16(bf16_to_float(row[c]) + p.bias[c]);
+      } else {
+        float* row = p.y + m * p.ldy;
+        for (int64_t c = 0; c < p.n; ++c) row[c] += p.bias[c];
+      }
+    }
+  });
+}
+
 template <int B>
 void run(const Ctx& c, int force_path) {
   const int path = path_for(*c.p, force_path);
@@ -167,6 +188,7 @@ void lowbit_linear_f32(const LowbitProblem& p, int force_path) {
     throw std::logic_error("affineq: LowbitProblem::x_quant is set but the path is not 5 (check lowbit_path first)");
   const detail::Ctx c = detail::make_ctx(p);
   detail::with_width(p, [&](auto B) { detail::run<AQ_CV(B)>(c, force_path); });
+  if (p.bias != nullptr && p.m > 0 && !detail::adds_bias(p, detail::path_for(p, force_path))) detail::add_bias(p);
 }
 
 void lowbit_linear_multi_f32(const LowbitProblem* ps, int64_t count, int force_path) {
@@ -178,6 +200,8 @@ void lowbit_linear_multi_f32(const LowbitProblem* ps, int64_t count, int force_p
   std::vector<detail::Ctx> cs;
   for (int64_t i = 0; i < count; ++i) cs.push_back(detail::make_ctx(ps[i]));
   detail::with_width(ps[0], [&](auto B) { detail::gemv_path<AQ_CV(B)>(cs.data(), count); });
+  for (int64_t i = 0; i < count; ++i)
+    if (ps[i].bias != nullptr && ps[i].m > 0) detail::add_bias(ps[i]);
 }
 
 const char* kernel_isa() { return detail::kIsa; }

@@ -191,7 +191,7 @@ void bgemm_path(const Ctx& c) {
         }
         const int64_t y0 = mc0 * pr.ldy + r0;
         if (pr.y_bf16 == nullptr && !pr.y_bf16_values) {
-          store_tiles_f32(cbuf, TW, mc, rows, pr.y + y0, pr.ldy);
+          store_tiles_f32(cbuf, TW, mc, rows, pr.y + y0, pr.ldy, pr.bias ? pr.bias + r0 : nullptr);
         } else {
           store_tiles_by_row(cbuf, TW, mc, rows, [&](const float* cm, int64_t m, int64_t c0, int64_t n) {
             const int64_t yo = y0 + m * pr.ldy + c0;

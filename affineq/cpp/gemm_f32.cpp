@@ -125,7 +125,8 @@ void gemm_path(const Ctx& c) {
             }
           }
         }
-        store_tiles_f32(cbuf, TW, mc, rows, pr.y + mc0 * pr.ldy + r0, pr.ldy);
+        store_tiles_f32(cbuf, TW, mc, rows, pr.y + mc0 * pr.ldy + r0, pr.ldy,
+                        pr.bias ? pr.bias + r0 : nullptr);
       }
     }
   });

@@ -24,10 +24,10 @@ void check_bytes(const char* op, const char* name, const at::Tensor& t, at::Scal
                     t.numel(), " on ", t.device());
 }
 
-at::Tensor kquant_linear_cpu(const at::Tensor& x, const at::Tensor& qdata, const at::Tensor& scales,
-                             const std::optional<at::Tensor>& mins, const at::Tensor& d, int64_t kind, int64_t n,
-                             int64_t k) {
-  const char* op = "affineq::kquant_linear";
+at::Tensor kquant_impl(const at::Tensor& x, const at::Tensor& qdata, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& mins, const at::Tensor& d, int64_t kind, int64_t n, int64_t k,
+                       const std::optional<at::Tensor>& bias) {
+  const char* op = bias ? "affineq::kquant_linear_biased" : "affineq::kquant_linear";
   TORCH_CHECK_VALUE(!kernels_disabled(), op, ": the affineq C++ kernels are disabled");
   TORCH_CHECK_VALUE(kind >= 2 && kind <= 6, op, ": kind must be 2..6 (q2_k .. q6_k), got ", kind);
   TORCH_CHECK_VALUE(n >= 0 && k > 0 && k % detail::kSuperBlock == 0, op,
@@ -58,11 +58,28 @@ at::Tensor kquant_linear_cpu(const at::Tensor& x, const at::Tensor& qdata, const
   p.group_size = gs;
   p.n = n;
   p.k = k;
+  check_bias(op, x, bias, n);
   const at::AutoDispatchBelowADInplaceOrView below_autograd;  // an inference op: no derivative
-  return run_weight_problem(x.detach(), p, 0);
+  return run_weight_problem(x.detach(), p, 0, false, bias);
+}
+
+at::Tensor kquant_linear_cpu(const at::Tensor& x, const at::Tensor& qdata, const at::Tensor& scales,
+                             const std::optional<at::Tensor>& mins, const at::Tensor& d, int64_t kind, int64_t n,
+                             int64_t k) {
+  return kquant_impl(x, qdata, scales, mins, d, kind, n, k, std::nullopt);
+}
+
+// kquant_linear + bias (bias [n] in x's dtype) bit for bit, the bias added as the kernels store y.
+at::Tensor kquant_linear_biased_cpu(const at::Tensor& x, const at::Tensor& qdata, const at::Tensor& scales,
+                                    const std::optional<at::Tensor>& mins, const at::Tensor& d, int64_t kind,
+                                    int64_t n, int64_t k, const at::Tensor& bias) {
+  return kquant_impl(x, qdata, scales, mins, d, kind, n, k, bias);
 }
 
 }  // namespace
 }  // namespace affineq
 
-TORCH_LIBRARY_IMPL(affineq, CPU, m) { m.impl("kquant_linear", &affineq::kquant_linear_cpu); }
+TORCH_LIBRARY_IMPL(affineq, CPU, m) {
+  m.impl("kquant_linear", &affineq::kquant_linear_cpu);
+  m.impl("kquant_linear_biased", &affineq::kquant_linear_biased_cpu);
+}

@@ -67,6 +67,10 @@ struct LowbitProblem {
   // packs it (before x_quant's quantization), read instead of x_bf16 (which then only marks the input as bf16 for
   // the path choice): a float32 caller computing in bf16 without a bf16 copy of x.
   const float* x_round = nullptr;
+  // [n] fp32 or null: y = x @ W^T + bias, each value the product as y stores it plus bias[c], rounded to y's
+  // dtype (the values of a separate add after the op). Paths 2, 3 and 4 (fp32 y) add it as they store their
+  // tiles; the others in one pass over their y after it (dispatch.cpp, add_bias).
+  const float* bias = nullptr;
 };
 
 Int8XQuant int8_x_quant(const uint16_t* x, int64_t m, int64_t k, bool per_token, int mode, float eps);

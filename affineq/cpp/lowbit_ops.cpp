@@ -4,6 +4,7 @@
 // built; this file adds the CPU kernels and the autograd kernel (in C++: a Python autograd kernel would add
 // its overhead to every call, including no-grad inference; see benchmarks/README.md, kernel design
 // measurements).
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
@@ -16,6 +17,7 @@
 #include <cstdlib>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "lowbit_kernels.h"
@@ -39,6 +41,13 @@ bool allow_int16_x(at::ScalarType xt) {
   if (mode == "1" || mode == "always") return true;
   if (mode == "0" || mode == "never") return false;
   return xt != at::kFloat;  // "auto"
+}
+
+void check_bias(const char* op, const at::Tensor& x, const std::optional<at::Tensor>& bias, int64_t n) {
+  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == x.scalar_type() &&
+                        bias->device().is_cpu()),
+              op, ": bias must be a CPU tensor [n=", n, "] of x's dtype ", x.scalar_type(), ", got ",
+              bias->scalar_type(), " ", bias->sizes());
 }
 
 namespace {
@@ -122,15 +131,17 @@ void check_lowbit_linear(const at::Tensor& x, const at::Tensor& packed, const at
 at::Tensor lowbit_linear_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                               const std::optional<at::Tensor>& offset, int64_t bits, int64_t group_size, int64_t n,
                               int64_t k, int64_t codes, int64_t path, int64_t code_offset,
-                              std::optional<at::ScalarType> compute_dtype) {
+                              std::optional<at::ScalarType> compute_dtype,
+                              const std::optional<at::Tensor>& bias = std::nullopt) {
   const bool bf16_compute = compute_dtype.has_value();
   TORCH_CHECK(!bf16_compute || (*compute_dtype == at::kBFloat16 &&
                                 (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16)),
               "affineq::lowbit_linear: compute_dtype must be None or torch.bfloat16 with a float32 or bfloat16 x, "
               "got ", compute_dtype.value_or(at::kFloat), " with ", x.scalar_type());
   check_lowbit_linear(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset);
+  check_bias("affineq::lowbit_linear", x, bias, n);
   const WeightTensors w(packed, scale, offset, code_offset, bits, codes, group_size, n, k);
-  return run_weight_problem(x, w.p, path, bf16_compute);
+  return run_weight_problem(x, w.p, path, bf16_compute, bias);
 }
 
 }  // namespace
@@ -160,8 +171,29 @@ void set_weight(LowbitProblem& p, const void* packed, const void* scale, const v
   p.k = k;
 }
 
+// y (fp32 [M, n]) as x's dtype xt (bf16 or fp16) plus bias (fp32 [n]): each value rounded to xt, then the sum
+// rounded (as aten's add of two xt tensors), in one pass.
+at::Tensor to_dtype_plus_bias(const at::Tensor& y, at::ScalarType xt, const at::Tensor& b32) {
+  at::Tensor out = at::empty(y.sizes(), y.options().dtype(xt));
+  const int64_t M = y.size(0), n = y.size(1);
+  const float* src = y.const_data_ptr<float>();
+  const float* b = b32.const_data_ptr<float>();
+  const auto run = [&](auto* dst) {
+    using T = std::remove_pointer_t<decltype(dst)>;
+    at::parallel_for(0, M, std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(1, n)),
+                     [&](int64_t m0, int64_t m1) {
+                       for (int64_t m = m0; m < m1; ++m)
+                         for (int64_t c = 0; c < n; ++c)
+                           dst[m * n + c] = static_cast<T>(static_cast<float>(static_cast<T>(src[m * n + c])) + b[c]);
+                     });
+  };
+  if (xt == at::kBFloat16) run(out.mutable_data_ptr<at::BFloat16>());
+  else run(out.mutable_data_ptr<at::Half>());
+  return out;
+}
+
 at::Tensor run_weight_problems(const at::Tensor& x, std::vector<LowbitProblem> ps, int64_t path,
-                               bool bf16_compute = false) {
+                               bool bf16_compute = false, const std::optional<at::Tensor>& bias = std::nullopt) {
   const int64_t k = ps[0].k;
   int64_t n = 0;
   for (const LowbitProblem& p : ps) n += p.n;
@@ -171,6 +203,7 @@ at::Tensor run_weight_problems(const at::Tensor& x, std::vector<LowbitProblem> p
   // float32 x computed in bf16: the bf16 paths read x rounded (one bf16 copy) and write y's bf16 values widened
   // (no bf16 copy of y); any other path runs bf16 x as the caller's x.to(bf16) would, y widened after.
   const bool round_x = bf16_compute && xt == at::kFloat;
+  const at::Tensor b32 = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();  // bf16 / fp16 values exact
   const int64_t K8 = (k + 7) / 8 * 8;
   static const uint16_t dummy = 0;
   bool path5_rounds = false;  // path 5 rounds float32 x's rows itself as it packs them (no bf16 copy of x)
@@ -179,8 +212,10 @@ at::Tensor run_weight_problems(const at::Tensor& x, std::vector<LowbitProblem> p
     probe.m = M;
     probe.x_bf16 = &dummy;
     probe.allow_int16_x = allow_int16_x(at::kBFloat16);
-    if (!lowbit_bf16_io(probe, static_cast<int>(path)))
-      return run_weight_problems(x.to(at::kBFloat16), std::move(ps), path).to(at::kFloat);
+    if (!lowbit_bf16_io(probe, static_cast<int>(path))) {
+      at::Tensor y = run_weight_problems(x.to(at::kBFloat16), std::move(ps), path).to(at::kFloat);
+      return bias ? y.add_(b32) : y;
+    }
     path5_rounds = K8 == k && x2.is_contiguous() && lowbit_path(probe, static_cast<int>(path)) == 5;
   }
   // A few rows of bf16 x that a path reads as fp32 (one row on the digits GEMV: decode) are widened here, and y
@@ -216,10 +251,14 @@ at::Tensor run_weight_problems(const at::Tensor& x, std::vector<LowbitProblem> p
   const bool y_bf16 = bf16_path && !round_x;
   const at::Tensor xf = bf16_path ? at::Tensor() : padded(at::kFloat);
   at::Tensor y = at::empty({M, n}, x2.options().dtype(y_bf16 ? at::kBFloat16 : at::kFloat));
+  // The kernels add the bias where y is stored in x's dtype; an fp32 y for bf16 / fp16 x gets it as it is
+  // converted below (after its rounding to x's dtype, as the separate add would see it).
+  const bool kernel_bias = bias && (xt == at::kFloat || y_bf16);
   if (M > 0 && n > 0) {
     int64_t col = 0;  // each problem writes its columns of y
     for (LowbitProblem& p : ps) {
       p.x = xf.defined() ? xf.const_data_ptr<float>() : nullptr;
+      p.bias = kernel_bias ? b32.const_data_ptr<float>() + col : nullptr;
       p.y_bf16_values = round_x;
       if (y_bf16) p.y_bf16 = reinterpret_cast<uint16_t*>(y.mutable_data_ptr()) + col;
       else p.y = y.mutable_data_ptr<float>() + col;
@@ -230,18 +269,20 @@ at::Tensor run_weight_problems(const at::Tensor& x, std::vector<LowbitProblem> p
   }
   std::vector<int64_t> out_sizes = x.sizes().vec();
   out_sizes.back() = n;
-  if (small_bf16 && !y_bf16 && M * n <= (int64_t{1} << 16)) {  // y's fp32 sums rounded as y.to(bf16) rounds them
+  if (small_bf16 && !y_bf16 && !bias && M * n <= (int64_t{1} << 16)) {  // y's sums rounded as y.to(bf16) does
     at::Tensor yb = at::empty({M, n}, y.options().dtype(at::kBFloat16));
     const float* src = y.const_data_ptr<float>();
     auto* dst = yb.mutable_data_ptr<at::BFloat16>();
     for (int64_t i = 0; i < M * n; ++i) dst[i] = static_cast<at::BFloat16>(src[i]);
     return yb.view(out_sizes);
   }
+  if (bias && !kernel_bias) return to_dtype_plus_bias(y, xt, b32).view(out_sizes);
   return y.to(xt).view(out_sizes);
 }
 
-at::Tensor run_weight_problem(const at::Tensor& x, LowbitProblem p, int64_t path, bool bf16_compute) {
-  return run_weight_problems(x, {p}, path, bf16_compute);
+at::Tensor run_weight_problem(const at::Tensor& x, LowbitProblem p, int64_t path, bool bf16_compute,
+                              const std::optional<at::Tensor>& bias) {
+  return run_weight_problems(x, {p}, path, bf16_compute, bias);
 }
 
 namespace {
@@ -447,6 +488,24 @@ class LowbitLinearFunction : public torch::autograd::Function<LowbitLinearFuncti
   }
 };
 
+// affineq::lowbit_linear_biased: lowbit_linear (bf16_compute: lowbit_linear_bf16_compute) + bias, bit for bit,
+// with bias [n] in x's dtype added as the kernels store y (run_weight_problem): no separate pass over y. An
+// inference op: the route that takes it (linear_kernels.py) keeps the add outside while autograd records.
+at::Tensor lowbit_linear_biased_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                                    const std::optional<at::Tensor>& offset, int64_t bits, int64_t group_size,
+                                    int64_t n, int64_t k, int64_t codes, int64_t code_offset, bool bf16_compute,
+                                    const at::Tensor& bias) {
+  const char* op = "affineq::lowbit_linear_biased";
+  TORCH_CHECK(!bf16_compute || x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
+              ": x must be float32 or bfloat16 with bf16_compute (it is computed in bfloat16), got ", x.scalar_type());
+  TORCH_CHECK(!((x.requires_grad() || bias.requires_grad()) && at::GradMode::is_enabled()), op,
+              ": an inference op (no derivative): for a gradient call affineq::lowbit_linear and add the bias");
+  check_bias(op, x, bias, n);
+  const at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return lowbit_linear_impl(x, packed, scale, offset, bits, group_size, n, k, codes, 0, code_offset,
+                            bf16_compute ? std::optional<at::ScalarType>(at::kBFloat16) : std::nullopt, bias);
+}
+
 at::Tensor lowbit_linear_autograd(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                                   const std::optional<at::Tensor>& offset, int64_t bits, int64_t group_size,
                                   int64_t n, int64_t k, int64_t codes, int64_t code_offset) {
@@ -497,10 +556,7 @@ at::Tensor int8_codes_impl(const at::Tensor& x, const at::Tensor& packed, const 
   TORCH_CHECK(Int8CodesGemm::supported(p), op, ": this build or weight is not one the kernel reads (AVX512-VNNI "
               "and VBMI builds; fp32 / bf16 / fp16 qparams, n % 16 == 0, group_size % 8 == 0); use "
               "affineq::lowbit_linear");
-  // The bias in y's dtype (x's), added as y is stored: the values of a separate add after the op.
-  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == x.scalar_type() &&
-                        bias->device().is_cpu()),
-              op, ": bias must be a CPU tensor [n=", n, "] of x's dtype ", x.scalar_type());
+  check_bias(op, x, bias, n);  // in y's dtype (x's), added as y is stored: the values of a separate add after the op
   if (x.size(0) < min_rows) {  // the fused GEMV on the fake-quantized x: the same product, faster at few rows
     at::Tensor y = int8_act_impl(x, packed, scale, offset, bits, group_size, n, k, kCodesUint, code_offset, per_token,
                                  mode, eps, bf16_compute);
@@ -559,6 +615,7 @@ std::string isa() { return kernel_isa(); }
 TORCH_LIBRARY_IMPL(affineq, CPU, m) {
   m.impl("lowbit_linear", &affineq::lowbit_linear_cpu);
   m.impl("lowbit_linear_bf16_compute", &affineq::lowbit_linear_bf16_compute_cpu);
+  m.impl("lowbit_linear_biased", &affineq::lowbit_linear_biased_cpu);
   m.impl("lowbit_linear_multi", &affineq::lowbit_linear_multi_cpu);
   m.impl("lowbit_dequantize", &affineq::lowbit_dequantize_cpu);
   m.impl("int8_fake_quant", &affineq::int8_fake_quant_cpu);
@@ -578,7 +635,8 @@ TORCH_LIBRARY(affineq_cpp, m) {
   m.def("set_disabled(bool flag) -> ()", &affineq::set_disabled);
   m.def("isa() -> str", &affineq::isa);
   m.def("lowbit_linear_path(Tensor x, Tensor packed, Tensor scale, Tensor? offset, int bits, int group_size, "
-        "int n, int k, int codes, int path, int code_offset=0, ScalarType? compute_dtype=None) -> Tensor",
+        "int n, int k, int codes, int path, int code_offset=0, ScalarType? compute_dtype=None, Tensor? bias=None) "
+        "-> Tensor",
         &affineq::lowbit_linear_impl);
   m.def("lowbit_path_for(Tensor x, int group_size, int codes, int path, int bits=8, int n=16) -> int",
         &affineq::lowbit_path_for);

@@ -38,10 +38,16 @@ struct WeightTensors {
                 int64_t code_offset, int64_t bits, int64_t codes, int64_t group_size, int64_t n, int64_t k);
 };
 
+// bias [n] of x's dtype on the CPU, or None (a clear error naming `op` otherwise).
+void check_bias(const char* op, const at::Tensor& x, const std::optional<at::Tensor>& bias, int64_t n);
+
 // The weight-only kernels (lowbit_linear_f32) on x [..., k] (float32 / bfloat16 / float16, CPU) for the weight
 // problem p (its x / y fields unset): x is padded to whole 8-column units; returns [..., n] in x's dtype. `path`
 // is lowbit_linear_f32's force_path. bf16_compute with float32 x: the values of x.to(bf16) run, then .to(float32),
-// where the bf16 paths read the rounded x and write the widened y themselves.
-at::Tensor run_weight_problem(const at::Tensor& x, LowbitProblem p, int64_t path, bool bf16_compute = false);
+// where the bf16 paths read the rounded x and write the widened y themselves. bias [n] (x's dtype, checked by the
+// caller): the result + bias, bit for bit a separate add after the op (added as the kernels store y where they
+// can, LowbitProblem::bias; otherwise in the pass that converts y to x's dtype).
+at::Tensor run_weight_problem(const at::Tensor& x, LowbitProblem p, int64_t path, bool bf16_compute = false,
+                              const std::optional<at::Tensor>& bias = std::nullopt);
 
 }  // namespace affineq

@@ -99,6 +99,14 @@ AQ_INLINE float bf16_to_float(uint16_t b) {
   std::memcpy(&f, &bits, sizeof(f));
   return f;
 }
+// fp32 -> bf16 bits as torch rounds (c10::BFloat16): to nearest even, every NaN as 0x7FC0. A select, not a
+// branch, so that loops over it vectorize.
+AQ_INLINE uint16_t float_to_bf16(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof(b));
+  const auto r = static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+  return f != f ? uint16_t{0x7FC0} : r;
+}
 AQ_INLINE float f16_to_float(uint16_t h) {
 #if defined(__F16C__)
   return _cvtsh_ss(h);

@@ -67,13 +67,28 @@ _lib.define("kquant_linear(Tensor x, Tensor qdata, Tensor scales, Tensor? mins, 
             " -> Tensor")
 
 
+# kquant_linear + bias (bias [N] in x.dtype) bit for bit, the bias added as the kernels store y. Inference only.
+_lib.define("kquant_linear_biased(Tensor x, Tensor qdata, Tensor scales, Tensor? mins, Tensor d, int kind, int n,"
+            " int k, Tensor bias) -> Tensor")
+
+
 @torch.library.register_fake("affineq::kquant_linear", lib=_lib)
 def _kquant_linear_fake(x, qdata, scales, mins, d, kind, n, k):
     return x.new_empty((*x.shape[:-1], n))
 
 
-# The PyTorch impl runs only while no C++ CPU kernel is registered (the library unavailable).
+@torch.library.register_fake("affineq::kquant_linear_biased", lib=_lib)
+def _kquant_linear_biased_fake(x, qdata, scales, mins, d, kind, n, k, bias):
+    return x.new_empty((*x.shape[:-1], n))
+
+
+def _kquant_linear_biased_reference(x, qdata, scales, mins, d, kind, n, k, bias):
+    return kquant_linear_reference(x, qdata, scales, mins, d, kind, n, k) + bias
+
+
+# The PyTorch impls run only while no C++ CPU kernel is registered (the library unavailable).
 _lib.impl("kquant_linear", kquant_linear_reference, "CompositeExplicitAutograd")
+_lib.impl("kquant_linear_biased", _kquant_linear_biased_reference, "CompositeExplicitAutograd")
 
 
 def kquant_linear_check(x: torch.Tensor, w) -> str | None:
@@ -93,6 +108,8 @@ def kquant_linear_check(x: torch.Tensor, w) -> str | None:
 
 def kquant_linear_run(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     n, k = w.spec.shape
-    out = torch.ops.affineq.kquant_linear(x, w._qdata, w._scales, getattr(w, "_mins", None), w._d,
-                                          kind_of(w.spec.fmt), n, k)
+    args = (x, w._qdata, w._scales, getattr(w, "_mins", None), w._d, kind_of(w.spec.fmt), n, k)
+    if bias is not None and bias.dtype == x.dtype and not (torch.is_grad_enabled() and bias.requires_grad):
+        return torch.ops.affineq.kquant_linear_biased(*args, bias)  # added as y is stored, no pass of its own
+    out = torch.ops.affineq.kquant_linear(*args)
     return out if bias is None else out + bias

@@ -192,9 +192,13 @@ def _lowbit_run(x, w, bias):
         # 8da4w-style: the activation is fake-quantized (per token, or with static qparams); the weight
         # product stays exact.
         x = fake_quantize_activation(x, aq, w)
+    args = (x, packed, scale, offset, bits, group_size, n, k, codes, code_offset)
+    if bias is not None and bias.dtype == x.dtype and not (
+            torch.is_grad_enabled() and (x.requires_grad or bias.requires_grad)):
+        # added as y is stored (the values of the add after the op), not in a pass of its own
+        return ops.lowbit_linear_biased(*args, rounded, bias)
     # float32 x computing in bf16: the op rounds x and widens y itself (weight-only: `rounding_kernel_may_quantize`)
-    op = ops.lowbit_linear_bf16_compute if rounded else ops.lowbit_linear
-    out = op(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset)
+    out = (ops.lowbit_linear_bf16_compute if rounded else ops.lowbit_linear)(*args)
     return out if bias is None else out + bias
 
 
