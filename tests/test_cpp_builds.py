@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 # The tests of the C++ ops (each against its reference numerics), run on the other builds as well.
 KERNEL_TESTS = [f"tests/test_{name}.py" for name in ("cpp_kernels", "gemv_fp32_x", "cpp_float_codes", "kquant",
-                                                      "grouped_kernel", "kv_attention_kernel")]
+                                                      "grouped_kernel", "kv_attention_kernel", "lowbit_bias")]
 
 
 # Each build the machine can run, beside the native one the other tests use: the scalar build (a CPU without
