@@ -10,7 +10,9 @@ Rows: float32 and bfloat16 (the float paths; "best float" is the faster of the t
   rounded to bf16 inside each quantized linear, then quantized there by the W8A8 configs; every other op stays
   float32);
 - `bf16 model`: the model cast to bfloat16 first, then quantized (every activation bf16).
-W8A8 configs (int8 dynamic, 8da4w) also get a `fp32 model` row: float32 activations quantized exactly.
+W8A8 configs (int8 dynamic, 8da4w) also get a `fp32 model` row: float32 activations quantized exactly; so do the
+weight-only configs where bf16 has no hardware GEMM (`native_bf16_gemm()` false: AVX2-only CPUs), whose best float
+path is float32 (the exact fp32 kernels; elsewhere they are slower than bf16, which the two rows above use).
 Accuracy next to speed: SmolLM2 mean KL divergence of the prefill's next-token distributions against the float32
 model, MiniLM cosine of the sentence embeddings against float32. Writes results/bench_prefill.json.
 """
@@ -34,7 +36,7 @@ from common import machine_line, round_robin_ms, save_json, table  # noqa: E402
 from affineq import models as M  # noqa: E402
 from affineq import quantize_, record_kernels  # noqa: E402
 from affineq.demo import CONFIGS  # noqa: E402
-from affineq.tensor.compute_bound import cpu_kind  # noqa: E402
+from affineq.tensor.compute_bound import cpu_kind, native_bf16_gemm  # noqa: E402
 
 WEIGHT_ONLY = ["int8", "int4-g64", "int4-g128", "int4-g32", "fp8", "fp6-g32", "mxfp6", "fp4-g32", "mxfp4"]
 W8A8 = ["int8-dyn", "8da4w"]
@@ -46,6 +48,8 @@ def _variants(model_name: str) -> dict[str, tuple[str, str]]:
             "torch.ao-int8-dyn": ("torch.ao-int8-dyn", "fp32")}
     wo = [c for c in WEIGHT_ONLY if not (model_name == "smollm2" and c == "int4-g128")]  # 128 does not divide 576
     for c in wo:
+        if not native_bf16_gemm():
+            rows[f"{c} (fp32 model)"] = (c, "fp32")
         rows[f"{c} (fp32 model, compute bf16)"] = (c, "fp32-bf16c")
         rows[f"{c} (bf16 model)"] = (c, "bf16")
     for c in W8A8:

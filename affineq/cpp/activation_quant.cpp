@@ -14,7 +14,7 @@
 #include <c10/util/BFloat16.h>
 
 #include "lowbit_kernels.h"
-#include "simd.h"  // AQ_AVX512
+#include "simd.h"  // AQ_AVX512, AQ_AVX2
 
 namespace affineq {
 namespace {
@@ -69,6 +69,28 @@ AQ_INLINE void store16(uint16_t* p, __m512 v, [[maybe_unused]] bool normal) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), detail::bf16_bits_exact(v));
 }
 #endif
+#if AQ_AVX2
+// The AVX2 loops' loads and stores (8 values), the same values as value_of and store_one.
+AQ_INLINE __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+AQ_INLINE __m256 load8(const uint16_t* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+// The bf16 bits of 8 floats as torch rounds them (nearest even, subnormals kept, every NaN as 0x7FC0), in the
+// low half of each 32-bit lane.
+AQ_INLINE __m256i bf16_bits8(__m256 v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+AQ_INLINE void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+AQ_INLINE void store8(uint16_t* p, __m256 v) {
+  const __m256i r = bf16_bits8(v);  // lanes <= 0xFFFF: the unsigned pack keeps them
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+#endif
 inline void store_one(float* p, float v) { *p = v; }
 inline void store_one(uint16_t* p, float v) { *p = c10::BFloat16(v).x; }
 
@@ -108,6 +130,34 @@ Qp qparams(const T* x, int64_t n, int mode, float eps) {
     // not a chain of 32 dependent scalar steps (which cost more than the loop at k = 576).
     lo = _mm512_reduce_min_ps(_mm512_min_ps(_mm512_min_ps(vlo[0], vlo[1]), _mm512_min_ps(vlo[2], vlo[3])));
     hi = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(vhi[0], vhi[1]), _mm512_max_ps(vhi[2], vhi[3])));
+  }
+#elif AQ_AVX2
+  if (n >= 8) {  // the same loop with 8 lanes (float x or bf16 x; RoundedF32 x takes the scalar loop)
+    if constexpr (!std::is_same_v<T, RoundedF32>) {
+      __m256 vlo[4], vhi[4];
+      for (int j = 0; j < 4; ++j) {
+        vlo[j] = _mm256_set1_ps(lo);
+        vhi[j] = _mm256_set1_ps(hi);
+      }
+      for (; i0 + 32 <= n; i0 += 32)
+        for (int j = 0; j < 4; ++j) {
+          const __m256 v = load8(x + i0 + 8 * j);
+          vlo[j] = _mm256_min_ps(v, vlo[j]);
+          vhi[j] = _mm256_max_ps(v, vhi[j]);
+        }
+      for (; i0 + 8 <= n; i0 += 8) {
+        const __m256 v = load8(x + i0);
+        vlo[0] = _mm256_min_ps(v, vlo[0]);
+        vhi[0] = _mm256_max_ps(v, vhi[0]);
+      }
+      alignas(32) float l8[8], h8[8];
+      _mm256_store_ps(l8, _mm256_min_ps(_mm256_min_ps(vlo[0], vlo[1]), _mm256_min_ps(vlo[2], vlo[3])));
+      _mm256_store_ps(h8, _mm256_max_ps(_mm256_max_ps(vhi[0], vhi[1]), _mm256_max_ps(vhi[2], vhi[3])));
+      for (int j = 0; j < 8; ++j) {
+        lo = std::min(lo, l8[j]);
+        hi = std::max(hi, h8[j]);
+      }
+    }
   }
 #endif
   for (int64_t i = i0; i < n; ++i) {
@@ -189,6 +239,21 @@ void fake_quant_row(const T* x, int64_t n, Qp q, float out_max, O* y) {
     row(std::true_type{}, std::false_type{});
   else
     row(std::false_type{}, std::false_type{});
+#elif AQ_AVX2
+  if constexpr (!std::is_same_v<T, RoundedF32>) {  // the AVX-512 loop's steps with 8 lanes
+    const __m256 vinv = _mm256_set1_ps(inv), vs = _mm256_set1_ps(q.scale);
+    const __m256 vlo = _mm256_set1_ps(-128.f - q.zp), vhi = _mm256_set1_ps(127.f - q.zp);
+    const __m256 vmax = _mm256_set1_ps(out_max), vmin = _mm256_set1_ps(-out_max);
+    const bool bounded = 255.f * q.scale <= out_max;
+    for (; i0 + 8 <= n; i0 += 8) {
+      const __m256 r =
+          _mm256_round_ps(_mm256_mul_ps(load8(x + i0), vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m256 c = _mm256_add_ps(_mm256_min_ps(vhi, _mm256_max_ps(vlo, r)), _mm256_setzero_ps());
+      __m256 v = _mm256_mul_ps(c, vs);
+      if (!bounded) v = _mm256_min_ps(vmax, _mm256_max_ps(vmin, v));
+      store8(y + i0, v);
+    }
+  }
 #endif
   for (int64_t i = i0; i < n; ++i) {
     const float code = code_of(value_of(x[i]), inv, q.zp);
