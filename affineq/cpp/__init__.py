@@ -538,8 +538,6 @@ def _lowbit_dequantize_fallback(packed, scale, offset, bits, group_size, n, k, c
     return _dequantize(packed, scale, offset, bits, group_size, n, k, codes, code_offset)
 
 
-
-
 def _lowbit_linear_biased_fallback(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset, bf16_compute,
                                    bias):
     # As _lowbit_linear_fallback: the unbiased op (which loads the kernels or announces the reference), then the add.

@@ -76,19 +76,9 @@ AQ_INLINE __m256 load8(const uint16_t* p) {
   const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
-// The bf16 bits of 8 floats as torch rounds them (nearest even, subnormals kept, every NaN as 0x7FC0), in the
-// low half of each 32-bit lane.
-AQ_INLINE __m256i bf16_bits8(__m256 v) {
-  const __m256i b = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
-}
 AQ_INLINE void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 AQ_INLINE void store8(uint16_t* p, __m256 v) {
-  const __m256i r = bf16_bits8(v);  // lanes <= 0xFFFF: the unsigned pack keeps them
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), detail::to_bf16x8(v));  // torch's rounding, subnormals kept
 }
 #endif
 inline void store_one(float* p, float v) { *p = v; }

@@ -44,16 +44,6 @@ AQ_INLINE F16 fma1(F16 a, F16 b, F16 c) {
 
 #if defined(__AVX2__) && !defined(AFFINEQ_FORCE_SCALAR)
 #define AQ_DQ_AVX2 1
-// 8 floats -> 8 bf16 (round to nearest even, NaN -> 0x7FC0), the same bits as float_to_bf16.
-AQ_INLINE __m128i to_bf16x8(__m256 v) {
-  const __m256i b = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
-  const __m256i packed = _mm256_packus_epi32(r, r);  // [0-3 0-3 | 4-7 4-7] (values fit 16 bits: no saturation)
-  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
-}
 
 // r[i] = column i of the 8x8 block whose rows are a[0..7] (in place).
 AQ_INLINE void transpose8(__m256* a) {

@@ -99,6 +99,18 @@ AQ_INLINE float bf16_to_float(uint16_t b) {
   std::memcpy(&f, &bits, sizeof(f));
   return f;
 }
+#if defined(__AVX2__) && !defined(AFFINEQ_FORCE_SCALAR)
+// 8 floats -> 8 bf16 (round to nearest even, subnormals kept, NaN -> 0x7FC0), the same bits as float_to_bf16.
+AQ_INLINE __m128i to_bf16x8(__m256 v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+  const __m256i packed = _mm256_packus_epi32(r, r);  // [0-3 0-3 | 4-7 4-7] (values fit 16 bits: no saturation)
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+}
+#endif
 // fp32 -> bf16 bits as torch rounds (c10::BFloat16): to nearest even, every NaN as 0x7FC0. A select, not a
 // branch, so that loops over it vectorize.
 AQ_INLINE uint16_t float_to_bf16(float f) {
