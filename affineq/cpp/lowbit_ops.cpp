@@ -171,20 +171,23 @@ void set_weight(LowbitProblem& p, const void* packed, const void* scale, const v
   p.k = k;
 }
 
-// y (fp32 [M, n]) as x's dtype xt (bf16 or fp16) plus bias (fp32 [n]): each value rounded to xt, then the sum
-// rounded (as aten's add of two xt tensors), in one pass.
-at::Tensor to_dtype_plus_bias(const at::Tensor& y, at::ScalarType xt, const at::Tensor& b32) {
+// y (fp32 [M, n]) as x's dtype xt (bf16 or fp16), each value rounded as y.to(xt) rounds it, then, if b32 (fp32
+// [n]) is defined, plus its bias with the sum rounded (as aten's add of two xt tensors): one pass, by loops (aten's
+// cast costs microseconds, a 576-wide layer's whole GEMV), in threads only for large y.
+at::Tensor to_dtype(const at::Tensor& y, at::ScalarType xt, const at::Tensor& b32) {
   at::Tensor out = at::empty(y.sizes(), y.options().dtype(xt));
   const int64_t M = y.size(0), n = y.size(1);
   const float* src = y.const_data_ptr<float>();
-  const float* b = b32.const_data_ptr<float>();
+  const float* b = b32.defined() ? b32.const_data_ptr<float>() : nullptr;
   const auto run = [&](auto* dst) {
     using T = std::remove_pointer_t<decltype(dst)>;
-    at::parallel_for(0, M, std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(1, n)),
+    at::parallel_for(0, M, std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, n)),
                      [&](int64_t m0, int64_t m1) {
                        for (int64_t m = m0; m < m1; ++m)
-                         for (int64_t c = 0; c < n; ++c)
-                           dst[m * n + c] = static_cast<T>(static_cast<float>(static_cast<T>(src[m * n + c])) + b[c]);
+                         for (int64_t c = 0; c < n; ++c) {
+                           const T v = static_cast<T>(src[m * n + c]);
+                           dst[m * n + c] = b != nullptr ? static_cast<T>(static_cast<float>(v) + b[c]) : v;
+                         }
                      });
   };
   if (xt == at::kBFloat16) run(out.mutable_data_ptr<at::BFloat16>());
@@ -269,14 +272,8 @@ at::Tensor run_weight_problems(const at::Tensor& x, std::vector<LowbitProblem> p
   }
   std::vector<int64_t> out_sizes = x.sizes().vec();
   out_sizes.back() = n;
-  if (small_bf16 && !y_bf16 && !bias && M * n <= (int64_t{1} << 16)) {  // y's sums rounded as y.to(bf16) does
-    at::Tensor yb = at::empty({M, n}, y.options().dtype(at::kBFloat16));
-    const float* src = y.const_data_ptr<float>();
-    auto* dst = yb.mutable_data_ptr<at::BFloat16>();
-    for (int64_t i = 0; i < M * n; ++i) dst[i] = static_cast<at::BFloat16>(src[i]);
-    return yb.view(out_sizes);
-  }
-  if (bias && !kernel_bias) return to_dtype_plus_bias(y, xt, b32).view(out_sizes);
+  if (bias && !kernel_bias) return to_dtype(y, xt, b32).view(out_sizes);  // fp32 y, bf16 / fp16 x
+  if (small_bf16 && !y_bf16 && M * n <= (int64_t{1} << 16)) return to_dtype(y, xt, at::Tensor()).view(out_sizes);
   return y.to(xt).view(out_sizes);
 }
 
