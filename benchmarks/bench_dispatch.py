@@ -6,7 +6,7 @@
 With --compare, each round runs this tree and OLD_TREE (a checkout of another affineq commit) in separate
 processes one after the other, `--rounds` times, and the table shows the median of the per-round medians of
 each and their ratio, so both see the same machine state. Shapes: SmolLM2's 576x576 (dispatch-bound at M=1)
-and 4096x4096 (bandwidth-bound). Writes benchmarks/results/bench_dispatch.json.
+and 4096x4096 (bandwidth-bound). Writes benchmarks/results/bench_dispatch.json (`--out NAME`: NAME.json).
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ def main() -> None:
     ap.add_argument("--compare", type=Path, help="another affineq tree to alternate with")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=60)
+    ap.add_argument("--out", default="bench_dispatch", help="results/<out>.json")
     args = ap.parse_args()
     import torch
     from common import machine_line  # noqa: E402
@@ -94,7 +95,7 @@ def main() -> None:
         if args.compare:
             line += f" {med['other'][k]:>9.1f} {med['this'][k] / med['other'][k]:>10.3f}x"
         print(line)
-    out = HERE / "results" / "bench_dispatch.json"
+    out = HERE / "results" / f"{args.out}.json"
     out.write_text(json.dumps({"machine": machine_line(), "torch": torch.__version__, "rounds": args.rounds,
                                "medians_us": med, "compare": str(args.compare) if args.compare else None},
                               indent=1))

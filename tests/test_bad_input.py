@@ -434,6 +434,10 @@ CASES = [
                  id="register-kernel-formats-str"),
     pytest.param(lambda: affineq.kernels.register_linear_kernel("mine", ("dense",), None, lambda x, w, b: x),
                  TypeError, r"register_linear_kernel\('mine'\): check must be callable", id="register-kernel-check"),
+    pytest.param(lambda: affineq.kernels.register_linear_kernel("mine", ("dense",), lambda x, w: None,
+                                                                lambda x, w, b: x, bind="spec"),
+                 TypeError, r"register_linear_kernel\('mine'\): bind must be callable, got 'spec'",
+                 id="register-kernel-bind"),
     pytest.param(lambda: affineq.kernels.select_linear_kernel(torch.randn(2, 64), torch.randn(32, 64)), TypeError,
                  r"w an AffineQuantizedTensor, got Tensor and Tensor", id="select-kernel-plain-weight"),
     # strict mode

@@ -140,6 +140,21 @@ def test_module_call_makes_no_bf16_copies_unless_autograd_needs_them():
     assert xg.grad is not None and xg.grad.dtype == torch.float32
 
 
+def test_one_weight_alternating_float32_and_bf16_inputs_keeps_each_its_runner():
+    # Eager F.linear caches the kernel choice and the kernel's bound runner per (weight, dtype chosen for, input
+    # dtype, ...): float32 x on a bf16-compute weight is chosen for bf16 but runs the op that rounds x, bf16 x the
+    # plain op (y rounded to bf16 before the float32 bias is added), and neither may get the other's runner
+    # whichever comes first.
+    for first in (torch.float32, BF16):
+        fast, plain = _pair("int4-g32")
+        x = torch.randn(3, 96)
+        want = {torch.float32: F.linear(x.to(BF16), plain.weight).float() + plain.bias, BF16: plain(x.to(BF16))}
+        with torch.no_grad():
+            for dtype in (first, BF16 if first is torch.float32 else torch.float32) * 2:
+                y = fast(x.to(dtype))
+                assert y.dtype == want[dtype].dtype and torch.equal(y, want[dtype]), (first, dtype)
+
+
 def test_bf16_input_is_unchanged_and_3d_inputs_keep_their_shape():
     fast, plain = _pair("int4-g32")
     x = torch.randn(2, 5, 96)

@@ -443,3 +443,37 @@ def test_model_deepcopy_keeps_act_tensors():
     lin.weight = nn.Parameter(qwp, requires_grad=False)
     other = copy.deepcopy(lin)
     assert torch.equal(other.weight.act_tensors["act_pre_scale"], qwp.act_tensors["act_pre_scale"])
+
+
+def test_a_registered_kernel_binds_once_per_weight_and_input_dtype():
+    # `bind(spec, dtype)` runs when the kernel is chosen (once per weight, input dtype and bucket of M: cached with
+    # the choice) and its runner on every eager call; `run` itself is not called where `bind` is given.
+    from affineq.tensor.kernel_registry import LINEAR_KERNELS, clear_selection_cache
+
+    binds, calls = [], []
+
+    def bind(spec, dtype):
+        binds.append((spec.shape, dtype))
+
+        def run(x, w, bias):
+            calls.append(x.dtype)
+            return F.linear(x, w.dequantize(x.dtype), bias)
+
+        return run
+
+    affineq.kernels.register_linear_kernel("test.bound", ("plain",), lambda x, w: None,
+                                           lambda x, w, b: pytest.fail("bind's runner runs, not run"), bind=bind)
+    LINEAR_KERNELS.insert(0, LINEAR_KERNELS.pop())  # tried first
+    try:
+        lin = quantize_(nn.Linear(64, 32, bias=False), Int8WeightOnlyConfig(packing_format="plain"))
+        x = torch.randn(3, 64)
+        with torch.no_grad(), record_kernels() as used:
+            for dtype in (torch.float32, torch.float32, torch.bfloat16, torch.bfloat16):
+                y = lin(x.to(dtype))
+                want = F.linear(x.to(dtype), lin.weight.dequantize(dtype))
+                assert y.dtype == dtype and torch.equal(y, want)
+        assert binds == [((32, 64), torch.float32), ((32, 64), torch.bfloat16)]
+        assert calls == [torch.float32] * 2 + [torch.bfloat16] * 2 and used == ["test.bound"] * 4
+    finally:
+        LINEAR_KERNELS[:] = [k for k in LINEAR_KERNELS if k.name != "test.bound"]
+        clear_selection_cache()

@@ -34,7 +34,12 @@ _FLOAT_MAX = {d: torch.finfo(d).max for d in (torch.float32, torch.bfloat16, tor
 
 def computes_in_other_dtype(x: torch.Tensor, w) -> bool:
     """True when the weight's spec asks float32 inputs to compute in its `compute_dtype` (bf16)."""
-    return w.spec.compute_dtype is not None and x.dtype == torch.float32
+    return spec_computes_in_other_dtype(w.spec, x.dtype)
+
+
+def spec_computes_in_other_dtype(spec, dtype: torch.dtype) -> bool:
+    """`computes_in_other_dtype` for weights of `spec` and inputs of `dtype`."""
+    return spec.compute_dtype is not None and dtype == torch.float32
 
 
 def prepare_input(x: torch.Tensor, w) -> torch.Tensor:

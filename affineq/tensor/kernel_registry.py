@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -23,18 +24,19 @@ from affineq import compile_cache
 from affineq import cpp as _cpp
 from affineq.tensor import fallback
 from affineq.tensor.activation import (
-    computes_in_other_dtype,
     fake_quantize_activation,
     finish_output,
     fused_int8_mode,
     prepare_input,
     reduce_input_ranges,
     rounding_kernel_may_quantize,
+    spec_computes_in_other_dtype,
 )
 from affineq.tensor.dispatch import check_frozen, guard_frozen_output
 
 Check = Callable[[torch.Tensor, "torch.Tensor"], str | None]
 Run = Callable[[torch.Tensor, "torch.Tensor", torch.Tensor | None], torch.Tensor]
+Bind = Callable[[Any, torch.dtype], Run]
 
 
 @dataclass(frozen=True)
@@ -46,55 +48,70 @@ class LinearKernel:
     #: run also takes float32 x for a weight with a `compute_dtype` and returns, in float32, exactly its result
     #: for x.to(compute_dtype) (reading x rounded and writing y widened itself: no copies of x and y around it)
     rounds_input: bool = False
+    #: bind(spec, dtype): `run` for weights of `spec` and inputs of `dtype`, with what it derives from those two
+    #: computed once (eager F.linear pays it per selection, not per call); None: `run` itself
+    bind: Bind | None = None
+
+    def runner(self, spec, dtype: torch.dtype) -> Run:
+        """`run`, or `bind(spec, dtype)`: the same results."""
+        return self.run if self.bind is None else self.bind(spec, dtype)
 
 
 LINEAR_KERNELS: list[LinearKernel] = []
 
 
 def register_linear_kernel(name: str, formats: tuple[str, ...], check: Check, run: Run,
-                           rounds_input: bool = False) -> None:
-    """Append a kernel; earlier registrations win when several preconditions hold."""
+                           rounds_input: bool = False, bind: Bind | None = None) -> None:
+    """Append a kernel; earlier registrations win when several preconditions hold. `check(x, w)` returns None or
+    the reason it cannot run; `run(x, w, bias)` computes F.linear; `rounds_input`: see `LinearKernel`;
+    `bind(spec, dtype)`, optional, returns a `run` for weights of `spec` and inputs of `dtype` (what it derives
+    from them computed once: eager calls cache it with the kernel choice)."""
     if not isinstance(name, str) or not name:
         raise TypeError(f"register_linear_kernel: name must be a non-empty str, got {name!r}")
     if isinstance(formats, str) or not isinstance(formats, (tuple, list)) or not formats \
             or not all(isinstance(f, str) for f in formats):
         raise TypeError(f"register_linear_kernel({name!r}): formats must be a tuple of packing format names, e.g. "
                         f"('dense',), got {formats!r}")
-    for arg, fn in (("check", check), ("run", run)):
+    for arg, fn in (("check", check), ("run", run), ("bind", run if bind is None else bind)):
         if not callable(fn):
             raise TypeError(f"register_linear_kernel({name!r}): {arg} must be callable, got {fn!r}")
     if any(k.name == name for k in LINEAR_KERNELS):
         raise ValueError(f"a linear kernel named {name!r} is already registered")
-    LINEAR_KERNELS.append(LinearKernel(name, tuple(formats), check, run, rounds_input))
+    LINEAR_KERNELS.append(LinearKernel(name, tuple(formats), check, run, rounds_input, bind))
     _selected.clear()
 
 
-# (id(spec), device type, input dtype, C++ kernels available, rows bucket) -> (spec, kernel, reasons). The
-# preconditions read only these (M only against power-of-two thresholds, `compute_bound.MIN_ROWS`), so eager
-# F.linear pays the selection once per weight and bucket of M, not per call.
+# (id(spec), device type, dtype chosen for, input dtype, C++ kernels available, rows bucket) -> (spec, kernel,
+# reasons, run). The preconditions read only these (M only against power-of-two thresholds,
+# `compute_bound.MIN_ROWS`), so eager F.linear pays the selection, and the kernel's `bind`, once per weight and
+# bucket of M, not per call.
 # Keyed by identity (hashing a spec costs as much as selecting); the entry holds the spec, so its id stays unique.
 _selected: dict[tuple, tuple] = {}
 
 
-def _select_cached(x: torch.Tensor, w, dtype: torch.dtype | None = None) -> tuple[LinearKernel | None, list[str]]:
-    """select_linear_kernel(x, w), cached; dtype: the choice for x.to(dtype) (without converting x)."""
-    dtype = x.dtype if dtype is None else dtype
-
-    def probe() -> torch.Tensor:  # x as the checks see it: they read only dtype and shape
-        return x if dtype == x.dtype else x.new_empty(x.shape, dtype=dtype)
-
+def _select_cached(x: torch.Tensor, w, dtype: torch.dtype | None = None) -> tuple[LinearKernel | None, list[str],
+                                                                                  Run | None]:
+    """(kernel, reasons) of select_linear_kernel(x, w), cached, and the kernel's runner for w.spec and x's dtype;
+    dtype: the choice for x.to(dtype) (without converting x: the `rounds_input` kernels take x as it is)."""
+    x_dtype = x.dtype
     if torch.compiler.is_compiling():  # traced once anyway; keep dynamo away from the dict
         compile_cache.refresh_while_tracing()  # the graph's cache key reads the state this choice reads
-        return select_linear_kernel(probe(), w)
+        return _select(x, w, x_dtype if dtype is None else dtype)
     spec = w.spec
     # `x.is_cpu` first: x.device builds a torch.device per call (this runs on every eager linear call)
-    key = (id(spec), "cpu" if x.is_cpu else x.device.type, dtype, _cpp.is_available(), rows_bucket(x))
+    key = (id(spec), "cpu" if x.is_cpu else x.device.type, dtype, x_dtype, _cpp.is_available(), rows_bucket(x))
     hit = _selected.get(key)
     if hit is None or hit[0] is not spec:
         if len(_selected) > 4096:
             _selected.clear()
-        hit = _selected[key] = (spec, *select_linear_kernel(probe(), w))
-    return hit[1], hit[2]
+        hit = _selected[key] = (spec, *_select(x, w, x_dtype if dtype is None else dtype))
+    return hit[1], hit[2], hit[3]
+
+
+def _select(x: torch.Tensor, w, dtype: torch.dtype) -> tuple[LinearKernel | None, list[str], Run | None]:
+    probe = x if dtype == x.dtype else x.new_empty(x.shape, dtype=dtype)  # the checks read only dtype and shape
+    kernel, reasons = select_linear_kernel(probe, w)
+    return kernel, reasons, None if kernel is None else kernel.runner(w.spec, x.dtype)
 
 
 def clear_selection_cache() -> None:
@@ -105,7 +122,8 @@ def clear_selection_cache() -> None:
 def rows_bucket(x: torch.Tensor) -> int:
     """The power-of-two bucket of x's row count M (floor(log2(M)) + 1, 0 for M = 0): every M of one bucket
     passes or fails the same power-of-two row threshold."""
-    cols = x.shape[-1] if x.dim() else 1
+    shape = x.shape
+    cols = shape[-1] if shape else 1
     return (x.numel() // cols if cols else 0).bit_length()
 
 
@@ -135,51 +153,53 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
 
 def _linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     check_frozen(w)
-    shape = w.spec.logical_shape  # not w.shape: a property read on the subclass re-enters __torch_function__
-    if x.dim() == 0 or x.shape[-1] != shape[-1]:
+    spec = w.spec
+    shape = spec.logical_shape  # not w.shape: a property read on the subclass re-enters __torch_function__
+    x_shape, dtype = x.shape, x.dtype
+    if not x_shape or x_shape[-1] != shape[-1]:
         raise RuntimeError(
             f"linear: input of shape {tuple(x.shape)} cannot be multiplied by the quantized weight of shape "
             f"{shape}: the input's last dim must be in_features={shape[-1]}; pass an input of shape "
             f"[..., {shape[-1]}]"
         )
-    if bias is not None and len(shape) == 2 and tuple(bias.shape) != (shape[0],):
+    if bias is not None and len(shape) == 2 and bias.shape != shape[:1]:
         raise RuntimeError(f"linear: bias of shape {tuple(bias.shape)} does not fit the quantized weight of shape "
                            f"{shape}: pass a bias of shape ({shape[0]},) (out_features) or None")
-    if not x.dtype.is_floating_point:  # dequantizing to an integer dtype would truncate every weight to 0 / +-1
-        raise TypeError(f"linear: the input of a quantized weight must be floating point, got {x.dtype}; pass "
+    if not dtype.is_floating_point:  # dequantizing to an integer dtype would truncate every weight to 0 / +-1
+        raise TypeError(f"linear: the input of a quantized weight must be floating point, got {dtype}; pass "
                         f"x.float() (or x.bfloat16() / x.half())")
-    if computes_in_other_dtype(x, w):  # float32 x, bf16 compute: x rounded once, the bf16 result widened
-        kernel = _rounding_kernel(x, w)
+    if spec_computes_in_other_dtype(spec, dtype):  # float32 x, bf16 compute: x rounded once, the bf16 result widened
+        kernel, run = _rounding_kernel(x, w)
         if kernel is not None:  # it rounds x and widens y itself
             fallback.record(kernel.name)
-            return kernel.run(x, w, bias)
+            return run(x, w, bias)
         out = _linear(x.to(w.spec.compute_dtype), w, None).to(x.dtype)
         return out if bias is None else out + bias
     x, w = reduce_input_ranges(prepare_input(x, w), w)
     if w.spec.transposed:
-        kernel, reasons = None, ["the weight is a transposed view; kernels read the stored [N, K] layout"]
+        kernel, reasons, run = None, ["the weight is a transposed view; kernels read the stored [N, K] layout"], None
     else:
-        kernel, reasons = _select_cached(x, w)
+        kernel, reasons, run = _select_cached(x, w)
     if kernel is not None:
         fallback.record(kernel.name)
         if x.requires_grad and torch.is_grad_enabled():
             out = _KernelLinear.apply(x, w, kernel.name)
             return finish_output(out if bias is None else out + bias, w)
-        return finish_output(kernel.run(x, w, bias), w)
+        return finish_output(run(x, w, bias), w)
     fallback.announce_fallback(w.spec.fmt, "; ".join(reasons))
     return finish_output(dequantize_linear(x, w, bias), w)
 
 
-def _rounding_kernel(x: torch.Tensor, w) -> LinearKernel | None:
+def _rounding_kernel(x: torch.Tensor, w) -> tuple[LinearKernel | None, Run | None]:
     """The kernel x.to(w.spec.compute_dtype) selects, where it takes the float32 x itself (`rounds_input`) and
     nothing else touches x or y in the compute dtype: no activation tensors, no activation quantization but the
     kernel's own (`rounding_kernel_may_quantize`), no autograd, not traced (a graph fuses the casts into its
     neighbours)."""
     if (torch.compiler.is_compiling() or (x.requires_grad and torch.is_grad_enabled()) or w.spec.transposed
             or "act_pre_scale" in w._names or "act_out_scale" in w._names or not rounding_kernel_may_quantize(w)):
-        return None
-    kernel = _select_cached(x, w, w.spec.compute_dtype)[0]
-    return kernel if kernel is not None and kernel.rounds_input else None
+        return None, None
+    kernel, _, run = _select_cached(x, w, w.spec.compute_dtype)
+    return (kernel, run) if kernel is not None and kernel.rounds_input else (None, None)
 
 
 class _KernelLinear(torch.autograd.Function):

@@ -35,6 +35,7 @@ from affineq.tensor.activation import (
     is_symmetric_int8,
     kernel_output,
     quantize_float_activation,
+    spec_computes_in_other_dtype,
     static_qparams,
 )
 from affineq.tensor.compute_bound import (
@@ -173,36 +174,54 @@ register_linear_kernel("affineq.int8_codes_linear", ("dense",), int8_codes_check
 register_linear_kernel("affineq.dequant_linear", ("dense",), dequant_linear_check, dequant_linear_run)
 
 
-def _lowbit_run(x, w, bias):
-    spec = w.spec
+def _lowbit_bind(spec: QuantSpec, dtype: torch.dtype) -> Run:
+    """`_lowbit_run` for weights of `spec` and inputs of `dtype`: the op and the arguments the spec fixes, chosen
+    once."""
     n, k = spec.shape
-    packed, scale, offset, bits, group_size, codes, code_offset = lowbit_weight_args(w)
+    bits, group_size, codes = spec.target.bits, spec.block_size[1], _cpp.codes_kind(spec.target)
+    code_offsets = (dense_code_offset(spec, False), dense_code_offset(spec, True))  # [whether an offset tensor]
     ops = torch.ops.affineq
     aq = spec.act_quant
     mode = None if aq is None else fused_int8_mode(aq)
-    rounded = computes_in_other_dtype(x, w)  # float32 x computing in bf16 (`rounds_input`)
-    if mode is not None and (rounded or x.dtype == torch.bfloat16):
+    rounded = spec_computes_in_other_dtype(spec, dtype)  # float32 x computing in bf16 (`rounds_input`)
+    if mode is not None and (rounded or dtype == torch.bfloat16):
         # 8da4w-style with bf16 x (or float32 x rounded to bf16 by the op): one op quantizes x and multiplies
         # (inside the AMX GEMM's packing where it runs)
-        op = ops.lowbit_linear_int8_act_bf16_compute if rounded else ops.lowbit_linear_int8_act
-        out = op(x, packed, scale, offset, bits, group_size, n, k, codes, code_offset, aq.per_token, mode,
-                 act_eps(x, aq))
-        return out if bias is None else out + bias
-    if aq is not None:
-        # 8da4w-style: the activation is fake-quantized (per token, or with static qparams); the weight
-        # product stays exact.
-        x = fake_quantize_activation(x, aq, w)
-    args = (x, packed, scale, offset, bits, group_size, n, k, codes, code_offset)
-    if bias is not None and bias.dtype == x.dtype and not (
-            torch.is_grad_enabled() and (x.requires_grad or bias.requires_grad)):
-        # added as y is stored (the values of the add after the op), not in a pass of its own
-        return ops.lowbit_linear_biased(*args, rounded, bias)
+        act_op = ops.lowbit_linear_int8_act_bf16_compute if rounded else ops.lowbit_linear_int8_act
+
+        def run_int8_act(x, w, bias):
+            offset = getattr(w, "_offset", None)
+            out = act_op(x, w._qdata, w._scale, offset, bits, group_size, n, k, codes, code_offsets[offset is not None],
+                         aq.per_token, mode, act_eps(x, aq))
+            return out if bias is None else out + bias
+
+        return run_int8_act
     # float32 x computing in bf16: the op rounds x and widens y itself (weight-only: `rounding_kernel_may_quantize`)
-    out = (ops.lowbit_linear_bf16_compute if rounded else ops.lowbit_linear)(*args)
-    return out if bias is None else out + bias
+    op = ops.lowbit_linear_bf16_compute if rounded else ops.lowbit_linear
+
+    def run(x, w, bias):
+        if aq is not None:
+            # 8da4w-style: the activation is fake-quantized (per token, or with static qparams); the weight
+            # product stays exact.
+            x = fake_quantize_activation(x, aq, w)
+        offset = getattr(w, "_offset", None)
+        args = (x, w._qdata, w._scale, offset, bits, group_size, n, k, codes, code_offsets[offset is not None])
+        if bias is not None and bias.dtype == x.dtype and not (
+                torch.is_grad_enabled() and (x.requires_grad or bias.requires_grad)):
+            # added as y is stored (the values of the add after the op), not in a pass of its own
+            return ops.lowbit_linear_biased(*args, rounded, bias)
+        out = op(*args)
+        return out if bias is None else out + bias
+
+    return run
 
 
-register_linear_kernel("affineq.lowbit_linear", ("dense",), _lowbit_check, _lowbit_run, rounds_input=True)
+def _lowbit_run(x, w, bias):
+    return _lowbit_bind(w.spec, x.dtype)(x, w, bias)
+
+
+register_linear_kernel("affineq.lowbit_linear", ("dense",), _lowbit_check, _lowbit_run, rounds_input=True,
+                       bind=_lowbit_bind)
 register_linear_kernel("affineq.kquant_linear", ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k"), kquant_linear_check,
                        kquant_linear_run)
 
