@@ -110,14 +110,34 @@ AQ_INLINE void reduce16(const float* m, int n, float* out) {
   const __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
   const __m512 d = _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xDD));
   _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << n) - 1u), d);
+#elif AQ_AVX2
+  // Per 8 rows: each row's two halves added, then a transposing tree of vhaddps (rows 0-3 and 4-7 summed over
+  // their 128-bit lanes), the two lanes added: 17 ops for 8 sums (a horizontal sum per row takes ~7).
+  for (int g = 0; g < 2 && 8 * g < n; ++g) {
+    __m256 a[8];
+    for (int i = 0; i < 8; ++i)
+      a[i] = _mm256_add_ps(_mm256_load_ps(m + 16 * (8 * g + i)), _mm256_load_ps(m + 16 * (8 * g + i) + 8));
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    const __m256 d = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+    const int w = std::min(8, n - 8 * g);
+    if (w == 8) {
+      _mm256_storeu_ps(out + 8 * g, d);
+    } else {
+      alignas(32) float t[8];
+      _mm256_store_ps(t, d);
+      std::copy_n(t, w, out + 8 * g);
+    }
+  }
 #else
   for (int i = 0; i < n; ++i) out[i] = detail::fhsum(detail::fload(m + 16 * i));
 #endif
 }
 
-// s[i] = exp(s[i] - mx) for i < n; returns their sum. AVX-512: range reduction by ln 2 and a degree-7 Taylor
-// polynomial (relative error ~1e-7, a few fp32 ulps), 2^k applied by vscalefps (underflow to 0, no overflow:
-// s - mx <= 0); elsewhere std::exp. NaN stays NaN.
+// s[i] = exp(s[i] - mx) for i < n; returns their sum. AVX-512 and AVX2: range reduction by ln 2 and a degree-7
+// Taylor polynomial (relative error ~1e-7, a few fp32 ulps), then 2^k (underflow to 0, no overflow: s - mx <= 0):
+// by vscalefps, or on AVX2 as two exact power-of-two factors 2^(k + 64) * 2^-64, the second rounding once where
+// the result is subnormal, as vscalefps does (the same values); elsewhere std::exp. NaN stays NaN.
 float exp_shifted(float* s, int64_t n, float mx) {
   int64_t i = 0;
   float sum = 0.f;
@@ -139,6 +159,34 @@ float exp_shifted(float* s, int64_t n, float mx) {
     acc = _mm512_mask_add_ps(acc, k, acc, e);
   }
   sum = _mm512_reduce_add_ps(acc);
+#elif AQ_AVX2
+  const __m256 lo = _mm256_set1_ps(-120.f), m = _mm256_set1_ps(mx), tiny = _mm256_set1_ps(0x1p-64f);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 acc = _mm256_setzero_ps();
+  for (; i < n; i += 8) {
+    const bool whole = n - i >= 8;  // vmaskmovps only on the tail: Zen 1 microcodes its store
+    const __m256i k = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(n - i, 8))), lane);
+    // -inf -> -120; NaN stays (vmaxps returns its second operand when either is NaN)
+    const __m256 x = _mm256_max_ps(lo, _mm256_sub_ps(whole ? _mm256_loadu_ps(s + i) : _mm256_maskload_ps(s + i, k), m));
+    const __m256 kf = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(kf, _mm256_set1_ps(0.693145751953125f), x);  // ln 2 = hi + lo, hi * k exact
+    r = _mm256_fnmadd_ps(kf, _mm256_set1_ps(1.42860682030941723212e-6f), r);
+    __m256 p = _mm256_set1_ps(1.f / 5040);
+    for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
+      p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+    // 2^(k + 64) is a normal float for k >= -173 (x >= -120)
+    const __m256i e2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(kf), _mm256_set1_epi32(127 + 64)), 23);
+    const __m256 e = _mm256_mul_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e2)), tiny);
+    if (whole) {
+      _mm256_storeu_ps(s + i, e);
+      acc = _mm256_add_ps(acc, e);
+    } else {
+      _mm256_maskstore_ps(s + i, k, e);
+      acc = _mm256_add_ps(acc, _mm256_and_ps(e, _mm256_castsi256_ps(k)));
+    }
+  }
+  sum = detail::fhsum(F16{acc, _mm256_setzero_ps()});
 #else
   for (; i < n; ++i) sum += (s[i] = std::exp(s[i] - mx));
 #endif
@@ -325,6 +373,9 @@ const float* Side::scales(int64_t t, int64_t nt, detail::Scratch& buf) const {
 #if AQ_AVX512
   for (; i + 16 <= nt * words; i += 16)
     _mm512_storeu_ps(f + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + i))));
+#elif AQ_AVX2 && defined(__F16C__)
+  for (; i + 8 <= nt * words; i += 8)
+    _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
 #endif
   for (; i < nt * words; ++i) f[i] = float(h[i]);
   return f;
