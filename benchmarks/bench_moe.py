@@ -11,7 +11,8 @@ The layer, for tokens x [T, H] routed to k experts each (ids [T, k], routing wei
 gate_up [E, 2I, H] (gate rows first) and down [E, H, I], random weights and random routings (fixed seed); the
 router's own matmul is left out (the same float op for every candidate). Each candidate cycles through
 --routings different routings, so successive calls read different experts, as a decode step through a real model
-does (48 layers x 8 experts never stay in cache). Activations are bf16 in every candidate.
+does (48 layers x 8 experts never stay in cache). Activations are bf16 in every candidate, and also float32 where
+bf16 has no hardware GEMM (`native_bf16_gemm()` false: AVX2-only CPUs, whose best float path is float32).
 
 Candidates (timed round-robin, medians; compare ratios):
   bf16-loop        per routed expert, F.linear of its rows with bf16 weights (transformers' eager experts loop,
@@ -20,10 +21,13 @@ Candidates (timed round-robin, medians; compare ratios):
   int4-g32/g128    int4, bf16 scale and zero per group (Int4WeightOnlyConfig, packing_format="dense")
   int8             int8 per output channel, fp32 qparams (Int8WeightOnlyConfig, packing_format="dense")
   mxfp4            fp4 e2m1 codes, one e8m0 scale per 32 (MXWeightOnlyConfig; gpt-oss's expert format)
+  fp32-loop, ... (fp32 x)  without a hardware bf16 GEMM: the float loop with float32 weights, and each quantized
+                   config on float32 activations
 
-Columns: ms; "x bf16" = best bf16 ms / ms; "MB/tok" = bytes of the routed experts' weights (codes and qparams;
-each routed expert once) per token; "GB/s" = those bytes / time; "% bw" = of the read bandwidth measured here
-(common.memory_bandwidth_gbs). Writes results/bench_moe.json (--quick: bench_moe_quick.json).
+Columns: ms; "x float" = the best float candidate's ms / ms; "MB/tok" = bytes of the routed experts' weights
+(codes and qparams; each routed expert once) per token; "GB/s" = those bytes / time; "% bw" = of the read
+bandwidth measured here (common.memory_bandwidth_gbs). Writes results/bench_moe.json (--quick:
+bench_moe_quick.json; --out NAME: NAME.json).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from affineq.configs import (  # noqa: E402
     MXWeightOnlyConfig,  # noqa: E402
 )
 from affineq.tensor.affine import AffineQuantizedTensor  # noqa: E402
+from affineq.tensor.compute_bound import native_bf16_gemm  # noqa: E402
 from affineq.tensor.grouped import grouped_linear  # noqa: E402
 
 CONFIGS = {
@@ -162,6 +167,7 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=1.0, help="seconds per candidate per row")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--quick", action="store_true", help="smoke run: a small layer, short timings")
+    ap.add_argument("--out", default=None, help="results/<out>.json (default bench_moe, --quick bench_moe_quick)")
     args = ap.parse_args()
     if args.quick:
         args.experts, args.hidden, args.width, args.routings, args.budget = 16, 256, 128, 4, 0.05
@@ -178,32 +184,41 @@ def main() -> None:
                                           torch.randn(E, H, inter, generator=gen, dtype=torch.bfloat16) * 0.02)}
     for name, cfg in CONFIGS.items():
         weights[name] = (expert_weight(cfg, E, 2 * inter, H, gen), expert_weight(cfg, E, H, inter, gen))
-    cands: dict[str, tuple[Callable, str]] = {"bf16-loop": (moe_loop, "bf16")}
+    # candidate -> (layer function, weights, activation dtype)
+    cands: dict[str, tuple[Callable, str, torch.dtype]] = {"bf16-loop": (moe_loop, "bf16", torch.bfloat16)}
     if grouped_mm_works():
-        cands["bf16-grouped_mm"] = (moe_grouped_mm, "bf16")
+        cands["bf16-grouped_mm"] = (moe_grouped_mm, "bf16", torch.bfloat16)
     for name in CONFIGS:
-        cands[name] = (moe_grouped, name)
+        cands[name] = (moe_grouped, name, torch.bfloat16)
+    if not native_bf16_gemm():  # the best float path is float32 here: the float loop and quantized rows on fp32 x
+        weights["fp32"] = tuple(w.float() for w in weights["bf16"])
+        cands["fp32-loop"] = (moe_loop, "fp32", torch.float32)
+        for name in CONFIGS:
+            cands[f"{name} (fp32 x)"] = (moe_grouped, name, torch.float32)
+    floats = [c for c, (_, w, _) in cands.items() if w in ("bf16", "fp32")]
     rows = []
     for t in (int(v) for v in args.tokens.split(",")):
         routes = routings(args.routings, t, E, topk, gen)
-        x = (torch.randn(t, H, generator=gen)).bfloat16()
-        ref = moe_loop(x, *routes[0], *weights["bf16"])
+        x = torch.randn(t, H, generator=gen)
+        ref = moe_loop(x.bfloat16(), *routes[0], *weights["bf16"])
         # the float paths compute the same layer (bf16 rounding apart)
-        for fn in (moe_grouped, *((moe_grouped_mm,) if "bf16-grouped_mm" in cands else ())):
-            torch.testing.assert_close(fn(x, *routes[0], *weights["bf16"]), ref, rtol=0.05, atol=0.02)
-        fns = {c: cycling(fn, x, routes, *weights[w]) for c, (fn, w) in cands.items()}
+        for c in floats:
+            fn, w, dtype = cands[c]
+            torch.testing.assert_close(fn(x.to(dtype), *routes[0], *weights[w]).to(ref.dtype), ref, rtol=0.05,
+                                       atol=0.02)
+        fns = {c: cycling(fn, x.to(dtype), routes, *weights[w]) for c, (fn, w, dtype) in cands.items()}
         ms = round_robin_ms(fns, budget_s=args.budget, min_runs=5, max_runs=2000)
-        best = min(ms[c] for c, (_, w) in cands.items() if w == "bf16")
+        best = min(ms[c] for c in floats)
         # experts read per call: each routed expert once, averaged over the routings
         routed = sum(len(torch.unique(ids)) for ids, _ in routes) / len(routes)
-        for c, (_, w) in cands.items():
+        for c, (_, w, _) in cands.items():
             per_expert = nbytes(weights[w][0]) + nbytes(weights[w][1])
             read = routed * per_expert
-            rows.append({"T": t, "candidate": c, "ms": round(ms[c], 3), "x bf16": round(best / ms[c], 2),
+            rows.append({"T": t, "candidate": c, "ms": round(ms[c], 3), "x float": round(best / ms[c], 2),
                          "MB/tok": round(read / t / 1e6, 2), "GB/s": round(read / (ms[c] * 1e-3) / 1e9, 1),
                          "% bw": round(100 * read / (ms[c] * 1e-3) / 1e9 / bw, 1)})
-    print(table(rows, ["T", "candidate", "ms", "x bf16", "MB/tok", "GB/s", "% bw"]))
-    path = save_json("bench_moe_quick" if args.quick else "bench_moe",
+    print(table(rows, ["T", "candidate", "ms", "x float", "MB/tok", "GB/s", "% bw"]))
+    path = save_json(args.out or ("bench_moe_quick" if args.quick else "bench_moe"),
                      {"machine_line": machine_line(), "read_bandwidth_gbs": round(bw, 1),
                       "layer": {"experts": E, "topk": topk, "hidden": H, "width": inter, "routings": args.routings},
                       "rows": rows})
