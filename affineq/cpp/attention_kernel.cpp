@@ -134,6 +134,31 @@ AQ_INLINE void reduce16(const float* m, int n, float* out) {
 #endif
 }
 
+#if AQ_AVX512 || AQ_AVX2
+// exp_shifted's polynomial on one vector V (__m512 or __m256, this build's): exp(x) = p * 2^kf with
+// kf = round(x / ln 2) and p the degree-7 Taylor polynomial of r = x - kf ln 2 (ln 2 = hi + lo, hi * kf exact).
+#if AQ_AVX512
+using VExp = __m512;
+AQ_INLINE VExp vset(float c) { return _mm512_set1_ps(c); }
+AQ_INLINE VExp vround(VExp v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+AQ_INLINE VExp vfma(VExp a, VExp b, VExp c) { return _mm512_fmadd_ps(a, b, c); }
+AQ_INLINE VExp vfnma(VExp a, VExp b, VExp c) { return _mm512_fnmadd_ps(a, b, c); }
+#else
+using VExp = __m256;
+AQ_INLINE VExp vset(float c) { return _mm256_set1_ps(c); }
+AQ_INLINE VExp vround(VExp v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+AQ_INLINE VExp vfma(VExp a, VExp b, VExp c) { return _mm256_fmadd_ps(a, b, c); }
+AQ_INLINE VExp vfnma(VExp a, VExp b, VExp c) { return _mm256_fnmadd_ps(a, b, c); }
+#endif
+AQ_INLINE VExp exp_poly(VExp x, VExp& kf) {
+  kf = vround(x * vset(1.44269504088896341f));
+  const VExp r = vfnma(kf, vset(1.42860682030941723212e-6f), vfnma(kf, vset(0.693145751953125f), x));
+  VExp p = vset(1.f / 5040);
+  for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = vfma(p, r, vset(c));
+  return p;
+}
+#endif
+
 // s[i] = exp(s[i] - mx) for i < n; returns their sum. AVX-512 and AVX2: range reduction by ln 2 and a degree-7
 // Taylor polynomial (relative error ~1e-7, a few fp32 ulps), then 2^k (underflow to 0, no overflow: s - mx <= 0):
 // by vscalefps, or on AVX2 as two exact power-of-two factors 2^(k + 64) * 2^-64, the second rounding once where
@@ -147,14 +172,8 @@ float exp_shifted(float* s, int64_t n, float mx) {
   for (; i < n; i += 16) {
     const __mmask16 k = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1u);
     const __m512 x = _mm512_max_ps(lo, _mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), m));  // -inf -> -120
-    const __m512 kf = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(kf, _mm512_set1_ps(0.693145751953125f), x);  // ln 2 = hi + lo, hi * k exact
-    r = _mm512_fnmadd_ps(kf, _mm512_set1_ps(1.42860682030941723212e-6f), r);
-    __m512 p = _mm512_set1_ps(1.f / 5040);
-    for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
-      p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-    const __m512 e = _mm512_scalef_ps(p, kf);
+    __m512 kf;
+    const __m512 e = _mm512_scalef_ps(exp_poly(x, kf), kf);
     _mm512_mask_storeu_ps(s + i, k, e);
     acc = _mm512_mask_add_ps(acc, k, acc, e);
   }
@@ -167,14 +186,10 @@ float exp_shifted(float* s, int64_t n, float mx) {
     const bool whole = n - i >= 8;  // vmaskmovps only on the tail: Zen 1 microcodes its store
     const __m256i k = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(n - i, 8))), lane);
     // -inf -> -120; NaN stays (vmaxps returns its second operand when either is NaN)
-    const __m256 x = _mm256_max_ps(lo, _mm256_sub_ps(whole ? _mm256_loadu_ps(s + i) : _mm256_maskload_ps(s + i, k), m));
-    const __m256 kf = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(kf, _mm256_set1_ps(0.693145751953125f), x);  // ln 2 = hi + lo, hi * k exact
-    r = _mm256_fnmadd_ps(kf, _mm256_set1_ps(1.42860682030941723212e-6f), r);
-    __m256 p = _mm256_set1_ps(1.f / 5040);
-    for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
-      p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+    const __m256 x = _mm256_max_ps(lo, _mm256_sub_ps(whole ? _mm256_loadu_ps(s + i) : _mm256_maskload_ps(s + i, k),
+                                                     m));
+    __m256 kf;
+    const __m256 p = exp_poly(x, kf);
     // 2^(k + 64) is a normal float for k >= -173 (x >= -120)
     const __m256i e2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(kf), _mm256_set1_epi32(127 + 64)), 23);
     const __m256 e = _mm256_mul_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e2)), tiny);
