@@ -105,10 +105,14 @@ def _lowbit_check(x, w):
 def lowbit_weight_args(w) -> tuple:
     """(packed, scale, offset, bits, group_size, codes, code_offset) of a `dense` weight, as the affineq C++
     ops take them (e8m0 scales: exponent bytes, no offset tensor, see formats.Dense)."""
-    spec = w.spec
     offset = getattr(w, "_offset", None)
-    return (w._qdata, w._scale, offset, spec.target.bits, spec.block_size[1], _cpp.codes_kind(spec.target),
-            dense_code_offset(spec, offset is not None))
+    return (w._qdata, w._scale, offset, *_lowbit_spec_args(w.spec, offset is not None))
+
+
+def _lowbit_spec_args(spec: QuantSpec, has_offset: bool) -> tuple[int, int, int, int]:
+    """(bits, group_size, codes, code_offset) of `lowbit_weight_args`: what the spec decides."""
+    return (spec.target.bits, spec.block_size[1], _cpp.codes_kind(spec.target),
+            dense_code_offset(spec, has_offset))
 
 
 # -- kernel: affineq::int8_codes_linear (our C++), dense 8-bit weight x dynamic int8 activation ----------------
@@ -178,8 +182,8 @@ def _lowbit_bind(spec: QuantSpec, dtype: torch.dtype) -> Run:
     """`_lowbit_run` for weights of `spec` and inputs of `dtype`: the op and the arguments the spec fixes, chosen
     once."""
     n, k = spec.shape
-    bits, group_size, codes = spec.target.bits, spec.block_size[1], _cpp.codes_kind(spec.target)
-    code_offsets = (dense_code_offset(spec, False), dense_code_offset(spec, True))  # [whether an offset tensor]
+    bits, group_size, codes, _ = _lowbit_spec_args(spec, False)
+    code_offsets = tuple(_lowbit_spec_args(spec, o)[3] for o in (False, True))  # [whether an offset tensor]
     ops = torch.ops.affineq
     aq = spec.act_quant
     mode = None if aq is None else fused_int8_mode(aq)
